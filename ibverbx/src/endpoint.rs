@@ -1,0 +1,62 @@
+//! The serialisable description of a QP that its peer needs to connect.
+
+use std::net::SocketAddr;
+
+use serde::{Deserialize, Serialize};
+
+use crate::device::Gid;
+
+/// What a peer needs to move its QP to RTR against this one. Serialise it
+/// (serde) and send it through whatever out-of-band channel the application
+/// has; it holds no secret beyond the soft provider's connection token, which
+/// only admits a connection to this QP.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct QpEndpoint {
+    /// QP number.
+    pub qpn: u32,
+    /// Initial PSN the peer should expect.
+    pub psn: u32,
+    /// Port LID (InfiniBand; 0 on RoCE and soft).
+    pub lid: u16,
+    /// GID of the port (RoCE / routed InfiniBand).
+    pub gid: Gid,
+    /// Active MTU of the local port, in bytes.
+    pub mtu: u32,
+    /// Soft-provider addressing; `None` for hardware QPs.
+    pub soft: Option<SoftAddress>,
+}
+
+/// Identity of a host as the soft provider sees it: two processes share
+/// memory directly only when all three match.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct HostId {
+    /// `/proc/sys/kernel/random/boot_id`.
+    pub boot_id: String,
+    /// Inode of `/proc/self/ns/ipc`.
+    pub ipc_ns: u64,
+    /// Inode of `/proc/self/ns/net`.
+    pub net_ns: u64,
+}
+
+/// Soft-provider part of an endpoint.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SoftAddress {
+    /// Host identity, to choose between the shared-memory and TCP links.
+    pub host: HostId,
+    /// Process id of the owning process.
+    pub pid: u32,
+    /// Unique id of the owning context.
+    pub ctx_uid: u64,
+    /// Addresses of the context's TCP listener, best first.
+    pub tcp: Vec<SocketAddr>,
+    /// Abstract unix-socket name of the context's same-host listener.
+    pub unix: String,
+    /// File descriptor (in `pid`) of the context's shared key table.
+    pub keytable_fd: i32,
+    /// Unique id of the key table segment (checked against the fd's name).
+    pub keytable_uid: u64,
+    /// Protection domain the QP belongs to.
+    pub pd: u32,
+    /// Connection token: a connection must present it to reach this QP.
+    pub token: [u8; 16],
+}

@@ -1,0 +1,169 @@
+//! ibverbx: a verbs layer with a provider seam.
+//!
+//! The same safe API ([`Context`], [`ProtectionDomain`], [`MemoryRegion`],
+//! [`CompletionQueue`], [`QueuePair`], work requests and completions) runs on
+//! two providers: **verbs** (rdma-core's libibverbs, loaded at run time, for
+//! InfiniBand and RoCE HCAs) and **soft**, a userspace reliable-connected
+//! implementation over shared memory (same host) and TCP (other hosts) that
+//! needs no RDMA hardware and is the default where no HCA exists.
+//!
+//! # Quick start
+//! Two QPs in one process, an RDMA WRITE from one region to the other:
+//! ```
+//! use ibverbx::{AccessFlags, MemoryRegion, QpInitAttr, SendFlags, SendOp, SendWr};
+//!
+//! # fn main() -> ibverbx::Result<()> {
+//! let ctx = ibverbx::soft_device().open()?;
+//! let pd = ctx.alloc_pd()?;
+//! let cq = ctx.create_cq(64)?;
+//! let (a, b) = (pd.create_qp(&QpInitAttr::default(), &cq, &cq)?, pd.create_qp(&QpInitAttr::default(), &cq, &cq)?);
+//! a.connect(&b.endpoint()?)?;
+//! b.connect(&a.endpoint()?)?;
+//!
+//! let src = MemoryRegion::alloc(&pd, 4096, AccessFlags::LOCAL_WRITE)?;
+//! let dst = MemoryRegion::alloc(&pd, 4096, AccessFlags::all_remote())?;
+//! src.write(0, b"hello")?;
+//! let sge = [src.sge(0, 5)?];
+//! a.post_send(&[SendWr {
+//!     wr_id: 1,
+//!     op: SendOp::RdmaWrite { remote_addr: dst.addr(), rkey: dst.rkey() },
+//!     sg_list: &sge,
+//!     flags: SendFlags::SIGNALED,
+//! }])?;
+//! let mut wc = [ibverbx::WorkCompletion::empty(); 1];
+//! let n = cq.wait(&mut wc, Some(std::time::Duration::from_secs(5)), std::time::Duration::ZERO)?;
+//! assert_eq!(n, 1);
+//! assert!(wc[0].is_ok());
+//! let mut out = [0u8; 5];
+//! dst.read(0, &mut out)?;
+//! assert_eq!(&out, b"hello");
+//! # Ok(()) }
+//! ```
+//!
+//! # Features
+//! - RC queue pairs: SEND (+imm), RDMA WRITE (+imm), RDMA READ, fetch-and-add,
+//!   compare-and-swap; signaled/unsignaled, inline, scatter/gather.
+//! - Verbs' completion statuses, QP state machine and error flushing.
+//! - Completion channels as file descriptors for async runtimes.
+//! - `RMACOMM_PROVIDER=auto|verbs|soft` picks the provider ([`devices`]).
+//!
+//! # Thread safety
+//! Every handle is `Send + Sync`. Posting to one QP from several threads is
+//! allowed (WRs are ordered as the calls are); completions of one CQ should
+//! be polled by one thread at a time to keep their order meaningful.
+//!
+//! # Resource cleanup
+//! Handles are reference counted: an MR or QP keeps its PD and context
+//! alive, a QP keeps its CQs alive, and a posted WR keeps the regions it
+//! names (and memory they own) alive until its completion. Dropping a
+//! `MemoryRegion` revokes its keys at once. Dropping a `QueuePair` resets it:
+//! its outstanding WRs are dropped without completions.
+//!
+//! # Organization
+//! One type per module: `device`, `context`, `pd`, `mr`, `cq`, `qp`,
+//! `qp_attr`, `wr`, `wc`, `endpoint`, `shm`; the seam in `provider`; the
+//! soft provider in [`soft`].
+
+#![warn(missing_docs)]
+
+mod access;
+mod context;
+mod cq;
+mod device;
+mod endpoint;
+mod error;
+mod mr;
+mod pd;
+pub mod provider;
+mod qp;
+mod qp_attr;
+mod shm;
+pub mod soft;
+mod wc;
+mod wr;
+
+use std::sync::Arc;
+
+pub use access::AccessFlags;
+pub use context::Context;
+pub use cq::CompletionQueue;
+pub use device::{Device, DeviceAttr, DeviceInfo, Gid, LinkLayer, Mtu, PortAttr, PortState};
+pub use endpoint::{HostId, QpEndpoint, SoftAddress};
+pub use error::{Error, Result};
+pub use mr::{MemoryRegion, OwnedBuffer};
+pub use pd::ProtectionDomain;
+pub use provider::Placement;
+pub use qp::QueuePair;
+pub use qp_attr::{
+    ack_timeout_duration, rnr_timer_duration, InitAttr, QpCaps, QpInitAttr, QpState, QpTransition,
+    RtrAttr, RtsAttr,
+};
+pub use shm::ShmBuffer;
+pub use wc::{WcOpcode, WcStatus, WorkCompletion};
+pub use wr::{AtomicOp, RecvWr, SendFlags, SendOp, SendWr, Sge};
+
+/// Which provider [`devices`] lists (`RMACOMM_PROVIDER`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum ProviderKind {
+    /// Hardware when a verbs device exists, soft otherwise.
+    #[default]
+    Auto,
+    /// Hardware only.
+    Verbs,
+    /// Soft only.
+    Soft,
+}
+
+impl ProviderKind {
+    /// Parses `auto`, `verbs` or `soft`.
+    pub fn parse(s: &str) -> Option<ProviderKind> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" | "" => Some(ProviderKind::Auto),
+            "verbs" => Some(ProviderKind::Verbs),
+            "soft" => Some(ProviderKind::Soft),
+            _ => None,
+        }
+    }
+
+    /// From `RMACOMM_PROVIDER` (default `auto`).
+    pub fn from_env() -> Result<ProviderKind> {
+        match std::env::var("RMACOMM_PROVIDER") {
+            Err(_) => Ok(ProviderKind::Auto),
+            Ok(v) => ProviderKind::parse(&v).ok_or_else(|| {
+                Error::invalid(
+                    "RMACOMM_PROVIDER",
+                    format!("{v:?} is not one of auto, verbs, soft"),
+                )
+            }),
+        }
+    }
+}
+
+/// The soft provider's one device, configured from the environment.
+pub fn soft_device() -> Device {
+    let provider: Arc<dyn provider::Provider> = soft::SoftProvider::from_env();
+    let info = provider
+        .devices()
+        .expect("the soft provider always lists soft0")
+        .remove(0);
+    Device { info, provider }
+}
+
+/// The devices of the provider chosen by `kind`.
+///
+/// `Auto` lists hardware devices when the verbs provider finds any, else
+/// the soft device. `Verbs` without a device is an error that says why.
+pub fn devices_of(kind: ProviderKind) -> Result<Vec<Device>> {
+    match kind {
+        ProviderKind::Soft | ProviderKind::Auto => Ok(vec![soft_device()]),
+        ProviderKind::Verbs => Err(Error::Unavailable {
+            provider: "verbs",
+            reason: "this build has no verbs provider yet; use RMACOMM_PROVIDER=soft".into(),
+        }),
+    }
+}
+
+/// The devices of the provider `RMACOMM_PROVIDER` names (default `auto`).
+pub fn devices() -> Result<Vec<Device>> {
+    devices_of(ProviderKind::from_env()?)
+}

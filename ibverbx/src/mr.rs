@@ -1,0 +1,252 @@
+//! Memory regions: registered memory with its keys.
+
+use std::any::Any;
+use std::fmt;
+use std::sync::Arc;
+
+use crate::access::AccessFlags;
+use crate::provider::{MrOps, Placement};
+use crate::shm::ShmBuffer;
+use crate::wr::Sge;
+use crate::{Error, ProtectionDomain, Result};
+
+/// Memory that a [`MemoryRegion`] can own: its bytes stay put while the
+/// value lives (heap or mapped memory, never inline).
+pub trait OwnedBuffer: Send + Sync + 'static {
+    /// Start of the bytes.
+    fn buf_ptr(&mut self) -> *mut u8;
+    /// Number of bytes.
+    fn buf_len(&self) -> usize;
+}
+
+impl OwnedBuffer for Vec<u8> {
+    fn buf_ptr(&mut self) -> *mut u8 {
+        self.as_mut_ptr()
+    }
+    fn buf_len(&self) -> usize {
+        self.len()
+    }
+}
+
+impl OwnedBuffer for Box<[u8]> {
+    fn buf_ptr(&mut self) -> *mut u8 {
+        self.as_mut_ptr()
+    }
+    fn buf_len(&self) -> usize {
+        self.len()
+    }
+}
+
+impl OwnedBuffer for ShmBuffer {
+    fn buf_ptr(&mut self) -> *mut u8 {
+        self.as_ptr()
+    }
+    fn buf_len(&self) -> usize {
+        self.len()
+    }
+}
+
+impl OwnedBuffer for bytes::BytesMut {
+    fn buf_ptr(&mut self) -> *mut u8 {
+        self.as_mut_ptr()
+    }
+    fn buf_len(&self) -> usize {
+        self.len()
+    }
+}
+
+/// A registered memory region. Deregistered on drop; the keys stop working
+/// at once. Work requests already posted keep the region's memory alive
+/// until they complete.
+///
+/// The memory is shared with the peers that hold its rkey: they may read or
+/// write it at any time. Access it through [`read`](Self::read) and
+/// [`write`](Self::write) (copies), or through the raw pointer when the
+/// application knows no remote access is in flight.
+pub struct MemoryRegion {
+    ops: Arc<dyn MrOps>,
+    pd: ProtectionDomain,
+}
+
+impl fmt::Debug for MemoryRegion {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MemoryRegion")
+            .field("addr", &format_args!("{:#x}", self.ops.addr()))
+            .field("len", &self.ops.len())
+            .field("lkey", &format_args!("{:#x}", self.ops.lkey()))
+            .field("placement", &self.ops.placement())
+            .finish()
+    }
+}
+
+impl MemoryRegion {
+    /// Allocates `len` bytes of shared memory (zeroed, page-aligned) and
+    /// registers them: the fastest kind of region for same-host peers.
+    pub fn alloc(pd: &ProtectionDomain, len: usize, access: AccessFlags) -> Result<MemoryRegion> {
+        Self::register(pd, ShmBuffer::new(len)?, access)
+    }
+
+    /// Registers a buffer the region then owns (and keeps alive while any WR
+    /// uses it).
+    pub fn register<B: OwnedBuffer>(
+        pd: &ProtectionDomain,
+        mut buf: B,
+        access: AccessFlags,
+    ) -> Result<MemoryRegion> {
+        let ptr = buf.buf_ptr();
+        let len = buf.buf_len();
+        let owner: Arc<dyn Any + Send + Sync> = Arc::new(buf);
+        // SAFETY: the bytes belong to `owner`, which the provider keeps alive
+        // for as long as the registration or any WR needs them.
+        let ops = unsafe { pd.inner.ops.reg_mr(ptr, len, access, Some(owner))? };
+        Ok(MemoryRegion {
+            ops,
+            pd: pd.clone(),
+        })
+    }
+
+    /// Registers memory the caller owns (GPU or foreign memory, a buffer
+    /// shared with other code).
+    ///
+    /// # Safety
+    /// `ptr..ptr+len` must stay valid until this region is dropped **and**
+    /// every WR posted with its keys has completed; peers holding the rkey
+    /// may write it whenever the access flags allow.
+    pub unsafe fn register_raw(
+        pd: &ProtectionDomain,
+        ptr: *mut u8,
+        len: usize,
+        access: AccessFlags,
+    ) -> Result<MemoryRegion> {
+        // SAFETY: forwarded to the caller.
+        let ops = unsafe { pd.inner.ops.reg_mr(ptr, len, access, None)? };
+        Ok(MemoryRegion {
+            ops,
+            pd: pd.clone(),
+        })
+    }
+
+    /// Start address.
+    pub fn addr(&self) -> u64 {
+        self.ops.addr()
+    }
+
+    /// Start as a pointer.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ops.addr() as usize as *mut u8
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.ops.len()
+    }
+
+    /// True for a zero-length region.
+    pub fn is_empty(&self) -> bool {
+        self.ops.len() == 0
+    }
+
+    /// Local key.
+    pub fn lkey(&self) -> u32 {
+        self.ops.lkey()
+    }
+
+    /// Remote key: give it (with the address) to peers that may access this
+    /// region.
+    pub fn rkey(&self) -> u32 {
+        self.ops.rkey()
+    }
+
+    /// Access flags.
+    pub fn access(&self) -> AccessFlags {
+        self.ops.access()
+    }
+
+    /// How same-host peers reach this region.
+    pub fn placement(&self) -> Placement {
+        self.ops.placement()
+    }
+
+    /// The protection domain.
+    pub fn pd(&self) -> &ProtectionDomain {
+        &self.pd
+    }
+
+    /// A scatter/gather element for `len` bytes at `offset`, bounds-checked.
+    pub fn sge(&self, offset: usize, len: usize) -> Result<Sge> {
+        self.check(offset, len, "sge")?;
+        Ok(Sge {
+            addr: self.addr() + offset as u64,
+            length: len as u32,
+            lkey: self.lkey(),
+        })
+    }
+
+    /// Copies `dst.len()` bytes at `offset` out of the region.
+    pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
+        self.check(offset, dst.len(), "read")?;
+        // SAFETY: in bounds of a live registration; the region is shared
+        // memory, so it is copied with raw pointers and never borrowed.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.as_ptr().add(offset), dst.as_mut_ptr(), dst.len())
+        };
+        Ok(())
+    }
+
+    /// Copies `src` into the region at `offset`.
+    pub fn write(&self, offset: usize, src: &[u8]) -> Result<()> {
+        self.check(offset, src.len(), "write")?;
+        // SAFETY: as in `read`.
+        unsafe {
+            std::ptr::copy_nonoverlapping(src.as_ptr(), self.as_ptr().add(offset), src.len())
+        };
+        Ok(())
+    }
+
+    /// The region as a slice.
+    ///
+    /// # Safety
+    /// No peer may write the region (and no local WR scatter into it) while
+    /// the slice lives.
+    pub unsafe fn as_slice(&self) -> &[u8] {
+        // SAFETY: live registration of len bytes; exclusivity is the caller's.
+        unsafe { std::slice::from_raw_parts(self.as_ptr(), self.len()) }
+    }
+
+    /// The region as a mutable slice.
+    ///
+    /// # Safety
+    /// No peer may access the region, and no other reference to it may exist,
+    /// while the slice lives.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn as_mut_slice(&self) -> &mut [u8] {
+        // SAFETY: as above.
+        unsafe { std::slice::from_raw_parts_mut(self.as_ptr(), self.len()) }
+    }
+
+    fn check(&self, offset: usize, len: usize, verb: &'static str) -> Result<()> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len() && len <= u32::MAX as usize => Ok(()),
+            _ => Err(Error::invalid(
+                verb,
+                format!(
+                    "range {offset}+{len} is outside the memory region of {} bytes",
+                    self.len()
+                ),
+            )),
+        }
+    }
+
+    /// The provider's MR object.
+    pub fn ops(&self) -> &Arc<dyn MrOps> {
+        &self.ops
+    }
+}
+
+impl Drop for MemoryRegion {
+    fn drop(&mut self) {
+        if let Err(e) = self.ops.deregister() {
+            tracing::warn!("dereg_mr failed: {e}");
+        }
+    }
+}

@@ -1,0 +1,95 @@
+//! Soft-provider settings, from code or from the environment.
+
+use std::net::IpAddr;
+use std::time::Duration;
+
+/// Which link a soft QP uses to reach its peer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum SoftLink {
+    /// Shared memory when the peer is on the same host (same boot id, IPC
+    /// and network namespace), TCP otherwise.
+    #[default]
+    Auto,
+    /// Shared memory only; connecting to another host fails.
+    Shm,
+    /// TCP always, also on the same host.
+    Tcp,
+}
+
+impl SoftLink {
+    /// Parses `auto`, `shm` or `tcp`.
+    pub fn parse(s: &str) -> Option<SoftLink> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" | "" => Some(SoftLink::Auto),
+            "shm" => Some(SoftLink::Shm),
+            "tcp" => Some(SoftLink::Tcp),
+            _ => None,
+        }
+    }
+}
+
+/// Settings of a soft context.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SoftConfig {
+    /// Link choice (`RMACOMM_SOFT_LINK`).
+    pub link: SoftLink,
+    /// Address the TCP listener binds to and advertises
+    /// (`RMACOMM_SOFT_ADDR`); `None` binds all and advertises every IPv4
+    /// address that is up.
+    pub bind_addr: Option<IpAddr>,
+    /// Largest message; longer WRs fail at post time and longer frames are
+    /// rejected as malformed.
+    pub max_msg_size: u32,
+    /// Deterministic delivery chaos for tests (`RMACOMM_SOFT_CHAOS=SEED`):
+    /// each requester stalls for a seeded pseudo-random 0..=`chaos_max_delay`
+    /// before each operation, so that traffic on several QPs interleaves
+    /// differently, reproducibly per seed.
+    pub chaos_seed: Option<u64>,
+    /// Upper bound of a chaos stall.
+    pub chaos_max_delay: Duration,
+}
+
+impl Default for SoftConfig {
+    fn default() -> Self {
+        SoftConfig {
+            link: SoftLink::Auto,
+            bind_addr: None,
+            max_msg_size: 1 << 30,
+            chaos_seed: None,
+            chaos_max_delay: Duration::from_micros(500),
+        }
+    }
+}
+
+impl SoftConfig {
+    /// Defaults overridden by `RMACOMM_SOFT_LINK`, `RMACOMM_SOFT_ADDR` and
+    /// `RMACOMM_SOFT_CHAOS`. Unparsable values are reported and ignored.
+    pub fn from_env() -> SoftConfig {
+        let mut c = SoftConfig::default();
+        if let Ok(v) = std::env::var("RMACOMM_SOFT_LINK") {
+            match SoftLink::parse(&v) {
+                Some(l) => c.link = l,
+                None => {
+                    tracing::warn!("RMACOMM_SOFT_LINK={v:?} is not auto, shm or tcp; using auto")
+                }
+            }
+        }
+        if let Ok(v) = std::env::var("RMACOMM_SOFT_ADDR") {
+            match v.parse() {
+                Ok(ip) => c.bind_addr = Some(ip),
+                Err(_) => {
+                    tracing::warn!("RMACOMM_SOFT_ADDR={v:?} is not an IP address; ignoring it")
+                }
+            }
+        }
+        if let Ok(v) = std::env::var("RMACOMM_SOFT_CHAOS") {
+            match v.parse() {
+                Ok(seed) => c.chaos_seed = Some(seed),
+                Err(_) => {
+                    tracing::warn!("RMACOMM_SOFT_CHAOS={v:?} is not an integer seed; ignoring it")
+                }
+            }
+        }
+        c
+    }
+}

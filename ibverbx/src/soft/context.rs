@@ -1,0 +1,433 @@
+//! A soft context: its progress engine, listeners and key tables.
+//!
+//! Each context runs one progress thread with a single-threaded tokio
+//! runtime. Idle, it sleeps in epoll; requester and responder tasks of every
+//! QP of the context run there. It listens on TCP (other hosts) and on an
+//! abstract unix socket (same host; abstract names are per network
+//! namespace, exactly the scope of "same host").
+
+use std::any::Any;
+use std::collections::HashMap;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, RwLock, Weak};
+use std::time::Duration;
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+use super::config::SoftConfig;
+use super::cq::SoftCq;
+use super::host::{host_id, local_ipv4_addrs};
+use super::keytable::{stored_access, KeyTable, SlotData, SLOT_MASK};
+use super::mr::{SoftMr, SoftMrHandle};
+use super::peer::PeerMap;
+use super::qp::SoftQp;
+use super::wire::{Hello, HelloStatus, HELLO_LEN};
+use crate::device::{DeviceAttr, Gid, LinkLayer, Mtu, PortAttr, PortState};
+use crate::endpoint::{HostId, SoftAddress};
+use crate::provider::{ContextOps, CqOps, MrOps, PdOps, Placement, QpOps};
+use crate::shm::find_segment;
+use crate::{AccessFlags, Error, QpInitAttr, Result};
+
+/// State shared by everything made from one soft context.
+pub(crate) struct CtxShared {
+    pub(crate) uid: u64,
+    pub(crate) host: HostId,
+    pub(crate) pid: u32,
+    pub(crate) rt: tokio::runtime::Handle,
+    shutdown: Mutex<Option<tokio::sync::oneshot::Sender<()>>>,
+    pub(crate) tcp_addrs: Vec<SocketAddr>,
+    pub(crate) unix_name: String,
+    pub(crate) keytable: KeyTable,
+    mrs: RwLock<HashMap<u32, Arc<SoftMr>>>,
+    pub(crate) qps: Mutex<HashMap<u32, Weak<SoftQp>>>,
+    next_qpn: AtomicU32,
+    next_pd: AtomicU32,
+    peers: Mutex<HashMap<(u32, u64), Arc<PeerMap>>>,
+    pub(crate) config: SoftConfig,
+}
+
+impl std::fmt::Debug for CtxShared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SoftContext")
+            .field("uid", &format_args!("{:#x}", self.uid))
+            .field("tcp", &self.tcp_addrs)
+            .finish()
+    }
+}
+
+impl CtxShared {
+    pub(crate) fn open(config: SoftConfig) -> Result<Arc<CtxShared>> {
+        let uid: u64 = rand::random();
+        let pid = std::process::id();
+        let bind_ip = config
+            .bind_addr
+            .unwrap_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED));
+        let tcp = std::net::TcpListener::bind(SocketAddr::new(bind_ip, 0))
+            .map_err(|e| Error::os("bind(tcp)", e))?;
+        tcp.set_nonblocking(true)
+            .map_err(|e| Error::os("bind(tcp)", e))?;
+        let port = tcp
+            .local_addr()
+            .map_err(|e| Error::os("bind(tcp)", e))?
+            .port();
+        let tcp_addrs: Vec<SocketAddr> = match config.bind_addr {
+            Some(ip) if !ip.is_unspecified() => vec![SocketAddr::new(ip, port)],
+            _ => local_ipv4_addrs()
+                .into_iter()
+                .map(|ip| SocketAddr::new(ip, port))
+                .collect(),
+        };
+        let unix_name = format!("rmacomm-soft-{pid}-{uid:016x}");
+        let uaddr = <std::os::unix::net::SocketAddr as std::os::linux::net::SocketAddrExt>::from_abstract_name(
+            unix_name.as_bytes(),
+        )
+        .map_err(|e| Error::os("bind(unix)", e))?;
+        let unix = std::os::unix::net::UnixListener::bind_addr(&uaddr)
+            .map_err(|e| Error::os("bind(unix)", e))?;
+        unix.set_nonblocking(true)
+            .map_err(|e| Error::os("bind(unix)", e))?;
+
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .thread_name("rmacomm-soft")
+            .build()
+            .map_err(|e| Error::os("soft progress engine", e))?;
+        let handle = rt.handle().clone();
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        std::thread::Builder::new()
+            .name(format!("rmacomm-soft-{uid:04x}"))
+            .spawn(move || {
+                rt.block_on(async {
+                    let _ = stop_rx.await;
+                });
+                rt.shutdown_background();
+            })
+            .map_err(|e| Error::os("soft progress engine", e))?;
+
+        let ctx = Arc::new(CtxShared {
+            uid,
+            host: host_id(),
+            pid,
+            rt: handle,
+            shutdown: Mutex::new(Some(stop_tx)),
+            tcp_addrs,
+            unix_name,
+            keytable: KeyTable::new()?,
+            mrs: RwLock::new(HashMap::new()),
+            qps: Mutex::new(HashMap::new()),
+            next_qpn: AtomicU32::new((rand::random::<u32>() & 0xffff) | 0x100),
+            next_pd: AtomicU32::new(1),
+            peers: Mutex::new(HashMap::new()),
+            config,
+        });
+        let weak = Arc::downgrade(&ctx);
+        let w2 = weak.clone();
+        ctx.rt.spawn(async move {
+            let l = match tokio::net::TcpListener::from_std(tcp) {
+                Ok(l) => l,
+                Err(e) => return tracing::error!("soft tcp listener: {e}"),
+            };
+            loop {
+                match l.accept().await {
+                    Ok((s, peer)) => {
+                        let _ = s.set_nodelay(true);
+                        let Some(ctx) = weak.upgrade() else { return };
+                        tokio::spawn(accept_conn(ctx, s, peer.to_string()));
+                    }
+                    Err(e) => {
+                        tracing::warn!("soft tcp accept: {e}");
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                    }
+                }
+            }
+        });
+        ctx.rt.spawn(async move {
+            let l = match tokio::net::UnixListener::from_std(unix) {
+                Ok(l) => l,
+                Err(e) => return tracing::error!("soft unix listener: {e}"),
+            };
+            loop {
+                match l.accept().await {
+                    Ok((s, _)) => {
+                        let Some(ctx) = w2.upgrade() else { return };
+                        tokio::spawn(accept_conn(ctx, s, "unix".to_owned()));
+                    }
+                    Err(e) => {
+                        tracing::warn!("soft unix accept: {e}");
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                    }
+                }
+            }
+        });
+        Ok(ctx)
+    }
+
+    /// Looks up a local MR by key (lkey or rkey).
+    pub(crate) fn mr(&self, key: u32) -> Option<Arc<SoftMr>> {
+        self.mrs
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&key)
+            .cloned()
+    }
+
+    pub(crate) fn deregister(&self, key: u32) {
+        self.keytable.revoke(key);
+        self.mrs
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&key);
+    }
+
+    fn register(
+        self: &Arc<Self>,
+        pd: u32,
+        addr: *mut u8,
+        len: usize,
+        access: AccessFlags,
+        owner: Option<Arc<dyn Any + Send + Sync>>,
+    ) -> Result<Arc<dyn MrOps>> {
+        if !access.is_consistent() {
+            return Err(Error::invalid(
+                "reg_mr",
+                "REMOTE_WRITE and REMOTE_ATOMIC need LOCAL_WRITE too",
+            ));
+        }
+        if addr.is_null() && len > 0 {
+            return Err(Error::invalid("reg_mr", "null address"));
+        }
+        let a = addr as usize;
+        let seg = find_segment(a, len);
+        let placement = if seg.is_some() {
+            Placement::SharedSegment
+        } else {
+            Placement::ProcessVm
+        };
+        let mut mrs = self.mrs.write().unwrap_or_else(|e| e.into_inner());
+        if mrs.len() >= (SLOT_MASK as usize) {
+            return Err(Error::exhausted(
+                "reg_mr",
+                "the soft key table is full (16383 regions per context)",
+            ));
+        }
+        // Random keys; the low bits pick a free slot of the shared table.
+        let key = loop {
+            let k: u32 = rand::random();
+            if k & SLOT_MASK != 0 && !mrs.keys().any(|o| o & SLOT_MASK == k & SLOT_MASK) {
+                break k;
+            }
+        };
+        let mr = Arc::new(SoftMr::new(
+            key, pd, a as u64, len, access, placement, owner,
+        ));
+        let (seg_uid, seg_fd, seg_off) = match seg {
+            Some(s) => (s.uid, s.fd, (a - s.base) as u64),
+            None => (0, -1, 0),
+        };
+        self.keytable.publish(&SlotData {
+            rkey: key,
+            pd,
+            access: stored_access(access),
+            addr: a as u64,
+            len: len as u64,
+            seg_uid,
+            seg_fd,
+            seg_off,
+        });
+        mrs.insert(key, mr.clone());
+        Ok(Arc::new(SoftMrHandle {
+            mr,
+            ctx: self.clone(),
+        }))
+    }
+
+    pub(crate) fn alloc_qpn(&self) -> u32 {
+        self.next_qpn.fetch_add(1, Ordering::Relaxed) & 0x00ff_ffff
+    }
+
+    /// The mapping of a same-host peer's tables, opened once per peer context.
+    pub(crate) fn peer(&self, addr: &SoftAddress) -> Result<Arc<PeerMap>> {
+        let mut peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(p) = peers.get(&(addr.pid, addr.ctx_uid)) {
+            return Ok(p.clone());
+        }
+        let p = Arc::new(PeerMap::open(addr)?);
+        peers.insert((addr.pid, addr.ctx_uid), p.clone());
+        Ok(p)
+    }
+}
+
+impl Drop for CtxShared {
+    fn drop(&mut self) {
+        if let Some(tx) = self
+            .shutdown
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+        {
+            let _ = tx.send(());
+        }
+    }
+}
+
+/// Reads a hello, checks the token, and hands the connection to the QP's
+/// responder.
+async fn accept_conn<S>(ctx: Arc<CtxShared>, mut s: S, peer: String)
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let mut buf = [0u8; HELLO_LEN];
+    match tokio::time::timeout(Duration::from_secs(10), s.read_exact(&mut buf)).await {
+        Ok(Ok(_)) => {}
+        Ok(Err(e)) => {
+            return tracing::debug!("soft connection from {peer} closed during hello: {e}")
+        }
+        Err(_) => {
+            return tracing::warn!("soft connection from {peer}: no hello within 10 s; closing")
+        }
+    }
+    let hello = match Hello::decode(&buf) {
+        Ok(h) => h,
+        Err(e) => return tracing::warn!("soft connection from {peer} refused: {e}"),
+    };
+    let qp = ctx
+        .qps
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .get(&hello.dst_qpn)
+        .and_then(Weak::upgrade);
+    drop(ctx);
+    let qp = match qp {
+        Some(qp) if qp.token_matches(&hello.token) => qp,
+        _ => {
+            tracing::warn!(
+                "soft connection from {peer} refused: unknown QP {:#x} or wrong token",
+                hello.dst_qpn
+            );
+            let _ = s.write_all(&HelloStatus::BadToken.encode()).await;
+            return;
+        }
+    };
+    if !qp.accepts_connections() {
+        let _ = s.write_all(&HelloStatus::BadState.encode()).await;
+        return tracing::warn!(
+            "soft connection from {peer} refused: QP {:#x} is in error or reset",
+            hello.dst_qpn
+        );
+    }
+    if s.write_all(&HelloStatus::Ok.encode()).await.is_err() {
+        return;
+    }
+    super::responder::run(qp, s, hello, peer).await;
+}
+
+/// A soft device context.
+#[derive(Debug)]
+pub(crate) struct SoftContext {
+    pub(crate) shared: Arc<CtxShared>,
+}
+
+impl ContextOps for SoftContext {
+    fn query_device(&self) -> Result<DeviceAttr> {
+        Ok(DeviceAttr {
+            max_mr_size: u64::MAX,
+            max_qp: 1 << 20,
+            max_qp_wr: 1 << 16,
+            max_sge: 16,
+            max_cqe: 1 << 22,
+            max_mr: SLOT_MASK,
+            max_qp_rd_atom: 16,
+            phys_port_cnt: 1,
+            max_msg_sz: self.shared.config.max_msg_size,
+            max_inline_data: 4096,
+        })
+    }
+
+    fn query_port(&self, port: u8) -> Result<PortAttr> {
+        if port != 1 {
+            return Err(Error::invalid(
+                "query_port",
+                format!("port {port} does not exist (soft devices have port 1)"),
+            ));
+        }
+        Ok(PortAttr {
+            state: PortState::Active,
+            max_mtu: Mtu::Mtu4096,
+            active_mtu: Mtu::Mtu4096,
+            link_layer: LinkLayer::Soft,
+            lid: 0,
+            gid_tbl_len: 1,
+            rate_gbps: None,
+        })
+    }
+
+    fn query_gid(&self, port: u8, index: u32) -> Result<Gid> {
+        if port != 1 || index != 0 {
+            return Err(Error::invalid(
+                "query_gid",
+                format!("no GID {index} on port {port}"),
+            ));
+        }
+        Ok(match self.shared.tcp_addrs.first().map(|a| a.ip()) {
+            Some(IpAddr::V4(v4)) => Gid::from_ipv4(v4),
+            Some(IpAddr::V6(v6)) => Gid(v6.octets()),
+            None => Gid::default(),
+        })
+    }
+
+    fn alloc_pd(&self) -> Result<Arc<dyn PdOps>> {
+        let id = self.shared.next_pd.fetch_add(1, Ordering::Relaxed);
+        Ok(Arc::new(SoftPd {
+            id,
+            ctx: self.shared.clone(),
+        }))
+    }
+
+    fn create_cq(&self, cqe: usize) -> Result<Arc<dyn CqOps>> {
+        if cqe == 0 || cqe > 1 << 22 {
+            return Err(Error::invalid(
+                "create_cq",
+                format!("{cqe} entries: use 1..=4194304"),
+            ));
+        }
+        Ok(Arc::new(SoftCq::new(cqe, self.shared.uid)?))
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+/// A soft protection domain.
+#[derive(Debug)]
+pub(crate) struct SoftPd {
+    pub(crate) id: u32,
+    pub(crate) ctx: Arc<CtxShared>,
+}
+
+impl PdOps for SoftPd {
+    unsafe fn reg_mr(
+        &self,
+        addr: *mut u8,
+        len: usize,
+        access: AccessFlags,
+        owner: Option<Arc<dyn Any + Send + Sync>>,
+    ) -> Result<Arc<dyn MrOps>> {
+        self.ctx.register(self.id, addr, len, access, owner)
+    }
+
+    fn create_qp(
+        &self,
+        attr: &QpInitAttr,
+        send_cq: &Arc<dyn CqOps>,
+        recv_cq: &Arc<dyn CqOps>,
+    ) -> Result<Arc<dyn QpOps>> {
+        let qp = SoftQp::create(self, attr, send_cq, recv_cq)?;
+        Ok(qp)
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}

@@ -1,0 +1,93 @@
+//! The soft provider: reliable-connected verbs in user space.
+//!
+//! Same host (same boot id, IPC and network namespace): the requester
+//! copies directly into or out of the peer's memory, through a mapping of
+//! the peer's shared segment (memory from [`ShmBuffer`](crate::ShmBuffer) /
+//! [`MemoryRegion::alloc`](crate::MemoryRegion::alloc)), else with
+//! `process_vm_writev`/`readv`, else through the connection (staged: the
+//! peer's progress engine places the bytes). Control messages (immediate
+//! data, SEND payloads, acknowledgements) use an abstract unix socket.
+//!
+//! Other hosts: one TCP connection per QP direction; the payload is written
+//! from the registered memory and read straight into the target's.
+//!
+//! # Organization
+//! - `wire`: frame format and validation (sans-IO)
+//! - `keytable`: the shared table of a context's regions
+//! - `context`: progress engine, listeners, PDs, registration
+//! - `qp`: state machine and posting; `requester` / `responder`: the engine
+//!   tasks; `peer`: direct access to a same-host peer
+//! - `cq`, `mr`: completion queues and regions
+
+mod config;
+mod context;
+mod cq;
+mod host;
+mod keytable;
+mod mr;
+mod peer;
+mod qp;
+mod requester;
+mod responder;
+pub mod wire;
+
+use std::sync::{Arc, Mutex};
+
+pub use config::{SoftConfig, SoftLink};
+
+use crate::device::DeviceInfo;
+use crate::provider::{ContextOps, Provider};
+use crate::{Error, Result};
+
+/// The soft provider: one device, `soft0`.
+#[derive(Debug)]
+pub struct SoftProvider {
+    config: Mutex<SoftConfig>,
+}
+
+impl SoftProvider {
+    /// A provider whose contexts use `config`.
+    pub fn new(config: SoftConfig) -> Arc<SoftProvider> {
+        Arc::new(SoftProvider {
+            config: Mutex::new(config),
+        })
+    }
+
+    /// A provider configured from the environment (`RMACOMM_SOFT_*`).
+    pub fn from_env() -> Arc<SoftProvider> {
+        Self::new(SoftConfig::from_env())
+    }
+}
+
+impl Provider for SoftProvider {
+    fn name(&self) -> &'static str {
+        "soft"
+    }
+
+    fn devices(&self) -> Result<Vec<DeviceInfo>> {
+        Ok(vec![DeviceInfo {
+            name: "soft0".into(),
+            provider: "soft",
+            guid: 0,
+            numa_node: None,
+            pci_addr: None,
+        }])
+    }
+
+    fn open_device(&self, device: &DeviceInfo) -> Result<Arc<dyn ContextOps>> {
+        if device.name != "soft0" {
+            return Err(Error::invalid(
+                "open_device",
+                format!("the soft provider has no device {:?}", device.name),
+            ));
+        }
+        let cfg = self
+            .config
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        Ok(Arc::new(context::SoftContext {
+            shared: context::CtxShared::open(cfg)?,
+        }))
+    }
+}

@@ -1,0 +1,519 @@
+//! The soft RC queue pair: state machine, posting, flushing.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+
+use tokio::sync::{mpsc, watch, Notify};
+
+use super::context::{CtxShared, SoftPd};
+use super::cq::SoftCq;
+use super::mr::LocalSeg;
+use crate::endpoint::{QpEndpoint, SoftAddress};
+use crate::provider::{CqOps, QpOps};
+use crate::qp_attr::{QpCaps, QpState, QpTransition, RtrAttr, RtsAttr};
+use crate::wc::{WcOpcode, WcStatus, WorkCompletion};
+use crate::wr::{RecvWr, SendOp, SendWr};
+use crate::{AccessFlags, Error, Gid, QpInitAttr, Result};
+
+/// A send WR as the engine sees it: local buffers resolved (and so kept
+/// alive), inline data copied.
+#[derive(Debug)]
+pub(crate) struct SqEntry {
+    pub(crate) wr_id: u64,
+    pub(crate) op: SendOp,
+    pub(crate) segs: Vec<LocalSeg>,
+    pub(crate) inline: Option<Vec<u8>>,
+    pub(crate) signaled: bool,
+    pub(crate) fence: bool,
+    pub(crate) len: u64,
+}
+
+/// A posted receive.
+#[derive(Debug)]
+pub(crate) struct RecvEntry {
+    pub(crate) wr_id: u64,
+    pub(crate) segs: Vec<LocalSeg>,
+}
+
+impl RecvEntry {
+    pub(crate) fn capacity(&self) -> u64 {
+        self.segs.iter().map(|s| s.len as u64).sum()
+    }
+}
+
+#[derive(Debug)]
+struct QpSt {
+    state: QpState,
+    access: AccessFlags,
+    rtr: Option<RtrAttr>,
+    sq_tx: Option<mpsc::UnboundedSender<SqEntry>>,
+}
+
+pub(crate) struct SoftQp {
+    pub(crate) qpn: u32,
+    token: [u8; 16],
+    pub(crate) pd: u32,
+    pub(crate) ctx: Arc<CtxShared>,
+    caps: QpCaps,
+    sq_sig_all: bool,
+    send_cq: Arc<dyn CqOps>,
+    recv_cq: Arc<dyn CqOps>,
+    st: Mutex<QpSt>,
+    pub(crate) state_tx: watch::Sender<QpState>,
+    pub(crate) rq: Mutex<VecDeque<RecvEntry>>,
+    pub(crate) rq_notify: Notify,
+    pub(crate) sq_outstanding: AtomicU32,
+}
+
+impl std::fmt::Debug for SoftQp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SoftQp")
+            .field("qpn", &format_args!("{:#x}", self.qpn))
+            .field("state", &self.state())
+            .finish()
+    }
+}
+
+fn soft_cq(cq: &Arc<dyn CqOps>) -> &SoftCq {
+    cq.as_any()
+        .downcast_ref::<SoftCq>()
+        .expect("checked at QP creation")
+}
+
+impl SoftQp {
+    pub(crate) fn create(
+        pd: &SoftPd,
+        attr: &QpInitAttr,
+        send_cq: &Arc<dyn CqOps>,
+        recv_cq: &Arc<dyn CqOps>,
+    ) -> Result<Arc<SoftQp>> {
+        for cq in [send_cq, recv_cq] {
+            match cq.as_any().downcast_ref::<SoftCq>() {
+                Some(c) if c.ctx_uid == pd.ctx.uid => {}
+                _ => {
+                    return Err(Error::invalid(
+                        "create_qp",
+                        "the CQs must come from the same soft context as the PD",
+                    ))
+                }
+            }
+        }
+        let c = attr.caps;
+        if c.max_send_wr == 0 || c.max_send_wr > 1 << 16 || c.max_recv_wr > 1 << 16 {
+            return Err(Error::invalid(
+                "create_qp",
+                "max_send_wr must be 1..=65536 and max_recv_wr at most 65536",
+            ));
+        }
+        if c.max_send_sge > 16 || c.max_recv_sge > 16 || c.max_inline_data > 4096 {
+            return Err(Error::invalid(
+                "create_qp",
+                "at most 16 SGEs and 4096 inline bytes per WR",
+            ));
+        }
+        let qpn = pd.ctx.alloc_qpn();
+        let (state_tx, _) = watch::channel(QpState::Reset);
+        let qp = Arc::new(SoftQp {
+            qpn,
+            token: rand::random(),
+            pd: pd.id,
+            ctx: pd.ctx.clone(),
+            caps: c,
+            sq_sig_all: attr.sq_sig_all,
+            send_cq: send_cq.clone(),
+            recv_cq: recv_cq.clone(),
+            st: Mutex::new(QpSt {
+                state: QpState::Reset,
+                access: AccessFlags::empty(),
+                rtr: None,
+                sq_tx: None,
+            }),
+            state_tx,
+            rq: Mutex::new(VecDeque::new()),
+            rq_notify: Notify::new(),
+            sq_outstanding: AtomicU32::new(0),
+        });
+        pd.ctx
+            .qps
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(qpn, Arc::downgrade(&qp));
+        Ok(qp)
+    }
+
+    pub(crate) fn token_matches(&self, t: &[u8; 16]) -> bool {
+        // Constant-time compare: the token is the only thing that admits a
+        // connection.
+        self.token
+            .iter()
+            .zip(t)
+            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+            == 0
+    }
+
+    pub(crate) fn accepts_connections(&self) -> bool {
+        !matches!(self.state(), QpState::Err | QpState::Reset)
+    }
+
+    pub(crate) fn remote_access(&self) -> AccessFlags {
+        self.lock().access
+    }
+
+    /// The PD of the peer QP (same-host direct checks use it).
+    pub(crate) fn remote_pd(&self) -> u32 {
+        self.lock()
+            .rtr
+            .as_ref()
+            .and_then(|r| r.remote.soft.as_ref())
+            .map_or(0, |s| s.pd)
+    }
+
+    /// The RNR NAK period this QP (as a responder) reports at.
+    pub(crate) fn rnr_period(&self) -> std::time::Duration {
+        let code = self.lock().rtr.as_ref().map_or(12, |r| r.min_rnr_timer);
+        crate::qp_attr::rnr_timer_duration(code).max(std::time::Duration::from_micros(100))
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, QpSt> {
+        self.st.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(crate) fn push_send_wc(&self, wc: WorkCompletion) {
+        soft_cq(&self.send_cq).push(wc);
+    }
+
+    pub(crate) fn push_recv_wc(&self, wc: WorkCompletion) {
+        soft_cq(&self.recv_cq).push(wc);
+    }
+
+    pub(crate) fn flush_wc(&self, wr_id: u64, opcode: WcOpcode) -> WorkCompletion {
+        WorkCompletion {
+            wr_id,
+            status: WcStatus::WrFlushErr,
+            opcode,
+            byte_len: 0,
+            imm_data: None,
+            qp_num: self.qpn,
+            vendor_err: 0,
+        }
+    }
+
+    /// Moves the QP to ERR (from any engine task): flushes the receive queue
+    /// and tells the requester to flush the send queue.
+    pub(crate) fn set_error(&self, why: &str) {
+        let mut st = self.lock();
+        if matches!(st.state, QpState::Err | QpState::Reset) {
+            return;
+        }
+        tracing::debug!(qpn = self.qpn, "soft QP enters the error state: {why}");
+        st.state = QpState::Err;
+        drop(st);
+        self.state_tx.send_replace(QpState::Err);
+        self.flush_rq();
+    }
+
+    fn flush_rq(&self) {
+        let drained: Vec<RecvEntry> = self
+            .rq
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .drain(..)
+            .collect();
+        for r in drained {
+            self.push_recv_wc(self.flush_wc(r.wr_id, WcOpcode::Recv));
+        }
+        self.rq_notify.notify_waiters();
+    }
+
+    fn resolve(&self, sges: &[crate::Sge]) -> Vec<LocalSeg> {
+        sges.iter()
+            .map(|s| LocalSeg {
+                mr: if s.length == 0 {
+                    None
+                } else {
+                    self.ctx.mr(s.lkey)
+                },
+                addr: s.addr,
+                len: s.length,
+            })
+            .collect()
+    }
+
+    fn check_send_wr(&self, wr: &SendWr<'_>) -> Result<u64> {
+        if wr.sg_list.len() > self.caps.max_send_sge as usize {
+            return Err(Error::invalid(
+                "post_send",
+                format!(
+                    "{} SGEs exceed max_send_sge {}",
+                    wr.sg_list.len(),
+                    self.caps.max_send_sge
+                ),
+            ));
+        }
+        let len: u64 = wr.sg_list.iter().map(|s| s.length as u64).sum();
+        if len > self.ctx.config.max_msg_size as u64 {
+            return Err(Error::invalid(
+                "post_send",
+                format!(
+                    "message of {len} bytes exceeds max_msg_sz {}",
+                    self.ctx.config.max_msg_size
+                ),
+            ));
+        }
+        if wr.flags.inline {
+            if len > self.caps.max_inline_data as u64 {
+                return Err(Error::invalid(
+                    "post_send",
+                    format!(
+                        "{len} inline bytes exceed max_inline_data {}",
+                        self.caps.max_inline_data
+                    ),
+                ));
+            }
+            if matches!(wr.op, SendOp::RdmaRead { .. } | SendOp::Atomic { .. }) {
+                return Err(Error::invalid(
+                    "post_send",
+                    "RDMA READ and atomics cannot be inline",
+                ));
+            }
+        }
+        if let SendOp::Atomic { remote_addr, .. } = wr.op {
+            if wr.sg_list.len() != 1 || wr.sg_list[0].length != 8 {
+                return Err(Error::invalid(
+                    "post_send",
+                    "an atomic needs exactly one 8-byte SGE",
+                ));
+            }
+            if remote_addr % 8 != 0 {
+                return Err(Error::invalid(
+                    "post_send",
+                    format!("atomic address {remote_addr:#x} is not 8-byte aligned"),
+                ));
+            }
+        }
+        Ok(len)
+    }
+}
+
+impl QpOps for SoftQp {
+    fn qp_num(&self) -> u32 {
+        self.qpn
+    }
+
+    fn state(&self) -> QpState {
+        self.lock().state
+    }
+
+    fn caps(&self) -> QpCaps {
+        self.caps
+    }
+
+    fn endpoint(&self) -> Result<QpEndpoint> {
+        let ctx = &self.ctx;
+        Ok(QpEndpoint {
+            qpn: self.qpn,
+            psn: 0,
+            lid: 0,
+            gid: match ctx.tcp_addrs.first().map(|a| a.ip()) {
+                Some(std::net::IpAddr::V4(v4)) => Gid::from_ipv4(v4),
+                _ => Gid::default(),
+            },
+            mtu: 4096,
+            soft: Some(SoftAddress {
+                host: ctx.host.clone(),
+                pid: ctx.pid,
+                ctx_uid: ctx.uid,
+                tcp: ctx.tcp_addrs.clone(),
+                unix: ctx.unix_name.clone(),
+                keytable_fd: ctx.keytable.fd(),
+                keytable_uid: ctx.keytable.uid(),
+                pd: self.pd,
+                token: self.token,
+            }),
+        })
+    }
+
+    fn modify(&self, t: &QpTransition) -> Result<()> {
+        let mut st = self.lock();
+        if !t.allowed_from(st.state) {
+            return Err(Error::state(
+                "modify_qp",
+                format!(
+                    "{:?} → {:?} is not a valid transition",
+                    st.state,
+                    t.target()
+                ),
+            ));
+        }
+        match t {
+            QpTransition::Init(a) => {
+                st.access = a.access;
+            }
+            QpTransition::Rtr(a) => {
+                if a.remote.soft.is_none() {
+                    return Err(Error::invalid(
+                        "modify_qp(RTR)",
+                        "the remote endpoint is not a soft-provider QP",
+                    ));
+                }
+                st.rtr = Some(a.clone());
+            }
+            QpTransition::Rts(a) => {
+                if st.sq_tx.is_none() {
+                    let rtr = st.rtr.clone().expect("RTR precedes RTS");
+                    let (tx, rx) = mpsc::unbounded_channel();
+                    st.sq_tx = Some(tx);
+                    let me = self
+                        .ctx
+                        .qps
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .get(&self.qpn)
+                        .and_then(|w| w.upgrade());
+                    let me =
+                        me.ok_or_else(|| Error::state("modify_qp(RTS)", "QP is being destroyed"))?;
+                    let rts: RtsAttr = *a;
+                    self.ctx.rt.spawn(super::requester::run(me, rx, rtr, rts));
+                }
+            }
+            QpTransition::Err => {
+                drop(st);
+                self.set_error("modify_qp(ERR)");
+                return Ok(());
+            }
+            QpTransition::Reset => {
+                st.sq_tx = None;
+                st.rtr = None;
+                st.state = QpState::Reset;
+                drop(st);
+                self.state_tx.send_replace(QpState::Reset);
+                self.rq.lock().unwrap_or_else(|e| e.into_inner()).clear();
+                self.rq_notify.notify_waiters();
+                return Ok(());
+            }
+        }
+        st.state = t.target();
+        let s = st.state;
+        drop(st);
+        self.state_tx.send_replace(s);
+        Ok(())
+    }
+
+    fn post_send(&self, wrs: &[SendWr<'_>]) -> Result<()> {
+        let mut lens = Vec::with_capacity(wrs.len());
+        for wr in wrs {
+            lens.push(self.check_send_wr(wr)?);
+        }
+        let st = self.lock();
+        let tx = match (st.state, &st.sq_tx) {
+            (QpState::Rts | QpState::Err, Some(tx)) => tx.clone(),
+            (s, _) => {
+                return Err(Error::state(
+                    "post_send",
+                    format!("QP {:#x} is in {s:?}; it must be in RTS", self.qpn),
+                ))
+            }
+        };
+        drop(st);
+        let n = wrs.len() as u32;
+        let before = self.sq_outstanding.fetch_add(n, Ordering::AcqRel);
+        if before + n > self.caps.max_send_wr {
+            self.sq_outstanding.fetch_sub(n, Ordering::AcqRel);
+            return Err(Error::exhausted(
+                "post_send",
+                format!(
+                    "send queue full: {before} outstanding, max_send_wr {}",
+                    self.caps.max_send_wr
+                ),
+            ));
+        }
+        for (wr, len) in wrs.iter().zip(lens) {
+            let (segs, inline) = if wr.flags.inline {
+                let mut data = Vec::with_capacity(len as usize);
+                for s in wr.sg_list {
+                    // SAFETY: inline SGEs name caller memory that the caller
+                    // vouches for at post time (verbs' inline contract); it is
+                    // copied before post_send returns.
+                    data.extend_from_slice(unsafe {
+                        std::slice::from_raw_parts(s.addr as usize as *const u8, s.length as usize)
+                    });
+                }
+                (Vec::new(), Some(data))
+            } else {
+                (self.resolve(wr.sg_list), None)
+            };
+            let e = SqEntry {
+                wr_id: wr.wr_id,
+                op: wr.op,
+                segs,
+                inline,
+                signaled: wr.flags.signaled || self.sq_sig_all,
+                fence: wr.flags.fence,
+                len,
+            };
+            if let Err(mpsc::error::SendError(e)) = tx.send(e) {
+                // The engine is gone (context shutting down): flush.
+                self.sq_outstanding.fetch_sub(1, Ordering::AcqRel);
+                self.push_send_wc(self.flush_wc(e.wr_id, e.op.wc_opcode()));
+            }
+        }
+        Ok(())
+    }
+
+    fn post_recv(&self, wrs: &[RecvWr<'_>]) -> Result<()> {
+        let state = self.state();
+        if state == QpState::Reset {
+            return Err(Error::state(
+                "post_recv",
+                format!("QP {:#x} is in RESET; move it to INIT first", self.qpn),
+            ));
+        }
+        for wr in wrs {
+            if wr.sg_list.len() > self.caps.max_recv_sge as usize {
+                return Err(Error::invalid(
+                    "post_recv",
+                    format!(
+                        "{} SGEs exceed max_recv_sge {}",
+                        wr.sg_list.len(),
+                        self.caps.max_recv_sge
+                    ),
+                ));
+            }
+        }
+        let mut rq = self.rq.lock().unwrap_or_else(|e| e.into_inner());
+        if rq.len() + wrs.len() > self.caps.max_recv_wr as usize {
+            return Err(Error::exhausted(
+                "post_recv",
+                format!(
+                    "receive queue full: {} posted, max_recv_wr {}",
+                    rq.len(),
+                    self.caps.max_recv_wr
+                ),
+            ));
+        }
+        for wr in wrs {
+            rq.push_back(RecvEntry {
+                wr_id: wr.wr_id,
+                segs: self.resolve(wr.sg_list),
+            });
+        }
+        drop(rq);
+        if state == QpState::Err {
+            self.flush_rq();
+        } else {
+            self.rq_notify.notify_waiters();
+        }
+        Ok(())
+    }
+}
+
+impl Drop for SoftQp {
+    fn drop(&mut self) {
+        self.ctx
+            .qps
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&self.qpn);
+    }
+}

@@ -1,0 +1,811 @@
+//! The requester side of a soft QP: executes posted send WRs in order and
+//! turns responses into completions.
+//!
+//! Plain writes, reads and atomics to a same-host peer's shared segment are
+//! done here directly (the peer's CPU is not involved); everything else is a
+//! request frame on the connection, answered by the peer's responder.
+//! Completions leave in posting order whatever finished first.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use rand::{Rng, SeedableRng};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::sync::{mpsc, Notify};
+
+use super::config::SoftLink;
+use super::mr::LocalSeg;
+use super::peer::{Direct, PeerMap};
+use super::qp::{SoftQp, SqEntry};
+use super::wire::{Frame, Hello, HelloStatus, Syndrome, HEADER_LEN, HELLO_LEN};
+use crate::endpoint::SoftAddress;
+use crate::qp_attr::{ack_timeout_duration, QpState, RtrAttr, RtsAttr};
+use crate::wc::{WcOpcode, WcStatus, WorkCompletion};
+use crate::wr::{AtomicOp, SendOp};
+use crate::AccessFlags;
+
+type Reader = Box<dyn AsyncRead + Unpin + Send>;
+type Writer = Box<dyn AsyncWrite + Unpin + Send>;
+
+/// What an in-flight stream request waits for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Expect {
+    Ack,
+    Read(u32),
+    Atomic,
+}
+
+#[derive(Debug)]
+struct Inflight {
+    wr_id: u64,
+    opcode: WcOpcode,
+    signaled: bool,
+    byte_len: u32,
+    status: Option<WcStatus>,
+    /// Set while a response is awaited.
+    awaiting: Option<(u32, Expect)>,
+    segs: Vec<LocalSeg>,
+    sent_at: Instant,
+    rnr_waits: u32,
+}
+
+#[derive(Debug, Default)]
+struct SqState {
+    inflight: VecDeque<Inflight>,
+    /// Set once the connection is gone: later WRs fail with this status.
+    broken: Option<WcStatus>,
+}
+
+struct Shared {
+    qp: Arc<SoftQp>,
+    q: Mutex<SqState>,
+    progress: Notify,
+    last_rx_ms: AtomicU64,
+    epoch: Instant,
+}
+
+impl Shared {
+    fn lock(&self) -> std::sync::MutexGuard<'_, SqState> {
+        self.q.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Pops finished WRs from the head and emits their completions.
+    fn emit(&self, q: &mut SqState) {
+        while q.inflight.front().is_some_and(|f| f.status.is_some()) {
+            let f = q.inflight.pop_front().expect("front exists");
+            let status = f.status.expect("checked");
+            if status != WcStatus::Success || f.signaled {
+                self.qp.push_send_wc(WorkCompletion {
+                    wr_id: f.wr_id,
+                    status,
+                    opcode: f.opcode,
+                    byte_len: if status == WcStatus::Success {
+                        f.byte_len
+                    } else {
+                        0
+                    },
+                    imm_data: None,
+                    qp_num: self.qp.qpn,
+                    vendor_err: 0,
+                });
+            }
+            self.qp.sq_outstanding.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+
+    /// Marks the first awaited request as failed with `status`, breaks the
+    /// link and moves the QP to ERR.
+    fn fail_link(&self, status: WcStatus, why: &str) {
+        let mut q = self.lock();
+        if q.broken.is_none() {
+            tracing::warn!(qpn = self.qp.qpn, "soft QP connection failed: {why}");
+        }
+        q.broken.get_or_insert(WcStatus::RetryExcErr);
+        if let Some(f) = q
+            .inflight
+            .iter_mut()
+            .find(|f| f.status.is_none() && f.awaiting.is_some())
+        {
+            f.status = Some(status);
+            f.awaiting = None;
+        }
+        drop(q);
+        self.qp.set_error(why);
+        self.progress.notify_waiters();
+    }
+
+    /// Flushes everything not yet finished (QP in ERR).
+    fn flush(&self) {
+        let mut q = self.lock();
+        for f in q.inflight.iter_mut().filter(|f| f.status.is_none()) {
+            f.status = Some(WcStatus::WrFlushErr);
+            f.awaiting = None;
+        }
+        self.emit(&mut q);
+    }
+
+    fn touch(&self) {
+        self.last_rx_ms
+            .store(self.epoch.elapsed().as_millis() as u64, Ordering::Relaxed);
+    }
+}
+
+struct Link {
+    writer: Writer,
+    peer: Option<Arc<PeerMap>>,
+    next_psn: u32,
+}
+
+/// The requester task of one QP; ends when the QP is reset or destroyed.
+pub(crate) async fn run(
+    qp: Arc<SoftQp>,
+    mut rx: mpsc::UnboundedReceiver<SqEntry>,
+    rtr: RtrAttr,
+    rts: RtsAttr,
+) {
+    let remote = rtr.remote.soft.clone().expect("checked at RTR");
+    let ack_timeout = ack_timeout_duration(rts.timeout).map(|d| d * (rts.retry_cnt as u32 + 1));
+    let sh = Arc::new(Shared {
+        qp: qp.clone(),
+        q: Mutex::new(SqState::default()),
+        progress: Notify::new(),
+        last_rx_ms: AtomicU64::new(0),
+        epoch: Instant::now(),
+    });
+    let mut state_rx = qp.state_tx.subscribe();
+    let mut link = match connect(&qp, &remote, rtr.remote.qpn, &rts, ack_timeout).await {
+        Ok((r, w, peer)) => {
+            let reader = tokio::spawn(read_responses(sh.clone(), r, rts.rnr_retry));
+            if let Some(t) = ack_timeout {
+                tokio::spawn(watchdog(sh.clone(), t, reader));
+            }
+            Some(Link {
+                writer: w,
+                peer,
+                next_psn: rts.sq_psn & 0x00ff_ffff,
+            })
+        }
+        Err(why) => {
+            tracing::warn!(
+                qpn = qp.qpn,
+                "soft QP cannot reach its peer QP {:#x}: {why}",
+                rtr.remote.qpn
+            );
+            sh.lock().broken = Some(WcStatus::RetryExcErr);
+            None
+        }
+    };
+    let mut chaos = qp.ctx.config.chaos_seed.map(|seed| {
+        static NTH: AtomicU64 = AtomicU64::new(0);
+        rand::rngs::StdRng::seed_from_u64(
+            seed ^ NTH
+                .fetch_add(1, Ordering::Relaxed)
+                .wrapping_mul(0x9e37_79b9_7f4a_7c15),
+        )
+    });
+    loop {
+        let state = *state_rx.borrow_and_update();
+        match state {
+            QpState::Reset => return,
+            QpState::Err => sh.flush(),
+            _ => {}
+        }
+        tokio::select! {
+            biased;
+            r = state_rx.changed() => {
+                if r.is_err() {
+                    return;
+                }
+            }
+            e = rx.recv() => {
+                let Some(e) = e else { return };
+                if let Some(rng) = chaos.as_mut() {
+                    let max = qp.ctx.config.chaos_max_delay.as_micros() as u64;
+                    let d = rng.gen_range(0..=max);
+                    if d > 0 {
+                        tokio::time::sleep(Duration::from_micros(d)).await;
+                    }
+                }
+                execute(&sh, &mut link, e).await;
+            }
+        }
+    }
+}
+
+/// Opens the connection: unix socket + direct placement on the same host,
+/// TCP otherwise; retries until the ACK timeout budget runs out.
+async fn connect(
+    qp: &SoftQp,
+    remote: &SoftAddress,
+    remote_qpn: u32,
+    rts: &RtsAttr,
+    ack_timeout: Option<Duration>,
+) -> Result<(Reader, Writer, Option<Arc<PeerMap>>), String> {
+    let same_host = remote.host == qp.ctx.host;
+    let use_shm = match qp.ctx.config.link {
+        SoftLink::Auto => same_host,
+        SoftLink::Shm if !same_host => {
+            return Err("RMACOMM_SOFT_LINK=shm but the peer is on another host".into())
+        }
+        SoftLink::Shm => true,
+        SoftLink::Tcp => false,
+    };
+    let hello = Hello {
+        src_qpn: qp.qpn,
+        dst_qpn: remote_qpn,
+        token: remote.token,
+        rnr_retry: rts.rnr_retry.min(7),
+    };
+    let deadline = Instant::now()
+        + ack_timeout
+            .unwrap_or(Duration::from_secs(30))
+            .max(Duration::from_secs(2));
+    let mut last_err = String::new();
+    while Instant::now() < deadline {
+        let attempt = async {
+            if use_shm {
+                let addr = <std::os::unix::net::SocketAddr as std::os::linux::net::SocketAddrExt>::from_abstract_name(
+                    remote.unix.as_bytes(),
+                )
+                .map_err(|e| e.to_string())?;
+                let s = std::os::unix::net::UnixStream::connect_addr(&addr)
+                    .map_err(|e| format!("unix connect: {e}"))?;
+                s.set_nonblocking(true).map_err(|e| e.to_string())?;
+                let s = tokio::net::UnixStream::from_std(s).map_err(|e| e.to_string())?;
+                let (r, w) = s.into_split();
+                Ok::<(Reader, Writer), String>((Box::new(r), Box::new(w)))
+            } else {
+                let mut err = String::from("no TCP address");
+                for a in &remote.tcp {
+                    match tokio::time::timeout(
+                        Duration::from_secs(2),
+                        tokio::net::TcpStream::connect(a),
+                    )
+                    .await
+                    {
+                        Ok(Ok(s)) => {
+                            let _ = s.set_nodelay(true);
+                            let (r, w) = s.into_split();
+                            return Ok((Box::new(r) as Reader, Box::new(w) as Writer));
+                        }
+                        Ok(Err(e)) => err = format!("tcp connect {a}: {e}"),
+                        Err(_) => err = format!("tcp connect {a}: timed out"),
+                    }
+                }
+                Err(err)
+            }
+        };
+        match attempt.await {
+            Ok((mut r, mut w)) => {
+                w.write_all(&hello.encode())
+                    .await
+                    .map_err(|e| format!("hello: {e}"))?;
+                let mut buf = [0u8; HELLO_LEN];
+                tokio::time::timeout(Duration::from_secs(10), r.read_exact(&mut buf))
+                    .await
+                    .map_err(|_| "no reply to hello within 10 s".to_string())?
+                    .map_err(|e| format!("hello reply: {e}"))?;
+                match HelloStatus::decode(&buf).map_err(|e| e.to_string())? {
+                    HelloStatus::Ok => {}
+                    s => return Err(format!("peer refused the connection: {s:?}")),
+                }
+                let peer = if use_shm {
+                    match qp.ctx.peer(remote) {
+                        Ok(p) => Some(p),
+                        Err(e) => {
+                            tracing::info!("same-host peer's tables cannot be mapped ({e}); staging every transfer");
+                            None
+                        }
+                    }
+                } else {
+                    None
+                };
+                return Ok((r, w, peer));
+            }
+            Err(e) => {
+                last_err = e;
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    }
+    Err(last_err)
+}
+
+fn local_ptrs(sh: &Shared, e: &SqEntry) -> Result<Vec<(usize, usize)>, WcStatus> {
+    if let Some(d) = &e.inline {
+        return Ok(vec![(d.as_ptr() as usize, d.len())]);
+    }
+    let need = e.op.local_access();
+    e.segs
+        .iter()
+        .map(|s| s.ptr(sh.qp.pd, need).map(|p| (p as usize, s.len as usize)))
+        .collect()
+}
+
+/// Copies the local pieces to `dst` (gather).
+fn gather_to(dst: usize, local: &[(usize, usize)]) {
+    let mut off = 0;
+    for &(p, l) in local {
+        // SAFETY: p..p+l lies in a live, checked local registration (or the
+        // inline copy); dst..dst+total was checked against the peer's MR and
+        // lies in a live mapping.
+        unsafe { std::ptr::copy_nonoverlapping(p as *const u8, (dst + off) as *mut u8, l) };
+        off += l;
+    }
+}
+
+/// Copies from `src` into the local pieces (scatter).
+fn scatter_from(src: usize, local: &[(usize, usize)]) {
+    let mut off = 0;
+    for &(p, l) in local {
+        // SAFETY: as in gather_to, directions swapped.
+        unsafe { std::ptr::copy_nonoverlapping((src + off) as *const u8, p as *mut u8, l) };
+        off += l;
+    }
+}
+
+async fn execute(sh: &Arc<Shared>, link: &mut Option<Link>, e: SqEntry) {
+    let mut inf = Inflight {
+        wr_id: e.wr_id,
+        opcode: e.op.wc_opcode(),
+        signaled: e.signaled,
+        byte_len: e.len as u32,
+        status: None,
+        awaiting: None,
+        segs: Vec::new(),
+        sent_at: Instant::now(),
+        rnr_waits: 0,
+    };
+    let finish = |mut inf: Inflight, status: WcStatus| {
+        inf.status = Some(status);
+        let mut q = sh.lock();
+        q.inflight.push_back(inf);
+        sh.emit(&mut q);
+        drop(q);
+        if status != WcStatus::Success {
+            sh.qp.set_error(&format!("send WR failed: {status}"));
+            sh.flush();
+        }
+    };
+    if sh.qp.state_tx.borrow().eq(&QpState::Err) {
+        return finish(inf, WcStatus::WrFlushErr);
+    }
+    let local = match local_ptrs(sh, &e) {
+        Ok(l) => l,
+        Err(st) => return finish(inf, st),
+    };
+    let broken = sh.lock().broken;
+    let Some(l) = link.as_mut().filter(|_| broken.is_none()) else {
+        return finish(inf, broken.unwrap_or(WcStatus::RetryExcErr));
+    };
+    if e.fence {
+        loop {
+            let notified = sh.progress.notified();
+            let pending = sh
+                .lock()
+                .inflight
+                .iter()
+                .any(|f| matches!(f.awaiting, Some((_, Expect::Read(_) | Expect::Atomic))));
+            if !pending {
+                break;
+            }
+            notified.await;
+        }
+    }
+    let len = e.len;
+    let pd = remote_pd(&sh.qp);
+    // Direct placement where the peer's memory is mapped here.
+    let direct = |rkey: u32, raddr: u64, need: AccessFlags| -> Result<Direct, WcStatus> {
+        match &l.peer {
+            Some(p) if len > 0 => p.resolve(pd, rkey, raddr, len, need),
+            // Zero bytes: nothing to place and, as in verbs, no key check.
+            Some(_) => Ok(Direct::Vm(raddr)),
+            None => Ok(Direct::Staged),
+        }
+    };
+    let frame = match e.op {
+        SendOp::RdmaWrite { remote_addr, rkey }
+        | SendOp::RdmaWriteWithImm {
+            remote_addr, rkey, ..
+        } => {
+            let imm = match e.op {
+                SendOp::RdmaWriteWithImm { imm, .. } => Some(imm),
+                _ => None,
+            };
+            let placed = match direct(rkey, remote_addr, AccessFlags::REMOTE_WRITE) {
+                Err(st) => return finish(inf, st),
+                Ok(Direct::Ptr(p, _keep)) => {
+                    gather_to(p as usize, &local);
+                    true
+                }
+                Ok(Direct::Vm(a)) => {
+                    let lp: Vec<(*mut u8, usize)> =
+                        local.iter().map(|&(p, l)| (p as *mut u8, l)).collect();
+                    let r = l.peer.as_ref().expect("vm implies a peer").vm_copy(
+                        true,
+                        &lp,
+                        a,
+                        len as usize,
+                    );
+                    match r {
+                        Ok(done) => done,
+                        Err(st) => return finish(inf, st),
+                    }
+                }
+                Ok(Direct::Staged) => false,
+            };
+            match (placed, imm) {
+                (true, None) => return finish(inf, WcStatus::Success),
+                (true, Some(imm)) => Frame::Notify {
+                    psn: 0,
+                    len: len as u32,
+                    imm,
+                },
+                (false, imm) => Frame::Write {
+                    psn: 0,
+                    raddr: remote_addr,
+                    rkey,
+                    len: len as u32,
+                    imm,
+                },
+            }
+        }
+        SendOp::Send => Frame::Send {
+            psn: 0,
+            len: len as u32,
+            imm: None,
+        },
+        SendOp::SendWithImm { imm } => Frame::Send {
+            psn: 0,
+            len: len as u32,
+            imm: Some(imm),
+        },
+        SendOp::RdmaRead { remote_addr, rkey } => {
+            match direct(rkey, remote_addr, AccessFlags::REMOTE_READ) {
+                Err(st) => return finish(inf, st),
+                Ok(Direct::Ptr(p, _keep)) => {
+                    scatter_from(p as usize, &local);
+                    return finish(inf, WcStatus::Success);
+                }
+                Ok(Direct::Vm(a)) => {
+                    let lp: Vec<(*mut u8, usize)> =
+                        local.iter().map(|&(p, l)| (p as *mut u8, l)).collect();
+                    match l.peer.as_ref().expect("vm implies a peer").vm_copy(
+                        false,
+                        &lp,
+                        a,
+                        len as usize,
+                    ) {
+                        Ok(true) => return finish(inf, WcStatus::Success),
+                        Ok(false) => Frame::ReadReq {
+                            psn: 0,
+                            raddr: remote_addr,
+                            rkey,
+                            len: len as u32,
+                        },
+                        Err(st) => return finish(inf, st),
+                    }
+                }
+                Ok(Direct::Staged) => Frame::ReadReq {
+                    psn: 0,
+                    raddr: remote_addr,
+                    rkey,
+                    len: len as u32,
+                },
+            }
+        }
+        SendOp::Atomic {
+            remote_addr,
+            rkey,
+            op,
+        } => {
+            let (cmp_swap, a, b) = match op {
+                AtomicOp::FetchAdd { add } => (false, add, 0),
+                AtomicOp::CompareSwap { compare, swap } => (true, compare, swap),
+            };
+            match direct(rkey, remote_addr, AccessFlags::REMOTE_ATOMIC) {
+                Err(st) => return finish(inf, st),
+                Ok(Direct::Ptr(p, _keep)) => {
+                    // SAFETY: p is 8-byte aligned (checked at post) and inside
+                    // the peer's mapped MR; other processes use atomics on it too.
+                    let cell = unsafe { &*(p as *const std::sync::atomic::AtomicU64) };
+                    let orig = if cmp_swap {
+                        match cell.compare_exchange(a, b, Ordering::AcqRel, Ordering::Acquire) {
+                            Ok(v) | Err(v) => v,
+                        }
+                    } else {
+                        cell.fetch_add(a, Ordering::AcqRel)
+                    };
+                    write_u64(local[0].0, orig);
+                    return finish(inf, WcStatus::Success);
+                }
+                Ok(_) => Frame::Atomic {
+                    psn: 0,
+                    raddr: remote_addr,
+                    rkey,
+                    cmp_swap,
+                    a,
+                    b,
+                },
+            }
+        }
+    };
+    // Stream request.
+    let psn = l.next_psn;
+    l.next_psn = (l.next_psn + 1) & 0x00ff_ffff;
+    let frame = with_psn(frame, psn);
+    let expect = match frame {
+        Frame::ReadReq { len, .. } => Expect::Read(len),
+        Frame::Atomic { .. } => Expect::Atomic,
+        _ => Expect::Ack,
+    };
+    inf.awaiting = Some((psn, expect));
+    inf.segs = e.segs;
+    inf.sent_at = Instant::now();
+    {
+        let mut q = sh.lock();
+        q.inflight.push_back(inf);
+    }
+    let payload: &[(usize, usize)] = if frame.payload_len() > 0 { &local } else { &[] };
+    if let Err(err) = send_frame(&mut l.writer, &frame, payload).await {
+        sh.fail_link(WcStatus::RetryExcErr, &format!("write to peer: {err}"));
+        sh.flush();
+    }
+}
+
+fn remote_pd(qp: &SoftQp) -> u32 {
+    qp.remote_pd()
+}
+
+fn write_u64(p: usize, v: u64) {
+    // SAFETY: p is a checked 8-byte local SGE of an atomic WR.
+    unsafe { std::ptr::write_unaligned(p as *mut u64, v) };
+}
+
+fn with_psn(f: Frame, psn: u32) -> Frame {
+    match f {
+        Frame::Write {
+            raddr,
+            rkey,
+            len,
+            imm,
+            ..
+        } => Frame::Write {
+            psn,
+            raddr,
+            rkey,
+            len,
+            imm,
+        },
+        Frame::Send { len, imm, .. } => Frame::Send { psn, len, imm },
+        Frame::ReadReq {
+            raddr, rkey, len, ..
+        } => Frame::ReadReq {
+            psn,
+            raddr,
+            rkey,
+            len,
+        },
+        Frame::Atomic {
+            raddr,
+            rkey,
+            cmp_swap,
+            a,
+            b,
+            ..
+        } => Frame::Atomic {
+            psn,
+            raddr,
+            rkey,
+            cmp_swap,
+            a,
+            b,
+        },
+        Frame::Notify { len, imm, .. } => Frame::Notify { psn, len, imm },
+        other => other,
+    }
+}
+
+/// Writes a header and its payload, straight from registered memory.
+/// Small frames go out in one write.
+pub(crate) async fn send_frame<W: AsyncWrite + Unpin + ?Sized>(
+    w: &mut W,
+    f: &Frame,
+    payload: &[(usize, usize)],
+) -> std::io::Result<()> {
+    let hdr = f.encode();
+    let total: usize = payload.iter().map(|p| p.1).sum();
+    if total <= 4096 {
+        let mut buf = Vec::with_capacity(HEADER_LEN + total);
+        buf.extend_from_slice(&hdr);
+        for &(p, l) in payload {
+            // SAFETY: p..p+l is a checked, live registration (or inline copy).
+            buf.extend_from_slice(unsafe { std::slice::from_raw_parts(p as *const u8, l) });
+        }
+        return w.write_all(&buf).await;
+    }
+    w.write_all(&hdr).await?;
+    for &(p, l) in payload {
+        // SAFETY: as above; the WR keeps the region alive until completion.
+        w.write_all(unsafe { std::slice::from_raw_parts(p as *const u8, l) })
+            .await?;
+    }
+    Ok(())
+}
+
+/// Reads responses, completes the WRs they answer.
+async fn read_responses(sh: Arc<Shared>, mut r: Reader, rnr_retry: u8) {
+    let max_msg = sh.qp.ctx.config.max_msg_size;
+    loop {
+        let mut hdr = [0u8; HEADER_LEN];
+        if let Err(e) = r.read_exact(&mut hdr).await {
+            let awaiting = sh.lock().inflight.iter().any(|f| f.awaiting.is_some());
+            let why = if e.kind() == std::io::ErrorKind::UnexpectedEof {
+                "the peer closed the connection".to_string()
+            } else {
+                format!("read from peer: {e}")
+            };
+            if awaiting
+                || !matches!(
+                    sh.qp.state_tx.borrow().clone(),
+                    QpState::Err | QpState::Reset
+                )
+            {
+                sh.fail_link(WcStatus::RetryExcErr, &why);
+            }
+            return;
+        }
+        sh.touch();
+        let f = match Frame::decode(&hdr, max_msg) {
+            Ok(f) if !f.is_request() => f,
+            Ok(f) => {
+                return sh.fail_link(
+                    WcStatus::BadRespErr,
+                    &format!("peer sent a request frame {f:?} as a response"),
+                )
+            }
+            Err(e) => {
+                return sh.fail_link(WcStatus::BadRespErr, &format!("malformed response: {e}"))
+            }
+        };
+        // Decide under the lock; read payloads without it.
+        let (psn, expect, segs) = {
+            let q = sh.lock();
+            let Some(x) = q
+                .inflight
+                .iter()
+                .find(|x| x.awaiting.is_some() && x.status.is_none())
+            else {
+                drop(q);
+                return sh.fail_link(WcStatus::BadRespErr, &format!("unsolicited response {f:?}"));
+            };
+            let (psn, expect) = x.awaiting.expect("checked");
+            let segs = if matches!(f, Frame::ReadResp { .. } | Frame::AtomicResp { .. }) {
+                x.segs.clone()
+            } else {
+                Vec::new()
+            };
+            (psn, expect, segs)
+        };
+        if f.psn() != psn {
+            return sh.fail_link(
+                WcStatus::BadRespErr,
+                &format!("response for PSN {} while {psn} is outstanding", f.psn()),
+            );
+        }
+        let status = match (f, expect) {
+            (Frame::Ack { .. }, Expect::Ack) => WcStatus::Success,
+            (Frame::ReadResp { len, .. }, Expect::Read(want)) if len == want => {
+                // The segments were checked at post (LOCAL_WRITE) and are
+                // kept alive by `segs`.
+                for s in &segs {
+                    if s.len == 0 {
+                        continue;
+                    }
+                    let p = match s.ptr(sh.qp.pd, AccessFlags::LOCAL_WRITE) {
+                        Ok(p) => p as usize,
+                        Err(st) => return sh.fail_link(st, "read destination became invalid"),
+                    };
+                    // SAFETY: p..p+len is a live, checked local registration.
+                    let dst =
+                        unsafe { std::slice::from_raw_parts_mut(p as *mut u8, s.len as usize) };
+                    if let Err(e) = r.read_exact(dst).await {
+                        return sh.fail_link(WcStatus::RetryExcErr, &format!("read response: {e}"));
+                    }
+                }
+                WcStatus::Success
+            }
+            (Frame::AtomicResp { orig, .. }, Expect::Atomic) => match segs
+                .first()
+                .map(|s| s.ptr(sh.qp.pd, AccessFlags::LOCAL_WRITE))
+            {
+                Some(Ok(p)) => {
+                    write_u64(p as usize, orig);
+                    WcStatus::Success
+                }
+                _ => WcStatus::LocProtErr,
+            },
+            (Frame::Nak { syndrome, .. }, _) => match syndrome {
+                Syndrome::RemoteAccess => WcStatus::RemAccessErr,
+                Syndrome::InvalidRequest => WcStatus::RemInvReqErr,
+                Syndrome::RemoteOp => WcStatus::RemOpErr,
+            },
+            (Frame::RnrWait { .. }, _) => {
+                let mut q = sh.lock();
+                let Some(f) = q
+                    .inflight
+                    .iter_mut()
+                    .find(|x| x.awaiting.is_some_and(|a| a.0 == psn))
+                else {
+                    continue;
+                };
+                f.rnr_waits += 1;
+                f.sent_at = Instant::now();
+                if rnr_retry == 7 || f.rnr_waits <= rnr_retry as u32 {
+                    continue;
+                }
+                WcStatus::RnrRetryExcErr
+            }
+            (other, _) => {
+                return sh.fail_link(
+                    WcStatus::BadRespErr,
+                    &format!("response {other:?} does not match the request"),
+                );
+            }
+        };
+        let mut q = sh.lock();
+        if let Some(f) = q
+            .inflight
+            .iter_mut()
+            .find(|x| x.awaiting.is_some_and(|a| a.0 == psn))
+        {
+            f.status = Some(status);
+            f.awaiting = None;
+        }
+        sh.emit(&mut q);
+        drop(q);
+        sh.progress.notify_waiters();
+        if status != WcStatus::Success {
+            sh.qp.set_error(&format!("peer answered {status}"));
+            sh.lock().broken.get_or_insert(status);
+            sh.flush();
+            return;
+        }
+    }
+}
+
+/// Fails the oldest awaited request when the peer stays silent for the ACK
+/// timeout (a stopped or unreachable peer).
+async fn watchdog(sh: Arc<Shared>, timeout: Duration, reader: tokio::task::JoinHandle<()>) {
+    let tick = (timeout / 4).max(Duration::from_millis(5));
+    loop {
+        tokio::time::sleep(tick).await;
+        if reader.is_finished() || matches!(*sh.qp.state_tx.borrow(), QpState::Reset | QpState::Err)
+        {
+            reader.abort();
+            return;
+        }
+        let last_rx = Duration::from_millis(sh.last_rx_ms.load(Ordering::Relaxed));
+        let silent = sh.epoch.elapsed().saturating_sub(last_rx);
+        let oldest = sh
+            .lock()
+            .inflight
+            .iter()
+            .filter(|f| f.awaiting.is_some())
+            .map(|f| f.sent_at.elapsed())
+            .max();
+        if let Some(age) = oldest {
+            if age >= timeout && silent >= timeout {
+                reader.abort();
+                sh.fail_link(
+                    WcStatus::RetryExcErr,
+                    &format!("no response from the peer for {} ms", timeout.as_millis()),
+                );
+                sh.flush();
+                return;
+            }
+        }
+    }
+}

@@ -1,0 +1,380 @@
+//! The responder side of a soft QP: validates and executes the requests
+//! arriving on one connection, in order.
+//!
+//! A request that fails a check is answered with a NAK and the connection is
+//! closed; a malformed frame closes the connection at once. Payloads are read
+//! from the socket straight into the registered memory.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::sync::watch;
+
+use super::mr::SoftMr;
+use super::qp::{RecvEntry, SoftQp};
+use super::requester::send_frame;
+use super::wire::{Frame, Hello, Syndrome, HEADER_LEN};
+use crate::qp_attr::QpState;
+use crate::wc::{WcOpcode, WcStatus, WorkCompletion};
+use crate::AccessFlags;
+
+enum Outcome {
+    Continue,
+    Close,
+}
+
+/// Serves one connection until it closes, the QP leaves service, or a
+/// request fails.
+pub(crate) async fn run<S>(qp: Arc<SoftQp>, mut s: S, hello: Hello, peer: String)
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send,
+{
+    let mut state_rx = qp.state_tx.subscribe();
+    let max_msg = qp.ctx.config.max_msg_size;
+    loop {
+        let mut hdr = [0u8; HEADER_LEN];
+        tokio::select! {
+            r = s.read_exact(&mut hdr) => {
+                if r.is_err() {
+                    return;
+                }
+            }
+            _ = dead(&mut state_rx) => return,
+        }
+        let f = match Frame::decode(&hdr, max_msg) {
+            Ok(f) if f.is_request() => f,
+            Ok(f) => {
+                return tracing::warn!(
+                    "soft QP {:#x}: peer {peer} (QP {:#x}) sent response frame {f:?} as a request; closing the connection",
+                    qp.qpn,
+                    hello.src_qpn
+                )
+            }
+            Err(e) => {
+                return tracing::warn!(
+                    "soft QP {:#x}: malformed frame from peer {peer} (QP {:#x}): {e}; closing the connection",
+                    qp.qpn,
+                    hello.src_qpn
+                )
+            }
+        };
+        if !ready(&qp, &mut state_rx).await {
+            return;
+        }
+        match serve(&qp, &mut s, f, &mut state_rx).await {
+            Ok(Outcome::Continue) => {}
+            Ok(Outcome::Close) => return,
+            Err(e) => {
+                return tracing::debug!("soft QP {:#x}: connection to {peer} lost: {e}", qp.qpn)
+            }
+        }
+    }
+}
+
+/// Resolves when the QP is reset, in error, or gone.
+async fn dead(rx: &mut watch::Receiver<QpState>) {
+    loop {
+        if matches!(*rx.borrow_and_update(), QpState::Reset | QpState::Err) {
+            return;
+        }
+        if rx.changed().await.is_err() {
+            return;
+        }
+    }
+}
+
+/// Waits until the QP can receive (RTR or RTS); false when it never will.
+async fn ready(qp: &SoftQp, rx: &mut watch::Receiver<QpState>) -> bool {
+    let wait = async {
+        loop {
+            match *rx.borrow_and_update() {
+                QpState::Rtr | QpState::Rts | QpState::Sqd | QpState::Sqe => return true,
+                QpState::Err | QpState::Reset => return false,
+                QpState::Init => {}
+            }
+            if rx.changed().await.is_err() {
+                return false;
+            }
+        }
+    };
+    match tokio::time::timeout(std::time::Duration::from_secs(30), wait).await {
+        Ok(ok) => ok,
+        Err(_) => {
+            tracing::warn!(
+                "soft QP {:#x} received requests but did not reach RTR within 30 s",
+                qp.qpn
+            );
+            false
+        }
+    }
+}
+
+/// Checks a remote access against the MR and the QP's access flags.
+fn check(
+    qp: &SoftQp,
+    rkey: u32,
+    raddr: u64,
+    len: u64,
+    need: AccessFlags,
+) -> Option<(Arc<SoftMr>, usize)> {
+    if !qp.remote_access().contains(need) {
+        return None;
+    }
+    let mr = qp.ctx.mr(rkey)?;
+    let p = mr.check(qp.pd, raddr, len, need)? as usize;
+    Some((mr, p))
+}
+
+async fn nak<S: AsyncWrite + Unpin>(
+    qp: &SoftQp,
+    s: &mut S,
+    psn: u32,
+    syndrome: Syndrome,
+    why: &str,
+) -> std::io::Result<Outcome> {
+    tracing::debug!(
+        "soft QP {:#x}: NAK {syndrome:?} for PSN {psn}: {why}",
+        qp.qpn
+    );
+    s.write_all(&Frame::Nak { psn, syndrome }.encode()).await?;
+    Ok(Outcome::Close)
+}
+
+/// Takes a posted receive, sending RNR waits while there is none.
+async fn take_recv<S: AsyncWrite + Unpin>(
+    qp: &SoftQp,
+    s: &mut S,
+    psn: u32,
+    state_rx: &mut watch::Receiver<QpState>,
+) -> std::io::Result<Option<RecvEntry>> {
+    let period = qp.rnr_period();
+    loop {
+        let notified = qp.rq_notify.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        if let Some(r) = qp.rq.lock().unwrap_or_else(|e| e.into_inner()).pop_front() {
+            return Ok(Some(r));
+        }
+        if matches!(*state_rx.borrow(), QpState::Err | QpState::Reset) {
+            return Ok(None);
+        }
+        tokio::select! {
+            _ = notified => {}
+            _ = tokio::time::sleep(period) => {
+                s.write_all(&Frame::RnrWait { psn }.encode()).await?;
+            }
+            _ = dead(state_rx) => return Ok(None),
+        }
+    }
+}
+
+fn recv_wc(
+    qp: &SoftQp,
+    r: &RecvEntry,
+    status: WcStatus,
+    opcode: WcOpcode,
+    len: u32,
+    imm: Option<u32>,
+) -> WorkCompletion {
+    WorkCompletion {
+        wr_id: r.wr_id,
+        status,
+        opcode,
+        byte_len: len,
+        imm_data: imm,
+        qp_num: qp.qpn,
+        vendor_err: 0,
+    }
+}
+
+async fn serve<S>(
+    qp: &SoftQp,
+    s: &mut S,
+    f: Frame,
+    state_rx: &mut watch::Receiver<QpState>,
+) -> std::io::Result<Outcome>
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send,
+{
+    match f {
+        Frame::Write {
+            psn,
+            raddr,
+            rkey,
+            len,
+            imm,
+        } => {
+            if len > 0 {
+                let Some((_mr, p)) = check(qp, rkey, raddr, len as u64, AccessFlags::REMOTE_WRITE)
+                else {
+                    return nak(
+                        qp,
+                        s,
+                        psn,
+                        Syndrome::RemoteAccess,
+                        "RDMA WRITE outside a writable region",
+                    )
+                    .await;
+                };
+                // SAFETY: p..p+len was checked against a live MR (held by _mr).
+                let dst = unsafe { std::slice::from_raw_parts_mut(p as *mut u8, len as usize) };
+                s.read_exact(dst).await?;
+            }
+            if let Some(imm) = imm {
+                let Some(r) = take_recv(qp, s, psn, state_rx).await? else {
+                    return Ok(Outcome::Close);
+                };
+                qp.push_recv_wc(recv_wc(
+                    qp,
+                    &r,
+                    WcStatus::Success,
+                    WcOpcode::RecvRdmaWithImm,
+                    len,
+                    Some(imm),
+                ));
+            }
+            s.write_all(&Frame::Ack { psn }.encode()).await?;
+        }
+        Frame::Notify { psn, len, imm } => {
+            let Some(r) = take_recv(qp, s, psn, state_rx).await? else {
+                return Ok(Outcome::Close);
+            };
+            qp.push_recv_wc(recv_wc(
+                qp,
+                &r,
+                WcStatus::Success,
+                WcOpcode::RecvRdmaWithImm,
+                len,
+                Some(imm),
+            ));
+            s.write_all(&Frame::Ack { psn }.encode()).await?;
+        }
+        Frame::Send { psn, len, imm } => {
+            let Some(r) = take_recv(qp, s, psn, state_rx).await? else {
+                return Ok(Outcome::Close);
+            };
+            if (len as u64) > r.capacity() {
+                qp.push_recv_wc(recv_wc(
+                    qp,
+                    &r,
+                    WcStatus::LocLenErr,
+                    WcOpcode::Recv,
+                    0,
+                    None,
+                ));
+                qp.set_error("receive too small for an incoming SEND");
+                return nak(
+                    qp,
+                    s,
+                    psn,
+                    Syndrome::InvalidRequest,
+                    "SEND longer than the posted receive",
+                )
+                .await;
+            }
+            let mut left = len as usize;
+            let mut pieces = Vec::with_capacity(r.segs.len());
+            for seg in &r.segs {
+                if left == 0 {
+                    break;
+                }
+                match seg.ptr(qp.pd, AccessFlags::LOCAL_WRITE) {
+                    Ok(p) => {
+                        let n = left.min(seg.len as usize);
+                        pieces.push((p as usize, n));
+                        left -= n;
+                    }
+                    Err(st) => {
+                        qp.push_recv_wc(recv_wc(qp, &r, st, WcOpcode::Recv, 0, None));
+                        qp.set_error("receive buffer failed its key check");
+                        return nak(
+                            qp,
+                            s,
+                            psn,
+                            Syndrome::RemoteOp,
+                            "receive buffer is not a valid local region",
+                        )
+                        .await;
+                    }
+                }
+            }
+            for (p, n) in pieces {
+                // SAFETY: p..p+n lies in a checked local MR kept alive by `r`.
+                let dst = unsafe { std::slice::from_raw_parts_mut(p as *mut u8, n) };
+                s.read_exact(dst).await?;
+            }
+            let opcode = WcOpcode::Recv;
+            qp.push_recv_wc(recv_wc(qp, &r, WcStatus::Success, opcode, len, imm));
+            s.write_all(&Frame::Ack { psn }.encode()).await?;
+        }
+        Frame::ReadReq {
+            psn,
+            raddr,
+            rkey,
+            len,
+        } => {
+            let mut keep = None;
+            let mut src = 0usize;
+            if len > 0 {
+                let Some((mr, p)) = check(qp, rkey, raddr, len as u64, AccessFlags::REMOTE_READ)
+                else {
+                    return nak(
+                        qp,
+                        s,
+                        psn,
+                        Syndrome::RemoteAccess,
+                        "RDMA READ outside a readable region",
+                    )
+                    .await;
+                };
+                keep = Some(mr);
+                src = p;
+            }
+            let payload = [(src, len as usize)];
+            send_frame(
+                s,
+                &Frame::ReadResp { psn, len },
+                if len > 0 { &payload } else { &[] },
+            )
+            .await?;
+            drop(keep);
+        }
+        Frame::Atomic {
+            psn,
+            raddr,
+            rkey,
+            cmp_swap,
+            a,
+            b,
+        } => {
+            if raddr % 8 != 0 {
+                return nak(qp, s, psn, Syndrome::InvalidRequest, "misaligned atomic").await;
+            }
+            let Some((_mr, p)) = check(qp, rkey, raddr, 8, AccessFlags::REMOTE_ATOMIC) else {
+                return nak(
+                    qp,
+                    s,
+                    psn,
+                    Syndrome::RemoteAccess,
+                    "atomic outside an atomic-enabled region",
+                )
+                .await;
+            };
+            // SAFETY: p is 8-byte aligned, inside a live MR; every soft atomic
+            // on this address (from any process) goes through an AtomicU64.
+            let cell = unsafe { &*(p as *const std::sync::atomic::AtomicU64) };
+            let orig = if cmp_swap {
+                match cell.compare_exchange(a, b, Ordering::AcqRel, Ordering::Acquire) {
+                    Ok(v) | Err(v) => v,
+                }
+            } else {
+                cell.fetch_add(a, Ordering::AcqRel)
+            };
+            s.write_all(&Frame::AtomicResp { psn, orig }.encode())
+                .await?;
+        }
+        _ => return Ok(Outcome::Close),
+    }
+    Ok(Outcome::Continue)
+}
