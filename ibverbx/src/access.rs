@@ -21,10 +21,7 @@ bitflags! {
 impl AccessFlags {
     /// Every access: what one-sided communication buffers usually want.
     pub fn all_remote() -> Self {
-        AccessFlags::LOCAL_WRITE
-            | AccessFlags::REMOTE_WRITE
-            | AccessFlags::REMOTE_READ
-            | AccessFlags::REMOTE_ATOMIC
+        AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ | AccessFlags::REMOTE_ATOMIC
     }
 
     /// Verbs requires LOCAL_WRITE whenever REMOTE_WRITE or REMOTE_ATOMIC is asked for.

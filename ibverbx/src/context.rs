@@ -21,18 +21,13 @@ pub(crate) struct ContextInner {
 
 impl fmt::Debug for Context {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Context")
-            .field("device", &self.inner.info.name)
-            .field("ops", &self.inner.ops)
-            .finish()
+        f.debug_struct("Context").field("device", &self.inner.info.name).field("ops", &self.inner.ops).finish()
     }
 }
 
 impl Context {
     pub(crate) fn from_ops(ops: Arc<dyn ContextOps>, info: DeviceInfo) -> Self {
-        Context {
-            inner: Arc::new(ContextInner { ops, info }),
-        }
+        Context { inner: Arc::new(ContextInner { ops, info }) }
     }
 
     /// The device this context was opened on.
@@ -57,19 +52,13 @@ impl Context {
 
     /// Allocates a protection domain.
     pub fn alloc_pd(&self) -> Result<ProtectionDomain> {
-        Ok(ProtectionDomain::new(
-            self.inner.ops.alloc_pd()?,
-            self.clone(),
-        ))
+        Ok(ProtectionDomain::new(self.inner.ops.alloc_pd()?, self.clone()))
     }
 
     /// Creates a completion queue of at least `cqe` entries, with its own
     /// completion channel.
     pub fn create_cq(&self, cqe: usize) -> Result<CompletionQueue> {
-        Ok(CompletionQueue::new(
-            self.inner.ops.create_cq(cqe)?,
-            self.clone(),
-        ))
+        Ok(CompletionQueue::new(self.inner.ops.create_cq(cqe)?, self.clone()))
     }
 
     /// The provider's context object (for provider-specific extensions).

@@ -28,17 +28,13 @@ pub(crate) struct CqInner {
 
 impl fmt::Debug for CompletionQueue {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("CompletionQueue")
-            .field("capacity", &self.inner.ops.capacity())
-            .finish()
+        f.debug_struct("CompletionQueue").field("capacity", &self.inner.ops.capacity()).finish()
     }
 }
 
 impl CompletionQueue {
     pub(crate) fn new(ops: Arc<dyn CqOps>, ctx: Context) -> Self {
-        CompletionQueue {
-            inner: Arc::new(CqInner { ops, _ctx: ctx }),
-        }
+        CompletionQueue { inner: Arc::new(CqInner { ops, _ctx: ctx }) }
     }
 
     /// Entries the CQ holds.
@@ -67,12 +63,7 @@ impl CompletionQueue {
     /// (`None`: forever), then polls into `out`. It first busy-polls for
     /// `busy_poll` (lowest latency, burns a core), then sleeps on the
     /// completion channel (no CPU while idle). Returns 0 on timeout.
-    pub fn wait(
-        &self,
-        out: &mut [WorkCompletion],
-        timeout: Option<Duration>,
-        busy_poll: Duration,
-    ) -> Result<usize> {
+    pub fn wait(&self, out: &mut [WorkCompletion], timeout: Option<Duration>, busy_poll: Duration) -> Result<usize> {
         let start = Instant::now();
         let deadline = timeout.map(|t| start + t);
         loop {
@@ -101,11 +92,7 @@ impl CompletionQueue {
                     (d - now).as_millis().min(i32::MAX as u128) as i32 + 1
                 }
             };
-            let mut pfd = libc::pollfd {
-                fd: self.as_raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            };
+            let mut pfd = libc::pollfd { fd: self.as_raw_fd(), events: libc::POLLIN, revents: 0 };
             // SAFETY: pfd is a valid pollfd array of length 1.
             let r = unsafe { libc::poll(&mut pfd, 1, wait_ms) };
             if r < 0 {

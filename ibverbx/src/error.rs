@@ -75,10 +75,7 @@ pub enum Error {
 
 impl Error {
     pub(crate) fn os(verb: &'static str, source: io::Error) -> Self {
-        Error::Os {
-            verb,
-            source: Arc::new(source),
-        }
+        Error::Os { verb, source: Arc::new(source) }
     }
 
     pub(crate) fn last_os(verb: &'static str) -> Self {
@@ -86,24 +83,15 @@ impl Error {
     }
 
     pub(crate) fn invalid(verb: &'static str, reason: impl Into<String>) -> Self {
-        Error::InvalidArgument {
-            verb,
-            reason: reason.into(),
-        }
+        Error::InvalidArgument { verb, reason: reason.into() }
     }
 
     pub(crate) fn state(verb: &'static str, reason: impl Into<String>) -> Self {
-        Error::InvalidState {
-            verb,
-            reason: reason.into(),
-        }
+        Error::InvalidState { verb, reason: reason.into() }
     }
 
     pub(crate) fn exhausted(verb: &'static str, reason: impl Into<String>) -> Self {
-        Error::Exhausted {
-            verb,
-            reason: reason.into(),
-        }
+        Error::Exhausted { verb, reason: reason.into() }
     }
 }
 
@@ -111,34 +99,12 @@ impl PartialEq for Error {
     fn eq(&self, other: &Self) -> bool {
         use Error::*;
         match (self, other) {
-            (Os { verb: a, source: x }, Os { verb: b, source: y }) => {
-                a == b && x.kind() == y.kind()
-            }
+            (Os { verb: a, source: x }, Os { verb: b, source: y }) => a == b && x.kind() == y.kind(),
             (InvalidArgument { verb: a, reason: x }, InvalidArgument { verb: b, reason: y })
             | (InvalidState { verb: a, reason: x }, InvalidState { verb: b, reason: y })
-            | (Exhausted { verb: a, reason: x }, Exhausted { verb: b, reason: y }) => {
-                a == b && x == y
-            }
-            (
-                CqOverflow {
-                    capacity: a,
-                    dropped: x,
-                },
-                CqOverflow {
-                    capacity: b,
-                    dropped: y,
-                },
-            ) => a == b && x == y,
-            (
-                Unavailable {
-                    provider: a,
-                    reason: x,
-                },
-                Unavailable {
-                    provider: b,
-                    reason: y,
-                },
-            ) => a == b && x == y,
+            | (Exhausted { verb: a, reason: x }, Exhausted { verb: b, reason: y }) => a == b && x == y,
+            (CqOverflow { capacity: a, dropped: x }, CqOverflow { capacity: b, dropped: y }) => a == b && x == y,
+            (Unavailable { provider: a, reason: x }, Unavailable { provider: b, reason: y }) => a == b && x == y,
             (Timeout { verb: a, millis: x }, Timeout { verb: b, millis: y }) => a == b && x == y,
             _ => false,
         }

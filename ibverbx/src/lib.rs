@@ -95,8 +95,7 @@ pub use pd::ProtectionDomain;
 pub use provider::Placement;
 pub use qp::QueuePair;
 pub use qp_attr::{
-    ack_timeout_duration, rnr_timer_duration, InitAttr, QpCaps, QpInitAttr, QpState, QpTransition,
-    RtrAttr, RtsAttr,
+    ack_timeout_duration, rnr_timer_duration, InitAttr, QpCaps, QpInitAttr, QpState, QpTransition, RtrAttr, RtsAttr,
 };
 pub use shm::ShmBuffer;
 pub use wc::{WcOpcode, WcStatus, WorkCompletion};
@@ -129,12 +128,8 @@ impl ProviderKind {
     pub fn from_env() -> Result<ProviderKind> {
         match std::env::var("RMACOMM_PROVIDER") {
             Err(_) => Ok(ProviderKind::Auto),
-            Ok(v) => ProviderKind::parse(&v).ok_or_else(|| {
-                Error::invalid(
-                    "RMACOMM_PROVIDER",
-                    format!("{v:?} is not one of auto, verbs, soft"),
-                )
-            }),
+            Ok(v) => ProviderKind::parse(&v)
+                .ok_or_else(|| Error::invalid("RMACOMM_PROVIDER", format!("{v:?} is not one of auto, verbs, soft"))),
         }
     }
 }
@@ -142,10 +137,7 @@ impl ProviderKind {
 /// The soft provider's one device, configured from the environment.
 pub fn soft_device() -> Device {
     let provider: Arc<dyn provider::Provider> = soft::SoftProvider::from_env();
-    let info = provider
-        .devices()
-        .expect("the soft provider always lists soft0")
-        .remove(0);
+    let info = provider.devices().expect("the soft provider always lists soft0").remove(0);
     Device { info, provider }
 }
 

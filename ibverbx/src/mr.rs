@@ -88,21 +88,14 @@ impl MemoryRegion {
 
     /// Registers a buffer the region then owns (and keeps alive while any WR
     /// uses it).
-    pub fn register<B: OwnedBuffer>(
-        pd: &ProtectionDomain,
-        mut buf: B,
-        access: AccessFlags,
-    ) -> Result<MemoryRegion> {
+    pub fn register<B: OwnedBuffer>(pd: &ProtectionDomain, mut buf: B, access: AccessFlags) -> Result<MemoryRegion> {
         let ptr = buf.buf_ptr();
         let len = buf.buf_len();
         let owner: Arc<dyn Any + Send + Sync> = Arc::new(buf);
         // SAFETY: the bytes belong to `owner`, which the provider keeps alive
         // for as long as the registration or any WR needs them.
         let ops = unsafe { pd.inner.ops.reg_mr(ptr, len, access, Some(owner))? };
-        Ok(MemoryRegion {
-            ops,
-            pd: pd.clone(),
-        })
+        Ok(MemoryRegion { ops, pd: pd.clone() })
     }
 
     /// Registers memory the caller owns (GPU or foreign memory, a buffer
@@ -120,10 +113,7 @@ impl MemoryRegion {
     ) -> Result<MemoryRegion> {
         // SAFETY: forwarded to the caller.
         let ops = unsafe { pd.inner.ops.reg_mr(ptr, len, access, None)? };
-        Ok(MemoryRegion {
-            ops,
-            pd: pd.clone(),
-        })
+        Ok(MemoryRegion { ops, pd: pd.clone() })
     }
 
     /// Start address.
@@ -175,11 +165,7 @@ impl MemoryRegion {
     /// A scatter/gather element for `len` bytes at `offset`, bounds-checked.
     pub fn sge(&self, offset: usize, len: usize) -> Result<Sge> {
         self.check(offset, len, "sge")?;
-        Ok(Sge {
-            addr: self.addr() + offset as u64,
-            length: len as u32,
-            lkey: self.lkey(),
-        })
+        Ok(Sge { addr: self.addr() + offset as u64, length: len as u32, lkey: self.lkey() })
     }
 
     /// Copies `dst.len()` bytes at `offset` out of the region.
@@ -187,9 +173,7 @@ impl MemoryRegion {
         self.check(offset, dst.len(), "read")?;
         // SAFETY: in bounds of a live registration; the region is shared
         // memory, so it is copied with raw pointers and never borrowed.
-        unsafe {
-            std::ptr::copy_nonoverlapping(self.as_ptr().add(offset), dst.as_mut_ptr(), dst.len())
-        };
+        unsafe { std::ptr::copy_nonoverlapping(self.as_ptr().add(offset), dst.as_mut_ptr(), dst.len()) };
         Ok(())
     }
 
@@ -197,9 +181,7 @@ impl MemoryRegion {
     pub fn write(&self, offset: usize, src: &[u8]) -> Result<()> {
         self.check(offset, src.len(), "write")?;
         // SAFETY: as in `read`.
-        unsafe {
-            std::ptr::copy_nonoverlapping(src.as_ptr(), self.as_ptr().add(offset), src.len())
-        };
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.as_ptr().add(offset), src.len()) };
         Ok(())
     }
 
@@ -229,10 +211,7 @@ impl MemoryRegion {
             Some(end) if end <= self.len() && len <= u32::MAX as usize => Ok(()),
             _ => Err(Error::invalid(
                 verb,
-                format!(
-                    "range {offset}+{len} is outside the memory region of {} bytes",
-                    self.len()
-                ),
+                format!("range {offset}+{len} is outside the memory region of {} bytes", self.len()),
             )),
         }
     }

@@ -20,17 +20,13 @@ pub(crate) struct PdInner {
 
 impl fmt::Debug for ProtectionDomain {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ProtectionDomain")
-            .field("ops", &self.inner.ops)
-            .finish()
+        f.debug_struct("ProtectionDomain").field("ops", &self.inner.ops).finish()
     }
 }
 
 impl ProtectionDomain {
     pub(crate) fn new(ops: Arc<dyn PdOps>, ctx: Context) -> Self {
-        ProtectionDomain {
-            inner: Arc::new(PdInner { ops, ctx }),
-        }
+        ProtectionDomain { inner: Arc::new(PdInner { ops, ctx }) }
     }
 
     /// The context the PD belongs to.
@@ -47,16 +43,8 @@ impl ProtectionDomain {
         send_cq: &CompletionQueue,
         recv_cq: &CompletionQueue,
     ) -> Result<QueuePair> {
-        let ops = self
-            .inner
-            .ops
-            .create_qp(attr, &send_cq.inner.ops, &recv_cq.inner.ops)?;
-        Ok(QueuePair::new(
-            ops,
-            self.clone(),
-            send_cq.clone(),
-            recv_cq.clone(),
-        ))
+        let ops = self.inner.ops.create_qp(attr, &send_cq.inner.ops, &recv_cq.inner.ops)?;
+        Ok(QueuePair::new(ops, self.clone(), send_cq.clone(), recv_cq.clone()))
     }
 
     /// The provider's PD object.

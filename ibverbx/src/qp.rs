@@ -21,10 +21,7 @@ pub struct QueuePair {
 
 impl fmt::Debug for QueuePair {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("QueuePair")
-            .field("qp_num", &self.ops.qp_num())
-            .field("state", &self.ops.state())
-            .finish()
+        f.debug_struct("QueuePair").field("qp_num", &self.ops.qp_num()).field("state", &self.ops.state()).finish()
     }
 }
 
@@ -35,12 +32,7 @@ impl QueuePair {
         send_cq: CompletionQueue,
         recv_cq: CompletionQueue,
     ) -> Self {
-        QueuePair {
-            ops,
-            pd,
-            send_cq,
-            recv_cq,
-        }
+        QueuePair { ops, pd, send_cq, recv_cq }
     }
 
     /// QP number.
@@ -70,11 +62,7 @@ impl QueuePair {
 
     /// RESET → INIT → RTR → RTS against `remote` with default attributes.
     pub fn connect(&self, remote: &QpEndpoint) -> Result<()> {
-        self.connect_with(
-            InitAttr::default(),
-            RtrAttr::new(remote.clone()),
-            RtsAttr::default(),
-        )
+        self.connect_with(InitAttr::default(), RtrAttr::new(remote.clone()), RtsAttr::default())
     }
 
     /// RESET → INIT → RTR → RTS with the given attributes.

@@ -42,13 +42,7 @@ pub struct QpCaps {
 
 impl Default for QpCaps {
     fn default() -> Self {
-        QpCaps {
-            max_send_wr: 256,
-            max_recv_wr: 256,
-            max_send_sge: 4,
-            max_recv_sge: 4,
-            max_inline_data: 256,
-        }
+        QpCaps { max_send_wr: 256, max_recv_wr: 256, max_send_sge: 4, max_recv_sge: 4, max_inline_data: 256 }
     }
 }
 
@@ -78,9 +72,7 @@ impl Default for InitAttr {
         InitAttr {
             port_num: 1,
             pkey_index: 0,
-            access: AccessFlags::REMOTE_WRITE
-                | AccessFlags::REMOTE_READ
-                | AccessFlags::REMOTE_ATOMIC,
+            access: AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ | AccessFlags::REMOTE_ATOMIC,
         }
     }
 }
@@ -137,13 +129,7 @@ pub struct RtsAttr {
 
 impl Default for RtsAttr {
     fn default() -> Self {
-        RtsAttr {
-            timeout: 16,
-            retry_cnt: 7,
-            rnr_retry: 7,
-            max_rd_atomic: 16,
-            sq_psn: 0,
-        }
+        RtsAttr { timeout: 16, retry_cnt: 7, rnr_retry: 7, max_rd_atomic: 16, sq_psn: 0 }
     }
 }
 
@@ -180,10 +166,7 @@ impl QpTransition {
         match self {
             QpTransition::Init(_) => matches!(from, QpState::Reset | QpState::Init),
             QpTransition::Rtr(_) => from == QpState::Init,
-            QpTransition::Rts(_) => matches!(
-                from,
-                QpState::Rtr | QpState::Rts | QpState::Sqd | QpState::Sqe
-            ),
+            QpTransition::Rts(_) => matches!(from, QpState::Rtr | QpState::Rts | QpState::Sqd | QpState::Sqe),
             QpTransition::Err | QpTransition::Reset => true,
         }
     }
@@ -192,9 +175,8 @@ impl QpTransition {
 /// The RNR NAK timer value of an IB `min_rnr_timer` encoding (0 = 655.36 ms).
 pub fn rnr_timer_duration(code: u8) -> Duration {
     const MICROS: [u64; 32] = [
-        655_360, 10, 20, 30, 40, 60, 80, 120, 160, 240, 320, 480, 640, 960, 1_280, 1_920, 2_560,
-        3_840, 5_120, 7_680, 10_240, 15_360, 20_480, 30_720, 40_960, 61_440, 81_920, 122_880,
-        163_840, 245_760, 327_680, 491_520,
+        655_360, 10, 20, 30, 40, 60, 80, 120, 160, 240, 320, 480, 640, 960, 1_280, 1_920, 2_560, 3_840, 5_120, 7_680,
+        10_240, 15_360, 20_480, 30_720, 40_960, 61_440, 81_920, 122_880, 163_840, 245_760, 327_680, 491_520,
     ];
     Duration::from_micros(MICROS[(code & 31) as usize])
 }

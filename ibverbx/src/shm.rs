@@ -73,12 +73,9 @@ pub(crate) fn page_size() -> usize {
 impl ShmSegment {
     pub(crate) fn create(len: usize) -> Result<Arc<ShmSegment>> {
         let page = page_size();
-        let map_len = len
-            .max(1)
-            .checked_add(page - 1)
-            .ok_or_else(|| Error::invalid("shm_alloc", "length overflows"))?
-            / page
-            * page;
+        let map_len =
+            len.max(1).checked_add(page - 1).ok_or_else(|| Error::invalid("shm_alloc", "length overflows"))? / page
+                * page;
         let uid: u64 = rand::random::<u64>() | 1;
         let name = CString::new(segment_name(uid)).expect("no NUL in segment name");
         // SAFETY: name is a valid C string; flags are valid.
@@ -107,20 +104,10 @@ impl ShmSegment {
             return Err(Error::last_os("mmap(memfd)"));
         }
         let ptr = NonNull::new(p as *mut u8).expect("mmap returned null");
-        let seg = Arc::new(ShmSegment {
-            ptr,
-            len: map_len,
-            fd,
-            uid,
-        });
+        let seg = Arc::new(ShmSegment { ptr, len: map_len, fd, uid });
         table().lock().unwrap_or_else(|e| e.into_inner()).insert(
             ptr.as_ptr() as usize,
-            SegmentRef {
-                base: ptr.as_ptr() as usize,
-                len: map_len,
-                fd: seg.fd.as_raw_fd(),
-                uid,
-            },
+            SegmentRef { base: ptr.as_ptr() as usize, len: map_len, fd: seg.fd.as_raw_fd(), uid },
         );
         Ok(seg)
     }
@@ -144,10 +131,7 @@ impl ShmSegment {
 
 impl Drop for ShmSegment {
     fn drop(&mut self) {
-        table()
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&(self.ptr.as_ptr() as usize));
+        table().lock().unwrap_or_else(|e| e.into_inner()).remove(&(self.ptr.as_ptr() as usize));
         // SAFETY: ptr/len are the mapping made in create; nothing refers to it
         // any more (the Arc is gone).
         unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
@@ -158,9 +142,7 @@ impl ShmBuffer {
     /// Allocates `len` zeroed bytes (rounded up to whole pages) in a new
     /// memfd segment.
     pub fn new(len: usize) -> Result<ShmBuffer> {
-        Ok(ShmBuffer {
-            seg: ShmSegment::create(len)?,
-        })
+        Ok(ShmBuffer { seg: ShmSegment::create(len)? })
     }
 
     /// Usable length (a whole number of pages, at least the length asked for).
@@ -193,19 +175,13 @@ impl ShmBuffer {
 
 impl fmt::Debug for ShmBuffer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ShmBuffer")
-            .field("ptr", &self.seg.ptr())
-            .field("len", &self.seg.len())
-            .finish()
+        f.debug_struct("ShmBuffer").field("ptr", &self.seg.ptr()).field("len", &self.seg.len()).finish()
     }
 }
 
 impl fmt::Debug for ShmSegment {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ShmSegment")
-            .field("len", &self.len)
-            .field("uid", &self.uid)
-            .finish()
+        f.debug_struct("ShmSegment").field("len", &self.len).field("uid", &self.uid).finish()
     }
 }
 

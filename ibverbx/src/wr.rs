@@ -84,14 +84,8 @@ impl SendOp {
             SendOp::Send | SendOp::SendWithImm { .. } => WcOpcode::Send,
             SendOp::RdmaWrite { .. } | SendOp::RdmaWriteWithImm { .. } => WcOpcode::RdmaWrite,
             SendOp::RdmaRead { .. } => WcOpcode::RdmaRead,
-            SendOp::Atomic {
-                op: AtomicOp::FetchAdd { .. },
-                ..
-            } => WcOpcode::FetchAdd,
-            SendOp::Atomic {
-                op: AtomicOp::CompareSwap { .. },
-                ..
-            } => WcOpcode::CompareSwap,
+            SendOp::Atomic { op: AtomicOp::FetchAdd { .. }, .. } => WcOpcode::FetchAdd,
+            SendOp::Atomic { op: AtomicOp::CompareSwap { .. }, .. } => WcOpcode::CompareSwap,
         }
     }
 
@@ -119,17 +113,9 @@ pub struct SendFlags {
 
 impl SendFlags {
     /// Signaled, not inline.
-    pub const SIGNALED: SendFlags = SendFlags {
-        signaled: true,
-        inline: false,
-        fence: false,
-    };
+    pub const SIGNALED: SendFlags = SendFlags { signaled: true, inline: false, fence: false };
     /// Unsignaled, not inline.
-    pub const UNSIGNALED: SendFlags = SendFlags {
-        signaled: false,
-        inline: false,
-        fence: false,
-    };
+    pub const UNSIGNALED: SendFlags = SendFlags { signaled: false, inline: false, fence: false };
 }
 
 /// A send-queue work request (`struct ibv_send_wr`, one at a time: Rust

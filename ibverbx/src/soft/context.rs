@@ -60,33 +60,21 @@ impl CtxShared {
     pub(crate) fn open(config: SoftConfig) -> Result<Arc<CtxShared>> {
         let uid: u64 = rand::random();
         let pid = std::process::id();
-        let bind_ip = config
-            .bind_addr
-            .unwrap_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED));
-        let tcp = std::net::TcpListener::bind(SocketAddr::new(bind_ip, 0))
-            .map_err(|e| Error::os("bind(tcp)", e))?;
-        tcp.set_nonblocking(true)
-            .map_err(|e| Error::os("bind(tcp)", e))?;
-        let port = tcp
-            .local_addr()
-            .map_err(|e| Error::os("bind(tcp)", e))?
-            .port();
+        let bind_ip = config.bind_addr.unwrap_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED));
+        let tcp = std::net::TcpListener::bind(SocketAddr::new(bind_ip, 0)).map_err(|e| Error::os("bind(tcp)", e))?;
+        tcp.set_nonblocking(true).map_err(|e| Error::os("bind(tcp)", e))?;
+        let port = tcp.local_addr().map_err(|e| Error::os("bind(tcp)", e))?.port();
         let tcp_addrs: Vec<SocketAddr> = match config.bind_addr {
             Some(ip) if !ip.is_unspecified() => vec![SocketAddr::new(ip, port)],
-            _ => local_ipv4_addrs()
-                .into_iter()
-                .map(|ip| SocketAddr::new(ip, port))
-                .collect(),
+            _ => local_ipv4_addrs().into_iter().map(|ip| SocketAddr::new(ip, port)).collect(),
         };
         let unix_name = format!("rmacomm-soft-{pid}-{uid:016x}");
         let uaddr = <std::os::unix::net::SocketAddr as std::os::linux::net::SocketAddrExt>::from_abstract_name(
             unix_name.as_bytes(),
         )
         .map_err(|e| Error::os("bind(unix)", e))?;
-        let unix = std::os::unix::net::UnixListener::bind_addr(&uaddr)
-            .map_err(|e| Error::os("bind(unix)", e))?;
-        unix.set_nonblocking(true)
-            .map_err(|e| Error::os("bind(unix)", e))?;
+        let unix = std::os::unix::net::UnixListener::bind_addr(&uaddr).map_err(|e| Error::os("bind(unix)", e))?;
+        unix.set_nonblocking(true).map_err(|e| Error::os("bind(unix)", e))?;
 
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -165,19 +153,12 @@ impl CtxShared {
 
     /// Looks up a local MR by key (lkey or rkey).
     pub(crate) fn mr(&self, key: u32) -> Option<Arc<SoftMr>> {
-        self.mrs
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(&key)
-            .cloned()
+        self.mrs.read().unwrap_or_else(|e| e.into_inner()).get(&key).cloned()
     }
 
     pub(crate) fn deregister(&self, key: u32) {
         self.keytable.revoke(key);
-        self.mrs
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&key);
+        self.mrs.write().unwrap_or_else(|e| e.into_inner()).remove(&key);
     }
 
     fn register(
@@ -189,27 +170,17 @@ impl CtxShared {
         owner: Option<Arc<dyn Any + Send + Sync>>,
     ) -> Result<Arc<dyn MrOps>> {
         if !access.is_consistent() {
-            return Err(Error::invalid(
-                "reg_mr",
-                "REMOTE_WRITE and REMOTE_ATOMIC need LOCAL_WRITE too",
-            ));
+            return Err(Error::invalid("reg_mr", "REMOTE_WRITE and REMOTE_ATOMIC need LOCAL_WRITE too"));
         }
         if addr.is_null() && len > 0 {
             return Err(Error::invalid("reg_mr", "null address"));
         }
         let a = addr as usize;
         let seg = find_segment(a, len);
-        let placement = if seg.is_some() {
-            Placement::SharedSegment
-        } else {
-            Placement::ProcessVm
-        };
+        let placement = if seg.is_some() { Placement::SharedSegment } else { Placement::ProcessVm };
         let mut mrs = self.mrs.write().unwrap_or_else(|e| e.into_inner());
         if mrs.len() >= (SLOT_MASK as usize) {
-            return Err(Error::exhausted(
-                "reg_mr",
-                "the soft key table is full (16383 regions per context)",
-            ));
+            return Err(Error::exhausted("reg_mr", "the soft key table is full (16383 regions per context)"));
         }
         // Random keys; the low bits pick a free slot of the shared table.
         let key = loop {
@@ -218,9 +189,7 @@ impl CtxShared {
                 break k;
             }
         };
-        let mr = Arc::new(SoftMr::new(
-            key, pd, a as u64, len, access, placement, owner,
-        ));
+        let mr = Arc::new(SoftMr::new(key, pd, a as u64, len, access, placement, owner));
         let (seg_uid, seg_fd, seg_off) = match seg {
             Some(s) => (s.uid, s.fd, (a - s.base) as u64),
             None => (0, -1, 0),
@@ -236,10 +205,7 @@ impl CtxShared {
             seg_off,
         });
         mrs.insert(key, mr.clone());
-        Ok(Arc::new(SoftMrHandle {
-            mr,
-            ctx: self.clone(),
-        }))
+        Ok(Arc::new(SoftMrHandle { mr, ctx: self.clone() }))
     }
 
     pub(crate) fn alloc_qpn(&self) -> u32 {
@@ -260,12 +226,7 @@ impl CtxShared {
 
 impl Drop for CtxShared {
     fn drop(&mut self) {
-        if let Some(tx) = self
-            .shutdown
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()
-        {
+        if let Some(tx) = self.shutdown.lock().unwrap_or_else(|e| e.into_inner()).take() {
             let _ = tx.send(());
         }
     }
@@ -280,41 +241,26 @@ where
     let mut buf = [0u8; HELLO_LEN];
     match tokio::time::timeout(Duration::from_secs(10), s.read_exact(&mut buf)).await {
         Ok(Ok(_)) => {}
-        Ok(Err(e)) => {
-            return tracing::debug!("soft connection from {peer} closed during hello: {e}")
-        }
-        Err(_) => {
-            return tracing::warn!("soft connection from {peer}: no hello within 10 s; closing")
-        }
+        Ok(Err(e)) => return tracing::debug!("soft connection from {peer} closed during hello: {e}"),
+        Err(_) => return tracing::warn!("soft connection from {peer}: no hello within 10 s; closing"),
     }
     let hello = match Hello::decode(&buf) {
         Ok(h) => h,
         Err(e) => return tracing::warn!("soft connection from {peer} refused: {e}"),
     };
-    let qp = ctx
-        .qps
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .get(&hello.dst_qpn)
-        .and_then(Weak::upgrade);
+    let qp = ctx.qps.lock().unwrap_or_else(|e| e.into_inner()).get(&hello.dst_qpn).and_then(Weak::upgrade);
     drop(ctx);
     let qp = match qp {
         Some(qp) if qp.token_matches(&hello.token) => qp,
         _ => {
-            tracing::warn!(
-                "soft connection from {peer} refused: unknown QP {:#x} or wrong token",
-                hello.dst_qpn
-            );
+            tracing::warn!("soft connection from {peer} refused: unknown QP {:#x} or wrong token", hello.dst_qpn);
             let _ = s.write_all(&HelloStatus::BadToken.encode()).await;
             return;
         }
     };
     if !qp.accepts_connections() {
         let _ = s.write_all(&HelloStatus::BadState.encode()).await;
-        return tracing::warn!(
-            "soft connection from {peer} refused: QP {:#x} is in error or reset",
-            hello.dst_qpn
-        );
+        return tracing::warn!("soft connection from {peer} refused: QP {:#x} is in error or reset", hello.dst_qpn);
     }
     if s.write_all(&HelloStatus::Ok.encode()).await.is_err() {
         return;
@@ -346,10 +292,7 @@ impl ContextOps for SoftContext {
 
     fn query_port(&self, port: u8) -> Result<PortAttr> {
         if port != 1 {
-            return Err(Error::invalid(
-                "query_port",
-                format!("port {port} does not exist (soft devices have port 1)"),
-            ));
+            return Err(Error::invalid("query_port", format!("port {port} does not exist (soft devices have port 1)")));
         }
         Ok(PortAttr {
             state: PortState::Active,
@@ -364,10 +307,7 @@ impl ContextOps for SoftContext {
 
     fn query_gid(&self, port: u8, index: u32) -> Result<Gid> {
         if port != 1 || index != 0 {
-            return Err(Error::invalid(
-                "query_gid",
-                format!("no GID {index} on port {port}"),
-            ));
+            return Err(Error::invalid("query_gid", format!("no GID {index} on port {port}")));
         }
         Ok(match self.shared.tcp_addrs.first().map(|a| a.ip()) {
             Some(IpAddr::V4(v4)) => Gid::from_ipv4(v4),
@@ -378,18 +318,12 @@ impl ContextOps for SoftContext {
 
     fn alloc_pd(&self) -> Result<Arc<dyn PdOps>> {
         let id = self.shared.next_pd.fetch_add(1, Ordering::Relaxed);
-        Ok(Arc::new(SoftPd {
-            id,
-            ctx: self.shared.clone(),
-        }))
+        Ok(Arc::new(SoftPd { id, ctx: self.shared.clone() }))
     }
 
     fn create_cq(&self, cqe: usize) -> Result<Arc<dyn CqOps>> {
         if cqe == 0 || cqe > 1 << 22 {
-            return Err(Error::invalid(
-                "create_cq",
-                format!("{cqe} entries: use 1..=4194304"),
-            ));
+            return Err(Error::invalid("create_cq", format!("{cqe} entries: use 1..=4194304")));
         }
         Ok(Arc::new(SoftCq::new(cqe, self.shared.uid)?))
     }

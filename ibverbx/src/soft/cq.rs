@@ -36,10 +36,7 @@ impl SoftCq {
         let efd = unsafe { OwnedFd::from_raw_fd(fd) };
         Ok(SoftCq {
             cap,
-            q: Mutex::new(CqState {
-                entries: VecDeque::with_capacity(cap.min(4096)),
-                dropped: 0,
-            }),
+            q: Mutex::new(CqState { entries: VecDeque::with_capacity(cap.min(4096)), dropped: 0 }),
             armed: AtomicBool::new(false),
             efd,
             ctx_uid,
@@ -54,10 +51,7 @@ impl SoftCq {
             if q.entries.len() >= self.cap {
                 q.dropped += 1;
                 if q.dropped == 1 {
-                    tracing::error!(
-                        capacity = self.cap,
-                        "soft CQ overflow: a completion was lost"
-                    );
+                    tracing::error!(capacity = self.cap, "soft CQ overflow: a completion was lost");
                 }
             } else {
                 q.entries.push_back(wc);
@@ -83,10 +77,7 @@ impl CqOps for SoftCq {
     fn poll(&self, out: &mut [WorkCompletion]) -> Result<usize> {
         let mut q = self.q.lock().unwrap_or_else(|e| e.into_inner());
         if q.dropped > 0 {
-            return Err(Error::CqOverflow {
-                capacity: self.cap,
-                dropped: q.dropped,
-            });
+            return Err(Error::CqOverflow { capacity: self.cap, dropped: q.dropped });
         }
         let n = out.len().min(q.entries.len());
         for (slot, wc) in out.iter_mut().zip(q.entries.drain(..n)) {

@@ -12,11 +12,7 @@ pub(crate) fn host_id() -> HostId {
         .map(|s| s.trim().to_owned())
         .unwrap_or_else(|_| "unknown".to_owned());
     let ns = |p: &str| std::fs::metadata(p).map(|m| m.ino()).unwrap_or(0);
-    HostId {
-        boot_id,
-        ipc_ns: ns("/proc/self/ns/ipc"),
-        net_ns: ns("/proc/self/ns/net"),
-    }
+    HostId { boot_id, ipc_ns: ns("/proc/self/ns/ipc"), net_ns: ns("/proc/self/ns/net") }
 }
 
 /// IPv4 addresses of the interfaces that are up, non-loopback first, the

@@ -48,9 +48,7 @@ pub struct SoftProvider {
 impl SoftProvider {
     /// A provider whose contexts use `config`.
     pub fn new(config: SoftConfig) -> Arc<SoftProvider> {
-        Arc::new(SoftProvider {
-            config: Mutex::new(config),
-        })
+        Arc::new(SoftProvider { config: Mutex::new(config) })
     }
 
     /// A provider configured from the environment (`RMACOMM_SOFT_*`).
@@ -65,29 +63,14 @@ impl Provider for SoftProvider {
     }
 
     fn devices(&self) -> Result<Vec<DeviceInfo>> {
-        Ok(vec![DeviceInfo {
-            name: "soft0".into(),
-            provider: "soft",
-            guid: 0,
-            numa_node: None,
-            pci_addr: None,
-        }])
+        Ok(vec![DeviceInfo { name: "soft0".into(), provider: "soft", guid: 0, numa_node: None, pci_addr: None }])
     }
 
     fn open_device(&self, device: &DeviceInfo) -> Result<Arc<dyn ContextOps>> {
         if device.name != "soft0" {
-            return Err(Error::invalid(
-                "open_device",
-                format!("the soft provider has no device {:?}", device.name),
-            ));
+            return Err(Error::invalid("open_device", format!("the soft provider has no device {:?}", device.name)));
         }
-        let cfg = self
-            .config
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
-        Ok(Arc::new(context::SoftContext {
-            shared: context::CtxShared::open(cfg)?,
-        }))
+        let cfg = self.config.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        Ok(Arc::new(context::SoftContext { shared: context::CtxShared::open(cfg)? }))
     }
 }

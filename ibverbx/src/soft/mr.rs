@@ -42,16 +42,7 @@ impl SoftMr {
         placement: Placement,
         owner: Option<Arc<dyn Any + Send + Sync>>,
     ) -> Self {
-        SoftMr {
-            key,
-            pd,
-            addr,
-            len,
-            access,
-            placement,
-            valid: AtomicBool::new(true),
-            _owner: owner,
-        }
+        SoftMr { key, pd, addr, len, access, placement, valid: AtomicBool::new(true), _owner: owner }
     }
 
     /// Checks an access of `len` bytes at `addr` by a QP of `pd` needing
@@ -82,10 +73,7 @@ impl LocalSeg {
         if self.len == 0 {
             return Ok(std::ptr::null_mut());
         }
-        self.mr
-            .as_ref()
-            .and_then(|mr| mr.check(pd, self.addr, self.len as u64, need))
-            .ok_or(WcStatus::LocProtErr)
+        self.mr.as_ref().and_then(|mr| mr.check(pd, self.addr, self.len as u64, need)).ok_or(WcStatus::LocProtErr)
     }
 }
 

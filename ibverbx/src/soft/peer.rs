@@ -31,17 +31,10 @@ impl Mapping {
         let path = format!("/proc/{pid}/fd/{fd}");
         let target = std::fs::read_link(&path).map_err(|e| Error::os("map peer segment", e))?;
         if !target.to_string_lossy().contains(&segment_name(uid)) {
-            return Err(Error::invalid(
-                "map peer segment",
-                format!("{path} is not segment {uid:#x}"),
-            ));
+            return Err(Error::invalid("map peer segment", format!("{path} is not segment {uid:#x}")));
         }
         let c = CString::new(path).expect("no NUL");
-        let flags = if writable {
-            libc::O_RDWR
-        } else {
-            libc::O_RDONLY
-        };
+        let flags = if writable { libc::O_RDWR } else { libc::O_RDONLY };
         // SAFETY: c is a valid C string.
         let f = unsafe { libc::open(c.as_ptr(), flags | libc::O_CLOEXEC) };
         if f < 0 {
@@ -57,31 +50,15 @@ impl Mapping {
             return Err(e);
         }
         let len = st.st_size as usize;
-        let prot = if writable {
-            libc::PROT_READ | libc::PROT_WRITE
-        } else {
-            libc::PROT_READ
-        };
+        let prot = if writable { libc::PROT_READ | libc::PROT_WRITE } else { libc::PROT_READ };
         // SAFETY: mapping a valid fd of len bytes; checked below.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len.max(1),
-                prot,
-                libc::MAP_SHARED,
-                f,
-                0,
-            )
-        };
+        let p = unsafe { libc::mmap(std::ptr::null_mut(), len.max(1), prot, libc::MAP_SHARED, f, 0) };
         // SAFETY: the mapping holds its own reference to the file.
         unsafe { libc::close(f) };
         if p == libc::MAP_FAILED {
             return Err(Error::last_os("mmap peer segment"));
         }
-        Ok(Mapping {
-            ptr: p as *mut u8,
-            len,
-        })
+        Ok(Mapping { ptr: p as *mut u8, len })
     }
 }
 
@@ -122,10 +99,7 @@ impl PeerMap {
     pub(crate) fn open(a: &SoftAddress) -> Result<PeerMap> {
         let m = Mapping::open(a.pid, a.keytable_fd, a.keytable_uid, false)?;
         if m.len < TABLE_BYTES {
-            return Err(Error::invalid(
-                "map peer key table",
-                "key table is too short",
-            ));
+            return Err(Error::invalid("map peer key table", "key table is too short"));
         }
         // SAFETY: the mapping is TABLE_BYTES long and page aligned, and
         // lives in the same struct as the view.
@@ -179,8 +153,7 @@ impl PeerMap {
             let p = unsafe { m.ptr.add(off as usize) };
             return Ok(Direct::Ptr(p, m));
         }
-        if self.vm.load(Ordering::Relaxed) == VM_DENIED || need.contains(AccessFlags::REMOTE_ATOMIC)
-        {
+        if self.vm.load(Ordering::Relaxed) == VM_DENIED || need.contains(AccessFlags::REMOTE_ATOMIC) {
             return Ok(Direct::Staged);
         }
         Ok(Direct::Vm(raddr))
@@ -201,17 +174,11 @@ impl PeerMap {
         let mut iov: Vec<libc::iovec> = local
             .iter()
             .filter(|(_, l)| *l > 0)
-            .map(|&(p, l)| libc::iovec {
-                iov_base: p.cast(),
-                iov_len: l,
-            })
+            .map(|&(p, l)| libc::iovec { iov_base: p.cast(), iov_len: l })
             .collect();
         let mut first = 0usize;
         while done < len {
-            let remote = libc::iovec {
-                iov_base: (raddr as usize + done) as *mut libc::c_void,
-                iov_len: len - done,
-            };
+            let remote = libc::iovec { iov_base: (raddr as usize + done) as *mut libc::c_void, iov_len: len - done };
             // SAFETY: the local iovecs point into live, checked registrations;
             // the remote iovec is checked by the kernel against the peer.
             let r = unsafe {

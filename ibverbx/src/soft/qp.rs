@@ -68,17 +68,12 @@ pub(crate) struct SoftQp {
 
 impl std::fmt::Debug for SoftQp {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SoftQp")
-            .field("qpn", &format_args!("{:#x}", self.qpn))
-            .field("state", &self.state())
-            .finish()
+        f.debug_struct("SoftQp").field("qpn", &format_args!("{:#x}", self.qpn)).field("state", &self.state()).finish()
     }
 }
 
 fn soft_cq(cq: &Arc<dyn CqOps>) -> &SoftCq {
-    cq.as_any()
-        .downcast_ref::<SoftCq>()
-        .expect("checked at QP creation")
+    cq.as_any().downcast_ref::<SoftCq>().expect("checked at QP creation")
 }
 
 impl SoftQp {
@@ -91,26 +86,15 @@ impl SoftQp {
         for cq in [send_cq, recv_cq] {
             match cq.as_any().downcast_ref::<SoftCq>() {
                 Some(c) if c.ctx_uid == pd.ctx.uid => {}
-                _ => {
-                    return Err(Error::invalid(
-                        "create_qp",
-                        "the CQs must come from the same soft context as the PD",
-                    ))
-                }
+                _ => return Err(Error::invalid("create_qp", "the CQs must come from the same soft context as the PD")),
             }
         }
         let c = attr.caps;
         if c.max_send_wr == 0 || c.max_send_wr > 1 << 16 || c.max_recv_wr > 1 << 16 {
-            return Err(Error::invalid(
-                "create_qp",
-                "max_send_wr must be 1..=65536 and max_recv_wr at most 65536",
-            ));
+            return Err(Error::invalid("create_qp", "max_send_wr must be 1..=65536 and max_recv_wr at most 65536"));
         }
         if c.max_send_sge > 16 || c.max_recv_sge > 16 || c.max_inline_data > 4096 {
-            return Err(Error::invalid(
-                "create_qp",
-                "at most 16 SGEs and 4096 inline bytes per WR",
-            ));
+            return Err(Error::invalid("create_qp", "at most 16 SGEs and 4096 inline bytes per WR"));
         }
         let qpn = pd.ctx.alloc_qpn();
         let (state_tx, _) = watch::channel(QpState::Reset);
@@ -123,33 +107,20 @@ impl SoftQp {
             sq_sig_all: attr.sq_sig_all,
             send_cq: send_cq.clone(),
             recv_cq: recv_cq.clone(),
-            st: Mutex::new(QpSt {
-                state: QpState::Reset,
-                access: AccessFlags::empty(),
-                rtr: None,
-                sq_tx: None,
-            }),
+            st: Mutex::new(QpSt { state: QpState::Reset, access: AccessFlags::empty(), rtr: None, sq_tx: None }),
             state_tx,
             rq: Mutex::new(VecDeque::new()),
             rq_notify: Notify::new(),
             sq_outstanding: AtomicU32::new(0),
         });
-        pd.ctx
-            .qps
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(qpn, Arc::downgrade(&qp));
+        pd.ctx.qps.lock().unwrap_or_else(|e| e.into_inner()).insert(qpn, Arc::downgrade(&qp));
         Ok(qp)
     }
 
     pub(crate) fn token_matches(&self, t: &[u8; 16]) -> bool {
         // Constant-time compare: the token is the only thing that admits a
         // connection.
-        self.token
-            .iter()
-            .zip(t)
-            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
-            == 0
+        self.token.iter().zip(t).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
     }
 
     pub(crate) fn accepts_connections(&self) -> bool {
@@ -162,11 +133,7 @@ impl SoftQp {
 
     /// The PD of the peer QP (same-host direct checks use it).
     pub(crate) fn remote_pd(&self) -> u32 {
-        self.lock()
-            .rtr
-            .as_ref()
-            .and_then(|r| r.remote.soft.as_ref())
-            .map_or(0, |s| s.pd)
+        self.lock().rtr.as_ref().and_then(|r| r.remote.soft.as_ref()).map_or(0, |s| s.pd)
     }
 
     /// The RNR NAK period this QP (as a responder) reports at.
@@ -214,12 +181,7 @@ impl SoftQp {
     }
 
     fn flush_rq(&self) {
-        let drained: Vec<RecvEntry> = self
-            .rq
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .drain(..)
-            .collect();
+        let drained: Vec<RecvEntry> = self.rq.lock().unwrap_or_else(|e| e.into_inner()).drain(..).collect();
         for r in drained {
             self.push_recv_wc(self.flush_wc(r.wr_id, WcOpcode::Recv));
         }
@@ -229,11 +191,7 @@ impl SoftQp {
     fn resolve(&self, sges: &[crate::Sge]) -> Vec<LocalSeg> {
         sges.iter()
             .map(|s| LocalSeg {
-                mr: if s.length == 0 {
-                    None
-                } else {
-                    self.ctx.mr(s.lkey)
-                },
+                mr: if s.length == 0 { None } else { self.ctx.mr(s.lkey) },
                 addr: s.addr,
                 len: s.length,
             })
@@ -244,46 +202,30 @@ impl SoftQp {
         if wr.sg_list.len() > self.caps.max_send_sge as usize {
             return Err(Error::invalid(
                 "post_send",
-                format!(
-                    "{} SGEs exceed max_send_sge {}",
-                    wr.sg_list.len(),
-                    self.caps.max_send_sge
-                ),
+                format!("{} SGEs exceed max_send_sge {}", wr.sg_list.len(), self.caps.max_send_sge),
             ));
         }
         let len: u64 = wr.sg_list.iter().map(|s| s.length as u64).sum();
         if len > self.ctx.config.max_msg_size as u64 {
             return Err(Error::invalid(
                 "post_send",
-                format!(
-                    "message of {len} bytes exceeds max_msg_sz {}",
-                    self.ctx.config.max_msg_size
-                ),
+                format!("message of {len} bytes exceeds max_msg_sz {}", self.ctx.config.max_msg_size),
             ));
         }
         if wr.flags.inline {
             if len > self.caps.max_inline_data as u64 {
                 return Err(Error::invalid(
                     "post_send",
-                    format!(
-                        "{len} inline bytes exceed max_inline_data {}",
-                        self.caps.max_inline_data
-                    ),
+                    format!("{len} inline bytes exceed max_inline_data {}", self.caps.max_inline_data),
                 ));
             }
             if matches!(wr.op, SendOp::RdmaRead { .. } | SendOp::Atomic { .. }) {
-                return Err(Error::invalid(
-                    "post_send",
-                    "RDMA READ and atomics cannot be inline",
-                ));
+                return Err(Error::invalid("post_send", "RDMA READ and atomics cannot be inline"));
             }
         }
         if let SendOp::Atomic { remote_addr, .. } = wr.op {
             if wr.sg_list.len() != 1 || wr.sg_list[0].length != 8 {
-                return Err(Error::invalid(
-                    "post_send",
-                    "an atomic needs exactly one 8-byte SGE",
-                ));
+                return Err(Error::invalid("post_send", "an atomic needs exactly one 8-byte SGE"));
             }
             if remote_addr % 8 != 0 {
                 return Err(Error::invalid(
@@ -339,11 +281,7 @@ impl QpOps for SoftQp {
         if !t.allowed_from(st.state) {
             return Err(Error::state(
                 "modify_qp",
-                format!(
-                    "{:?} → {:?} is not a valid transition",
-                    st.state,
-                    t.target()
-                ),
+                format!("{:?} → {:?} is not a valid transition", st.state, t.target()),
             ));
         }
         match t {
@@ -352,10 +290,7 @@ impl QpOps for SoftQp {
             }
             QpTransition::Rtr(a) => {
                 if a.remote.soft.is_none() {
-                    return Err(Error::invalid(
-                        "modify_qp(RTR)",
-                        "the remote endpoint is not a soft-provider QP",
-                    ));
+                    return Err(Error::invalid("modify_qp(RTR)", "the remote endpoint is not a soft-provider QP"));
                 }
                 st.rtr = Some(a.clone());
             }
@@ -364,15 +299,9 @@ impl QpOps for SoftQp {
                     let rtr = st.rtr.clone().expect("RTR precedes RTS");
                     let (tx, rx) = mpsc::unbounded_channel();
                     st.sq_tx = Some(tx);
-                    let me = self
-                        .ctx
-                        .qps
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .get(&self.qpn)
-                        .and_then(|w| w.upgrade());
                     let me =
-                        me.ok_or_else(|| Error::state("modify_qp(RTS)", "QP is being destroyed"))?;
+                        self.ctx.qps.lock().unwrap_or_else(|e| e.into_inner()).get(&self.qpn).and_then(|w| w.upgrade());
+                    let me = me.ok_or_else(|| Error::state("modify_qp(RTS)", "QP is being destroyed"))?;
                     let rts: RtsAttr = *a;
                     self.ctx.rt.spawn(super::requester::run(me, rx, rtr, rts));
                 }
@@ -409,10 +338,7 @@ impl QpOps for SoftQp {
         let tx = match (st.state, &st.sq_tx) {
             (QpState::Rts | QpState::Err, Some(tx)) => tx.clone(),
             (s, _) => {
-                return Err(Error::state(
-                    "post_send",
-                    format!("QP {:#x} is in {s:?}; it must be in RTS", self.qpn),
-                ))
+                return Err(Error::state("post_send", format!("QP {:#x} is in {s:?}; it must be in RTS", self.qpn)))
             }
         };
         drop(st);
@@ -422,10 +348,7 @@ impl QpOps for SoftQp {
             self.sq_outstanding.fetch_sub(n, Ordering::AcqRel);
             return Err(Error::exhausted(
                 "post_send",
-                format!(
-                    "send queue full: {before} outstanding, max_send_wr {}",
-                    self.caps.max_send_wr
-                ),
+                format!("send queue full: {before} outstanding, max_send_wr {}", self.caps.max_send_wr),
             ));
         }
         for (wr, len) in wrs.iter().zip(lens) {
@@ -464,20 +387,13 @@ impl QpOps for SoftQp {
     fn post_recv(&self, wrs: &[RecvWr<'_>]) -> Result<()> {
         let state = self.state();
         if state == QpState::Reset {
-            return Err(Error::state(
-                "post_recv",
-                format!("QP {:#x} is in RESET; move it to INIT first", self.qpn),
-            ));
+            return Err(Error::state("post_recv", format!("QP {:#x} is in RESET; move it to INIT first", self.qpn)));
         }
         for wr in wrs {
             if wr.sg_list.len() > self.caps.max_recv_sge as usize {
                 return Err(Error::invalid(
                     "post_recv",
-                    format!(
-                        "{} SGEs exceed max_recv_sge {}",
-                        wr.sg_list.len(),
-                        self.caps.max_recv_sge
-                    ),
+                    format!("{} SGEs exceed max_recv_sge {}", wr.sg_list.len(), self.caps.max_recv_sge),
                 ));
             }
         }
@@ -485,18 +401,11 @@ impl QpOps for SoftQp {
         if rq.len() + wrs.len() > self.caps.max_recv_wr as usize {
             return Err(Error::exhausted(
                 "post_recv",
-                format!(
-                    "receive queue full: {} posted, max_recv_wr {}",
-                    rq.len(),
-                    self.caps.max_recv_wr
-                ),
+                format!("receive queue full: {} posted, max_recv_wr {}", rq.len(), self.caps.max_recv_wr),
             ));
         }
         for wr in wrs {
-            rq.push_back(RecvEntry {
-                wr_id: wr.wr_id,
-                segs: self.resolve(wr.sg_list),
-            });
+            rq.push_back(RecvEntry { wr_id: wr.wr_id, segs: self.resolve(wr.sg_list) });
         }
         drop(rq);
         if state == QpState::Err {
@@ -510,10 +419,6 @@ impl QpOps for SoftQp {
 
 impl Drop for SoftQp {
     fn drop(&mut self) {
-        self.ctx
-            .qps
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&self.qpn);
+        self.ctx.qps.lock().unwrap_or_else(|e| e.into_inner()).remove(&self.qpn);
     }
 }

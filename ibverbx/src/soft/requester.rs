@@ -81,11 +81,7 @@ impl Shared {
                     wr_id: f.wr_id,
                     status,
                     opcode: f.opcode,
-                    byte_len: if status == WcStatus::Success {
-                        f.byte_len
-                    } else {
-                        0
-                    },
+                    byte_len: if status == WcStatus::Success { f.byte_len } else { 0 },
                     imm_data: None,
                     qp_num: self.qp.qpn,
                     vendor_err: 0,
@@ -103,11 +99,7 @@ impl Shared {
             tracing::warn!(qpn = self.qp.qpn, "soft QP connection failed: {why}");
         }
         q.broken.get_or_insert(WcStatus::RetryExcErr);
-        if let Some(f) = q
-            .inflight
-            .iter_mut()
-            .find(|f| f.status.is_none() && f.awaiting.is_some())
-        {
+        if let Some(f) = q.inflight.iter_mut().find(|f| f.status.is_none() && f.awaiting.is_some()) {
             f.status = Some(status);
             f.awaiting = None;
         }
@@ -127,8 +119,7 @@ impl Shared {
     }
 
     fn touch(&self) {
-        self.last_rx_ms
-            .store(self.epoch.elapsed().as_millis() as u64, Ordering::Relaxed);
+        self.last_rx_ms.store(self.epoch.elapsed().as_millis() as u64, Ordering::Relaxed);
     }
 }
 
@@ -139,12 +130,7 @@ struct Link {
 }
 
 /// The requester task of one QP; ends when the QP is reset or destroyed.
-pub(crate) async fn run(
-    qp: Arc<SoftQp>,
-    mut rx: mpsc::UnboundedReceiver<SqEntry>,
-    rtr: RtrAttr,
-    rts: RtsAttr,
-) {
+pub(crate) async fn run(qp: Arc<SoftQp>, mut rx: mpsc::UnboundedReceiver<SqEntry>, rtr: RtrAttr, rts: RtsAttr) {
     let remote = rtr.remote.soft.clone().expect("checked at RTR");
     let ack_timeout = ack_timeout_duration(rts.timeout).map(|d| d * (rts.retry_cnt as u32 + 1));
     let sh = Arc::new(Shared {
@@ -161,18 +147,10 @@ pub(crate) async fn run(
             if let Some(t) = ack_timeout {
                 tokio::spawn(watchdog(sh.clone(), t, reader));
             }
-            Some(Link {
-                writer: w,
-                peer,
-                next_psn: rts.sq_psn & 0x00ff_ffff,
-            })
+            Some(Link { writer: w, peer, next_psn: rts.sq_psn & 0x00ff_ffff })
         }
         Err(why) => {
-            tracing::warn!(
-                qpn = qp.qpn,
-                "soft QP cannot reach its peer QP {:#x}: {why}",
-                rtr.remote.qpn
-            );
+            tracing::warn!(qpn = qp.qpn, "soft QP cannot reach its peer QP {:#x}: {why}", rtr.remote.qpn);
             sh.lock().broken = Some(WcStatus::RetryExcErr);
             None
         }
@@ -180,9 +158,7 @@ pub(crate) async fn run(
     let mut chaos = qp.ctx.config.chaos_seed.map(|seed| {
         static NTH: AtomicU64 = AtomicU64::new(0);
         rand::rngs::StdRng::seed_from_u64(
-            seed ^ NTH
-                .fetch_add(1, Ordering::Relaxed)
-                .wrapping_mul(0x9e37_79b9_7f4a_7c15),
+            seed ^ NTH.fetch_add(1, Ordering::Relaxed).wrapping_mul(0x9e37_79b9_7f4a_7c15),
         )
     });
     loop {
@@ -226,22 +202,12 @@ async fn connect(
     let same_host = remote.host == qp.ctx.host;
     let use_shm = match qp.ctx.config.link {
         SoftLink::Auto => same_host,
-        SoftLink::Shm if !same_host => {
-            return Err("RMACOMM_SOFT_LINK=shm but the peer is on another host".into())
-        }
+        SoftLink::Shm if !same_host => return Err("RMACOMM_SOFT_LINK=shm but the peer is on another host".into()),
         SoftLink::Shm => true,
         SoftLink::Tcp => false,
     };
-    let hello = Hello {
-        src_qpn: qp.qpn,
-        dst_qpn: remote_qpn,
-        token: remote.token,
-        rnr_retry: rts.rnr_retry.min(7),
-    };
-    let deadline = Instant::now()
-        + ack_timeout
-            .unwrap_or(Duration::from_secs(30))
-            .max(Duration::from_secs(2));
+    let hello = Hello { src_qpn: qp.qpn, dst_qpn: remote_qpn, token: remote.token, rnr_retry: rts.rnr_retry.min(7) };
+    let deadline = Instant::now() + ack_timeout.unwrap_or(Duration::from_secs(30)).max(Duration::from_secs(2));
     let mut last_err = String::new();
     while Instant::now() < deadline {
         let attempt = async {
@@ -250,8 +216,8 @@ async fn connect(
                     remote.unix.as_bytes(),
                 )
                 .map_err(|e| e.to_string())?;
-                let s = std::os::unix::net::UnixStream::connect_addr(&addr)
-                    .map_err(|e| format!("unix connect: {e}"))?;
+                let s =
+                    std::os::unix::net::UnixStream::connect_addr(&addr).map_err(|e| format!("unix connect: {e}"))?;
                 s.set_nonblocking(true).map_err(|e| e.to_string())?;
                 let s = tokio::net::UnixStream::from_std(s).map_err(|e| e.to_string())?;
                 let (r, w) = s.into_split();
@@ -259,12 +225,7 @@ async fn connect(
             } else {
                 let mut err = String::from("no TCP address");
                 for a in &remote.tcp {
-                    match tokio::time::timeout(
-                        Duration::from_secs(2),
-                        tokio::net::TcpStream::connect(a),
-                    )
-                    .await
-                    {
+                    match tokio::time::timeout(Duration::from_secs(2), tokio::net::TcpStream::connect(a)).await {
                         Ok(Ok(s)) => {
                             let _ = s.set_nodelay(true);
                             let (r, w) = s.into_split();
@@ -279,9 +240,7 @@ async fn connect(
         };
         match attempt.await {
             Ok((mut r, mut w)) => {
-                w.write_all(&hello.encode())
-                    .await
-                    .map_err(|e| format!("hello: {e}"))?;
+                w.write_all(&hello.encode()).await.map_err(|e| format!("hello: {e}"))?;
                 let mut buf = [0u8; HELLO_LEN];
                 tokio::time::timeout(Duration::from_secs(10), r.read_exact(&mut buf))
                     .await
@@ -318,10 +277,7 @@ fn local_ptrs(sh: &Shared, e: &SqEntry) -> Result<Vec<(usize, usize)>, WcStatus>
         return Ok(vec![(d.as_ptr() as usize, d.len())]);
     }
     let need = e.op.local_access();
-    e.segs
-        .iter()
-        .map(|s| s.ptr(sh.qp.pd, need).map(|p| (p as usize, s.len as usize)))
-        .collect()
+    e.segs.iter().map(|s| s.ptr(sh.qp.pd, need).map(|p| (p as usize, s.len as usize))).collect()
 }
 
 /// Copies the local pieces to `dst` (gather).
@@ -383,11 +339,8 @@ async fn execute(sh: &Arc<Shared>, link: &mut Option<Link>, e: SqEntry) {
     if e.fence {
         loop {
             let notified = sh.progress.notified();
-            let pending = sh
-                .lock()
-                .inflight
-                .iter()
-                .any(|f| matches!(f.awaiting, Some((_, Expect::Read(_) | Expect::Atomic))));
+            let pending =
+                sh.lock().inflight.iter().any(|f| matches!(f.awaiting, Some((_, Expect::Read(_) | Expect::Atomic))));
             if !pending {
                 break;
             }
@@ -406,10 +359,7 @@ async fn execute(sh: &Arc<Shared>, link: &mut Option<Link>, e: SqEntry) {
         }
     };
     let frame = match e.op {
-        SendOp::RdmaWrite { remote_addr, rkey }
-        | SendOp::RdmaWriteWithImm {
-            remote_addr, rkey, ..
-        } => {
+        SendOp::RdmaWrite { remote_addr, rkey } | SendOp::RdmaWriteWithImm { remote_addr, rkey, .. } => {
             let imm = match e.op {
                 SendOp::RdmaWriteWithImm { imm, .. } => Some(imm),
                 _ => None,
@@ -421,14 +371,8 @@ async fn execute(sh: &Arc<Shared>, link: &mut Option<Link>, e: SqEntry) {
                     true
                 }
                 Ok(Direct::Vm(a)) => {
-                    let lp: Vec<(*mut u8, usize)> =
-                        local.iter().map(|&(p, l)| (p as *mut u8, l)).collect();
-                    let r = l.peer.as_ref().expect("vm implies a peer").vm_copy(
-                        true,
-                        &lp,
-                        a,
-                        len as usize,
-                    );
+                    let lp: Vec<(*mut u8, usize)> = local.iter().map(|&(p, l)| (p as *mut u8, l)).collect();
+                    let r = l.peer.as_ref().expect("vm implies a peer").vm_copy(true, &lp, a, len as usize);
                     match r {
                         Ok(done) => done,
                         Err(st) => return finish(inf, st),
@@ -438,69 +382,29 @@ async fn execute(sh: &Arc<Shared>, link: &mut Option<Link>, e: SqEntry) {
             };
             match (placed, imm) {
                 (true, None) => return finish(inf, WcStatus::Success),
-                (true, Some(imm)) => Frame::Notify {
-                    psn: 0,
-                    len: len as u32,
-                    imm,
-                },
-                (false, imm) => Frame::Write {
-                    psn: 0,
-                    raddr: remote_addr,
-                    rkey,
-                    len: len as u32,
-                    imm,
-                },
+                (true, Some(imm)) => Frame::Notify { psn: 0, len: len as u32, imm },
+                (false, imm) => Frame::Write { psn: 0, raddr: remote_addr, rkey, len: len as u32, imm },
             }
         }
-        SendOp::Send => Frame::Send {
-            psn: 0,
-            len: len as u32,
-            imm: None,
-        },
-        SendOp::SendWithImm { imm } => Frame::Send {
-            psn: 0,
-            len: len as u32,
-            imm: Some(imm),
-        },
-        SendOp::RdmaRead { remote_addr, rkey } => {
-            match direct(rkey, remote_addr, AccessFlags::REMOTE_READ) {
-                Err(st) => return finish(inf, st),
-                Ok(Direct::Ptr(p, _keep)) => {
-                    scatter_from(p as usize, &local);
-                    return finish(inf, WcStatus::Success);
-                }
-                Ok(Direct::Vm(a)) => {
-                    let lp: Vec<(*mut u8, usize)> =
-                        local.iter().map(|&(p, l)| (p as *mut u8, l)).collect();
-                    match l.peer.as_ref().expect("vm implies a peer").vm_copy(
-                        false,
-                        &lp,
-                        a,
-                        len as usize,
-                    ) {
-                        Ok(true) => return finish(inf, WcStatus::Success),
-                        Ok(false) => Frame::ReadReq {
-                            psn: 0,
-                            raddr: remote_addr,
-                            rkey,
-                            len: len as u32,
-                        },
-                        Err(st) => return finish(inf, st),
-                    }
-                }
-                Ok(Direct::Staged) => Frame::ReadReq {
-                    psn: 0,
-                    raddr: remote_addr,
-                    rkey,
-                    len: len as u32,
-                },
+        SendOp::Send => Frame::Send { psn: 0, len: len as u32, imm: None },
+        SendOp::SendWithImm { imm } => Frame::Send { psn: 0, len: len as u32, imm: Some(imm) },
+        SendOp::RdmaRead { remote_addr, rkey } => match direct(rkey, remote_addr, AccessFlags::REMOTE_READ) {
+            Err(st) => return finish(inf, st),
+            Ok(Direct::Ptr(p, _keep)) => {
+                scatter_from(p as usize, &local);
+                return finish(inf, WcStatus::Success);
             }
-        }
-        SendOp::Atomic {
-            remote_addr,
-            rkey,
-            op,
-        } => {
+            Ok(Direct::Vm(a)) => {
+                let lp: Vec<(*mut u8, usize)> = local.iter().map(|&(p, l)| (p as *mut u8, l)).collect();
+                match l.peer.as_ref().expect("vm implies a peer").vm_copy(false, &lp, a, len as usize) {
+                    Ok(true) => return finish(inf, WcStatus::Success),
+                    Ok(false) => Frame::ReadReq { psn: 0, raddr: remote_addr, rkey, len: len as u32 },
+                    Err(st) => return finish(inf, st),
+                }
+            }
+            Ok(Direct::Staged) => Frame::ReadReq { psn: 0, raddr: remote_addr, rkey, len: len as u32 },
+        },
+        SendOp::Atomic { remote_addr, rkey, op } => {
             let (cmp_swap, a, b) = match op {
                 AtomicOp::FetchAdd { add } => (false, add, 0),
                 AtomicOp::CompareSwap { compare, swap } => (true, compare, swap),
@@ -521,14 +425,7 @@ async fn execute(sh: &Arc<Shared>, link: &mut Option<Link>, e: SqEntry) {
                     write_u64(local[0].0, orig);
                     return finish(inf, WcStatus::Success);
                 }
-                Ok(_) => Frame::Atomic {
-                    psn: 0,
-                    raddr: remote_addr,
-                    rkey,
-                    cmp_swap,
-                    a,
-                    b,
-                },
+                Ok(_) => Frame::Atomic { psn: 0, raddr: remote_addr, rkey, cmp_swap, a, b },
             }
         }
     };
@@ -566,43 +463,10 @@ fn write_u64(p: usize, v: u64) {
 
 fn with_psn(f: Frame, psn: u32) -> Frame {
     match f {
-        Frame::Write {
-            raddr,
-            rkey,
-            len,
-            imm,
-            ..
-        } => Frame::Write {
-            psn,
-            raddr,
-            rkey,
-            len,
-            imm,
-        },
+        Frame::Write { raddr, rkey, len, imm, .. } => Frame::Write { psn, raddr, rkey, len, imm },
         Frame::Send { len, imm, .. } => Frame::Send { psn, len, imm },
-        Frame::ReadReq {
-            raddr, rkey, len, ..
-        } => Frame::ReadReq {
-            psn,
-            raddr,
-            rkey,
-            len,
-        },
-        Frame::Atomic {
-            raddr,
-            rkey,
-            cmp_swap,
-            a,
-            b,
-            ..
-        } => Frame::Atomic {
-            psn,
-            raddr,
-            rkey,
-            cmp_swap,
-            a,
-            b,
-        },
+        Frame::ReadReq { raddr, rkey, len, .. } => Frame::ReadReq { psn, raddr, rkey, len },
+        Frame::Atomic { raddr, rkey, cmp_swap, a, b, .. } => Frame::Atomic { psn, raddr, rkey, cmp_swap, a, b },
         Frame::Notify { len, imm, .. } => Frame::Notify { psn, len, imm },
         other => other,
     }
@@ -629,8 +493,7 @@ pub(crate) async fn send_frame<W: AsyncWrite + Unpin + ?Sized>(
     w.write_all(&hdr).await?;
     for &(p, l) in payload {
         // SAFETY: as above; the WR keeps the region alive until completion.
-        w.write_all(unsafe { std::slice::from_raw_parts(p as *const u8, l) })
-            .await?;
+        w.write_all(unsafe { std::slice::from_raw_parts(p as *const u8, l) }).await?;
     }
     Ok(())
 }
@@ -647,12 +510,7 @@ async fn read_responses(sh: Arc<Shared>, mut r: Reader, rnr_retry: u8) {
             } else {
                 format!("read from peer: {e}")
             };
-            if awaiting
-                || !matches!(
-                    sh.qp.state_tx.borrow().clone(),
-                    QpState::Err | QpState::Reset
-                )
-            {
+            if awaiting || !matches!(sh.qp.state_tx.borrow().clone(), QpState::Err | QpState::Reset) {
                 sh.fail_link(WcStatus::RetryExcErr, &why);
             }
             return;
@@ -661,23 +519,14 @@ async fn read_responses(sh: Arc<Shared>, mut r: Reader, rnr_retry: u8) {
         let f = match Frame::decode(&hdr, max_msg) {
             Ok(f) if !f.is_request() => f,
             Ok(f) => {
-                return sh.fail_link(
-                    WcStatus::BadRespErr,
-                    &format!("peer sent a request frame {f:?} as a response"),
-                )
+                return sh.fail_link(WcStatus::BadRespErr, &format!("peer sent a request frame {f:?} as a response"))
             }
-            Err(e) => {
-                return sh.fail_link(WcStatus::BadRespErr, &format!("malformed response: {e}"))
-            }
+            Err(e) => return sh.fail_link(WcStatus::BadRespErr, &format!("malformed response: {e}")),
         };
         // Decide under the lock; read payloads without it.
         let (psn, expect, segs) = {
             let q = sh.lock();
-            let Some(x) = q
-                .inflight
-                .iter()
-                .find(|x| x.awaiting.is_some() && x.status.is_none())
-            else {
+            let Some(x) = q.inflight.iter().find(|x| x.awaiting.is_some() && x.status.is_none()) else {
                 drop(q);
                 return sh.fail_link(WcStatus::BadRespErr, &format!("unsolicited response {f:?}"));
             };
@@ -690,10 +539,8 @@ async fn read_responses(sh: Arc<Shared>, mut r: Reader, rnr_retry: u8) {
             (psn, expect, segs)
         };
         if f.psn() != psn {
-            return sh.fail_link(
-                WcStatus::BadRespErr,
-                &format!("response for PSN {} while {psn} is outstanding", f.psn()),
-            );
+            return sh
+                .fail_link(WcStatus::BadRespErr, &format!("response for PSN {} while {psn} is outstanding", f.psn()));
         }
         let status = match (f, expect) {
             (Frame::Ack { .. }, Expect::Ack) => WcStatus::Success,
@@ -709,24 +556,22 @@ async fn read_responses(sh: Arc<Shared>, mut r: Reader, rnr_retry: u8) {
                         Err(st) => return sh.fail_link(st, "read destination became invalid"),
                     };
                     // SAFETY: p..p+len is a live, checked local registration.
-                    let dst =
-                        unsafe { std::slice::from_raw_parts_mut(p as *mut u8, s.len as usize) };
+                    let dst = unsafe { std::slice::from_raw_parts_mut(p as *mut u8, s.len as usize) };
                     if let Err(e) = r.read_exact(dst).await {
                         return sh.fail_link(WcStatus::RetryExcErr, &format!("read response: {e}"));
                     }
                 }
                 WcStatus::Success
             }
-            (Frame::AtomicResp { orig, .. }, Expect::Atomic) => match segs
-                .first()
-                .map(|s| s.ptr(sh.qp.pd, AccessFlags::LOCAL_WRITE))
-            {
-                Some(Ok(p)) => {
-                    write_u64(p as usize, orig);
-                    WcStatus::Success
+            (Frame::AtomicResp { orig, .. }, Expect::Atomic) => {
+                match segs.first().map(|s| s.ptr(sh.qp.pd, AccessFlags::LOCAL_WRITE)) {
+                    Some(Ok(p)) => {
+                        write_u64(p as usize, orig);
+                        WcStatus::Success
+                    }
+                    _ => WcStatus::LocProtErr,
                 }
-                _ => WcStatus::LocProtErr,
-            },
+            }
             (Frame::Nak { syndrome, .. }, _) => match syndrome {
                 Syndrome::RemoteAccess => WcStatus::RemAccessErr,
                 Syndrome::InvalidRequest => WcStatus::RemInvReqErr,
@@ -734,11 +579,7 @@ async fn read_responses(sh: Arc<Shared>, mut r: Reader, rnr_retry: u8) {
             },
             (Frame::RnrWait { .. }, _) => {
                 let mut q = sh.lock();
-                let Some(f) = q
-                    .inflight
-                    .iter_mut()
-                    .find(|x| x.awaiting.is_some_and(|a| a.0 == psn))
-                else {
+                let Some(f) = q.inflight.iter_mut().find(|x| x.awaiting.is_some_and(|a| a.0 == psn)) else {
                     continue;
                 };
                 f.rnr_waits += 1;
@@ -749,18 +590,11 @@ async fn read_responses(sh: Arc<Shared>, mut r: Reader, rnr_retry: u8) {
                 WcStatus::RnrRetryExcErr
             }
             (other, _) => {
-                return sh.fail_link(
-                    WcStatus::BadRespErr,
-                    &format!("response {other:?} does not match the request"),
-                );
+                return sh.fail_link(WcStatus::BadRespErr, &format!("response {other:?} does not match the request"));
             }
         };
         let mut q = sh.lock();
-        if let Some(f) = q
-            .inflight
-            .iter_mut()
-            .find(|x| x.awaiting.is_some_and(|a| a.0 == psn))
-        {
+        if let Some(f) = q.inflight.iter_mut().find(|x| x.awaiting.is_some_and(|a| a.0 == psn)) {
             f.status = Some(status);
             f.awaiting = None;
         }
@@ -782,20 +616,13 @@ async fn watchdog(sh: Arc<Shared>, timeout: Duration, reader: tokio::task::JoinH
     let tick = (timeout / 4).max(Duration::from_millis(5));
     loop {
         tokio::time::sleep(tick).await;
-        if reader.is_finished() || matches!(*sh.qp.state_tx.borrow(), QpState::Reset | QpState::Err)
-        {
+        if reader.is_finished() || matches!(*sh.qp.state_tx.borrow(), QpState::Reset | QpState::Err) {
             reader.abort();
             return;
         }
         let last_rx = Duration::from_millis(sh.last_rx_ms.load(Ordering::Relaxed));
         let silent = sh.epoch.elapsed().saturating_sub(last_rx);
-        let oldest = sh
-            .lock()
-            .inflight
-            .iter()
-            .filter(|f| f.awaiting.is_some())
-            .map(|f| f.sent_at.elapsed())
-            .max();
+        let oldest = sh.lock().inflight.iter().filter(|f| f.awaiting.is_some()).map(|f| f.sent_at.elapsed()).max();
         if let Some(age) = oldest {
             if age >= timeout && silent >= timeout {
                 reader.abort();

@@ -44,13 +44,11 @@ where
         }
         let f = match Frame::decode(&hdr, max_msg) {
             Ok(f) if f.is_request() => f,
-            Ok(f) => {
-                return tracing::warn!(
-                    "soft QP {:#x}: peer {peer} (QP {:#x}) sent response frame {f:?} as a request; closing the connection",
-                    qp.qpn,
-                    hello.src_qpn
-                )
-            }
+            Ok(f) => return tracing::warn!(
+                "soft QP {:#x}: peer {peer} (QP {:#x}) sent response frame {f:?} as a request; closing the connection",
+                qp.qpn,
+                hello.src_qpn
+            ),
             Err(e) => {
                 return tracing::warn!(
                     "soft QP {:#x}: malformed frame from peer {peer} (QP {:#x}): {e}; closing the connection",
@@ -65,9 +63,7 @@ where
         match serve(&qp, &mut s, f, &mut state_rx).await {
             Ok(Outcome::Continue) => {}
             Ok(Outcome::Close) => return,
-            Err(e) => {
-                return tracing::debug!("soft QP {:#x}: connection to {peer} lost: {e}", qp.qpn)
-            }
+            Err(e) => return tracing::debug!("soft QP {:#x}: connection to {peer} lost: {e}", qp.qpn),
         }
     }
 }
@@ -101,23 +97,14 @@ async fn ready(qp: &SoftQp, rx: &mut watch::Receiver<QpState>) -> bool {
     match tokio::time::timeout(std::time::Duration::from_secs(30), wait).await {
         Ok(ok) => ok,
         Err(_) => {
-            tracing::warn!(
-                "soft QP {:#x} received requests but did not reach RTR within 30 s",
-                qp.qpn
-            );
+            tracing::warn!("soft QP {:#x} received requests but did not reach RTR within 30 s", qp.qpn);
             false
         }
     }
 }
 
 /// Checks a remote access against the MR and the QP's access flags.
-fn check(
-    qp: &SoftQp,
-    rkey: u32,
-    raddr: u64,
-    len: u64,
-    need: AccessFlags,
-) -> Option<(Arc<SoftMr>, usize)> {
+fn check(qp: &SoftQp, rkey: u32, raddr: u64, len: u64, need: AccessFlags) -> Option<(Arc<SoftMr>, usize)> {
     if !qp.remote_access().contains(need) {
         return None;
     }
@@ -133,10 +120,7 @@ async fn nak<S: AsyncWrite + Unpin>(
     syndrome: Syndrome,
     why: &str,
 ) -> std::io::Result<Outcome> {
-    tracing::debug!(
-        "soft QP {:#x}: NAK {syndrome:?} for PSN {psn}: {why}",
-        qp.qpn
-    );
+    tracing::debug!("soft QP {:#x}: NAK {syndrome:?} for PSN {psn}: {why}", qp.qpn);
     s.write_all(&Frame::Nak { psn, syndrome }.encode()).await?;
     Ok(Outcome::Close)
 }
@@ -177,45 +161,18 @@ fn recv_wc(
     len: u32,
     imm: Option<u32>,
 ) -> WorkCompletion {
-    WorkCompletion {
-        wr_id: r.wr_id,
-        status,
-        opcode,
-        byte_len: len,
-        imm_data: imm,
-        qp_num: qp.qpn,
-        vendor_err: 0,
-    }
+    WorkCompletion { wr_id: r.wr_id, status, opcode, byte_len: len, imm_data: imm, qp_num: qp.qpn, vendor_err: 0 }
 }
 
-async fn serve<S>(
-    qp: &SoftQp,
-    s: &mut S,
-    f: Frame,
-    state_rx: &mut watch::Receiver<QpState>,
-) -> std::io::Result<Outcome>
+async fn serve<S>(qp: &SoftQp, s: &mut S, f: Frame, state_rx: &mut watch::Receiver<QpState>) -> std::io::Result<Outcome>
 where
     S: AsyncRead + AsyncWrite + Unpin + Send,
 {
     match f {
-        Frame::Write {
-            psn,
-            raddr,
-            rkey,
-            len,
-            imm,
-        } => {
+        Frame::Write { psn, raddr, rkey, len, imm } => {
             if len > 0 {
-                let Some((_mr, p)) = check(qp, rkey, raddr, len as u64, AccessFlags::REMOTE_WRITE)
-                else {
-                    return nak(
-                        qp,
-                        s,
-                        psn,
-                        Syndrome::RemoteAccess,
-                        "RDMA WRITE outside a writable region",
-                    )
-                    .await;
+                let Some((_mr, p)) = check(qp, rkey, raddr, len as u64, AccessFlags::REMOTE_WRITE) else {
+                    return nak(qp, s, psn, Syndrome::RemoteAccess, "RDMA WRITE outside a writable region").await;
                 };
                 // SAFETY: p..p+len was checked against a live MR (held by _mr).
                 let dst = unsafe { std::slice::from_raw_parts_mut(p as *mut u8, len as usize) };
@@ -225,14 +182,7 @@ where
                 let Some(r) = take_recv(qp, s, psn, state_rx).await? else {
                     return Ok(Outcome::Close);
                 };
-                qp.push_recv_wc(recv_wc(
-                    qp,
-                    &r,
-                    WcStatus::Success,
-                    WcOpcode::RecvRdmaWithImm,
-                    len,
-                    Some(imm),
-                ));
+                qp.push_recv_wc(recv_wc(qp, &r, WcStatus::Success, WcOpcode::RecvRdmaWithImm, len, Some(imm)));
             }
             s.write_all(&Frame::Ack { psn }.encode()).await?;
         }
@@ -240,14 +190,7 @@ where
             let Some(r) = take_recv(qp, s, psn, state_rx).await? else {
                 return Ok(Outcome::Close);
             };
-            qp.push_recv_wc(recv_wc(
-                qp,
-                &r,
-                WcStatus::Success,
-                WcOpcode::RecvRdmaWithImm,
-                len,
-                Some(imm),
-            ));
+            qp.push_recv_wc(recv_wc(qp, &r, WcStatus::Success, WcOpcode::RecvRdmaWithImm, len, Some(imm)));
             s.write_all(&Frame::Ack { psn }.encode()).await?;
         }
         Frame::Send { psn, len, imm } => {
@@ -255,23 +198,9 @@ where
                 return Ok(Outcome::Close);
             };
             if (len as u64) > r.capacity() {
-                qp.push_recv_wc(recv_wc(
-                    qp,
-                    &r,
-                    WcStatus::LocLenErr,
-                    WcOpcode::Recv,
-                    0,
-                    None,
-                ));
+                qp.push_recv_wc(recv_wc(qp, &r, WcStatus::LocLenErr, WcOpcode::Recv, 0, None));
                 qp.set_error("receive too small for an incoming SEND");
-                return nak(
-                    qp,
-                    s,
-                    psn,
-                    Syndrome::InvalidRequest,
-                    "SEND longer than the posted receive",
-                )
-                .await;
+                return nak(qp, s, psn, Syndrome::InvalidRequest, "SEND longer than the posted receive").await;
             }
             let mut left = len as usize;
             let mut pieces = Vec::with_capacity(r.segs.len());
@@ -288,14 +217,7 @@ where
                     Err(st) => {
                         qp.push_recv_wc(recv_wc(qp, &r, st, WcOpcode::Recv, 0, None));
                         qp.set_error("receive buffer failed its key check");
-                        return nak(
-                            qp,
-                            s,
-                            psn,
-                            Syndrome::RemoteOp,
-                            "receive buffer is not a valid local region",
-                        )
-                        .await;
+                        return nak(qp, s, psn, Syndrome::RemoteOp, "receive buffer is not a valid local region").await;
                     }
                 }
             }
@@ -308,58 +230,26 @@ where
             qp.push_recv_wc(recv_wc(qp, &r, WcStatus::Success, opcode, len, imm));
             s.write_all(&Frame::Ack { psn }.encode()).await?;
         }
-        Frame::ReadReq {
-            psn,
-            raddr,
-            rkey,
-            len,
-        } => {
+        Frame::ReadReq { psn, raddr, rkey, len } => {
             let mut keep = None;
             let mut src = 0usize;
             if len > 0 {
-                let Some((mr, p)) = check(qp, rkey, raddr, len as u64, AccessFlags::REMOTE_READ)
-                else {
-                    return nak(
-                        qp,
-                        s,
-                        psn,
-                        Syndrome::RemoteAccess,
-                        "RDMA READ outside a readable region",
-                    )
-                    .await;
+                let Some((mr, p)) = check(qp, rkey, raddr, len as u64, AccessFlags::REMOTE_READ) else {
+                    return nak(qp, s, psn, Syndrome::RemoteAccess, "RDMA READ outside a readable region").await;
                 };
                 keep = Some(mr);
                 src = p;
             }
             let payload = [(src, len as usize)];
-            send_frame(
-                s,
-                &Frame::ReadResp { psn, len },
-                if len > 0 { &payload } else { &[] },
-            )
-            .await?;
+            send_frame(s, &Frame::ReadResp { psn, len }, if len > 0 { &payload } else { &[] }).await?;
             drop(keep);
         }
-        Frame::Atomic {
-            psn,
-            raddr,
-            rkey,
-            cmp_swap,
-            a,
-            b,
-        } => {
+        Frame::Atomic { psn, raddr, rkey, cmp_swap, a, b } => {
             if raddr % 8 != 0 {
                 return nak(qp, s, psn, Syndrome::InvalidRequest, "misaligned atomic").await;
             }
             let Some((_mr, p)) = check(qp, rkey, raddr, 8, AccessFlags::REMOTE_ATOMIC) else {
-                return nak(
-                    qp,
-                    s,
-                    psn,
-                    Syndrome::RemoteAccess,
-                    "atomic outside an atomic-enabled region",
-                )
-                .await;
+                return nak(qp, s, psn, Syndrome::RemoteAccess, "atomic outside an atomic-enabled region").await;
             };
             // SAFETY: p is 8-byte aligned, inside a live MR; every soft atomic
             // on this address (from any process) goes through an AtomicU64.
@@ -371,8 +261,7 @@ where
             } else {
                 cell.fetch_add(a, Ordering::AcqRel)
             };
-            s.write_all(&Frame::AtomicResp { psn, orig }.encode())
-                .await?;
+            s.write_all(&Frame::AtomicResp { psn, orig }.encode()).await?;
         }
         _ => return Ok(Outcome::Close),
     }

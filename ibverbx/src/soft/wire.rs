@@ -238,19 +238,7 @@ impl Raw {
     }
 
     fn zero(kind: u8, psn: u32) -> Raw {
-        Raw {
-            kind,
-            flags: 0,
-            reserved: 0,
-            psn,
-            len: 0,
-            imm: 0,
-            raddr: 0,
-            rkey: 0,
-            reserved2: 0,
-            a: 0,
-            b: 0,
-        }
+        Raw { kind, flags: 0, reserved: 0, psn, len: 0, imm: 0, raddr: 0, rkey: 0, reserved2: 0, a: 0, b: 0 }
     }
 }
 
@@ -258,9 +246,7 @@ impl Frame {
     /// Bytes of payload that follow the header on the wire.
     pub fn payload_len(&self) -> usize {
         match *self {
-            Frame::Write { len, .. } | Frame::Send { len, .. } | Frame::ReadResp { len, .. } => {
-                len as usize
-            }
+            Frame::Write { len, .. } | Frame::Send { len, .. } | Frame::ReadResp { len, .. } => len as usize,
             _ => 0,
         }
     }
@@ -296,13 +282,7 @@ impl Frame {
     /// Encodes the header.
     pub fn encode(&self) -> [u8; HEADER_LEN] {
         let raw = match *self {
-            Frame::Write {
-                psn,
-                raddr,
-                rkey,
-                len,
-                imm,
-            } => Raw {
+            Frame::Write { psn, raddr, rkey, len, imm } => Raw {
                 flags: if imm.is_some() { F_IMM } else { 0 },
                 len,
                 imm: imm.unwrap_or(0),
@@ -316,25 +296,8 @@ impl Frame {
                 imm: imm.unwrap_or(0),
                 ..Raw::zero(K_SEND, psn)
             },
-            Frame::ReadReq {
-                psn,
-                raddr,
-                rkey,
-                len,
-            } => Raw {
-                len,
-                raddr,
-                rkey,
-                ..Raw::zero(K_READ_REQ, psn)
-            },
-            Frame::Atomic {
-                psn,
-                raddr,
-                rkey,
-                cmp_swap,
-                a,
-                b,
-            } => Raw {
+            Frame::ReadReq { psn, raddr, rkey, len } => Raw { len, raddr, rkey, ..Raw::zero(K_READ_REQ, psn) },
+            Frame::Atomic { psn, raddr, rkey, cmp_swap, a, b } => Raw {
                 flags: if cmp_swap { F_CMP_SWAP } else { 0 },
                 len: 8,
                 raddr,
@@ -343,26 +306,11 @@ impl Frame {
                 b,
                 ..Raw::zero(K_ATOMIC, psn)
             },
-            Frame::Notify { psn, len, imm } => Raw {
-                flags: F_IMM,
-                len,
-                imm,
-                ..Raw::zero(K_NOTIFY, psn)
-            },
+            Frame::Notify { psn, len, imm } => Raw { flags: F_IMM, len, imm, ..Raw::zero(K_NOTIFY, psn) },
             Frame::Ack { psn } => Raw::zero(K_ACK, psn),
-            Frame::ReadResp { psn, len } => Raw {
-                len,
-                ..Raw::zero(K_READ_RESP, psn)
-            },
-            Frame::AtomicResp { psn, orig } => Raw {
-                len: 8,
-                a: orig,
-                ..Raw::zero(K_ATOMIC_RESP, psn)
-            },
-            Frame::Nak { psn, syndrome } => Raw {
-                imm: syndrome as u32,
-                ..Raw::zero(K_NAK, psn)
-            },
+            Frame::ReadResp { psn, len } => Raw { len, ..Raw::zero(K_READ_RESP, psn) },
+            Frame::AtomicResp { psn, orig } => Raw { len: 8, a: orig, ..Raw::zero(K_ATOMIC_RESP, psn) },
+            Frame::Nak { psn, syndrome } => Raw { imm: syndrome as u32, ..Raw::zero(K_NAK, psn) },
             Frame::RnrWait { psn } => Raw::zero(K_RNR_WAIT, psn),
         };
         raw.write()
@@ -373,16 +321,11 @@ impl Frame {
     pub fn decode(b: &[u8; HEADER_LEN], max_msg: u32) -> Result<Frame, WireError> {
         let r = Raw::parse(b);
         if r.reserved != 0 || r.reserved2 != 0 {
-            return Err(err(format!(
-                "reserved header fields are not zero (kind {:#x})",
-                r.kind
-            )));
+            return Err(err(format!("reserved header fields are not zero (kind {:#x})", r.kind)));
         }
         let check_len = |len: u32| {
             if len > max_msg {
-                Err(err(format!(
-                    "length {len} exceeds the maximum message size {max_msg}"
-                )))
+                Err(err(format!("length {len} exceeds the maximum message size {max_msg}")))
             } else {
                 Ok(len)
             }
@@ -396,10 +339,7 @@ impl Frame {
         };
         let only_flags = |allowed: u8| {
             if r.flags & !allowed != 0 {
-                Err(err(format!(
-                    "unknown flags {:#x} for kind {:#x}",
-                    r.flags, r.kind
-                )))
+                Err(err(format!("unknown flags {:#x} for kind {:#x}", r.flags, r.kind)))
             } else {
                 Ok(())
             }
@@ -429,29 +369,16 @@ impl Frame {
                 only_flags(F_IMM)?;
                 let len = check_len(r.len)?;
                 unused_zero(
-                    r.raddr == 0
-                        && r.rkey == 0
-                        && r.a == 0
-                        && r.b == 0
-                        && (r.flags & F_IMM != 0 || r.imm == 0),
+                    r.raddr == 0 && r.rkey == 0 && r.a == 0 && r.b == 0 && (r.flags & F_IMM != 0 || r.imm == 0),
                 )?;
-                Frame::Send {
-                    psn: r.psn,
-                    len,
-                    imm: (r.flags & F_IMM != 0).then_some(r.imm),
-                }
+                Frame::Send { psn: r.psn, len, imm: (r.flags & F_IMM != 0).then_some(r.imm) }
             }
             K_READ_REQ => {
                 only_flags(0)?;
                 let len = check_len(r.len)?;
                 check_range(r.raddr, len)?;
                 unused_zero(r.imm == 0 && r.a == 0 && r.b == 0)?;
-                Frame::ReadReq {
-                    psn: r.psn,
-                    raddr: r.raddr,
-                    rkey: r.rkey,
-                    len,
-                }
+                Frame::ReadReq { psn: r.psn, raddr: r.raddr, rkey: r.rkey, len }
             }
             K_ATOMIC => {
                 only_flags(F_CMP_SWAP)?;
@@ -461,14 +388,7 @@ impl Frame {
                 check_range(r.raddr, 8)?;
                 let cmp_swap = r.flags & F_CMP_SWAP != 0;
                 unused_zero(r.imm == 0 && (cmp_swap || r.b == 0))?;
-                Frame::Atomic {
-                    psn: r.psn,
-                    raddr: r.raddr,
-                    rkey: r.rkey,
-                    cmp_swap,
-                    a: r.a,
-                    b: r.b,
-                }
+                Frame::Atomic { psn: r.psn, raddr: r.raddr, rkey: r.rkey, cmp_swap, a: r.a, b: r.b }
             }
             K_NOTIFY => {
                 only_flags(F_IMM)?;
@@ -477,17 +397,11 @@ impl Frame {
                 }
                 let len = check_len(r.len)?;
                 unused_zero(r.raddr == 0 && r.rkey == 0 && r.a == 0 && r.b == 0)?;
-                Frame::Notify {
-                    psn: r.psn,
-                    len,
-                    imm: r.imm,
-                }
+                Frame::Notify { psn: r.psn, len, imm: r.imm }
             }
             K_ACK | K_RNR_WAIT => {
                 only_flags(0)?;
-                unused_zero(
-                    r.len == 0 && r.imm == 0 && r.raddr == 0 && r.rkey == 0 && r.a == 0 && r.b == 0,
-                )?;
+                unused_zero(r.len == 0 && r.imm == 0 && r.raddr == 0 && r.rkey == 0 && r.a == 0 && r.b == 0)?;
                 if r.kind == K_ACK {
                     Frame::Ack { psn: r.psn }
                 } else {
@@ -503,10 +417,7 @@ impl Frame {
             K_ATOMIC_RESP => {
                 only_flags(0)?;
                 unused_zero(r.len == 8 && r.imm == 0 && r.raddr == 0 && r.rkey == 0 && r.b == 0)?;
-                Frame::AtomicResp {
-                    psn: r.psn,
-                    orig: r.a,
-                }
+                Frame::AtomicResp { psn: r.psn, orig: r.a }
             }
             K_NAK => {
                 only_flags(0)?;
@@ -517,10 +428,7 @@ impl Frame {
                     3 => Syndrome::RemoteOp,
                     s => return Err(err(format!("unknown NAK syndrome {s}"))),
                 };
-                Frame::Nak {
-                    psn: r.psn,
-                    syndrome,
-                }
+                Frame::Nak { psn: r.psn, syndrome }
             }
             k => return Err(err(format!("unknown frame kind {k:#x}"))),
         };
@@ -548,9 +456,7 @@ impl Hello {
         }
         let v = u16_at(b, 8);
         if v != VERSION {
-            return Err(err(format!(
-                "protocol version {v} is not supported (this side speaks {VERSION})"
-            )));
+            return Err(err(format!("protocol version {v} is not supported (this side speaks {VERSION})")));
         }
         if b[10] > 7 || b[11] != 0 || b[36..].iter().any(|&x| x != 0) {
             return Err(err("malformed hello"));
@@ -581,9 +487,7 @@ impl HelloStatus {
     /// Decodes a reply to a hello.
     pub fn decode(b: &[u8; HELLO_LEN]) -> Result<HelloStatus, WireError> {
         if b[0..8] != MAGIC || u16_at(b, 8) != VERSION {
-            return Err(err(
-                "bad hello reply: not an rmacomm soft-provider peer of this version",
-            ));
+            return Err(err("bad hello reply: not an rmacomm soft-provider peer of this version"));
         }
         match b[12] {
             0 => Ok(HelloStatus::Ok),
@@ -601,67 +505,18 @@ mod tests {
 
     fn all_frames() -> Vec<Frame> {
         vec![
-            Frame::Write {
-                psn: 1,
-                raddr: 0x1000,
-                rkey: 9,
-                len: 77,
-                imm: None,
-            },
-            Frame::Write {
-                psn: 2,
-                raddr: 0x1000,
-                rkey: 9,
-                len: 0,
-                imm: Some(0xdead_beef),
-            },
-            Frame::Send {
-                psn: 3,
-                len: 5,
-                imm: None,
-            },
-            Frame::Send {
-                psn: 3,
-                len: 5,
-                imm: Some(4),
-            },
-            Frame::ReadReq {
-                psn: 4,
-                raddr: 8,
-                rkey: 1,
-                len: 4096,
-            },
-            Frame::Atomic {
-                psn: 5,
-                raddr: 16,
-                rkey: 2,
-                cmp_swap: true,
-                a: 1,
-                b: 2,
-            },
-            Frame::Atomic {
-                psn: 5,
-                raddr: 16,
-                rkey: 2,
-                cmp_swap: false,
-                a: 1,
-                b: 0,
-            },
-            Frame::Notify {
-                psn: 6,
-                len: 10,
-                imm: 11,
-            },
+            Frame::Write { psn: 1, raddr: 0x1000, rkey: 9, len: 77, imm: None },
+            Frame::Write { psn: 2, raddr: 0x1000, rkey: 9, len: 0, imm: Some(0xdead_beef) },
+            Frame::Send { psn: 3, len: 5, imm: None },
+            Frame::Send { psn: 3, len: 5, imm: Some(4) },
+            Frame::ReadReq { psn: 4, raddr: 8, rkey: 1, len: 4096 },
+            Frame::Atomic { psn: 5, raddr: 16, rkey: 2, cmp_swap: true, a: 1, b: 2 },
+            Frame::Atomic { psn: 5, raddr: 16, rkey: 2, cmp_swap: false, a: 1, b: 0 },
+            Frame::Notify { psn: 6, len: 10, imm: 11 },
             Frame::Ack { psn: 7 },
             Frame::ReadResp { psn: 8, len: 12 },
-            Frame::AtomicResp {
-                psn: 9,
-                orig: u64::MAX,
-            },
-            Frame::Nak {
-                psn: 10,
-                syndrome: Syndrome::RemoteAccess,
-            },
+            Frame::AtomicResp { psn: 9, orig: u64::MAX },
+            Frame::Nak { psn: 10, syndrome: Syndrome::RemoteAccess },
             Frame::RnrWait { psn: 11 },
         ]
     }
@@ -675,32 +530,15 @@ mod tests {
 
     #[test]
     fn lengths_over_the_limit_are_rejected() {
-        let f = Frame::Write {
-            psn: 1,
-            raddr: 0,
-            rkey: 0,
-            len: 1000,
-            imm: None,
-        };
+        let f = Frame::Write { psn: 1, raddr: 0, rkey: 0, len: 1000, imm: None };
         assert!(Frame::decode(&f.encode(), 999).is_err());
-        let f = Frame::Write {
-            psn: 1,
-            raddr: u64::MAX - 10,
-            rkey: 0,
-            len: 100,
-            imm: None,
-        };
+        let f = Frame::Write { psn: 1, raddr: u64::MAX - 10, rkey: 0, len: 100, imm: None };
         assert!(Frame::decode(&f.encode(), 1 << 30).is_err());
     }
 
     #[test]
     fn hello_round_trips_and_rejects_garbage() {
-        let h = Hello {
-            src_qpn: 1,
-            dst_qpn: 2,
-            token: [7; 16],
-            rnr_retry: 3,
-        };
+        let h = Hello { src_qpn: 1, dst_qpn: 2, token: [7; 16], rnr_retry: 3 };
         assert_eq!(Hello::decode(&h.encode()), Ok(h));
         let mut bad = h.encode();
         bad[0] = b'X';
@@ -708,11 +546,7 @@ mod tests {
         let mut bad = h.encode();
         bad[8] = 99;
         assert!(Hello::decode(&bad).unwrap_err().0.contains("version"));
-        for s in [
-            HelloStatus::Ok,
-            HelloStatus::BadToken,
-            HelloStatus::BadState,
-        ] {
+        for s in [HelloStatus::Ok, HelloStatus::BadToken, HelloStatus::BadState] {
             assert_eq!(HelloStatus::decode(&s.encode()), Ok(s));
         }
     }

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Installs what the tests need (Debian packages when run as root) and runs
+# every test, the feature builds and the benchmark builds. `.ci/run` calls this.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  pkgs=(iproute2 libibverbs-dev librdmacm-dev libhwloc-dev libudev-dev libclang-dev pkg-config)
+  missing=()
+  for p in "${pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+  if [ ${#missing[@]} -gt 0 ]; then
+    echo "# installing ${missing[*]}"
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}") >/dev/null
+  fi
+else
+  echo "# not root (or no apt-get): not installing system packages; feature builds that need them may be skipped"
+fi
+
+if ! command -v cargo-nextest >/dev/null 2>&1; then
+  cargo install --locked cargo-nextest
+fi
+
+# --- feature builds (verbs bindings, hwloc): added by the verbs provider work ---
+
+# Release build: the 64 MiB conformance cases and the multi-process tests run
+# against optimised code, as users run it.
+cargo nextest run --workspace --release --no-fail-fast
+cargo test --workspace --release --doc
