@@ -260,7 +260,7 @@ where
     };
     if !qp.accepts_connections() {
         let _ = s.write_all(&HelloStatus::BadState.encode()).await;
-        return tracing::warn!("soft connection from {peer} refused: QP {:#x} is in error or reset", hello.dst_qpn);
+        return tracing::warn!("soft connection from {peer} refused: QP {:#x} is in the error state", hello.dst_qpn);
     }
     if s.write_all(&HelloStatus::Ok.encode()).await.is_err() {
         return;

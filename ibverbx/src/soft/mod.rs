@@ -55,6 +55,13 @@ impl SoftProvider {
     pub fn from_env() -> Arc<SoftProvider> {
         Self::new(SoftConfig::from_env())
     }
+
+    /// The provider's device (`soft0`), ready to open.
+    pub fn device(self: &Arc<Self>) -> crate::Device {
+        let provider: Arc<dyn Provider> = self.clone();
+        let info = self.devices().expect("soft always lists soft0").remove(0);
+        crate::Device { info, provider }
+    }
 }
 
 impl Provider for SoftProvider {

@@ -64,6 +64,9 @@ pub(crate) struct SoftQp {
     pub(crate) rq: Mutex<VecDeque<RecvEntry>>,
     pub(crate) rq_notify: Notify,
     pub(crate) sq_outstanding: AtomicU32,
+    /// Incremented by every transition to RESET: connections accepted in an
+    /// earlier epoch belong to a previous life of the QP and are closed.
+    epoch: std::sync::atomic::AtomicU64,
 }
 
 impl std::fmt::Debug for SoftQp {
@@ -112,6 +115,7 @@ impl SoftQp {
             rq: Mutex::new(VecDeque::new()),
             rq_notify: Notify::new(),
             sq_outstanding: AtomicU32::new(0),
+            epoch: std::sync::atomic::AtomicU64::new(0),
         });
         pd.ctx.qps.lock().unwrap_or_else(|e| e.into_inner()).insert(qpn, Arc::downgrade(&qp));
         Ok(qp)
@@ -123,8 +127,14 @@ impl SoftQp {
         self.token.iter().zip(t).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
     }
 
+    /// A QP takes connections in every state but ERR: its peer may reach RTS
+    /// before this QP leaves RESET; requests then wait for RTR.
     pub(crate) fn accepts_connections(&self) -> bool {
-        !matches!(self.state(), QpState::Err | QpState::Reset)
+        self.state() != QpState::Err
+    }
+
+    pub(crate) fn epoch(&self) -> u64 {
+        self.epoch.load(Ordering::Acquire)
     }
 
     pub(crate) fn remote_access(&self) -> AccessFlags {
@@ -312,6 +322,7 @@ impl QpOps for SoftQp {
                 return Ok(());
             }
             QpTransition::Reset => {
+                self.epoch.fetch_add(1, Ordering::AcqRel);
                 st.sq_tx = None;
                 st.rtr = None;
                 st.state = QpState::Reset;

@@ -248,7 +248,15 @@ async fn connect(
                     .map_err(|e| format!("hello reply: {e}"))?;
                 match HelloStatus::decode(&buf).map_err(|e| e.to_string())? {
                     HelloStatus::Ok => {}
-                    s => return Err(format!("peer refused the connection: {s:?}")),
+                    HelloStatus::BadToken => {
+                        return Err("peer refused the connection: unknown QP or wrong token".into());
+                    }
+                    HelloStatus::BadState => {
+                        // The peer QP is in ERR; it may be reset and reused.
+                        last_err = "peer QP is in the error state".into();
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                        continue;
+                    }
                 }
                 let peer = if use_shm {
                     match qp.ctx.peer(remote) {
@@ -315,13 +323,16 @@ async fn execute(sh: &Arc<Shared>, link: &mut Option<Link>, e: SqEntry) {
         rnr_waits: 0,
     };
     let finish = |mut inf: Inflight, status: WcStatus| {
+        // The QP is in ERR before the error completion can be seen.
+        if status != WcStatus::Success {
+            sh.qp.set_error(&format!("send WR failed: {status}"));
+        }
         inf.status = Some(status);
         let mut q = sh.lock();
         q.inflight.push_back(inf);
         sh.emit(&mut q);
         drop(q);
         if status != WcStatus::Success {
-            sh.qp.set_error(&format!("send WR failed: {status}"));
             sh.flush();
         }
     };
@@ -593,6 +604,9 @@ async fn read_responses(sh: Arc<Shared>, mut r: Reader, rnr_retry: u8) {
                 return sh.fail_link(WcStatus::BadRespErr, &format!("response {other:?} does not match the request"));
             }
         };
+        if status != WcStatus::Success {
+            sh.qp.set_error(&format!("peer answered {status}"));
+        }
         let mut q = sh.lock();
         if let Some(f) = q.inflight.iter_mut().find(|x| x.awaiting.is_some_and(|a| a.0 == psn)) {
             f.status = Some(status);
@@ -602,7 +616,6 @@ async fn read_responses(sh: Arc<Shared>, mut r: Reader, rnr_retry: u8) {
         drop(q);
         sh.progress.notify_waiters();
         if status != WcStatus::Success {
-            sh.qp.set_error(&format!("peer answered {status}"));
             sh.lock().broken.get_or_insert(status);
             sh.flush();
             return;

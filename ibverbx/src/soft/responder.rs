@@ -31,6 +31,7 @@ where
     S: AsyncRead + AsyncWrite + Unpin + Send,
 {
     let mut state_rx = qp.state_tx.subscribe();
+    let epoch = qp.epoch();
     let max_msg = qp.ctx.config.max_msg_size;
     loop {
         let mut hdr = [0u8; HEADER_LEN];
@@ -40,15 +41,17 @@ where
                     return;
                 }
             }
-            _ = dead(&mut state_rx) => return,
+            _ = dead(&qp, epoch, &mut state_rx) => return,
         }
         let f = match Frame::decode(&hdr, max_msg) {
             Ok(f) if f.is_request() => f,
-            Ok(f) => return tracing::warn!(
+            Ok(f) => {
+                return tracing::warn!(
                 "soft QP {:#x}: peer {peer} (QP {:#x}) sent response frame {f:?} as a request; closing the connection",
                 qp.qpn,
                 hello.src_qpn
-            ),
+            )
+            }
             Err(e) => {
                 return tracing::warn!(
                     "soft QP {:#x}: malformed frame from peer {peer} (QP {:#x}): {e}; closing the connection",
@@ -57,21 +60,39 @@ where
                 )
             }
         };
-        if !ready(&qp, &mut state_rx).await {
+        if !ready(&qp, epoch, &mut state_rx).await {
             return;
         }
-        match serve(&qp, &mut s, f, &mut state_rx).await {
+        match serve(&qp, &mut s, f, epoch, &mut state_rx).await {
             Ok(Outcome::Continue) => {}
-            Ok(Outcome::Close) => return,
+            Ok(Outcome::Close) => return linger(&mut s).await,
             Err(e) => return tracing::debug!("soft QP {:#x}: connection to {peer} lost: {e}", qp.qpn),
         }
     }
 }
 
-/// Resolves when the QP is reset, in error, or gone.
-async fn dead(rx: &mut watch::Receiver<QpState>) {
+/// Closes after a NAK without losing it: half-close, then discard what the
+/// requester had already sent until it closes too (closing a TCP socket with
+/// unread data would reset the connection and drop the NAK in flight).
+async fn linger<S: AsyncRead + AsyncWrite + Unpin>(s: &mut S) {
+    let _ = s.flush().await;
+    let _ = s.shutdown().await;
+    let drain = async {
+        let mut scratch = vec![0u8; 64 * 1024];
+        while let Ok(n) = s.read(&mut scratch).await {
+            if n == 0 {
+                break;
+            }
+        }
+    };
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(5), drain).await;
+}
+
+/// Resolves when the QP enters ERR, is reset after the connection was
+/// accepted (`epoch`), or is gone.
+async fn dead(qp: &SoftQp, epoch: u64, rx: &mut watch::Receiver<QpState>) {
     loop {
-        if matches!(*rx.borrow_and_update(), QpState::Reset | QpState::Err) {
+        if *rx.borrow_and_update() == QpState::Err || qp.epoch() != epoch {
             return;
         }
         if rx.changed().await.is_err() {
@@ -81,13 +102,16 @@ async fn dead(rx: &mut watch::Receiver<QpState>) {
 }
 
 /// Waits until the QP can receive (RTR or RTS); false when it never will.
-async fn ready(qp: &SoftQp, rx: &mut watch::Receiver<QpState>) -> bool {
+async fn ready(qp: &SoftQp, epoch: u64, rx: &mut watch::Receiver<QpState>) -> bool {
     let wait = async {
         loop {
+            if qp.epoch() != epoch {
+                return false;
+            }
             match *rx.borrow_and_update() {
                 QpState::Rtr | QpState::Rts | QpState::Sqd | QpState::Sqe => return true,
-                QpState::Err | QpState::Reset => return false,
-                QpState::Init => {}
+                QpState::Err => return false,
+                QpState::Init | QpState::Reset => {}
             }
             if rx.changed().await.is_err() {
                 return false;
@@ -130,6 +154,7 @@ async fn take_recv<S: AsyncWrite + Unpin>(
     qp: &SoftQp,
     s: &mut S,
     psn: u32,
+    epoch: u64,
     state_rx: &mut watch::Receiver<QpState>,
 ) -> std::io::Result<Option<RecvEntry>> {
     let period = qp.rnr_period();
@@ -140,7 +165,7 @@ async fn take_recv<S: AsyncWrite + Unpin>(
         if let Some(r) = qp.rq.lock().unwrap_or_else(|e| e.into_inner()).pop_front() {
             return Ok(Some(r));
         }
-        if matches!(*state_rx.borrow(), QpState::Err | QpState::Reset) {
+        if *state_rx.borrow() == QpState::Err || qp.epoch() != epoch {
             return Ok(None);
         }
         tokio::select! {
@@ -148,7 +173,7 @@ async fn take_recv<S: AsyncWrite + Unpin>(
             _ = tokio::time::sleep(period) => {
                 s.write_all(&Frame::RnrWait { psn }.encode()).await?;
             }
-            _ = dead(state_rx) => return Ok(None),
+            _ = dead(qp, epoch, state_rx) => return Ok(None),
         }
     }
 }
@@ -164,7 +189,13 @@ fn recv_wc(
     WorkCompletion { wr_id: r.wr_id, status, opcode, byte_len: len, imm_data: imm, qp_num: qp.qpn, vendor_err: 0 }
 }
 
-async fn serve<S>(qp: &SoftQp, s: &mut S, f: Frame, state_rx: &mut watch::Receiver<QpState>) -> std::io::Result<Outcome>
+async fn serve<S>(
+    qp: &SoftQp,
+    s: &mut S,
+    f: Frame,
+    epoch: u64,
+    state_rx: &mut watch::Receiver<QpState>,
+) -> std::io::Result<Outcome>
 where
     S: AsyncRead + AsyncWrite + Unpin + Send,
 {
@@ -179,7 +210,7 @@ where
                 s.read_exact(dst).await?;
             }
             if let Some(imm) = imm {
-                let Some(r) = take_recv(qp, s, psn, state_rx).await? else {
+                let Some(r) = take_recv(qp, s, psn, epoch, state_rx).await? else {
                     return Ok(Outcome::Close);
                 };
                 qp.push_recv_wc(recv_wc(qp, &r, WcStatus::Success, WcOpcode::RecvRdmaWithImm, len, Some(imm)));
@@ -187,14 +218,14 @@ where
             s.write_all(&Frame::Ack { psn }.encode()).await?;
         }
         Frame::Notify { psn, len, imm } => {
-            let Some(r) = take_recv(qp, s, psn, state_rx).await? else {
+            let Some(r) = take_recv(qp, s, psn, epoch, state_rx).await? else {
                 return Ok(Outcome::Close);
             };
             qp.push_recv_wc(recv_wc(qp, &r, WcStatus::Success, WcOpcode::RecvRdmaWithImm, len, Some(imm)));
             s.write_all(&Frame::Ack { psn }.encode()).await?;
         }
         Frame::Send { psn, len, imm } => {
-            let Some(r) = take_recv(qp, s, psn, state_rx).await? else {
+            let Some(r) = take_recv(qp, s, psn, epoch, state_rx).await? else {
                 return Ok(Outcome::Close);
             };
             if (len as u64) > r.capacity() {

@@ -1,0 +1,635 @@
+//! The provider conformance suite: one set of checks, instantiated per
+//! provider/link with [`conformance_suite!`]. Each check builds two
+//! connected RC QPs on two contexts of the device the harness gives and
+//! verifies verbs semantics byte for byte.
+
+#![allow(dead_code, unreachable_pub)]
+
+use std::time::Duration;
+
+use ibverbx::{
+    AccessFlags, AtomicOp, CompletionQueue, Context, Device, Error, InitAttr, MemoryRegion, ProtectionDomain, QpCaps,
+    QpInitAttr, QpState, QpTransition, QueuePair, RecvWr, RtrAttr, RtsAttr, SendFlags, SendOp, SendWr, Sge, WcOpcode,
+    WcStatus, WorkCompletion,
+};
+
+pub const WAIT: Duration = Duration::from_secs(20);
+
+/// What kind of memory the target region is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mem {
+    /// Shared segment (`MemoryRegion::alloc`).
+    Shm,
+    /// Heap memory (`Vec<u8>`).
+    Heap,
+}
+
+/// One side: context, PD, CQs, QP.
+pub struct Side {
+    pub ctx: Context,
+    pub pd: ProtectionDomain,
+    pub scq: CompletionQueue,
+    pub rcq: CompletionQueue,
+    pub qp: QueuePair,
+}
+
+/// Two connected QPs on two contexts.
+pub struct Pair {
+    pub a: Side,
+    pub b: Side,
+}
+
+/// Logs to the test output with the `RMACOMM_LOG` filter (default: warnings).
+pub fn init_log() {
+    let filter = std::env::var("RMACOMM_LOG").unwrap_or_else(|_| "warn".into());
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_test_writer().try_init();
+}
+
+pub fn side(dev: &Device, cq_depth: usize, caps: QpCaps) -> Side {
+    init_log();
+    let ctx = dev.open().expect("open device");
+    let pd = ctx.alloc_pd().expect("alloc_pd");
+    let scq = ctx.create_cq(cq_depth).expect("create send cq");
+    let rcq = ctx.create_cq(cq_depth).expect("create recv cq");
+    let qp = pd.create_qp(&QpInitAttr { caps, sq_sig_all: false }, &scq, &rcq).expect("create_qp");
+    Side { ctx, pd, scq, rcq, qp }
+}
+
+impl Pair {
+    pub fn new(dev: &Device) -> Pair {
+        Self::with(dev, 1024, QpCaps::default(), RtsAttr::default(), 12)
+    }
+
+    pub fn with(dev: &Device, cq_depth: usize, caps: QpCaps, rts: RtsAttr, min_rnr_timer: u8) -> Pair {
+        let a = side(dev, cq_depth, caps);
+        let b = side(dev, cq_depth, caps);
+        let ea = a.qp.endpoint().unwrap();
+        let eb = b.qp.endpoint().unwrap();
+        let rtr = |e| RtrAttr { min_rnr_timer, ..RtrAttr::new(e) };
+        a.qp.connect_with(InitAttr::default(), rtr(eb), rts).unwrap();
+        b.qp.connect_with(InitAttr::default(), rtr(ea), rts).unwrap();
+        Pair { a, b }
+    }
+}
+
+pub fn mr(pd: &ProtectionDomain, mem: Mem, len: usize, access: AccessFlags) -> MemoryRegion {
+    match mem {
+        Mem::Shm => MemoryRegion::alloc(pd, len, access).unwrap(),
+        Mem::Heap => MemoryRegion::register(pd, vec![0u8; len], access).unwrap(),
+    }
+}
+
+pub fn pattern(len: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+pub fn contents(m: &MemoryRegion, off: usize, len: usize) -> Vec<u8> {
+    let mut v = vec![0u8; len];
+    m.read(off, &mut v).unwrap();
+    v
+}
+
+/// Waits for exactly one completion.
+pub fn wait1(cq: &CompletionQueue) -> WorkCompletion {
+    let mut wc = [WorkCompletion::empty(); 1];
+    let n = cq.wait(&mut wc, Some(WAIT), Duration::ZERO).unwrap();
+    assert_eq!(n, 1, "no completion within {WAIT:?}");
+    wc[0]
+}
+
+/// Asserts that no completion arrives within `d`.
+pub fn none_within(cq: &CompletionQueue, d: Duration) {
+    let mut wc = [WorkCompletion::empty(); 1];
+    let n = cq.wait(&mut wc, Some(d), Duration::ZERO).unwrap();
+    assert_eq!(n, 0, "unexpected completion {:?}", wc[0]);
+}
+
+pub fn post(qp: &QueuePair, wr_id: u64, op: SendOp, sges: &[Sge], signaled: bool) {
+    qp.post_send(&[SendWr {
+        wr_id,
+        op,
+        sg_list: sges,
+        flags: if signaled { SendFlags::SIGNALED } else { SendFlags::UNSIGNALED },
+    }])
+    .unwrap();
+}
+
+pub fn recv(qp: &QueuePair, wr_id: u64, sges: &[Sge]) {
+    qp.post_recv(&[RecvWr { wr_id, sg_list: sges }]).unwrap();
+}
+
+fn ok(wc: WorkCompletion, wr_id: u64, opcode: WcOpcode) {
+    assert_eq!((wc.wr_id, wc.status, wc.opcode), (wr_id, WcStatus::Success, opcode), "{wc:?}");
+}
+
+/// Sizes every opcode is checked at (the 64 MiB one only in release builds).
+pub fn sizes() -> Vec<usize> {
+    let mut v = vec![0, 1, 4095, 4096, 4097, 1 << 20];
+    if !cfg!(debug_assertions) {
+        v.push(64 << 20);
+    }
+    v
+}
+
+/// RDMA WRITE, WRITE_WITH_IMM, READ, SEND and SEND_WITH_IMM at every size.
+pub fn every_opcode_every_size(dev: &Device, mem: Mem) {
+    let p = Pair::new(dev);
+    let max = *sizes().iter().max().unwrap() + 64;
+    let src = mr(&p.a.pd, mem, max, AccessFlags::LOCAL_WRITE);
+    let back = mr(&p.a.pd, mem, max, AccessFlags::LOCAL_WRITE);
+    let dst = mr(&p.b.pd, mem, max, AccessFlags::all_remote());
+    for (i, &n) in sizes().iter().enumerate() {
+        let data = pattern(n, i as u64 + 1);
+        src.write(0, &data).unwrap();
+        // A guard byte after the range must stay untouched.
+        dst.write(n, &[0xA5]).unwrap();
+
+        let s = [src.sge(0, n).unwrap()];
+        post(&p.a.qp, 1, SendOp::RdmaWrite { remote_addr: dst.addr(), rkey: dst.rkey() }, &s, true);
+        ok(wait1(&p.a.scq), 1, WcOpcode::RdmaWrite);
+        assert!(contents(&dst, 0, n) == data, "RDMA WRITE of {n} bytes corrupted data");
+        assert_eq!(contents(&dst, n, 1), [0xA5], "RDMA WRITE of {n} bytes wrote past its end");
+
+        let data2 = pattern(n, 1000 + i as u64);
+        src.write(0, &data2).unwrap();
+        recv(&p.b.qp, 7, &[]);
+        let imm = 0xC0DE_0000 | i as u32;
+        post(&p.a.qp, 2, SendOp::RdmaWriteWithImm { remote_addr: dst.addr(), rkey: dst.rkey(), imm }, &s, true);
+        ok(wait1(&p.a.scq), 2, WcOpcode::RdmaWrite);
+        let wc = wait1(&p.b.rcq);
+        ok(wc, 7, WcOpcode::RecvRdmaWithImm);
+        assert_eq!((wc.imm_data, wc.byte_len), (Some(imm), n as u32));
+        assert!(contents(&dst, 0, n) == data2, "WRITE_WITH_IMM of {n} bytes corrupted data");
+
+        let r = [back.sge(0, n).unwrap()];
+        post(&p.a.qp, 3, SendOp::RdmaRead { remote_addr: dst.addr(), rkey: dst.rkey() }, &r, true);
+        let wc = wait1(&p.a.scq);
+        ok(wc, 3, WcOpcode::RdmaRead);
+        assert!(contents(&back, 0, n) == data2, "RDMA READ of {n} bytes corrupted data");
+
+        let data3 = pattern(n, 2000 + i as u64);
+        src.write(0, &data3).unwrap();
+        let rs = [dst.sge(0, n + 1).unwrap()];
+        recv(&p.b.qp, 8, &rs);
+        post(&p.a.qp, 4, SendOp::SendWithImm { imm: 99 }, &s, true);
+        ok(wait1(&p.a.scq), 4, WcOpcode::Send);
+        let wc = wait1(&p.b.rcq);
+        ok(wc, 8, WcOpcode::Recv);
+        assert_eq!((wc.byte_len, wc.imm_data), (n as u32, Some(99)));
+        assert!(contents(&dst, 0, n) == data3, "SEND of {n} bytes corrupted data");
+    }
+}
+
+/// Fetch-and-add and compare-and-swap return the old value and update the
+/// target; concurrent fetch-adds from two QPs do not lose updates.
+pub fn atomics(dev: &Device, mem: Mem) {
+    let p = Pair::new(dev);
+    let p2 = Pair::new(dev);
+    let dst = mr(&p.b.pd, mem, 4096, AccessFlags::all_remote());
+    let res = mr(&p.a.pd, mem, 64, AccessFlags::LOCAL_WRITE);
+    dst.write(8, &41u64.to_ne_bytes()).unwrap();
+    let s = [res.sge(0, 8).unwrap()];
+    let at = |op| SendOp::Atomic { remote_addr: dst.addr() + 8, rkey: dst.rkey(), op };
+    post(&p.a.qp, 1, at(AtomicOp::FetchAdd { add: 1 }), &s, true);
+    ok(wait1(&p.a.scq), 1, WcOpcode::FetchAdd);
+    assert_eq!(u64::from_ne_bytes(contents(&res, 0, 8).try_into().unwrap()), 41);
+    post(&p.a.qp, 2, at(AtomicOp::CompareSwap { compare: 42, swap: 7 }), &s, true);
+    ok(wait1(&p.a.scq), 2, WcOpcode::CompareSwap);
+    assert_eq!(u64::from_ne_bytes(contents(&res, 0, 8).try_into().unwrap()), 42);
+    post(&p.a.qp, 3, at(AtomicOp::CompareSwap { compare: 42, swap: 9 }), &s, true);
+    ok(wait1(&p.a.scq), 3, WcOpcode::CompareSwap);
+    assert_eq!(
+        u64::from_ne_bytes(contents(&dst, 8, 8).try_into().unwrap()),
+        7,
+        "CAS with a wrong compare must not swap"
+    );
+
+    // Two QPs (different contexts as initiators, p.b's region as target).
+    let dst2 = &dst;
+    let res2 = mr(&p2.a.pd, mem, 64, AccessFlags::LOCAL_WRITE);
+    // p2's QPs belong to other PDs: give p2.b's side a region too and have
+    // both initiators hammer their own peer's counter concurrently through
+    // one region each, then cross-check with reads.
+    let dst3 = mr(&p2.b.pd, mem, 4096, AccessFlags::all_remote());
+    let n = 500u64;
+    std::thread::scope(|sc| {
+        for (qp, cq, res, target) in [(&p.a.qp, &p.a.scq, &res, dst2), (&p2.a.qp, &p2.a.scq, &res2, &dst3)] {
+            sc.spawn(move || {
+                let s = [res.sge(0, 8).unwrap()];
+                for i in 0..n {
+                    let op = SendOp::Atomic {
+                        remote_addr: target.addr() + 16,
+                        rkey: target.rkey(),
+                        op: AtomicOp::FetchAdd { add: 1 },
+                    };
+                    post(qp, i, op, &s, true);
+                    let wc = wait1(cq);
+                    assert!(wc.is_ok(), "{wc:?}");
+                }
+            });
+        }
+    });
+    assert_eq!(u64::from_ne_bytes(contents(&dst, 16, 8).try_into().unwrap()), n);
+    assert_eq!(u64::from_ne_bytes(contents(&dst3, 16, 8).try_into().unwrap()), n);
+}
+
+/// Two initiators on two QPs fetch-add the same word of one region.
+pub fn atomics_same_word(dev: &Device, mem: Mem) {
+    let target = side(dev, 64, QpCaps::default());
+    let inits: Vec<Side> = (0..2).map(|_| side(dev, 64, QpCaps::default())).collect();
+    // The target needs one QP per initiator, in the target's PD.
+    let tqps: Vec<QueuePair> =
+        (0..2).map(|_| target.pd.create_qp(&QpInitAttr::default(), &target.scq, &target.rcq).unwrap()).collect();
+    for (i, s) in inits.iter().enumerate() {
+        s.qp.connect(&tqps[i].endpoint().unwrap()).unwrap();
+        tqps[i].connect(&s.qp.endpoint().unwrap()).unwrap();
+    }
+    let word = mr(&target.pd, mem, 4096, AccessFlags::all_remote());
+    let n = 400u64;
+    std::thread::scope(|sc| {
+        for s in &inits {
+            let word = &word;
+            sc.spawn(move || {
+                let res = mr(&s.pd, mem, 8, AccessFlags::LOCAL_WRITE);
+                let sge = [res.sge(0, 8).unwrap()];
+                for i in 0..n {
+                    let op = SendOp::Atomic {
+                        remote_addr: word.addr(),
+                        rkey: word.rkey(),
+                        op: AtomicOp::FetchAdd { add: 3 },
+                    };
+                    post(&s.qp, i, op, &sge, true);
+                    let wc = wait1(&s.scq);
+                    assert!(wc.is_ok(), "{wc:?}");
+                }
+            });
+        }
+    });
+    assert_eq!(u64::from_ne_bytes(contents(&word, 0, 8).try_into().unwrap()), 2 * n * 3);
+}
+
+/// Gather on the send side, scatter on the receive side.
+pub fn scatter_gather(dev: &Device, mem: Mem) {
+    let p = Pair::new(dev);
+    let src = mr(&p.a.pd, mem, 3 * 8192, AccessFlags::LOCAL_WRITE);
+    let dst = mr(&p.b.pd, mem, 3 * 8192, AccessFlags::all_remote());
+    let data = pattern(3 * 8192, 5);
+    src.write(0, &data).unwrap();
+    // Gather three pieces out of order into one contiguous write.
+    let s = [src.sge(16384, 100).unwrap(), src.sge(0, 5000).unwrap(), src.sge(8192, 1).unwrap()];
+    post(&p.a.qp, 1, SendOp::RdmaWrite { remote_addr: dst.addr() + 10, rkey: dst.rkey() }, &s, true);
+    ok(wait1(&p.a.scq), 1, WcOpcode::RdmaWrite);
+    let mut want = data[16384..16484].to_vec();
+    want.extend_from_slice(&data[0..5000]);
+    want.push(data[8192]);
+    assert_eq!(contents(&dst, 10, want.len()), want);
+    // SEND scattered into two receive pieces.
+    let r = [dst.sge(20000, 3000).unwrap(), dst.sge(100, 3000).unwrap()];
+    recv(&p.b.qp, 5, &r);
+    post(&p.a.qp, 2, SendOp::Send, &[src.sge(0, 4000).unwrap()], true);
+    ok(wait1(&p.a.scq), 2, WcOpcode::Send);
+    assert_eq!(wait1(&p.b.rcq).byte_len, 4000);
+    assert_eq!(contents(&dst, 20000, 3000), data[0..3000]);
+    assert_eq!(contents(&dst, 100, 1000), data[3000..4000]);
+}
+
+/// Inline data: the buffer may change right after post_send.
+pub fn inline_send(dev: &Device) {
+    let p = Pair::new(dev);
+    let dst = mr(&p.b.pd, Mem::Shm, 4096, AccessFlags::all_remote());
+    let mut buf = *b"inline payload!";
+    let s = [Sge { addr: buf.as_ptr() as u64, length: buf.len() as u32, lkey: 0 }];
+    p.a.qp
+        .post_send(&[SendWr {
+            wr_id: 1,
+            op: SendOp::RdmaWrite { remote_addr: dst.addr(), rkey: dst.rkey() },
+            sg_list: &s,
+            flags: SendFlags { signaled: true, inline: true, fence: false },
+        }])
+        .unwrap();
+    buf.fill(0);
+    ok(wait1(&p.a.scq), 1, WcOpcode::RdmaWrite);
+    assert_eq!(contents(&dst, 0, 15), b"inline payload!");
+    // Too long for max_inline_data: refused at post time.
+    let big = vec![0u8; 5000];
+    let s = [Sge { addr: big.as_ptr() as u64, length: 5000, lkey: 0 }];
+    let e = p.a.qp.post_send(&[SendWr {
+        wr_id: 2,
+        op: SendOp::RdmaWrite { remote_addr: dst.addr(), rkey: dst.rkey() },
+        sg_list: &s,
+        flags: SendFlags { signaled: true, inline: true, fence: false },
+    }]);
+    assert!(matches!(e, Err(Error::InvalidArgument { .. })), "{e:?}");
+}
+
+/// No receive posted: with a small RNR budget the sender gets
+/// RNR_RETRY_EXC_ERR; with a receive posted late (within budget) it succeeds.
+pub fn rnr(dev: &Device) {
+    let rts = RtsAttr { rnr_retry: 2, ..RtsAttr::default() };
+    // min_rnr_timer 10 = 0.32 ms
+    let p = Pair::with(dev, 64, QpCaps::default(), rts, 10);
+    let src = mr(&p.a.pd, Mem::Shm, 64, AccessFlags::LOCAL_WRITE);
+    post(&p.a.qp, 1, SendOp::Send, &[src.sge(0, 8).unwrap()], true);
+    let wc = wait1(&p.a.scq);
+    assert_eq!((wc.wr_id, wc.status), (1, WcStatus::RnrRetryExcErr), "{wc:?}");
+    assert_eq!(p.a.qp.state(), QpState::Err);
+
+    let rts = RtsAttr { rnr_retry: 7, ..RtsAttr::default() };
+    let p = Pair::with(dev, 64, QpCaps::default(), rts, 10);
+    let src = mr(&p.a.pd, Mem::Shm, 64, AccessFlags::LOCAL_WRITE);
+    let dst = mr(&p.b.pd, Mem::Shm, 64, AccessFlags::all_remote());
+    src.write(0, b"late rcv").unwrap();
+    post(&p.a.qp, 2, SendOp::Send, &[src.sge(0, 8).unwrap()], true);
+    std::thread::sleep(Duration::from_millis(50));
+    none_within(&p.a.scq, Duration::from_millis(10));
+    recv(&p.b.qp, 3, &[dst.sge(0, 8).unwrap()]);
+    ok(wait1(&p.a.scq), 2, WcOpcode::Send);
+    ok(wait1(&p.b.rcq), 3, WcOpcode::Recv);
+    assert_eq!(contents(&dst, 0, 8), b"late rcv");
+}
+
+/// Bad rkeys, out-of-bounds addresses, missing access and deregistered
+/// regions give REM_ACCESS_ERR, never a write; the QP goes to ERR and
+/// flushes what follows.
+pub fn remote_access_errors(dev: &Device, mem: Mem) {
+    type Case = fn(&MemoryRegion, &MemoryRegion) -> SendOp;
+    let cases: [(&str, Case); 6] = [
+        ("rkey out of bounds", |d, _| SendOp::RdmaWrite { remote_addr: d.addr() + 4096 - 8, rkey: d.rkey() }),
+        ("address below the region", |d, _| SendOp::RdmaWrite { remote_addr: d.addr() - 16, rkey: d.rkey() }),
+        ("unknown rkey", |d, _| SendOp::RdmaWrite { remote_addr: d.addr(), rkey: d.rkey() ^ 0x5a5a_0000 }),
+        ("write to a read-only region", |_, ro| SendOp::RdmaWrite { remote_addr: ro.addr(), rkey: ro.rkey() }),
+        ("read from a write-only region", |d, _| SendOp::RdmaRead { remote_addr: d.addr(), rkey: d.rkey() }),
+        ("atomic on a region without REMOTE_ATOMIC", |_, ro| SendOp::Atomic {
+            remote_addr: ro.addr(),
+            rkey: ro.rkey(),
+            op: AtomicOp::FetchAdd { add: 1 },
+        }),
+    ];
+    for (what, case) in cases {
+        let p = Pair::new(dev);
+        let src = mr(&p.a.pd, mem, 4096, AccessFlags::LOCAL_WRITE);
+        src.write(0, &[0xEE; 64]).unwrap();
+        let dst = mr(&p.b.pd, mem, 4096, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE);
+        let ro = mr(&p.b.pd, mem, 4096, AccessFlags::REMOTE_READ);
+        let len = if matches!(case(&dst, &ro), SendOp::Atomic { .. }) { 8 } else { 64 };
+        post(&p.a.qp, 1, case(&dst, &ro), &[src.sge(0, len).unwrap()], true);
+        post(
+            &p.a.qp,
+            2,
+            SendOp::RdmaWrite { remote_addr: dst.addr(), rkey: dst.rkey() },
+            &[src.sge(0, 8).unwrap()],
+            true,
+        );
+        let wc = wait1(&p.a.scq);
+        assert_eq!((wc.wr_id, wc.status), (1, WcStatus::RemAccessErr), "{what}: {wc:?}");
+        let wc = wait1(&p.a.scq);
+        assert_eq!((wc.wr_id, wc.status), (2, WcStatus::WrFlushErr), "{what}: {wc:?}");
+        assert_eq!(p.a.qp.state(), QpState::Err, "{what}");
+        assert!(contents(&dst, 0, 4096).iter().all(|&b| b == 0), "{what}: the target region was written");
+        assert!(contents(&ro, 0, 4096).iter().all(|&b| b == 0), "{what}: the read-only region was written");
+    }
+    // A deregistered region's key stops working at once.
+    let p = Pair::new(dev);
+    let src = mr(&p.a.pd, mem, 4096, AccessFlags::LOCAL_WRITE);
+    let dst = mr(&p.b.pd, mem, 4096, AccessFlags::all_remote());
+    let (addr, rkey) = (dst.addr(), dst.rkey());
+    post(&p.a.qp, 1, SendOp::RdmaWrite { remote_addr: addr, rkey }, &[src.sge(0, 8).unwrap()], true);
+    ok(wait1(&p.a.scq), 1, WcOpcode::RdmaWrite);
+    drop(dst);
+    post(&p.a.qp, 2, SendOp::RdmaWrite { remote_addr: addr, rkey }, &[src.sge(0, 8).unwrap()], true);
+    let wc = wait1(&p.a.scq);
+    assert_eq!((wc.wr_id, wc.status), (2, WcStatus::RemAccessErr), "deregistered MR: {wc:?}");
+}
+
+/// A bad lkey is a local protection error.
+pub fn local_protection_error(dev: &Device) {
+    let p = Pair::new(dev);
+    let src = mr(&p.a.pd, Mem::Shm, 4096, AccessFlags::LOCAL_WRITE);
+    let dst = mr(&p.b.pd, Mem::Shm, 4096, AccessFlags::all_remote());
+    let bad = Sge { addr: src.addr(), length: 64, lkey: src.lkey() ^ 0x0101_0000 };
+    post(&p.a.qp, 1, SendOp::RdmaWrite { remote_addr: dst.addr(), rkey: dst.rkey() }, &[bad], true);
+    assert_eq!(wait1(&p.a.scq).status, WcStatus::LocProtErr);
+    // Past the end of the local region.
+    let p = Pair::new(dev);
+    let src = mr(&p.a.pd, Mem::Shm, 4096, AccessFlags::LOCAL_WRITE);
+    let dst = mr(&p.b.pd, Mem::Shm, 8192, AccessFlags::all_remote());
+    let bad = Sge { addr: src.addr() + 4000, length: 200, lkey: src.lkey() };
+    post(&p.a.qp, 1, SendOp::RdmaWrite { remote_addr: dst.addr(), rkey: dst.rkey() }, &[bad], true);
+    assert_eq!(wait1(&p.a.scq).status, WcStatus::LocProtErr);
+    // An RDMA READ into a region without LOCAL_WRITE.
+    let p = Pair::new(dev);
+    let ro = mr(&p.a.pd, Mem::Shm, 4096, AccessFlags::empty());
+    let dst = mr(&p.b.pd, Mem::Shm, 4096, AccessFlags::all_remote());
+    post(&p.a.qp, 1, SendOp::RdmaRead { remote_addr: dst.addr(), rkey: dst.rkey() }, &[ro.sge(0, 8).unwrap()], true);
+    assert_eq!(wait1(&p.a.scq).status, WcStatus::LocProtErr);
+}
+
+/// A SEND longer than the posted receive: REM_INV_REQ at the sender,
+/// LOC_LEN_ERR at the receiver.
+pub fn send_too_long(dev: &Device) {
+    let p = Pair::new(dev);
+    let src = mr(&p.a.pd, Mem::Shm, 4096, AccessFlags::LOCAL_WRITE);
+    let dst = mr(&p.b.pd, Mem::Shm, 4096, AccessFlags::all_remote());
+    recv(&p.b.qp, 9, &[dst.sge(0, 16).unwrap()]);
+    post(&p.a.qp, 1, SendOp::Send, &[src.sge(0, 100).unwrap()], true);
+    assert_eq!(wait1(&p.a.scq).status, WcStatus::RemInvReqErr);
+    let wc = wait1(&p.b.rcq);
+    assert_eq!((wc.wr_id, wc.status), (9, WcStatus::LocLenErr));
+}
+
+/// Moving a QP to ERR flushes posted receives and every send posted after.
+pub fn error_state_flushes(dev: &Device) {
+    let p = Pair::new(dev);
+    let dst = mr(&p.b.pd, Mem::Shm, 4096, AccessFlags::all_remote());
+    for i in 0..5 {
+        recv(&p.b.qp, 100 + i, &[dst.sge(0, 64).unwrap()]);
+    }
+    p.b.qp.modify(&QpTransition::Err).unwrap();
+    for i in 0..5 {
+        let wc = wait1(&p.b.rcq);
+        assert_eq!((wc.wr_id, wc.status), (100 + i, WcStatus::WrFlushErr));
+    }
+    // Receives posted in ERR are flushed too.
+    recv(&p.b.qp, 200, &[dst.sge(0, 64).unwrap()]);
+    assert_eq!(wait1(&p.b.rcq).status, WcStatus::WrFlushErr);
+    // Sends posted after ERR are flushed (even unsignaled ones report).
+    let src = mr(&p.a.pd, Mem::Shm, 4096, AccessFlags::LOCAL_WRITE);
+    p.a.qp.modify(&QpTransition::Err).unwrap();
+    post(&p.a.qp, 1, SendOp::RdmaWrite { remote_addr: dst.addr(), rkey: dst.rkey() }, &[src.sge(0, 8).unwrap()], false);
+    let wc = wait1(&p.a.scq);
+    assert_eq!((wc.wr_id, wc.status), (1, WcStatus::WrFlushErr));
+    // The peer sees its connection fail on the next operation.
+    post(&p.b.qp, 2, SendOp::RdmaWrite { remote_addr: src.addr(), rkey: src.rkey() }, &[dst.sge(0, 8).unwrap()], true);
+    assert_ne!(wait1(&p.b.scq).status, WcStatus::Success);
+}
+
+/// Unsignaled WRs produce no completion but free their slot when a later
+/// signaled one completes.
+pub fn unsignaled(dev: &Device) {
+    let caps = QpCaps { max_send_wr: 16, ..QpCaps::default() };
+    let p = Pair::with(dev, 64, caps, RtsAttr::default(), 12);
+    let src = mr(&p.a.pd, Mem::Shm, 4096, AccessFlags::LOCAL_WRITE);
+    let dst = mr(&p.b.pd, Mem::Shm, 4096, AccessFlags::all_remote());
+    for round in 0..10u64 {
+        for i in 0..15 {
+            let s = [src.sge(i, 1).unwrap()];
+            post(
+                &p.a.qp,
+                round * 100 + i as u64,
+                SendOp::RdmaWrite { remote_addr: dst.addr() + i as u64, rkey: dst.rkey() },
+                &s,
+                i == 14,
+            );
+        }
+        let wc = wait1(&p.a.scq);
+        assert_eq!((wc.wr_id, wc.status), (round * 100 + 14, WcStatus::Success));
+    }
+    none_within(&p.a.scq, Duration::from_millis(50));
+    // The send queue is bounded: posting past max_send_wr is refused.
+    let s = [src.sge(0, 1).unwrap()];
+    let mut refused = false;
+    for i in 0..64 {
+        let r = p.a.qp.post_send(&[SendWr {
+            wr_id: i,
+            op: SendOp::RdmaRead { remote_addr: dst.addr(), rkey: dst.rkey() },
+            sg_list: &s,
+            flags: SendFlags::UNSIGNALED,
+        }]);
+        if let Err(e) = r {
+            assert!(matches!(e, Error::Exhausted { .. }), "{e:?}");
+            refused = true;
+            break;
+        }
+    }
+    assert!(refused, "posting 64 WRs on a 16-deep send queue must be refused at some point");
+}
+
+/// A CQ that overflows reports it; completions are not silently lost.
+pub fn cq_overflow(dev: &Device) {
+    let p = Pair::with(dev, 4, QpCaps::default(), RtsAttr::default(), 12);
+    let src = mr(&p.a.pd, Mem::Shm, 4096, AccessFlags::LOCAL_WRITE);
+    let dst = mr(&p.b.pd, Mem::Shm, 4096, AccessFlags::all_remote());
+    for i in 0..8 {
+        post(
+            &p.a.qp,
+            i,
+            SendOp::RdmaWrite { remote_addr: dst.addr(), rkey: dst.rkey() },
+            &[src.sge(0, 8).unwrap()],
+            true,
+        );
+    }
+    let deadline = std::time::Instant::now() + WAIT;
+    loop {
+        let mut wc = [WorkCompletion::empty(); 1];
+        match p.a.scq.poll(&mut wc[..0]) {
+            Err(Error::CqOverflow { capacity: 4, dropped }) => {
+                assert!(dropped >= 1);
+                break;
+            }
+            Err(e) => panic!("unexpected error {e:?}"),
+            Ok(_) => {
+                assert!(std::time::Instant::now() < deadline, "overflow not reported");
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        }
+    }
+}
+
+/// Posting is refused in the wrong state; invalid transitions are refused.
+pub fn state_machine(dev: &Device) {
+    let a = side(dev, 16, QpCaps::default());
+    let src = mr(&a.pd, Mem::Shm, 64, AccessFlags::LOCAL_WRITE);
+    assert_eq!(a.qp.state(), QpState::Reset);
+    let e = a.qp.post_send(&[SendWr {
+        wr_id: 1,
+        op: SendOp::Send,
+        sg_list: &[src.sge(0, 8).unwrap()],
+        flags: SendFlags::SIGNALED,
+    }]);
+    assert!(matches!(e, Err(Error::InvalidState { .. })), "{e:?}");
+    assert!(matches!(a.qp.post_recv(&[RecvWr { wr_id: 1, sg_list: &[] }]), Err(Error::InvalidState { .. })));
+    assert!(a.qp.modify(&QpTransition::Rts(RtsAttr::default())).is_err(), "RESET → RTS must be refused");
+    a.qp.modify(&QpTransition::Init(InitAttr::default())).unwrap();
+    a.qp.post_recv(&[RecvWr { wr_id: 1, sg_list: &[] }]).unwrap();
+    assert_eq!(a.qp.state(), QpState::Init);
+}
+
+/// Instantiates the suite for a harness expression that yields a `Device`.
+#[macro_export]
+macro_rules! conformance_suite {
+    ($dev:expr) => {
+        #[test]
+        fn every_opcode_every_size_shm_memory() {
+            conformance::every_opcode_every_size(&$dev, conformance::Mem::Shm);
+        }
+        #[test]
+        fn every_opcode_every_size_heap_memory() {
+            conformance::every_opcode_every_size(&$dev, conformance::Mem::Heap);
+        }
+        #[test]
+        fn atomics_shm_memory() {
+            conformance::atomics(&$dev, conformance::Mem::Shm);
+        }
+        #[test]
+        fn atomics_heap_memory() {
+            conformance::atomics(&$dev, conformance::Mem::Heap);
+        }
+        #[test]
+        fn atomics_same_word() {
+            conformance::atomics_same_word(&$dev, conformance::Mem::Shm);
+        }
+        #[test]
+        fn scatter_gather() {
+            conformance::scatter_gather(&$dev, conformance::Mem::Shm);
+            conformance::scatter_gather(&$dev, conformance::Mem::Heap);
+        }
+        #[test]
+        fn inline_send() {
+            conformance::inline_send(&$dev);
+        }
+        #[test]
+        fn rnr() {
+            conformance::rnr(&$dev);
+        }
+        #[test]
+        fn remote_access_errors_shm_memory() {
+            conformance::remote_access_errors(&$dev, conformance::Mem::Shm);
+        }
+        #[test]
+        fn remote_access_errors_heap_memory() {
+            conformance::remote_access_errors(&$dev, conformance::Mem::Heap);
+        }
+        #[test]
+        fn local_protection_error() {
+            conformance::local_protection_error(&$dev);
+        }
+        #[test]
+        fn send_too_long() {
+            conformance::send_too_long(&$dev);
+        }
+        #[test]
+        fn error_state_flushes() {
+            conformance::error_state_flushes(&$dev);
+        }
+        #[test]
+        fn unsignaled() {
+            conformance::unsignaled(&$dev);
+        }
+        #[test]
+        fn cq_overflow() {
+            conformance::cq_overflow(&$dev);
+        }
+        #[test]
+        fn state_machine() {
+            conformance::state_machine(&$dev);
+        }
+    };
+}
