@@ -63,7 +63,7 @@ where
         if !ready(&qp, epoch, &mut state_rx).await {
             return;
         }
-        match serve(&qp, &mut s, f, epoch, &mut state_rx).await {
+        match serve(&qp, &mut s, f, epoch, hello.rnr_retry, &mut state_rx).await {
             Ok(Outcome::Continue) => {}
             Ok(Outcome::Close) => return linger(&mut s).await,
             Err(e) => return tracing::debug!("soft QP {:#x}: connection to {peer} lost: {e}", qp.qpn),
@@ -155,9 +155,11 @@ async fn take_recv<S: AsyncWrite + Unpin>(
     s: &mut S,
     psn: u32,
     epoch: u64,
+    rnr_retry: u8,
     state_rx: &mut watch::Receiver<QpState>,
 ) -> std::io::Result<Option<RecvEntry>> {
     let period = qp.rnr_period();
+    let mut waits = 0u32;
     loop {
         let notified = qp.rq_notify.notified();
         tokio::pin!(notified);
@@ -171,6 +173,12 @@ async fn take_recv<S: AsyncWrite + Unpin>(
         tokio::select! {
             _ = notified => {}
             _ = tokio::time::sleep(period) => {
+                // The requester gives up after rnr_retry waits (7: never);
+                // so does this side, one period later.
+                if rnr_retry < 7 && waits > rnr_retry as u32 {
+                    return Ok(None);
+                }
+                waits += 1;
                 s.write_all(&Frame::RnrWait { psn }.encode()).await?;
             }
             _ = dead(qp, epoch, state_rx) => return Ok(None),
@@ -194,6 +202,7 @@ async fn serve<S>(
     s: &mut S,
     f: Frame,
     epoch: u64,
+    rnr_retry: u8,
     state_rx: &mut watch::Receiver<QpState>,
 ) -> std::io::Result<Outcome>
 where
@@ -210,7 +219,7 @@ where
                 s.read_exact(dst).await?;
             }
             if let Some(imm) = imm {
-                let Some(r) = take_recv(qp, s, psn, epoch, state_rx).await? else {
+                let Some(r) = take_recv(qp, s, psn, epoch, rnr_retry, state_rx).await? else {
                     return Ok(Outcome::Close);
                 };
                 qp.push_recv_wc(recv_wc(qp, &r, WcStatus::Success, WcOpcode::RecvRdmaWithImm, len, Some(imm)));
@@ -218,14 +227,14 @@ where
             s.write_all(&Frame::Ack { psn }.encode()).await?;
         }
         Frame::Notify { psn, len, imm } => {
-            let Some(r) = take_recv(qp, s, psn, epoch, state_rx).await? else {
+            let Some(r) = take_recv(qp, s, psn, epoch, rnr_retry, state_rx).await? else {
                 return Ok(Outcome::Close);
             };
             qp.push_recv_wc(recv_wc(qp, &r, WcStatus::Success, WcOpcode::RecvRdmaWithImm, len, Some(imm)));
             s.write_all(&Frame::Ack { psn }.encode()).await?;
         }
         Frame::Send { psn, len, imm } => {
-            let Some(r) = take_recv(qp, s, psn, epoch, state_rx).await? else {
+            let Some(r) = take_recv(qp, s, psn, epoch, rnr_retry, state_rx).await? else {
                 return Ok(Outcome::Close);
             };
             if (len as u64) > r.capacity() {
