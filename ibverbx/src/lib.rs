@@ -79,6 +79,7 @@ mod qp;
 mod qp_attr;
 mod shm;
 pub mod soft;
+mod vqp;
 mod wc;
 mod wr;
 
@@ -98,6 +99,7 @@ pub use qp_attr::{
     ack_timeout_duration, rnr_timer_duration, InitAttr, QpCaps, QpInitAttr, QpState, QpTransition, RtrAttr, RtsAttr,
 };
 pub use shm::ShmBuffer;
+pub use vqp::{proto as vqp_proto, LoadBalancing, VirtualCq, VirtualQp, VirtualQpConfig, VirtualQpEndpoint};
 pub use wc::{WcOpcode, WcStatus, WorkCompletion};
 pub use wr::{AtomicOp, RecvWr, SendFlags, SendOp, SendWr, Sge};
 

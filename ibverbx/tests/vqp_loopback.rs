@@ -1,0 +1,353 @@
+//! Virtual QPs end to end in one process on the soft provider: both
+//! schemes, fragmenting, mixed opcodes, immediates, error flushing, sizing
+//! checks. Two contexts play the two hosts; seeded chaos reorders the
+//! physical QPs.
+
+use std::time::Duration;
+
+use ibverbx::soft::{SoftConfig, SoftProvider};
+use ibverbx::{
+    AccessFlags, AtomicOp, LoadBalancing, MemoryRegion, RecvWr, SendFlags, SendOp, SendWr, VirtualCq, VirtualQp,
+    VirtualQpConfig, VirtualQpEndpoint, WcOpcode, WcStatus, WorkCompletion,
+};
+
+const HANG: Duration = Duration::from_secs(60);
+
+struct End {
+    qp: VirtualQp,
+    cq: VirtualCq,
+    mr: MemoryRegion,
+}
+
+fn provider(chaos: Option<u64>) -> std::sync::Arc<SoftProvider> {
+    SoftProvider::new(SoftConfig { chaos_seed: chaos, ..SoftConfig::default() })
+}
+
+fn end(p: &std::sync::Arc<SoftProvider>, cfg: &VirtualQpConfig, len: usize) -> End {
+    let ctx = p.device().open().unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = VirtualCq::new(&ctx, 4096).unwrap();
+    let qp = VirtualQp::new(&pd, &cq, cfg).unwrap();
+    let mr = MemoryRegion::alloc(&pd, len, AccessFlags::all_remote()).unwrap();
+    End { qp, cq, mr }
+}
+
+fn pair(cfg: &VirtualQpConfig, len: usize, chaos: Option<u64>) -> (End, End) {
+    let p = provider(chaos);
+    let (a, b) = (end(&p, cfg, len), end(&p, cfg, len));
+    // Through JSON, as two processes would exchange them.
+    let ea: VirtualQpEndpoint =
+        serde_json::from_str(&serde_json::to_string(&a.qp.endpoint().unwrap()).unwrap()).unwrap();
+    let eb = b.qp.endpoint().unwrap();
+    a.qp.connect(&eb).unwrap();
+    b.qp.connect(&ea).unwrap();
+    (a, b)
+}
+
+/// Collects exactly `n` completions of `cq` while keeping `other` (the
+/// peer) progressing, failing (not hanging) after `HANG`.
+fn collect_with(cq: &VirtualCq, n: usize, other: &VirtualCq) -> Vec<WorkCompletion> {
+    let mut out = Vec::new();
+    let mut buf = [WorkCompletion::empty(); 16];
+    let deadline = std::time::Instant::now() + HANG;
+    while out.len() < n {
+        assert!(std::time::Instant::now() < deadline, "only {} of {n} completions arrived: {out:?}", out.len());
+        let k = cq.wait(&mut buf[..(n - out.len()).min(16)], Some(Duration::from_millis(1)), Duration::ZERO).unwrap();
+        out.extend_from_slice(&buf[..k]);
+        other.progress().unwrap();
+    }
+    out
+}
+
+fn pattern(len: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+fn cfg(qps: u32, lb: LoadBalancing) -> VirtualQpConfig {
+    VirtualQpConfig {
+        total_qps: qps,
+        load_balancing: lb,
+        max_msg_size: 4096,
+        max_msg_cnt_per_qp: 4,
+        ..VirtualQpConfig::default()
+    }
+}
+
+/// Writes messages of several sizes back to back (all in flight at once),
+/// half of them with immediates, then reads everything back.
+fn writes_reads(qps: u32, lb: LoadBalancing, chaos: Option<u64>) {
+    let sizes = [0usize, 1, 4095, 4096, 4097, 3 * 4096 + 5, 64 << 10, 1 << 20];
+    let total: usize = sizes.iter().sum();
+    let (a, b) = pair(&cfg(qps, lb), 2 * total + 4096, chaos);
+    for i in 0..sizes.len() {
+        b.qp.post_recv(&[RecvWr { wr_id: 100 + i as u64, sg_list: &[] }]).unwrap();
+    }
+    let mut off = 0;
+    let mut imms = 0;
+    for (i, &n) in sizes.iter().enumerate() {
+        a.mr.write(off, &pattern(n, i as u64)).unwrap();
+        let sge = [a.mr.sge(off, n).unwrap()];
+        let (remote_addr, rkey) = (b.mr.addr() + off as u64, b.mr.rkey());
+        let op = if i % 2 == 0 {
+            imms += 1;
+            SendOp::RdmaWriteWithImm { remote_addr, rkey, imm: 0xabc0_0000 | i as u32 }
+        } else {
+            SendOp::RdmaWrite { remote_addr, rkey }
+        };
+        a.qp.post_send(&[SendWr { wr_id: i as u64, op, sg_list: &sge, flags: SendFlags::SIGNALED }]).unwrap();
+        off += n;
+    }
+    let wcs = collect_with(&a.cq, sizes.len(), &b.cq);
+    for (i, wc) in wcs.iter().enumerate() {
+        assert_eq!(
+            (wc.wr_id, wc.status, wc.opcode),
+            (i as u64, WcStatus::Success, WcOpcode::RdmaWrite),
+            "{:?}",
+            a.qp.error()
+        );
+        assert_eq!(wc.byte_len as usize, sizes[i]);
+        assert_eq!(wc.qp_num, a.qp.qp_num());
+    }
+    let rx = collect_with(&b.cq, imms, &a.cq);
+    let want: Vec<u32> = (0..sizes.len() as u32).filter(|i| i % 2 == 0).map(|i| 0xabc0_0000 | i).collect();
+    assert_eq!(rx.iter().map(|w| w.imm_data.unwrap()).collect::<Vec<_>>(), want, "{rx:?}");
+    assert!(rx.iter().all(|w| w.is_ok() && w.opcode == WcOpcode::RecvRdmaWithImm && w.qp_num == b.qp.qp_num()));
+    assert_eq!(rx.iter().map(|w| w.wr_id).collect::<Vec<_>>(), (100..100 + imms as u64).collect::<Vec<_>>());
+    let mut got = vec![0u8; total];
+    b.mr.read(0, &mut got).unwrap();
+    let mut off = 0;
+    for (i, &n) in sizes.iter().enumerate() {
+        assert!(got[off..off + n] == pattern(n, i as u64)[..], "message {i} ({n} bytes) differs");
+        off += n;
+    }
+    // Read it all back into the second half in one fragmented READ.
+    let sge = [a.mr.sge(total, total).unwrap()];
+    let op = SendOp::RdmaRead { remote_addr: b.mr.addr(), rkey: b.mr.rkey() };
+    a.qp.post_send(&[SendWr { wr_id: 77, op, sg_list: &sge, flags: SendFlags::SIGNALED }]).unwrap();
+    let wc = collect_with(&a.cq, 1, &b.cq)[0];
+    assert_eq!(
+        (wc.wr_id, wc.status, wc.opcode, wc.byte_len as usize),
+        (77, WcStatus::Success, WcOpcode::RdmaRead, total)
+    );
+    let mut back = vec![0u8; total];
+    a.mr.read(total, &mut back).unwrap();
+    assert!(back == got);
+    assert_eq!(a.qp.outstanding(), 0);
+    assert_eq!(a.qp.pending(), 0);
+}
+
+#[test]
+fn dqplb_one_qp() {
+    writes_reads(1, LoadBalancing::Dqplb, None);
+}
+
+#[test]
+fn dqplb_four_qps_chaos() {
+    for seed in [1, 2] {
+        writes_reads(4, LoadBalancing::Dqplb, Some(seed));
+    }
+}
+
+#[test]
+fn spray_four_qps_chaos() {
+    for seed in [3, 4] {
+        writes_reads(4, LoadBalancing::Spray, Some(seed));
+    }
+}
+
+#[test]
+fn sixteen_qps_both_schemes() {
+    writes_reads(16, LoadBalancing::Dqplb, Some(5));
+    writes_reads(16, LoadBalancing::Spray, Some(6));
+}
+
+#[test]
+fn dqplb_sequence_wraps_end_to_end() {
+    let c = VirtualQpConfig { initial_seq: (1 << 24) - 5, ..cfg(4, LoadBalancing::Dqplb) };
+    let (a, b) = pair(&c, 64 << 10, Some(9));
+    b.qp.post_recv(&[RecvWr { wr_id: 1, sg_list: &[] }, RecvWr { wr_id: 2, sg_list: &[] }]).unwrap();
+    let data = pattern(32 << 10, 1);
+    a.mr.write(0, &data).unwrap();
+    for (k, half) in [(0u64, 0usize), (1, 16 << 10)] {
+        let sge = [a.mr.sge(half, 16 << 10).unwrap()];
+        let op = SendOp::RdmaWriteWithImm { remote_addr: b.mr.addr() + half as u64, rkey: b.mr.rkey(), imm: k as u32 };
+        a.qp.post_send(&[SendWr { wr_id: k, op, sg_list: &sge, flags: SendFlags::SIGNALED }]).unwrap();
+    }
+    assert!(collect_with(&a.cq, 2, &b.cq).iter().all(|w| w.is_ok()));
+    let rx = collect_with(&b.cq, 2, &a.cq);
+    assert_eq!(rx.iter().map(|w| (w.wr_id, w.imm_data)).collect::<Vec<_>>(), vec![(1, Some(0)), (2, Some(1))]);
+    let mut got = vec![0u8; 32 << 10];
+    b.mr.read(0, &mut got).unwrap();
+    assert!(got == data);
+}
+
+#[test]
+fn sends_and_atomics_go_on_the_control_qp() {
+    for (qps, lb) in [(1, LoadBalancing::Dqplb), (4, LoadBalancing::Dqplb), (4, LoadBalancing::Spray)] {
+        let (a, b) = pair(&cfg(qps, lb), 1 << 16, None);
+        let rsge = [b.mr.sge(0, 64).unwrap()];
+        b.qp.post_recv(&[RecvWr { wr_id: 5, sg_list: &[] }, RecvWr { wr_id: 6, sg_list: &rsge }]).unwrap();
+        // A striped WRITE_WITH_IMM, then a SEND behind it: the receiver sees
+        // them in that order.
+        a.mr.write(1024, &pattern(20000, 3)).unwrap();
+        let wsge = [a.mr.sge(1024, 20000).unwrap()];
+        let op = SendOp::RdmaWriteWithImm { remote_addr: b.mr.addr() + 1024, rkey: b.mr.rkey(), imm: 42 };
+        a.mr.write(0, b"hello").unwrap();
+        let ssge = [a.mr.sge(0, 5).unwrap()];
+        a.qp.post_send(&[
+            SendWr { wr_id: 1, op, sg_list: &wsge, flags: SendFlags::SIGNALED },
+            SendWr { wr_id: 2, op: SendOp::SendWithImm { imm: 7 }, sg_list: &ssge, flags: SendFlags::SIGNALED },
+        ])
+        .unwrap();
+        let rx = collect_with(&b.cq, 2, &a.cq);
+        assert_eq!(
+            rx.iter().map(|w| (w.wr_id, w.opcode, w.imm_data)).collect::<Vec<_>>(),
+            vec![(5, WcOpcode::RecvRdmaWithImm, Some(42)), (6, WcOpcode::Recv, Some(7))],
+            "{qps} QPs {lb:?}"
+        );
+        assert_eq!(rx[1].byte_len, 5);
+        let mut hello = [0u8; 5];
+        b.mr.read(0, &mut hello).unwrap();
+        assert_eq!(&hello, b"hello");
+        let mut got = vec![0u8; 20000];
+        b.mr.read(1024, &mut got).unwrap();
+        assert!(got == pattern(20000, 3));
+        assert!(collect_with(&a.cq, 2, &b.cq).iter().all(|w| w.is_ok()));
+        // Atomics.
+        let word = b.mr.addr() + 60000;
+        let asge = [a.mr.sge(40000, 8).unwrap()];
+        for k in 0..5u64 {
+            let op = SendOp::Atomic { remote_addr: word, rkey: b.mr.rkey(), op: AtomicOp::FetchAdd { add: 3 } };
+            a.qp.post_send(&[SendWr { wr_id: 10 + k, op, sg_list: &asge, flags: SendFlags::SIGNALED }]).unwrap();
+            let wc = collect_with(&a.cq, 1, &b.cq)[0];
+            assert_eq!((wc.wr_id, wc.status, wc.opcode), (10 + k, WcStatus::Success, WcOpcode::FetchAdd));
+            let mut v = [0u8; 8];
+            a.mr.read(40000, &mut v).unwrap();
+            assert_eq!(u64::from_ne_bytes(v), 3 * k);
+        }
+    }
+}
+
+#[test]
+fn first_error_wins_and_the_rest_flushes() {
+    for lb in [LoadBalancing::Dqplb, LoadBalancing::Spray] {
+        let (a, b) = pair(&cfg(4, lb), 1 << 20, Some(11));
+        let sge = [a.mr.sge(0, 64 << 10).unwrap()];
+        let mut wrs = Vec::new();
+        for i in 0..10u64 {
+            // WR 3 names a bad rkey.
+            let rkey = if i == 3 { b.mr.rkey() ^ 0x5a5a } else { b.mr.rkey() };
+            let op = SendOp::RdmaWriteWithImm { remote_addr: b.mr.addr(), rkey, imm: i as u32 };
+            wrs.push(SendWr { wr_id: i, op, sg_list: &sge, flags: SendFlags::SIGNALED });
+        }
+        b.qp.post_recv(&(0..10).map(|i| RecvWr { wr_id: i, sg_list: &[] }).collect::<Vec<_>>()).unwrap();
+        a.qp.post_send(&wrs).unwrap();
+        let wcs = collect_with(&a.cq, 10, &b.cq);
+        assert_eq!(wcs.iter().map(|w| w.wr_id).collect::<Vec<_>>(), (0..10).collect::<Vec<_>>(), "{lb:?}: {wcs:?}");
+        assert_eq!(wcs[3].status, WcStatus::RemAccessErr, "{lb:?}: {wcs:?}");
+        assert!(wcs[4..].iter().all(|w| w.status == WcStatus::WrFlushErr), "{lb:?}: {wcs:?}");
+        assert!(wcs[..3].iter().all(|w| matches!(w.status, WcStatus::Success | WcStatus::WrFlushErr)), "{wcs:?}");
+        assert_eq!(a.qp.error().map(|e| e.0), Some(WcStatus::RemAccessErr));
+        // Later posts flush at once; nothing hangs.
+        a.qp.post_send(&wrs[..1]).unwrap();
+        assert_eq!(collect_with(&a.cq, 1, &b.cq)[0].status, WcStatus::WrFlushErr);
+        // The receiver learns too: its physical QPs went to ERR with the
+        // peer's, or it is still waiting; moving it to ERR flushes its receives.
+        b.qp.fail();
+        let mut buf = [WorkCompletion::empty(); 16];
+        let mut seen = 0;
+        while let Ok(k @ 1..) = b.cq.wait(&mut buf, Some(Duration::from_secs(2)), Duration::ZERO) {
+            seen += k;
+        }
+        assert!(seen <= 10);
+    }
+}
+
+#[test]
+fn application_failure_flushes_queued_fragments() {
+    // A window of 1 and many fragments: most of the message is still queued
+    // when the QP is failed; every WR still completes exactly once.
+    let c = VirtualQpConfig { max_msg_cnt_per_qp: 1, max_msg_size: 1024, ..cfg(2, LoadBalancing::Spray) };
+    let (a, b) = pair(&c, 1 << 20, Some(12));
+    let sge = [a.mr.sge(0, 1 << 20).unwrap()];
+    let op = SendOp::RdmaWrite { remote_addr: b.mr.addr(), rkey: b.mr.rkey() };
+    a.qp.post_send(&[
+        SendWr { wr_id: 1, op, sg_list: &sge, flags: SendFlags::SIGNALED },
+        SendWr { wr_id: 2, op, sg_list: &sge, flags: SendFlags::UNSIGNALED },
+    ])
+    .unwrap();
+    assert!(a.qp.pending() > 0);
+    a.qp.fail();
+    let wcs = collect_with(&a.cq, 2, &b.cq);
+    assert_eq!(
+        wcs.iter().map(|w| (w.wr_id, w.status)).collect::<Vec<_>>(),
+        vec![(1, WcStatus::WrFlushErr), (2, WcStatus::WrFlushErr)]
+    );
+    assert_eq!(a.qp.pending(), 0);
+}
+
+#[test]
+fn unsignaled_successes_are_silent() {
+    let (a, b) = pair(&cfg(4, LoadBalancing::Dqplb), 1 << 16, None);
+    let sge = [a.mr.sge(0, 10000).unwrap()];
+    let op = SendOp::RdmaWrite { remote_addr: b.mr.addr(), rkey: b.mr.rkey() };
+    a.qp.post_send(&[
+        SendWr { wr_id: 1, op, sg_list: &sge, flags: SendFlags::UNSIGNALED },
+        SendWr { wr_id: 2, op, sg_list: &sge, flags: SendFlags::SIGNALED },
+    ])
+    .unwrap();
+    let wcs = collect_with(&a.cq, 1, &b.cq);
+    assert_eq!(wcs[0].wr_id, 2);
+    let mut buf = [WorkCompletion::empty(); 4];
+    assert_eq!(a.cq.poll(&mut buf).unwrap(), 0);
+}
+
+#[test]
+fn cq_sizing_is_checked() {
+    let p = provider(None);
+    let ctx = p.device().open().unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let c = cfg(4, LoadBalancing::Dqplb);
+    // 4 data QPs × (4 sends + 8 receives) + notify (4 + 256) = 308.
+    let cq = VirtualCq::new(&ctx, 307).unwrap();
+    match VirtualQp::new(&pd, &cq, &c) {
+        Err(ibverbx::Error::InvalidArgument { reason, .. }) => assert!(reason.contains("at least 308"), "{reason}"),
+        other => panic!("expected a sizing error, got {other:?}"),
+    }
+    assert_eq!(cq.reserved(), 0);
+    let cq = VirtualCq::new(&ctx, 308).unwrap();
+    let q = VirtualQp::new(&pd, &cq, &c).unwrap();
+    assert_eq!(cq.reserved(), 308);
+    assert!(VirtualQp::new(&pd, &cq, &c).is_err(), "a second QP does not fit");
+    drop(q);
+    assert_eq!(cq.reserved(), 0);
+    VirtualQp::new(&pd, &cq, &c).unwrap();
+}
+
+#[test]
+fn mismatched_peers_are_refused() {
+    let p = provider(None);
+    let a = end(&p, &cfg(4, LoadBalancing::Dqplb), 4096);
+    let b = end(&p, &cfg(4, LoadBalancing::Spray), 4096);
+    let c = end(&p, &cfg(2, LoadBalancing::Dqplb), 4096);
+    assert!(matches!(a.qp.connect(&b.qp.endpoint().unwrap()), Err(ibverbx::Error::InvalidArgument { .. })));
+    assert!(matches!(a.qp.connect(&c.qp.endpoint().unwrap()), Err(ibverbx::Error::InvalidArgument { .. })));
+    let sge = [a.mr.sge(0, 8).unwrap()];
+    let op = SendOp::RdmaWrite { remote_addr: b.mr.addr(), rkey: b.mr.rkey() };
+    assert!(matches!(
+        a.qp.post_send(&[SendWr { wr_id: 1, op, sg_list: &sge, flags: SendFlags::SIGNALED }]),
+        Err(ibverbx::Error::InvalidState { .. })
+    ));
+    let ep = a.qp.endpoint().unwrap();
+    assert_eq!(ep.data.len(), 4);
+    assert!(ep.notify.is_some());
+    assert_eq!(a.qp.physical_qp_nums().len(), 5);
+}
