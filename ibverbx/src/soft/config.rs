@@ -47,6 +47,11 @@ pub struct SoftConfig {
     pub chaos_seed: Option<u64>,
     /// Upper bound of a chaos stall.
     pub chaos_max_delay: Duration,
+    /// Same-host RDMA WRITE/READ/atomics up to this many bytes, posted
+    /// while the send queue is empty, are copied by the posting thread
+    /// itself (no hand-off to the progress thread). 0 disables it.
+    /// `RMACOMM_SOFT_INLINE_COPY_MAX`.
+    pub inline_copy_max: usize,
 }
 
 impl Default for SoftConfig {
@@ -57,6 +62,7 @@ impl Default for SoftConfig {
             max_msg_size: 1 << 30,
             chaos_seed: None,
             chaos_max_delay: Duration::from_micros(500),
+            inline_copy_max: 1 << 20,
         }
     }
 }
@@ -80,6 +86,12 @@ impl SoftConfig {
                 Err(_) => {
                     tracing::warn!("RMACOMM_SOFT_ADDR={v:?} is not an IP address; ignoring it")
                 }
+            }
+        }
+        if let Ok(v) = std::env::var("RMACOMM_SOFT_INLINE_COPY_MAX") {
+            match v.parse() {
+                Ok(n) => c.inline_copy_max = n,
+                Err(_) => tracing::warn!("RMACOMM_SOFT_INLINE_COPY_MAX={v:?} is not a byte count; ignoring it"),
             }
         }
         if let Ok(v) = std::env::var("RMACOMM_SOFT_CHAOS") {

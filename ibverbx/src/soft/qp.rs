@@ -42,6 +42,13 @@ impl RecvEntry {
     }
 }
 
+/// What the posting thread needs to copy directly to a same-host peer.
+#[derive(Debug)]
+pub(crate) struct FastPath {
+    pub(crate) peer: Arc<super::peer::PeerMap>,
+    pub(crate) remote_pd: u32,
+}
+
 #[derive(Debug)]
 struct QpSt {
     state: QpState,
@@ -67,6 +74,8 @@ pub(crate) struct SoftQp {
     /// Incremented by every transition to RESET: connections accepted in an
     /// earlier epoch belong to a previous life of the QP and are closed.
     epoch: std::sync::atomic::AtomicU64,
+    /// Set by the requester while a same-host link with a mapped peer is up.
+    fast: std::sync::RwLock<Option<Arc<FastPath>>>,
 }
 
 impl std::fmt::Debug for SoftQp {
@@ -116,6 +125,7 @@ impl SoftQp {
             rq_notify: Notify::new(),
             sq_outstanding: AtomicU32::new(0),
             epoch: std::sync::atomic::AtomicU64::new(0),
+            fast: std::sync::RwLock::new(None),
         });
         pd.ctx.qps.lock().unwrap_or_else(|e| e.into_inner()).insert(qpn, Arc::downgrade(&qp));
         Ok(qp)
@@ -131,6 +141,96 @@ impl SoftQp {
     /// before this QP leaves RESET; requests then wait for RTR.
     pub(crate) fn accepts_connections(&self) -> bool {
         self.state() != QpState::Err
+    }
+
+    pub(crate) fn set_fast(&self, f: Option<FastPath>) {
+        *self.fast.write().unwrap_or_else(|e| e.into_inner()) = f.map(Arc::new);
+    }
+
+    /// Runs a small same-host WRITE/READ/atomic in the calling thread when
+    /// nothing else is outstanding (so order is kept). Returns false when
+    /// the WR must go through the progress engine instead; errors always do,
+    /// so that error handling lives in one place.
+    fn try_fast(&self, wr: &SendWr<'_>, len: u64) -> bool {
+        use super::peer::Direct;
+        use crate::wr::AtomicOp;
+        if len as usize > self.ctx.config.inline_copy_max || self.ctx.config.chaos_seed.is_some() {
+            return false;
+        }
+        let (raddr, rkey, need) = match wr.op {
+            SendOp::RdmaWrite { remote_addr, rkey } => (remote_addr, rkey, AccessFlags::REMOTE_WRITE),
+            SendOp::RdmaRead { remote_addr, rkey } => (remote_addr, rkey, AccessFlags::REMOTE_READ),
+            SendOp::Atomic { remote_addr, rkey, .. } => (remote_addr, rkey, AccessFlags::REMOTE_ATOMIC),
+            _ => return false,
+        };
+        if len == 0 || wr.flags.fence {
+            return false;
+        }
+        let Some(fast) = self.fast.read().unwrap_or_else(|e| e.into_inner()).clone() else { return false };
+        let local_need = wr.op.local_access();
+        // Local pieces: inline data is read where it is; keys are checked.
+        let mut local: [(usize, usize); 16] = [(0, 0); 16];
+        let mut _keep: [Option<Arc<super::mr::SoftMr>>; 16] = Default::default();
+        for (i, s) in wr.sg_list.iter().enumerate() {
+            if wr.flags.inline {
+                local[i] = (s.addr as usize, s.length as usize);
+                continue;
+            }
+            let Some(mr) = self.ctx.mr(s.lkey) else { return false };
+            let Some(p) = mr.check(self.pd, s.addr, s.length as u64, local_need) else { return false };
+            local[i] = (p as usize, s.length as usize);
+            _keep[i] = Some(mr);
+        }
+        let local = &local[..wr.sg_list.len()];
+        let Ok(Direct::Ptr(p, _map)) = fast.peer.resolve(fast.remote_pd, rkey, raddr, len, need) else { return false };
+        let p = p as usize;
+        let mut off = 0;
+        match wr.op {
+            SendOp::RdmaWrite { .. } => {
+                for &(l, n) in local {
+                    // SAFETY: l..l+n is a checked live local region (or the
+                    // caller's inline buffer); p+off..p+off+n lies in the
+                    // peer's checked, mapped region.
+                    unsafe { std::ptr::copy_nonoverlapping(l as *const u8, (p + off) as *mut u8, n) };
+                    off += n;
+                }
+            }
+            SendOp::RdmaRead { .. } => {
+                for &(l, n) in local {
+                    // SAFETY: as above, direction reversed.
+                    unsafe { std::ptr::copy_nonoverlapping((p + off) as *const u8, l as *mut u8, n) };
+                    off += n;
+                }
+            }
+            SendOp::Atomic { op, .. } => {
+                // SAFETY: 8-byte aligned (checked at post) inside the mapped
+                // peer region; every soft atomic on it uses AtomicU64.
+                let cell = unsafe { &*(p as *const std::sync::atomic::AtomicU64) };
+                let orig = match op {
+                    AtomicOp::FetchAdd { add } => cell.fetch_add(add, Ordering::AcqRel),
+                    AtomicOp::CompareSwap { compare, swap } => {
+                        match cell.compare_exchange(compare, swap, Ordering::AcqRel, Ordering::Acquire) {
+                            Ok(v) | Err(v) => v,
+                        }
+                    }
+                };
+                // SAFETY: local[0] is the checked 8-byte result buffer.
+                unsafe { std::ptr::write_unaligned(local[0].0 as *mut u64, orig) };
+            }
+            _ => unreachable!("filtered above"),
+        }
+        if wr.flags.signaled || self.sq_sig_all {
+            self.push_send_wc(WorkCompletion {
+                wr_id: wr.wr_id,
+                status: WcStatus::Success,
+                opcode: wr.op.wc_opcode(),
+                byte_len: len as u32,
+                imm_data: None,
+                qp_num: self.qpn,
+                vendor_err: 0,
+            });
+        }
+        true
     }
 
     pub(crate) fn epoch(&self) -> u64 {
@@ -186,6 +286,7 @@ impl SoftQp {
         tracing::debug!(qpn = self.qpn, "soft QP enters the error state: {why}");
         st.state = QpState::Err;
         drop(st);
+        self.set_fast(None);
         self.state_tx.send_replace(QpState::Err);
         self.flush_rq();
     }
@@ -327,6 +428,7 @@ impl QpOps for SoftQp {
                 st.rtr = None;
                 st.state = QpState::Reset;
                 drop(st);
+                self.set_fast(None);
                 self.state_tx.send_replace(QpState::Reset);
                 self.rq.lock().unwrap_or_else(|e| e.into_inner()).clear();
                 self.rq_notify.notify_waiters();
@@ -346,6 +448,7 @@ impl QpOps for SoftQp {
             lens.push(self.check_send_wr(wr)?);
         }
         let st = self.lock();
+        let st_is_rts = st.state == QpState::Rts;
         let tx = match (st.state, &st.sq_tx) {
             (QpState::Rts | QpState::Err, Some(tx)) => tx.clone(),
             (s, _) => {
@@ -354,6 +457,9 @@ impl QpOps for SoftQp {
         };
         drop(st);
         let n = wrs.len() as u32;
+        if n == 1 && st_is_rts && self.sq_outstanding.load(Ordering::Acquire) == 0 && self.try_fast(&wrs[0], lens[0]) {
+            return Ok(());
+        }
         let before = self.sq_outstanding.fetch_add(n, Ordering::AcqRel);
         if before + n > self.caps.max_send_wr {
             self.sq_outstanding.fetch_sub(n, Ordering::AcqRel);

@@ -99,6 +99,7 @@ impl Shared {
             tracing::warn!(qpn = self.qp.qpn, "soft QP connection failed: {why}");
         }
         q.broken.get_or_insert(WcStatus::RetryExcErr);
+        self.qp.set_fast(None);
         if let Some(f) = q.inflight.iter_mut().find(|f| f.status.is_none() && f.awaiting.is_some()) {
             f.status = Some(status);
             f.awaiting = None;
@@ -143,6 +144,9 @@ pub(crate) async fn run(qp: Arc<SoftQp>, mut rx: mpsc::UnboundedReceiver<SqEntry
     let mut state_rx = qp.state_tx.subscribe();
     let mut link = match connect(&qp, &remote, rtr.remote.qpn, &rts, ack_timeout).await {
         Ok((r, w, peer)) => {
+            if let Some(p) = &peer {
+                qp.set_fast(Some(super::qp::FastPath { peer: p.clone(), remote_pd: remote.pd }));
+            }
             let reader = tokio::spawn(read_responses(sh.clone(), r, rts.rnr_retry));
             if let Some(t) = ack_timeout {
                 tokio::spawn(watchdog(sh.clone(), t, reader));

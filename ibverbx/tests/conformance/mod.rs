@@ -493,16 +493,12 @@ pub fn unsignaled(dev: &Device) {
         assert_eq!((wc.wr_id, wc.status), (round * 100 + 14, WcStatus::Success));
     }
     none_within(&p.a.scq, Duration::from_millis(50));
-    // The send queue is bounded: posting past max_send_wr is refused.
+    // The send queue is bounded: posting past max_send_wr is refused. SENDs
+    // with no receive posted stay outstanding (RNR, retried forever).
     let s = [src.sge(0, 1).unwrap()];
     let mut refused = false;
     for i in 0..64 {
-        let r = p.a.qp.post_send(&[SendWr {
-            wr_id: i,
-            op: SendOp::RdmaRead { remote_addr: dst.addr(), rkey: dst.rkey() },
-            sg_list: &s,
-            flags: SendFlags::UNSIGNALED,
-        }]);
+        let r = p.a.qp.post_send(&[SendWr { wr_id: i, op: SendOp::Send, sg_list: &s, flags: SendFlags::UNSIGNALED }]);
         if let Err(e) = r {
             assert!(matches!(e, Error::Exhausted { .. }), "{e:?}");
             refused = true;

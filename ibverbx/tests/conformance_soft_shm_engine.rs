@@ -1,0 +1,13 @@
+//! The conformance suite on the soft shm link with the posting-thread copy
+//! disabled, so that every same-host operation goes through the progress
+//! engine's direct-placement path.
+
+mod conformance;
+
+use ibverbx::soft::{SoftConfig, SoftLink, SoftProvider};
+
+fn device() -> ibverbx::Device {
+    SoftProvider::new(SoftConfig { link: SoftLink::Shm, inline_copy_max: 0, ..SoftConfig::default() }).device()
+}
+
+conformance_suite!(device());
