@@ -30,7 +30,7 @@ mod virtual_qp;
 pub use config::{LoadBalancing, VirtualQpConfig};
 pub use endpoint::VirtualQpEndpoint;
 pub use virtual_cq::VirtualCq;
-pub use virtual_qp::VirtualQp;
+pub use virtual_qp::{VirtualQp, VirtualQpStats};
 
 /// The sans-IO state machines behind [`VirtualQp`], for drivers of other
 /// transports and for tests that replay reorderings.

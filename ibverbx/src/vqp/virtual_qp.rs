@@ -81,6 +81,20 @@ struct State {
     connected: bool,
     error: Option<(WcStatus, String)>,
     qp_num: u32,
+    stats: VirtualQpStats,
+}
+
+/// Counters of a virtual QP, for tests and tuning.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct VirtualQpStats {
+    /// Physical send WRs posted.
+    pub physical_posted: u64,
+    /// DQPLB fragments received.
+    pub fragments_received: u64,
+    /// DQPLB fragments that arrived ahead of an earlier missing one.
+    pub fragments_out_of_order: u64,
+    /// Most fragments the DQPLB tracker held beyond a hole at once.
+    pub max_held: usize,
 }
 
 fn encode_wr_id(vid: u64, part: Part) -> u64 {
@@ -202,6 +216,7 @@ impl VirtualQp {
             connected: false,
             error: None,
             qp_num,
+            stats: VirtualQpStats::default(),
         };
         let shared = Arc::new(VqpShared { st: Mutex::new(st), qp_num, qpns, reserved });
         cq.register(&shared, &shared.qpns);
@@ -339,6 +354,11 @@ impl VirtualQp {
         self.shared.lock().agg.outstanding()
     }
 
+    /// Counters.
+    pub fn stats(&self) -> VirtualQpStats {
+        self.shared.lock().stats
+    }
+
     /// Physical WRs waiting for room.
     pub fn pending(&self) -> usize {
         self.shared.lock().planner.pending()
@@ -470,6 +490,7 @@ impl State {
                 sg_list: &op.sges,
                 flags: SendFlags { signaled: true, inline: op.inline, fence: op.fence },
             };
+            self.stats.physical_posted += 1;
             if let Err(e) = self.qps[qp].post_send(&[wr]) {
                 self.planner.complete(qp);
                 self.agg.complete(op.vid, op.part, WcStatus::LocQpOpErr);
@@ -540,6 +561,11 @@ impl State {
         if let Err(e) = res {
             self.enter_error(WcStatus::RemInvReqErr, format!("data QP {idx}: {e}"), true);
             return;
+        }
+        self.stats.fragments_received += 1;
+        if tracker.held() > 0 {
+            self.stats.fragments_out_of_order += 1;
+            self.stats.max_held = self.stats.max_held.max(tracker.held());
         }
         while let Some(m) = tracker.poll_finished() {
             if m.user {
