@@ -1,0 +1,51 @@
+//! Transport settings.
+
+use std::time::Duration;
+
+use ibverbx::{LoadBalancing, ProviderKind};
+
+/// Settings of an [`RdmaTransport`](crate::RdmaTransport). The environment
+/// fills the defaults (`RMACOMM_PROVIDER`, `RMACOMM_TIMEOUT_SECONDS`); code
+/// wins.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TransportConfig {
+    /// Provider: auto (hardware if present, else soft), verbs or soft.
+    pub provider: ProviderKind,
+    /// Device name (`mlx5_0`, `soft0`); `None` takes the first.
+    pub device: Option<String>,
+    /// Physical QPs per connection.
+    pub qps: u32,
+    /// How messages are striped over the QPs.
+    pub load_balancing: LoadBalancing,
+    /// Fragment size: larger writes are cut into pieces of this size.
+    pub frag_size: u32,
+    /// Most WRs outstanding per physical QP.
+    pub max_outstanding_per_qp: u32,
+    /// Completion queue depth.
+    pub cq_depth: usize,
+    /// Receives kept posted for notifications.
+    pub recv_depth: u32,
+    /// Default timeout of every call; `None` waits forever.
+    pub timeout: Option<Duration>,
+}
+
+impl Default for TransportConfig {
+    fn default() -> Self {
+        let timeout = std::env::var("RMACOMM_TIMEOUT_SECONDS")
+            .ok()
+            .and_then(|v| v.parse::<f64>().ok())
+            .filter(|s| *s > 0.0)
+            .map(Duration::from_secs_f64);
+        TransportConfig {
+            provider: ProviderKind::from_env().unwrap_or_default(),
+            device: None,
+            qps: 1,
+            load_balancing: LoadBalancing::Dqplb,
+            frag_size: 1 << 20,
+            max_outstanding_per_qp: 64,
+            cq_depth: 8192,
+            recv_depth: 512,
+            timeout,
+        }
+    }
+}

@@ -1,0 +1,176 @@
+//! Registered memory and bounds-checked views of it.
+
+use std::fmt;
+use std::sync::Arc;
+
+use ibverbx::{AccessFlags, MemoryRegion, OwnedBuffer, ProviderKind};
+
+use crate::domain::{domain, Domain};
+use crate::{RdmaRemoteBuffer, RdmaTransport, TransportError};
+
+/// Memory registered for RDMA, deregistered when dropped. Registrations
+/// belong to a device (shared by every transport on it), so one buffer
+/// serves all peers. Peers may read and write it at any time through its
+/// [`remote_buffer`](Self::remote_buffer).
+pub struct RdmaMemory {
+    mr: MemoryRegion,
+    pub(crate) domain: Arc<Domain>,
+}
+
+impl fmt::Debug for RdmaMemory {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RdmaMemory")
+            .field("addr", &format_args!("{:#x}", self.mr.addr()))
+            .field("len", &self.mr.len())
+            .field("device", &self.domain.device)
+            .finish()
+    }
+}
+
+const ACCESS: AccessFlags = AccessFlags::LOCAL_WRITE
+    .union(AccessFlags::REMOTE_WRITE)
+    .union(AccessFlags::REMOTE_READ)
+    .union(AccessFlags::REMOTE_ATOMIC);
+
+impl RdmaMemory {
+    /// Allocates and registers `len` zeroed bytes on the default device
+    /// (`RMACOMM_PROVIDER`). The memory is a shared segment, so same-host
+    /// peers write it with one copy and no CPU of this process.
+    pub fn alloc(len: usize) -> Result<RdmaMemory, TransportError> {
+        let d = domain(ProviderKind::from_env().unwrap_or_default(), None)?;
+        Self::alloc_in(d, len)
+    }
+
+    /// Allocates on the device `transport` uses.
+    pub fn alloc_for(transport: &RdmaTransport, len: usize) -> Result<RdmaMemory, TransportError> {
+        Self::alloc_in(transport.domain().clone(), len)
+    }
+
+    fn alloc_in(d: Arc<Domain>, len: usize) -> Result<RdmaMemory, TransportError> {
+        if len == 0 {
+            return Err(TransportError::invalid("RdmaMemory::alloc", "length 0"));
+        }
+        let mr = MemoryRegion::alloc(&d.pd, len, ACCESS)?;
+        Ok(RdmaMemory { mr, domain: d })
+    }
+
+    /// Registers a buffer the caller hands over (`Vec<u8>`, `Box<[u8]>`,
+    /// `bytes::BytesMut`, `ibverbx::ShmBuffer`) on the default device.
+    pub fn register<B: OwnedBuffer>(buf: B) -> Result<RdmaMemory, TransportError> {
+        let d = domain(ProviderKind::from_env().unwrap_or_default(), None)?;
+        let mr = MemoryRegion::register(&d.pd, buf, ACCESS)?;
+        Ok(RdmaMemory { mr, domain: d })
+    }
+
+    /// Registers memory the caller owns, e.g. GPU or foreign memory.
+    ///
+    /// # Safety
+    /// `ptr..ptr+len` must stay valid until this value is dropped and every
+    /// operation that used it has finished; peers may write it at any time.
+    pub unsafe fn register_raw(ptr: *mut u8, len: usize) -> Result<RdmaMemory, TransportError> {
+        let d = domain(ProviderKind::from_env().unwrap_or_default(), None)?;
+        // SAFETY: forwarded to the caller.
+        let mr = unsafe { MemoryRegion::register_raw(&d.pd, ptr, len, ACCESS)? };
+        Ok(RdmaMemory { mr, domain: d })
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.mr.len()
+    }
+
+    /// True when empty.
+    pub fn is_empty(&self) -> bool {
+        self.mr.is_empty()
+    }
+
+    /// Start address.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.mr.as_ptr()
+    }
+
+    /// Whether `ptr..ptr+len` lies inside this registration.
+    pub fn contains(&self, ptr: *const u8, len: usize) -> bool {
+        let (start, p) = (self.mr.addr() as usize, ptr as usize);
+        p >= start && p.checked_add(len).is_some_and(|end| end <= start + self.mr.len())
+    }
+
+    /// A read-only view of `len` bytes at `offset` (the source of a write).
+    pub fn view(&self, offset: usize, len: usize) -> Result<View<'_>, TransportError> {
+        self.check("view", offset, len)?;
+        Ok(View { mem: self, offset, len })
+    }
+
+    /// A writable view (the destination of a read).
+    pub fn view_mut(&self, offset: usize, len: usize) -> Result<ViewMut<'_>, TransportError> {
+        self.check("view_mut", offset, len)?;
+        Ok(ViewMut { mem: self, offset, len })
+    }
+
+    /// What a peer needs to access this memory.
+    pub fn remote_buffer(&self) -> RdmaRemoteBuffer {
+        RdmaRemoteBuffer { addr: self.mr.addr(), len: self.mr.len() as u64, key: self.mr.rkey() }
+    }
+
+    /// Copies bytes out (safe against concurrent remote writes).
+    pub fn read_into(&self, offset: usize, dst: &mut [u8]) -> Result<(), TransportError> {
+        self.mr.read(offset, dst).map_err(Into::into)
+    }
+
+    /// Copies bytes in.
+    pub fn write_from(&self, offset: usize, src: &[u8]) -> Result<(), TransportError> {
+        self.mr.write(offset, src).map_err(Into::into)
+    }
+
+    pub(crate) fn mr(&self) -> &MemoryRegion {
+        &self.mr
+    }
+
+    fn check(&self, op: &'static str, offset: usize, len: usize) -> Result<(), TransportError> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len() && len <= u32::MAX as usize => Ok(()),
+            _ => Err(TransportError::invalid(
+                op,
+                format!("{offset}+{len} is outside the registered memory of {} bytes", self.len()),
+            )),
+        }
+    }
+}
+
+/// A read-only slice of registered memory.
+#[derive(Debug, Clone, Copy)]
+pub struct View<'a> {
+    pub(crate) mem: &'a RdmaMemory,
+    pub(crate) offset: usize,
+    pub(crate) len: usize,
+}
+
+/// A writable slice of registered memory.
+#[derive(Debug)]
+pub struct ViewMut<'a> {
+    pub(crate) mem: &'a RdmaMemory,
+    pub(crate) offset: usize,
+    pub(crate) len: usize,
+}
+
+impl View<'_> {
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    /// True when empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl ViewMut<'_> {
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    /// True when empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}

@@ -1,0 +1,462 @@
+//! `RdmaTransport`: one connection to one peer, driven by tokio.
+
+use std::collections::{HashMap, VecDeque};
+use std::fmt;
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use ibverbx::{
+    RecvWr, SendFlags, SendOp, SendWr, VirtualCq, VirtualQp, VirtualQpConfig, WcOpcode, WcStatus, WorkCompletion,
+};
+use tokio::io::unix::AsyncFd;
+use tokio::sync::{oneshot, Notify};
+
+use crate::domain::{domain, Domain};
+use crate::memory::{View, ViewMut};
+use crate::{url, RdmaRemoteBuffer, TransportConfig, TransportError};
+
+type Reply = oneshot::Sender<Result<(), TransportError>>;
+
+struct Pending {
+    op: &'static str,
+    tx: Reply,
+}
+
+#[derive(Default)]
+struct State {
+    next_id: u64,
+    pending: HashMap<u64, Pending>,
+    broken: Option<TransportError>,
+    banked: u64,
+    waiters: VecDeque<Reply>,
+}
+
+struct Inner {
+    domain: Arc<Domain>,
+    cq: VirtualCq,
+    qp: VirtualQp,
+    config: TransportConfig,
+    st: Mutex<State>,
+    connected: AtomicBool,
+    shutdown: Notify,
+}
+
+/// An RDMA connection to one peer (make one transport per peer).
+///
+/// Both sides create a transport, [`bind`](Self::bind) it, exchange the URLs
+/// through whatever channel they have, and [`connect`](Self::connect) to the
+/// other's URL. Then either side writes into or reads from the other's
+/// registered memory ([`RdmaMemory`](crate::RdmaMemory)); a write with
+/// `notify` lets the peer's [`wait_for_write`](Self::wait_for_write) return.
+///
+/// Every future is `Send`, never blocks a runtime thread (completions wake
+/// it through the CQ's completion channel), and may be raced against a
+/// timeout; many thousands may be in flight at once.
+pub struct RdmaTransport {
+    inner: Arc<Inner>,
+}
+
+impl fmt::Debug for RdmaTransport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RdmaTransport")
+            .field("device", &self.inner.domain.device)
+            .field("connected", &self.connected())
+            .finish()
+    }
+}
+
+const RECV_BIT: u64 = 1 << 63;
+
+impl RdmaTransport {
+    /// Creates a transport on the configured provider and device.
+    pub fn new(config: TransportConfig) -> Result<RdmaTransport, TransportError> {
+        let d = domain(config.provider, config.device.as_deref())?;
+        let vcfg = VirtualQpConfig {
+            total_qps: config.qps,
+            max_msg_cnt_per_qp: config.max_outstanding_per_qp,
+            max_msg_size: config.frag_size,
+            load_balancing: config.load_balancing,
+            max_recv_wr: config.recv_depth,
+            ..VirtualQpConfig::default()
+        };
+        vcfg.validate()?;
+        let cq = VirtualCq::new(&d.ctx, config.cq_depth)?;
+        let qp = VirtualQp::new(&d.pd, &cq, &vcfg)?;
+        Ok(RdmaTransport {
+            inner: Arc::new(Inner {
+                domain: d,
+                cq,
+                qp,
+                config,
+                st: Mutex::new(State::default()),
+                connected: AtomicBool::new(false),
+                shutdown: Notify::new(),
+            }),
+        })
+    }
+
+    /// True when a provider with a usable device is present (the soft
+    /// provider always is).
+    pub fn supported() -> bool {
+        ibverbx::devices().map(|d| !d.is_empty()).unwrap_or(false)
+    }
+
+    pub(crate) fn domain(&self) -> &Arc<Domain> {
+        &self.inner.domain
+    }
+
+    /// The URL to give the peer: printable, and carrying an unguessable
+    /// token without which a connection is refused.
+    pub fn bind(&self) -> Result<String, TransportError> {
+        Ok(url::encode(self.inner.domain.provider, &self.inner.qp.endpoint()?))
+    }
+
+    /// Connects to the peer's URL. Must be called inside a tokio runtime
+    /// (the completion driver runs there). Resolves once this side's
+    /// connection to the peer is accepted.
+    pub async fn connect(&self, peer_url: &str) -> Result<(), TransportError> {
+        if self.connected() {
+            return Err(TransportError::invalid("connect", "already connected; one transport serves one peer"));
+        }
+        let (provider, ep) = url::decode(peer_url)?;
+        if provider != self.inner.domain.provider {
+            return Err(TransportError::invalid(
+                "connect",
+                format!("the peer uses the {provider} provider, this side {}", self.inner.domain.provider),
+            ));
+        }
+        let rt = tokio::runtime::Handle::try_current()
+            .map_err(|_| TransportError::Unsupported("connect must be called inside a tokio runtime".into()))?;
+        self.inner.qp.connect(&ep)?;
+        let recvs: Vec<RecvWr<'_>> =
+            (0..self.inner.config.recv_depth as u64).map(|i| RecvWr { wr_id: RECV_BIT | i, sg_list: &[] }).collect();
+        self.inner.qp.post_recv(&recvs)?;
+        rt.spawn(drive(self.inner.clone()));
+        // A zero-byte write proves the peer accepted this side's connection
+        // (a wrong token or a dead peer fails it).
+        let (id, rx) = self.inner.register("connect")?;
+        self.inner.qp.post_send(&[SendWr {
+            wr_id: id,
+            op: SendOp::RdmaWrite { remote_addr: 0, rkey: 0 },
+            sg_list: &[],
+            flags: SendFlags::SIGNALED,
+        }])?;
+        let t = self.inner.config.timeout.unwrap_or(Duration::from_secs(30));
+        match self.inner.finish(id, rx, "connect", Some(t)).await {
+            Ok(()) => {
+                self.inner.connected.store(true, Ordering::Release);
+                Ok(())
+            }
+            Err(e) => Err(TransportError::Broken(format!("connection to the peer refused or lost: {e}"))),
+        }
+    }
+
+    /// True once `connect` succeeded and nothing has broken since.
+    pub fn connected(&self) -> bool {
+        self.inner.connected.load(Ordering::Acquire) && self.inner.lock().broken.is_none()
+    }
+
+    /// Writes `local` into the peer's `remote` buffer (zero-copy); resolves
+    /// when the data is placed. With `notify`, the peer's
+    /// [`wait_for_write`](Self::wait_for_write) is satisfied once.
+    pub async fn write(&self, local: View<'_>, remote: &RdmaRemoteBuffer, notify: bool) -> Result<(), TransportError> {
+        self.write_with_timeout(local, remote, notify, self.inner.config.timeout).await
+    }
+
+    /// [`write`](Self::write) with its own timeout (`None`: wait forever).
+    pub async fn write_with_timeout(
+        &self,
+        local: View<'_>,
+        remote: &RdmaRemoteBuffer,
+        notify: bool,
+        timeout: Option<Duration>,
+    ) -> Result<(), TransportError> {
+        const OP: &str = "write";
+        self.check(OP, local.mem, local.len, remote)?;
+        let sge = [local.mem.mr().sge(local.offset, local.len)?];
+        let op = if notify {
+            SendOp::RdmaWriteWithImm { remote_addr: remote.addr, rkey: remote.key, imm: 0 }
+        } else {
+            SendOp::RdmaWrite { remote_addr: remote.addr, rkey: remote.key }
+        };
+        let (id, rx) = self.inner.register(OP)?;
+        let sg: &[ibverbx::Sge] = if local.len == 0 { &[] } else { &sge };
+        if let Err(e) = self.inner.qp.post_send(&[SendWr { wr_id: id, op, sg_list: sg, flags: SendFlags::SIGNALED }]) {
+            self.inner.lock().pending.remove(&id);
+            return Err(e.into());
+        }
+        self.inner.finish(id, rx, OP, timeout).await
+    }
+
+    /// Reads the peer's `remote` buffer into `local` (zero-copy).
+    pub async fn read(&self, local: ViewMut<'_>, remote: &RdmaRemoteBuffer) -> Result<(), TransportError> {
+        self.read_with_timeout(local, remote, self.inner.config.timeout).await
+    }
+
+    /// [`read`](Self::read) with its own timeout.
+    pub async fn read_with_timeout(
+        &self,
+        local: ViewMut<'_>,
+        remote: &RdmaRemoteBuffer,
+        timeout: Option<Duration>,
+    ) -> Result<(), TransportError> {
+        const OP: &str = "read";
+        self.check(OP, local.mem, local.len, remote)?;
+        let sge = [local.mem.mr().sge(local.offset, local.len)?];
+        let (id, rx) = self.inner.register(OP)?;
+        let sg: &[ibverbx::Sge] = if local.len == 0 { &[] } else { &sge };
+        let op = SendOp::RdmaRead { remote_addr: remote.addr, rkey: remote.key };
+        if let Err(e) = self.inner.qp.post_send(&[SendWr { wr_id: id, op, sg_list: sg, flags: SendFlags::SIGNALED }]) {
+            self.inner.lock().pending.remove(&id);
+            return Err(e.into());
+        }
+        self.inner.finish(id, rx, OP, timeout).await
+    }
+
+    /// Waits for one notifying write from the peer. A counting semaphore:
+    /// each write with `notify` satisfies exactly one wait, and
+    /// notifications that arrive first are kept for later waits.
+    pub async fn wait_for_write(&self) -> Result<(), TransportError> {
+        self.wait_for_write_with_timeout(self.inner.config.timeout).await
+    }
+
+    /// [`wait_for_write`](Self::wait_for_write) with its own timeout.
+    pub async fn wait_for_write_with_timeout(&self, timeout: Option<Duration>) -> Result<(), TransportError> {
+        const OP: &str = "wait_for_write";
+        let mut rx = {
+            let mut st = self.inner.lock();
+            if st.banked > 0 {
+                st.banked -= 1;
+                return Ok(());
+            }
+            if let Some(e) = &st.broken {
+                return Err(e.clone());
+            }
+            if !self.inner.connected.load(Ordering::Acquire) {
+                return Err(TransportError::invalid(OP, "not connected"));
+            }
+            let (tx, rx) = oneshot::channel();
+            st.waiters.push_back(tx);
+            rx
+        };
+        let res = match timeout {
+            None => (&mut rx).await,
+            Some(t) => match tokio::time::timeout(t, &mut rx).await {
+                Ok(r) => r,
+                Err(_) => {
+                    // A notification that raced the timeout is kept, not lost:
+                    // it is either here already or, once rx is dropped, banked.
+                    return match rx.try_recv() {
+                        Ok(r) => r,
+                        Err(_) => Err(TransportError::Timeout { op: OP, after: t }),
+                    };
+                }
+            },
+        };
+        res.unwrap_or(Err(TransportError::Aborted { op: OP }))
+    }
+
+    fn check(
+        &self,
+        op: &'static str,
+        mem: &crate::RdmaMemory,
+        len: usize,
+        remote: &RdmaRemoteBuffer,
+    ) -> Result<(), TransportError> {
+        if let Some(e) = &self.inner.lock().broken {
+            return Err(e.clone());
+        }
+        if !self.inner.connected.load(Ordering::Acquire) {
+            return Err(TransportError::invalid(op, "not connected; call connect first"));
+        }
+        if !Arc::ptr_eq(&mem.domain, &self.inner.domain) {
+            return Err(TransportError::invalid(
+                op,
+                "the memory is registered on another device than this transport's",
+            ));
+        }
+        if len as u64 > remote.len {
+            return Err(TransportError::invalid(
+                op,
+                format!("the local view is {len} bytes, longer than the remote buffer of {}", remote.len),
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl Inner {
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.st.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn register(
+        &self,
+        op: &'static str,
+    ) -> Result<(u64, oneshot::Receiver<Result<(), TransportError>>), TransportError> {
+        let mut st = self.lock();
+        if let Some(e) = &st.broken {
+            return Err(e.clone());
+        }
+        let id = st.next_id;
+        st.next_id = (st.next_id + 1) & !RECV_BIT;
+        let (tx, rx) = oneshot::channel();
+        st.pending.insert(id, Pending { op, tx });
+        Ok((id, rx))
+    }
+
+    async fn finish(
+        &self,
+        id: u64,
+        rx: oneshot::Receiver<Result<(), TransportError>>,
+        op: &'static str,
+        timeout: Option<Duration>,
+    ) -> Result<(), TransportError> {
+        let r = match timeout {
+            None => rx.await,
+            Some(t) => match tokio::time::timeout(t, rx).await {
+                Ok(r) => r,
+                Err(_) => {
+                    // The WR stays posted; its completion is ignored.
+                    self.lock().pending.remove(&id);
+                    return Err(TransportError::Timeout { op, after: t });
+                }
+            },
+        };
+        r.unwrap_or(Err(TransportError::Aborted { op }))
+    }
+
+    /// Marks the transport broken and fails everything pending with `e`.
+    fn break_with(&self, e: TransportError) {
+        let mut st = self.lock();
+        if st.broken.is_none() {
+            tracing::warn!("rmacomm transport broken: {e}");
+            st.broken = Some(e.clone());
+        }
+        let e = st.broken.clone().expect("set above");
+        for (_, p) in st.pending.drain() {
+            let _ = p.tx.send(Err(e.clone()));
+        }
+        for w in st.waiters.drain(..) {
+            let _ = w.send(Err(e.clone()));
+        }
+    }
+
+    fn dispatch(&self, wc: &WorkCompletion) {
+        let is_recv = matches!(wc.opcode, WcOpcode::Recv | WcOpcode::RecvRdmaWithImm) || wc.wr_id & RECV_BIT != 0;
+        if is_recv {
+            if wc.status != WcStatus::Success {
+                return self.break_with(TransportError::Broken(format!("receive failed: {}", wc.status)));
+            }
+            let _ = self.qp.post_recv(&[RecvWr { wr_id: wc.wr_id, sg_list: &[] }]);
+            let mut st = self.lock();
+            while let Some(w) = st.waiters.pop_front() {
+                if w.send(Ok(())).is_ok() {
+                    return;
+                }
+            }
+            st.banked += 1;
+            return;
+        }
+        let p = self.lock().pending.remove(&wc.wr_id);
+        let op = p.as_ref().map_or("operation", |p| p.op);
+        let res = match wc.status {
+            WcStatus::Success => Ok(()),
+            WcStatus::RemAccessErr => Err(TransportError::RemoteAccess { op }),
+            s => Err(TransportError::Broken(format!("{op} failed: {s}"))),
+        };
+        if let Err(e) = &res {
+            let broken = match e {
+                TransportError::RemoteAccess { .. } => {
+                    TransportError::Broken(format!("an earlier {op} hit a remote access error"))
+                }
+                other => other.clone(),
+            };
+            if let Some(p) = p {
+                let _ = p.tx.send(res.clone());
+            }
+            return self.break_with(broken);
+        }
+        if let Some(p) = p {
+            let _ = p.tx.send(res);
+        }
+    }
+}
+
+/// The completion channel's fd, watched by the reactor. Holding the
+/// `Inner` keeps the VirtualCq, which owns the fd, alive.
+struct CqFd(Arc<Inner>);
+
+impl AsRawFd for CqFd {
+    fn as_raw_fd(&self) -> RawFd {
+        self.0.cq.as_raw_fd()
+    }
+}
+
+/// Polls completions and resolves futures; sleeps on the completion channel
+/// when there is nothing to do. Ends when the transport is dropped.
+async fn drive(inner: Arc<Inner>) {
+    // SAFETY: the fd belongs to `inner.cq`, which the CqFd keeps alive (and
+    // unchanged) for as long as the AsyncFd exists.
+    let fd = match unsafe { AsyncFd::register_with_interest(CqFd(inner.clone()), tokio::io::Interest::READABLE) } {
+        Ok(fd) => fd,
+        Err(e) => {
+            return inner.break_with(TransportError::Broken(format!("cannot watch the completion channel: {e}")));
+        }
+    };
+    let mut wcs = [WorkCompletion::empty(); 64];
+    loop {
+        // Arm, then poll: a completion after the poll makes the fd readable.
+        if let Err(e) = inner.cq.req_notify() {
+            return inner.break_with(e.into());
+        }
+        let n = match inner.cq.poll(&mut wcs) {
+            Ok(n) => n,
+            Err(e) => return inner.break_with(e.into()),
+        };
+        for wc in &wcs[..n] {
+            inner.dispatch(wc);
+        }
+        if n > 0 {
+            continue;
+        }
+        let deadline = inner.cq.next_deadline();
+        let sleep = async {
+            match deadline {
+                Some(d) => tokio::time::sleep_until(d.into()).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            r = fd.readable() => match r {
+                Ok(mut g) => {
+                    let _ = inner.cq.take_event();
+                    g.clear_ready();
+                }
+                Err(e) => return inner.break_with(TransportError::Broken(format!("completion channel: {e}"))),
+            },
+            _ = sleep => {}
+            _ = inner.shutdown.notified() => return,
+        }
+    }
+}
+
+impl Drop for RdmaTransport {
+    fn drop(&mut self) {
+        let mut st = self.inner.lock();
+        st.broken.get_or_insert(TransportError::Broken("the transport was dropped".into()));
+        for (_, p) in st.pending.drain() {
+            let _ = p.tx.send(Err(TransportError::Aborted { op: p.op }));
+        }
+        for w in st.waiters.drain(..) {
+            let _ = w.send(Err(TransportError::Aborted { op: "wait_for_write" }));
+        }
+        drop(st);
+        // Stop the QP (its posted WRs keep their memory alive until flushed)
+        // and the driver.
+        self.inner.qp.fail();
+        self.inner.shutdown.notify_one();
+    }
+}
