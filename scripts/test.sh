@@ -21,6 +21,15 @@ if ! command -v cargo-nextest >/dev/null 2>&1; then
 fi
 
 # --- feature builds (verbs bindings, hwloc): added by the verbs provider work ---
+# The verbs provider's FFI layouts against rdma-sys (bindgen) and the hwloc
+# topology code: both need the -dev packages above, so they run only where
+# those are installed (always, when this script runs as root on Debian).
+if pkg-config --exists libibverbs librdmacm hwloc 2>/dev/null; then
+  cargo test -p ibverbx --release --features rdma-sys,hwloc --test verbs_layout --test verbs_provider
+  cargo test -p ibverbx --release --features rdma-sys,hwloc --lib verbs::
+else
+  echo "# skipped the rdma-sys/hwloc feature builds: libibverbs-dev, librdmacm-dev or libhwloc-dev is missing"
+fi
 
 # Release build: the 64 MiB conformance cases and the multi-process tests run
 # against optimised code, as users run it.

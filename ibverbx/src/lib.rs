@@ -79,6 +79,7 @@ mod qp;
 mod qp_attr;
 mod shm;
 pub mod soft;
+pub mod verbs;
 mod vqp;
 mod wc;
 mod wr;
@@ -145,15 +146,21 @@ pub fn soft_device() -> Device {
 
 /// The devices of the provider chosen by `kind`.
 ///
-/// `Auto` lists hardware devices when the verbs provider finds any, else
-/// the soft device. `Verbs` without a device is an error that says why.
+/// `Auto` lists hardware devices when the verbs provider finds any (nearest
+/// to the calling thread first, filtered by `RMACOMM_IB_HCA`), else the soft
+/// device, logging why verbs was passed over. `Verbs` without a device is
+/// [`Error::Unavailable`] with the reason, e.g. [`verbs::NO_KERNEL_RDMA`].
 pub fn devices_of(kind: ProviderKind) -> Result<Vec<Device>> {
     match kind {
-        ProviderKind::Soft | ProviderKind::Auto => Ok(vec![soft_device()]),
-        ProviderKind::Verbs => Err(Error::Unavailable {
-            provider: "verbs",
-            reason: "this build has no verbs provider yet; use RMACOMM_PROVIDER=soft".into(),
-        }),
+        ProviderKind::Soft => Ok(vec![soft_device()]),
+        ProviderKind::Verbs => verbs::devices(),
+        ProviderKind::Auto => match verbs::devices() {
+            Ok(devs) => Ok(devs),
+            Err(e) => {
+                tracing::info!("{e}; using the soft provider");
+                Ok(vec![soft_device()])
+            }
+        },
     }
 }
 

@@ -1,0 +1,138 @@
+//! Protection domains and the table that maps local keys back to memory
+//! regions, so that posted WRs can keep their regions alive.
+
+use std::any::Any;
+use std::collections::HashMap;
+use std::fmt;
+use std::io;
+use std::os::fd::{AsRawFd, BorrowedFd};
+use std::ptr::NonNull;
+use std::sync::{Arc, Mutex, Weak};
+
+use super::context::CtxShared;
+use super::ffi::*;
+use super::mr::{MrInner, VerbsMr};
+use super::qp::VerbsQp;
+use crate::provider::{CqOps, MrOps, PdOps, QpOps};
+use crate::{AccessFlags, Error, QpInitAttr, Result};
+
+pub(crate) struct PdShared {
+    pub(crate) ctx: Arc<CtxShared>,
+    pub(crate) pd: NonNull<ibv_pd>,
+    /// lkey → region, for the keep-alive of posted WRs.
+    pub(crate) mrs: Mutex<HashMap<u32, Weak<MrInner>>>,
+}
+
+// SAFETY: libibverbs PDs may be used from any thread; the pointer is only
+// passed to libibverbs.
+unsafe impl Send for PdShared {}
+// SAFETY: as above.
+unsafe impl Sync for PdShared {}
+
+impl PdShared {
+    pub(crate) fn alloc(ctx: Arc<CtxShared>) -> Result<Arc<PdShared>> {
+        // SAFETY: ctx is an open context.
+        let pd = unsafe { (ctx.lib.alloc_pd)(ctx.ctx.as_ptr()) };
+        let pd = NonNull::new(pd).ok_or_else(|| Error::last_os("alloc_pd"))?;
+        Ok(Arc::new(PdShared { ctx, pd, mrs: Mutex::new(HashMap::new()) }))
+    }
+}
+
+impl Drop for PdShared {
+    fn drop(&mut self) {
+        // SAFETY: every MR and QP of this PD holds an Arc of it, so none is left.
+        let r = unsafe { (self.ctx.lib.dealloc_pd)(self.pd.as_ptr()) };
+        if r != 0 {
+            tracing::warn!("ibv_dealloc_pd failed: {}", io::Error::from_raw_os_error(r));
+        }
+    }
+}
+
+/// The verbs provider's [`PdOps`].
+pub struct VerbsPd {
+    pub(crate) shared: Arc<PdShared>,
+}
+
+impl fmt::Debug for VerbsPd {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("VerbsPd").field("device", &self.shared.ctx.name).finish()
+    }
+}
+
+impl VerbsPd {
+    fn finish_reg(
+        &self,
+        mr: *mut ibv_mr,
+        verb: &'static str,
+        access: AccessFlags,
+        owner: Option<Arc<dyn Any + Send + Sync>>,
+    ) -> Result<Arc<dyn MrOps>> {
+        let mr = NonNull::new(mr).ok_or_else(|| Error::last_os(verb))?;
+        let inner = MrInner::new(self.shared.clone(), mr, access, owner);
+        self.shared.mrs.lock().unwrap_or_else(|e| e.into_inner()).insert(inner.lkey, Arc::downgrade(&inner));
+        Ok(Arc::new(VerbsMr { inner }))
+    }
+
+    /// `ibv_reg_dmabuf_mr`: registers `len` bytes at `offset` of a DMA-BUF
+    /// (GPU memory exported by CUDA/ROCm), addressed by peers and SGEs as
+    /// `iova..iova+len`. Needs rdma-core ≥ 34 and a kernel and HCA driver
+    /// with DMA-BUF support.
+    ///
+    /// # Safety
+    /// The DMA-BUF's memory must stay allocated until the returned region is
+    /// deregistered and every WR naming it has completed.
+    pub unsafe fn reg_dmabuf_mr(
+        &self,
+        fd: BorrowedFd<'_>,
+        offset: u64,
+        len: usize,
+        iova: u64,
+        access: AccessFlags,
+    ) -> Result<Arc<dyn MrOps>> {
+        let Some(reg) = self.shared.ctx.lib.reg_dmabuf_mr else {
+            return Err(Error::Unavailable {
+                provider: "verbs",
+                reason: "this libibverbs has no ibv_reg_dmabuf_mr (needs rdma-core 34 or newer)".into(),
+            });
+        };
+        if !access.is_consistent() {
+            return Err(Error::invalid("reg_dmabuf_mr", "REMOTE_WRITE and REMOTE_ATOMIC need LOCAL_WRITE"));
+        }
+        // SAFETY: the PD is live; the fd is a borrowed open descriptor; the
+        // memory's lifetime is the caller's promise.
+        let mr = unsafe { reg(self.shared.pd.as_ptr(), offset, len, iova, fd.as_raw_fd(), access.bits() as i32) };
+        self.finish_reg(mr, "reg_dmabuf_mr", access, None)
+    }
+}
+
+impl PdOps for VerbsPd {
+    unsafe fn reg_mr(
+        &self,
+        addr: *mut u8,
+        len: usize,
+        access: AccessFlags,
+        owner: Option<Arc<dyn Any + Send + Sync>>,
+    ) -> Result<Arc<dyn MrOps>> {
+        if !access.is_consistent() {
+            return Err(Error::invalid("reg_mr", "REMOTE_WRITE and REMOTE_ATOMIC need LOCAL_WRITE"));
+        }
+        // SAFETY: the PD is live; validity of addr..addr+len until
+        // deregistration is the caller's contract (`owner` keeps it).
+        let mr =
+            unsafe { (self.shared.ctx.lib.reg_mr)(self.shared.pd.as_ptr(), addr.cast(), len, access.bits() as i32) };
+        self.finish_reg(mr, "reg_mr", access, owner)
+    }
+
+    fn create_qp(
+        &self,
+        attr: &QpInitAttr,
+        send_cq: &Arc<dyn CqOps>,
+        recv_cq: &Arc<dyn CqOps>,
+    ) -> Result<Arc<dyn QpOps>> {
+        Ok(VerbsQp::create(&self.shared, attr, send_cq, recv_cq)?)
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
