@@ -2,6 +2,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
+use std::future::Future;
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -57,6 +58,9 @@ struct Inner {
 pub struct RdmaTransport {
     inner: Arc<Inner>,
 }
+
+// Futures hold `Arc<Inner>`, not the transport: dropping the transport
+// (below) aborts them.
 
 impl fmt::Debug for RdmaTransport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -161,101 +165,128 @@ impl RdmaTransport {
     /// Writes `local` into the peer's `remote` buffer (zero-copy); resolves
     /// when the data is placed. With `notify`, the peer's
     /// [`wait_for_write`](Self::wait_for_write) is satisfied once.
-    pub async fn write(&self, local: View<'_>, remote: &RdmaRemoteBuffer, notify: bool) -> Result<(), TransportError> {
-        self.write_with_timeout(local, remote, notify, self.inner.config.timeout).await
+    ///
+    /// The write is posted when this is called; the future does not borrow
+    /// the transport, so dropping the transport resolves it with
+    /// [`TransportError::Aborted`].
+    pub fn write<'a>(
+        &self,
+        local: View<'a>,
+        remote: &RdmaRemoteBuffer,
+        notify: bool,
+    ) -> impl Future<Output = Result<(), TransportError>> + Send + 'a {
+        self.write_with_timeout(local, remote, notify, self.inner.config.timeout)
     }
 
     /// [`write`](Self::write) with its own timeout (`None`: wait forever).
-    pub async fn write_with_timeout(
+    pub fn write_with_timeout<'a>(
         &self,
-        local: View<'_>,
+        local: View<'a>,
         remote: &RdmaRemoteBuffer,
         notify: bool,
         timeout: Option<Duration>,
-    ) -> Result<(), TransportError> {
-        const OP: &str = "write";
-        self.check(OP, local.mem, local.len, remote)?;
-        let sge = [local.mem.mr().sge(local.offset, local.len)?];
+    ) -> impl Future<Output = Result<(), TransportError>> + Send + 'a {
         let op = if notify {
             SendOp::RdmaWriteWithImm { remote_addr: remote.addr, rkey: remote.key, imm: 0 }
         } else {
             SendOp::RdmaWrite { remote_addr: remote.addr, rkey: remote.key }
         };
-        let (id, rx) = self.inner.register(OP)?;
-        let sg: &[ibverbx::Sge] = if local.len == 0 { &[] } else { &sge };
-        if let Err(e) = self.inner.qp.post_send(&[SendWr { wr_id: id, op, sg_list: sg, flags: SendFlags::SIGNALED }]) {
-            self.inner.lock().pending.remove(&id);
-            return Err(e.into());
-        }
-        self.inner.finish(id, rx, OP, timeout).await
+        let posted = self.post("write", local.mem, local.offset, local.len, remote, op);
+        self.inner.clone().complete(posted, "write", timeout, local)
     }
 
-    /// Reads the peer's `remote` buffer into `local` (zero-copy).
-    pub async fn read(&self, local: ViewMut<'_>, remote: &RdmaRemoteBuffer) -> Result<(), TransportError> {
-        self.read_with_timeout(local, remote, self.inner.config.timeout).await
+    /// Reads the peer's `remote` buffer into `local` (zero-copy). Posted when
+    /// called, like [`write`](Self::write).
+    pub fn read<'a>(
+        &self,
+        local: ViewMut<'a>,
+        remote: &RdmaRemoteBuffer,
+    ) -> impl Future<Output = Result<(), TransportError>> + Send + 'a {
+        self.read_with_timeout(local, remote, self.inner.config.timeout)
     }
 
     /// [`read`](Self::read) with its own timeout.
-    pub async fn read_with_timeout(
+    pub fn read_with_timeout<'a>(
         &self,
-        local: ViewMut<'_>,
+        local: ViewMut<'a>,
         remote: &RdmaRemoteBuffer,
         timeout: Option<Duration>,
-    ) -> Result<(), TransportError> {
-        const OP: &str = "read";
-        self.check(OP, local.mem, local.len, remote)?;
-        let sge = [local.mem.mr().sge(local.offset, local.len)?];
-        let (id, rx) = self.inner.register(OP)?;
-        let sg: &[ibverbx::Sge] = if local.len == 0 { &[] } else { &sge };
+    ) -> impl Future<Output = Result<(), TransportError>> + Send + 'a {
         let op = SendOp::RdmaRead { remote_addr: remote.addr, rkey: remote.key };
-        if let Err(e) = self.inner.qp.post_send(&[SendWr { wr_id: id, op, sg_list: sg, flags: SendFlags::SIGNALED }]) {
-            self.inner.lock().pending.remove(&id);
-            return Err(e.into());
-        }
-        self.inner.finish(id, rx, OP, timeout).await
+        let posted = self.post("read", local.mem, local.offset, local.len, remote, op);
+        self.inner.clone().complete(posted, "read", timeout, local)
     }
 
     /// Waits for one notifying write from the peer. A counting semaphore:
     /// each write with `notify` satisfies exactly one wait, and
     /// notifications that arrive first are kept for later waits.
-    pub async fn wait_for_write(&self) -> Result<(), TransportError> {
-        self.wait_for_write_with_timeout(self.inner.config.timeout).await
+    pub fn wait_for_write(&self) -> impl Future<Output = Result<(), TransportError>> + Send + 'static {
+        self.wait_for_write_with_timeout(self.inner.config.timeout)
     }
 
     /// [`wait_for_write`](Self::wait_for_write) with its own timeout.
-    pub async fn wait_for_write_with_timeout(&self, timeout: Option<Duration>) -> Result<(), TransportError> {
+    pub fn wait_for_write_with_timeout(
+        &self,
+        timeout: Option<Duration>,
+    ) -> impl Future<Output = Result<(), TransportError>> + Send + 'static {
         const OP: &str = "wait_for_write";
-        let mut rx = {
+        let early = {
             let mut st = self.inner.lock();
             if st.banked > 0 {
                 st.banked -= 1;
-                return Ok(());
+                Err(Ok(()))
+            } else if let Some(e) = &st.broken {
+                Err(Err(e.clone()))
+            } else if !self.inner.connected.load(Ordering::Acquire) {
+                Err(Err(TransportError::invalid(OP, "not connected")))
+            } else {
+                let (tx, rx) = oneshot::channel();
+                st.waiters.push_back(tx);
+                Ok(rx)
             }
-            if let Some(e) = &st.broken {
-                return Err(e.clone());
-            }
-            if !self.inner.connected.load(Ordering::Acquire) {
-                return Err(TransportError::invalid(OP, "not connected"));
-            }
-            let (tx, rx) = oneshot::channel();
-            st.waiters.push_back(tx);
-            rx
         };
-        let res = match timeout {
-            None => (&mut rx).await,
-            Some(t) => match tokio::time::timeout(t, &mut rx).await {
-                Ok(r) => r,
-                Err(_) => {
-                    // A notification that raced the timeout is kept, not lost:
-                    // it is either here already or, once rx is dropped, banked.
-                    return match rx.try_recv() {
-                        Ok(r) => r,
-                        Err(_) => Err(TransportError::Timeout { op: OP, after: t }),
-                    };
-                }
-            },
-        };
-        res.unwrap_or(Err(TransportError::Aborted { op: OP }))
+        async move {
+            let mut rx = match early {
+                Ok(rx) => rx,
+                Err(r) => return r,
+            };
+            let res = match timeout {
+                None => (&mut rx).await,
+                Some(t) => match tokio::time::timeout(t, &mut rx).await {
+                    Ok(r) => r,
+                    Err(_) => {
+                        // A notification that raced the timeout is kept: it is
+                        // either here already or, once rx is dropped, banked.
+                        return match rx.try_recv() {
+                            Ok(r) => r,
+                            Err(_) => Err(TransportError::Timeout { op: OP, after: t }),
+                        };
+                    }
+                },
+            };
+            res.unwrap_or(Err(TransportError::Aborted { op: OP }))
+        }
+    }
+
+    /// Validates and posts one WR; returns its id and completion receiver.
+    fn post(
+        &self,
+        op_name: &'static str,
+        mem: &crate::RdmaMemory,
+        offset: usize,
+        len: usize,
+        remote: &RdmaRemoteBuffer,
+        op: SendOp,
+    ) -> Result<(u64, oneshot::Receiver<Result<(), TransportError>>), TransportError> {
+        self.check(op_name, mem, len, remote)?;
+        let sge = [mem.mr().sge(offset, len)?];
+        let sg: &[ibverbx::Sge] = if len == 0 { &[] } else { &sge };
+        let (id, rx) = self.inner.register(op_name)?;
+        if let Err(e) = self.inner.qp.post_send(&[SendWr { wr_id: id, op, sg_list: sg, flags: SendFlags::SIGNALED }]) {
+            self.inner.lock().pending.remove(&id);
+            return Err(e.into());
+        }
+        Ok((id, rx))
     }
 
     fn check(
@@ -307,6 +338,22 @@ impl Inner {
         Ok((id, rx))
     }
 
+    /// The future of a posted WR. `_keep` borrows the local memory for as
+    /// long as the future lives.
+    fn complete<K: Send>(
+        self: Arc<Self>,
+        posted: Result<(u64, oneshot::Receiver<Result<(), TransportError>>), TransportError>,
+        op: &'static str,
+        timeout: Option<Duration>,
+        _keep: K,
+    ) -> impl Future<Output = Result<(), TransportError>> + Send {
+        async move {
+            let _keep = _keep;
+            let (id, rx) = posted?;
+            self.finish(id, rx, op, timeout).await
+        }
+    }
+
     async fn finish(
         &self,
         id: u64,
@@ -348,7 +395,17 @@ impl Inner {
         let is_recv = matches!(wc.opcode, WcOpcode::Recv | WcOpcode::RecvRdmaWithImm) || wc.wr_id & RECV_BIT != 0;
         if is_recv {
             if wc.status != WcStatus::Success {
-                return self.break_with(TransportError::Broken(format!("receive failed: {}", wc.status)));
+                // Pending writes and reads get their own completions (with
+                // the real status); only waiters and later calls fail here.
+                let mut st = self.lock();
+                let e = st
+                    .broken
+                    .get_or_insert_with(|| TransportError::Broken(format!("the connection failed: {}", wc.status)))
+                    .clone();
+                for w in st.waiters.drain(..) {
+                    let _ = w.send(Err(e.clone()));
+                }
+                return;
             }
             let _ = self.qp.post_recv(&[RecvWr { wr_id: wc.wr_id, sg_list: &[] }]);
             let mut st = self.lock();
@@ -374,10 +431,12 @@ impl Inner {
                 }
                 other => other.clone(),
             };
+            // Broken first, so that whoever the result wakes sees it.
+            self.break_with(broken);
             if let Some(p) = p {
                 let _ = p.tx.send(res.clone());
             }
-            return self.break_with(broken);
+            return;
         }
         if let Some(p) = p {
             let _ = p.tx.send(res);

@@ -1,0 +1,27 @@
+//! Transport behaviours between two transports of one process, soft tcp link.
+
+mod common;
+
+macro_rules! t {
+    ($name:ident, $body:expr) => {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $name() {
+            common::link(LINK);
+            $body.await;
+        }
+    };
+}
+
+const LINK: &str = "tcp";
+
+t!(write_notify_read_every_size_1qp, common::write_notify_read_every_size(1, ibverbx::LoadBalancing::Dqplb));
+t!(write_notify_read_every_size_4qp_spray, common::write_notify_read_every_size(4, ibverbx::LoadBalancing::Spray));
+t!(write_notify_read_every_size_4qp_dqplb, common::write_notify_read_every_size(4, ibverbx::LoadBalancing::Dqplb));
+t!(partial_views, common::partial_views_touch_only_their_slice());
+t!(bounds, common::bounds_are_checked_before_anything_moves());
+t!(thousand_concurrent, common::thousand_concurrent_writes_then_thousand_waits());
+t!(banked, common::notifications_are_banked());
+t!(timeouts, common::timeouts());
+t!(revoked_key, common::revoked_key_is_remote_access_then_broken_fails_fast());
+t!(wrong_token, common::wrong_token_is_refused());
+t!(drop_aborts, common::dropping_the_transport_aborts_pending());
