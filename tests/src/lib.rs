@@ -6,6 +6,8 @@
 
 #![forbid(unsafe_code)]
 
+pub mod harness;
+
 /// Deterministic test data: `len` bytes from a xorshift seeded by `seed`.
 pub fn pattern(len: usize, seed: u64) -> Vec<u8> {
     let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;

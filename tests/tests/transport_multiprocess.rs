@@ -1,0 +1,85 @@
+//! `RdmaTransport` between real processes: same host (shm, and tcp forced)
+//! and two network namespaces (tcp over veth); a peer killed mid-transfer.
+
+use std::time::Duration;
+
+use rmacomm_tests::harness::{introduce, NetnsPair, Peer};
+
+const PEER: &str = env!("CARGO_BIN_EXE_transport_peer");
+
+fn run(prefix_s: &[String], prefix_c: &[String], env: &[(&str, &str)], extra: &[&str]) {
+    let s = Peer::spawn("server", PEER, prefix_s, &[&["server"], extra].concat(), env);
+    let c = Peer::spawn("client", PEER, prefix_c, &[&["client"], extra].concat(), env);
+    let (s, c) = introduce(s, c);
+    let (co, cok) = c.finish(Duration::from_secs(180));
+    let (so, sok) = s.finish(Duration::from_secs(30));
+    assert!(cok && sok, "client: {co:?}\nserver: {so:?}");
+    assert_eq!(so.iter().filter(|l| l.contains("verified")).count(), 9, "{so:?}");
+}
+
+#[test]
+fn shm_two_processes() {
+    run(&[], &[], &[("RMACOMM_PROVIDER", "soft"), ("RMACOMM_SOFT_LINK", "auto")], &[]);
+}
+
+#[test]
+fn shm_two_processes_four_qps() {
+    run(&[], &[], &[("RMACOMM_PROVIDER", "soft"), ("RMACOMM_SOFT_LINK", "auto")], &["--qps", "4"]);
+}
+
+#[test]
+fn tcp_two_processes() {
+    run(&[], &[], &[("RMACOMM_PROVIDER", "soft"), ("RMACOMM_SOFT_LINK", "tcp")], &[]);
+}
+
+#[test]
+fn tcp_two_network_namespaces() {
+    let ns = match NetnsPair::create() {
+        Ok(ns) => ns,
+        Err(why) => return println!("skipped: two network namespaces need root and iproute2 ({why})"),
+    };
+    let env = [("RMACOMM_PROVIDER", "soft"), ("RMACOMM_SOFT_LINK", "auto")];
+    run(&NetnsPair::prefix(&ns.a), &NetnsPair::prefix(&ns.b), &env, &["--qps", "4"]);
+}
+
+fn peer_killed(link: &str, stop_instead_of_kill: bool) {
+    let env = [("RMACOMM_PROVIDER", "soft"), ("RMACOMM_SOFT_LINK", link)];
+    let h = Peer::spawn("holder", PEER, &[], &["hold"], &env);
+    let s = Peer::spawn("streamer", PEER, &[], &["stream"], &env);
+    let (mut h, s) = introduce(h, s);
+    assert!(h.line(Duration::from_secs(30)).contains("ready"));
+    assert!(s.line(Duration::from_secs(30)).contains("ready"));
+    std::thread::sleep(Duration::from_millis(300));
+    let pid = h.child.id().to_string();
+    if stop_instead_of_kill {
+        // A stopped (not dead) peer: nothing closes the connection; only
+        // timeouts can tell.
+        std::process::Command::new("kill").args(["-STOP", &pid]).status().unwrap();
+    } else {
+        h.child.kill().unwrap();
+    }
+    let (out, ok) = s.finish(Duration::from_secs(60));
+    if stop_instead_of_kill {
+        std::process::Command::new("kill").args(["-CONT", &pid]).status().unwrap();
+    }
+    assert!(ok, "{out:?}");
+    let failed = out.iter().find(|l| l.contains("failed")).unwrap_or_else(|| panic!("no failure: {out:?}"));
+    assert!(failed.contains("broken") || failed.contains("timeout"), "{failed}");
+    let again = out.iter().find(|l| l.contains("\"again\":")).unwrap_or_else(|| panic!("{out:?}"));
+    assert!(again.contains("\"again\":true"), "{again}");
+}
+
+#[test]
+fn peer_killed_mid_transfer_shm() {
+    peer_killed("auto", false);
+}
+
+#[test]
+fn peer_killed_mid_transfer_tcp() {
+    peer_killed("tcp", false);
+}
+
+#[test]
+fn peer_stopped_mid_transfer_tcp() {
+    peer_killed("tcp", true);
+}
