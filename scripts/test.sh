@@ -35,3 +35,6 @@ fi
 # against optimised code, as users run it.
 cargo nextest run --workspace --release --no-fail-fast
 cargo test --workspace --release --doc
+
+# The runnable examples verify what they move and exit non-zero otherwise.
+cargo run --release -q -p rmacomm-transport --example kv_transfer
