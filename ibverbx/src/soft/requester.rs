@@ -76,6 +76,9 @@ impl Shared {
         while q.inflight.front().is_some_and(|f| f.status.is_some()) {
             let f = q.inflight.pop_front().expect("front exists");
             let status = f.status.expect("checked");
+            // Free the slot before the completion is visible: a poster that
+            // sees the completion may post again at once.
+            self.qp.sq_outstanding.fetch_sub(1, Ordering::AcqRel);
             if status != WcStatus::Success || f.signaled {
                 self.qp.push_send_wc(WorkCompletion {
                     wr_id: f.wr_id,
@@ -87,7 +90,6 @@ impl Shared {
                     vendor_err: 0,
                 });
             }
-            self.qp.sq_outstanding.fetch_sub(1, Ordering::AcqRel);
         }
     }
 

@@ -508,6 +508,30 @@ pub fn unsignaled(dev: &Device) {
     assert!(refused, "posting 64 WRs on a 16-deep send queue must be refused at some point");
 }
 
+/// Once its completion has been polled, a WR no longer occupies the send
+/// queue: a one-deep queue takes the next WR right after each poll.
+pub fn polled_completion_frees_its_slot(dev: &Device) {
+    let caps = QpCaps { max_send_wr: 1, ..QpCaps::default() };
+    let p = Pair::with(dev, 16, caps, RtsAttr::default(), 12);
+    let src = mr(&p.a.pd, Mem::Shm, 1 << 16, AccessFlags::LOCAL_WRITE);
+    let dst = mr(&p.b.pd, Mem::Shm, 1 << 16, AccessFlags::all_remote());
+    let s = [src.sge(0, 1 << 15).unwrap()];
+    for i in 0..2000u64 {
+        // Alternate the opcode so that both the posting-thread and the
+        // progress-engine paths are exercised where a provider has both.
+        let op = if i % 2 == 0 {
+            SendOp::RdmaWrite { remote_addr: dst.addr(), rkey: dst.rkey() }
+        } else {
+            SendOp::RdmaRead { remote_addr: dst.addr(), rkey: dst.rkey() }
+        };
+        p.a.qp
+            .post_send(&[SendWr { wr_id: i, op, sg_list: &s, flags: SendFlags::SIGNALED }])
+            .unwrap_or_else(|e| panic!("post {i} right after polling the previous completion: {e}"));
+        let wc = wait1(&p.a.scq);
+        assert!(wc.is_ok() && wc.wr_id == i, "{wc:?}");
+    }
+}
+
 /// A CQ that overflows reports it; completions are not silently lost.
 pub fn cq_overflow(dev: &Device) {
     let p = Pair::with(dev, 4, QpCaps::default(), RtsAttr::default(), 12);
@@ -618,6 +642,10 @@ macro_rules! conformance_suite {
         #[test]
         fn unsignaled() {
             conformance::unsignaled(&$dev);
+        }
+        #[test]
+        fn polled_completion_frees_its_slot() {
+            conformance::polled_completion_frees_its_slot(&$dev);
         }
         #[test]
         fn cq_overflow() {
