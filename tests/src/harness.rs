@@ -57,6 +57,11 @@ impl Peer {
         s.flush().expect("flush to peer");
     }
 
+    /// Closes the peer's stdin (peers that wait for EOF then finish).
+    pub fn close_stdin(&mut self) {
+        self.stdin = None;
+    }
+
     /// Collects the remaining lines and whether the peer exited with 0,
     /// killing it if it outlives `timeout`.
     pub fn finish(mut self, timeout: Duration) -> (Vec<String>, bool) {

@@ -3,80 +3,12 @@
 //! and TCP. The peers (`vqp_peer`) verify every byte, and that completions
 //! arrive once, in order, with the user's immediate.
 
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, ChildStdin, Command, Stdio};
-use std::sync::mpsc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use rmacomm_tests::harness::{introduce, Peer};
 
 const PEER: &str = env!("CARGO_BIN_EXE_vqp_peer");
 const SIZES: &str = "1024,4097,65536,1048576,67108864";
-
-struct Peer {
-    child: Child,
-    stdin: Option<ChildStdin>,
-    lines: mpsc::Receiver<String>,
-    name: &'static str,
-}
-
-impl Peer {
-    fn spawn(name: &'static str, args: &[&str], env: &[(&str, &str)]) -> Peer {
-        let mut cmd = Command::new(PEER);
-        cmd.args(args).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::inherit());
-        for (k, v) in env {
-            cmd.env(k, v);
-        }
-        let mut child = cmd.spawn().expect("spawn vqp_peer");
-        let stdout = child.stdout.take().unwrap();
-        let stdin = child.stdin.take();
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        Peer { child, stdin, lines: rx, name }
-    }
-
-    fn line(&self, timeout: Duration) -> String {
-        self.lines.recv_timeout(timeout).unwrap_or_else(|_| panic!("{}: no output within {timeout:?}", self.name))
-    }
-
-    fn send(&mut self, line: &str) {
-        let s = self.stdin.as_mut().unwrap();
-        writeln!(s, "{line}").unwrap();
-        s.flush().unwrap();
-    }
-
-    /// Collects the remaining lines and the exit status; a peer that
-    /// outlives `timeout` is killed and the test fails rather than hangs.
-    fn finish(mut self, timeout: Duration) -> (Vec<String>, bool) {
-        let deadline = Instant::now() + timeout;
-        let mut out = Vec::new();
-        loop {
-            out.extend(self.lines.try_iter());
-            if let Some(st) = self.child.try_wait().unwrap() {
-                std::thread::sleep(Duration::from_millis(20));
-                out.extend(self.lines.try_iter());
-                return (out, st.success());
-            }
-            if Instant::now() > deadline {
-                let _ = self.child.kill();
-                let _ = self.child.wait();
-                panic!("{} did not finish within {timeout:?}; output so far: {out:?}", self.name);
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
-}
-
-impl Drop for Peer {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 fn run_pair(lb: &str, qps: u32, link: &str, seed: u64) {
     let qps = qps.to_string();
@@ -86,14 +18,11 @@ fn run_pair(lb: &str, qps: u32, link: &str, seed: u64) {
     // errors are worth showing here.
     let log = std::env::var("RMACOMM_LOG").unwrap_or_else(|_| "error".into());
     let env = [("RMACOMM_SOFT_CHAOS", seed.as_str()), ("RMACOMM_SOFT_LINK", link), ("RMACOMM_LOG", log.as_str())];
-    let mut t = Peer::spawn("target", &[&["target"], &args[..]].concat(), &env);
-    let mut i = Peer::spawn("initiator", &[&["initiator"], &args[..]].concat(), &env);
-    let ht = t.line(Duration::from_secs(30));
-    let hi = i.line(Duration::from_secs(30));
-    t.send(&hi);
-    i.send(&ht);
+    let t = Peer::spawn("target", PEER, &[], &[&["target"], &args[..]].concat(), &env);
+    let i = Peer::spawn("initiator", PEER, &[], &[&["initiator"], &args[..]].concat(), &env);
+    let (mut t, i) = introduce(t, i);
     let (ti, ok_i) = i.finish(Duration::from_secs(240));
-    t.stdin = None; // lets the target finish
+    t.close_stdin(); // lets the target finish
     let (tt, ok_t) = t.finish(Duration::from_secs(30));
     assert!(ok_i && ok_t, "{lb} {qps} QPs {link}\ninitiator: {ti:?}\ntarget: {tt:?}");
     let n = SIZES.split(',').count();

@@ -504,7 +504,12 @@ impl State {
         if self.error.is_some() {
             return;
         }
-        tracing::warn!(qp_num = self.qp_num, "virtual QP enters the error state: {why}");
+        if status == WcStatus::WrFlushErr {
+            // Asked for by the application (fail/drop): not news.
+            tracing::debug!(qp_num = self.qp_num, "virtual QP enters the error state: {why}");
+        } else {
+            tracing::warn!(qp_num = self.qp_num, "virtual QP enters the error state: {why}");
+        }
         self.error = Some((status, why));
         for qp in &self.qps {
             let _ = qp.modify(&QpTransition::Err);
