@@ -116,6 +116,26 @@ impl MemoryRegion {
         Ok(MemoryRegion { ops, pd: pd.clone() })
     }
 
+    /// Registers a DMA-BUF (GPU memory exported by its driver) on the verbs
+    /// provider (`ibv_reg_dmabuf_mr`); `iova` is the address peers use.
+    /// Other providers refuse it with an error.
+    ///
+    /// # Safety
+    /// The DMA-BUF range must stay allocated until this region is dropped and
+    /// every WR naming it has completed.
+    pub unsafe fn register_dmabuf(
+        pd: &ProtectionDomain,
+        fd: std::os::fd::BorrowedFd<'_>,
+        offset: u64,
+        len: usize,
+        iova: u64,
+        access: AccessFlags,
+    ) -> Result<MemoryRegion> {
+        // SAFETY: forwarded to the caller.
+        let ops = unsafe { crate::verbs::reg_dmabuf_mr(pd, fd, offset, len, iova, access)? };
+        Ok(MemoryRegion { ops, pd: pd.clone() })
+    }
+
     /// Start address.
     pub fn addr(&self) -> u64 {
         self.ops.addr()
