@@ -52,6 +52,11 @@ pub struct SoftConfig {
     /// itself (no hand-off to the progress thread). 0 disables it.
     /// `RMACOMM_SOFT_INLINE_COPY_MAX`.
     pub inline_copy_max: usize,
+    /// After any activity, the progress thread keeps polling (without
+    /// sleeping) for this long before it blocks in epoll again: lower
+    /// latency for a core's worth of CPU while busy. Zero (the default)
+    /// never spins. `RMACOMM_SOFT_BUSY_POLL_US`.
+    pub busy_poll: Duration,
 }
 
 impl Default for SoftConfig {
@@ -63,6 +68,7 @@ impl Default for SoftConfig {
             chaos_seed: None,
             chaos_max_delay: Duration::from_micros(500),
             inline_copy_max: 1 << 20,
+            busy_poll: Duration::ZERO,
         }
     }
 }
@@ -92,6 +98,14 @@ impl SoftConfig {
             match v.parse() {
                 Ok(n) => c.inline_copy_max = n,
                 Err(_) => tracing::warn!("RMACOMM_SOFT_INLINE_COPY_MAX={v:?} is not a byte count; ignoring it"),
+            }
+        }
+        if let Ok(v) = std::env::var("RMACOMM_SOFT_BUSY_POLL_US") {
+            match v.parse() {
+                Ok(us) => c.busy_poll = Duration::from_micros(us),
+                Err(_) => {
+                    tracing::warn!("RMACOMM_SOFT_BUSY_POLL_US={v:?} is not a number of microseconds; ignoring it")
+                }
             }
         }
         if let Ok(v) = std::env::var("RMACOMM_SOFT_CHAOS") {

@@ -45,6 +45,11 @@ pub(crate) struct CtxShared {
     next_pd: AtomicU32,
     peers: Mutex<HashMap<(u32, u64), Arc<PeerMap>>>,
     pub(crate) config: SoftConfig,
+    /// Busy-poll bookkeeping: when the engine last did something, and a
+    /// wake-up for the spinner.
+    epoch: std::time::Instant,
+    last_activity_us: std::sync::atomic::AtomicU64,
+    activity: Arc<tokio::sync::Notify>,
 }
 
 impl std::fmt::Debug for CtxShared {
@@ -108,7 +113,13 @@ impl CtxShared {
             next_pd: AtomicU32::new(1),
             peers: Mutex::new(HashMap::new()),
             config,
+            epoch: std::time::Instant::now(),
+            last_activity_us: std::sync::atomic::AtomicU64::new(0),
+            activity: Arc::new(tokio::sync::Notify::new()),
         });
+        if !ctx.config.busy_poll.is_zero() {
+            ctx.rt.spawn(spin(Arc::downgrade(&ctx), ctx.activity.clone(), ctx.config.busy_poll.as_micros() as u64));
+        }
         let weak = Arc::downgrade(&ctx);
         let w2 = weak.clone();
         ctx.rt.spawn(async move {
@@ -149,6 +160,14 @@ impl CtxShared {
             }
         });
         Ok(ctx)
+    }
+
+    /// Records engine activity (for busy-polling); cheap when it is off.
+    pub(crate) fn touch(&self) {
+        if !self.config.busy_poll.is_zero() {
+            self.last_activity_us.store(self.epoch.elapsed().as_micros() as u64, Ordering::Relaxed);
+            self.activity.notify_one();
+        }
     }
 
     /// Looks up a local MR by key (lkey or rkey).
@@ -228,6 +247,25 @@ impl Drop for CtxShared {
     fn drop(&mut self) {
         if let Some(tx) = self.shutdown.lock().unwrap_or_else(|e| e.into_inner()).take() {
             let _ = tx.send(());
+        }
+    }
+}
+
+/// The busy-poll task: after activity it yields in a loop, which makes the
+/// single-threaded runtime poll epoll without blocking, until the engine has
+/// been idle for `busy_poll`; then it sleeps until the next activity.
+async fn spin(ctx: std::sync::Weak<CtxShared>, activity: Arc<tokio::sync::Notify>, limit: u64) {
+    loop {
+        activity.notified().await;
+        loop {
+            let Some(c) = ctx.upgrade() else { return };
+            let idle =
+                (c.epoch.elapsed().as_micros() as u64).saturating_sub(c.last_activity_us.load(Ordering::Relaxed));
+            drop(c);
+            if idle >= limit {
+                break;
+            }
+            tokio::task::yield_now().await;
         }
     }
 }

@@ -190,6 +190,7 @@ pub(crate) async fn run(qp: Arc<SoftQp>, mut rx: mpsc::UnboundedReceiver<SqEntry
                         tokio::time::sleep(Duration::from_micros(d)).await;
                     }
                 }
+                qp.ctx.touch();
                 execute(&sh, &mut link, e).await;
             }
         }
@@ -533,6 +534,7 @@ async fn read_responses(sh: Arc<Shared>, mut r: Reader, rnr_retry: u8) {
             return;
         }
         sh.touch();
+        sh.qp.ctx.touch();
         let f = match Frame::decode(&hdr, max_msg) {
             Ok(f) if !f.is_request() => f,
             Ok(f) => {

@@ -60,6 +60,7 @@ where
                 )
             }
         };
+        qp.ctx.touch();
         if !ready(&qp, epoch, &mut state_rx).await {
             return;
         }
