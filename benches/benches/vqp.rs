@@ -152,6 +152,16 @@ fn configs() -> Vec<(&'static str, VirtualQpConfig)> {
     ]
 }
 
+/// Spray with many small messages in flight: ctran's one notify at a time
+/// (`max_notify_in_flight: 1`) against ours (one per window slot).
+fn notify_configs() -> Vec<(&'static str, VirtualQpConfig)> {
+    let c = |n| VirtualQpConfig { max_notify_in_flight: n, ..vcfg(4, LoadBalancing::Spray, 16, 16 << 10) };
+    vec![("notify_1_in_flight", c(1)), ("notify_16_in_flight", c(16))]
+}
+
+const SMALL_MSG: usize = 64 << 10;
+const SMALL_MSGS: usize = 256;
+
 /// The peer process: owns the target region, keeps its virtual CQ
 /// progressing and its receives posted until stdin closes.
 fn peer_main() {
@@ -159,7 +169,8 @@ fn peer_main() {
     let pd = ctx.alloc_pd().unwrap();
     let region = MemoryRegion::alloc(&pd, BIG, AccessFlags::all_remote()).unwrap();
     let cq = VirtualCq::new(&ctx, 8192).unwrap();
-    let qps: Vec<VirtualQp> = configs().iter().map(|(_, c)| VirtualQp::new(&pd, &cq, c).unwrap()).collect();
+    let qps: Vec<VirtualQp> =
+        configs().iter().chain(&notify_configs()).map(|(_, c)| VirtualQp::new(&pd, &cq, c).unwrap()).collect();
     let recvs: Vec<RecvWr<'_>> = (0..128).map(|i| RecvWr { wr_id: i, sg_list: &[] }).collect();
     for q in &qps {
         q.post_recv(&recvs).unwrap();
@@ -221,7 +232,8 @@ fn bench_write16m(c: &mut Criterion) {
     src.write(0, &vec![0x5a; BIG]).unwrap();
     let cq = VirtualCq::new(&ctx, 8192).unwrap();
     let cfgs = configs();
-    let qps: Vec<VirtualQp> = cfgs.iter().map(|(_, c)| VirtualQp::new(&pd, &cq, c).unwrap()).collect();
+    let ncfgs = notify_configs();
+    let qps: Vec<VirtualQp> = cfgs.iter().chain(&ncfgs).map(|(_, c)| VirtualQp::new(&pd, &cq, c).unwrap()).collect();
     let mine: Vec<VirtualQpEndpoint> = qps.iter().map(|q| q.endpoint().unwrap()).collect();
     writeln!(stdin, "{}", serde_json::to_string(&mine).unwrap()).unwrap();
     stdin.flush().unwrap();
@@ -242,6 +254,36 @@ fn bench_write16m(c: &mut Criterion) {
                 q.post_send(&[SendWr { wr_id: 1, op, sg_list: &sge, flags: SendFlags::SIGNALED }]).unwrap();
                 let n = cq.wait(&mut wcs, WAIT, Duration::ZERO).unwrap();
                 assert!(n == 1 && wcs[0].is_ok(), "{:?}", &wcs[..n]);
+            })
+        });
+    }
+    g.finish();
+
+    // Many small spray messages in flight: notifies one at a time (ctran)
+    // against several in flight.
+    let mut g = c.benchmark_group("spray_small_messages");
+    g.throughput(Throughput::Bytes((SMALL_MSG * SMALL_MSGS) as u64));
+    g.sample_size(20);
+    g.measurement_time(Duration::from_secs(8));
+    let mut wcs = [WorkCompletion::empty(); 64];
+    for ((name, _), q) in ncfgs.iter().zip(&qps[cfgs.len()..]) {
+        g.bench_with_input(BenchmarkId::new("tcp", name), q, |bn, q| {
+            bn.iter(|| {
+                for m in 0..SMALL_MSGS {
+                    let sge = [src.sge(m * SMALL_MSG, SMALL_MSG).unwrap()];
+                    let op = SendOp::RdmaWriteWithImm {
+                        remote_addr: peer.addr + (m * SMALL_MSG) as u64,
+                        rkey: peer.rkey,
+                        imm: m as u32,
+                    };
+                    q.post_send(&[SendWr { wr_id: m as u64, op, sg_list: &sge, flags: SendFlags::SIGNALED }]).unwrap();
+                }
+                let mut done = 0;
+                while done < SMALL_MSGS {
+                    let n = cq.wait(&mut wcs, WAIT, Duration::ZERO).unwrap();
+                    assert!(n > 0 && wcs[..n].iter().all(|w| w.is_ok()), "{:?}", &wcs[..n]);
+                    done += n;
+                }
             })
         });
     }

@@ -62,6 +62,10 @@ pub struct VirtualQpConfig {
     /// First DQPLB sequence number this end sends (the peer learns it from
     /// the endpoint). Tests start near 2^24 to cross the wrap.
     pub initial_seq: u32,
+    /// Most operations outstanding on the control (notify) QP: notifies,
+    /// SENDs, atomics. 0 (the default) means `max_msg_cnt_per_qp`; 1
+    /// reproduces ctran, whose spray notifies go one at a time.
+    pub max_notify_in_flight: u32,
 }
 
 impl Default for VirtualQpConfig {
@@ -76,6 +80,7 @@ impl Default for VirtualQpConfig {
             max_recv_sge: 4,
             reorder_timeout: Duration::from_secs(30),
             initial_seq: 0,
+            max_notify_in_flight: 0,
         }
     }
 }
@@ -103,6 +108,14 @@ impl VirtualQpConfig {
             return bad("initial_seq must fit in 24 bits");
         }
         Ok(())
+    }
+
+    /// The control QP's window (see `max_notify_in_flight`).
+    pub(crate) fn control_window(&self) -> u32 {
+        match self.max_notify_in_flight {
+            0 => self.max_msg_cnt_per_qp,
+            n => n.min(self.max_msg_cnt_per_qp),
+        }
     }
 
     /// Whether a separate notify QP exists (more than one data QP).

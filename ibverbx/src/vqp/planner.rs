@@ -48,6 +48,7 @@ pub enum Lane {
 #[derive(Debug)]
 pub struct FragmentPlanner<T> {
     max_per_qp: u32,
+    control_max: u32,
     outstanding: Vec<u32>,
     n_data: usize,
     control: usize,
@@ -65,6 +66,7 @@ impl<T> FragmentPlanner<T> {
         let total = n_data + usize::from(separate_control);
         FragmentPlanner {
             max_per_qp,
+            control_max: max_per_qp,
             outstanding: vec![0; total],
             n_data,
             control: if separate_control { n_data } else { 0 },
@@ -72,6 +74,12 @@ impl<T> FragmentPlanner<T> {
             data: VecDeque::new(),
             ctrl: VecDeque::new(),
         }
+    }
+
+    /// Limits the control QP to `n` outstanding operations (at least 1).
+    pub fn with_control_window(mut self, n: u32) -> Self {
+        self.control_max = n.max(1);
+        self
     }
 
     /// Index of the control QP.
@@ -95,7 +103,7 @@ impl<T> FragmentPlanner<T> {
     /// call to [`next`](Self::next) (nothing queued ahead of it, and room).
     pub fn can_post_now(&self, lane: Lane) -> bool {
         match lane {
-            Lane::Control => self.ctrl.is_empty() && self.outstanding[self.control] < self.max_per_qp,
+            Lane::Control => self.ctrl.is_empty() && self.outstanding[self.control] < self.control_max,
             Lane::Data => self.data.is_empty() && self.outstanding[..self.n_data].iter().any(|&o| o < self.max_per_qp),
         }
     }
@@ -109,7 +117,7 @@ impl<T> FragmentPlanner<T> {
                 None => true,
                 Some(g) => gate_open(*g),
             };
-            if open && self.outstanding[self.control] < self.max_per_qp {
+            if open && self.outstanding[self.control] < self.control_max {
                 let (op, _) = self.ctrl.pop_front().expect("front exists");
                 self.outstanding[self.control] += 1;
                 return Some((self.control, op));
@@ -157,6 +165,24 @@ impl<T> FragmentPlanner<T> {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn control_window_limits_only_the_control_lane() {
+        let mut p = FragmentPlanner::new(2, true, 4).with_control_window(1);
+        for i in 0..3 {
+            p.push_control(i, None);
+            p.push_data(10 + i);
+        }
+        // One control op goes; the others wait for its completion while data flows.
+        let mut posted = Vec::new();
+        while let Some((qp, op)) = p.next(|_| true) {
+            posted.push((qp, op));
+        }
+        assert_eq!(posted.iter().filter(|(qp, _)| *qp == 2).count(), 1);
+        assert_eq!(posted.iter().filter(|(qp, _)| *qp < 2).count(), 3);
+        p.complete(2);
+        assert_eq!(p.next(|_| true), Some((2, 1)));
+    }
 
     #[test]
     fn fragments_cover_the_message() {

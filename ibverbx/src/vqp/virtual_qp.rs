@@ -206,7 +206,8 @@ impl VirtualQp {
         let qpns: Vec<u32> = qps.iter().map(QueuePair::qp_num).collect();
         let st = State {
             cfg: *cfg,
-            planner: FragmentPlanner::new(n_data, sep, cfg.max_msg_cnt_per_qp),
+            planner: FragmentPlanner::new(n_data, sep, cfg.max_msg_cnt_per_qp)
+                .with_control_window(cfg.control_window()),
             qps,
             ctrl,
             agg: CompletionAggregator::new(qp_num),
