@@ -12,6 +12,8 @@
 //! blocks into those slots, each write notifying; decode waits for one
 //! notification per block, verifies every byte, and prints
 //! `verified N blocks`. The exit status is 0 only if verification passed.
+//! The transfer runs twice and the second is timed: the first pays for the
+//! first touch of decode's freshly allocated pages.
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Stdio};
@@ -67,6 +69,10 @@ async fn decode() -> Result<(), String> {
     std::io::stdin().lock().read_line(&mut line).map_err(|e| e.to_string())?;
     let p: PrefillHello = serde_json::from_str(&line).map_err(|e| format!("prefill hello: {e}"))?;
     t.connect(&p.url).await.map_err(|e| e.to_string())?;
+    // Round 1 warms the cache pages up (first touch); round 2 is timed.
+    for _ in 0..p.blocks.len() {
+        t.wait_for_write().await.map_err(|e| format!("waiting for blocks: {e}"))?;
+    }
     let start = Instant::now();
     for _ in 0..p.blocks.len() {
         t.wait_for_write().await.map_err(|e| format!("waiting for blocks: {e}"))?;
@@ -116,17 +122,21 @@ async fn prefill() -> Result<(), String> {
     to_decode.flush().map_err(|e| e.to_string())?;
     t.connect(&d.url).await.map_err(|e| e.to_string())?;
 
-    // All block writes in flight at once; each notifies decode.
-    let start = Instant::now();
-    let mut writes = Vec::with_capacity(blocks.len());
-    for &(b, slot) in &blocks {
-        let dst = d.cache.slice((slot * BLOCK) as u64, BLOCK as u64).ok_or("slot outside the cache")?;
-        writes.push(t.write(kv.view(b * BLOCK, BLOCK).map_err(|e| e.to_string())?, &dst, true));
+    // All block writes in flight at once; each notifies decode. Twice: the
+    // first round touches decode's fresh pages, the second is timed.
+    let mut secs = 0.0;
+    for _round in 0..2 {
+        let start = Instant::now();
+        let mut writes = Vec::with_capacity(blocks.len());
+        for &(b, slot) in &blocks {
+            let dst = d.cache.slice((slot * BLOCK) as u64, BLOCK as u64).ok_or("slot outside the cache")?;
+            writes.push(t.write(kv.view(b * BLOCK, BLOCK).map_err(|e| e.to_string())?, &dst, true));
+        }
+        for w in writes {
+            w.await.map_err(|e| format!("block write: {e}"))?;
+        }
+        secs = start.elapsed().as_secs_f64();
     }
-    for w in writes {
-        w.await.map_err(|e| format!("block write: {e}"))?;
-    }
-    let secs = start.elapsed().as_secs_f64();
     println!(
         "prefill: wrote {} blocks of {} KiB in {:.1} ms, {:.2} GB/s",
         blocks.len(),
