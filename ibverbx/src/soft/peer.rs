@@ -73,8 +73,9 @@ impl Drop for Mapping {
 /// Where a direct access goes.
 #[derive(Debug)]
 pub(crate) enum Direct {
-    /// A pointer into a mapped segment (kept mapped by the Arc).
-    Ptr(*mut u8, Arc<Mapping>),
+    /// An address (as an integer, so that futures holding it stay `Send`)
+    /// in a mapped segment, kept mapped by the Arc.
+    Ptr(usize, Arc<Mapping>),
     /// An address in the peer process, reached by process_vm_*.
     Vm(u64),
     /// No direct path: send it through the connection.
@@ -151,7 +152,7 @@ impl PeerMap {
             }
             // SAFETY: off+len is within the mapping (checked above).
             let p = unsafe { m.ptr.add(off as usize) };
-            return Ok(Direct::Ptr(p, m));
+            return Ok(Direct::Ptr(p as usize, m));
         }
         if self.vm.load(Ordering::Relaxed) == VM_DENIED || need.contains(AccessFlags::REMOTE_ATOMIC) {
             return Ok(Direct::Staged);
@@ -165,7 +166,7 @@ impl PeerMap {
     pub(crate) fn vm_copy(
         &self,
         write: bool,
-        local: &[(*mut u8, usize)],
+        local: &[(usize, usize)],
         raddr: u64,
         len: usize,
     ) -> Result<bool, WcStatus> {
@@ -174,7 +175,7 @@ impl PeerMap {
         let mut iov: Vec<libc::iovec> = local
             .iter()
             .filter(|(_, l)| *l > 0)
-            .map(|&(p, l)| libc::iovec { iov_base: p.cast(), iov_len: l })
+            .map(|&(p, l)| libc::iovec { iov_base: p as *mut libc::c_void, iov_len: l })
             .collect();
         let mut first = 0usize;
         while done < len {

@@ -46,6 +46,9 @@ struct Inflight {
     status: Option<WcStatus>,
     /// Set while a response is awaited.
     awaiting: Option<(u32, Expect)>,
+    /// A staged request that changes or reads target memory (not a bare
+    /// notify): later direct placements must wait until it has executed.
+    touches_memory: bool,
     segs: Vec<LocalSeg>,
     sent_at: Instant,
     rnr_waits: u32,
@@ -317,6 +320,63 @@ fn scatter_from(src: usize, local: &[(usize, usize)]) {
     }
 }
 
+/// Waits until no earlier staged request that touches target memory is
+/// still unanswered, so that a direct placement cannot overtake it: the
+/// responder executes requests in order, and so must the two paths together.
+/// Returns false when the QP failed meanwhile (the WR is then flushed, not
+/// placed).
+async fn memory_ordered(sh: &Shared) -> bool {
+    loop {
+        let progressed = sh.progress.notified();
+        tokio::pin!(progressed);
+        progressed.as_mut().enable();
+        {
+            let q = sh.lock();
+            let pending = q.inflight.iter().any(|f| f.awaiting.is_some() && f.touches_memory);
+            if q.broken.is_some() || *sh.qp.state_tx.borrow() == QpState::Err {
+                return false;
+            }
+            if !pending {
+                return true;
+            }
+        }
+        progressed.await;
+    }
+}
+
+/// Completes a WR that needs no response. An error waits until every
+/// earlier request has been answered: as a NAK acknowledges everything
+/// before it on hardware, earlier WRs still complete normally.
+async fn finish(sh: &Arc<Shared>, mut inf: Inflight, status: WcStatus) {
+    if status != WcStatus::Success && status != WcStatus::WrFlushErr {
+        loop {
+            let progressed = sh.progress.notified();
+            tokio::pin!(progressed);
+            progressed.as_mut().enable();
+            {
+                let q = sh.lock();
+                let earlier_pending = q.inflight.iter().any(|f| f.awaiting.is_some());
+                if !earlier_pending || q.broken.is_some() || *sh.qp.state_tx.borrow() == QpState::Err {
+                    break;
+                }
+            }
+            progressed.await;
+        }
+    }
+    // The QP is in ERR before the error completion can be seen.
+    if status != WcStatus::Success {
+        sh.qp.set_error(&format!("send WR failed: {status}"));
+    }
+    inf.status = Some(status);
+    let mut q = sh.lock();
+    q.inflight.push_back(inf);
+    sh.emit(&mut q);
+    drop(q);
+    if status != WcStatus::Success {
+        sh.flush();
+    }
+}
+
 async fn execute(sh: &Arc<Shared>, link: &mut Option<Link>, e: SqEntry) {
     let mut inf = Inflight {
         wr_id: e.wr_id,
@@ -328,31 +388,18 @@ async fn execute(sh: &Arc<Shared>, link: &mut Option<Link>, e: SqEntry) {
         segs: Vec::new(),
         sent_at: Instant::now(),
         rnr_waits: 0,
-    };
-    let finish = |mut inf: Inflight, status: WcStatus| {
-        // The QP is in ERR before the error completion can be seen.
-        if status != WcStatus::Success {
-            sh.qp.set_error(&format!("send WR failed: {status}"));
-        }
-        inf.status = Some(status);
-        let mut q = sh.lock();
-        q.inflight.push_back(inf);
-        sh.emit(&mut q);
-        drop(q);
-        if status != WcStatus::Success {
-            sh.flush();
-        }
+        touches_memory: false,
     };
     if sh.qp.state_tx.borrow().eq(&QpState::Err) {
-        return finish(inf, WcStatus::WrFlushErr);
+        return finish(sh, inf, WcStatus::WrFlushErr).await;
     }
     let local = match local_ptrs(sh, &e) {
         Ok(l) => l,
-        Err(st) => return finish(inf, st),
+        Err(st) => return finish(sh, inf, st).await,
     };
     let broken = sh.lock().broken;
     let Some(l) = link.as_mut().filter(|_| broken.is_none()) else {
-        return finish(inf, broken.unwrap_or(WcStatus::RetryExcErr));
+        return finish(sh, inf, broken.unwrap_or(WcStatus::RetryExcErr)).await;
     };
     if e.fence {
         loop {
@@ -383,23 +430,28 @@ async fn execute(sh: &Arc<Shared>, link: &mut Option<Link>, e: SqEntry) {
                 _ => None,
             };
             let placed = match direct(rkey, remote_addr, AccessFlags::REMOTE_WRITE) {
-                Err(st) => return finish(inf, st),
+                Err(st) => return finish(sh, inf, st).await,
                 Ok(Direct::Ptr(p, _keep)) => {
+                    if !memory_ordered(sh).await {
+                        return finish(sh, inf, WcStatus::WrFlushErr).await;
+                    }
                     gather_to(p as usize, &local);
                     true
                 }
                 Ok(Direct::Vm(a)) => {
-                    let lp: Vec<(*mut u8, usize)> = local.iter().map(|&(p, l)| (p as *mut u8, l)).collect();
-                    let r = l.peer.as_ref().expect("vm implies a peer").vm_copy(true, &lp, a, len as usize);
+                    if !memory_ordered(sh).await {
+                        return finish(sh, inf, WcStatus::WrFlushErr).await;
+                    }
+                    let r = l.peer.as_ref().expect("vm implies a peer").vm_copy(true, &local, a, len as usize);
                     match r {
                         Ok(done) => done,
-                        Err(st) => return finish(inf, st),
+                        Err(st) => return finish(sh, inf, st).await,
                     }
                 }
                 Ok(Direct::Staged) => false,
             };
             match (placed, imm) {
-                (true, None) => return finish(inf, WcStatus::Success),
+                (true, None) => return finish(sh, inf, WcStatus::Success).await,
                 (true, Some(imm)) => Frame::Notify { psn: 0, len: len as u32, imm },
                 (false, imm) => Frame::Write { psn: 0, raddr: remote_addr, rkey, len: len as u32, imm },
             }
@@ -407,17 +459,22 @@ async fn execute(sh: &Arc<Shared>, link: &mut Option<Link>, e: SqEntry) {
         SendOp::Send => Frame::Send { psn: 0, len: len as u32, imm: None },
         SendOp::SendWithImm { imm } => Frame::Send { psn: 0, len: len as u32, imm: Some(imm) },
         SendOp::RdmaRead { remote_addr, rkey } => match direct(rkey, remote_addr, AccessFlags::REMOTE_READ) {
-            Err(st) => return finish(inf, st),
+            Err(st) => return finish(sh, inf, st).await,
             Ok(Direct::Ptr(p, _keep)) => {
+                if !memory_ordered(sh).await {
+                    return finish(sh, inf, WcStatus::WrFlushErr).await;
+                }
                 scatter_from(p as usize, &local);
-                return finish(inf, WcStatus::Success);
+                return finish(sh, inf, WcStatus::Success).await;
             }
             Ok(Direct::Vm(a)) => {
-                let lp: Vec<(*mut u8, usize)> = local.iter().map(|&(p, l)| (p as *mut u8, l)).collect();
-                match l.peer.as_ref().expect("vm implies a peer").vm_copy(false, &lp, a, len as usize) {
-                    Ok(true) => return finish(inf, WcStatus::Success),
+                if !memory_ordered(sh).await {
+                    return finish(sh, inf, WcStatus::WrFlushErr).await;
+                }
+                match l.peer.as_ref().expect("vm implies a peer").vm_copy(false, &local, a, len as usize) {
+                    Ok(true) => return finish(sh, inf, WcStatus::Success).await,
                     Ok(false) => Frame::ReadReq { psn: 0, raddr: remote_addr, rkey, len: len as u32 },
-                    Err(st) => return finish(inf, st),
+                    Err(st) => return finish(sh, inf, st).await,
                 }
             }
             Ok(Direct::Staged) => Frame::ReadReq { psn: 0, raddr: remote_addr, rkey, len: len as u32 },
@@ -428,8 +485,11 @@ async fn execute(sh: &Arc<Shared>, link: &mut Option<Link>, e: SqEntry) {
                 AtomicOp::CompareSwap { compare, swap } => (true, compare, swap),
             };
             match direct(rkey, remote_addr, AccessFlags::REMOTE_ATOMIC) {
-                Err(st) => return finish(inf, st),
+                Err(st) => return finish(sh, inf, st).await,
                 Ok(Direct::Ptr(p, _keep)) => {
+                    if !memory_ordered(sh).await {
+                        return finish(sh, inf, WcStatus::WrFlushErr).await;
+                    }
                     // SAFETY: p is 8-byte aligned (checked at post) and inside
                     // the peer's mapped MR; other processes use atomics on it too.
                     let cell = unsafe { &*(p as *const std::sync::atomic::AtomicU64) };
@@ -441,7 +501,7 @@ async fn execute(sh: &Arc<Shared>, link: &mut Option<Link>, e: SqEntry) {
                         cell.fetch_add(a, Ordering::AcqRel)
                     };
                     write_u64(local[0].0, orig);
-                    return finish(inf, WcStatus::Success);
+                    return finish(sh, inf, WcStatus::Success).await;
                 }
                 Ok(_) => Frame::Atomic { psn: 0, raddr: remote_addr, rkey, cmp_swap, a, b },
             }
@@ -457,6 +517,7 @@ async fn execute(sh: &Arc<Shared>, link: &mut Option<Link>, e: SqEntry) {
         _ => Expect::Ack,
     };
     inf.awaiting = Some((psn, expect));
+    inf.touches_memory = !matches!(frame, Frame::Notify { .. });
     inf.segs = e.segs;
     inf.sent_at = Instant::now();
     {
