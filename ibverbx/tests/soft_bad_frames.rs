@@ -110,9 +110,11 @@ fn random_and_truncated_frames_close_the_connection_only() {
     ];
     for f in lies {
         let mut s = connect();
-        s.write_all(&f.encode()).unwrap();
-        s.write_all(&[0xAB; 10]).unwrap();
-        s.shutdown(std::net::Shutdown::Write).unwrap();
+        // The endpoint may close as soon as it has read the header, so these
+        // writes may fail; what matters is that it closes.
+        let _ = s.write_all(&f.encode());
+        let _ = s.write_all(&[0xAB; 10]);
+        let _ = s.shutdown(std::net::Shutdown::Write);
         expect_closed(&mut s, &format!("{f:?}"));
     }
     // 5. Fuzzed valid frames: one byte of a real header flipped.

@@ -47,6 +47,8 @@ impl RecvEntry {
 pub(crate) struct FastPath {
     pub(crate) peer: Arc<super::peer::PeerMap>,
     pub(crate) remote_pd: u32,
+    /// Sending notifications from the posting thread (unix-socket links).
+    pub(crate) notify: Option<Arc<super::requester::FastNotify>>,
 }
 
 #[derive(Debug)]
@@ -231,6 +233,73 @@ impl SoftQp {
             });
         }
         true
+    }
+
+    /// WRITE_WITH_IMM (data copied directly, then the notify) and small
+    /// SENDs on an idle same-host QP, sent by the posting thread. False when
+    /// the WR must go through the engine (nothing has been sent then; a
+    /// direct copy already made is simply made again).
+    fn try_fast_notify(&self, wr: &SendWr<'_>, len: u64) -> bool {
+        use super::peer::Direct;
+        use super::requester::FastWr;
+        use super::wire::Frame;
+        if self.ctx.config.chaos_seed.is_some() || wr.flags.fence {
+            return false;
+        }
+        let Some(fast) = self.fast.read().unwrap_or_else(|e| e.into_inner()).clone() else { return false };
+        let Some(notify) = fast.notify.clone() else { return false };
+        let mut local: [(usize, usize); 16] = [(0, 0); 16];
+        let mut _keep: [Option<Arc<super::mr::SoftMr>>; 16] = Default::default();
+        for (i, s) in wr.sg_list.iter().enumerate() {
+            if wr.flags.inline || s.length == 0 {
+                local[i] = (s.addr as usize, s.length as usize);
+                continue;
+            }
+            let Some(mr) = self.ctx.mr(s.lkey) else { return false };
+            let Some(p) = mr.check(self.pd, s.addr, s.length as u64, AccessFlags::empty()) else { return false };
+            local[i] = (p as usize, s.length as usize);
+            _keep[i] = Some(mr);
+        }
+        let local = &local[..wr.sg_list.len()];
+        let (frame, payload): (Frame, &[(usize, usize)]) = match wr.op {
+            SendOp::RdmaWriteWithImm { remote_addr, rkey, imm } => {
+                if len as usize > self.ctx.config.inline_copy_max {
+                    return false;
+                }
+                if len > 0 {
+                    let Ok(Direct::Ptr(p, _map)) =
+                        fast.peer.resolve(fast.remote_pd, rkey, remote_addr, len, AccessFlags::REMOTE_WRITE)
+                    else {
+                        return false;
+                    };
+                    let mut off = 0;
+                    for &(l, n) in local {
+                        // SAFETY: l..l+n is a checked live local region (or
+                        // the caller's inline buffer); p+off.. lies in the
+                        // peer's checked, mapped region.
+                        unsafe { std::ptr::copy_nonoverlapping(l as *const u8, (p + off) as *mut u8, n) };
+                        off += n;
+                    }
+                }
+                (Frame::Notify { psn: 0, len: len as u32, imm }, &[])
+            }
+            SendOp::Send | SendOp::SendWithImm { .. } if len <= 4096 => {
+                let imm = match wr.op {
+                    SendOp::SendWithImm { imm } => Some(imm),
+                    _ => None,
+                };
+                (Frame::Send { psn: 0, len: len as u32, imm }, local)
+            }
+            _ => return false,
+        };
+        notify.try_send(FastWr {
+            wr_id: wr.wr_id,
+            opcode: wr.op.wc_opcode(),
+            signaled: wr.flags.signaled || self.sq_sig_all,
+            byte_len: len as u32,
+            frame,
+            payload,
+        })
     }
 
     pub(crate) fn epoch(&self) -> u64 {
@@ -457,8 +526,17 @@ impl QpOps for SoftQp {
         };
         drop(st);
         let n = wrs.len() as u32;
-        if n == 1 && st_is_rts && self.sq_outstanding.load(Ordering::Acquire) == 0 && self.try_fast(&wrs[0], lens[0]) {
-            return Ok(());
+        if n == 1 && st_is_rts && self.sq_outstanding.load(Ordering::Acquire) == 0 {
+            if self.try_fast(&wrs[0], lens[0]) {
+                return Ok(());
+            }
+            // Claim the only slot, then try to send the notification here.
+            if self.sq_outstanding.compare_exchange(0, 1, Ordering::AcqRel, Ordering::Acquire).is_ok() {
+                if self.try_fast_notify(&wrs[0], lens[0]) {
+                    return Ok(());
+                }
+                self.sq_outstanding.fetch_sub(1, Ordering::AcqRel);
+            }
         }
         let before = self.sq_outstanding.fetch_add(n, Ordering::AcqRel);
         if before + n > self.caps.max_send_wr {

@@ -7,12 +7,14 @@
 //! Completions leave in posting order whatever finished first.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use rand::{Rng, SeedableRng};
+use std::os::fd::{AsRawFd, OwnedFd};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
 use tokio::sync::{mpsc, Notify};
 
 use super::config::SoftLink;
@@ -61,12 +63,18 @@ struct SqState {
     broken: Option<WcStatus>,
 }
 
-struct Shared {
+pub(crate) struct Shared {
     qp: Arc<SoftQp>,
     q: Mutex<SqState>,
     progress: Notify,
     last_rx_ms: AtomicU64,
     epoch: Instant,
+    /// Held while a frame is being written: the requester task and the
+    /// posting thread (fast notifies) take turns on the connection.
+    wire_busy: AtomicBool,
+    /// Next request PSN; taken with `wire_busy` held, so PSN order is wire
+    /// order.
+    next_psn: AtomicU32,
 }
 
 impl Shared {
@@ -132,7 +140,6 @@ impl Shared {
 struct Link {
     writer: Writer,
     peer: Option<Arc<PeerMap>>,
-    next_psn: u32,
 }
 
 /// The requester task of one QP; ends when the QP is reset or destroyed.
@@ -145,18 +152,21 @@ pub(crate) async fn run(qp: Arc<SoftQp>, mut rx: mpsc::UnboundedReceiver<SqEntry
         progress: Notify::new(),
         last_rx_ms: AtomicU64::new(0),
         epoch: Instant::now(),
+        wire_busy: AtomicBool::new(false),
+        next_psn: AtomicU32::new(rts.sq_psn & 0x00ff_ffff),
     });
     let mut state_rx = qp.state_tx.subscribe();
     let mut link = match connect(&qp, &remote, rtr.remote.qpn, &rts, ack_timeout).await {
-        Ok((r, w, peer)) => {
+        Ok((r, w, peer, dup)) => {
             if let Some(p) = &peer {
-                qp.set_fast(Some(super::qp::FastPath { peer: p.clone(), remote_pd: remote.pd }));
+                let notify = dup.map(|fd| Arc::new(FastNotify { sh: sh.clone(), fd }));
+                qp.set_fast(Some(super::qp::FastPath { peer: p.clone(), remote_pd: remote.pd, notify }));
             }
             let reader = tokio::spawn(read_responses(sh.clone(), r, rts.rnr_retry));
             if let Some(t) = ack_timeout {
                 tokio::spawn(watchdog(sh.clone(), t, reader));
             }
-            Some(Link { writer: w, peer, next_psn: rts.sq_psn & 0x00ff_ffff })
+            Some(Link { writer: w, peer })
         }
         Err(why) => {
             tracing::warn!(qpn = qp.qpn, "soft QP cannot reach its peer QP {:#x}: {why}", rtr.remote.qpn);
@@ -208,7 +218,7 @@ async fn connect(
     remote_qpn: u32,
     rts: &RtsAttr,
     ack_timeout: Option<Duration>,
-) -> Result<(Reader, Writer, Option<Arc<PeerMap>>), String> {
+) -> Result<(Reader, Writer, Option<Arc<PeerMap>>, Option<OwnedFd>), String> {
     let same_host = remote.host == qp.ctx.host;
     let use_shm = match qp.ctx.config.link {
         SoftLink::Auto => same_host,
@@ -229,9 +239,13 @@ async fn connect(
                 let s =
                     std::os::unix::net::UnixStream::connect_addr(&addr).map_err(|e| format!("unix connect: {e}"))?;
                 s.set_nonblocking(true).map_err(|e| e.to_string())?;
+                // A second descriptor of the same socket, for notifies sent
+                // by the posting thread (it stays valid whatever the task
+                // does with its own).
+                let dup = s.try_clone().ok().map(OwnedFd::from);
                 let s = tokio::net::UnixStream::from_std(s).map_err(|e| e.to_string())?;
                 let (r, w) = s.into_split();
-                Ok::<(Reader, Writer), String>((Box::new(r), Box::new(w)))
+                Ok::<(Reader, Writer, Option<OwnedFd>), String>((Box::new(r), Box::new(w), dup))
             } else {
                 let mut err = String::from("no TCP address");
                 for a in &remote.tcp {
@@ -239,7 +253,7 @@ async fn connect(
                         Ok(Ok(s)) => {
                             let _ = s.set_nodelay(true);
                             let (r, w) = s.into_split();
-                            return Ok((Box::new(r) as Reader, Box::new(w) as Writer));
+                            return Ok((Box::new(r) as Reader, Box::new(w) as Writer, None));
                         }
                         Ok(Err(e)) => err = format!("tcp connect {a}: {e}"),
                         Err(_) => err = format!("tcp connect {a}: timed out"),
@@ -249,7 +263,7 @@ async fn connect(
             }
         };
         match attempt.await {
-            Ok((mut r, mut w)) => {
+            Ok((mut r, mut w, dup)) => {
                 w.write_all(&hello.encode()).await.map_err(|e| format!("hello: {e}"))?;
                 let mut buf = [0u8; HELLO_LEN];
                 tokio::time::timeout(Duration::from_secs(10), r.read_exact(&mut buf))
@@ -279,7 +293,7 @@ async fn connect(
                 } else {
                     None
                 };
-                return Ok((r, w, peer));
+                return Ok((r, w, peer, dup));
             }
             Err(e) => {
                 last_err = e;
@@ -507,9 +521,12 @@ async fn execute(sh: &Arc<Shared>, link: &mut Option<Link>, e: SqEntry) {
             }
         }
     };
-    // Stream request.
-    let psn = l.next_psn;
-    l.next_psn = (l.next_psn + 1) & 0x00ff_ffff;
+    // Stream request: PSN, queue entry and bytes on the wire in one turn.
+    while sh.wire_busy.compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed).is_err() {
+        tokio::task::yield_now().await;
+    }
+    let psn = sh.next_psn.load(Ordering::Relaxed);
+    sh.next_psn.store((psn + 1) & 0x00ff_ffff, Ordering::Relaxed);
     let frame = with_psn(frame, psn);
     let expect = match frame {
         Frame::ReadReq { len, .. } => Expect::Read(len),
@@ -525,9 +542,108 @@ async fn execute(sh: &Arc<Shared>, link: &mut Option<Link>, e: SqEntry) {
         q.inflight.push_back(inf);
     }
     let payload: &[(usize, usize)] = if frame.payload_len() > 0 { &local } else { &[] };
-    if let Err(err) = send_frame(&mut l.writer, &frame, payload).await {
+    let sent = send_frame(&mut l.writer, &frame, payload).await;
+    sh.wire_busy.store(false, Ordering::Release);
+    if let Err(err) = sent {
         sh.fail_link(WcStatus::RetryExcErr, &format!("write to peer: {err}"));
         sh.flush();
+    }
+}
+
+/// Notifications sent by the posting thread itself on an idle same-host QP
+/// (WRITE_WITH_IMM after a direct copy, small SENDs): one thread hand-off
+/// less per message. The progress engine still reads the acknowledgement.
+pub(crate) struct FastNotify {
+    sh: Arc<Shared>,
+    fd: OwnedFd,
+}
+
+impl std::fmt::Debug for FastNotify {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FastNotify").field("fd", &self.fd).finish()
+    }
+}
+
+/// What a fast notify should report when its ACK comes back.
+pub(crate) struct FastWr<'a> {
+    pub(crate) wr_id: u64,
+    pub(crate) opcode: WcOpcode,
+    pub(crate) signaled: bool,
+    pub(crate) byte_len: u32,
+    /// A `Notify` or a `Send` frame (its PSN is filled in here).
+    pub(crate) frame: Frame,
+    /// SEND payload pieces (at most 4 KiB in all).
+    pub(crate) payload: &'a [(usize, usize)],
+}
+
+impl FastNotify {
+    /// Sends the frame if the connection is free and the socket takes it at
+    /// once; returns false (nothing sent, nothing queued) otherwise. The
+    /// caller holds the QP's only outstanding-WR slot.
+    pub(crate) fn try_send(&self, wr: FastWr<'_>) -> bool {
+        let sh = &self.sh;
+        if sh.wire_busy.compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed).is_err() {
+            return false;
+        }
+        if sh.lock().broken.is_some() {
+            sh.wire_busy.store(false, Ordering::Release);
+            return false;
+        }
+        let psn = sh.next_psn.load(Ordering::Relaxed);
+        let frame = with_psn(wr.frame, psn);
+        let mut buf = Vec::with_capacity(HEADER_LEN + frame.payload_len());
+        buf.extend_from_slice(&frame.encode());
+        for &(p, l) in wr.payload {
+            // SAFETY: p..p+l is a checked live local region (or the
+            // caller's inline buffer), read before this call returns.
+            buf.extend_from_slice(unsafe { std::slice::from_raw_parts(p as *const u8, l) });
+        }
+        // Queued before the bytes leave, so that the ACK finds it.
+        sh.lock().inflight.push_back(Inflight {
+            wr_id: wr.wr_id,
+            opcode: wr.opcode,
+            signaled: wr.signaled,
+            byte_len: wr.byte_len,
+            status: None,
+            awaiting: Some((psn, Expect::Ack)),
+            segs: Vec::new(),
+            sent_at: Instant::now(),
+            rnr_waits: 0,
+            touches_memory: !matches!(frame, Frame::Notify { .. }),
+        });
+        let fd = self.fd.as_raw_fd();
+        // SAFETY: fd is our own descriptor of the connected socket; buf is
+        // a live buffer of buf.len() bytes.
+        let n = unsafe { libc::send(fd, buf.as_ptr().cast(), buf.len(), libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) };
+        if n <= 0 {
+            // Nothing left: undo, and let the engine send it.
+            sh.lock().inflight.pop_back();
+            sh.wire_busy.store(false, Ordering::Release);
+            return false;
+        }
+        sh.next_psn.store((psn + 1) & 0x00ff_ffff, Ordering::Relaxed);
+        let mut done = n as usize;
+        while done < buf.len() {
+            // A partial write: the frame must be finished before anyone else
+            // writes; wait for room (briefly: a unix socket drains fast).
+            let mut pfd = libc::pollfd { fd, events: libc::POLLOUT, revents: 0 };
+            // SAFETY: pfd is a valid pollfd array of length 1.
+            unsafe { libc::poll(&mut pfd, 1, 1000) };
+            // SAFETY: as for the first send, on the unsent rest of buf.
+            let n = unsafe {
+                libc::send(fd, buf[done..].as_ptr().cast(), buf.len() - done, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL)
+            };
+            if n > 0 {
+                done += n as usize;
+            } else if std::io::Error::last_os_error().kind() != std::io::ErrorKind::WouldBlock {
+                sh.wire_busy.store(false, Ordering::Release);
+                sh.fail_link(WcStatus::RetryExcErr, "write to peer failed in the middle of a frame");
+                sh.flush();
+                return true;
+            }
+        }
+        sh.wire_busy.store(false, Ordering::Release);
+        true
     }
 }
 
