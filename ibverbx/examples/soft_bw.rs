@@ -172,7 +172,7 @@ fn serve(link: SoftLink, len: usize) {
             s.qp.post_recv(&[RecvWr { wr_id: 0, sg_list: &[] }]).unwrap();
             sent += 1;
             let op = SendOp::RdmaWriteWithImm { remote_addr: peer.addr, rkey: peer.rkey, imm: 1 };
-            let signaled = sent % 256 == 0;
+            let signaled = sent.is_multiple_of(256);
             s.qp.post_send(&[SendWr {
                 wr_id: sent,
                 op,
@@ -311,7 +311,7 @@ fn run_link(link: SoftLink, sizes: &[usize], rows: &mut Vec<Row>, quick: bool, s
         let t = Instant::now();
         sent += 1;
         let op = SendOp::RdmaWriteWithImm { remote_addr: peer.addr, rkey: peer.rkey, imm: 0 };
-        let signaled = sent % 256 == 0;
+        let signaled = sent.is_multiple_of(256);
         s.qp.post_send(&[SendWr {
             wr_id: sent,
             op,

@@ -26,7 +26,7 @@ impl AccessFlags {
 
     /// Verbs requires LOCAL_WRITE whenever REMOTE_WRITE or REMOTE_ATOMIC is asked for.
     pub(crate) fn is_consistent(self) -> bool {
-        !(self.intersects(AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_ATOMIC)
-            && !self.contains(AccessFlags::LOCAL_WRITE))
+        self.contains(AccessFlags::LOCAL_WRITE)
+            || !self.intersects(AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_ATOMIC)
     }
 }

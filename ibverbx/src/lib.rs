@@ -100,7 +100,9 @@ pub use qp_attr::{
     ack_timeout_duration, rnr_timer_duration, InitAttr, QpCaps, QpInitAttr, QpState, QpTransition, RtrAttr, RtsAttr,
 };
 pub use shm::ShmBuffer;
-pub use vqp::{proto as vqp_proto, LoadBalancing, VirtualCq, VirtualQp, VirtualQpConfig, VirtualQpEndpoint, VirtualQpStats};
+pub use vqp::{
+    proto as vqp_proto, LoadBalancing, VirtualCq, VirtualQp, VirtualQpConfig, VirtualQpEndpoint, VirtualQpStats,
+};
 pub use wc::{WcOpcode, WcStatus, WorkCompletion};
 pub use wr::{AtomicOp, RecvWr, SendFlags, SendOp, SendWr, Sge};
 

@@ -102,6 +102,10 @@ pub trait MrOps: Send + Sync + Debug {
     fn addr(&self) -> u64;
     /// Length in bytes.
     fn len(&self) -> usize;
+    /// True for a zero-length region.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
     /// Local key.
     fn lkey(&self) -> u32;
     /// Remote key.

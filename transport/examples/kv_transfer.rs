@@ -89,7 +89,7 @@ async fn decode() -> Result<(), String> {
     println!(
         "decode: verified {} blocks ({} MiB) in {:.1} ms, {:.2} GB/s",
         p.blocks.len(),
-        p.blocks.len() * BLOCK >> 20,
+        (p.blocks.len() * BLOCK) >> 20,
         secs * 1e3,
         bytes / secs / 1e9
     );

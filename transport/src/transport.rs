@@ -340,18 +340,16 @@ impl Inner {
 
     /// The future of a posted WR. `_keep` borrows the local memory for as
     /// long as the future lives.
-    fn complete<K: Send>(
+    async fn complete<K: Send>(
         self: Arc<Self>,
         posted: Result<(u64, oneshot::Receiver<Result<(), TransportError>>), TransportError>,
         op: &'static str,
         timeout: Option<Duration>,
         _keep: K,
-    ) -> impl Future<Output = Result<(), TransportError>> + Send {
-        async move {
-            let _keep = _keep;
-            let (id, rx) = posted?;
-            self.finish(id, rx, op, timeout).await
-        }
+    ) -> Result<(), TransportError> {
+        let _keep = _keep;
+        let (id, rx) = posted?;
+        self.finish(id, rx, op, timeout).await
     }
 
     async fn finish(

@@ -185,7 +185,6 @@ impl SoftQp {
         }
         let local = &local[..wr.sg_list.len()];
         let Ok(Direct::Ptr(p, _map)) = fast.peer.resolve(fast.remote_pd, rkey, raddr, len, need) else { return false };
-        let p = p as usize;
         let mut off = 0;
         match wr.op {
             SendOp::RdmaWrite { .. } => {

@@ -449,7 +449,7 @@ async fn execute(sh: &Arc<Shared>, link: &mut Option<Link>, e: SqEntry) {
                     if !memory_ordered(sh).await {
                         return finish(sh, inf, WcStatus::WrFlushErr).await;
                     }
-                    gather_to(p as usize, &local);
+                    gather_to(p, &local);
                     true
                 }
                 Ok(Direct::Vm(a)) => {
@@ -478,7 +478,7 @@ async fn execute(sh: &Arc<Shared>, link: &mut Option<Link>, e: SqEntry) {
                 if !memory_ordered(sh).await {
                     return finish(sh, inf, WcStatus::WrFlushErr).await;
                 }
-                scatter_from(p as usize, &local);
+                scatter_from(p, &local);
                 return finish(sh, inf, WcStatus::Success).await;
             }
             Ok(Direct::Vm(a)) => {
@@ -705,7 +705,7 @@ async fn read_responses(sh: Arc<Shared>, mut r: Reader, rnr_retry: u8) {
             } else {
                 format!("read from peer: {e}")
             };
-            if awaiting || !matches!(sh.qp.state_tx.borrow().clone(), QpState::Err | QpState::Reset) {
+            if awaiting || !matches!(*sh.qp.state_tx.borrow(), QpState::Err | QpState::Reset) {
                 sh.fail_link(WcStatus::RetryExcErr, &why);
             }
             return;
