@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use ibverbx::soft::SoftConfig;
 use ibverbx::{LoadBalancing, ProviderKind};
 
 /// Settings of an [`RdmaTransport`](crate::RdmaTransport). The environment
@@ -27,6 +28,10 @@ pub struct TransportConfig {
     pub recv_depth: u32,
     /// Default timeout of every call; `None` waits forever.
     pub timeout: Option<Duration>,
+    /// Soft-provider settings (link, addresses, ...) when the soft provider
+    /// is used; `None` takes them from the environment (`RMACOMM_SOFT_*`).
+    /// Transports with different settings use different soft contexts.
+    pub soft: Option<SoftConfig>,
 }
 
 impl Default for TransportConfig {
@@ -46,6 +51,7 @@ impl Default for TransportConfig {
             cq_depth: 8192,
             recv_depth: 512,
             timeout,
+            soft: None,
         }
     }
 }

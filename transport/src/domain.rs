@@ -5,6 +5,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
+use ibverbx::soft::SoftConfig;
 use ibverbx::{Context, ProtectionDomain, ProviderKind};
 
 use crate::TransportError;
@@ -18,21 +19,33 @@ pub(crate) struct Domain {
     pub(crate) device: String,
 }
 
-type Key = (ProviderKind, Option<String>);
+/// Provider, device, and the soft settings (as text: they hold no secret).
+type Key = (ProviderKind, Option<String>, String);
 
 fn table() -> &'static Mutex<HashMap<Key, Arc<Domain>>> {
     static T: OnceLock<Mutex<HashMap<Key, Arc<Domain>>>> = OnceLock::new();
     T.get_or_init(|| Mutex::new(HashMap::new()))
 }
 
-/// The shared domain for `provider` and `device` (opened on first use).
-pub(crate) fn domain(provider: ProviderKind, device: Option<&str>) -> Result<Arc<Domain>, TransportError> {
-    let key = (provider, device.map(str::to_owned));
+/// The shared domain for `provider`, `device` and soft settings (opened on
+/// first use).
+pub(crate) fn domain(
+    provider: ProviderKind,
+    device: Option<&str>,
+    soft: Option<&SoftConfig>,
+) -> Result<Arc<Domain>, TransportError> {
+    let key = (provider, device.map(str::to_owned), format!("{soft:?}"));
     let mut t = table().lock().unwrap_or_else(|e| e.into_inner());
     if let Some(d) = t.get(&key) {
         return Ok(d.clone());
     }
-    let devs = ibverbx::devices_of(provider)?;
+    let mut devs = ibverbx::devices_of(provider)?;
+    if let Some(cfg) = soft {
+        // Code wins over the environment: the soft device with these settings.
+        for d in devs.iter_mut().filter(|d| d.info().provider == "soft") {
+            *d = ibverbx::soft::SoftProvider::new(cfg.clone()).device();
+        }
+    }
     let dev = match device {
         None => devs.into_iter().next(),
         Some(name) => devs.into_iter().find(|d| d.name() == name),

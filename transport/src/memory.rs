@@ -37,8 +37,17 @@ impl RdmaMemory {
     /// (`RMACOMM_PROVIDER`). The memory is a shared segment, so same-host
     /// peers write it with one copy and no CPU of this process.
     pub fn alloc(len: usize) -> Result<RdmaMemory, TransportError> {
-        let d = domain(ProviderKind::from_env().unwrap_or_default(), None)?;
+        let d = domain(ProviderKind::from_env().unwrap_or_default(), None, None)?;
         Self::alloc_in(d, len)
+    }
+
+    /// Registers a buffer on the device `transport` uses (needed when the
+    /// transport was configured in code with a device or soft settings of
+    /// its own).
+    pub fn register_for<B: OwnedBuffer>(transport: &RdmaTransport, buf: B) -> Result<RdmaMemory, TransportError> {
+        let d = transport.domain().clone();
+        let mr = MemoryRegion::register(&d.pd, buf, ACCESS)?;
+        Ok(RdmaMemory { mr, domain: d })
     }
 
     /// Allocates on the device `transport` uses.
@@ -57,7 +66,7 @@ impl RdmaMemory {
     /// Registers a buffer the caller hands over (`Vec<u8>`, `Box<[u8]>`,
     /// `bytes::BytesMut`, `ibverbx::ShmBuffer`) on the default device.
     pub fn register<B: OwnedBuffer>(buf: B) -> Result<RdmaMemory, TransportError> {
-        let d = domain(ProviderKind::from_env().unwrap_or_default(), None)?;
+        let d = domain(ProviderKind::from_env().unwrap_or_default(), None, None)?;
         let mr = MemoryRegion::register(&d.pd, buf, ACCESS)?;
         Ok(RdmaMemory { mr, domain: d })
     }
@@ -68,7 +77,7 @@ impl RdmaMemory {
     /// `ptr..ptr+len` must stay valid until this value is dropped and every
     /// operation that used it has finished; peers may write it at any time.
     pub unsafe fn register_raw(ptr: *mut u8, len: usize) -> Result<RdmaMemory, TransportError> {
-        let d = domain(ProviderKind::from_env().unwrap_or_default(), None)?;
+        let d = domain(ProviderKind::from_env().unwrap_or_default(), None, None)?;
         // SAFETY: forwarded to the caller.
         let mr = unsafe { MemoryRegion::register_raw(&d.pd, ptr, len, ACCESS)? };
         Ok(RdmaMemory { mr, domain: d })

@@ -76,7 +76,7 @@ const RECV_BIT: u64 = 1 << 63;
 impl RdmaTransport {
     /// Creates a transport on the configured provider and device.
     pub fn new(config: TransportConfig) -> Result<RdmaTransport, TransportError> {
-        let d = domain(config.provider, config.device.as_deref())?;
+        let d = domain(config.provider, config.device.as_deref(), config.soft.as_ref())?;
         let vcfg = VirtualQpConfig {
             total_qps: config.qps,
             max_msg_cnt_per_qp: config.max_outstanding_per_qp,
@@ -352,13 +352,36 @@ impl Inner {
         self.finish(id, rx, op, timeout).await
     }
 
+    /// Polls the CQ once from the calling task and resolves what it finds:
+    /// an operation that completed while being posted (the soft provider's
+    /// same-host copies) then needs no wake-up of the driver task at all.
+    fn progress(&self) {
+        let mut wcs = [WorkCompletion::empty(); 16];
+        loop {
+            let n = match self.cq.poll(&mut wcs) {
+                Ok(n) => n,
+                Err(e) => return self.break_with(e.into()),
+            };
+            for wc in &wcs[..n] {
+                self.dispatch(wc);
+            }
+            if n < wcs.len() {
+                return;
+            }
+        }
+    }
+
     async fn finish(
         &self,
         id: u64,
-        rx: oneshot::Receiver<Result<(), TransportError>>,
+        mut rx: oneshot::Receiver<Result<(), TransportError>>,
         op: &'static str,
         timeout: Option<Duration>,
     ) -> Result<(), TransportError> {
+        self.progress();
+        if let Ok(r) = rx.try_recv() {
+            return r;
+        }
         let r = match timeout {
             None => rx.await,
             Some(t) => match tokio::time::timeout(t, rx).await {
