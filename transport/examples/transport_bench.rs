@@ -4,8 +4,9 @@
 //! between two processes, at the sizes of torchcomms' published table.
 //!
 //! ```text
-//! cargo run --release -p rmacomm-transport --example transport_bench            # shm and tcp
+//! cargo run --release -p rmacomm-transport --example transport_bench            # soft: shm and tcp
 //! cargo run --release -p rmacomm-transport --example transport_bench -- --link tcp --json
+//! cargo run --release -p rmacomm-transport --example transport_bench -- --provider verbs   # an HCA (loopback)
 //! ```
 //!
 //! Bandwidth keeps 16 writes in flight; latency is the median time of one
@@ -42,10 +43,60 @@ fn tconfig() -> TransportConfig {
     TransportConfig { timeout: Some(Duration::from_secs(60)), ..TransportConfig::default() }
 }
 
-/// The transport on the soft provider with the given link.
-fn transport(link: SoftLink) -> RdmaTransport {
-    let soft = Some(SoftConfig { link, ..SoftConfig::default() });
-    RdmaTransport::new(TransportConfig { provider: ibverbx::ProviderKind::Soft, soft, ..tconfig() }).unwrap()
+/// Where the bytes go: the soft provider over one link, or the verbs
+/// provider (an HCA; `RMACOMM_IB_HCA` picks it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Via {
+    Soft(SoftLink),
+    Verbs,
+}
+
+impl Via {
+    fn name(self) -> &'static str {
+        match self {
+            Via::Soft(SoftLink::Tcp) => "tcp",
+            Via::Soft(_) => "shm",
+            Via::Verbs => "verbs",
+        }
+    }
+
+    fn parse(s: &str) -> Via {
+        if s == "verbs" {
+            Via::Verbs
+        } else {
+            Via::Soft(SoftLink::parse(s).expect("shm, tcp or verbs"))
+        }
+    }
+
+    fn device(self) -> ibverbx::Device {
+        match self {
+            Via::Soft(link) => SoftProvider::new(SoftConfig { link, ..SoftConfig::default() }).device(),
+            Via::Verbs => match ibverbx::devices_of(ibverbx::ProviderKind::Verbs) {
+                Ok(mut d) if !d.is_empty() => d.remove(0),
+                Ok(_) => panic!("the verbs provider lists no device"),
+                Err(e) => {
+                    eprintln!("transport_bench: {e}");
+                    std::process::exit(2);
+                }
+            },
+        }
+    }
+}
+
+/// The transport over `via`.
+fn transport(via: Via) -> RdmaTransport {
+    let cfg = match via {
+        Via::Soft(link) => TransportConfig {
+            provider: ibverbx::ProviderKind::Soft,
+            soft: Some(SoftConfig { link, ..SoftConfig::default() }),
+            ..tconfig()
+        },
+        Via::Verbs => TransportConfig { provider: ibverbx::ProviderKind::Verbs, ..tconfig() },
+    };
+    RdmaTransport::new(cfg).unwrap_or_else(|e| {
+        eprintln!("transport_bench: {e}");
+        std::process::exit(2);
+    })
 }
 
 fn vconfig(t: &TransportConfig) -> VirtualQpConfig {
@@ -65,8 +116,8 @@ struct Raw {
     mem: MemoryRegion,
 }
 
-fn raw(link: SoftLink, len: usize) -> Raw {
-    let ctx = SoftProvider::new(SoftConfig { link, ..SoftConfig::default() }).device().open().unwrap();
+fn raw(via: Via, len: usize) -> Raw {
+    let ctx = via.device().open().unwrap();
     let pd = ctx.alloc_pd().unwrap();
     let cq = VirtualCq::new(&ctx, tconfig().cq_depth).unwrap();
     let qp = VirtualQp::new(&pd, &cq, &vconfig(&tconfig())).unwrap();
@@ -74,13 +125,9 @@ fn raw(link: SoftLink, len: usize) -> Raw {
     Raw { cq, qp, mem }
 }
 
-fn link_of(s: &str) -> SoftLink {
-    SoftLink::parse(s).expect("--link shm|tcp")
-}
-
 /// The peer: registers both buffers, connects, keeps its virtual CQ
 /// progressing until stdin closes.
-async fn serve(link: SoftLink) {
+async fn serve(link: Via) {
     let max = *SIZES.iter().max().unwrap();
     let t = transport(link);
     let mem = RdmaMemory::alloc_for(&t, max).unwrap();
@@ -142,8 +189,8 @@ fn median(mut v: Vec<Duration>) -> f64 {
     v[v.len() / 2].as_secs_f64() * 1e6
 }
 
-async fn run_link(link: SoftLink, quick: bool) -> Vec<Row> {
-    let name = if link == SoftLink::Shm { "shm" } else { "tcp" };
+async fn run_link(link: Via, quick: bool) -> Vec<Row> {
+    let name = link.name();
     let max = *SIZES.iter().max().unwrap();
     let exe = std::env::current_exe().unwrap();
     let mut child = Command::new(exe)
@@ -270,10 +317,16 @@ async fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let opt = |name: &str| args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned();
     if let Some(l) = opt("--serve") {
-        return serve(link_of(&l)).await;
+        return serve(Via::parse(&l)).await;
     }
-    let links: Vec<SoftLink> =
-        opt("--link").map_or_else(|| vec![SoftLink::Shm, SoftLink::Tcp], |s| s.split(',').map(link_of).collect());
+    let links: Vec<Via> = if opt("--provider").as_deref() == Some("verbs") {
+        vec![Via::Verbs]
+    } else {
+        opt("--link").map_or_else(
+            || vec![Via::Soft(SoftLink::Shm), Via::Soft(SoftLink::Tcp)],
+            |s| s.split(',').map(Via::parse).collect(),
+        )
+    };
     let quick = args.iter().any(|a| a == "--quick");
     let json = args.iter().any(|a| a == "--json");
     let mut rows = Vec::new();
