@@ -36,5 +36,8 @@ fi
 cargo nextest run --workspace --release --no-fail-fast
 cargo test --workspace --release --doc
 
+# The criterion benches always build (they run with `cargo bench`).
+cargo bench --workspace --no-run
+
 # The runnable examples verify what they move and exit non-zero otherwise.
 cargo run --release -q -p rmacomm-transport --example kv_transfer
