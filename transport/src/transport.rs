@@ -42,6 +42,11 @@ struct Inner {
     st: Mutex<State>,
     connected: AtomicBool,
     shutdown: Notify,
+    /// Posts in progress: the soft provider may copy inside a post while
+    /// holding the virtual QP's lock; the driver stands aside meanwhile
+    /// rather than queue on that lock (the posting caller reaps its own
+    /// completion when it awaits).
+    posting: std::sync::atomic::AtomicUsize,
 }
 
 /// An RDMA connection to one peer (make one transport per peer).
@@ -97,6 +102,7 @@ impl RdmaTransport {
                 st: Mutex::new(State::default()),
                 connected: AtomicBool::new(false),
                 shutdown: Notify::new(),
+                posting: std::sync::atomic::AtomicUsize::new(0),
             }),
         })
     }
@@ -282,7 +288,10 @@ impl RdmaTransport {
         let sge = [mem.mr().sge(offset, len)?];
         let sg: &[ibverbx::Sge] = if len == 0 { &[] } else { &sge };
         let (id, rx) = self.inner.register(op_name)?;
-        if let Err(e) = self.inner.qp.post_send(&[SendWr { wr_id: id, op, sg_list: sg, flags: SendFlags::SIGNALED }]) {
+        self.inner.posting.fetch_add(1, Ordering::AcqRel);
+        let posted = self.inner.qp.post_send(&[SendWr { wr_id: id, op, sg_list: sg, flags: SendFlags::SIGNALED }]);
+        self.inner.posting.fetch_sub(1, Ordering::AcqRel);
+        if let Err(e) = posted {
             self.inner.lock().pending.remove(&id);
             return Err(e.into());
         }
@@ -488,6 +497,12 @@ async fn drive(inner: Arc<Inner>) {
     };
     let mut wcs = [WorkCompletion::empty(); 64];
     loop {
+        if inner.posting.load(Ordering::Acquire) > 0 {
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_micros(100)) => continue,
+                _ = inner.shutdown.notified() => return,
+            }
+        }
         // Arm, then poll: a completion after the poll makes the fd readable.
         if let Err(e) = inner.cq.req_notify() {
             return inner.break_with(e.into());
