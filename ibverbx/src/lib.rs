@@ -45,7 +45,12 @@
 //!   compare-and-swap; signaled/unsignaled, inline, scatter/gather.
 //! - Verbs' completion statuses, QP state machine and error flushing.
 //! - Completion channels as file descriptors for async runtimes.
-//! - `RMACOMM_PROVIDER=auto|verbs|soft` picks the provider ([`devices`]).
+//! - `RMACOMM_PROVIDER=auto|verbs|soft` picks the provider ([`devices`]);
+//!   the verbs provider ([`verbs`]) loads libibverbs at run time, so a machine
+//!   without RDMA simply lists no hardware device.
+//! - [`VirtualQp`] / [`VirtualCq`]: one message striped over several QPs
+//!   (DQPLB or spray), one completion, the user's immediate delivered; the
+//!   state machines behind them are public in [`vqp_proto`].
 //!
 //! # Thread safety
 //! Every handle is `Send + Sync`. Posting to one QP from several threads is
@@ -62,7 +67,7 @@
 //! # Organization
 //! One type per module: `device`, `context`, `pd`, `mr`, `cq`, `qp`,
 //! `qp_attr`, `wr`, `wc`, `endpoint`, `shm`; the seam in `provider`; the
-//! soft provider in [`soft`].
+//! providers in [`soft`] and [`verbs`]; virtual QPs in `vqp`.
 
 #![warn(missing_docs)]
 
