@@ -2,8 +2,8 @@
 //!
 //! A connection carries one requester QP's traffic to one responder QP.
 //! It opens with a [`Hello`] (magic, version, the target QP's token) and a
-//! [`HelloReply`]; then requests flow one way and responses the other, each
-//! a fixed 48-byte [`Header`] optionally followed by a payload whose length
+//! [`HelloStatus`] reply; then requests flow one way and responses the other, each
+//! a fixed 48-byte header optionally followed by a payload whose length
 //! the header states. Every field is checked here before anything acts on it.
 //!
 //! Header layout (little-endian): `kind u8 | flags u8 | reserved u16 | psn u32

@@ -1,6 +1,6 @@
 //! The verbs provider: rdma-core's libibverbs, opened at run time.
 //!
-//! Nothing links against libibverbs: [`loader`] `dlopen`s `libibverbs.so.1`
+//! Nothing links against libibverbs: the `loader` module `dlopen`s `libibverbs.so.1`
 //! and resolves versioned symbols the first time the provider is asked for,
 //! so one binary runs on machines with and without RDMA. Every way of not
 //! having RDMA — no library, an old library, a kernel without RDMA
