@@ -36,6 +36,9 @@ fi
 cargo nextest run --workspace --release --no-fail-fast
 cargo test --workspace --release --doc
 
+# The API docs build without broken links.
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --quiet
+
 # The criterion benches always build (they run with `cargo bench`).
 cargo bench --workspace --no-run
 
