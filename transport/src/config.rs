@@ -28,6 +28,10 @@ pub struct TransportConfig {
     pub recv_depth: u32,
     /// Default timeout of every call; `None` waits forever.
     pub timeout: Option<Duration>,
+    /// Before a pending call sleeps, it polls for its completion for up to
+    /// this long (burning the calling worker thread meanwhile): lower latency
+    /// for small operations. Zero (the default) never spins.
+    pub busy_poll: Duration,
     /// Soft-provider settings (link, addresses, ...) when the soft provider
     /// is used; `None` takes them from the environment (`RMACOMM_SOFT_*`).
     /// Transports with different settings use different soft contexts.
@@ -51,6 +55,7 @@ impl Default for TransportConfig {
             cq_depth: 8192,
             recv_depth: 512,
             timeout,
+            busy_poll: Duration::ZERO,
             soft: None,
         }
     }

@@ -251,11 +251,24 @@ impl RdmaTransport {
                 Ok(rx)
             }
         };
+        let inner = self.inner.clone();
         async move {
             let mut rx = match early {
                 Ok(rx) => rx,
                 Err(r) => return r,
             };
+            // Reap pending notifications here first (see `finish`).
+            let spin_until = std::time::Instant::now() + inner.config.busy_poll;
+            loop {
+                inner.progress();
+                if let Ok(r) = rx.try_recv() {
+                    return r;
+                }
+                if std::time::Instant::now() >= spin_until {
+                    break;
+                }
+                std::hint::spin_loop();
+            }
             let res = match timeout {
                 None => (&mut rx).await,
                 Some(t) => match tokio::time::timeout(t, &mut rx).await {
@@ -387,9 +400,18 @@ impl Inner {
         op: &'static str,
         timeout: Option<Duration>,
     ) -> Result<(), TransportError> {
-        self.progress();
-        if let Ok(r) = rx.try_recv() {
-            return r;
+        // Reap here first (and, with busy_poll, keep reaping for a while):
+        // no wake-up of the driver task is needed for what is found.
+        let spin_until = std::time::Instant::now() + self.config.busy_poll;
+        loop {
+            self.progress();
+            if let Ok(r) = rx.try_recv() {
+                return r;
+            }
+            if std::time::Instant::now() >= spin_until {
+                break;
+            }
+            std::hint::spin_loop();
         }
         let r = match timeout {
             None => rx.await,

@@ -18,6 +18,7 @@ t!(write_notify_read_every_size_1qp, common::write_notify_read_every_size(1, ibv
 t!(write_notify_read_every_size_4qp_spray, common::write_notify_read_every_size(4, ibverbx::LoadBalancing::Spray));
 t!(write_notify_read_every_size_4qp_dqplb, common::write_notify_read_every_size(4, ibverbx::LoadBalancing::Dqplb));
 t!(partial_views, common::partial_views_touch_only_their_slice());
+t!(busy_poll, common::busy_poll_ping_pong());
 t!(bounds, common::bounds_are_checked_before_anything_moves());
 t!(thousand_concurrent, common::thousand_concurrent_writes_then_thousand_waits());
 t!(banked, common::notifications_are_banked());

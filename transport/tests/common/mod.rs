@@ -74,6 +74,23 @@ pub async fn write_notify_read_every_size(qps: u32, lb: ibverbx::LoadBalancing) 
     }
 }
 
+/// Busy-polling calls behave as sleeping ones, only sooner.
+pub async fn busy_poll_ping_pong() {
+    let cfg = TransportConfig { busy_poll: Duration::from_micros(200), ..config() };
+    let (a, b) = pair_with(cfg.clone(), cfg).await;
+    let (ma, mb) = (RdmaMemory::alloc(4096).unwrap(), RdmaMemory::alloc(4096).unwrap());
+    for i in 0..200u64 {
+        ma.write_from(0, &i.to_le_bytes()).unwrap();
+        a.write(ma.view(0, 8).unwrap(), &mb.remote_buffer(), true).await.unwrap();
+        b.wait_for_write().await.unwrap();
+        assert_eq!(contents(&mb, 0, 8), i.to_le_bytes());
+        b.write(mb.view(0, 8).unwrap(), &ma.remote_buffer(), true).await.unwrap();
+        a.wait_for_write().await.unwrap();
+    }
+    let e = a.wait_for_write_with_timeout(Some(Duration::from_millis(10))).await.unwrap_err();
+    assert!(matches!(e, TransportError::Timeout { .. }));
+}
+
 pub async fn partial_views_touch_only_their_slice() {
     let (a, b) = pair().await;
     let src = RdmaMemory::alloc(8192).unwrap();
