@@ -101,6 +101,14 @@ fn post_recvs(s: &Side, n: usize) {
     }
 }
 
+/// One 8-byte WRITE_WITH_IMM of the latency ping-pong; every 256th is
+/// signaled, so that the send queue drains.
+fn ping(s: &Side, peer: &Hello, src: &[ibverbx::Sge], n: u64) {
+    let op = SendOp::RdmaWriteWithImm { remote_addr: peer.addr, rkey: peer.rkey, imm: 0 };
+    let flags = SendFlags { signaled: n.is_multiple_of(256), ..SendFlags::UNSIGNALED };
+    s.qp.post_send(&[SendWr { wr_id: n, op, sg_list: src, flags }]).unwrap();
+}
+
 /// The target process: answers RDMA passively, echoes ping-pongs, sinks the
 /// raw TCP stream and answers raw ping-pongs.
 fn serve(link: SoftLink, len: usize) {
@@ -171,15 +179,7 @@ fn serve(link: SoftLink, len: usize) {
         for _ in 0..n {
             s.qp.post_recv(&[RecvWr { wr_id: 0, sg_list: &[] }]).unwrap();
             sent += 1;
-            let op = SendOp::RdmaWriteWithImm { remote_addr: peer.addr, rkey: peer.rkey, imm: 1 };
-            let signaled = sent.is_multiple_of(256);
-            s.qp.post_send(&[SendWr {
-                wr_id: sent,
-                op,
-                sg_list: &src,
-                flags: SendFlags { signaled, ..SendFlags::UNSIGNALED },
-            }])
-            .unwrap();
+            ping(&s, &peer, &src, sent);
         }
         let mut scq = [WorkCompletion::empty(); 16];
         let _ = s.scq.poll(&mut scq);
@@ -310,15 +310,7 @@ fn run_link(link: SoftLink, sizes: &[usize], rows: &mut Vec<Row>, quick: bool, s
     for i in 0..iters + iters / 10 {
         let t = Instant::now();
         sent += 1;
-        let op = SendOp::RdmaWriteWithImm { remote_addr: peer.addr, rkey: peer.rkey, imm: 0 };
-        let signaled = sent.is_multiple_of(256);
-        s.qp.post_send(&[SendWr {
-            wr_id: sent,
-            op,
-            sg_list: &src,
-            flags: SendFlags { signaled, ..SendFlags::UNSIGNALED },
-        }])
-        .unwrap();
+        ping(&s, &peer, &src, sent);
         wait(&s.rcq, &mut wc, lat_spin);
         s.qp.post_recv(&[RecvWr { wr_id: 0, sg_list: &[] }]).unwrap();
         if i >= iters / 10 {

@@ -125,13 +125,12 @@ fn raw(via: Via, len: usize) -> Raw {
     Raw { cq, qp, mem }
 }
 
-/// The peer: registers both buffers, connects, keeps its virtual CQ
-/// progressing until stdin closes.
-async fn serve(link: Via) {
-    let max = *SIZES.iter().max().unwrap();
+/// One side's transport, raw virtual QP and buffers, and the hello that
+/// describes them to the other side.
+fn side(link: Via, len: usize) -> (RdmaTransport, RdmaMemory, Raw, Hello) {
     let t = transport(link);
-    let mem = RdmaMemory::alloc_for(&t, max).unwrap();
-    let r = raw(link, max);
+    let mem = RdmaMemory::alloc_for(&t, len).unwrap();
+    let r = raw(link, len);
     let me = Hello {
         url: t.bind().unwrap(),
         rb: mem.remote_buffer(),
@@ -139,6 +138,14 @@ async fn serve(link: Via) {
         raw_addr: r.mem.addr(),
         raw_rkey: r.mem.rkey(),
     };
+    (t, mem, r, me)
+}
+
+/// The peer: registers both buffers, connects, keeps its virtual CQ
+/// progressing until stdin closes.
+async fn serve(link: Via) {
+    let max = *SIZES.iter().max().unwrap();
+    let (t, mem, r, me) = side(link, max);
     println!("{}", serde_json::to_string(&me).unwrap());
     std::io::stdout().flush().unwrap();
     let mut line = String::new();
@@ -201,16 +208,7 @@ async fn run_link(link: Via, quick: bool) -> Vec<Row> {
         .expect("spawn the peer process");
     let mut cin = child.stdin.take().unwrap();
     let mut cout = BufReader::new(child.stdout.take().unwrap());
-    let t = transport(link);
-    let mem = RdmaMemory::alloc_for(&t, max).unwrap();
-    let r = raw(link, max);
-    let me = Hello {
-        url: t.bind().unwrap(),
-        rb: mem.remote_buffer(),
-        vqp: r.qp.endpoint().unwrap(),
-        raw_addr: r.mem.addr(),
-        raw_rkey: r.mem.rkey(),
-    };
+    let (t, mem, r, me) = side(link, max);
     writeln!(cin, "{}", serde_json::to_string(&me).unwrap()).unwrap();
     cin.flush().unwrap();
     let mut line = String::new();
