@@ -1,0 +1,198 @@
+#!/usr/bin/env bash
+# rdma_bench beside the peers installed on this host, in one run, as ratios
+# (rmacomm / peer; for latency peer / rmacomm, so > 1 always means rmacomm
+# is better):
+#   single-thread memcpy, iperf3 on loopback, UCX ucx_perftest (ucp_put_bw /
+#   ucp_put_lat over shared memory with UCX_TLS=posix,cma; uct put_bw over
+#   tcp), Open MPI MPI_Put + MPI_Win_flush (benches/peers/mpi_put.c; osc sm
+#   and osc ucx over tcp), perftest ib_write_bw / ib_write_lat when an HCA
+#   exists.
+# Usage: benches/compare.sh [--quick] [--json FILE]
+# As root it installs the missing peers from Debian's packages; otherwise it
+# skips each missing peer and names it.
+set -u
+cd "$(dirname "$0")/.."
+root=$(pwd)
+quick=0
+json_out=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --quick) quick=1 ;;
+    --json) json_out=$2; shift ;;
+    *) echo "usage: $0 [--quick] [--json FILE]" >&2; exit 2 ;;
+  esac
+  shift
+done
+work=$(mktemp -d "${TMPDIR:-/tmp}/rmacomm-compare.XXXXXX")
+trap 'rm -rf "$work"' EXIT
+res="$work/results.jsonl"
+: >"$res"
+log() { echo "# $*" >&2; }
+
+# --- peers ---------------------------------------------------------------
+need=()
+command -v cc >/dev/null || need+=(gcc)
+command -v iperf3 >/dev/null || need+=(iperf3)
+command -v ucx_perftest >/dev/null || need+=(ucx-utils)
+command -v mpicc >/dev/null || need+=(openmpi-bin libopenmpi-dev)
+command -v ib_write_bw >/dev/null || need+=(perftest)
+if [ ${#need[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    log "installing ${need[*]}"
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}") \
+      >"$work/apt.log" 2>&1 || log "apt-get failed (see below); running without what it could not install"
+  else
+    log "not root: skipping the missing peers: ${need[*]}"
+  fi
+fi
+
+# --- rmacomm -------------------------------------------------------------
+export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$root/target}
+cargo build --release -q -p rmacomm-bench --bin rdma_bench || exit 1
+rb="$CARGO_TARGET_DIR/release/rdma_bench"
+bw_sizes="65536 1048576 16777216 268435456"
+[ $quick = 1 ] && bw_sizes="65536 1048576 16777216"
+lat_n=$([ $quick = 1 ] && echo 2000 || echo 20000)
+max=$(echo $bw_sizes | tr ' ' '\n' | tail -1)
+for link in shm tcp; do
+  for op in write verbs_write; do
+    log "rdma_bench $op over $link"
+    "$rb" $op -a --min 64K --max "$max" --link $link --json >>"$res" || { log "rdma_bench $op failed"; exit 1; }
+  done
+  "$rb" write_lat -s 8 -n "$lat_n" --link $link --json >>"$res" || exit 1
+  "$rb" verbs_write_lat -s 8 -n "$lat_n" --link $link --json >>"$res" || exit 1
+done
+hca=0
+if "$rb" write --provider verbs -s 8 -n 2 >/dev/null 2>&1; then hca=1; fi
+
+port() { python3 -c 'import socket;s=socket.socket();s.bind(("127.0.0.1",0));print(s.getsockname()[1])'; }
+
+if command -v cc >/dev/null; then
+  log "memcpy"
+  cc -O2 -o "$work/memcpy_bw" benches/peers/memcpy_bw.c && "$work/memcpy_bw" $bw_sizes >>"$res"
+else log "skipped memcpy: no C compiler"; fi
+
+if command -v iperf3 >/dev/null; then
+  log "iperf3"
+  p=$(port)
+  iperf3 -s -1 -p "$p" >/dev/null 2>&1 & spid=$!
+  sleep 0.5
+  timeout 30 iperf3 -c 127.0.0.1 -p "$p" -l 1M -t $([ $quick = 1 ] && echo 2 || echo 5) -J 2>/dev/null >"$work/iperf.json"
+  kill "$spid" 2>/dev/null; wait "$spid" 2>/dev/null
+  python3 - "$work/iperf.json" >>"$res" <<'PY'
+import json, sys
+try:
+    d = json.load(open(sys.argv[1]))
+    bps = d["end"]["sum_received"]["bits_per_second"]
+    print(json.dumps({"peer": "iperf3", "test": "bw", "link": "tcp", "bytes": 1048576, "GBps": bps / 8 / 1e9}))
+except Exception as e:
+    print("# iperf3 output unreadable: %s" % e, file=sys.stderr)
+PY
+else log "skipped iperf3: not installed"; fi
+
+ucx() { # peer-label link env test size iters [args]
+  local label=$1 link=$2 envv=$3 test=$4 size=$5 iters=$6 p spid
+  shift 6
+  p=$(port)
+  env $envv ucx_perftest -p "$p" >"$work/ucx_srv.log" 2>&1 & spid=$!
+  sleep 0.7
+  env $envv timeout 120 ucx_perftest 127.0.0.1 -p "$p" -t "$test" -s "$size" -n "$iters" -w $((iters / 10 + 1)) "$@" \
+    >"$work/ucx_cli.log" 2>&1
+  kill "$spid" 2>/dev/null; wait "$spid" 2>/dev/null
+  # Final: iters typical_lat avg_lat overall_lat bw_avg(MB/s=2^20) bw_overall msgrate...
+  awk -v l="$label" -v t="$test" -v s="$size" -v k="$link" '/Final:/ {
+      printf "{\"peer\":\"%s\",\"test\":\"%s\",\"link\":\"%s\",\"bytes\":%s,\"lat_us\":%s,\"GBps\":%.4f}\n", l, t, k, s, $3, $6*1048576/1e9 }' \
+    "$work/ucx_cli.log"
+}
+if command -v ucx_perftest >/dev/null; then
+  log "UCX"
+  ucx "ucx ucp_put_lat (posix,cma)" shm "UCX_TLS=posix,cma" ucp_put_lat 8 "$lat_n" >>"$res"
+  for s in $bw_sizes; do
+    ucx "ucx ucp_put_bw (posix,cma)" shm "UCX_TLS=posix,cma" ucp_put_bw "$s" $(( 2000000000 / s / 2 + 10 )) >>"$res"
+  done
+  for s in 65536 1048576 16777216; do
+    ucx "ucx uct put_bw (tcp, zcopy)" tcp "" put_bw "$s" $(( 500000000 / s + 10 )) -x tcp -d lo -D zcopy >>"$res"
+  done
+else log "skipped UCX: ucx_perftest not installed"; fi
+
+if command -v mpicc >/dev/null && command -v mpirun >/dev/null; then
+  log "Open MPI"
+  if mpicc -O2 -o "$work/mpi_put" benches/peers/mpi_put.c 2>"$work/mpicc.log"; then
+    run="mpirun --allow-run-as-root --oversubscribe -np 2"
+    timeout 300 $run --mca osc sm "$work/mpi_put" "mpi put+flush (osc sm)" 8 $bw_sizes 2>>"$work/mpi.err" \
+      | sed 's/"test"/"link":"shm","test"/' >>"$res"
+    timeout 300 $run --mca osc ucx --mca pml ucx --mca opal_common_ucx_tls any --mca opal_common_ucx_devices any \
+      -x UCX_TLS=tcp "$work/mpi_put" "mpi put+flush (osc ucx, tcp)" \
+      8 65536 1048576 16777216 2>>"$work/mpi.err" | sed 's/"test"/"link":"tcp","test"/' >>"$res"
+  else log "skipped Open MPI: mpicc failed"; cat "$work/mpicc.log" >&2; fi
+else log "skipped Open MPI: mpicc/mpirun not installed"; fi
+
+if [ $hca = 1 ] && command -v ib_write_bw >/dev/null; then
+  log "perftest (HCA)"
+  "$rb" write --provider verbs -a --min 64K --max "$max" --json | sed 's/"link":"hca"/"link":"hca"/' >>"$res"
+  "$rb" write_lat --provider verbs -s 8 --json >>"$res"
+  for t in bw lat; do
+    p=$(port)
+    ib_write_$t -p "$p" >/dev/null 2>&1 & spid=$!
+    sleep 0.7
+    if [ $t = bw ]; then
+      timeout 120 ib_write_bw -p "$p" -a 127.0.0.1 2>/dev/null | awk '$1 ~ /^[0-9]+$/ && NF >= 5 {
+        printf "{\"peer\":\"perftest ib_write_bw\",\"test\":\"bw\",\"link\":\"hca\",\"bytes\":%s,\"GBps\":%.4f}\n", $1, $4*1048576/1e9 }' >>"$res"
+    else
+      timeout 120 ib_write_lat -p "$p" -s 8 127.0.0.1 2>/dev/null | awk '$1 == "8" && NF >= 6 {
+        printf "{\"peer\":\"perftest ib_write_lat\",\"test\":\"lat\",\"link\":\"hca\",\"bytes\":8,\"lat_us\":%s}\n", $5 }' >>"$res"
+    fi
+    kill "$spid" 2>/dev/null; wait "$spid" 2>/dev/null
+  done
+else
+  log "skipped perftest ib_write_bw/ib_write_lat: no RDMA device here"
+fi
+
+[ -n "$json_out" ] && cp "$res" "$json_out"
+
+# --- one table of ratios ---------------------------------------------------
+python3 - "$res" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
+ours = [r for r in rows if "op" in r]
+peers = [r for r in rows if "peer" in r]
+GB = 1048576 / 1e9  # rdma_bench MB/s (2^20) -> GB/s (10^9)
+
+def mine(op, link, size, key):
+    for r in ours:
+        if r["op"] == op and r["link"] == link and r["bytes"] == size and r.get(key) is not None:
+            return r[key]
+    return None
+
+def size_name(n):
+    for u, s in ((1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")):
+        if n >= u:
+            return "%d %s" % (n // u, s)
+    return "%d B" % n
+
+out = []
+for p in peers:
+    link, size = p.get("link"), p["bytes"]
+    if p.get("GBps") and p.get("test") != "lat" and size >= 65536:
+        for op in ("write", "verbs_write"):
+            v = mine(op, link, size, "bw_avg_MBps")
+            if v is None and link == "tcp" and p["peer"] == "iperf3":
+                v = mine(op, "tcp", size, "bw_avg_MBps")
+            if v is not None:
+                out.append((size, "bw GB/s", link, op, v * GB, p["peer"], p["GBps"], v * GB / p["GBps"]))
+    if p.get("lat_us") and size == 8:
+        for op in ("write_lat", "verbs_write_lat"):
+            v = mine(op, link, 8, "t_typical_us")
+            if v is not None:
+                out.append((8, "lat us", link, op, v, p["peer"], p["lat_us"], p["lat_us"] / v))
+out.sort(key=lambda r: (r[1], r[0], r[2], r[3], r[5]))
+hdr = ("size", "figure", "link", "rmacomm op", "rmacomm", "peer", "peer fig.", "ratio")
+print("| " + " | ".join(hdr) + " |")
+print("|" + "---|" * len(hdr))
+for s, fig, link, op, v, peer, pv, ratio in out:
+    print("| %s | %s | %s | %s | %.3g | %s | %.3g | %.3g |" % (size_name(s), fig, link, op, v, peer, pv, ratio))
+print()
+print("ratio = rmacomm / peer for bandwidth, peer / rmacomm for latency (> 1: rmacomm is better).")
+print("rmacomm latency: median half round trip of a notifying write ping-pong; MPI put+flush latency: one")
+print("put completed by a flush (a full round trip); UCX put_lat: half round trip.")
+PY

@@ -1,0 +1,219 @@
+//! The bootstrap connection between client and server: one TCP stream of
+//! JSON lines that carries the session settings, each side's endpoint
+//! (transport URL or virtual-QP endpoint) and buffer, the server's part of
+//! bidirectional and ping-pong tests, and the end-of-run checksums.
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::TcpStream;
+
+use ibverbx::VirtualQpEndpoint;
+use rmacomm_transport::RdmaRemoteBuffer;
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+
+use crate::error::{BenchError, Result};
+use crate::host::HostInfo;
+use crate::plan::Plan;
+
+/// Bumped when the messages change; both ends must agree.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// Client → server: what to set up.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Hello {
+    /// [`PROTOCOL_VERSION`] of the client.
+    pub version: u32,
+    /// Operation name.
+    pub op: String,
+    /// Largest message of the run (each side registers twice this).
+    pub max_bytes: u64,
+    /// Physical QPs.
+    pub qps: u32,
+    /// `dqplb` or `spray`.
+    pub lb: String,
+    /// Fragment size.
+    pub frag_size: u64,
+    /// `auto`, `verbs` or `soft`.
+    pub provider: String,
+    /// `auto`, `shm` or `tcp`.
+    pub link: String,
+    /// Operations in flight in bandwidth tests.
+    pub tx_depth: u32,
+    /// Busy-poll setting of the client (`None`: the test's default).
+    pub busy_poll_us: Option<u64>,
+}
+
+/// Either side → the other: how to reach it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SideInfo {
+    /// Provider actually used (`soft`, `verbs`).
+    pub provider: String,
+    /// Device actually used.
+    pub device: String,
+    /// Where the process runs.
+    pub host: HostInfo,
+    /// Transport URL (transport operations).
+    pub url: Option<String>,
+    /// Virtual QP endpoint (raw operations).
+    pub vqp: Option<VirtualQpEndpoint>,
+    /// The registered buffer: source half, then destination half.
+    pub buf: RdmaRemoteBuffer,
+}
+
+/// The halves of each side's buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Region {
+    /// `[0, max)`: what this side sends, filled with its pattern.
+    Src,
+    /// `[max, 2 max)`: where the peer's data lands.
+    Dst,
+}
+
+/// Client → server requests after the connection is up.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(tag = "req", rename_all = "snake_case")]
+pub enum Request {
+    /// Run the same bandwidth test towards the client (bidirectional).
+    Bandwidth {
+        /// Message size.
+        size: u64,
+        /// Iterations.
+        plan: Plan,
+    },
+    /// Answer `count` notifying writes of `size` bytes, one each.
+    Echo {
+        /// Message size.
+        size: u64,
+        /// Pings to answer.
+        count: u64,
+    },
+    /// Checksum of the first `len` bytes of a region.
+    Checksum {
+        /// Which half.
+        region: Region,
+        /// Bytes from its start.
+        len: u64,
+    },
+    /// The run is over.
+    Bye,
+}
+
+/// Server → client answers.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(tag = "reply", rename_all = "snake_case")]
+pub enum Reply {
+    /// The server's direction of a bidirectional test.
+    Bandwidth {
+        /// Iterations done.
+        iterations: u64,
+        /// Average bytes/s.
+        avg_bps: f64,
+        /// Peak bytes/s.
+        peak_bps: f64,
+        /// Million messages/s.
+        msg_rate_mpps: f64,
+    },
+    /// Every ping was answered.
+    EchoDone,
+    /// A checksum.
+    Checksum {
+        /// The value.
+        value: u64,
+    },
+    /// The server failed; it exits after sending this.
+    Error {
+        /// Why.
+        message: String,
+    },
+}
+
+/// One JSON-lines connection.
+#[derive(Debug)]
+pub struct Control {
+    reader: BufReader<TcpStream>,
+    writer: TcpStream,
+}
+
+impl Control {
+    /// Wraps a connected stream.
+    pub fn new(s: TcpStream) -> Result<Control> {
+        s.set_nodelay(true)?;
+        Ok(Control { reader: BufReader::new(s.try_clone()?), writer: s })
+    }
+
+    /// Sends one message.
+    pub fn send<T: Serialize>(&mut self, msg: &T) -> Result<()> {
+        let mut line = serde_json::to_vec(msg).map_err(BenchError::run)?;
+        line.push(b'\n');
+        self.writer.write_all(&line)?;
+        Ok(())
+    }
+
+    /// Receives one message; end of stream is an error naming `what`.
+    pub fn recv<T: DeserializeOwned>(&mut self, what: &str) -> Result<T> {
+        let mut line = String::new();
+        if self.reader.read_line(&mut line)? == 0 {
+            return Err(BenchError::Run(format!("the peer closed the bootstrap connection while {what} was expected")));
+        }
+        serde_json::from_str(&line).map_err(|e| BenchError::Run(format!("bad bootstrap message ({what}): {e}: {line}")))
+    }
+
+    /// Receives a reply; a server error becomes this side's error.
+    pub fn reply(&mut self, what: &str) -> Result<Reply> {
+        match self.recv::<Reply>(what)? {
+            Reply::Error { message } => Err(BenchError::Run(format!("server: {message}"))),
+            r => Ok(r),
+        }
+    }
+}
+
+/// `HOST[:PORT]` (IPv6 in brackets) with `default_port`.
+pub fn parse_peer(s: &str, default_port: u16) -> std::result::Result<(String, u16), String> {
+    let s = s.trim();
+    if let Some(rest) = s.strip_prefix('[') {
+        let (host, tail) = rest.split_once(']').ok_or_else(|| format!("{s:?}: missing ']'"))?;
+        let port = match tail.strip_prefix(':') {
+            Some(p) => p.parse().map_err(|_| format!("{s:?}: bad port"))?,
+            None if tail.is_empty() => default_port,
+            None => return Err(format!("{s:?}: expected [HOST]:PORT")),
+        };
+        return Ok((host.to_owned(), port));
+    }
+    match s.rsplit_once(':') {
+        Some((h, p)) if !h.contains(':') => {
+            Ok((h.to_owned(), p.parse().map_err(|_| format!("{s:?}: bad port {p:?}"))?))
+        }
+        _ if s.is_empty() => Err("empty host".into()),
+        _ => Ok((s.to_owned(), default_port)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::Measure;
+
+    #[test]
+    fn peers() {
+        assert_eq!(parse_peer("10.0.0.1", 18515), Ok(("10.0.0.1".into(), 18515)));
+        assert_eq!(parse_peer("host:99", 1), Ok(("host".into(), 99)));
+        assert_eq!(parse_peer("[::1]:7", 1), Ok(("::1".into(), 7)));
+        assert_eq!(parse_peer("[::1]", 5), Ok(("::1".into(), 5)));
+        assert_eq!(parse_peer("::1", 5), Ok(("::1".into(), 5)));
+        assert!(parse_peer("host:x", 1).is_err());
+        assert!(parse_peer("", 1).is_err());
+    }
+
+    #[test]
+    fn messages_round_trip() {
+        let r = Request::Bandwidth { size: 8, plan: Plan { warmup: 1, measure: Measure::Count(3) } };
+        let j = serde_json::to_string(&r).unwrap();
+        assert!(j.contains("\"req\":\"bandwidth\""), "{j}");
+        assert!(matches!(serde_json::from_str::<Request>(&j).unwrap(), Request::Bandwidth { size: 8, .. }));
+        let j = serde_json::to_string(&Request::Checksum { region: Region::Dst, len: 4 }).unwrap();
+        assert!(j.contains("\"region\":\"dst\""), "{j}");
+        let j = serde_json::to_string(&Reply::Checksum { value: 9 }).unwrap();
+        assert!(matches!(serde_json::from_str::<Reply>(&j).unwrap(), Reply::Checksum { value: 9 }));
+    }
+}

@@ -1,0 +1,186 @@
+//! The command line: `rdma_bench OP [options]`, options named and meaning
+//! what they mean in perftest.
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+use crate::size::size_arg;
+
+/// perftest-style bandwidth and latency of rmacomm's layers.
+#[derive(Debug, Parser)]
+#[command(name = "rdma_bench", version, about, long_about = None)]
+pub struct Cli {
+    /// What to measure.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The commands: one per measured operation, and helpers.
+///
+/// Operations through the transport layer (`RdmaTransport`) and on the raw
+/// virtual QP (`ibverbx::VirtualQp`, no transport layer) sit side by side;
+/// window (`put`, `put_signal_lat`, `get`) and collective (`allreduce`,
+/// `allgather`, `alltoall`) operations join this enum when those layers
+/// exist.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// RDMA WRITE bandwidth through RdmaTransport.
+    #[command(name = "write")]
+    Write(BenchArgs),
+    /// RDMA READ bandwidth through RdmaTransport.
+    #[command(name = "read")]
+    Read(BenchArgs),
+    /// RDMA WRITE latency through RdmaTransport: notifying-write ping-pong,
+    /// half the round trip.
+    #[command(name = "write_lat")]
+    WriteLat(BenchArgs),
+    /// RDMA READ latency through RdmaTransport: one read, call to
+    /// completion (a read is a round trip; not halved, as in perftest).
+    #[command(name = "read_lat")]
+    ReadLat(BenchArgs),
+    /// RDMA WRITE bandwidth on the raw VirtualQp.
+    #[command(name = "verbs_write")]
+    VerbsWrite(BenchArgs),
+    /// RDMA WRITE_WITH_IMM ping-pong latency on the raw VirtualQp, half the
+    /// round trip.
+    #[command(name = "verbs_write_lat")]
+    VerbsWriteLat(BenchArgs),
+    /// RDMA READ bandwidth on the raw VirtualQp.
+    #[command(name = "verbs_read")]
+    VerbsRead(BenchArgs),
+    /// Draws JSON-lines results (from `--json` or `--out-json`) of one or
+    /// more runs into one SVG.
+    #[command(name = "plot")]
+    Plot(PlotArgs),
+}
+
+/// `rdma_bench plot`.
+#[derive(Debug, Args)]
+pub struct PlotArgs {
+    /// The SVG to write.
+    #[arg(short, long)]
+    pub out: PathBuf,
+    /// JSON-lines files written by `--json`/`--out-json`.
+    #[arg(required = true)]
+    pub inputs: Vec<PathBuf>,
+}
+
+/// Which provider: hardware verbs, the soft provider, or hardware when an
+/// HCA exists.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ProviderArg {
+    /// An HCA when one exists, else the soft provider.
+    Auto,
+    /// An HCA (rdma-core); an error without one.
+    Verbs,
+    /// The soft provider (shared memory / TCP).
+    Soft,
+}
+
+/// The soft provider's link.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LinkArg {
+    /// Shared memory on the same host, TCP otherwise.
+    Auto,
+    /// Shared memory only.
+    Shm,
+    /// TCP, also on the same host.
+    Tcp,
+}
+
+/// Load balancing over several QPs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LbArg {
+    /// Sequence-numbered WRITE_WITH_IMM fragments.
+    Dqplb,
+    /// Plain WRITE fragments and a notify after them.
+    Spray,
+}
+
+/// Options of every measured operation.
+#[derive(Debug, Clone, Args)]
+pub struct BenchArgs {
+    /// Both ends on this host, in two processes (the default when no peer
+    /// is given): this process spawns `rdma_bench` itself as the server.
+    #[arg(long, conflicts_with_all = ["server", "client"])]
+    pub local: bool,
+    /// Be the server of a two-host run: print the port, serve one client,
+    /// exit. Sizes, QPs and the rest come from the client.
+    #[arg(long, conflicts_with = "client")]
+    pub server: bool,
+    /// Be the client of a two-host run: the server's HOST[:PORT].
+    #[arg(long, value_name = "HOST[:PORT]")]
+    pub client: Option<String>,
+    /// Bootstrap TCP port (server: where to listen, 0 = any; client: the
+    /// default when HOST has none).
+    #[arg(short = 'p', long, default_value_t = 18515)]
+    pub port: u16,
+    /// Message size (K, M, G suffixes: powers of 1024). Default 64K for
+    /// bandwidth, 2 for latency, as perftest.
+    #[arg(short = 's', long, value_parser = size_arg)]
+    pub size: Option<u64>,
+    /// Sweep sizes: powers of two from --min to --max.
+    #[arg(short = 'a', long)]
+    pub all: bool,
+    /// Smallest size of a sweep.
+    #[arg(long, value_parser = size_arg, default_value = "2")]
+    pub min: u64,
+    /// Largest size of a sweep.
+    #[arg(long, value_parser = size_arg, default_value = "256M")]
+    pub max: u64,
+    /// Measured iterations per size (default: about 2 GiB moved per size
+    /// for bandwidth, between 8 and 5000 iterations; 8..1000 for latency).
+    #[arg(short = 'n', long)]
+    pub iters: Option<u64>,
+    /// Measure each size for this many seconds instead of a fixed count.
+    #[arg(short = 'D', long, conflicts_with = "iters")]
+    pub duration: Option<f64>,
+    /// Iterations before measuring (default: a tenth of the iterations,
+    /// 2..=500).
+    #[arg(long)]
+    pub warmup: Option<u64>,
+    /// Operations in flight (bandwidth tests).
+    #[arg(short = 't', long, default_value_t = 64)]
+    pub tx_depth: u32,
+    /// Physical QPs per connection.
+    #[arg(short = 'q', long, default_value_t = 1)]
+    pub qps: u32,
+    /// Load balancing over several QPs.
+    #[arg(long, value_enum, default_value_t = LbArg::Dqplb)]
+    pub lb: LbArg,
+    /// Fragment size: longer messages are cut into pieces of this size.
+    #[arg(long, value_parser = size_arg, default_value = "1M")]
+    pub frag_size: u64,
+    /// Provider.
+    #[arg(long, value_enum, default_value_t = ProviderArg::Auto)]
+    pub provider: ProviderArg,
+    /// Soft provider link.
+    #[arg(long, value_enum, default_value_t = LinkArg::Auto)]
+    pub link: LinkArg,
+    /// Device name (`mlx5_0`, `soft0`); default: the first the provider
+    /// lists.
+    #[arg(short = 'd', long)]
+    pub ib_dev: Option<String>,
+    /// Both directions at once (bandwidth tests): the figures add up.
+    #[arg(short = 'b', long)]
+    pub bidirectional: bool,
+    /// Bandwidth in Gb/sec (10^9 bits) instead of MB/sec.
+    #[arg(long)]
+    pub report_gbits: bool,
+    /// Busy-poll for completions for up to this many microseconds before
+    /// sleeping (default: latency tests spin, bandwidth tests spin only
+    /// where this thread copies the data itself).
+    #[arg(long, value_name = "USEC")]
+    pub busy_poll_us: Option<u64>,
+    /// One JSON object per size on stdout instead of the table (the header
+    /// goes to stderr).
+    #[arg(long)]
+    pub json: bool,
+    /// Also write the JSON lines to this file.
+    #[arg(long, value_name = "FILE")]
+    pub out_json: Option<PathBuf>,
+    /// Draw bandwidth/latency against size into this SVG.
+    #[arg(long, value_name = "FILE.svg")]
+    pub plot: Option<PathBuf>,
+}
