@@ -109,7 +109,7 @@ pub struct BenchArgs {
     /// exit. Sizes, QPs and the rest come from the client.
     #[arg(long, conflicts_with = "client")]
     pub server: bool,
-    /// Be the client of a two-host run: the server's HOST[:PORT].
+    /// Be the client of a two-host run: the server's `HOST[:PORT]`.
     #[arg(long, value_name = "HOST[:PORT]")]
     pub client: Option<String>,
     /// Bootstrap TCP port (server: where to listen, 0 = any; client: the
