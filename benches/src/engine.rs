@@ -8,6 +8,7 @@ use crate::bootstrap::{Region, SideInfo};
 use crate::checksum::{pattern_chunk, Checksum};
 use crate::error::Result;
 use crate::plan::Plan;
+use crate::stats::Timings;
 
 /// Direction of a bandwidth test.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -44,9 +45,9 @@ pub(crate) trait Engine {
     /// Connects to the peer (both sides call it at about the same time).
     fn connect(&mut self, peer: &SideInfo) -> Result<()>;
     /// Runs `plan` of `size`-byte operations in `dir` with the configured
-    /// depth; returns the measured completions' times in seconds since the
-    /// first measured post.
-    fn bandwidth(&mut self, dir: Dir, size: u64, plan: Plan) -> Result<Vec<f64>>;
+    /// depth; returns when each measured operation was posted and each
+    /// completion was seen.
+    fn bandwidth(&mut self, dir: Dir, size: u64, plan: Plan) -> Result<Timings>;
     /// `count` notifying-write ping-pongs; the round-trip times in µs.
     fn ping(&mut self, size: u64, count: u64) -> Result<Vec<f64>>;
     /// Answers `count` ping-pongs (server).

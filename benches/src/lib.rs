@@ -68,7 +68,8 @@ pub use report::{table_header, table_row, Kind, Record, RunInfo, RULE};
 pub use run::{run_op, Op};
 pub use size::{format_size, parse_size, size_arg, sweep_sizes};
 pub use stats::{
-    peak_window, percentile, summarize_bandwidth, summarize_latency, BandwidthSummary, LatencySummary, GBIT, MB,
+    percentile, summarize_bandwidth, summarize_latency, BandwidthSummary, LatencySummary, Timings, EXACT_PEAK_MAX,
+    GBIT, MB,
 };
 
 /// Runs `rdma_bench` with the given command line; returns the exit status.

@@ -140,7 +140,7 @@ pub fn write_svg(path: &Path, records: &[Record]) -> Result<(), String> {
 mod tests {
     use super::*;
     use crate::report::RunInfo;
-    use crate::stats::{summarize_bandwidth, summarize_latency};
+    use crate::stats::{summarize_bandwidth, summarize_latency, Timings};
 
     #[test]
     fn svg_has_both_panels_and_series() {
@@ -149,7 +149,12 @@ mod tests {
         let lat_info = RunInfo { op: "write_lat".into(), ..info.clone() };
         let mut recs = Vec::new();
         for (i, b) in [64u64, 4096, 1 << 20].into_iter().enumerate() {
-            recs.push(Record::bandwidth(&info, b, &summarize_bandwidth(b, &[0.001 * (i + 1) as f64], 1).unwrap()));
+            recs.push(Record::bandwidth(
+                &info,
+                b,
+                &summarize_bandwidth(b, &Timings { posted: vec![0.0], completed: vec![0.001 * (i + 1) as f64] })
+                    .unwrap(),
+            ));
             recs.push(Record::latency(&lat_info, b, &summarize_latency(&[1.0 + i as f64]).unwrap()));
         }
         let dir = std::env::temp_dir().join(format!("rdma_bench_plot_{}", std::process::id()));

@@ -200,7 +200,12 @@ pub fn table_row(r: &Record, gbits: bool) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::stats::{summarize_bandwidth, summarize_latency};
+    use crate::stats::{summarize_bandwidth, summarize_latency, Timings};
+
+    /// Two operations over 2 ms.
+    fn two_ms() -> Timings {
+        Timings { posted: vec![0.0, 0.001], completed: vec![0.001, 0.002] }
+    }
 
     fn info() -> RunInfo {
         RunInfo { op: "write".into(), provider: "soft".into(), link: "shm".into(), qps: 2, lb: "dqplb".into() }
@@ -208,7 +213,7 @@ mod tests {
 
     #[test]
     fn json_shape_bandwidth() {
-        let s = summarize_bandwidth(1 << 20, &[0.001, 0.002], 1).unwrap();
+        let s = summarize_bandwidth(1 << 20, &two_ms()).unwrap();
         let r = Record::bandwidth(&info(), 1 << 20, &s);
         let v: serde_json::Value = serde_json::from_str(&r.to_json()).unwrap();
         let obj = v.as_object().unwrap();
@@ -259,7 +264,7 @@ mod tests {
 
     #[test]
     fn tables_align() {
-        let s = summarize_bandwidth(65536, &[0.001, 0.002], 1).unwrap();
+        let s = summarize_bandwidth(65536, &two_ms()).unwrap();
         let r = Record::bandwidth(&info(), 65536, &s);
         for gbits in [false, true] {
             let h = table_header(Kind::Bandwidth, gbits);

@@ -227,7 +227,7 @@ fn serve_session(op: Op, a: &BenchArgs, ctl: &mut Control) -> Result<()> {
         match req {
             Request::Bandwidth { size, plan } => {
                 let times = e.bandwidth(op.dir(), size, plan)?;
-                let s = summarize_bandwidth(size, &times, hello.tx_depth as usize)
+                let s = summarize_bandwidth(size, &times)
                     .ok_or_else(|| BenchError::run("the server's direction measured nothing"))?;
                 ctl.send(&Reply::Bandwidth {
                     iterations: s.iterations,
@@ -481,7 +481,7 @@ fn client(op: Op, a: &BenchArgs) -> Result<()> {
                     ctl.send(&Request::Bandwidth { size, plan: p })?;
                 }
                 let times = e.bandwidth(op.dir(), size, p)?;
-                let mut s = summarize_bandwidth(size, &times, a.tx_depth as usize)
+                let mut s = summarize_bandwidth(size, &times)
                     .ok_or_else(|| BenchError::run(format!("{size} B: nothing was measured")))?;
                 if a.bidirectional {
                     match ctl.reply("the server's direction")? {

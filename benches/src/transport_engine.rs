@@ -13,6 +13,7 @@ use crate::engine::{Dir, Engine, EngineConfig, OP_TIMEOUT};
 use crate::error::{BenchError, Result};
 use crate::host::HostInfo;
 use crate::plan::{Measure, Plan};
+use crate::stats::Timings;
 
 type OpFuture<'a> = Pin<Box<dyn Future<Output = std::result::Result<(), TransportError>> + Send + 'a>>;
 
@@ -79,7 +80,7 @@ impl Engine for TransportEngine {
         Ok(())
     }
 
-    fn bandwidth(&mut self, dir: Dir, size: u64, plan: Plan) -> Result<Vec<f64>> {
+    fn bandwidth(&mut self, dir: Dir, size: u64, plan: Plan) -> Result<Timings> {
         let max = self.cfg.max;
         let remote = match dir {
             Dir::Write => self.remote(max, size)?,
@@ -106,7 +107,7 @@ impl Engine for TransportEngine {
                     f.await?;
                 }
                 let start = Instant::now();
-                let mut times = Vec::new();
+                let mut times = Timings::default();
                 let mut posted = 0u64;
                 let more = |posted: u64| match plan.measure {
                     Measure::Count(n) => posted < n,
@@ -115,14 +116,15 @@ impl Engine for TransportEngine {
                 while more(posted) {
                     if inflight.len() == depth {
                         inflight.pop_front().expect("in flight").await?;
-                        times.push(start.elapsed().as_secs_f64());
+                        times.completed.push(start.elapsed().as_secs_f64());
                     }
+                    times.posted.push(start.elapsed().as_secs_f64());
                     inflight.push_back(post()?);
                     posted += 1;
                 }
                 for f in inflight.drain(..) {
                     f.await?;
-                    times.push(start.elapsed().as_secs_f64());
+                    times.completed.push(start.elapsed().as_secs_f64());
                 }
                 Ok::<_, TransportError>(times)
             })

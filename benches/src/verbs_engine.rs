@@ -24,6 +24,7 @@ use crate::engine::{Dir, Engine, EngineConfig, OP_TIMEOUT};
 use crate::error::{BenchError, Result};
 use crate::host::HostInfo;
 use crate::plan::{Measure, Plan};
+use crate::stats::Timings;
 
 /// Receive WR ids carry this bit.
 const RECV: u64 = 1 << 63;
@@ -238,7 +239,7 @@ impl Engine for VerbsEngine {
         Ok(())
     }
 
-    fn bandwidth(&mut self, dir: Dir, size: u64, plan: Plan) -> Result<Vec<f64>> {
+    fn bandwidth(&mut self, dir: Dir, size: u64, plan: Plan) -> Result<Timings> {
         let depth = self.cfg.depth.max(1) as u64;
         let spin = self.spin_for(size);
         self.exclusive(|sh| {
@@ -255,7 +256,7 @@ impl Engine for VerbsEngine {
             };
             let sg = [sge];
             let mut wc = [WorkCompletion::empty(); 64];
-            let mut run = |measure: Measure, times: Option<&mut Vec<f64>>| -> Result<()> {
+            let mut run = |measure: Measure, times: Option<&mut Timings>| -> Result<()> {
                 let start = Instant::now();
                 let (mut posted, mut done) = (0u64, 0u64);
                 let mut times = times;
@@ -265,6 +266,9 @@ impl Engine for VerbsEngine {
                 };
                 loop {
                     while posted - done < depth && more(posted) {
+                        if let Some(t) = times.as_deref_mut() {
+                            t.posted.push(start.elapsed().as_secs_f64());
+                        }
                         sh.qp.post_send(&[SendWr { wr_id: posted, op, sg_list: &sg, flags: SendFlags::SIGNALED }])?;
                         posted += 1;
                     }
@@ -281,13 +285,13 @@ impl Engine for VerbsEngine {
                         }
                         done += 1;
                         if let Some(t) = times.as_deref_mut() {
-                            t.push(now);
+                            t.completed.push(now);
                         }
                     }
                 }
             };
             run(Measure::Count(plan.warmup), None)?;
-            let mut times = Vec::new();
+            let mut times = Timings::default();
             run(plan.measure, Some(&mut times))?;
             Ok(times)
         })
