@@ -44,3 +44,8 @@ cargo bench --workspace --no-run
 
 # The runnable examples verify what they move and exit non-zero otherwise.
 cargo run --release -q -p rmacomm-transport --example kv_transfer
+
+# The README's main command, as written there: a full rdma_bench sweep
+# (2 B … 256 MiB) between two processes; it exits non-zero if the data it
+# moved does not verify.
+cargo run --release -q -p rmacomm-bench --bin rdma_bench -- write -a --local
