@@ -59,4 +59,17 @@ pub struct SoftAddress {
     pub pd: u32,
     /// Connection token: a connection must present it to reach this QP.
     pub token: [u8; 16],
+    /// File descriptor (in `pid`) of the context's doorbell table; -1: none.
+    #[serde(default = "no_fd")]
+    pub doorbell_fd: i32,
+    /// Unique id of the doorbell table segment.
+    #[serde(default)]
+    pub doorbell_uid: u64,
+    /// This QP's slot in it (0: none).
+    #[serde(default)]
+    pub doorbell_slot: u32,
+}
+
+fn no_fd() -> i32 {
+    -1
 }

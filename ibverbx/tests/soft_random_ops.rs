@@ -1,8 +1,11 @@
 //! Random sequences of valid and invalid operations on a soft QP pair,
 //! checked against a model: completions come once, in posting order, with
 //! success until the first error, that error's status, then flushes; data
-//! lands as a sequential model says; and bytes around the registered range
-//! never change, whatever the requests asked for.
+//! lands as a sequential model says; receive completions come once each, in
+//! order, with the right immediate and length (also when the receiver polls
+//! at random moments, which picks up same-host doorbell records); and bytes
+//! around the registered range never change, whatever the requests asked
+//! for.
 
 use std::time::Duration;
 
@@ -17,14 +20,32 @@ const GUARD: usize = 4096;
 
 #[derive(Debug, Clone)]
 enum Op {
-    Write { off: usize, len: usize, signaled: bool },
-    WriteImm { off: usize, len: usize },
-    Read { off: usize, len: usize },
-    FetchAdd { word: usize },
-    Send { len: usize },
-    OutOfBounds { len: usize },
+    Write {
+        off: usize,
+        len: usize,
+        signaled: bool,
+    },
+    WriteImm {
+        off: usize,
+        len: usize,
+    },
+    Read {
+        off: usize,
+        len: usize,
+    },
+    FetchAdd {
+        word: usize,
+    },
+    Send {
+        len: usize,
+    },
+    OutOfBounds {
+        len: usize,
+    },
     BadKey,
     ReadOnlyTarget,
+    /// The receiver polls its receive CQ now.
+    PollRecv,
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -38,6 +59,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (1..4096usize).prop_map(|len| Op::OutOfBounds { len }),
         1 => Just(Op::BadKey),
         1 => Just(Op::ReadOnlyTarget),
+        3 => Just(Op::PollRecv),
     ]
 }
 
@@ -79,9 +101,16 @@ fn run(link: SoftLink, ops: &[Op], inline_copy_max: usize) {
     let mut expect: Vec<(u64, Option<WcStatus>)> = Vec::new();
     let mut failed = false;
     let mut reads: Vec<(usize, usize, Vec<u8>)> = Vec::new();
+    // Receive completions expected at B while nothing failed: (wr_id, imm, len).
+    let mut recv_expect: Vec<(u64, Option<u32>, u32)> = Vec::new();
+    let mut recv_got: Vec<WorkCompletion> = Vec::new();
     for (i, op) in ops.iter().enumerate() {
         let id = i as u64;
         let daddr = dst.addr();
+        if let Op::PollRecv = op {
+            poll_all(&rb, &mut recv_got);
+            continue;
+        }
         let (wr_op, sge, signaled, err) = match *op {
             Op::Write { off, len, signaled } => {
                 if !failed {
@@ -98,6 +127,7 @@ fn run(link: SoftLink, ops: &[Op], inline_copy_max: usize) {
                 b.post_recv(&[RecvWr { wr_id: id, sg_list: &[] }]).unwrap();
                 if !failed {
                     model[off..off + len].copy_from_slice(&src_model[off..off + len]);
+                    recv_expect.push((id, Some(i as u32), len as u32));
                 }
                 let op = SendOp::RdmaWriteWithImm { remote_addr: daddr + off as u64, rkey: dst.rkey(), imm: i as u32 };
                 (op, src.sge(off, len), true, None)
@@ -123,6 +153,9 @@ fn run(link: SoftLink, ops: &[Op], inline_copy_max: usize) {
             }
             Op::Send { len } => {
                 b.post_recv(&[RecvWr { wr_id: id, sg_list: &[recv_buf.sge(0, 4096).unwrap()] }]).unwrap();
+                if !failed {
+                    recv_expect.push((id, None, len as u32));
+                }
                 (SendOp::Send, src.sge(0, len), true, None)
             }
             Op::OutOfBounds { len } => {
@@ -139,6 +172,7 @@ fn run(link: SoftLink, ops: &[Op], inline_copy_max: usize) {
                 true,
                 Some(WcStatus::RemAccessErr),
             ),
+            Op::PollRecv => unreachable!("handled above"),
         };
         let sge = [sge.unwrap()];
         let sg: &[ibverbx::Sge] = if sge[0].length == 0 { &[] } else { &sge };
@@ -161,6 +195,7 @@ fn run(link: SoftLink, ops: &[Op], inline_copy_max: usize) {
     assert!(expect.is_empty(), "missing completions for {expect:?}");
     let mut extra = [WorkCompletion::empty(); 4];
     assert_eq!(qa.wait(&mut extra, Some(Duration::from_millis(20)), Duration::ZERO).unwrap(), 0, "{:?}", extra[0]);
+    check_recvs(&rb, recv_got, &recv_expect, failed);
 
     drop(a);
     drop(b);
@@ -175,6 +210,54 @@ fn run(link: SoftLink, ops: &[Op], inline_copy_max: usize) {
             at.map(|i| &whole[GUARD + i..(GUARD + i + 8).min(GUARD + REGION)]),
             at.map(|i| &model[i..(i + 8).min(REGION)])
         );
+    }
+}
+
+/// Takes whatever the CQ holds now.
+fn poll_all(cq: &ibverbx::CompletionQueue, got: &mut Vec<WorkCompletion>) {
+    let mut wc = [WorkCompletion::empty(); 16];
+    loop {
+        let n = cq.poll(&mut wc).unwrap();
+        got.extend_from_slice(&wc[..n]);
+        if n < wc.len() {
+            return;
+        }
+    }
+}
+
+/// The receiver's completions: without a failure exactly the expected ones,
+/// in order; with one, never a duplicate, and the successful ones and the
+/// flushed ones each in order (a receive being filled when the QP fails
+/// may complete after the flushes, as on hardware).
+fn check_recvs(
+    cq: &ibverbx::CompletionQueue,
+    mut got: Vec<WorkCompletion>,
+    want: &[(u64, Option<u32>, u32)],
+    failed: bool,
+) {
+    if !failed {
+        // Everything was acknowledged, so every receive completion is there.
+        while got.len() < want.len() {
+            let mut wc = [WorkCompletion::empty(); 16];
+            let n = cq.wait(&mut wc, Some(Duration::from_secs(20)), Duration::ZERO).unwrap();
+            assert!(n > 0, "receive completions missing: got {} of {}", got.len(), want.len());
+            got.extend_from_slice(&wc[..n]);
+        }
+        poll_all(cq, &mut got);
+        assert_eq!(got.len(), want.len(), "receive completions: {got:?}");
+        for (wc, &(id, imm, len)) in got.iter().zip(want) {
+            assert_eq!((wc.wr_id, wc.status, wc.imm_data, wc.byte_len), (id, WcStatus::Success, imm, len), "{wc:?}");
+        }
+    } else {
+        poll_all(cq, &mut got);
+        let mut ids: Vec<u64> = got.iter().map(|w| w.wr_id).collect();
+        for ok in [true, false] {
+            let part: Vec<u64> =
+                got.iter().filter(|w| (w.status == WcStatus::Success) == ok).map(|w| w.wr_id).collect();
+            assert!(part.windows(2).all(|w| w[0] < w[1]), "receive completions out of order: {part:?} in {got:?}");
+        }
+        ids.sort_unstable();
+        assert!(ids.windows(2).all(|w| w[0] != w[1]), "a receive completed twice: {got:?}");
     }
 }
 

@@ -57,6 +57,11 @@ pub struct SoftConfig {
     /// latency for a core's worth of CPU while busy. Zero (the default)
     /// never spins. `RMACOMM_SOFT_BUSY_POLL_US`.
     pub busy_poll: Duration,
+    /// Same-host WRITE_WITH_IMM notifications on an idle QP go through a
+    /// shared-memory doorbell that the peer's CQ poll picks up, instead of
+    /// through both progress threads (see `soft/doorbell.rs`). On by
+    /// default; `RMACOMM_SOFT_DOORBELL=0` turns it off.
+    pub doorbell: bool,
 }
 
 impl Default for SoftConfig {
@@ -69,6 +74,7 @@ impl Default for SoftConfig {
             chaos_max_delay: Duration::from_micros(500),
             inline_copy_max: 1 << 20,
             busy_poll: Duration::ZERO,
+            doorbell: true,
         }
     }
 }
@@ -106,6 +112,13 @@ impl SoftConfig {
                 Err(_) => {
                     tracing::warn!("RMACOMM_SOFT_BUSY_POLL_US={v:?} is not a number of microseconds; ignoring it")
                 }
+            }
+        }
+        if let Ok(v) = std::env::var("RMACOMM_SOFT_DOORBELL") {
+            match v.trim() {
+                "0" | "off" | "false" => c.doorbell = false,
+                "1" | "on" | "true" => c.doorbell = true,
+                _ => tracing::warn!("RMACOMM_SOFT_DOORBELL={v:?} is not 0 or 1; ignoring it"),
             }
         }
         if let Ok(v) = std::env::var("RMACOMM_SOFT_CHAOS") {

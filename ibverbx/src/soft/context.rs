@@ -39,6 +39,14 @@ pub(crate) struct CtxShared {
     pub(crate) tcp_addrs: Vec<SocketAddr>,
     pub(crate) unix_name: String,
     pub(crate) keytable: KeyTable,
+    /// Doorbell slots of this context's QPs (`None`: doorbells off).
+    pub(crate) doorbells: Option<super::doorbell::DoorbellTable>,
+    /// Doorbell records claimed here, and records of ours retracted to go
+    /// through the connection (tests and diagnostics).
+    pub(crate) db_claimed: std::sync::atomic::AtomicU64,
+    pub(crate) db_retracted: std::sync::atomic::AtomicU64,
+    /// Peer event fds rung by this context (a sleeping peer woken).
+    pub(crate) db_rings: std::sync::atomic::AtomicU64,
     mrs: RwLock<HashMap<u32, Arc<SoftMr>>>,
     pub(crate) qps: Mutex<HashMap<u32, Weak<SoftQp>>>,
     next_qpn: AtomicU32,
@@ -107,6 +115,14 @@ impl CtxShared {
             tcp_addrs,
             unix_name,
             keytable: KeyTable::new()?,
+            doorbells: if config.doorbell {
+                super::doorbell::DoorbellTable::new().map_err(|e| tracing::debug!("soft doorbells off: {e}")).ok()
+            } else {
+                None
+            },
+            db_claimed: std::sync::atomic::AtomicU64::new(0),
+            db_retracted: std::sync::atomic::AtomicU64::new(0),
+            db_rings: std::sync::atomic::AtomicU64::new(0),
             mrs: RwLock::new(HashMap::new()),
             qps: Mutex::new(HashMap::new()),
             next_qpn: AtomicU32::new((rand::random::<u32>() & 0xffff) | 0x100),

@@ -3,8 +3,12 @@
 use std::any::Any;
 use std::collections::VecDeque;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, RwLock, Weak};
+
+use super::doorbell::{SlotRef, POSTED};
+
+use super::qp::SoftQp;
 
 use crate::provider::CqOps;
 use crate::wc::WorkCompletion;
@@ -17,6 +21,22 @@ pub(crate) struct SoftCq {
     armed: AtomicBool,
     efd: OwnedFd,
     pub(crate) ctx_uid: u64,
+    /// QPs with doorbells that complete into this CQ (see `doorbell.rs`):
+    /// polls pick up their records, arming arms them.
+    db: RwLock<Vec<DbReg>>,
+    db_n: AtomicUsize,
+}
+
+/// A QP whose doorbell work lands in this CQ. The slot and the pending
+/// count let a poll see whether there is anything to do without touching
+/// the QP.
+#[derive(Debug)]
+pub(crate) struct DbReg {
+    pub(crate) qp: Weak<SoftQp>,
+    /// This CQ is the QP's receive CQ: its own slot.
+    pub(crate) rx: Option<SlotRef>,
+    /// This CQ is the QP's send CQ: its doorbell WRs not finished yet.
+    pub(crate) tx: Option<Arc<AtomicU32>>,
 }
 
 #[derive(Debug, Default)]
@@ -40,7 +60,62 @@ impl SoftCq {
             armed: AtomicBool::new(false),
             efd,
             ctx_uid,
+            db: RwLock::new(Vec::new()),
+            db_n: AtomicUsize::new(0),
         })
+    }
+
+    /// Lets this CQ's polls and arming serve a QP's doorbells.
+    pub(crate) fn db_register(&self, reg: DbReg) {
+        if reg.rx.is_none() && reg.tx.is_none() {
+            return;
+        }
+        let mut v = self.db.write().unwrap_or_else(|e| e.into_inner());
+        v.retain(|r| r.qp.strong_count() > 0);
+        v.push(reg);
+        self.db_n.store(v.len(), Ordering::Release);
+    }
+
+    /// Runs the doorbell side of a poll (`arm` false) or of arming.
+    fn db_run(&self, arm: bool) {
+        if self.db_n.load(Ordering::Acquire) == 0 {
+            return;
+        }
+        let mut dead = false;
+        for r in self.db.read().unwrap_or_else(|e| e.into_inner()).iter() {
+            let rx = r.rx.as_ref().is_some_and(|s| arm || s.get().state.load(Ordering::Acquire) & 3 == POSTED);
+            let tx = r.tx.as_ref().is_some_and(|p| p.load(Ordering::Acquire) > 0);
+            if !rx && !tx {
+                continue;
+            }
+            let Some(qp) = r.qp.upgrade() else {
+                dead = true;
+                continue;
+            };
+            match arm {
+                false => {
+                    if rx {
+                        qp.db_claim();
+                    }
+                    if tx {
+                        qp.db_check_tx();
+                    }
+                }
+                true => {
+                    if rx {
+                        qp.db_arm_rx();
+                    }
+                    if tx {
+                        qp.db_arm_tx();
+                    }
+                }
+            }
+        }
+        if dead {
+            let mut v = self.db.write().unwrap_or_else(|e| e.into_inner());
+            v.retain(|r| r.qp.strong_count() > 0);
+            self.db_n.store(v.len(), Ordering::Release);
+        }
     }
 
     /// Adds a completion; on overflow the completion is counted as lost and
@@ -75,6 +150,7 @@ impl CqOps for SoftCq {
     }
 
     fn poll(&self, out: &mut [WorkCompletion]) -> Result<usize> {
+        self.db_run(false);
         let mut q = self.q.lock().unwrap_or_else(|e| e.into_inner());
         if q.dropped > 0 {
             return Err(Error::CqOverflow { capacity: self.cap, dropped: q.dropped });
@@ -89,7 +165,9 @@ impl CqOps for SoftCq {
     fn req_notify(&self, _solicited_only: bool) -> Result<()> {
         self.armed.store(true, Ordering::Release);
         // A completion that arrived before arming would not signal; verbs
-        // users poll once more after arming, which finds it.
+        // users poll once more after arming, which finds it (doorbell
+        // records included).
+        self.db_run(true);
         Ok(())
     }
 

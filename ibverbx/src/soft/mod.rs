@@ -22,6 +22,7 @@
 mod config;
 mod context;
 mod cq;
+mod doorbell;
 mod host;
 mod keytable;
 mod mr;

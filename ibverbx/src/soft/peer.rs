@@ -94,6 +94,8 @@ pub(crate) struct PeerMap {
     table: KeyTableView,
     segs: Mutex<HashMap<u64, Arc<Mapping>>>,
     vm: AtomicU8,
+    /// The peer context's doorbell table, mapped on first use.
+    doorbells: Mutex<Option<Arc<Mapping>>>,
 }
 
 impl PeerMap {
@@ -111,7 +113,36 @@ impl PeerMap {
             table,
             segs: Mutex::new(HashMap::new()),
             vm: AtomicU8::new(VM_UNKNOWN),
+            doorbells: Mutex::new(None),
         })
+    }
+
+    /// The peer's pid.
+    pub(crate) fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    /// The doorbell slot of the peer QP at `a`, mapped writable.
+    pub(crate) fn doorbell(&self, a: &SoftAddress) -> Result<super::doorbell::SlotRef> {
+        if a.doorbell_fd < 0 || a.doorbell_slot == 0 {
+            return Err(Error::invalid("map peer doorbell", "the peer QP has no doorbell slot"));
+        }
+        let mut g = self.doorbells.lock().unwrap_or_else(|e| e.into_inner());
+        let m = match g.as_ref() {
+            Some(m) => m.clone(),
+            None => {
+                let m = Arc::new(Mapping::open(self.pid, a.doorbell_fd, a.doorbell_uid, true)?);
+                if m.len < super::doorbell::TABLE_BYTES {
+                    return Err(Error::invalid("map peer doorbell", "doorbell table is too short"));
+                }
+                *g = Some(m.clone());
+                m
+            }
+        };
+        let base = m.ptr as *const u8;
+        // SAFETY: the mapping is TABLE_BYTES long, page aligned, kept by the Arc.
+        unsafe { super::doorbell::SlotRef::new(base, a.doorbell_slot, m) }
+            .ok_or_else(|| Error::invalid("map peer doorbell", format!("slot {} is out of range", a.doorbell_slot)))
     }
 
     /// Validates `rkey` for `len` bytes at `raddr` with access `need` from a

@@ -78,6 +78,46 @@ pub(crate) struct SoftQp {
     epoch: std::sync::atomic::AtomicU64,
     /// Set by the requester while a same-host link with a mapped peer is up.
     fast: std::sync::RwLock<Option<Arc<FastPath>>>,
+    /// This QP's doorbell: notifications to it through shared memory.
+    db: Option<RxDoorbell>,
+    /// Doorbell WRs this QP posted that are not finished yet (shared with
+    /// the send CQ's registration).
+    pub(crate) db_tx_pending: Arc<AtomicU32>,
+}
+
+/// The receiving side of a doorbell (see `doorbell.rs`).
+struct RxDoorbell {
+    index: u32,
+    slot: super::doorbell::SlotRef,
+    /// The requester's send CQ event fd, duplicated on first need, with the
+    /// (pid, fd number) it came from.
+    tx_wake: Mutex<Option<(u32, i32, std::os::fd::OwnedFd)>>,
+}
+
+impl RxDoorbell {
+    /// Rings the requester's send CQ; on failure tells it to stop using
+    /// the doorbell (its progress thread then finishes the WR).
+    fn wake_tx(&self, ctx: &CtxShared) {
+        let slot = self.slot.get();
+        let pid = slot.tx_pid.load(Ordering::Acquire);
+        let efd = slot.tx_efd.load(Ordering::Acquire);
+        let mut g = self.tx_wake.lock().unwrap_or_else(|e| e.into_inner());
+        if g.as_ref().map(|(p, f, _)| (*p, *f)) != Some((pid, efd)) {
+            match super::doorbell::steal_fd(pid, efd) {
+                Ok(fd) => *g = Some((pid, efd, fd)),
+                Err(e) => {
+                    tracing::debug!("soft doorbell: cannot reach the requester's CQ ({e}); it falls back");
+                    slot.no_tx_wake.store(1, Ordering::Release);
+                    *g = None;
+                    return;
+                }
+            }
+        }
+        if let Some((_, _, fd)) = g.as_ref() {
+            super::doorbell::ring(fd);
+            ctx.db_rings.fetch_add(1, Ordering::Relaxed);
+        }
+    }
 }
 
 impl std::fmt::Debug for SoftQp {
@@ -112,6 +152,10 @@ impl SoftQp {
         }
         let qpn = pd.ctx.alloc_qpn();
         let (state_tx, _) = watch::channel(QpState::Reset);
+        let db = pd.ctx.doorbells.as_ref().and_then(|t| t.alloc()).map(|(index, slot)| {
+            slot.get().rx_efd.store(recv_cq.channel_fd(), Ordering::Release);
+            RxDoorbell { index, slot, tx_wake: Mutex::new(None) }
+        });
         let qp = Arc::new(SoftQp {
             qpn,
             token: rand::random(),
@@ -128,8 +172,20 @@ impl SoftQp {
             sq_outstanding: AtomicU32::new(0),
             epoch: std::sync::atomic::AtomicU64::new(0),
             fast: std::sync::RwLock::new(None),
+            db,
+            db_tx_pending: Arc::new(AtomicU32::new(0)),
         });
         pd.ctx.qps.lock().unwrap_or_else(|e| e.into_inner()).insert(qpn, Arc::downgrade(&qp));
+        if pd.ctx.doorbells.is_some() {
+            use super::cq::DbReg;
+            let (rx, tx) = (qp.db.as_ref().map(|d| d.slot.clone()), Some(qp.db_tx_pending.clone()));
+            if Arc::ptr_eq(send_cq, recv_cq) {
+                soft_cq(recv_cq).db_register(DbReg { qp: Arc::downgrade(&qp), rx, tx });
+            } else {
+                soft_cq(recv_cq).db_register(DbReg { qp: Arc::downgrade(&qp), rx, tx: None });
+                soft_cq(send_cq).db_register(DbReg { qp: Arc::downgrade(&qp), rx: None, tx });
+            }
+        }
         Ok(qp)
     }
 
@@ -239,7 +295,6 @@ impl SoftQp {
     /// the WR must go through the engine (nothing has been sent then; a
     /// direct copy already made is simply made again).
     fn try_fast_notify(&self, wr: &SendWr<'_>, len: u64) -> bool {
-        use super::peer::Direct;
         use super::requester::FastWr;
         use super::wire::Frame;
         if self.ctx.config.chaos_seed.is_some() || wr.flags.fence {
@@ -249,36 +304,15 @@ impl SoftQp {
         let Some(notify) = fast.notify.clone() else { return false };
         let mut local: [(usize, usize); 16] = [(0, 0); 16];
         let mut _keep: [Option<Arc<super::mr::SoftMr>>; 16] = Default::default();
-        for (i, s) in wr.sg_list.iter().enumerate() {
-            if wr.flags.inline || s.length == 0 {
-                local[i] = (s.addr as usize, s.length as usize);
-                continue;
-            }
-            let Some(mr) = self.ctx.mr(s.lkey) else { return false };
-            let Some(p) = mr.check(self.pd, s.addr, s.length as u64, AccessFlags::empty()) else { return false };
-            local[i] = (p as usize, s.length as usize);
-            _keep[i] = Some(mr);
+        if !self.local_pieces(wr, &mut local, &mut _keep) {
+            return false;
         }
         let local = &local[..wr.sg_list.len()];
         let (frame, payload): (Frame, &[(usize, usize)]) = match wr.op {
             SendOp::RdmaWriteWithImm { remote_addr, rkey, imm } => {
-                if len as usize > self.ctx.config.inline_copy_max {
+                if len as usize > self.ctx.config.inline_copy_max || !copy_direct(&fast, local, remote_addr, rkey, len)
+                {
                     return false;
-                }
-                if len > 0 {
-                    let Ok(Direct::Ptr(p, _map)) =
-                        fast.peer.resolve(fast.remote_pd, rkey, remote_addr, len, AccessFlags::REMOTE_WRITE)
-                    else {
-                        return false;
-                    };
-                    let mut off = 0;
-                    for &(l, n) in local {
-                        // SAFETY: l..l+n is a checked live local region (or
-                        // the caller's inline buffer); p+off.. lies in the
-                        // peer's checked, mapped region.
-                        unsafe { std::ptr::copy_nonoverlapping(l as *const u8, (p + off) as *mut u8, n) };
-                        off += n;
-                    }
                 }
                 (Frame::Notify { psn: 0, len: len as u32, imm }, &[])
             }
@@ -299,6 +333,145 @@ impl SoftQp {
             frame,
             payload,
         })
+    }
+
+    /// The local pieces of a WR about to be sent by the posting thread:
+    /// checked registrations (kept alive in `keep`) or inline data.
+    fn local_pieces(
+        &self,
+        wr: &SendWr<'_>,
+        local: &mut [(usize, usize); 16],
+        keep: &mut [Option<Arc<super::mr::SoftMr>>; 16],
+    ) -> bool {
+        for (i, s) in wr.sg_list.iter().enumerate() {
+            if wr.flags.inline || s.length == 0 {
+                local[i] = (s.addr as usize, s.length as usize);
+                continue;
+            }
+            let Some(mr) = self.ctx.mr(s.lkey) else { return false };
+            let Some(p) = mr.check(self.pd, s.addr, s.length as u64, AccessFlags::empty()) else { return false };
+            local[i] = (p as usize, s.length as usize);
+            keep[i] = Some(mr);
+        }
+        true
+    }
+
+    /// WRITE_WITH_IMM on an idle same-host QP through the peer QP's
+    /// doorbell: data copied here, the notification left in shared memory
+    /// for the peer's CQ poll (see `doorbell.rs`). False when the WR must
+    /// take another path (nothing is published then).
+    fn try_doorbell(&self, wr: &SendWr<'_>, len: u64) -> bool {
+        let SendOp::RdmaWriteWithImm { remote_addr, rkey, imm } = wr.op else { return false };
+        if self.ctx.config.chaos_seed.is_some() || wr.flags.fence || len as usize > self.ctx.config.inline_copy_max {
+            return false;
+        }
+        let Some(fast) = self.fast.read().unwrap_or_else(|e| e.into_inner()).clone() else { return false };
+        let Some(notify) = fast.notify.clone() else { return false };
+        if !notify.doorbell_ready() {
+            return false;
+        }
+        let mut local: [(usize, usize); 16] = [(0, 0); 16];
+        let mut _keep: [Option<Arc<super::mr::SoftMr>>; 16] = Default::default();
+        if !self.local_pieces(wr, &mut local, &mut _keep)
+            || !copy_direct(&fast, &local[..wr.sg_list.len()], remote_addr, rkey, len)
+        {
+            return false;
+        }
+        notify.post_doorbell(wr.wr_id, wr.op.wc_opcode(), wr.flags.signaled || self.sq_sig_all, len as u32, imm)
+    }
+
+    /// Marks this QP's doorbell open (RTR/RTS) or closed for requesters.
+    fn db_open(&self, open: bool) {
+        if let Some(db) = &self.db {
+            db.slot.get().open.store(u32::from(open), Ordering::Release);
+        }
+    }
+
+    /// Publishes how many receives are posted (under the RQ lock).
+    pub(crate) fn db_note_rq(&self, n: usize) {
+        if let Some(db) = &self.db {
+            db.slot.get().rq_len.store(n.min(u32::MAX as usize) as u32, Ordering::Release);
+        }
+    }
+
+    /// Picks up a doorbell record addressed to this QP when one is posted
+    /// and a receive is there: pushes its receive completion, then rings
+    /// the requester if it sleeps. Called by this QP's receive-CQ polls
+    /// and by its responder before it takes a receive for a later request.
+    pub(crate) fn db_claim(&self) {
+        use super::doorbell::{CLAIMED, POSTED};
+        let Some(db) = &self.db else { return };
+        let slot = db.slot.get();
+        let s = slot.state.load(Ordering::Acquire);
+        if s & 3 != POSTED || !matches!(self.state(), QpState::Rtr | QpState::Rts) {
+            return;
+        }
+        let (imm, len) = (slot.imm.load(Ordering::Relaxed), slot.len.load(Ordering::Relaxed));
+        let mut rq = self.rq.lock().unwrap_or_else(|e| e.into_inner());
+        if rq.is_empty() {
+            return;
+        }
+        // The record read above is the one claimed only if the word is
+        // unchanged (a retracted-and-reposted slot fails here).
+        if slot.state.compare_exchange(s, s - POSTED + CLAIMED, Ordering::AcqRel, Ordering::Acquire).is_err() {
+            return;
+        }
+        let r = rq.pop_front().expect("checked non-empty");
+        self.db_note_rq(rq.len());
+        self.ctx.db_claimed.fetch_add(1, Ordering::Relaxed);
+        // Pushed under the RQ lock: no later receive completion overtakes it.
+        self.push_recv_wc(WorkCompletion {
+            wr_id: r.wr_id,
+            status: WcStatus::Success,
+            opcode: WcOpcode::RecvRdmaWithImm,
+            byte_len: len,
+            imm_data: Some(imm),
+            qp_num: self.qpn,
+            vendor_err: 0,
+        });
+        drop(rq);
+        std::sync::atomic::fence(Ordering::SeqCst);
+        if slot.tx_armed.load(Ordering::Relaxed) != 0 && slot.tx_armed.swap(0, Ordering::AcqRel) != 0 {
+            db.wake_tx(&self.ctx);
+        }
+    }
+
+    /// This QP's receive CQ is being armed: requesters ring it after their
+    /// next record (the caller polls once more after arming).
+    pub(crate) fn db_arm_rx(&self) {
+        if let Some(db) = &self.db {
+            db.slot.get().rx_armed.store(1, Ordering::SeqCst);
+            std::sync::atomic::fence(Ordering::SeqCst);
+        }
+    }
+
+    fn fast_notify(&self) -> Option<Arc<super::requester::FastNotify>> {
+        self.fast.read().unwrap_or_else(|e| e.into_inner()).as_ref().and_then(|f| f.notify.clone())
+    }
+
+    /// Completes this QP's doorbell WRs that the peer has claimed.
+    pub(crate) fn db_check_tx(&self) {
+        if self.db_tx_pending.load(Ordering::Acquire) == 0 {
+            return;
+        }
+        if let Some(n) = self.fast_notify() {
+            n.check_doorbell();
+        }
+    }
+
+    /// This QP's send CQ is being armed: the peer rings it when it claims.
+    pub(crate) fn db_arm_tx(&self) {
+        if self.db_tx_pending.load(Ordering::Acquire) == 0 {
+            return;
+        }
+        if let Some(n) = self.fast_notify() {
+            n.arm_doorbell();
+        }
+    }
+
+    /// The send CQ's event fd (the peer rings it after claiming).
+    pub(crate) fn send_cq_fd(&self) -> std::os::fd::RawFd {
+        self.send_cq.channel_fd()
     }
 
     pub(crate) fn epoch(&self) -> u64 {
@@ -354,16 +527,21 @@ impl SoftQp {
         tracing::debug!(qpn = self.qpn, "soft QP enters the error state: {why}");
         st.state = QpState::Err;
         drop(st);
+        self.db_open(false);
         self.set_fast(None);
         self.state_tx.send_replace(QpState::Err);
         self.flush_rq();
     }
 
     fn flush_rq(&self) {
-        let drained: Vec<RecvEntry> = self.rq.lock().unwrap_or_else(|e| e.into_inner()).drain(..).collect();
-        for r in drained {
+        // Pushed under the RQ lock: a poster flushing its late receive (QP
+        // already in ERR) cannot slip its completion between these.
+        let mut rq = self.rq.lock().unwrap_or_else(|e| e.into_inner());
+        self.db_note_rq(0);
+        for r in rq.drain(..) {
             self.push_recv_wc(self.flush_wc(r.wr_id, WcOpcode::Recv));
         }
+        drop(rq);
         self.rq_notify.notify_waiters();
     }
 
@@ -451,6 +629,12 @@ impl QpOps for SoftQp {
                 keytable_uid: ctx.keytable.uid(),
                 pd: self.pd,
                 token: self.token,
+                doorbell_fd: match (&ctx.doorbells, &self.db) {
+                    (Some(t), Some(_)) => t.fd(),
+                    _ => -1,
+                },
+                doorbell_uid: ctx.doorbells.as_ref().map_or(0, |t| t.uid()),
+                doorbell_slot: self.db.as_ref().map_or(0, |d| d.index),
             }),
         })
     }
@@ -497,8 +681,10 @@ impl QpOps for SoftQp {
                 st.state = QpState::Reset;
                 drop(st);
                 self.set_fast(None);
+                self.db_open(false);
                 self.state_tx.send_replace(QpState::Reset);
                 self.rq.lock().unwrap_or_else(|e| e.into_inner()).clear();
+                self.db_note_rq(0);
                 self.rq_notify.notify_waiters();
                 return Ok(());
             }
@@ -506,6 +692,9 @@ impl QpOps for SoftQp {
         st.state = t.target();
         let s = st.state;
         drop(st);
+        if matches!(s, QpState::Rtr | QpState::Rts) {
+            self.db_open(true);
+        }
         self.state_tx.send_replace(s);
         Ok(())
     }
@@ -531,7 +720,7 @@ impl QpOps for SoftQp {
             }
             // Claim the only slot, then try to send the notification here.
             if self.sq_outstanding.compare_exchange(0, 1, Ordering::AcqRel, Ordering::Acquire).is_ok() {
-                if self.try_fast_notify(&wrs[0], lens[0]) {
+                if self.try_doorbell(&wrs[0], lens[0]) || self.try_fast_notify(&wrs[0], lens[0]) {
                     return Ok(());
                 }
                 self.sq_outstanding.fetch_sub(1, Ordering::AcqRel);
@@ -601,6 +790,7 @@ impl QpOps for SoftQp {
         for wr in wrs {
             rq.push_back(RecvEntry { wr_id: wr.wr_id, segs: self.resolve(wr.sg_list) });
         }
+        self.db_note_rq(rq.len());
         drop(rq);
         if state == QpState::Err {
             self.flush_rq();
@@ -613,6 +803,29 @@ impl QpOps for SoftQp {
 
 impl Drop for SoftQp {
     fn drop(&mut self) {
+        self.db_open(false);
         self.ctx.qps.lock().unwrap_or_else(|e| e.into_inner()).remove(&self.qpn);
     }
+}
+
+/// Copies the local pieces straight into the peer's memory at
+/// `remote_addr` (checked against its key table); false when there is no
+/// direct path (nothing copied then).
+fn copy_direct(fast: &FastPath, local: &[(usize, usize)], remote_addr: u64, rkey: u32, len: u64) -> bool {
+    use super::peer::Direct;
+    if len == 0 {
+        return true;
+    }
+    let Ok(Direct::Ptr(p, _map)) = fast.peer.resolve(fast.remote_pd, rkey, remote_addr, len, AccessFlags::REMOTE_WRITE)
+    else {
+        return false;
+    };
+    let mut off = 0;
+    for &(l, n) in local {
+        // SAFETY: l..l+n is a checked live local region (or the caller's
+        // inline buffer); p+off.. lies in the peer's checked, mapped region.
+        unsafe { std::ptr::copy_nonoverlapping(l as *const u8, (p + off) as *mut u8, n) };
+        off += n;
+    }
+    true
 }

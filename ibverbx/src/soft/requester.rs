@@ -54,6 +54,8 @@ struct Inflight {
     segs: Vec<LocalSeg>,
     sent_at: Instant,
     rnr_waits: u32,
+    /// A doorbell WR not yet claimed or retracted: (record sequence, imm).
+    db: Option<(u64, u32)>,
 }
 
 #[derive(Debug, Default)]
@@ -75,6 +77,26 @@ pub(crate) struct Shared {
     /// Next request PSN; taken with `wire_busy` held, so PSN order is wire
     /// order.
     next_psn: AtomicU32,
+    /// The peer QP's doorbell, once the same-host link is up and both ends
+    /// can ring each other.
+    db: std::sync::OnceLock<TxDoorbell>,
+    /// Asks the requester task to retract a pending doorbell record and
+    /// send it on the connection.
+    db_settle: Notify,
+    /// Wakes the idle doorbell watcher.
+    db_wake: Notify,
+    db_watch_idle: AtomicBool,
+    /// Doorbell records posted (activity, for the watcher).
+    db_posts: AtomicU64,
+}
+
+/// The requesting side of a peer QP's doorbell.
+pub(crate) struct TxDoorbell {
+    slot: super::doorbell::SlotRef,
+    /// The peer's receive CQ event fd (duplicated).
+    rx_waker: OwnedFd,
+    /// Sequence of the last record posted.
+    seq: AtomicU64,
 }
 
 impl Shared {
@@ -122,14 +144,46 @@ impl Shared {
         self.progress.notify_waiters();
     }
 
-    /// Flushes everything not yet finished (QP in ERR).
+    /// Flushes everything not yet finished (QP in ERR). A doorbell record
+    /// the peer already claimed completes normally.
     fn flush(&self) {
         let mut q = self.lock();
         for f in q.inflight.iter_mut().filter(|f| f.status.is_none()) {
             f.status = Some(WcStatus::WrFlushErr);
             f.awaiting = None;
+            if let Some((k, _)) = f.db.take() {
+                self.qp.db_tx_pending.fetch_sub(1, Ordering::AcqRel);
+                if self.db.get().is_some_and(|db| db.retract(k) == Err(true)) {
+                    f.status = Some(WcStatus::Success);
+                }
+            }
         }
         self.emit(&mut q);
+    }
+
+    /// Completes doorbell WRs whose record the peer has claimed.
+    fn check_db(&self) {
+        use super::doorbell::{word, CLAIMED};
+        if self.qp.db_tx_pending.load(Ordering::Acquire) == 0 {
+            return;
+        }
+        let Some(db) = self.db.get() else { return };
+        let cur = db.slot.get().state.load(Ordering::Acquire);
+        let mut q = self.lock();
+        let mut done = false;
+        for f in q.inflight.iter_mut().filter(|f| f.status.is_none()) {
+            if let Some((k, _)) = f.db {
+                if cur == word(k, CLAIMED) {
+                    f.db = None;
+                    f.status = Some(WcStatus::Success);
+                    self.qp.db_tx_pending.fetch_sub(1, Ordering::AcqRel);
+                    done = true;
+                }
+            }
+        }
+        if done {
+            self.emit(&mut q);
+        }
     }
 
     fn touch(&self) {
@@ -154,11 +208,25 @@ pub(crate) async fn run(qp: Arc<SoftQp>, mut rx: mpsc::UnboundedReceiver<SqEntry
         epoch: Instant::now(),
         wire_busy: AtomicBool::new(false),
         next_psn: AtomicU32::new(rts.sq_psn & 0x00ff_ffff),
+        db: std::sync::OnceLock::new(),
+        db_settle: Notify::new(),
+        db_wake: Notify::new(),
+        db_watch_idle: AtomicBool::new(false),
+        db_posts: AtomicU64::new(0),
     });
     let mut state_rx = qp.state_tx.subscribe();
     let mut link = match connect(&qp, &remote, rtr.remote.qpn, &rts, ack_timeout).await {
         Ok((r, w, peer, dup)) => {
             if let Some(p) = &peer {
+                if qp.ctx.config.doorbell && qp.ctx.config.chaos_seed.is_none() && dup.is_some() {
+                    match TxDoorbell::open(&qp, p, &remote) {
+                        Ok(db) => {
+                            let _ = sh.db.set(db);
+                            tokio::spawn(db_watch(Arc::downgrade(&sh)));
+                        }
+                        Err(e) => tracing::debug!(qpn = qp.qpn, "soft doorbell not used: {e}"),
+                    }
+                }
                 let notify = dup.map(|fd| Arc::new(FastNotify { sh: sh.clone(), fd }));
                 qp.set_fast(Some(super::qp::FastPath { peer: p.clone(), remote_pd: remote.pd, notify }));
             }
@@ -194,6 +262,7 @@ pub(crate) async fn run(qp: Arc<SoftQp>, mut rx: mpsc::UnboundedReceiver<SqEntry
                     return;
                 }
             }
+            _ = sh.db_settle.notified() => settle_db(&sh, &mut link).await,
             e = rx.recv() => {
                 let Some(e) = e else { return };
                 if let Some(rng) = chaos.as_mut() {
@@ -392,6 +461,9 @@ async fn finish(sh: &Arc<Shared>, mut inf: Inflight, status: WcStatus) {
 }
 
 async fn execute(sh: &Arc<Shared>, link: &mut Option<Link>, e: SqEntry) {
+    // A doorbell record still pending goes first: claimed, or retracted and
+    // put on the wire ahead of this WR.
+    settle_db(sh, link).await;
     let mut inf = Inflight {
         wr_id: e.wr_id,
         opcode: e.op.wc_opcode(),
@@ -403,6 +475,7 @@ async fn execute(sh: &Arc<Shared>, link: &mut Option<Link>, e: SqEntry) {
         sent_at: Instant::now(),
         rnr_waits: 0,
         touches_memory: false,
+        db: None,
     };
     if sh.qp.state_tx.borrow().eq(&QpState::Err) {
         return finish(sh, inf, WcStatus::WrFlushErr).await;
@@ -610,6 +683,7 @@ impl FastNotify {
             sent_at: Instant::now(),
             rnr_waits: 0,
             touches_memory: !matches!(frame, Frame::Notify { .. }),
+            db: None,
         });
         let fd = self.fd.as_raw_fd();
         // SAFETY: fd is our own descriptor of the connected socket; buf is
@@ -644,6 +718,228 @@ impl FastNotify {
         }
         sh.wire_busy.store(false, Ordering::Release);
         true
+    }
+}
+
+impl FastNotify {
+    /// Whether the next WR may go through the peer's doorbell: one is set
+    /// up, the peer QP is open with a receive posted, nothing of ours is
+    /// pending there, and the peer can ring us.
+    pub(crate) fn doorbell_ready(&self) -> bool {
+        use super::doorbell::POSTED;
+        let Some(db) = self.sh.db.get() else { return false };
+        let s = db.slot.get();
+        s.open.load(Ordering::Acquire) == 1
+            && s.rq_len.load(Ordering::Acquire) > 0
+            && s.no_tx_wake.load(Ordering::Relaxed) == 0
+            && s.state.load(Ordering::Acquire) & 3 != POSTED
+            && self.sh.qp.db_tx_pending.load(Ordering::Acquire) == 0
+    }
+
+    /// Publishes a WRITE_WITH_IMM's notification (its data is placed
+    /// already) in the peer's doorbell; rings the peer if it sleeps. The
+    /// caller holds the QP's only outstanding-WR slot.
+    pub(crate) fn post_doorbell(&self, wr_id: u64, opcode: WcOpcode, signaled: bool, len: u32, imm: u32) -> bool {
+        use super::doorbell::{word, POSTED};
+        let sh = &self.sh;
+        let Some(db) = sh.db.get() else { return false };
+        let k = db.seq.fetch_add(1, Ordering::Relaxed) + 1;
+        {
+            let mut q = sh.lock();
+            if q.broken.is_some() {
+                return false;
+            }
+            // Queued before the record is visible, so that a claim finds it.
+            q.inflight.push_back(Inflight {
+                wr_id,
+                opcode,
+                signaled,
+                byte_len: len,
+                status: None,
+                awaiting: None,
+                segs: Vec::new(),
+                sent_at: Instant::now(),
+                rnr_waits: 0,
+                touches_memory: false,
+                db: Some((k, imm)),
+            });
+            sh.qp.db_tx_pending.fetch_add(1, Ordering::AcqRel);
+        }
+        let slot = db.slot.get();
+        slot.imm.store(imm, Ordering::Relaxed);
+        slot.len.store(len, Ordering::Relaxed);
+        slot.state.store(word(k, POSTED), Ordering::Release);
+        std::sync::atomic::fence(Ordering::SeqCst);
+        if slot.rx_armed.load(Ordering::Relaxed) != 0 && slot.rx_armed.swap(0, Ordering::AcqRel) != 0 {
+            super::doorbell::ring(&db.rx_waker);
+            sh.qp.ctx.db_rings.fetch_add(1, Ordering::Relaxed);
+        }
+        sh.db_posts.fetch_add(1, Ordering::Relaxed);
+        if sh.db_watch_idle.load(Ordering::Relaxed) && sh.db_watch_idle.swap(false, Ordering::AcqRel) {
+            sh.db_wake.notify_one();
+        }
+        true
+    }
+
+    /// Completes doorbell WRs the peer has claimed.
+    pub(crate) fn check_doorbell(&self) {
+        self.sh.check_db();
+    }
+
+    /// Our send CQ is being armed: the peer rings it when it claims (the
+    /// caller polls once more after arming).
+    pub(crate) fn arm_doorbell(&self) {
+        if let Some(db) = self.sh.db.get() {
+            db.slot.get().tx_armed.store(1, Ordering::SeqCst);
+            std::sync::atomic::fence(Ordering::SeqCst);
+        }
+    }
+}
+
+impl TxDoorbell {
+    /// Maps the peer QP's slot, takes a duplicate of its receive CQ's event
+    /// fd and leaves ours in the slot. Fails (and the QP notifies through
+    /// the connection only) when the peer has no slot or will not let us.
+    fn open(qp: &SoftQp, peer: &PeerMap, remote: &SoftAddress) -> Result<TxDoorbell, String> {
+        let slot = peer.doorbell(remote).map_err(|e| e.to_string())?;
+        let s = slot.get();
+        let rx_waker = super::doorbell::steal_fd(peer.pid(), s.rx_efd.load(Ordering::Acquire))
+            .map_err(|e| format!("cannot reach the peer's CQ: {e}"))?;
+        s.tx_pid.store(qp.ctx.pid, Ordering::Release);
+        s.tx_efd.store(qp.send_cq_fd(), Ordering::Release);
+        s.tx_armed.store(0, Ordering::Release);
+        s.no_tx_wake.store(0, Ordering::Release);
+        let seq = s.state.load(Ordering::Acquire) >> 2;
+        Ok(TxDoorbell { slot, rx_waker, seq: AtomicU64::new(seq) })
+    }
+
+    /// Takes record `k` back if the peer has not claimed it: `Ok` when
+    /// retracted, `Err(true)` when it was claimed, `Err(false)` otherwise.
+    fn retract(&self, k: u64) -> Result<(), bool> {
+        use super::doorbell::{word, CLAIMED, POSTED, RETRACTED};
+        match self.slot.get().state.compare_exchange(
+            word(k, POSTED),
+            word(k, RETRACTED),
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        ) {
+            Ok(_) => Ok(()),
+            Err(cur) => Err(cur == word(k, CLAIMED)),
+        }
+    }
+}
+
+/// Resolves a pending doorbell WR from the requester task: completed if
+/// the peer claimed it, else retracted and sent as a notify on the
+/// connection (so that it stays ahead of everything sent after it).
+async fn settle_db(sh: &Arc<Shared>, link: &mut Option<Link>) {
+    if sh.qp.db_tx_pending.load(Ordering::Acquire) == 0 {
+        return;
+    }
+    sh.check_db();
+    let Some(db) = sh.db.get() else { return };
+    loop {
+        let pending = sh.lock().inflight.iter().find_map(|f| f.db.filter(|_| f.status.is_none()));
+        let Some((k, imm)) = pending else { return };
+        while sh.wire_busy.compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed).is_err() {
+            tokio::task::yield_now().await;
+        }
+        match db.retract(k) {
+            Ok(()) => {}
+            Err(claimed) => {
+                sh.wire_busy.store(false, Ordering::Release);
+                if claimed {
+                    sh.check_db();
+                    continue;
+                }
+                // Neither posted nor claimed: not ours any more (cannot
+                // happen while we hold the record); fail it rather than spin.
+                let mut q = sh.lock();
+                if let Some(f) = q.inflight.iter_mut().find(|f| f.db.is_some_and(|d| d.0 == k)) {
+                    f.db = None;
+                    f.status = Some(WcStatus::RemOpErr);
+                    sh.qp.db_tx_pending.fetch_sub(1, Ordering::AcqRel);
+                }
+                sh.emit(&mut q);
+                continue;
+            }
+        }
+        sh.qp.ctx.db_retracted.fetch_add(1, Ordering::Relaxed);
+        let psn = sh.next_psn.load(Ordering::Relaxed);
+        sh.next_psn.store((psn + 1) & 0x00ff_ffff, Ordering::Relaxed);
+        let len = {
+            let mut q = sh.lock();
+            let f = q.inflight.iter_mut().find(|f| f.db.is_some_and(|d| d.0 == k)).expect("pending entry");
+            f.db = None;
+            f.awaiting = Some((psn, Expect::Ack));
+            f.sent_at = Instant::now();
+            sh.qp.db_tx_pending.fetch_sub(1, Ordering::AcqRel);
+            f.byte_len
+        };
+        let frame = Frame::Notify { psn, len, imm };
+        let sent = match link.as_mut() {
+            Some(l) => send_frame(&mut l.writer, &frame, &[]).await,
+            None => Err(std::io::Error::new(std::io::ErrorKind::NotConnected, "no connection")),
+        };
+        sh.wire_busy.store(false, Ordering::Release);
+        if let Err(err) = sent {
+            sh.fail_link(WcStatus::RetryExcErr, &format!("write to peer: {err}"));
+            sh.flush();
+            return;
+        }
+    }
+}
+
+/// Watches a connection's doorbell: a record the peer leaves unclaimed for
+/// [`STALE`](super::doorbell::STALE), or one whose QP closed, is handed to
+/// the requester task to go through the connection. Sleeps while the
+/// doorbell is unused.
+async fn db_watch(sh: std::sync::Weak<Shared>) {
+    use super::doorbell::STALE;
+    let mut idle_ticks = 0u32;
+    let mut last_posts = 0u64;
+    loop {
+        tokio::time::sleep(STALE).await;
+        let Some(s) = sh.upgrade() else { return };
+        if matches!(*s.qp.state_tx.borrow(), QpState::Reset) {
+            return;
+        }
+        let posts = s.db_posts.load(Ordering::Relaxed);
+        if posts != last_posts {
+            last_posts = posts;
+            idle_ticks = 0;
+        } else {
+            idle_ticks += 1;
+        }
+        if s.qp.db_tx_pending.load(Ordering::Acquire) > 0 {
+            s.check_db();
+            let closed = s.db.get().is_some_and(|db| db.slot.get().open.load(Ordering::Acquire) == 0);
+            let old = s.lock().inflight.iter().any(|f| f.db.is_some() && f.sent_at.elapsed() >= STALE);
+            if closed || old {
+                s.db_settle.notify_one();
+            }
+            continue;
+        }
+        if idle_ticks < 50 {
+            continue;
+        }
+        // Unused for 50 ticks: sleep until the next record (a post after
+        // the flag is set wakes us) or the QP leaves service.
+        idle_ticks = 0;
+        let mut state_rx = s.qp.state_tx.subscribe();
+        let notified = s.db_wake.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        s.db_watch_idle.store(true, Ordering::Release);
+        if s.db_posts.load(Ordering::Relaxed) != last_posts {
+            s.db_watch_idle.store(false, Ordering::Release);
+            continue;
+        }
+        tokio::select! {
+            _ = notified => {}
+            _ = state_rx.changed() => {}
+        }
+        s.db_watch_idle.store(false, Ordering::Release);
     }
 }
 

@@ -165,8 +165,15 @@ async fn take_recv<S: AsyncWrite + Unpin>(
         let notified = qp.rq_notify.notified();
         tokio::pin!(notified);
         notified.as_mut().enable();
-        if let Some(r) = qp.rq.lock().unwrap_or_else(|e| e.into_inner()).pop_front() {
-            return Ok(Some(r));
+        // A doorbell record of this connection is older than this request:
+        // it takes its receive first.
+        qp.db_claim();
+        {
+            let mut rq = qp.rq.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(r) = rq.pop_front() {
+                qp.db_note_rq(rq.len());
+                return Ok(Some(r));
+            }
         }
         if *state_rx.borrow() == QpState::Err || qp.epoch() != epoch {
             return Ok(None);

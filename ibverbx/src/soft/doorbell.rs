@@ -1,0 +1,421 @@
+//! Same-host doorbells: the notification of an RDMA WRITE_WITH_IMM through
+//! shared memory, so that neither side's progress thread sits between a
+//! post and the peer's receive completion.
+//!
+//! Each context owns a table of 64-byte slots in a memfd; each QP owns one
+//! slot, for the notifications *to* it. A same-host requester maps its peer
+//! QP's slot and, when its send queue is idle (so that order is trivially
+//! kept), copies the payload directly, writes the immediate and length into
+//! the slot and publishes it (`POSTED`). The receiving process claims it
+//! (`CLAIMED`) when it polls its receive CQ — or its progress thread does,
+//! before it takes a receive for any later request of that connection —
+//! and the requester's next poll of its send CQ completes the WR.
+//!
+//! Sleepers are woken through each other's CQ event fd (duplicated with
+//! `pidfd_getfd`): a side that arms its CQ raises a flag in the slot, and
+//! the other side rings the event fd when it sees it after publishing or
+//! claiming (both sides fence between their store and their load, so one
+//! of them always sees the other). A record nobody claims within
+//! [`STALE`] is retracted (`RETRACTED`) by the requester's progress thread
+//! and sent as an ordinary notify on the connection; so is one still
+//! pending when the requester sends anything else. The state word makes
+//! each record delivered exactly once.
+
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::shm::ShmSegment;
+use crate::Result;
+
+/// Slots per context (one per QP ever created; slots are never reused, so
+/// a stale peer can never reach a later QP through an old slot).
+pub(crate) const SLOTS: u32 = 1 << 14;
+const SLOT_BYTES: usize = 64;
+pub(crate) const TABLE_BYTES: usize = SLOTS as usize * SLOT_BYTES;
+
+/// A record unclaimed for this long goes through the connection instead
+/// (longer in unit tests, so that they see which path a record took).
+pub(crate) const STALE: Duration = if cfg!(test) { Duration::from_millis(300) } else { Duration::from_millis(2) };
+
+/// Low two bits of [`Slot::state`]; the rest is the record's sequence.
+pub(crate) const POSTED: u64 = 1;
+pub(crate) const CLAIMED: u64 = 2;
+pub(crate) const RETRACTED: u64 = 3;
+
+/// One QP's doorbell. Written by two processes: atomics only.
+#[repr(C)]
+#[derive(Debug)]
+pub(crate) struct Slot {
+    /// `seq << 2 | POSTED/CLAIMED/RETRACTED` (0: never used).
+    pub(crate) state: AtomicU64,
+    /// The record: immediate and byte count (written before `state`).
+    pub(crate) imm: AtomicU32,
+    pub(crate) len: AtomicU32,
+    /// Receives the owner has posted (a requester posts only when one is
+    /// there, so that a record never waits for a receive).
+    pub(crate) rq_len: AtomicU32,
+    /// 1 while the owner accepts records (QP in RTR or RTS).
+    pub(crate) open: AtomicU32,
+    /// The owner's receive CQ is armed: ring `rx_efd` after publishing.
+    pub(crate) rx_armed: AtomicU32,
+    /// The owner's receive CQ event fd (a descriptor number in its process).
+    pub(crate) rx_efd: AtomicI32,
+    /// The requester's send CQ is armed: ring `tx_efd` after claiming.
+    pub(crate) tx_armed: AtomicU32,
+    /// The requester's process and send CQ event fd.
+    pub(crate) tx_pid: AtomicU32,
+    pub(crate) tx_efd: AtomicI32,
+    /// The owner cannot ring the requester (no `pidfd_getfd` permission):
+    /// the requester stops using the slot.
+    pub(crate) no_tx_wake: AtomicU32,
+}
+
+const _: () = assert!(std::mem::size_of::<Slot>() <= SLOT_BYTES);
+
+/// A slot in our own table or a peer's mapped one, kept mapped.
+#[derive(Clone)]
+pub(crate) struct SlotRef {
+    ptr: *const Slot,
+    _keep: Arc<dyn Send + Sync>,
+}
+
+// SAFETY: the slot is accessed through atomics only; `_keep` keeps the
+// mapping alive.
+unsafe impl Send for SlotRef {}
+// SAFETY: as above.
+unsafe impl Sync for SlotRef {}
+
+impl std::fmt::Debug for SlotRef {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SlotRef").field("ptr", &self.ptr).finish()
+    }
+}
+
+impl SlotRef {
+    /// Slot `index` of a table mapped at `base`.
+    ///
+    /// # Safety
+    /// `base` must be a page-aligned mapping of at least [`TABLE_BYTES`]
+    /// that `keep` keeps alive.
+    pub(crate) unsafe fn new(base: *const u8, index: u32, keep: Arc<dyn Send + Sync>) -> Option<SlotRef> {
+        if index == 0 || index >= SLOTS {
+            return None;
+        }
+        // SAFETY: index < SLOTS, so the slot lies inside the mapping.
+        let ptr = unsafe { base.add(index as usize * SLOT_BYTES) } as *const Slot;
+        Some(SlotRef { ptr, _keep: keep })
+    }
+
+    pub(crate) fn get(&self) -> &Slot {
+        // SAFETY: the mapping is alive (`_keep`), aligned, and a Slot is made
+        // of atomics, valid for every bit pattern.
+        unsafe { &*self.ptr }
+    }
+}
+
+/// A context's table.
+#[derive(Debug)]
+pub(crate) struct DoorbellTable {
+    seg: Arc<ShmSegment>,
+    next: AtomicU32,
+}
+
+impl DoorbellTable {
+    pub(crate) fn new() -> Result<DoorbellTable> {
+        // Sparse: pages are allocated as slots are used.
+        Ok(DoorbellTable { seg: ShmSegment::create(TABLE_BYTES)?, next: AtomicU32::new(1) })
+    }
+
+    pub(crate) fn fd(&self) -> i32 {
+        self.seg.fd()
+    }
+
+    pub(crate) fn uid(&self) -> u64 {
+        self.seg.uid()
+    }
+
+    /// A fresh slot, or `None` when the table is used up (the QP then
+    /// notifies through its connection only).
+    pub(crate) fn alloc(&self) -> Option<(u32, SlotRef)> {
+        let i = self.next.fetch_add(1, Ordering::Relaxed);
+        let keep: Arc<dyn Send + Sync> = self.seg.clone();
+        // SAFETY: the segment is TABLE_BYTES long, page aligned, kept by `keep`.
+        let s = unsafe { SlotRef::new(self.seg.ptr(), i, keep) }?;
+        Some((i, s))
+    }
+}
+
+/// A duplicate of descriptor `fd` of process `pid` (`pidfd_getfd`: needs
+/// the same permission as `process_vm_writev`).
+pub(crate) fn steal_fd(pid: u32, fd: i32) -> std::io::Result<OwnedFd> {
+    if fd < 0 {
+        return Err(std::io::Error::from_raw_os_error(libc::EBADF));
+    }
+    // SAFETY: pidfd_open takes a pid and flags; the result is checked.
+    let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+    if pidfd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: pidfd is a fresh descriptor we own.
+    let pidfd = unsafe { OwnedFd::from_raw_fd(pidfd as i32) };
+    // SAFETY: pidfd_getfd takes a pidfd, a descriptor number and flags.
+    let r = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), fd, 0) };
+    if r < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: r is a fresh descriptor we own.
+    Ok(unsafe { OwnedFd::from_raw_fd(r as i32) })
+}
+
+/// Rings an event fd (ours or a peer's duplicate).
+pub(crate) fn ring(fd: &OwnedFd) {
+    let one: u64 = 1;
+    // SAFETY: writing 8 bytes from a valid u64 to an event fd.
+    unsafe { libc::write(fd.as_raw_fd(), (&one as *const u64).cast(), 8) };
+}
+
+/// The state word of record `seq` in state `st`.
+pub(crate) fn word(seq: u64, st: u64) -> u64 {
+    (seq << 2) | st
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slots_are_fresh_and_bounded() {
+        let t = DoorbellTable::new().unwrap();
+        let (a, sa) = t.alloc().unwrap();
+        let (b, sb) = t.alloc().unwrap();
+        assert_eq!((a, b), (1, 2));
+        sa.get().state.store(word(5, POSTED), Ordering::Release);
+        assert_eq!(sb.get().state.load(Ordering::Acquire), 0);
+        t.next.store(SLOTS, Ordering::Relaxed);
+        assert!(t.alloc().is_none());
+    }
+
+    #[test]
+    fn an_event_fd_of_our_own_can_be_duplicated_and_rung() {
+        // SAFETY: eventfd has no memory preconditions; the result is checked.
+        let raw = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        assert!(raw >= 0);
+        // SAFETY: raw is fresh.
+        let efd = unsafe { OwnedFd::from_raw_fd(raw) };
+        let dup = steal_fd(std::process::id(), efd.as_raw_fd()).unwrap();
+        ring(&dup);
+        let mut v: u64 = 0;
+        // SAFETY: reading 8 bytes into a u64.
+        let n = unsafe { libc::read(efd.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
+        assert_eq!((n, v), (8, 1));
+        assert!(steal_fd(std::process::id(), -1).is_err());
+    }
+
+    // End-to-end, through the public API: two contexts on one host.
+    use super::super::context::{CtxShared, SoftContext};
+    use crate::soft::{SoftConfig, SoftLink, SoftProvider};
+    use crate::{
+        AccessFlags, CompletionQueue, Context, MemoryRegion, QpInitAttr, QueuePair, RecvWr, SendFlags, SendOp, SendWr,
+        WcOpcode, WcStatus, WorkCompletion,
+    };
+
+    struct Pair {
+        ca: Context,
+        cb: Context,
+        a: QueuePair,
+        b: QueuePair,
+        cq_a: CompletionQueue,
+        cq_b: CompletionQueue,
+        src: MemoryRegion,
+        dst: MemoryRegion,
+    }
+
+    fn shared(c: &Context) -> &CtxShared {
+        &c.inner.ops.as_any().downcast_ref::<SoftContext>().expect("soft context").shared
+    }
+
+    const LONG: Option<Duration> = Some(Duration::from_secs(20));
+
+    fn pair(doorbell: bool) -> Pair {
+        let dev = SoftProvider::new(SoftConfig { link: SoftLink::Shm, doorbell, ..SoftConfig::default() }).device();
+        let (ca, cb) = (dev.open().unwrap(), dev.open().unwrap());
+        let (pa, pb) = (ca.alloc_pd().unwrap(), cb.alloc_pd().unwrap());
+        let (cq_a, cq_b) = (ca.create_cq(256).unwrap(), cb.create_cq(256).unwrap());
+        let attr = QpInitAttr::default();
+        let a = pa.create_qp(&attr, &cq_a, &cq_a).unwrap();
+        let b = pb.create_qp(&attr, &cq_b, &cq_b).unwrap();
+        a.connect(&b.endpoint().unwrap()).unwrap();
+        b.connect(&a.endpoint().unwrap()).unwrap();
+        let src = MemoryRegion::alloc(&pa, 4096, AccessFlags::LOCAL_WRITE).unwrap();
+        let dst = MemoryRegion::alloc(&pb, 4096, AccessFlags::all_remote()).unwrap();
+        let p = Pair { ca, cb, a, b, cq_a, cq_b, src, dst };
+        // One notify first, whatever path it takes: the same-host link (and
+        // with it the doorbell) is up once it has completed.
+        p.b.post_recv(&[RecvWr { wr_id: 1000, sg_list: &[] }]).unwrap();
+        p.post(1000, 0);
+        assert_eq!(p.one(&p.cq_a, Duration::ZERO).wr_id, 1000);
+        assert_eq!(p.one(&p.cq_b, Duration::ZERO).imm_data, Some(0));
+        p
+    }
+
+    impl Pair {
+        /// WRITE_WITH_IMM of 8 bytes carrying `imm` from A into B.
+        fn post(&self, wr_id: u64, imm: u32) {
+            self.src.write(0, &u64::from(imm).to_le_bytes()).unwrap();
+            let sge = [self.src.sge(0, 8).unwrap()];
+            let op = SendOp::RdmaWriteWithImm { remote_addr: self.dst.addr(), rkey: self.dst.rkey(), imm };
+            self.a.post_send(&[SendWr { wr_id, op, sg_list: &sge, flags: SendFlags::SIGNALED }]).unwrap();
+        }
+
+        fn one(&self, cq: &CompletionQueue, spin: Duration) -> WorkCompletion {
+            let mut wc = [WorkCompletion::empty(); 1];
+            assert_eq!(cq.wait(&mut wc, LONG, spin).unwrap(), 1, "no completion within 20 s");
+            assert_eq!(wc[0].status, WcStatus::Success, "{:?}", wc[0]);
+            wc[0]
+        }
+
+        fn counts(&self) -> (u64, u64) {
+            (shared(&self.cb).db_claimed.load(Ordering::Relaxed), shared(&self.ca).db_retracted.load(Ordering::Relaxed))
+        }
+
+        fn check_recv(&self, wc: &WorkCompletion, imm: u32) {
+            assert_eq!((wc.opcode, wc.imm_data, wc.byte_len), (WcOpcode::RecvRdmaWithImm, Some(imm), 8), "{wc:?}");
+            let mut got = [0u8; 8];
+            self.dst.read(0, &mut got).unwrap();
+            assert_eq!(u64::from_le_bytes(got), u64::from(imm));
+        }
+    }
+
+    #[test]
+    fn a_spinning_receiver_claims_the_record() {
+        let p = pair(true);
+        let before = p.counts();
+        p.b.post_recv(&[RecvWr { wr_id: 1, sg_list: &[] }]).unwrap();
+        p.post(7, 42);
+        let wc = p.one(&p.cq_b, Duration::from_secs(10));
+        p.check_recv(&wc, 42);
+        assert_eq!(wc.wr_id, 1);
+        assert_eq!(p.one(&p.cq_a, Duration::from_secs(10)).wr_id, 7);
+        assert_eq!(p.counts(), (before.0 + 1, before.1), "the record went through the connection");
+    }
+
+    fn rings(c: &Context) -> u64 {
+        shared(c).db_rings.load(Ordering::Relaxed)
+    }
+
+    #[test]
+    fn a_sleeping_receiver_is_woken() {
+        let p = pair(true);
+        let before = p.counts();
+        let rung = rings(&p.ca);
+        p.b.post_recv(&[RecvWr { wr_id: 2, sg_list: &[] }]).unwrap();
+        std::thread::scope(|s| {
+            let rx = s.spawn(|| p.one(&p.cq_b, Duration::ZERO));
+            // B arms its CQ and sleeps on the event fd before A posts.
+            std::thread::sleep(Duration::from_millis(200));
+            p.post(8, 43);
+            p.check_recv(&rx.join().unwrap(), 43);
+        });
+        assert_eq!(p.one(&p.cq_a, Duration::from_secs(10)).wr_id, 8);
+        assert_eq!(p.counts(), (before.0 + 1, before.1), "the record went through the connection");
+        assert_eq!(rings(&p.ca), rung + 1, "A did not ring B's CQ");
+    }
+
+    #[test]
+    fn a_sleeping_sender_is_woken() {
+        let p = pair(true);
+        let before = p.counts();
+        let rung = rings(&p.cb);
+        p.b.post_recv(&[RecvWr { wr_id: 3, sg_list: &[] }]).unwrap();
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                // A is asleep on its CQ by the time B claims.
+                std::thread::sleep(Duration::from_millis(200));
+                p.check_recv(&p.one(&p.cq_b, Duration::from_secs(10)), 44);
+            });
+            p.post(9, 44);
+            assert_eq!(p.one(&p.cq_a, Duration::ZERO).wr_id, 9);
+        });
+        assert_eq!(p.counts(), (before.0 + 1, before.1), "the record went through the connection");
+        assert_eq!(rings(&p.cb), rung + 1, "B did not ring A's CQ");
+    }
+
+    #[test]
+    fn an_unpolled_receiver_gets_it_through_the_connection() {
+        let p = pair(true);
+        let before = p.counts();
+        p.b.post_recv(&[RecvWr { wr_id: 4, sg_list: &[] }]).unwrap();
+        p.post(10, 45);
+        // Nobody polls B: the record is retracted after STALE and sent as a
+        // notify, which B's progress thread delivers.
+        assert_eq!(p.one(&p.cq_a, Duration::ZERO).wr_id, 10);
+        assert_eq!(p.counts(), (before.0, before.1 + 1));
+        p.check_recv(&p.one(&p.cq_b, Duration::ZERO), 45);
+        let mut wc = [WorkCompletion::empty(); 2];
+        assert_eq!(
+            p.cq_b.wait(&mut wc, Some(Duration::from_millis(50)), Duration::ZERO).unwrap(),
+            0,
+            "delivered twice"
+        );
+    }
+
+    #[test]
+    fn without_a_posted_receive_the_connection_is_used() {
+        let p = pair(true);
+        let before = p.counts();
+        p.post(11, 46);
+        std::thread::sleep(Duration::from_millis(20));
+        p.b.post_recv(&[RecvWr { wr_id: 5, sg_list: &[] }]).unwrap();
+        p.check_recv(&p.one(&p.cq_b, Duration::ZERO), 46);
+        assert_eq!(p.one(&p.cq_a, Duration::ZERO).wr_id, 11);
+        assert_eq!(p.counts(), before);
+    }
+
+    #[test]
+    fn writes_after_a_record_keep_their_order() {
+        let p = pair(true);
+        let n = 240u32;
+        let recvs: Vec<RecvWr<'_>> = (0..n).map(|i| RecvWr { wr_id: u64::from(i), sg_list: &[] }).collect();
+        p.b.post_recv(&recvs).unwrap();
+        std::thread::scope(|s| {
+            let rx = s.spawn(|| {
+                let mut got = Vec::new();
+                let mut wc = [WorkCompletion::empty(); 16];
+                while got.len() < n as usize {
+                    let k = p.cq_b.wait(&mut wc, LONG, Duration::from_secs(1)).unwrap();
+                    assert!(k > 0, "receive completions stopped at {}", got.len());
+                    got.extend(wc[..k].iter().map(|w| (w.wr_id, w.imm_data)));
+                }
+                got
+            });
+            // Bursts of three: the first of each can take the doorbell, the
+            // other two follow through the progress thread.
+            for burst in 0..n / 3 {
+                for j in 0..3 {
+                    p.post(u64::from(burst * 3 + j), burst * 3 + j);
+                }
+                for j in 0..3 {
+                    assert_eq!(p.one(&p.cq_a, Duration::from_secs(1)).wr_id, u64::from(burst * 3 + j));
+                }
+            }
+            let got = rx.join().unwrap();
+            let want: Vec<(u64, Option<u32>)> = (0..n).map(|i| (u64::from(i), Some(i))).collect();
+            assert_eq!(got, want);
+        });
+        let (claimed, retracted) = p.counts();
+        assert!(claimed + retracted > 0, "no record was used");
+    }
+
+    #[test]
+    fn the_switch_turns_it_off() {
+        let p = pair(false);
+        assert_eq!(p.b.endpoint().unwrap().soft.unwrap().doorbell_slot, 0);
+        p.b.post_recv(&[RecvWr { wr_id: 6, sg_list: &[] }]).unwrap();
+        p.post(12, 47);
+        p.check_recv(&p.one(&p.cq_b, Duration::from_secs(1)), 47);
+        assert_eq!(p.one(&p.cq_a, Duration::ZERO).wr_id, 12);
+        assert_eq!(p.counts(), (0, 0));
+    }
+}
