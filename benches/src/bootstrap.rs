@@ -1,7 +1,7 @@
 //! The bootstrap connection between client and server: one TCP stream of
 //! JSON lines that carries the session settings, each side's endpoint
 //! (transport URL or virtual-QP endpoint) and buffer, the server's part of
-//! bidirectional and ping-pong tests, and the end-of-run checksums.
+//! bidirectional and ping-pong tests, and the per-size refills and checksums.
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::TcpStream;
@@ -16,7 +16,7 @@ use crate::host::HostInfo;
 use crate::plan::Plan;
 
 /// Bumped when the messages change; both ends must agree.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// Client → server: what to set up.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -88,6 +88,15 @@ pub enum Request {
         /// Pings to answer.
         count: u64,
     },
+    /// Refill the first `len` bytes of the source half with the pattern
+    /// of `seed` (before each size, so that each size's check covers only
+    /// what that size moved).
+    Fill {
+        /// Pattern seed.
+        seed: u64,
+        /// Bytes from the start of the source half.
+        len: u64,
+    },
     /// Checksum of the first `len` bytes of a region.
     Checksum {
         /// Which half.
@@ -116,6 +125,8 @@ pub enum Reply {
     },
     /// Every ping was answered.
     EchoDone,
+    /// The source half was refilled.
+    Filled,
     /// A checksum.
     Checksum {
         /// The value.

@@ -1,4 +1,4 @@
-//! The end-of-run data check: a fast streaming hash of a memory region,
+//! The per-size data check: a fast streaming hash of a memory region,
 //! computed by each side over its own memory and compared over the
 //! bootstrap connection.
 

@@ -67,12 +67,14 @@ pub(crate) trait Engine {
 
 const CHUNK: usize = 4 << 20;
 
-/// Fills the source half with the pattern of `seed`.
-pub(crate) fn fill(e: &dyn Engine, seed: u64) -> Result<()> {
-    let mut buf = vec![0u8; CHUNK];
+/// Fills the first `len` bytes of the source half with the pattern of
+/// `seed`.
+pub(crate) fn fill(e: &dyn Engine, seed: u64, len: u64) -> Result<()> {
+    let len = len.min(e.max());
+    let mut buf = vec![0u8; CHUNK.min(len as usize)];
     let mut off = 0;
-    while off < e.max() {
-        let n = (e.max() - off).min(CHUNK as u64) as usize;
+    while off < len {
+        let n = (len - off).min(CHUNK as u64) as usize;
         pattern_chunk(seed, off, &mut buf[..n]);
         e.write_at(off, &buf[..n])?;
         off += n as u64;

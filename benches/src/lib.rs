@@ -11,7 +11,7 @@
 //! Operations through the transport (`write`, `read`, `write_lat`,
 //! `read_lat`) and on the raw virtual QP (`verbs_write`,
 //! `verbs_write_lat`, `verbs_read`) print perftest's tables; every run
-//! checks the bytes it moved at the end and exits non-zero (3) if they
+//! checks the bytes each size moved and exits non-zero (3) if they
 //! are wrong, 2 for options that cannot work here (e.g. `--provider verbs`
 //! without an RDMA device), 1 when the run breaks.
 //!

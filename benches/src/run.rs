@@ -213,7 +213,7 @@ fn serve_session(op: Op, a: &BenchArgs, ctl: &mut Control) -> Result<()> {
         )));
     }
     let mut e = engine_for(op, &hello, a.ib_dev.as_deref())?;
-    fill(e.as_ref(), SERVER_SEED)?;
+    fill(e.as_ref(), SERVER_SEED, u64::MAX)?;
     ctl.send(&e.info()?)?;
     let peer: SideInfo = ctl.recv("the client's endpoint")?;
     e.connect(&peer)?;
@@ -240,10 +240,24 @@ fn serve_session(op: Op, a: &BenchArgs, ctl: &mut Control) -> Result<()> {
                 e.echo(size, count)?;
                 ctl.send(&Reply::EchoDone)?;
             }
+            Request::Fill { seed, len } => {
+                fill(e.as_ref(), seed, len)?;
+                ctl.send(&Reply::Filled)?;
+            }
             Request::Checksum { region, len } => {
+                // Test hook (the client must notice and fail loudly):
+                // RDMA_BENCH_TEST_CORRUPT=N damages one byte of what the
+                // N-byte messages left in the destination; any other value
+                // reports a wrong checksum.
+                let corrupt = std::env::var("RDMA_BENCH_TEST_CORRUPT").ok();
+                let at_size = corrupt.as_deref().and_then(|v| v.parse::<u64>().ok());
+                if region == Region::Dst && at_size == Some(len) && len > 1 {
+                    let mut b = [0u8; 1];
+                    e.read_at(e.max() + len / 2, &mut b)?;
+                    e.write_at(e.max() + len / 2, &[b[0] ^ 0x5a])?;
+                }
                 let mut value = checksum(e.as_ref(), region, len)?;
-                if std::env::var_os("RDMA_BENCH_TEST_CORRUPT").is_some() {
-                    // Test hook: the client must notice and fail loudly.
+                if corrupt.is_some() && at_size.is_none() {
                     value ^= 1;
                 }
                 ctl.send(&Reply::Checksum { value })?;
@@ -384,7 +398,7 @@ fn client(op: Op, a: &BenchArgs) -> Result<()> {
     // Fail here, before any server starts, when the provider or device
     // cannot be had.
     let mut e = engine_for(op, &hello, a.ib_dev.as_deref())?;
-    fill(e.as_ref(), CLIENT_SEED)?;
+    fill(e.as_ref(), CLIENT_SEED, u64::MAX)?;
     let (local, host, port) = match &a.client {
         Some(peer) => {
             let (h, p) = parse_peer(peer, a.port).map_err(BenchError::Config)?;
@@ -471,9 +485,16 @@ fn client(op: Op, a: &BenchArgs) -> Result<()> {
     out.header(&table_header(op.kind(), a.report_gbits));
 
     let pb = progress(sizes.len(), a.json);
-    let mut moved = 0u64;
     for &size in &sizes {
         pb.set_message(format_size(size));
+        // Fresh patterns on both sides, so that this size's check covers
+        // only what this size moved.
+        fill(e.as_ref(), CLIENT_SEED ^ size.rotate_left(17), size)?;
+        ctl.send(&Request::Fill { seed: SERVER_SEED ^ size.rotate_left(17), len: size })?;
+        match ctl.reply("the server's refill")? {
+            Reply::Filled => {}
+            other => return Err(BenchError::Run(format!("unexpected reply {other:?}"))),
+        }
         let p = plan(op.kind(), size, a.iters, a.warmup, a.duration);
         let rec = match op.kind() {
             Kind::Bandwidth => {
@@ -500,13 +521,21 @@ fn client(op: Op, a: &BenchArgs) -> Result<()> {
                 Record::latency(&info, size, &s)
             }
         };
-        moved = moved.max(size);
+        verify(op, a, e.as_ref(), &mut ctl, size)?;
         out.row(rec, &pb)?;
         pb.inc(1);
     }
     pb.finish_and_clear();
-
-    verify(op, a, e.as_ref(), &mut ctl, moved, &out)?;
+    let msg = if sizes.len() == 1 {
+        format!("data verified: the {} each destination received match their source", format_size(sizes[0]))
+    } else {
+        "data verified: after every size, each destination matched its source".to_owned()
+    };
+    if out.json {
+        eprintln!("{msg}");
+    } else {
+        println!("{RULE}\n {msg}");
+    }
     let _ = ctl.send(&Request::Bye);
     drop(ctl);
     if let Some(srv) = local {
@@ -546,9 +575,9 @@ fn latency(op: Op, e: &mut dyn Engine, ctl: &mut Control, size: u64, p: Plan) ->
     run(count)
 }
 
-/// The end-of-run check: the destination of every direction that moved
-/// data holds the source's bytes.
-fn verify(op: Op, a: &BenchArgs, e: &dyn Engine, ctl: &mut Control, len: u64, out: &Output) -> Result<()> {
+/// The check after each size: the destination of every direction that
+/// moved data holds the source's first `len` bytes.
+fn verify(op: Op, a: &BenchArgs, e: &dyn Engine, ctl: &mut Control, len: u64) -> Result<()> {
     // (region at the server, region here, what it is)
     let mut checks: Vec<(Region, Region, &str)> = Vec::new();
     match op.dir() {
@@ -575,15 +604,10 @@ fn verify(op: Op, a: &BenchArgs, e: &dyn Engine, ctl: &mut Control, len: u64, ou
         let local = checksum(e, mine, len)?;
         if remote != local {
             return Err(BenchError::Verification(format!(
-                "{what}: the first {len} bytes differ (checksum {remote:#018x} vs {local:#018x})"
+                "{} B messages: {what}: the first {len} bytes differ (checksum {remote:#018x} vs {local:#018x})",
+                len
             )));
         }
-    }
-    let msg = format!("data verified: the first {} at each destination match their source", format_size(len));
-    if out.json {
-        eprintln!("{msg}");
-    } else {
-        println!("{RULE}\n {msg}");
     }
     Ok(())
 }

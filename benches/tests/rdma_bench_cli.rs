@@ -220,10 +220,26 @@ fn verbs_without_a_device_is_a_clear_error() {
 #[test]
 fn wrong_data_fails_loudly() {
     // Test hook: the server reports a wrong checksum.
-    let o = run_with(&["write", "-s", "4K", "-n", "5"], &[("RDMA_BENCH_TEST_CORRUPT", "1")]);
+    let o = run_with(&["write", "-s", "4K", "-n", "5"], &[("RDMA_BENCH_TEST_CORRUPT", "always")]);
     let (out, err) = text(&o);
     assert_eq!(o.status.code(), Some(3), "stdout:\n{out}\nstderr:\n{err}");
     assert!(err.contains("DATA VERIFICATION FAILED"), "{err}");
+}
+
+#[test]
+fn every_size_is_verified() {
+    // One byte of what the 8 KiB writes left at the server is damaged: the
+    // sweep must stop there, naming the size, although the 16 KiB and
+    // 32 KiB sizes after it would overwrite the damage.
+    let o =
+        run_with(&["write", "-a", "--min", "4K", "--max", "32K", "-n", "20"], &[("RDMA_BENCH_TEST_CORRUPT", "8192")]);
+    let (out, err) = text(&o);
+    assert_eq!(o.status.code(), Some(3), "stdout:\n{out}\nstderr:\n{err}");
+    assert!(err.contains("DATA VERIFICATION FAILED: 8192 B messages"), "{err}");
+    assert!(!out.contains("16384 "), "the sweep went on after the failed size:\n{out}");
+    // Undamaged, the same sweep verifies every size.
+    let out = ok(&["write", "-a", "--min", "4K", "--max", "32K", "-n", "20"]);
+    assert!(out.contains("after every size, each destination matched its source"), "{out}");
 }
 
 #[test]

@@ -45,7 +45,9 @@ pub(crate) struct VcqInner {
 struct Registry {
     reserved: usize,
     qps: HashMap<u32, (Weak<VqpShared>, usize)>,
-    vqps: Vec<Weak<VqpShared>>,
+    /// The virtual QPs, as a snapshot that a poll clones without
+    /// allocating (rebuilt on every change, which is rare).
+    vqps: Arc<[Weak<VqpShared>]>,
 }
 
 impl fmt::Debug for VirtualCq {
@@ -120,7 +122,9 @@ impl VirtualCq {
         for (i, &qpn) in qpns.iter().enumerate() {
             r.qps.insert(qpn, (Arc::downgrade(vqp), i));
         }
-        r.vqps.push(Arc::downgrade(vqp));
+        let mut v = r.vqps.to_vec();
+        v.push(Arc::downgrade(vqp));
+        r.vqps = v.into();
     }
 
     pub(crate) fn unregister(&self, vqp: &Arc<VqpShared>, qpns: &[u32], reserved: usize) {
@@ -129,7 +133,9 @@ impl VirtualCq {
             r.qps.remove(qpn);
         }
         let me = Arc::downgrade(vqp);
-        r.vqps.retain(|w| !w.ptr_eq(&me) && w.strong_count() > 0);
+        let v: Vec<Weak<VqpShared>> =
+            r.vqps.iter().filter(|w| !w.ptr_eq(&me) && w.strong_count() > 0).cloned().collect();
+        r.vqps = v.into();
         r.reserved = r.reserved.saturating_sub(reserved);
     }
 
@@ -150,9 +156,11 @@ impl VirtualCq {
 
     /// Drains the physical CQ (waiting up to `wait` for a first completion
     /// when given) and feeds every completion to its virtual QP.
-    fn progress_inner(&self, wait: Option<(Duration, Duration)>) -> Result<()> {
+    /// Returns how many physical completions were routed.
+    fn progress_inner(&self, wait: Option<(Duration, Duration)>) -> Result<usize> {
         let mut scratch = self.inner.drain.lock().unwrap_or_else(|e| e.into_inner());
         let mut first = true;
+        let mut routed = 0;
         loop {
             let n = match (first, wait) {
                 (true, Some((timeout, busy))) => self.inner.cq.wait(&mut scratch, Some(timeout), busy)?,
@@ -160,20 +168,23 @@ impl VirtualCq {
             };
             first = false;
             self.route(&scratch[..n]);
+            routed += n;
             if n < scratch.len() {
-                return Ok(());
+                return Ok(routed);
             }
         }
     }
 
     fn collect(&self, out: &mut [WorkCompletion]) -> usize {
-        let vqps: Vec<Arc<VqpShared>> = self.reg().vqps.iter().filter_map(Weak::upgrade).collect();
+        let vqps = self.reg().vqps.clone();
         let mut n = 0;
-        for v in vqps {
+        for v in vqps.iter() {
             if n == out.len() {
                 break;
             }
-            n += v.drain_into(&mut out[n..]);
+            if let Some(v) = v.upgrade() {
+                n += v.drain_into(&mut out[n..]);
+            }
         }
         n
     }
@@ -185,7 +196,7 @@ impl VirtualCq {
     /// out, and a DQPLB receiver's receives are replenished, only here (or
     /// in `poll`/`wait`).
     pub fn progress(&self) -> Result<()> {
-        self.progress_inner(None)
+        self.progress_inner(None).map(|_| ())
     }
 
     /// Moves up to `out.len()` virtual completions into `out`; returns how
@@ -196,7 +207,10 @@ impl VirtualCq {
         if n == out.len() {
             return Ok(n);
         }
-        self.progress_inner(None)?;
+        // Nothing new from the physical CQ: nothing new to collect.
+        if self.progress_inner(None)? == 0 {
+            return Ok(n);
+        }
         Ok(n + self.collect(&mut out[n..]))
     }
 
@@ -226,8 +240,8 @@ impl VirtualCq {
     /// The earliest time at which a virtual QP gives up waiting for a lost
     /// fragment; an async driver wakes then and calls [`poll`](Self::poll).
     pub fn next_deadline(&self) -> Option<Instant> {
-        let vqps: Vec<Arc<VqpShared>> = self.reg().vqps.iter().filter_map(Weak::upgrade).collect();
-        vqps.iter().filter_map(|v| v.deadline()).min()
+        let vqps = self.reg().vqps.clone();
+        vqps.iter().filter_map(Weak::upgrade).filter_map(|v| v.deadline()).min()
     }
 
     /// Arms the completion channel: the next physical completion makes the
