@@ -258,16 +258,8 @@ impl RdmaTransport {
                 Err(r) => return r,
             };
             // Reap pending notifications here first (see `finish`).
-            let spin_until = std::time::Instant::now() + inner.config.busy_poll;
-            loop {
-                inner.progress();
-                if let Ok(r) = rx.try_recv() {
-                    return r;
-                }
-                if std::time::Instant::now() >= spin_until {
-                    break;
-                }
-                std::hint::spin_loop();
+            if let Some(r) = inner.reap_until(&mut rx) {
+                return r;
             }
             let res = match timeout {
                 None => (&mut rx).await,
@@ -393,6 +385,27 @@ impl Inner {
         }
     }
 
+    /// Polls the CQ from the calling task until `rx` has its result or
+    /// `busy_poll` has passed (one poll when it is zero: no clock read).
+    fn reap_until(&self, rx: &mut oneshot::Receiver<Result<(), TransportError>>) -> Option<Result<(), TransportError>> {
+        self.progress();
+        if let Ok(r) = rx.try_recv() {
+            return Some(r);
+        }
+        if self.config.busy_poll.is_zero() {
+            return None;
+        }
+        let spin_until = std::time::Instant::now() + self.config.busy_poll;
+        while std::time::Instant::now() < spin_until {
+            std::hint::spin_loop();
+            self.progress();
+            if let Ok(r) = rx.try_recv() {
+                return Some(r);
+            }
+        }
+        None
+    }
+
     async fn finish(
         &self,
         id: u64,
@@ -402,16 +415,8 @@ impl Inner {
     ) -> Result<(), TransportError> {
         // Reap here first (and, with busy_poll, keep reaping for a while):
         // no wake-up of the driver task is needed for what is found.
-        let spin_until = std::time::Instant::now() + self.config.busy_poll;
-        loop {
-            self.progress();
-            if let Ok(r) = rx.try_recv() {
-                return r;
-            }
-            if std::time::Instant::now() >= spin_until {
-                break;
-            }
-            std::hint::spin_loop();
+        if let Some(r) = self.reap_until(&mut rx) {
+            return r;
         }
         let r = match timeout {
             None => rx.await,

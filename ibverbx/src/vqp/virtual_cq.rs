@@ -140,6 +140,9 @@ impl VirtualCq {
     }
 
     fn route(&self, wcs: &[WorkCompletion]) {
+        if wcs.is_empty() {
+            return;
+        }
         let targets: Vec<Option<(Arc<VqpShared>, usize)>> = {
             let r = self.reg();
             wcs.iter().map(|wc| r.qps.get(&wc.qp_num).and_then(|(w, i)| Some((w.upgrade()?, *i)))).collect()
@@ -203,15 +206,9 @@ impl VirtualCq {
     /// many. Never blocks. Returns [`Error::CqOverflow`] if the physical CQ
     /// overflowed (only possible when its physical QPs are used directly).
     pub fn poll(&self, out: &mut [WorkCompletion]) -> Result<usize> {
-        let n = self.collect(out);
-        if n == out.len() {
-            return Ok(n);
-        }
-        // Nothing new from the physical CQ: nothing new to collect.
-        if self.progress_inner(None)? == 0 {
-            return Ok(n);
-        }
-        Ok(n + self.collect(&mut out[n..]))
+        // Route what the physical CQ holds, then collect once.
+        self.progress_inner(None)?;
+        Ok(self.collect(out))
     }
 
     /// Waits until a virtual completion is available or `timeout` passes
