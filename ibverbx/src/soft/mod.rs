@@ -21,6 +21,7 @@
 
 mod config;
 mod context;
+mod copy;
 mod cq;
 mod doorbell;
 mod host;

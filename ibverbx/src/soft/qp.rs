@@ -83,6 +83,8 @@ pub(crate) struct SoftQp {
     /// Doorbell WRs this QP posted that are not finished yet (shared with
     /// the send CQ's registration).
     pub(crate) db_tx_pending: Arc<AtomicU32>,
+    /// Long runs of direct copies stream past the cache (`copy.rs`).
+    pub(crate) stream: super::copy::StreamDetector,
 }
 
 /// The receiving side of a doorbell (see `doorbell.rs`).
@@ -174,6 +176,7 @@ impl SoftQp {
             fast: std::sync::RwLock::new(None),
             db,
             db_tx_pending: Arc::new(AtomicU32::new(0)),
+            stream: Default::default(),
         });
         pd.ctx.qps.lock().unwrap_or_else(|e| e.into_inner()).insert(qpn, Arc::downgrade(&qp));
         if pd.ctx.doorbells.is_some() {
@@ -244,18 +247,20 @@ impl SoftQp {
         let mut off = 0;
         match wr.op {
             SendOp::RdmaWrite { .. } => {
+                let stream = self.stream.observe(raddr, len);
                 for &(l, n) in local {
                     // SAFETY: l..l+n is a checked live local region (or the
                     // caller's inline buffer); p+off..p+off+n lies in the
                     // peer's checked, mapped region.
-                    unsafe { std::ptr::copy_nonoverlapping(l as *const u8, (p + off) as *mut u8, n) };
+                    unsafe { super::copy::copy((p + off) as *mut u8, l as *const u8, n, stream) };
                     off += n;
                 }
             }
             SendOp::RdmaRead { .. } => {
+                let stream = self.stream.observe(raddr, len);
                 for &(l, n) in local {
                     // SAFETY: as above, direction reversed.
-                    unsafe { std::ptr::copy_nonoverlapping((p + off) as *const u8, l as *mut u8, n) };
+                    unsafe { super::copy::copy(l as *mut u8, (p + off) as *const u8, n, stream) };
                     off += n;
                 }
             }
@@ -310,7 +315,8 @@ impl SoftQp {
         let local = &local[..wr.sg_list.len()];
         let (frame, payload): (Frame, &[(usize, usize)]) = match wr.op {
             SendOp::RdmaWriteWithImm { remote_addr, rkey, imm } => {
-                if len as usize > self.ctx.config.inline_copy_max || !copy_direct(&fast, local, remote_addr, rkey, len)
+                if len as usize > self.ctx.config.inline_copy_max
+                    || !copy_direct(&fast, local, remote_addr, rkey, len, &self.stream)
                 {
                     return false;
                 }
@@ -373,7 +379,7 @@ impl SoftQp {
         let mut local: [(usize, usize); 16] = [(0, 0); 16];
         let mut _keep: [Option<Arc<super::mr::SoftMr>>; 16] = Default::default();
         if !self.local_pieces(wr, &mut local, &mut _keep)
-            || !copy_direct(&fast, &local[..wr.sg_list.len()], remote_addr, rkey, len)
+            || !copy_direct(&fast, &local[..wr.sg_list.len()], remote_addr, rkey, len, &self.stream)
         {
             return false;
         }
@@ -811,7 +817,14 @@ impl Drop for SoftQp {
 /// Copies the local pieces straight into the peer's memory at
 /// `remote_addr` (checked against its key table); false when there is no
 /// direct path (nothing copied then).
-fn copy_direct(fast: &FastPath, local: &[(usize, usize)], remote_addr: u64, rkey: u32, len: u64) -> bool {
+fn copy_direct(
+    fast: &FastPath,
+    local: &[(usize, usize)],
+    remote_addr: u64,
+    rkey: u32,
+    len: u64,
+    stream: &super::copy::StreamDetector,
+) -> bool {
     use super::peer::Direct;
     if len == 0 {
         return true;
@@ -820,11 +833,12 @@ fn copy_direct(fast: &FastPath, local: &[(usize, usize)], remote_addr: u64, rkey
     else {
         return false;
     };
+    let stream = stream.observe(remote_addr, len);
     let mut off = 0;
     for &(l, n) in local {
         // SAFETY: l..l+n is a checked live local region (or the caller's
         // inline buffer); p+off.. lies in the peer's checked, mapped region.
-        unsafe { std::ptr::copy_nonoverlapping(l as *const u8, (p + off) as *mut u8, n) };
+        unsafe { super::copy::copy((p + off) as *mut u8, l as *const u8, n, stream) };
         off += n;
     }
     true

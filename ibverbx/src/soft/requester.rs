@@ -381,24 +381,24 @@ fn local_ptrs(sh: &Shared, e: &SqEntry) -> Result<Vec<(usize, usize)>, WcStatus>
     e.segs.iter().map(|s| s.ptr(sh.qp.pd, need).map(|p| (p as usize, s.len as usize))).collect()
 }
 
-/// Copies the local pieces to `dst` (gather).
-fn gather_to(dst: usize, local: &[(usize, usize)]) {
+/// Copies the local pieces to `dst` (gather); `stream`: past the cache.
+fn gather_to(dst: usize, local: &[(usize, usize)], stream: bool) {
     let mut off = 0;
     for &(p, l) in local {
         // SAFETY: p..p+l lies in a live, checked local registration (or the
         // inline copy); dst..dst+total was checked against the peer's MR and
         // lies in a live mapping.
-        unsafe { std::ptr::copy_nonoverlapping(p as *const u8, (dst + off) as *mut u8, l) };
+        unsafe { super::copy::copy((dst + off) as *mut u8, p as *const u8, l, stream) };
         off += l;
     }
 }
 
 /// Copies from `src` into the local pieces (scatter).
-fn scatter_from(src: usize, local: &[(usize, usize)]) {
+fn scatter_from(src: usize, local: &[(usize, usize)], stream: bool) {
     let mut off = 0;
     for &(p, l) in local {
         // SAFETY: as in gather_to, directions swapped.
-        unsafe { std::ptr::copy_nonoverlapping((src + off) as *const u8, p as *mut u8, l) };
+        unsafe { super::copy::copy(p as *mut u8, (src + off) as *const u8, l, stream) };
         off += l;
     }
 }
@@ -522,7 +522,7 @@ async fn execute(sh: &Arc<Shared>, link: &mut Option<Link>, e: SqEntry) {
                     if !memory_ordered(sh).await {
                         return finish(sh, inf, WcStatus::WrFlushErr).await;
                     }
-                    gather_to(p, &local);
+                    gather_to(p, &local, sh.qp.stream.observe(remote_addr, len));
                     true
                 }
                 Ok(Direct::Vm(a)) => {
@@ -551,7 +551,7 @@ async fn execute(sh: &Arc<Shared>, link: &mut Option<Link>, e: SqEntry) {
                 if !memory_ordered(sh).await {
                     return finish(sh, inf, WcStatus::WrFlushErr).await;
                 }
-                scatter_from(p, &local);
+                scatter_from(p, &local, sh.qp.stream.observe(remote_addr, len));
                 return finish(sh, inf, WcStatus::Success).await;
             }
             Ok(Direct::Vm(a)) => {
