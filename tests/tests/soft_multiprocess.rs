@@ -9,8 +9,8 @@ use rmacomm_tests::harness::{introduce, NetnsPair, Peer};
 const PEER: &str = env!("CARGO_BIN_EXE_soft_peer");
 
 /// Starts target and initiator, swaps their endpoints, and checks both
-/// succeed with every size verified.
-fn run_pair(prefix_t: &[String], prefix_i: &[String], args: &[&str], env: &[(&str, &str)]) {
+/// succeed with every size verified; returns the target's output.
+fn run_pair(prefix_t: &[String], prefix_i: &[String], args: &[&str], env: &[(&str, &str)]) -> Vec<String> {
     let t = Peer::spawn("target", PEER, prefix_t, &[&["target"], args].concat(), env);
     let i = Peer::spawn("initiator", PEER, prefix_i, &[&["initiator"], args].concat(), env);
     let (t, i) = introduce(t, i);
@@ -21,11 +21,25 @@ fn run_pair(prefix_t: &[String], prefix_i: &[String], args: &[&str], env: &[(&st
     let expected = args.iter().position(|a| *a == "--sizes").map(|p| args[p + 1].split(',').count()).unwrap_or(7);
     assert_eq!(verified, expected, "target output: {tt:?}");
     assert!(ti.iter().any(|l| l.contains("\"ok\":true")), "{ti:?}");
+    tt
+}
+
+/// The target's soft counter `key`.
+fn counter(out: &[String], key: &str) -> u64 {
+    out.iter()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find_map(|v| v.get(key).and_then(serde_json::Value::as_u64))
+        .unwrap_or_else(|| panic!("no {key} in {out:?}"))
 }
 
 #[test]
 fn shm_two_processes_shared_segments() {
-    run_pair(&[], &[], &["--mem", "shm"], &[("RMACOMM_SOFT_LINK", "shm")]);
+    let out = run_pair(&[], &[], &["--mem", "shm"], &[("RMACOMM_SOFT_LINK", "shm")]);
+    // Both sides wait asleep on their CQs: the notifications went through
+    // the target's doorbell, and the target rang the initiator's CQ in
+    // the other process (pidfd_getfd) when it claimed them.
+    assert!(counter(&out, "doorbell_claimed") > 0, "{out:?}");
+    assert!(counter(&out, "doorbell_rings") > 0, "{out:?}");
 }
 
 #[test]

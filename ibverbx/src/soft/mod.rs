@@ -17,6 +17,8 @@
 //! - `context`: progress engine, listeners, PDs, registration
 //! - `qp`: state machine and posting; `requester` / `responder`: the engine
 //!   tasks; `peer`: direct access to a same-host peer
+//! - `doorbell`: same-host WRITE_WITH_IMM notifications through shared
+//!   memory; `copy`: direct copies, streaming for long runs
 //! - `cq`, `mr`: completion queues and regions
 
 mod config;
@@ -36,6 +38,32 @@ pub mod wire;
 use std::sync::{Arc, Mutex};
 
 pub use config::{SoftConfig, SoftLink};
+
+/// Counters of a soft context (diagnostics; they only grow).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct SoftStats {
+    /// Doorbell records (same-host WRITE_WITH_IMM notifications) this
+    /// context's QPs claimed as receivers.
+    pub doorbell_claimed: u64,
+    /// Doorbell records of this context's QPs that nobody claimed in time
+    /// (or that a later WR overtook) and went through the connection.
+    pub doorbell_retracted: u64,
+    /// Sleeping peers this context woke by ringing their CQ event fd.
+    pub doorbell_rings: u64,
+}
+
+/// The counters of `ctx`, or `None` when it is not a soft-provider context.
+pub fn stats(ctx: &crate::Context) -> Option<SoftStats> {
+    use std::sync::atomic::Ordering::Relaxed;
+    let c = ctx.ops().as_any().downcast_ref::<context::SoftContext>()?;
+    let s = &c.shared;
+    Some(SoftStats {
+        doorbell_claimed: s.db_claimed.load(Relaxed),
+        doorbell_retracted: s.db_retracted.load(Relaxed),
+        doorbell_rings: s.db_rings.load(Relaxed),
+    })
+}
 
 use crate::device::DeviceInfo;
 use crate::provider::{ContextOps, Provider};

@@ -115,6 +115,12 @@ fn main() {
             if wc.status != WcStatus::Success || got != b"done" {
                 fail(format!("final send: {wc:?} {got:?}"));
             }
+            if let Some(s) = ibverbx::soft::stats(&ctx) {
+                println!(
+                    "{}",
+                    serde_json::json!({ "doorbell_claimed": s.doorbell_claimed, "doorbell_rings": s.doorbell_rings })
+                );
+            }
             println!("{}", serde_json::json!({ "ok": true }));
         }
         "initiator" => {
