@@ -42,10 +42,12 @@ impl RecvEntry {
     }
 }
 
-/// What the posting thread needs to copy directly to a same-host peer.
+/// What the posting thread needs to copy directly to a same-host peer
+/// (`peer`), or to write small requests on the connection itself.
 #[derive(Debug)]
 pub(crate) struct FastPath {
-    pub(crate) peer: Arc<super::peer::PeerMap>,
+    /// The same-host peer's mapped tables; `None` over TCP.
+    pub(crate) peer: Option<Arc<super::peer::PeerMap>>,
     pub(crate) remote_pd: u32,
     /// Sending notifications from the posting thread (unix-socket links).
     pub(crate) notify: Option<Arc<super::requester::FastNotify>>,
@@ -243,7 +245,8 @@ impl SoftQp {
             _keep[i] = Some(mr);
         }
         let local = &local[..wr.sg_list.len()];
-        let Ok(Direct::Ptr(p, _map)) = fast.peer.resolve(fast.remote_pd, rkey, raddr, len, need) else { return false };
+        let Some(peer) = &fast.peer else { return false };
+        let Ok(Direct::Ptr(p, _map)) = peer.resolve(fast.remote_pd, rkey, raddr, len, need) else { return false };
         let mut off = 0;
         match wr.op {
             SendOp::RdmaWrite { .. } => {
@@ -295,10 +298,11 @@ impl SoftQp {
         true
     }
 
-    /// WRITE_WITH_IMM (data copied directly, then the notify) and small
-    /// SENDs on an idle same-host QP, sent by the posting thread. False when
-    /// the WR must go through the engine (nothing has been sent then; a
-    /// direct copy already made is simply made again).
+    /// Requests sent by the posting thread on an idle QP: same host,
+    /// WRITE_WITH_IMM (data copied directly, then the notify); over TCP,
+    /// small WRITEs and WRITE_WITH_IMMs with their payload; on both, small
+    /// SENDs. False when the WR must go through the engine (nothing has
+    /// been sent then; a direct copy already made is simply made again).
     fn try_fast_notify(&self, wr: &SendWr<'_>, len: u64) -> bool {
         use super::requester::FastWr;
         use super::wire::Frame;
@@ -314,6 +318,15 @@ impl SoftQp {
         }
         let local = &local[..wr.sg_list.len()];
         let (frame, payload): (Frame, &[(usize, usize)]) = match wr.op {
+            SendOp::RdmaWrite { remote_addr, rkey } | SendOp::RdmaWriteWithImm { remote_addr, rkey, .. }
+                if fast.peer.is_none() && len <= 4096 =>
+            {
+                let imm = match wr.op {
+                    SendOp::RdmaWriteWithImm { imm, .. } => Some(imm),
+                    _ => None,
+                };
+                (Frame::Write { psn: 0, raddr: remote_addr, rkey, len: len as u32, imm }, local)
+            }
             SendOp::RdmaWriteWithImm { remote_addr, rkey, imm } => {
                 if len as usize > self.ctx.config.inline_copy_max
                     || !copy_direct(&fast, local, remote_addr, rkey, len, &self.stream)
@@ -829,7 +842,8 @@ fn copy_direct(
     if len == 0 {
         return true;
     }
-    let Ok(Direct::Ptr(p, _map)) = fast.peer.resolve(fast.remote_pd, rkey, remote_addr, len, AccessFlags::REMOTE_WRITE)
+    let Some(peer) = &fast.peer else { return false };
+    let Ok(Direct::Ptr(p, _map)) = peer.resolve(fast.remote_pd, rkey, remote_addr, len, AccessFlags::REMOTE_WRITE)
     else {
         return false;
     };

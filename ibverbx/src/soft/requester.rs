@@ -227,8 +227,12 @@ pub(crate) async fn run(qp: Arc<SoftQp>, mut rx: mpsc::UnboundedReceiver<SqEntry
                         Err(e) => tracing::debug!(qpn = qp.qpn, "soft doorbell not used: {e}"),
                     }
                 }
-                let notify = dup.map(|fd| Arc::new(FastNotify { sh: sh.clone(), fd }));
-                qp.set_fast(Some(super::qp::FastPath { peer: p.clone(), remote_pd: remote.pd, notify }));
+            }
+            // The posting thread may write small requests itself (and, on
+            // the same host, copy directly).
+            let notify = dup.map(|fd| Arc::new(FastNotify { sh: sh.clone(), fd }));
+            if peer.is_some() || notify.is_some() {
+                qp.set_fast(Some(super::qp::FastPath { peer: peer.clone(), remote_pd: remote.pd, notify }));
             }
             let reader = tokio::spawn(read_responses(sh.clone(), r, rts.rnr_retry));
             if let Some(t) = ack_timeout {
@@ -321,8 +325,26 @@ async fn connect(
                     match tokio::time::timeout(Duration::from_secs(2), tokio::net::TcpStream::connect(a)).await {
                         Ok(Ok(s)) => {
                             let _ = s.set_nodelay(true);
+                            // A second descriptor for the posting thread's
+                            // small requests (as for the unix socket).
+                            let (s, dup) = match s.into_std() {
+                                Ok(std_s) => {
+                                    let dup = std_s.try_clone().ok().map(OwnedFd::from);
+                                    match tokio::net::TcpStream::from_std(std_s) {
+                                        Ok(s) => (s, dup),
+                                        Err(e) => {
+                                            err = format!("tcp connect {a}: {e}");
+                                            continue;
+                                        }
+                                    }
+                                }
+                                Err(e) => {
+                                    err = format!("tcp connect {a}: {e}");
+                                    continue;
+                                }
+                            };
                             let (r, w) = s.into_split();
-                            return Ok((Box::new(r) as Reader, Box::new(w) as Writer, None));
+                            return Ok((Box::new(r) as Reader, Box::new(w) as Writer, dup));
                         }
                         Ok(Err(e)) => err = format!("tcp connect {a}: {e}"),
                         Err(_) => err = format!("tcp connect {a}: timed out"),
