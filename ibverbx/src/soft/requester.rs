@@ -58,6 +58,25 @@ struct Inflight {
     db: Option<(u64, u32)>,
 }
 
+impl Inflight {
+    /// A WR just taken on: nothing sent, nothing awaited yet.
+    fn new(wr_id: u64, opcode: WcOpcode, signaled: bool, byte_len: u32) -> Inflight {
+        Inflight {
+            wr_id,
+            opcode,
+            signaled,
+            byte_len,
+            status: None,
+            awaiting: None,
+            segs: Vec::new(),
+            sent_at: Instant::now(),
+            rnr_waits: 0,
+            touches_memory: false,
+            db: None,
+        }
+    }
+}
+
 #[derive(Debug, Default)]
 struct SqState {
     inflight: VecDeque<Inflight>,
@@ -486,19 +505,7 @@ async fn execute(sh: &Arc<Shared>, link: &mut Option<Link>, e: SqEntry) {
     // A doorbell record still pending goes first: claimed, or retracted and
     // put on the wire ahead of this WR.
     settle_db(sh, link).await;
-    let mut inf = Inflight {
-        wr_id: e.wr_id,
-        opcode: e.op.wc_opcode(),
-        signaled: e.signaled,
-        byte_len: e.len as u32,
-        status: None,
-        awaiting: None,
-        segs: Vec::new(),
-        sent_at: Instant::now(),
-        rnr_waits: 0,
-        touches_memory: false,
-        db: None,
-    };
+    let mut inf = Inflight::new(e.wr_id, e.op.wc_opcode(), e.signaled, e.len as u32);
     if sh.qp.state_tx.borrow().eq(&QpState::Err) {
         return finish(sh, inf, WcStatus::WrFlushErr).await;
     }
@@ -645,9 +652,10 @@ async fn execute(sh: &Arc<Shared>, link: &mut Option<Link>, e: SqEntry) {
     }
 }
 
-/// Notifications sent by the posting thread itself on an idle same-host QP
-/// (WRITE_WITH_IMM after a direct copy, small SENDs): one thread hand-off
-/// less per message. The progress engine still reads the acknowledgement.
+/// Requests sent by the posting thread itself on an idle QP (same host:
+/// WRITE_WITH_IMM notifies after a direct copy, doorbell records; TCP:
+/// small WRITEs; both: small SENDs): one thread hand-off less per message.
+/// The progress engine still reads the acknowledgement.
 pub(crate) struct FastNotify {
     sh: Arc<Shared>,
     fd: OwnedFd,
@@ -695,17 +703,9 @@ impl FastNotify {
         }
         // Queued before the bytes leave, so that the ACK finds it.
         sh.lock().inflight.push_back(Inflight {
-            wr_id: wr.wr_id,
-            opcode: wr.opcode,
-            signaled: wr.signaled,
-            byte_len: wr.byte_len,
-            status: None,
             awaiting: Some((psn, Expect::Ack)),
-            segs: Vec::new(),
-            sent_at: Instant::now(),
-            rnr_waits: 0,
             touches_memory: !matches!(frame, Frame::Notify { .. }),
-            db: None,
+            ..Inflight::new(wr.wr_id, wr.opcode, wr.signaled, wr.byte_len)
         });
         let fd = self.fd.as_raw_fd();
         // SAFETY: fd is our own descriptor of the connected socket; buf is
@@ -772,19 +772,7 @@ impl FastNotify {
                 return false;
             }
             // Queued before the record is visible, so that a claim finds it.
-            q.inflight.push_back(Inflight {
-                wr_id,
-                opcode,
-                signaled,
-                byte_len: len,
-                status: None,
-                awaiting: None,
-                segs: Vec::new(),
-                sent_at: Instant::now(),
-                rnr_waits: 0,
-                touches_memory: false,
-                db: Some((k, imm)),
-            });
+            q.inflight.push_back(Inflight { db: Some((k, imm)), ..Inflight::new(wr_id, opcode, signaled, len) });
             sh.qp.db_tx_pending.fetch_add(1, Ordering::AcqRel);
         }
         let slot = db.slot.get();
