@@ -9,7 +9,12 @@ use crate::size::size_arg;
 
 /// perftest-style bandwidth and latency of rmacomm's layers.
 #[derive(Debug, Parser)]
-#[command(name = "rdma_bench", version, about, long_about = None)]
+#[command(
+    name = "rdma_bench",
+    version,
+    about = "perftest-style bandwidth and latency of rmacomm's layers: RdmaTransport and the raw VirtualQp",
+    long_about = None
+)]
 pub struct Cli {
     /// What to measure.
     #[command(subcommand)]
