@@ -388,6 +388,10 @@ impl Inner {
     /// Polls the CQ from the calling task until `rx` has its result or
     /// `busy_poll` has passed (one poll when it is zero: no clock read).
     fn reap_until(&self, rx: &mut oneshot::Receiver<Result<(), TransportError>>) -> Option<Result<(), TransportError>> {
+        // An earlier caller's poll may have resolved this one already.
+        if let Ok(r) = rx.try_recv() {
+            return Some(r);
+        }
         self.progress();
         if let Ok(r) = rx.try_recv() {
             return Some(r);
