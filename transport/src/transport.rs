@@ -1,6 +1,6 @@
 //! `RdmaTransport`: one connection to one peer, driven by tokio.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::fmt;
 use std::future::Future;
 use std::os::fd::{AsRawFd, RawFd};
@@ -23,12 +23,44 @@ type Reply = oneshot::Sender<Result<(), TransportError>>;
 struct Pending {
     op: &'static str,
     tx: Reply,
+    /// Generation of the slab slot: a WR id is `gen << 32 | slot`, so a late
+    /// completion of a WR whose call timed out never resolves the slot's
+    /// next user.
+    gen: u32,
+}
+
+/// Posted WRs awaiting their completion, by id.
+#[derive(Default)]
+struct PendingSet {
+    slots: slab::Slab<Pending>,
+    next_gen: u32,
+}
+
+impl PendingSet {
+    fn insert(&mut self, op: &'static str, tx: Reply) -> u64 {
+        // 31 bits: bit 63 of an id marks receives.
+        let gen = self.next_gen & 0x7fff_ffff;
+        self.next_gen = self.next_gen.wrapping_add(1);
+        let slot = self.slots.insert(Pending { op, tx, gen });
+        (u64::from(gen) << 32) | slot as u64
+    }
+
+    fn remove(&mut self, id: u64) -> Option<Pending> {
+        let slot = (id & 0xffff_ffff) as usize;
+        match self.slots.get(slot) {
+            Some(p) if u64::from(p.gen) == id >> 32 => Some(self.slots.remove(slot)),
+            _ => None,
+        }
+    }
+
+    fn drain(&mut self) -> impl Iterator<Item = Pending> + '_ {
+        self.slots.drain()
+    }
 }
 
 #[derive(Default)]
 struct State {
-    next_id: u64,
-    pending: HashMap<u64, Pending>,
+    pending: PendingSet,
     broken: Option<TransportError>,
     banked: u64,
     waiters: VecDeque<Reply>,
@@ -297,7 +329,7 @@ impl RdmaTransport {
         let posted = self.inner.qp.post_send(&[SendWr { wr_id: id, op, sg_list: sg, flags: SendFlags::SIGNALED }]);
         self.inner.posting.fetch_sub(1, Ordering::AcqRel);
         if let Err(e) = posted {
-            self.inner.lock().pending.remove(&id);
+            self.inner.lock().pending.remove(id);
             return Err(e.into());
         }
         Ok((id, rx))
@@ -345,10 +377,8 @@ impl Inner {
         if let Some(e) = &st.broken {
             return Err(e.clone());
         }
-        let id = st.next_id;
-        st.next_id = (st.next_id + 1) & !RECV_BIT;
         let (tx, rx) = oneshot::channel();
-        st.pending.insert(id, Pending { op, tx });
+        let id = st.pending.insert(op, tx);
         Ok((id, rx))
     }
 
@@ -428,7 +458,7 @@ impl Inner {
                 Ok(r) => r,
                 Err(_) => {
                     // The WR stays posted; its completion is ignored.
-                    self.lock().pending.remove(&id);
+                    self.lock().pending.remove(id);
                     return Err(TransportError::Timeout { op, after: t });
                 }
             },
@@ -444,7 +474,7 @@ impl Inner {
             st.broken = Some(e.clone());
         }
         let e = st.broken.clone().expect("set above");
-        for (_, p) in st.pending.drain() {
+        for p in st.pending.drain() {
             let _ = p.tx.send(Err(e.clone()));
         }
         for w in st.waiters.drain(..) {
@@ -478,7 +508,7 @@ impl Inner {
             st.banked += 1;
             return;
         }
-        let p = self.lock().pending.remove(&wc.wr_id);
+        let p = self.lock().pending.remove(wc.wr_id);
         let op = p.as_ref().map_or("operation", |p| p.op);
         let res = match wc.status {
             WcStatus::Success => Ok(()),
@@ -573,7 +603,7 @@ impl Drop for RdmaTransport {
     fn drop(&mut self) {
         let mut st = self.inner.lock();
         st.broken.get_or_insert(TransportError::Broken("the transport was dropped".into()));
-        for (_, p) in st.pending.drain() {
+        for p in st.pending.drain() {
             let _ = p.tx.send(Err(TransportError::Aborted { op: p.op }));
         }
         for w in st.waiters.drain(..) {
@@ -584,5 +614,28 @@ impl Drop for RdmaTransport {
         // and the driver.
         self.inner.qp.fail();
         self.inner.shutdown.notify_one();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_reused_slot_ignores_the_completion_of_its_previous_user() {
+        let mut p = PendingSet::default();
+        let (tx, _rx) = oneshot::channel();
+        let old = p.insert("write", tx);
+        // The call timed out: its entry goes, the WR stays posted.
+        assert!(p.remove(old).is_some());
+        let (tx, _rx2) = oneshot::channel();
+        let new = p.insert("read", tx);
+        assert_eq!(old & 0xffff_ffff, new & 0xffff_ffff, "the slot is reused");
+        assert_ne!(old, new);
+        // The old WR's late completion finds nothing; the new one its own.
+        assert!(p.remove(old).is_none());
+        assert_eq!(p.remove(new).map(|e| e.op), Some("read"));
+        assert!(p.remove(new).is_none());
+        assert_eq!(new & RECV_BIT, 0);
     }
 }

@@ -115,12 +115,7 @@ fn main() {
             if wc.status != WcStatus::Success || got != b"done" {
                 fail(format!("final send: {wc:?} {got:?}"));
             }
-            if let Some(s) = ibverbx::soft::stats(&ctx) {
-                println!(
-                    "{}",
-                    serde_json::json!({ "doorbell_claimed": s.doorbell_claimed, "doorbell_rings": s.doorbell_rings })
-                );
-            }
+            print_stats(&ctx);
             println!("{}", serde_json::json!({ "ok": true }));
         }
         "initiator" => {
@@ -168,6 +163,7 @@ fn main() {
             if !wc.is_ok() {
                 fail(format!("final send: {wc:?}"));
             }
+            print_stats(&ctx);
             println!("{}", serde_json::json!({ "ok": true }));
         }
         "hold" => {
@@ -197,5 +193,19 @@ fn main() {
             }
         }
         r => fail(format!("unknown role {r:?}: use target, initiator, hold or stream")),
+    }
+}
+
+/// This side's soft doorbell counters, as a JSON line.
+fn print_stats(ctx: &ibverbx::Context) {
+    if let Some(s) = ibverbx::soft::stats(ctx) {
+        println!(
+            "{}",
+            serde_json::json!({
+                "doorbell_claimed": s.doorbell_claimed,
+                "doorbell_retracted": s.doorbell_retracted,
+                "doorbell_rings": s.doorbell_rings
+            })
+        );
     }
 }
