@@ -409,6 +409,23 @@ mod tests {
     }
 
     #[test]
+    fn a_receiver_that_goes_away_fails_the_write_in_time() {
+        let p = pair(true);
+        p.b.post_recv(&[RecvWr { wr_id: 7, sg_list: &[] }]).unwrap();
+        p.post(13, 48);
+        // B's QP is destroyed with the record unclaimed: A's WR must end with
+        // an error completion (the connection closes), not hang.
+        let Pair { ca: _ca, cb, a: _a, b, cq_a, cq_b: _cq_b, src: _src, dst } = p;
+        drop(b);
+        drop(dst);
+        drop(cb);
+        let mut wc = [WorkCompletion::empty(); 1];
+        assert_eq!(cq_a.wait(&mut wc, LONG, Duration::ZERO).unwrap(), 1, "no completion within 20 s");
+        assert_eq!(wc[0].wr_id, 13);
+        assert_eq!(wc[0].status, WcStatus::RetryExcErr, "{:?}", wc[0]);
+    }
+
+    #[test]
     fn the_switch_turns_it_off() {
         let p = pair(false);
         assert_eq!(p.b.endpoint().unwrap().soft.unwrap().doorbell_slot, 0);

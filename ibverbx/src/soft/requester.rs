@@ -154,9 +154,20 @@ impl Shared {
         }
         q.broken.get_or_insert(WcStatus::RetryExcErr);
         self.qp.set_fast(None);
-        if let Some(f) = q.inflight.iter_mut().find(|f| f.status.is_none() && f.awaiting.is_some()) {
+        // The oldest unanswered request gets the status: a WR on the wire,
+        // or a doorbell record the peer never claimed (one it claimed
+        // completes normally, and the next in line gets the status).
+        for f in q.inflight.iter_mut().filter(|f| f.status.is_none() && (f.awaiting.is_some() || f.db.is_some())) {
+            if let Some((k, _)) = f.db.take() {
+                self.qp.db_tx_pending.fetch_sub(1, Ordering::AcqRel);
+                if self.db.get().is_some_and(|db| db.retract(k) == Err(true)) {
+                    f.status = Some(WcStatus::Success);
+                    continue;
+                }
+            }
             f.status = Some(status);
             f.awaiting = None;
+            break;
         }
         drop(q);
         self.qp.set_error(why);
