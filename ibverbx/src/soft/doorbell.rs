@@ -276,6 +276,13 @@ mod tests {
             wc[0]
         }
 
+        /// The next completion, whatever its status.
+        fn one_any(&self, cq: &CompletionQueue) -> WorkCompletion {
+            let mut wc = [WorkCompletion::empty(); 1];
+            assert_eq!(cq.wait(&mut wc, LONG, Duration::ZERO).unwrap(), 1, "no completion within 20 s");
+            wc[0]
+        }
+
         fn counts(&self) -> (u64, u64) {
             (shared(&self.cb).db_claimed.load(Ordering::Relaxed), shared(&self.ca).db_retracted.load(Ordering::Relaxed))
         }
@@ -423,6 +430,23 @@ mod tests {
         assert_eq!(cq_a.wait(&mut wc, LONG, Duration::ZERO).unwrap(), 1, "no completion within 20 s");
         assert_eq!(wc[0].wr_id, 13);
         assert_eq!(wc[0].status, WcStatus::RetryExcErr, "{:?}", wc[0]);
+    }
+
+    #[test]
+    fn a_reset_receiver_never_claims_an_old_record() {
+        let p = pair(true);
+        p.b.post_recv(&[RecvWr { wr_id: 8, sg_list: &[] }]).unwrap();
+        p.post(14, 49);
+        // B is reset and brought back up before anyone polled it: the record
+        // of its previous life is void, A's WR fails, B never sees it.
+        p.b.modify(&crate::QpTransition::Reset).unwrap();
+        p.b.connect(&p.a.endpoint().unwrap()).unwrap();
+        p.b.post_recv(&[RecvWr { wr_id: 9, sg_list: &[] }]).unwrap();
+        let mut wc = [WorkCompletion::empty(); 4];
+        let n = p.cq_b.wait(&mut wc, Some(Duration::from_millis(100)), Duration::from_millis(100)).unwrap();
+        assert!(wc[..n].iter().all(|w| w.imm_data != Some(49)), "an old record was claimed: {:?}", &wc[..n]);
+        let a = p.one_any(&p.cq_a);
+        assert_eq!((a.wr_id, a.status), (14, WcStatus::RetryExcErr), "{a:?}");
     }
 
     #[test]

@@ -400,9 +400,20 @@ impl SoftQp {
     }
 
     /// Marks this QP's doorbell open (RTR/RTS) or closed for requesters.
+    /// Closing also voids a record still posted (the QP leaves service, or
+    /// is reset for another connection): its requester then fails that WR
+    /// instead of a later life of this QP claiming it.
     fn db_open(&self, open: bool) {
+        use super::doorbell::{POSTED, RETRACTED};
         if let Some(db) = &self.db {
-            db.slot.get().open.store(u32::from(open), Ordering::Release);
+            let slot = db.slot.get();
+            slot.open.store(u32::from(open), Ordering::Release);
+            if !open {
+                let s = slot.state.load(Ordering::Acquire);
+                if s & 3 == POSTED {
+                    let _ = slot.state.compare_exchange(s, s - POSTED + RETRACTED, Ordering::AcqRel, Ordering::Acquire);
+                }
+            }
         }
     }
 

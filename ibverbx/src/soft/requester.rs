@@ -873,16 +873,12 @@ async fn settle_db(sh: &Arc<Shared>, link: &mut Option<Link>) {
                     sh.check_db();
                     continue;
                 }
-                // Neither posted nor claimed: not ours any more (cannot
-                // happen while we hold the record); fail it rather than spin.
-                let mut q = sh.lock();
-                if let Some(f) = q.inflight.iter_mut().find(|f| f.db.is_some_and(|d| d.0 == k)) {
-                    f.db = None;
-                    f.status = Some(WcStatus::RemOpErr);
-                    sh.qp.db_tx_pending.fetch_sub(1, Ordering::AcqRel);
-                }
-                sh.emit(&mut q);
-                continue;
+                // Voided by the peer: its QP left service (or was reset)
+                // before claiming it. As a request to a vanished QP on
+                // hardware: RETRY_EXC_ERR, the QP goes to ERR.
+                sh.fail_link(WcStatus::RetryExcErr, "the peer QP left service before claiming a doorbell record");
+                sh.flush();
+                return;
             }
         }
         sh.qp.ctx.db_retracted.fetch_add(1, Ordering::Relaxed);
