@@ -47,6 +47,8 @@ pub(crate) struct CtxShared {
     pub(crate) db_retracted: std::sync::atomic::AtomicU64,
     /// Peer event fds rung by this context (a sleeping peer woken).
     pub(crate) db_rings: std::sync::atomic::AtomicU64,
+    /// Duplicates of peers' CQ event fds, shared per peer CQ.
+    pub(crate) wakers: super::doorbell::Wakers,
     mrs: RwLock<HashMap<u32, Arc<SoftMr>>>,
     pub(crate) qps: Mutex<HashMap<u32, Weak<SoftQp>>>,
     next_qpn: AtomicU32,
@@ -123,6 +125,7 @@ impl CtxShared {
             db_claimed: std::sync::atomic::AtomicU64::new(0),
             db_retracted: std::sync::atomic::AtomicU64::new(0),
             db_rings: std::sync::atomic::AtomicU64::new(0),
+            wakers: Default::default(),
             mrs: RwLock::new(HashMap::new()),
             qps: Mutex::new(HashMap::new()),
             next_qpn: AtomicU32::new((rand::random::<u32>() & 0xffff) | 0x100),

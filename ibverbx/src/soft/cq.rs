@@ -21,6 +21,8 @@ pub(crate) struct SoftCq {
     armed: AtomicBool,
     efd: OwnedFd,
     pub(crate) ctx_uid: u64,
+    /// Unique id of this CQ (doorbells share event-fd duplicates per CQ).
+    pub(crate) uid: u64,
     /// QPs with doorbells that complete into this CQ (see `doorbell.rs`):
     /// polls pick up their records, arming arms them.
     db: RwLock<Vec<DbReg>>,
@@ -60,6 +62,7 @@ impl SoftCq {
             armed: AtomicBool::new(false),
             efd,
             ctx_uid,
+            uid: rand::random(),
             db: RwLock::new(Vec::new()),
             db_n: AtomicUsize::new(0),
         })

@@ -70,6 +70,11 @@ pub(crate) struct Slot {
     /// The owner cannot ring the requester (no `pidfd_getfd` permission):
     /// the requester stops using the slot.
     pub(crate) no_tx_wake: AtomicU32,
+    /// Unique ids of the owner's receive CQ and the requester's send CQ:
+    /// event-fd duplicates are shared per CQ, and a new CQ behind a reused
+    /// descriptor number never gets an old duplicate.
+    pub(crate) rx_cq: AtomicU64,
+    pub(crate) tx_cq: AtomicU64,
 }
 
 const _: () = assert!(std::mem::size_of::<Slot>() <= SLOT_BYTES);
@@ -169,6 +174,30 @@ pub(crate) fn steal_fd(pid: u32, fd: i32) -> std::io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(r as i32) })
 }
 
+/// Duplicates of peers' CQ event fds, shared by every QP of a context that
+/// rings the same CQ (a virtual QP's physical QPs share one): one
+/// descriptor per peer CQ instead of one per QP. Entries die with their
+/// last user.
+#[derive(Debug, Default)]
+pub(crate) struct Wakers {
+    map: std::sync::Mutex<std::collections::HashMap<(u32, u64), std::sync::Weak<OwnedFd>>>,
+}
+
+impl Wakers {
+    /// The duplicate of descriptor `fd` of process `pid`, the event fd of
+    /// the CQ with unique id `cq`.
+    pub(crate) fn get(&self, pid: u32, fd: i32, cq: u64) -> std::io::Result<Arc<OwnedFd>> {
+        let mut m = self.map.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(w) = m.get(&(pid, cq)).and_then(std::sync::Weak::upgrade) {
+            return Ok(w);
+        }
+        let w = Arc::new(steal_fd(pid, fd)?);
+        m.retain(|_, v| v.strong_count() > 0);
+        m.insert((pid, cq), Arc::downgrade(&w));
+        Ok(w)
+    }
+}
+
 /// Rings an event fd (ours or a peer's duplicate).
 pub(crate) fn ring(fd: &OwnedFd) {
     let one: u64 = 1;
@@ -195,6 +224,25 @@ mod tests {
         assert_eq!(sb.get().state.load(Ordering::Acquire), 0);
         t.next.store(SLOTS, Ordering::Relaxed);
         assert!(t.alloc().is_none());
+    }
+
+    #[test]
+    fn wakers_are_shared_per_cq_and_die_with_their_users() {
+        // SAFETY: eventfd has no memory preconditions; the result is checked.
+        let raw = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        assert!(raw >= 0);
+        // SAFETY: raw is fresh.
+        let efd = unsafe { OwnedFd::from_raw_fd(raw) };
+        let w = Wakers::default();
+        let pid = std::process::id();
+        let a = w.get(pid, efd.as_raw_fd(), 7).unwrap();
+        let b = w.get(pid, efd.as_raw_fd(), 7).unwrap();
+        assert!(Arc::ptr_eq(&a, &b), "one duplicate per CQ");
+        let c = w.get(pid, efd.as_raw_fd(), 8).unwrap();
+        assert!(!Arc::ptr_eq(&a, &c), "another CQ id, another duplicate");
+        drop((a, b));
+        assert!(w.map.lock().unwrap()[&(pid, 7)].upgrade().is_none(), "the duplicate died with its users");
+        ring(&w.get(pid, efd.as_raw_fd(), 7).unwrap());
     }
 
     #[test]

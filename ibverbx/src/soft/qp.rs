@@ -95,7 +95,7 @@ struct RxDoorbell {
     slot: super::doorbell::SlotRef,
     /// The requester's send CQ event fd, duplicated on first need, with the
     /// (pid, fd number) it came from.
-    tx_wake: Mutex<Option<(u32, i32, std::os::fd::OwnedFd)>>,
+    tx_wake: Mutex<Option<(u32, u64, Arc<std::os::fd::OwnedFd>)>>,
 }
 
 impl RxDoorbell {
@@ -105,10 +105,11 @@ impl RxDoorbell {
         let slot = self.slot.get();
         let pid = slot.tx_pid.load(Ordering::Acquire);
         let efd = slot.tx_efd.load(Ordering::Acquire);
+        let cq = slot.tx_cq.load(Ordering::Acquire);
         let mut g = self.tx_wake.lock().unwrap_or_else(|e| e.into_inner());
-        if g.as_ref().map(|(p, f, _)| (*p, *f)) != Some((pid, efd)) {
-            match super::doorbell::steal_fd(pid, efd) {
-                Ok(fd) => *g = Some((pid, efd, fd)),
+        if g.as_ref().map(|(p, c, _)| (*p, *c)) != Some((pid, cq)) {
+            match ctx.wakers.get(pid, efd, cq) {
+                Ok(fd) => *g = Some((pid, cq, fd)),
                 Err(e) => {
                     tracing::debug!("soft doorbell: cannot reach the requester's CQ ({e}); it falls back");
                     slot.no_tx_wake.store(1, Ordering::Release);
@@ -158,6 +159,7 @@ impl SoftQp {
         let (state_tx, _) = watch::channel(QpState::Reset);
         let db = pd.ctx.doorbells.as_ref().and_then(|t| t.alloc()).map(|(index, slot)| {
             slot.get().rx_efd.store(recv_cq.channel_fd(), Ordering::Release);
+            slot.get().rx_cq.store(soft_cq(recv_cq).uid, Ordering::Release);
             RxDoorbell { index, slot, tx_wake: Mutex::new(None) }
         });
         let qp = Arc::new(SoftQp {
@@ -499,9 +501,10 @@ impl SoftQp {
         }
     }
 
-    /// The send CQ's event fd (the peer rings it after claiming).
-    pub(crate) fn send_cq_fd(&self) -> std::os::fd::RawFd {
-        self.send_cq.channel_fd()
+    /// The send CQ's event fd and unique id (the peer rings it after
+    /// claiming).
+    pub(crate) fn send_cq_fd(&self) -> (std::os::fd::RawFd, u64) {
+        (self.send_cq.channel_fd(), soft_cq(&self.send_cq).uid)
     }
 
     pub(crate) fn epoch(&self) -> u64 {

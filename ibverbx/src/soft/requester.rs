@@ -113,7 +113,7 @@ pub(crate) struct Shared {
 pub(crate) struct TxDoorbell {
     slot: super::doorbell::SlotRef,
     /// The peer's receive CQ event fd (duplicated).
-    rx_waker: OwnedFd,
+    rx_waker: Arc<OwnedFd>,
     /// Sequence of the last record posted.
     seq: AtomicU64,
 }
@@ -824,10 +824,15 @@ impl TxDoorbell {
     fn open(qp: &SoftQp, peer: &PeerMap, remote: &SoftAddress) -> Result<TxDoorbell, String> {
         let slot = peer.doorbell(remote).map_err(|e| e.to_string())?;
         let s = slot.get();
-        let rx_waker = super::doorbell::steal_fd(peer.pid(), s.rx_efd.load(Ordering::Acquire))
+        let rx_waker = qp
+            .ctx
+            .wakers
+            .get(peer.pid(), s.rx_efd.load(Ordering::Acquire), s.rx_cq.load(Ordering::Acquire))
             .map_err(|e| format!("cannot reach the peer's CQ: {e}"))?;
+        let (efd, cq) = qp.send_cq_fd();
         s.tx_pid.store(qp.ctx.pid, Ordering::Release);
-        s.tx_efd.store(qp.send_cq_fd(), Ordering::Release);
+        s.tx_efd.store(efd, Ordering::Release);
+        s.tx_cq.store(cq, Ordering::Release);
         s.tx_armed.store(0, Ordering::Release);
         s.no_tx_wake.store(0, Ordering::Release);
         let seq = s.state.load(Ordering::Acquire) >> 2;
