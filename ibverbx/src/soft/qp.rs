@@ -409,9 +409,12 @@ impl SoftQp {
         use super::doorbell::{POSTED, RETRACTED};
         if let Some(db) = &self.db {
             let slot = db.slot.get();
-            slot.open.store(u32::from(open), Ordering::Release);
+            slot.open.store(u32::from(open), Ordering::SeqCst);
             if !open {
-                let s = slot.state.load(Ordering::Acquire);
+                // Paired with the requester's check of `open` after it
+                // publishes: one of the two voids a record caught between.
+                std::sync::atomic::fence(Ordering::SeqCst);
+                let s = slot.state.load(Ordering::SeqCst);
                 if s & 3 == POSTED {
                     let _ = slot.state.compare_exchange(s, s - POSTED + RETRACTED, Ordering::AcqRel, Ordering::Acquire);
                 }
@@ -439,6 +442,17 @@ impl SoftQp {
             return;
         }
         let (imm, len) = (slot.imm.load(Ordering::Relaxed), slot.len.load(Ordering::Relaxed));
+        if slot.rec_gen.load(Ordering::Relaxed) != slot.gen.load(Ordering::Acquire) {
+            // Written for an earlier life of this QP: void it (its
+            // requester fails that WR).
+            let _ = slot.state.compare_exchange(
+                s,
+                s - POSTED + super::doorbell::RETRACTED,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            );
+            return;
+        }
         let mut rq = self.rq.lock().unwrap_or_else(|e| e.into_inner());
         if rq.is_empty() {
             return;
@@ -715,6 +729,9 @@ impl QpOps for SoftQp {
                 drop(st);
                 self.set_fast(None);
                 self.db_open(false);
+                if let Some(db) = &self.db {
+                    db.slot.get().gen.fetch_add(1, Ordering::AcqRel);
+                }
                 self.state_tx.send_replace(QpState::Reset);
                 self.rq.lock().unwrap_or_else(|e| e.into_inner()).clear();
                 self.db_note_rq(0);

@@ -116,6 +116,8 @@ pub(crate) struct TxDoorbell {
     rx_waker: Arc<OwnedFd>,
     /// Sequence of the last record posted.
     seq: AtomicU64,
+    /// The peer QP's life this doorbell was opened in (its records carry it).
+    gen: u32,
 }
 
 impl Shared {
@@ -285,7 +287,7 @@ pub(crate) async fn run(qp: Arc<SoftQp>, mut rx: mpsc::UnboundedReceiver<SqEntry
     loop {
         let state = *state_rx.borrow_and_update();
         match state {
-            QpState::Reset => return,
+            QpState::Reset => return abandon_db(&sh),
             QpState::Err => sh.flush(),
             _ => {}
         }
@@ -638,6 +640,17 @@ async fn execute(sh: &Arc<Shared>, link: &mut Option<Link>, e: SqEntry) {
     while sh.wire_busy.compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed).is_err() {
         tokio::task::yield_now().await;
     }
+    // A doorbell record published since the check at the top (by another
+    // posting thread) goes before this frame.
+    settle_db_held(sh, link).await;
+    if sh.lock().broken.is_some() {
+        sh.wire_busy.store(false, Ordering::Release);
+        return finish(sh, inf, WcStatus::WrFlushErr).await;
+    }
+    let Some(l) = link.as_mut() else {
+        sh.wire_busy.store(false, Ordering::Release);
+        return finish(sh, inf, WcStatus::RetryExcErr).await;
+    };
     let psn = sh.next_psn.load(Ordering::Relaxed);
     sh.next_psn.store((psn + 1) & 0x00ff_ffff, Ordering::Relaxed);
     let frame = with_psn(frame, psn);
@@ -759,13 +772,13 @@ impl FastNotify {
     /// up, the peer QP is open with a receive posted, nothing of ours is
     /// pending there, and the peer can ring us.
     pub(crate) fn doorbell_ready(&self) -> bool {
-        use super::doorbell::POSTED;
         let Some(db) = self.sh.db.get() else { return false };
         let s = db.slot.get();
         s.open.load(Ordering::Acquire) == 1
+            && s.gen.load(Ordering::Acquire) == db.gen
             && s.rq_len.load(Ordering::Acquire) > 0
             && s.no_tx_wake.load(Ordering::Relaxed) == 0
-            && s.state.load(Ordering::Acquire) & 3 != POSTED
+            && super::doorbell::is_free(s.state.load(Ordering::Acquire))
             && self.sh.qp.db_tx_pending.load(Ordering::Acquire) == 0
     }
 
@@ -773,30 +786,72 @@ impl FastNotify {
     /// already) in the peer's doorbell; rings the peer if it sleeps. The
     /// caller holds the QP's only outstanding-WR slot.
     pub(crate) fn post_doorbell(&self, wr_id: u64, opcode: WcOpcode, signaled: bool, len: u32, imm: u32) -> bool {
-        use super::doorbell::{word, POSTED};
+        use super::doorbell::{is_free, word, POSTED, RETRACTED};
         let sh = &self.sh;
         let Some(db) = sh.db.get() else { return false };
+        let slot = db.slot.get();
+        // The wire's turn: an engine WR posted concurrently either settles
+        // this record before its own frame, or is queued ahead of it.
+        if sh.wire_busy.compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed).is_err() {
+            return false;
+        }
+        let done = |r: bool| {
+            sh.wire_busy.store(false, Ordering::Release);
+            r
+        };
+        // Own the record fields (a requester of an earlier connection to
+        // the same QP may still try), then publish from a free state.
+        if slot.wlock.compare_exchange(0, 1, Ordering::Acquire, Ordering::Relaxed).is_err() {
+            return done(false);
+        }
+        let unlock = |r: bool| {
+            slot.wlock.store(0, Ordering::Release);
+            done(r)
+        };
+        let cur = slot.state.load(Ordering::Acquire);
         let k = db.seq.fetch_add(1, Ordering::Relaxed) + 1;
+        if !is_free(cur) {
+            return unlock(false);
+        }
         {
             let mut q = sh.lock();
             if q.broken.is_some() {
-                return false;
+                return unlock(false);
             }
             // Queued before the record is visible, so that a claim finds it.
             q.inflight.push_back(Inflight { db: Some((k, imm)), ..Inflight::new(wr_id, opcode, signaled, len) });
             sh.qp.db_tx_pending.fetch_add(1, Ordering::AcqRel);
         }
-        let slot = db.slot.get();
         slot.imm.store(imm, Ordering::Relaxed);
         slot.len.store(len, Ordering::Relaxed);
-        slot.state.store(word(k, POSTED), Ordering::Release);
+        slot.rec_gen.store(db.gen, Ordering::Relaxed);
+        if slot.state.compare_exchange(cur, word(k, POSTED), Ordering::SeqCst, Ordering::Acquire).is_err() {
+            // Only the owner changes a free state (it does not): take the
+            // entry back and let the WR go another way.
+            let mut q = sh.lock();
+            if q.inflight.back().is_some_and(|f| f.db.is_some_and(|d| d.0 == k)) {
+                q.inflight.pop_back();
+                sh.qp.db_tx_pending.fetch_sub(1, Ordering::AcqRel);
+            }
+            drop(q);
+            return unlock(false);
+        }
+        slot.wlock.store(0, Ordering::Release);
         std::sync::atomic::fence(Ordering::SeqCst);
+        // The peer QP closed meanwhile (it voids what it sees posted; this
+        // may have come just after): void it here, the watcher fails the WR.
+        if slot.open.load(Ordering::SeqCst) == 0 {
+            let _ =
+                slot.state.compare_exchange(word(k, POSTED), word(k, RETRACTED), Ordering::AcqRel, Ordering::Acquire);
+        }
+        done(true);
         if slot.rx_armed.load(Ordering::Relaxed) != 0 && slot.rx_armed.swap(0, Ordering::AcqRel) != 0 {
             super::doorbell::ring(&db.rx_waker);
             sh.qp.ctx.db_rings.fetch_add(1, Ordering::Relaxed);
         }
-        sh.db_posts.fetch_add(1, Ordering::Relaxed);
-        if sh.db_watch_idle.load(Ordering::Relaxed) && sh.db_watch_idle.swap(false, Ordering::AcqRel) {
+        sh.db_posts.fetch_add(1, Ordering::SeqCst);
+        std::sync::atomic::fence(Ordering::SeqCst);
+        if sh.db_watch_idle.load(Ordering::SeqCst) && sh.db_watch_idle.swap(false, Ordering::AcqRel) {
             sh.db_wake.notify_one();
         }
         true
@@ -836,7 +891,8 @@ impl TxDoorbell {
         s.tx_armed.store(0, Ordering::Release);
         s.no_tx_wake.store(0, Ordering::Release);
         let seq = s.state.load(Ordering::Acquire) >> 2;
-        Ok(TxDoorbell { slot, rx_waker, seq: AtomicU64::new(seq) })
+        let gen = s.gen.load(Ordering::Acquire);
+        Ok(TxDoorbell { slot, rx_waker, seq: AtomicU64::new(seq), gen })
     }
 
     /// Takes record `k` back if the peer has not claimed it: `Ok` when
@@ -862,22 +918,31 @@ async fn settle_db(sh: &Arc<Shared>, link: &mut Option<Link>) {
     if sh.qp.db_tx_pending.load(Ordering::Acquire) == 0 {
         return;
     }
+    while sh.wire_busy.compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed).is_err() {
+        tokio::task::yield_now().await;
+    }
+    settle_db_held(sh, link).await;
+    sh.wire_busy.store(false, Ordering::Release);
+}
+
+/// [`settle_db`] with `wire_busy` held by the caller (so that no record can
+/// be published between this and the caller's own frame).
+async fn settle_db_held(sh: &Arc<Shared>, link: &mut Option<Link>) {
+    if sh.qp.db_tx_pending.load(Ordering::Acquire) == 0 {
+        return;
+    }
     sh.check_db();
     let Some(db) = sh.db.get() else { return };
     loop {
         let pending = sh.lock().inflight.iter().find_map(|f| f.db.filter(|_| f.status.is_none()));
         let Some((k, imm)) = pending else { return };
-        while sh.wire_busy.compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed).is_err() {
-            tokio::task::yield_now().await;
-        }
         match db.retract(k) {
             Ok(()) => {}
-            Err(claimed) => {
-                sh.wire_busy.store(false, Ordering::Release);
-                if claimed {
-                    sh.check_db();
-                    continue;
-                }
+            Err(true) => {
+                sh.check_db();
+                continue;
+            }
+            Err(false) => {
                 // Voided by the peer: its QP left service (or was reset)
                 // before claiming it. As a request to a vanished QP on
                 // hardware: RETRY_EXC_ERR, the QP goes to ERR.
@@ -888,26 +953,39 @@ async fn settle_db(sh: &Arc<Shared>, link: &mut Option<Link>) {
         }
         sh.qp.ctx.db_retracted.fetch_add(1, Ordering::Relaxed);
         let psn = sh.next_psn.load(Ordering::Relaxed);
-        sh.next_psn.store((psn + 1) & 0x00ff_ffff, Ordering::Relaxed);
         let len = {
             let mut q = sh.lock();
-            let f = q.inflight.iter_mut().find(|f| f.db.is_some_and(|d| d.0 == k)).expect("pending entry");
+            // A connection failure may have resolved it meanwhile.
+            let Some(f) = q.inflight.iter_mut().find(|f| f.db.is_some_and(|d| d.0 == k)) else { continue };
             f.db = None;
             f.awaiting = Some((psn, Expect::Ack));
             f.sent_at = Instant::now();
             sh.qp.db_tx_pending.fetch_sub(1, Ordering::AcqRel);
             f.byte_len
         };
+        sh.next_psn.store((psn + 1) & 0x00ff_ffff, Ordering::Relaxed);
         let frame = Frame::Notify { psn, len, imm };
         let sent = match link.as_mut() {
             Some(l) => send_frame(&mut l.writer, &frame, &[]).await,
             None => Err(std::io::Error::new(std::io::ErrorKind::NotConnected, "no connection")),
         };
-        sh.wire_busy.store(false, Ordering::Release);
         if let Err(err) = sent {
             sh.fail_link(WcStatus::RetryExcErr, &format!("write to peer: {err}"));
             sh.flush();
             return;
+        }
+    }
+}
+
+/// The requester is reset: its doorbell records are dropped with every
+/// other outstanding WR (verbs' RESET), and taken back from the slot.
+fn abandon_db(sh: &Shared) {
+    let Some(db) = sh.db.get() else { return };
+    let mut q = sh.lock();
+    for f in q.inflight.iter_mut() {
+        if let Some((k, _)) = f.db.take() {
+            let _ = db.retract(k);
+            sh.qp.db_tx_pending.fetch_sub(1, Ordering::AcqRel);
         }
     }
 }
@@ -952,8 +1030,9 @@ async fn db_watch(sh: std::sync::Weak<Shared>) {
         let notified = s.db_wake.notified();
         tokio::pin!(notified);
         notified.as_mut().enable();
-        s.db_watch_idle.store(true, Ordering::Release);
-        if s.db_posts.load(Ordering::Relaxed) != last_posts {
+        s.db_watch_idle.store(true, Ordering::SeqCst);
+        std::sync::atomic::fence(Ordering::SeqCst);
+        if s.db_posts.load(Ordering::SeqCst) != last_posts {
             s.db_watch_idle.store(false, Ordering::Release);
             continue;
         }
