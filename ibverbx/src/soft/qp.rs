@@ -764,6 +764,11 @@ impl QpOps for SoftQp {
         };
         drop(st);
         let n = wrs.len() as u32;
+        // A doorbell WR the peer has claimed but nobody has polled for yet
+        // finishes here, so that this WR finds the QP idle.
+        if n == 1 && st_is_rts && self.db_tx_pending.load(Ordering::Acquire) > 0 {
+            self.db_check_tx();
+        }
         if n == 1 && st_is_rts && self.sq_outstanding.load(Ordering::Acquire) == 0 {
             if self.try_fast(&wrs[0], lens[0]) {
                 return Ok(());
