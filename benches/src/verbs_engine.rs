@@ -57,15 +57,7 @@ pub(crate) struct VerbsEngine {
 /// The virtual QP settings the transport would use for `cfg`.
 fn vqp_config(cfg: &EngineConfig) -> (VirtualQpConfig, usize) {
     let t = TransportConfig { qps: cfg.qps, load_balancing: cfg.lb, frag_size: cfg.frag, ..TransportConfig::default() };
-    let v = VirtualQpConfig {
-        total_qps: t.qps,
-        max_msg_cnt_per_qp: t.max_outstanding_per_qp,
-        max_msg_size: t.frag_size,
-        load_balancing: t.load_balancing,
-        max_recv_wr: t.recv_depth,
-        ..VirtualQpConfig::default()
-    };
-    (v, t.cq_depth)
+    (t.virtual_qp_config(), t.cq_depth)
 }
 
 fn check(wc: &WorkCompletion) -> Result<()> {

@@ -20,8 +20,7 @@ use std::time::{Duration, Instant};
 
 use ibverbx::soft::{SoftConfig, SoftLink, SoftProvider};
 use ibverbx::{
-    AccessFlags, MemoryRegion, SendFlags, SendOp, SendWr, VirtualCq, VirtualQp, VirtualQpConfig, VirtualQpEndpoint,
-    WorkCompletion,
+    AccessFlags, MemoryRegion, SendFlags, SendOp, SendWr, VirtualCq, VirtualQp, VirtualQpEndpoint, WorkCompletion,
 };
 use rmacomm_transport::{RdmaMemory, RdmaRemoteBuffer, RdmaTransport, TransportConfig};
 use serde::{Deserialize, Serialize};
@@ -99,17 +98,6 @@ fn transport(via: Via) -> RdmaTransport {
     })
 }
 
-fn vconfig(t: &TransportConfig) -> VirtualQpConfig {
-    VirtualQpConfig {
-        total_qps: t.qps,
-        max_msg_cnt_per_qp: t.max_outstanding_per_qp,
-        max_msg_size: t.frag_size,
-        load_balancing: t.load_balancing,
-        max_recv_wr: t.recv_depth,
-        ..VirtualQpConfig::default()
-    }
-}
-
 struct Raw {
     cq: VirtualCq,
     qp: VirtualQp,
@@ -120,7 +108,7 @@ fn raw(via: Via, len: usize) -> Raw {
     let ctx = via.device().open().unwrap();
     let pd = ctx.alloc_pd().unwrap();
     let cq = VirtualCq::new(&ctx, tconfig().cq_depth).unwrap();
-    let qp = VirtualQp::new(&pd, &cq, &vconfig(&tconfig())).unwrap();
+    let qp = VirtualQp::new(&pd, &cq, &tconfig().virtual_qp_config()).unwrap();
     let mem = MemoryRegion::alloc(&pd, len, AccessFlags::all_remote()).unwrap();
     Raw { cq, qp, mem }
 }

@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use ibverbx::soft::SoftConfig;
-use ibverbx::{LoadBalancing, ProviderKind};
+use ibverbx::{LoadBalancing, ProviderKind, VirtualQpConfig};
 
 /// Settings of an [`RdmaTransport`](crate::RdmaTransport). The environment
 /// fills the defaults (`RMACOMM_PROVIDER`, `RMACOMM_TIMEOUT_SECONDS`); code
@@ -57,6 +57,21 @@ impl Default for TransportConfig {
             timeout,
             busy_poll: Duration::ZERO,
             soft: None,
+        }
+    }
+}
+
+impl TransportConfig {
+    /// The virtual QP settings a transport with this configuration uses
+    /// (for tools that drive a raw `VirtualQp` the same way, to compare).
+    pub fn virtual_qp_config(&self) -> VirtualQpConfig {
+        VirtualQpConfig {
+            total_qps: self.qps,
+            max_msg_cnt_per_qp: self.max_outstanding_per_qp,
+            max_msg_size: self.frag_size,
+            load_balancing: self.load_balancing,
+            max_recv_wr: self.recv_depth,
+            ..VirtualQpConfig::default()
         }
     }
 }

@@ -8,9 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use ibverbx::{
-    RecvWr, SendFlags, SendOp, SendWr, VirtualCq, VirtualQp, VirtualQpConfig, WcOpcode, WcStatus, WorkCompletion,
-};
+use ibverbx::{RecvWr, SendFlags, SendOp, SendWr, VirtualCq, VirtualQp, WcOpcode, WcStatus, WorkCompletion};
 use tokio::io::unix::AsyncFd;
 use tokio::sync::{oneshot, Notify};
 
@@ -114,14 +112,7 @@ impl RdmaTransport {
     /// Creates a transport on the configured provider and device.
     pub fn new(config: TransportConfig) -> Result<RdmaTransport, TransportError> {
         let d = domain(config.provider, config.device.as_deref(), config.soft.as_ref())?;
-        let vcfg = VirtualQpConfig {
-            total_qps: config.qps,
-            max_msg_cnt_per_qp: config.max_outstanding_per_qp,
-            max_msg_size: config.frag_size,
-            load_balancing: config.load_balancing,
-            max_recv_wr: config.recv_depth,
-            ..VirtualQpConfig::default()
-        };
+        let vcfg = config.virtual_qp_config();
         vcfg.validate()?;
         let cq = VirtualCq::new(&d.ctx, config.cq_depth)?;
         let qp = VirtualQp::new(&d.pd, &cq, &vcfg)?;
