@@ -6,7 +6,10 @@
 //! [`MemoryRegion::alloc`](crate::MemoryRegion::alloc)), else with
 //! `process_vm_writev`/`readv`, else through the connection (staged: the
 //! peer's progress engine places the bytes). Control messages (immediate
-//! data, SEND payloads, acknowledgements) use an abstract unix socket.
+//! data, SEND payloads, acknowledgements) use an abstract unix socket, except
+//! that an idle QP's WRITE_WITH_IMM notification goes through the target
+//! QP's doorbell in shared memory, picked up by the target's CQ poll
+//! (`RMACOMM_SOFT_DOORBELL=0` turns that off; [`stats`] counts it).
 //!
 //! Other hosts: one TCP connection per QP direction; the payload is written
 //! from the registered memory and read straight into the target's.
