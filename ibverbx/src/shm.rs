@@ -4,13 +4,18 @@
 //! Every live segment is recorded in a process-wide table so that a
 //! registration of any address range inside one is recognised as shared
 //! (whoever allocated it).
+//!
+//! Segments are sealed against resizing (`F_SEAL_SHRINK | F_SEAL_GROW`) as
+//! soon as they are sized: a peer that maps one can never be made to fault
+//! (SIGBUS) by a truncation, and a peer refuses a descriptor without those
+//! seals (`soft::attach`).
 
 use std::collections::BTreeMap;
 use std::ffi::CString;
 use std::fmt;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::ptr::NonNull;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use crate::{Error, Result};
 
@@ -33,27 +38,33 @@ unsafe impl Send for ShmSegment {}
 // SAFETY: as above.
 unsafe impl Sync for ShmSegment {}
 
-/// What the segment table knows about the segment holding an address.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct SegmentRef {
-    pub(crate) base: usize,
-    pub(crate) len: usize,
-    pub(crate) fd: RawFd,
-    pub(crate) uid: u64,
+/// A live segment as the table records it: its extent and a weak handle.
+#[derive(Debug)]
+struct Entry {
+    len: usize,
+    seg: Weak<ShmSegment>,
 }
 
-fn table() -> &'static Mutex<BTreeMap<usize, SegmentRef>> {
-    static T: OnceLock<Mutex<BTreeMap<usize, SegmentRef>>> = OnceLock::new();
+fn table() -> &'static Mutex<BTreeMap<usize, Entry>> {
+    static T: OnceLock<Mutex<BTreeMap<usize, Entry>>> = OnceLock::new();
     T.get_or_init(|| Mutex::new(BTreeMap::new()))
 }
 
-/// The segment that wholly contains `addr..addr+len`, if any.
-pub(crate) fn find_segment(addr: usize, len: usize) -> Option<SegmentRef> {
+/// The segment that wholly contains `addr..addr+len`, if any, with the
+/// offset of `addr` in it.
+pub(crate) fn find_segment(addr: usize, len: usize) -> Option<(Arc<ShmSegment>, usize)> {
     let t = table().lock().unwrap_or_else(|e| e.into_inner());
-    let (_, s) = t.range(..=addr).next_back()?;
+    let (base, e) = t.range(..=addr).next_back()?;
     let end = addr.checked_add(len)?;
-    (end <= s.base + s.len).then_some(*s)
+    if end > base + e.len {
+        return None;
+    }
+    Some((e.seg.upgrade()?, addr - base))
 }
+
+/// Seals a segment may carry to be mapped by a peer: it can never shrink
+/// (a mapper would fault) nor grow.
+pub(crate) const REQUIRED_SEALS: libc::c_int = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW;
 
 /// The name a segment's memfd carries; peers check it before mapping.
 pub(crate) fn segment_name(uid: u64) -> String {
@@ -79,7 +90,7 @@ impl ShmSegment {
         let uid: u64 = rand::random::<u64>() | 1;
         let name = CString::new(segment_name(uid)).expect("no NUL in segment name");
         // SAFETY: name is a valid C string; flags are valid.
-        let raw = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+        let raw = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
         if raw < 0 {
             return Err(Error::last_os("memfd_create"));
         }
@@ -88,6 +99,10 @@ impl ShmSegment {
         // SAFETY: fd is valid.
         if unsafe { libc::ftruncate(fd.as_raw_fd(), map_len as libc::off_t) } != 0 {
             return Err(Error::last_os("ftruncate(memfd)"));
+        }
+        // SAFETY: fd is a valid memfd created with MFD_ALLOW_SEALING.
+        if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, REQUIRED_SEALS | libc::F_SEAL_SEAL) } != 0 {
+            return Err(Error::last_os("fcntl(F_ADD_SEALS)"));
         }
         // SAFETY: mapping a fresh fd of map_len bytes; the result is checked.
         let p = unsafe {
@@ -105,10 +120,10 @@ impl ShmSegment {
         }
         let ptr = NonNull::new(p as *mut u8).expect("mmap returned null");
         let seg = Arc::new(ShmSegment { ptr, len: map_len, fd, uid });
-        table().lock().unwrap_or_else(|e| e.into_inner()).insert(
-            ptr.as_ptr() as usize,
-            SegmentRef { base: ptr.as_ptr() as usize, len: map_len, fd: seg.fd.as_raw_fd(), uid },
-        );
+        table()
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(ptr.as_ptr() as usize, Entry { len: map_len, seg: Arc::downgrade(&seg) });
         Ok(seg)
     }
 
@@ -122,6 +137,12 @@ impl ShmSegment {
 
     pub(crate) fn fd(&self) -> RawFd {
         self.fd.as_raw_fd()
+    }
+
+    /// The descriptor, to pass to a peer.
+    pub(crate) fn borrow_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        use std::os::fd::AsFd;
+        self.fd.as_fd()
     }
 
     pub(crate) fn uid(&self) -> u64 {
@@ -196,10 +217,23 @@ mod tests {
         assert!(b.len() >= 10_000);
         b.as_mut_slice()[9_999] = 7;
         let base = b.as_ptr() as usize;
-        assert!(find_segment(base + 100, 200).is_some());
+        assert_eq!(find_segment(base + 100, 200).map(|(_, off)| off), Some(100));
         assert!(find_segment(base, b.len()).is_some());
         assert!(find_segment(base, b.len() + 1).is_none());
         drop(b);
         assert!(find_segment(base + 100, 200).is_none());
+    }
+
+    #[test]
+    fn segments_are_sealed_against_resizing() {
+        let b = ShmBuffer::new(8192).unwrap();
+        let fd = b.seg.fd();
+        // SAFETY: fd is the segment's live descriptor.
+        let seals = unsafe { libc::fcntl(fd, libc::F_GET_SEALS) };
+        assert_eq!(seals & REQUIRED_SEALS, REQUIRED_SEALS, "seals {seals:#x}");
+        // SAFETY: as above; a sealed memfd refuses both.
+        assert_ne!(unsafe { libc::ftruncate(fd, 4096) }, 0, "a sealed segment must not shrink");
+        // SAFETY: as above.
+        assert_ne!(unsafe { libc::ftruncate(fd, 1 << 20) }, 0, "a sealed segment must not grow");
     }
 }

@@ -9,7 +9,9 @@ use std::time::Duration;
 
 use ibverbx::soft::wire::{Frame, Hello, HelloStatus, HEADER_LEN, HELLO_LEN};
 use ibverbx::soft::{SoftConfig, SoftLink, SoftProvider};
-use ibverbx::{AccessFlags, MemoryRegion, QpInitAttr, SendFlags, SendOp, SendWr, WorkCompletion};
+use ibverbx::{
+    AccessFlags, InitAttr, MemoryRegion, QpInitAttr, QpTransition, RtrAttr, SendFlags, SendOp, SendWr, WorkCompletion,
+};
 use rand::{Rng, SeedableRng};
 
 static PANICS: AtomicUsize = AtomicUsize::new(0);
@@ -49,16 +51,32 @@ fn random_and_truncated_frames_close_the_connection_only() {
     target.connect(&other.endpoint().unwrap()).unwrap();
     other.connect(&target.endpoint().unwrap()).unwrap();
     let mem = MemoryRegion::alloc(&pd, 1 << 16, AccessFlags::all_remote()).unwrap();
-    let ep = target.endpoint().unwrap();
+    // The bad peers connect to `probe`, whose connection is forged as
+    // coming from `other`: a QP admits one connection per life (reset
+    // epoch), from the QP set at RTR, so `probe` is reset and brought back
+    // to RTR before each.
+    let probe = pd.create_qp(&QpInitAttr::default(), &cq, &cq).unwrap();
+    let other_ep = other.endpoint().unwrap();
+    let ep = probe.endpoint().unwrap();
     let soft = ep.soft.clone().unwrap();
     let addr = *soft.tcp.iter().find(|a| a.ip().is_loopback()).unwrap();
-    let hello = Hello { src_qpn: 1, dst_qpn: ep.qpn, token: soft.token, rnr_retry: 0 };
-    let connect = || {
+    let hello = Hello { src_qpn: other_ep.qpn, dst_qpn: ep.qpn, token: soft.token, rnr_retry: 0 };
+    let renew = || {
+        probe.modify(&QpTransition::Reset).unwrap();
+        probe.modify(&QpTransition::Init(InitAttr::default())).unwrap();
+        probe.modify(&QpTransition::Rtr(RtrAttr::new(other_ep.clone()))).unwrap();
+    };
+    let hello_status = |h: &Hello| {
         let mut s = TcpStream::connect(addr).unwrap();
-        s.write_all(&hello.encode()).unwrap();
+        s.write_all(&h.encode()).unwrap();
         let mut r = [0u8; HELLO_LEN];
         s.read_exact(&mut r).unwrap();
-        assert_eq!(HelloStatus::decode(&r), Ok(HelloStatus::Ok));
+        (HelloStatus::decode(&r).unwrap(), s)
+    };
+    let connect = || {
+        renew();
+        let (st, s) = hello_status(&hello);
+        assert_eq!(st, HelloStatus::Ok);
         s
     };
     let mut rng = rand::rngs::StdRng::seed_from_u64(0x5eed);
@@ -84,6 +102,19 @@ fn random_and_truncated_frames_close_the_connection_only() {
         s.read_exact(&mut r).unwrap();
         assert_eq!(HelloStatus::decode(&r), Ok(HelloStatus::BadToken));
         expect_closed(&mut s, "wrong token");
+    }
+    // 2b. With the right token, still one connection per life of the QP,
+    //     and only from the QP set at RTR.
+    {
+        let first = connect();
+        let (st, mut again) = hello_status(&hello);
+        assert_eq!(st, HelloStatus::BadToken, "a second connection in one life was admitted");
+        expect_closed(&mut again, "second connection");
+        drop(first);
+        renew();
+        let (st, mut wrong) = hello_status(&Hello { src_qpn: other_ep.qpn ^ 1, ..hello });
+        assert_eq!(st, HelloStatus::BadToken, "a connection from another QP than RTR's was admitted");
+        expect_closed(&mut wrong, "connection from the wrong QP");
     }
     // 3. Random headers and payloads after a valid hello.
     for _ in 0..200 {

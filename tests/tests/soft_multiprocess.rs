@@ -41,10 +41,13 @@ fn counter(out: &[String], key: &str) -> u64 {
 #[test]
 fn shm_two_processes_shared_segments() {
     let (t, i) = run_pair(&[], &[], &["--mem", "shm"], &[("RMACOMM_SOFT_LINK", "shm")]);
+    // The initiator mapped the target's segment (its descriptor came over
+    // the target's attach socket) and copied into it directly.
+    assert!(counter(&i, "peer_segments_mapped") >= 1, "initiator: {i:?}");
     // Both sides wait asleep on their CQs: the notifications went through
     // the target's doorbell (claimed there, or retracted by the initiator
     // when the target woke too late), and a side rang the other's CQ in the
-    // other process (pidfd_getfd). Which side rings depends on who armed
+    // other process (event fds passed over the attach sockets). Which side rings depends on who armed
     // first, so only the sums are certain.
     let used = counter(&t, "doorbell_claimed") + counter(&i, "doorbell_retracted");
     let rings = counter(&t, "doorbell_rings") + counter(&i, "doorbell_rings");
@@ -112,4 +115,29 @@ fn dead_peer_shm() {
 #[test]
 fn dead_peer_tcp() {
     dead_peer("tcp");
+}
+
+/// An endpoint forged to name a third process (its pid, its key table's
+/// descriptor number and uid, its region and key) must not steer our
+/// writes into that process: descriptors come only from the process that
+/// answers on the peer's socket, and only for that process's registrations.
+#[test]
+fn forged_endpoint_cannot_reach_a_third_process() {
+    let env = [("RMACOMM_SOFT_LINK", "shm")];
+    let mut victim = Peer::spawn("victim", PEER, &[], &["victim", "--sizes", "4096"], &env);
+    let mut peer = Peer::spawn("peer", PEER, &[], &["hold", "--sizes", "4096"], &env);
+    let mut forger = Peer::spawn("forger", PEER, &[], &["forge", "--sizes", "4096"], &env);
+    forger.send(&victim.line(Duration::from_secs(30)));
+    let f = forger.line(Duration::from_secs(30));
+    forger.send(&peer.line(Duration::from_secs(30)));
+    peer.send(&f);
+    let (fo, ok_f) = forger.finish(Duration::from_secs(60));
+    victim.close_stdin();
+    let (vo, ok_v) = victim.finish(Duration::from_secs(30));
+    assert!(ok_f && ok_v, "forger: {fo:?}\nvictim: {vo:?}");
+    assert_eq!(counter(&vo, "victim_bytes_changed"), 0, "the third process was written: forger said {fo:?}");
+    let status = fo.iter().find(|l| l.contains("forged_write")).unwrap_or_else(|| panic!("{fo:?}"));
+    assert!(!status.contains("\"Success\""), "the forged write claims success: {status}");
+    eprintln!("forged endpoint: {status}; victim untouched");
+    drop(peer);
 }

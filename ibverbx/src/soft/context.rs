@@ -21,7 +21,7 @@ use super::host::{host_id, local_ipv4_addrs};
 use super::keytable::{stored_access, KeyTable, SlotData, SLOT_MASK};
 use super::mr::{SoftMr, SoftMrHandle};
 use super::peer::PeerMap;
-use super::qp::SoftQp;
+use super::qp::{Refusal, SoftQp};
 use super::wire::{Hello, HelloStatus, HELLO_LEN};
 use crate::device::{DeviceAttr, Gid, LinkLayer, Mtu, PortAttr, PortState};
 use crate::endpoint::{HostId, SoftAddress};
@@ -47,13 +47,19 @@ pub(crate) struct CtxShared {
     pub(crate) db_retracted: std::sync::atomic::AtomicU64,
     /// Peer event fds rung by this context (a sleeping peer woken).
     pub(crate) db_rings: std::sync::atomic::AtomicU64,
+    /// Peer segments mapped, attach requests refused (diagnostics).
+    pub(crate) segs_mapped: std::sync::atomic::AtomicU64,
+    pub(crate) attach_refused: std::sync::atomic::AtomicU64,
+    /// Unauthenticated connections closed to stay under the cap.
+    pub(crate) handshakes_evicted: std::sync::atomic::AtomicU64,
     /// Duplicates of peers' CQ event fds, shared per peer CQ.
     pub(crate) wakers: super::doorbell::Wakers,
     mrs: RwLock<HashMap<u32, Arc<SoftMr>>>,
     pub(crate) qps: Mutex<HashMap<u32, Weak<SoftQp>>>,
     next_qpn: AtomicU32,
     next_pd: AtomicU32,
-    peers: Mutex<HashMap<(u32, u64), Arc<PeerMap>>>,
+    /// Attached peer contexts; an entry dies with the last QP using it.
+    peers: Mutex<HashMap<(u32, u64), Weak<PeerMap>>>,
     pub(crate) config: SoftConfig,
     /// Busy-poll bookkeeping: when the engine last did something, and a
     /// wake-up for the spinner.
@@ -90,6 +96,7 @@ impl CtxShared {
         .map_err(|e| Error::os("bind(unix)", e))?;
         let unix = std::os::unix::net::UnixListener::bind_addr(&uaddr).map_err(|e| Error::os("bind(unix)", e))?;
         unix.set_nonblocking(true).map_err(|e| Error::os("bind(unix)", e))?;
+        let attach_listener = super::attach::bind(&unix_name).map_err(|e| Error::os("bind(unix attach)", e))?;
 
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -125,6 +132,9 @@ impl CtxShared {
             db_claimed: std::sync::atomic::AtomicU64::new(0),
             db_retracted: std::sync::atomic::AtomicU64::new(0),
             db_rings: std::sync::atomic::AtomicU64::new(0),
+            segs_mapped: std::sync::atomic::AtomicU64::new(0),
+            attach_refused: std::sync::atomic::AtomicU64::new(0),
+            handshakes_evicted: std::sync::atomic::AtomicU64::new(0),
             wakers: Default::default(),
             mrs: RwLock::new(HashMap::new()),
             qps: Mutex::new(HashMap::new()),
@@ -140,23 +150,23 @@ impl CtxShared {
             ctx.rt.spawn(spin(Arc::downgrade(&ctx), ctx.activity.clone(), ctx.config.busy_poll.as_micros() as u64));
         }
         let weak = Arc::downgrade(&ctx);
-        let w2 = weak.clone();
+        ctx.rt.spawn(super::attach::serve(weak.clone(), attach_listener));
+        let pending = Arc::new(Mutex::new(Handshakes::default()));
+        let (w, p) = (weak.clone(), pending.clone());
         ctx.rt.spawn(async move {
             let l = match tokio::net::TcpListener::from_std(tcp) {
                 Ok(l) => l,
                 Err(e) => return tracing::error!("soft tcp listener: {e}"),
             };
             loop {
-                match l.accept().await {
-                    Ok((s, peer)) => {
-                        let _ = s.set_nodelay(true);
-                        let Some(ctx) = weak.upgrade() else { return };
-                        tokio::spawn(accept_conn(ctx, s, peer.to_string()));
-                    }
-                    Err(e) => {
-                        tracing::warn!("soft tcp accept: {e}");
-                        tokio::time::sleep(Duration::from_millis(10)).await;
-                    }
+                let r = l.accept().await.map(|(s, a)| {
+                    let _ = s.set_nodelay(true);
+                    (s, a.to_string())
+                });
+                match admit_handshake(&w, &p, r, "tcp") {
+                    None => return,
+                    Some(d) if !d.is_zero() => tokio::time::sleep(d).await,
+                    Some(_) => {}
                 }
             }
         });
@@ -166,15 +176,11 @@ impl CtxShared {
                 Err(e) => return tracing::error!("soft unix listener: {e}"),
             };
             loop {
-                match l.accept().await {
-                    Ok((s, _)) => {
-                        let Some(ctx) = w2.upgrade() else { return };
-                        tokio::spawn(accept_conn(ctx, s, "unix".to_owned()));
-                    }
-                    Err(e) => {
-                        tracing::warn!("soft unix accept: {e}");
-                        tokio::time::sleep(Duration::from_millis(10)).await;
-                    }
+                let r = l.accept().await.map(|(s, _)| (s, "unix".to_owned()));
+                match admit_handshake(&weak, &pending, r, "unix") {
+                    None => return,
+                    Some(d) if !d.is_zero() => tokio::time::sleep(d).await,
+                    Some(_) => {}
                 }
             }
         });
@@ -216,6 +222,7 @@ impl CtxShared {
         let a = addr as usize;
         let seg = find_segment(a, len);
         let placement = if seg.is_some() { Placement::SharedSegment } else { Placement::ProcessVm };
+        let (seg_uid, seg_off) = seg.as_ref().map_or((0, 0), |(s, off)| (s.uid(), *off as u64));
         let mut mrs = self.mrs.write().unwrap_or_else(|e| e.into_inner());
         if mrs.len() >= (SLOT_MASK as usize) {
             return Err(Error::exhausted("reg_mr", "the soft key table is full (16383 regions per context)"));
@@ -227,11 +234,7 @@ impl CtxShared {
                 break k;
             }
         };
-        let mr = Arc::new(SoftMr::new(key, pd, a as u64, len, access, placement, owner));
-        let (seg_uid, seg_fd, seg_off) = match seg {
-            Some(s) => (s.uid, s.fd, (a - s.base) as u64),
-            None => (0, -1, 0),
-        };
+        let mr = Arc::new(SoftMr::new(key, pd, a as u64, len, access, placement, seg.map(|(s, _)| s), owner));
         self.keytable.publish(&SlotData {
             rkey: key,
             pd,
@@ -239,7 +242,6 @@ impl CtxShared {
             addr: a as u64,
             len: len as u64,
             seg_uid,
-            seg_fd,
             seg_off,
         });
         mrs.insert(key, mr.clone());
@@ -250,14 +252,30 @@ impl CtxShared {
         self.next_qpn.fetch_add(1, Ordering::Relaxed) & 0x00ff_ffff
     }
 
-    /// The mapping of a same-host peer's tables, opened once per peer context.
-    pub(crate) fn peer(&self, addr: &SoftAddress) -> Result<Arc<PeerMap>> {
-        let mut peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(p) = peers.get(&(addr.pid, addr.ctx_uid)) {
-            return Ok(p.clone());
+    /// The segment with unique id `uid` if it backs a region registered
+    /// here (the only segments the attach socket hands out).
+    pub(crate) fn registered_segment(&self, uid: u64) -> Option<Arc<crate::shm::ShmSegment>> {
+        let mrs = self.mrs.read().unwrap_or_else(|e| e.into_inner());
+        mrs.values()
+            .find_map(|mr| mr.seg.as_ref().filter(|s| s.uid() == uid && mr.valid.load(Ordering::Acquire)).cloned())
+    }
+
+    /// The mapping of a same-host peer's tables, attached once per peer
+    /// context. `pid` is the peer's pid as the kernel reported it on the QP
+    /// connection (the endpoint's own claim is never used), `qpn` the peer
+    /// QP whose token `addr` carries.
+    pub(crate) async fn peer(&self, addr: &SoftAddress, qpn: u32, pid: u32) -> Result<Arc<PeerMap>> {
+        let key = (pid, addr.ctx_uid);
+        if let Some(p) = self.peers.lock().unwrap_or_else(|e| e.into_inner()).get(&key).and_then(Weak::upgrade) {
+            return Ok(p);
         }
-        let p = Arc::new(PeerMap::open(addr)?);
-        peers.insert((addr.pid, addr.ctx_uid), p.clone());
+        let p = Arc::new(PeerMap::attach(addr, qpn, pid).await?);
+        let mut peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
+        peers.retain(|_, w| w.strong_count() > 0);
+        if let Some(other) = peers.get(&key).and_then(Weak::upgrade) {
+            return Ok(other);
+        }
+        peers.insert(key, Arc::downgrade(&p));
         Ok(p)
     }
 }
@@ -289,17 +307,86 @@ async fn spin(ctx: std::sync::Weak<CtxShared>, activity: Arc<tokio::sync::Notify
     }
 }
 
+/// Connections accepted whose hello has not been read yet hold descriptors
+/// that nobody authenticated: at most this many at once.
+pub(crate) const MAX_PENDING_HANDSHAKES: usize = 128;
+/// A connection must send its hello within this long (a real peer sends it
+/// at once).
+const HELLO_DEADLINE: Duration = Duration::from_secs(3);
+
+/// The unauthenticated connections of a context, oldest first.
+#[derive(Debug, Default)]
+struct Handshakes {
+    next: u64,
+    live: std::collections::BTreeMap<u64, tokio::task::AbortHandle>,
+}
+
+impl Handshakes {
+    /// Closes the oldest pending handshake; false when there is none.
+    fn evict_oldest(&mut self) -> bool {
+        match self.live.pop_first() {
+            Some((_, h)) => {
+                h.abort();
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+/// Starts the handshake of an accepted connection, closing the oldest
+/// pending one when [`MAX_PENDING_HANDSHAKES`] are already waiting (so a
+/// flood of idle connections cannot lock out a peer that sends its hello
+/// at once). An accept error such as EMFILE also closes the oldest pending
+/// handshake, to free a descriptor; the caller then backs off for the
+/// returned time. `None` when the context is gone.
+fn admit_handshake<S>(
+    ctx: &Weak<CtxShared>,
+    pending: &Arc<Mutex<Handshakes>>,
+    accepted: std::io::Result<(S, String)>,
+    kind: &str,
+) -> Option<Duration>
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let c = ctx.upgrade()?;
+    let (s, peer) = match accepted {
+        Ok(x) => x,
+        Err(e) => {
+            let freed = pending.lock().unwrap_or_else(|e| e.into_inner()).evict_oldest();
+            c.handshakes_evicted.fetch_add(u64::from(freed), Ordering::Relaxed);
+            tracing::warn!("soft {kind} accept: {e}");
+            // An error that persists must not spin the progress thread.
+            return Some(Duration::from_millis(if freed { 1 } else { 10 }));
+        }
+    };
+    let mut g = pending.lock().unwrap_or_else(|e| e.into_inner());
+    let id = g.next;
+    g.next += 1;
+    let task = c.rt.spawn(accept_conn(c.clone(), s, peer, id, pending.clone()));
+    g.live.insert(id, task.abort_handle());
+    while g.live.len() > MAX_PENDING_HANDSHAKES {
+        g.evict_oldest();
+        c.handshakes_evicted.fetch_add(1, Ordering::Relaxed);
+    }
+    Some(Duration::ZERO)
+}
+
 /// Reads a hello, checks the token, and hands the connection to the QP's
 /// responder.
-async fn accept_conn<S>(ctx: Arc<CtxShared>, mut s: S, peer: String)
+async fn accept_conn<S>(ctx: Arc<CtxShared>, mut s: S, peer: String, id: u64, pending: Arc<Mutex<Handshakes>>)
 where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     let mut buf = [0u8; HELLO_LEN];
-    match tokio::time::timeout(Duration::from_secs(10), s.read_exact(&mut buf)).await {
+    let r = tokio::time::timeout(HELLO_DEADLINE, s.read_exact(&mut buf)).await;
+    // From here on the connection is no longer an anonymous one: it is
+    // never evicted (it is closed below unless its token is right).
+    pending.lock().unwrap_or_else(|e| e.into_inner()).live.remove(&id);
+    match r {
         Ok(Ok(_)) => {}
         Ok(Err(e)) => return tracing::debug!("soft connection from {peer} closed during hello: {e}"),
-        Err(_) => return tracing::warn!("soft connection from {peer}: no hello within 10 s; closing"),
+        Err(_) => return tracing::debug!("soft connection from {peer}: no hello within {HELLO_DEADLINE:?}; closing"),
     }
     let hello = match Hello::decode(&buf) {
         Ok(h) => h,
@@ -315,9 +402,27 @@ where
             return;
         }
     };
-    if !qp.accepts_connections() {
-        let _ = s.write_all(&HelloStatus::BadState.encode()).await;
-        return tracing::warn!("soft connection from {peer} refused: QP {:#x} is in the error state", hello.dst_qpn);
+    match qp.admit(hello.src_qpn) {
+        Ok(_) => {}
+        Err(Refusal::ErrState) => {
+            let _ = s.write_all(&HelloStatus::BadState.encode()).await;
+            return tracing::warn!(
+                "soft connection from {peer} refused: QP {:#x} is in the error state",
+                hello.dst_qpn
+            );
+        }
+        Err(why) => {
+            let _ = s.write_all(&HelloStatus::BadToken.encode()).await;
+            return tracing::warn!(
+                "soft connection from {peer} (QP {:#x}) refused by QP {:#x}: {}",
+                hello.src_qpn,
+                hello.dst_qpn,
+                match why {
+                    Refusal::WrongPeer => "not the remote QP it was connected to at RTR",
+                    _ => "it already has its connection (one per reset)",
+                }
+            );
+        }
     }
     if s.write_all(&HelloStatus::Ok.encode()).await.is_err() {
         return;

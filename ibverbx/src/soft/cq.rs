@@ -48,6 +48,12 @@ struct CqState {
 }
 
 impl SoftCq {
+    /// The completion channel's event fd, to hand to a same-host peer.
+    pub(crate) fn event_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        use std::os::fd::AsFd;
+        self.efd.as_fd()
+    }
+
     pub(crate) fn new(cap: usize, ctx_uid: u64) -> Result<SoftCq> {
         // SAFETY: eventfd has no memory preconditions; the result is checked.
         let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };

@@ -11,8 +11,8 @@
 //! before it takes a receive for any later request of that connection —
 //! and the requester's next poll of its send CQ completes the WR.
 //!
-//! Sleepers are woken through each other's CQ event fd (duplicated with
-//! `pidfd_getfd`): a side that arms its CQ raises a flag in the slot, and
+//! Sleepers are woken through each other's CQ event fd (passed over the
+//! attach socket, `attach.rs`): a side that arms its CQ raises a flag in the slot, and
 //! the other side rings the event fd when it sees it after publishing or
 //! claiming (both sides fence between their store and their load, so one
 //! of them always sees the other). A record nobody claims within
@@ -21,8 +21,8 @@
 //! pending when the requester sends anything else. The state word makes
 //! each record delivered exactly once.
 
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64, Ordering};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -57,9 +57,9 @@ pub(crate) struct Slot {
     pub(crate) rq_len: AtomicU32,
     /// 1 while the owner accepts records (QP in RTR or RTS).
     pub(crate) open: AtomicU32,
-    /// The owner's receive CQ is armed: ring `rx_efd` after publishing.
+    /// The owner's receive CQ is armed: ring its event fd after publishing.
     pub(crate) rx_armed: AtomicU32,
-    /// The requester's send CQ is armed: ring `tx_efd` after claiming.
+    /// The requester's send CQ is armed: ring its event fd after claiming.
     pub(crate) tx_armed: AtomicU32,
     _pad: [AtomicU32; 10],
     // Second cache line: the record and the rarely changing rest.
@@ -75,14 +75,10 @@ pub(crate) struct Slot {
     /// only in the life it was written for (`rec_gen`).
     pub(crate) rec_gen: AtomicU32,
     pub(crate) gen: AtomicU32,
-    /// The owner cannot ring the requester (no `pidfd_getfd` permission):
-    /// the requester stops using the slot.
+    /// The owner cannot ring the requester (it was not given the
+    /// requester's send CQ event fd): the requester stops using the slot.
     pub(crate) no_tx_wake: AtomicU32,
-    /// The owner's receive CQ event fd (a descriptor number in its process).
-    pub(crate) rx_efd: AtomicI32,
-    /// The requester's process and send CQ event fd.
-    pub(crate) tx_pid: AtomicU32,
-    pub(crate) tx_efd: AtomicI32,
+    _reserved: [AtomicU32; 3],
     /// Unique ids of the owner's receive CQ and the requester's send CQ:
     /// event-fd duplicates are shared per CQ, and a new CQ behind a reused
     /// descriptor number never gets an old duplicate.
@@ -147,8 +143,9 @@ impl DoorbellTable {
         Ok(DoorbellTable { seg: ShmSegment::create(TABLE_BYTES)?, next: AtomicU32::new(1) })
     }
 
-    pub(crate) fn fd(&self) -> i32 {
-        self.seg.fd()
+    /// The table's descriptor, to pass to a same-host peer.
+    pub(crate) fn borrow_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.seg.borrow_fd()
     }
 
     pub(crate) fn uid(&self) -> u64 {
@@ -166,28 +163,6 @@ impl DoorbellTable {
     }
 }
 
-/// A duplicate of descriptor `fd` of process `pid` (`pidfd_getfd`: needs
-/// the same permission as `process_vm_writev`).
-pub(crate) fn steal_fd(pid: u32, fd: i32) -> std::io::Result<OwnedFd> {
-    if fd < 0 {
-        return Err(std::io::Error::from_raw_os_error(libc::EBADF));
-    }
-    // SAFETY: pidfd_open takes a pid and flags; the result is checked.
-    let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
-    if pidfd < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: pidfd is a fresh descriptor we own.
-    let pidfd = unsafe { OwnedFd::from_raw_fd(pidfd as i32) };
-    // SAFETY: pidfd_getfd takes a pidfd, a descriptor number and flags.
-    let r = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), fd, 0) };
-    if r < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: r is a fresh descriptor we own.
-    Ok(unsafe { OwnedFd::from_raw_fd(r as i32) })
-}
-
 /// Duplicates of peers' CQ event fds, shared by every QP of a context that
 /// rings the same CQ (a virtual QP's physical QPs share one): one
 /// descriptor per peer CQ instead of one per QP. Entries die with their
@@ -198,17 +173,23 @@ pub(crate) struct Wakers {
 }
 
 impl Wakers {
-    /// The duplicate of descriptor `fd` of process `pid`, the event fd of
-    /// the CQ with unique id `cq`.
-    pub(crate) fn get(&self, pid: u32, fd: i32, cq: u64) -> std::io::Result<Arc<OwnedFd>> {
+    /// The event fd of process `pid`'s CQ with unique id `cq`, if some QP
+    /// of ours already holds it.
+    pub(crate) fn lookup(&self, pid: u32, cq: u64) -> Option<Arc<OwnedFd>> {
+        self.map.lock().unwrap_or_else(|e| e.into_inner()).get(&(pid, cq)).and_then(std::sync::Weak::upgrade)
+    }
+
+    /// Records `fd` as process `pid`'s event fd of CQ `cq`; returns the one
+    /// already held if there is one (`fd` is then closed).
+    pub(crate) fn insert(&self, pid: u32, cq: u64, fd: OwnedFd) -> Arc<OwnedFd> {
         let mut m = self.map.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(w) = m.get(&(pid, cq)).and_then(std::sync::Weak::upgrade) {
-            return Ok(w);
+            return w;
         }
-        let w = Arc::new(steal_fd(pid, fd)?);
+        let w = Arc::new(fd);
         m.retain(|_, v| v.strong_count() > 0);
         m.insert((pid, cq), Arc::downgrade(&w));
-        Ok(w)
+        w
     }
 }
 
@@ -248,37 +229,22 @@ mod tests {
 
     #[test]
     fn wakers_are_shared_per_cq_and_die_with_their_users() {
-        // SAFETY: eventfd has no memory preconditions; the result is checked.
-        let raw = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
-        assert!(raw >= 0);
-        // SAFETY: raw is fresh.
-        let efd = unsafe { OwnedFd::from_raw_fd(raw) };
+        let efd = || rustix::event::eventfd(0, rustix::event::EventfdFlags::CLOEXEC).unwrap();
         let w = Wakers::default();
         let pid = std::process::id();
-        let a = w.get(pid, efd.as_raw_fd(), 7).unwrap();
-        let b = w.get(pid, efd.as_raw_fd(), 7).unwrap();
-        assert!(Arc::ptr_eq(&a, &b), "one duplicate per CQ");
-        let c = w.get(pid, efd.as_raw_fd(), 8).unwrap();
-        assert!(!Arc::ptr_eq(&a, &c), "another CQ id, another duplicate");
+        assert!(w.lookup(pid, 7).is_none());
+        let a = w.insert(pid, 7, efd());
+        let b = w.insert(pid, 7, efd());
+        assert!(Arc::ptr_eq(&a, &b), "one descriptor per CQ");
+        assert!(Arc::ptr_eq(&a, &w.lookup(pid, 7).unwrap()));
+        let c = w.insert(pid, 8, efd());
+        assert!(!Arc::ptr_eq(&a, &c), "another CQ id, another descriptor");
         drop((a, b));
-        assert!(w.map.lock().unwrap()[&(pid, 7)].upgrade().is_none(), "the duplicate died with its users");
-        ring(&w.get(pid, efd.as_raw_fd(), 7).unwrap());
-    }
-
-    #[test]
-    fn an_event_fd_of_our_own_can_be_duplicated_and_rung() {
-        // SAFETY: eventfd has no memory preconditions; the result is checked.
-        let raw = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
-        assert!(raw >= 0);
-        // SAFETY: raw is fresh.
-        let efd = unsafe { OwnedFd::from_raw_fd(raw) };
-        let dup = steal_fd(std::process::id(), efd.as_raw_fd()).unwrap();
-        ring(&dup);
-        let mut v: u64 = 0;
-        // SAFETY: reading 8 bytes into a u64.
-        let n = unsafe { libc::read(efd.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
-        assert_eq!((n, v), (8, 1));
-        assert!(steal_fd(std::process::id(), -1).is_err());
+        assert!(w.lookup(pid, 7).is_none(), "the descriptor died with its users");
+        ring(&c);
+        let mut v = [0u8; 8];
+        assert_eq!(rustix::io::read(&*c, &mut v).unwrap(), 8);
+        assert_eq!(u64::from_ne_bytes(v), 1);
     }
 
     // End-to-end, through the public API: two contexts on one host.

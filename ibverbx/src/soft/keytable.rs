@@ -31,9 +31,9 @@ pub(crate) struct SlotData {
     pub(crate) access: u32,
     pub(crate) addr: u64,
     pub(crate) len: u64,
-    /// 0 when the MR is not in a shared segment.
+    /// 0 when the MR is not in a shared segment. Peers obtain the segment
+    /// itself through the attach socket, never by a descriptor number.
     pub(crate) seg_uid: u64,
-    pub(crate) seg_fd: i32,
     pub(crate) seg_off: u64,
 }
 
@@ -46,8 +46,7 @@ struct Slot {
     addr: AtomicU64,
     len: AtomicU64,
     seg_uid: AtomicU64,
-    seg_fd: AtomicU32,
-    _pad: AtomicU32,
+    _pad: [AtomicU32; 2],
     seg_off: AtomicU64,
 }
 
@@ -95,7 +94,6 @@ impl KeyTableView {
                 addr: s.addr.load(Ordering::Relaxed),
                 len: s.len.load(Ordering::Relaxed),
                 seg_uid: s.seg_uid.load(Ordering::Relaxed),
-                seg_fd: s.seg_fd.load(Ordering::Relaxed) as i32,
                 seg_off: s.seg_off.load(Ordering::Relaxed),
             };
             std::sync::atomic::fence(Ordering::Acquire);
@@ -123,8 +121,11 @@ impl KeyTable {
         Ok(KeyTable { seg, view })
     }
 
-    pub(crate) fn fd(&self) -> i32 {
-        self.seg.fd()
+    /// A read-only descriptor of the table, for a peer: it can map the
+    /// table to check keys but never change it.
+    pub(crate) fn read_only_fd(&self) -> std::io::Result<std::os::fd::OwnedFd> {
+        let f = std::fs::File::open(format!("/proc/self/fd/{}", self.seg.fd()))?;
+        Ok(f.into())
     }
 
     pub(crate) fn uid(&self) -> u64 {
@@ -149,7 +150,6 @@ impl KeyTable {
         s.addr.store(d.addr, Ordering::Relaxed);
         s.len.store(d.len, Ordering::Relaxed);
         s.seg_uid.store(d.seg_uid, Ordering::Relaxed);
-        s.seg_fd.store(d.seg_fd as u32, Ordering::Relaxed);
         s.seg_off.store(d.seg_off, Ordering::Relaxed);
         s.seq.store(seq.wrapping_add(2), Ordering::Release);
     }
@@ -186,7 +186,6 @@ mod tests {
             addr: 0x1000,
             len: 4096,
             seg_uid: 0,
-            seg_fd: -1,
             seg_off: 0,
         };
         t.publish(&d);

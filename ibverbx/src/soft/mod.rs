@@ -24,6 +24,7 @@
 //!   memory; `copy`: direct copies, streaming for long runs
 //! - `cq`, `mr`: completion queues and regions
 
+mod attach;
 mod config;
 mod context;
 mod copy;
@@ -54,6 +55,15 @@ pub struct SoftStats {
     pub doorbell_retracted: u64,
     /// Sleeping peers this context woke by ringing their CQ event fd.
     pub doorbell_rings: u64,
+    /// Same-host peers' shared segments this context mapped (each obtained
+    /// over the peer's attach socket, `SCM_RIGHTS`).
+    pub peer_segments_mapped: u64,
+    /// Attach requests this context refused (unknown QP, wrong token,
+    /// malformed request, another user).
+    pub attach_refused: u64,
+    /// Unauthenticated connections (no hello yet) this context closed to
+    /// stay under its cap of pending handshakes.
+    pub handshakes_evicted: u64,
 }
 
 /// The counters of `ctx`, or `None` when it is not a soft-provider context.
@@ -65,6 +75,9 @@ pub fn stats(ctx: &crate::Context) -> Option<SoftStats> {
         doorbell_claimed: s.db_claimed.load(Relaxed),
         doorbell_retracted: s.db_retracted.load(Relaxed),
         doorbell_rings: s.db_rings.load(Relaxed),
+        peer_segments_mapped: s.segs_mapped.load(Relaxed),
+        attach_refused: s.attach_refused.load(Relaxed),
+        handshakes_evicted: s.handshakes_evicted.load(Relaxed),
     })
 }
 

@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use super::context::CtxShared;
 use crate::provider::{MrOps, Placement};
+use crate::shm::ShmSegment;
 use crate::{AccessFlags, Result, WcStatus};
 
 /// A registered range. Posted WRs and in-progress remote accesses hold an
@@ -19,6 +20,9 @@ pub(crate) struct SoftMr {
     pub(crate) access: AccessFlags,
     pub(crate) placement: Placement,
     pub(crate) valid: AtomicBool,
+    /// The shared segment the region lies in (kept alive with it, so that
+    /// its descriptor can be handed to a same-host peer).
+    pub(crate) seg: Option<Arc<ShmSegment>>,
     _owner: Option<Arc<dyn Any + Send + Sync>>,
 }
 
@@ -40,9 +44,10 @@ impl SoftMr {
         len: usize,
         access: AccessFlags,
         placement: Placement,
+        seg: Option<Arc<ShmSegment>>,
         owner: Option<Arc<dyn Any + Send + Sync>>,
     ) -> Self {
-        SoftMr { key, pd, addr, len, access, placement, valid: AtomicBool::new(true), _owner: owner }
+        SoftMr { key, pd, addr, len, access, placement, valid: AtomicBool::new(true), seg, _owner: owner }
     }
 
     /// Checks an access of `len` bytes at `addr` by a QP of `pd` needing

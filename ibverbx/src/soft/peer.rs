@@ -1,15 +1,16 @@
 //! Direct access to a same-host peer's memory: its key table and shared
-//! segments mapped here, or `process_vm_writev`/`readv` for its other
+//! segments mapped here (descriptors obtained through `attach`, never from
+//! numbers the peer reported), or `process_vm_writev`/`readv` for its other
 //! memory.
 
 use std::collections::HashMap;
-use std::ffi::CString;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 
+use super::attach::{self, Request, Status, Want};
 use super::keytable::{KeyTableView, SlotData, TABLE_BYTES};
 use crate::endpoint::SoftAddress;
-use crate::shm::segment_name;
 use crate::{AccessFlags, Error, Result, WcStatus};
 
 /// A mapping of a peer's memfd.
@@ -25,36 +26,14 @@ unsafe impl Send for Mapping {}
 unsafe impl Sync for Mapping {}
 
 impl Mapping {
-    /// Maps the memfd `fd` of process `pid`, after checking that it is the
-    /// segment `uid` (fd numbers are reused).
-    fn open(pid: u32, fd: i32, uid: u64, writable: bool) -> Result<Mapping> {
-        let path = format!("/proc/{pid}/fd/{fd}");
-        let target = std::fs::read_link(&path).map_err(|e| Error::os("map peer segment", e))?;
-        if !target.to_string_lossy().contains(&segment_name(uid)) {
-            return Err(Error::invalid("map peer segment", format!("{path} is not segment {uid:#x}")));
-        }
-        let c = CString::new(path).expect("no NUL");
-        let flags = if writable { libc::O_RDWR } else { libc::O_RDONLY };
-        // SAFETY: c is a valid C string.
-        let f = unsafe { libc::open(c.as_ptr(), flags | libc::O_CLOEXEC) };
-        if f < 0 {
-            return Err(Error::last_os("open peer segment"));
-        }
-        // SAFETY: f is a valid fd; st is written by fstat.
-        let mut st: libc::stat = unsafe { std::mem::zeroed() };
-        // SAFETY: as above.
-        if unsafe { libc::fstat(f, &mut st) } != 0 {
-            let e = Error::last_os("fstat peer segment");
-            // SAFETY: f is ours.
-            unsafe { libc::close(f) };
-            return Err(e);
-        }
-        let len = st.st_size as usize;
+    /// Maps `fd` after checking that it is the sealed segment `uid` of at
+    /// least `min_len` bytes (sealed: its owner cannot shrink it under us).
+    fn map(fd: &OwnedFd, uid: u64, min_len: usize, writable: bool) -> Result<Mapping> {
+        let len = attach::check_segment(fd, uid, min_len).map_err(|e| Error::invalid("map peer segment", e))?;
         let prot = if writable { libc::PROT_READ | libc::PROT_WRITE } else { libc::PROT_READ };
-        // SAFETY: mapping a valid fd of len bytes; checked below.
-        let p = unsafe { libc::mmap(std::ptr::null_mut(), len.max(1), prot, libc::MAP_SHARED, f, 0) };
-        // SAFETY: the mapping holds its own reference to the file.
-        unsafe { libc::close(f) };
+        // SAFETY: mapping a valid fd of len bytes (sealed: it stays that
+        // long); the result is checked.
+        let p = unsafe { libc::mmap(std::ptr::null_mut(), len.max(1), prot, libc::MAP_SHARED, fd.as_raw_fd(), 0) };
         if p == libc::MAP_FAILED {
             return Err(Error::last_os("mmap peer segment"));
         }
@@ -78,6 +57,10 @@ pub(crate) enum Direct {
     Ptr(usize, Arc<Mapping>),
     /// An address in the peer process, reached by process_vm_*.
     Vm(u64),
+    /// In the peer's segment with this unique id, not mapped here yet:
+    /// [`PeerMap::map_segment`] first (the engine does; a posting thread
+    /// takes its slow path).
+    Unmapped(u64),
     /// No direct path: send it through the connection.
     Staged,
 }
@@ -89,58 +72,129 @@ const VM_DENIED: u8 = 2;
 /// Everything mapped from one peer context.
 #[derive(Debug)]
 pub(crate) struct PeerMap {
+    /// The peer's pid as the kernel reported it on the attach socket.
     pid: u32,
+    /// The peer context's QP listener name (its attach socket derives from it).
+    unix: String,
     _table_map: Mapping,
     table: KeyTableView,
-    segs: Mutex<HashMap<u64, Arc<Mapping>>>,
+    /// Mapped segments by unique id; `None`: the peer would not give it
+    /// (transfers to it are staged).
+    segs: Mutex<HashMap<u64, Option<Arc<Mapping>>>>,
     vm: AtomicU8,
-    /// The peer context's doorbell table, mapped on first use.
-    doorbells: Mutex<Option<Arc<Mapping>>>,
+    /// The peer context's doorbell table, when it has one.
+    doorbells: Option<Arc<Mapping>>,
 }
 
 impl PeerMap {
-    pub(crate) fn open(a: &SoftAddress) -> Result<PeerMap> {
-        let m = Mapping::open(a.pid, a.keytable_fd, a.keytable_uid, false)?;
-        if m.len < TABLE_BYTES {
-            return Err(Error::invalid("map peer key table", "key table is too short"));
+    /// Attaches to the context behind `remote` through its attach socket,
+    /// presenting the token of its QP `qpn`. `pid` is the pid the kernel
+    /// reported for that QP's connection: the attach socket must be served
+    /// by the same process.
+    pub(crate) async fn attach(remote: &SoftAddress, qpn: u32, pid: u32) -> Result<PeerMap> {
+        let req = Request { qpn, token: remote.token, want: Want::Tables };
+        let ans = attach::call(&remote.unix, &req, None).await.map_err(|e| Error::invalid("attach peer", e))?;
+        if ans.pid != pid {
+            return Err(Error::invalid(
+                "attach peer",
+                format!("the attach socket is served by pid {}, the QP connection by pid {pid}", ans.pid),
+            ));
         }
-        // SAFETY: the mapping is TABLE_BYTES long and page aligned, and
-        // lives in the same struct as the view.
+        if ans.status != Status::Ok || ans.fds.is_empty() {
+            return Err(Error::invalid("attach peer", format!("peer answered {:?}", ans.status)));
+        }
+        let mut fds = ans.fds.into_iter();
+        let kt = fds.next().expect("checked non-empty");
+        let m = Mapping::map(&kt, remote.keytable_uid, TABLE_BYTES, false)?;
+        let doorbells = match fds.next() {
+            Some(fd) => Some(Arc::new(Mapping::map(&fd, remote.doorbell_uid, super::doorbell::TABLE_BYTES, true)?)),
+            None => None,
+        };
+        // SAFETY: the mapping is at least TABLE_BYTES long and page
+        // aligned, and lives in the same struct as the view.
         let table = unsafe { KeyTableView::new(m.ptr) };
         Ok(PeerMap {
-            pid: a.pid,
+            pid,
+            unix: remote.unix.clone(),
             _table_map: m,
             table,
             segs: Mutex::new(HashMap::new()),
             vm: AtomicU8::new(VM_UNKNOWN),
-            doorbells: Mutex::new(None),
+            doorbells,
         })
     }
 
-    /// The peer's pid.
+    /// The peer's pid (from the kernel, not from its endpoint).
     pub(crate) fn pid(&self) -> u32 {
         self.pid
     }
 
-    /// The doorbell slot of the peer QP at `a`, mapped writable.
-    pub(crate) fn doorbell(&self, a: &SoftAddress) -> Result<super::doorbell::SlotRef> {
-        if a.doorbell_fd < 0 || a.doorbell_slot == 0 {
-            return Err(Error::invalid("map peer doorbell", "the peer QP has no doorbell slot"));
-        }
-        let mut g = self.doorbells.lock().unwrap_or_else(|e| e.into_inner());
-        let m = match g.as_ref() {
-            Some(m) => m.clone(),
-            None => {
-                let m = Arc::new(Mapping::open(self.pid, a.doorbell_fd, a.doorbell_uid, true)?);
-                if m.len < super::doorbell::TABLE_BYTES {
-                    return Err(Error::invalid("map peer doorbell", "doorbell table is too short"));
-                }
-                *g = Some(m.clone());
-                m
+    /// Asks the peer for segment `uid` (presenting QP `qpn`'s token) and
+    /// maps it; a refusal is remembered, and transfers to it are staged.
+    /// True when it is mapped now.
+    pub(crate) async fn map_segment(&self, uid: u64, qpn: u32, token: [u8; 16]) -> bool {
+        let req = Request { qpn, token, want: Want::Segment(uid) };
+        let mapped = match attach::call(&self.unix, &req, None).await {
+            Ok(a) if a.pid != self.pid => Err(format!("answered by pid {}, not {}", a.pid, self.pid)),
+            Ok(a) if a.status == Status::Ok && a.fds.len() == 1 => {
+                Mapping::map(&a.fds[0], uid, 1, true).map(Arc::new).map_err(|e| e.to_string())
+            }
+            // Not registered (any more): ask again next time.
+            Ok(a) if a.status == Status::NotFound => return false,
+            Ok(a) => Err(format!("peer answered {:?}", a.status)),
+            Err(e) => Err(e),
+        };
+        let entry = match mapped {
+            Ok(m) => Some(m),
+            Err(e) => {
+                tracing::info!("cannot map peer segment {uid:#x} ({e}); staging transfers to it");
+                None
             }
         };
+        let ok = entry.is_some();
+        self.segs.lock().unwrap_or_else(|e| e.into_inner()).entry(uid).or_insert(entry);
+        ok
+    }
+
+    /// The event fd of the receive CQ of the peer's QP `qpn`, checked.
+    pub(crate) async fn recv_cq_waker(&self, qpn: u32, token: [u8; 16]) -> Result<OwnedFd, String> {
+        let req = Request { qpn, token, want: Want::RecvCqWaker };
+        let a = attach::call(&self.unix, &req, None).await?;
+        if a.pid != self.pid || a.status != Status::Ok || a.fds.len() != 1 {
+            return Err(format!("peer answered {:?} (pid {})", a.status, a.pid));
+        }
+        let fd = a.fds.into_iter().next().expect("one descriptor");
+        attach::check_eventfd(&fd)?;
+        Ok(fd)
+    }
+
+    /// Gives the peer's QP `qpn` the event fd of our send CQ `cq`.
+    pub(crate) async fn give_send_cq_waker(
+        &self,
+        qpn: u32,
+        token: [u8; 16],
+        cq: u64,
+        fd: std::os::fd::BorrowedFd<'_>,
+    ) -> Result<(), String> {
+        let req = Request { qpn, token, want: Want::SendCqWaker(cq) };
+        let a = attach::call(&self.unix, &req, Some(fd)).await?;
+        match a.status {
+            Status::Ok if a.pid == self.pid => Ok(()),
+            s => Err(format!("peer answered {s:?} (pid {})", a.pid)),
+        }
+    }
+
+    /// The doorbell slot of the peer QP at `a`, mapped writable.
+    pub(crate) fn doorbell(&self, a: &SoftAddress) -> Result<super::doorbell::SlotRef> {
+        let Some(m) = self.doorbells.clone() else {
+            return Err(Error::invalid("map peer doorbell", "the peer context has no doorbell table"));
+        };
+        if a.doorbell_slot == 0 {
+            return Err(Error::invalid("map peer doorbell", "the peer QP has no doorbell slot"));
+        }
         let base = m.ptr as *const u8;
-        // SAFETY: the mapping is TABLE_BYTES long, page aligned, kept by the Arc.
+        // SAFETY: the mapping is at least TABLE_BYTES long (checked when
+        // mapped), page aligned, kept by the Arc.
         unsafe { super::doorbell::SlotRef::new(base, a.doorbell_slot, m) }
             .ok_or_else(|| Error::invalid("map peer doorbell", format!("slot {} is out of range", a.doorbell_slot)))
     }
@@ -162,20 +216,10 @@ impl PeerMap {
             return Err(WcStatus::RemAccessErr);
         }
         if d.seg_uid != 0 {
-            let mut segs = self.segs.lock().unwrap_or_else(|e| e.into_inner());
-            let m = match segs.get(&d.seg_uid) {
-                Some(m) => m.clone(),
-                None => match Mapping::open(self.pid, d.seg_fd, d.seg_uid, true) {
-                    Ok(m) => {
-                        let m = Arc::new(m);
-                        segs.insert(d.seg_uid, m.clone());
-                        m
-                    }
-                    Err(e) => {
-                        tracing::debug!("cannot map peer segment, staging instead: {e}");
-                        return Ok(Direct::Staged);
-                    }
-                },
+            let m = match self.segs.lock().unwrap_or_else(|e| e.into_inner()).get(&d.seg_uid) {
+                Some(Some(m)) => m.clone(),
+                Some(None) => return Ok(Direct::Staged),
+                None => return Ok(Direct::Unmapped(d.seg_uid)),
             };
             let off = d.seg_off + (raddr - d.addr);
             if off.checked_add(len).is_none_or(|e| e > m.len as u64) {

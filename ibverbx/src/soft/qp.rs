@@ -59,6 +59,19 @@ struct QpSt {
     access: AccessFlags,
     rtr: Option<RtrAttr>,
     sq_tx: Option<mpsc::UnboundedSender<SqEntry>>,
+    /// The connection admitted in this life of the QP: (epoch, remote QP).
+    accepted: Option<(u64, u32)>,
+}
+
+/// Why a connection to a QP was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Refusal {
+    /// The QP is in ERR (it may be reset and reused: the peer retries).
+    ErrState,
+    /// Another remote QP than the one set at RTR.
+    WrongPeer,
+    /// This life of the QP already has its connection.
+    AlreadyConnected,
 }
 
 pub(crate) struct SoftQp {
@@ -93,34 +106,28 @@ pub(crate) struct SoftQp {
 struct RxDoorbell {
     index: u32,
     slot: super::doorbell::SlotRef,
-    /// The requester's send CQ event fd, duplicated on first need, with the
-    /// (pid, fd number) it came from.
-    tx_wake: Mutex<Option<(u32, u64, Arc<std::os::fd::OwnedFd>)>>,
+    /// The requester's send CQ event fd with that CQ's unique id, as the
+    /// requester passed it over the attach socket.
+    tx_wake: Mutex<Option<(u64, Arc<std::os::fd::OwnedFd>)>>,
 }
 
 impl RxDoorbell {
-    /// Rings the requester's send CQ; on failure tells it to stop using
-    /// the doorbell (its progress thread then finishes the WR).
+    /// Rings the requester's send CQ; when it has not given us its event fd
+    /// (or gave another CQ's), tells it to stop using the doorbell (its
+    /// progress thread then finishes the WR).
     fn wake_tx(&self, ctx: &CtxShared) {
         let slot = self.slot.get();
-        let pid = slot.tx_pid.load(Ordering::Acquire);
-        let efd = slot.tx_efd.load(Ordering::Acquire);
         let cq = slot.tx_cq.load(Ordering::Acquire);
-        let mut g = self.tx_wake.lock().unwrap_or_else(|e| e.into_inner());
-        if g.as_ref().map(|(p, c, _)| (*p, *c)) != Some((pid, cq)) {
-            match ctx.wakers.get(pid, efd, cq) {
-                Ok(fd) => *g = Some((pid, cq, fd)),
-                Err(e) => {
-                    tracing::debug!("soft doorbell: cannot reach the requester's CQ ({e}); it falls back");
-                    slot.no_tx_wake.store(1, Ordering::Release);
-                    *g = None;
-                    return;
-                }
+        let g = self.tx_wake.lock().unwrap_or_else(|e| e.into_inner());
+        match g.as_ref() {
+            Some((c, fd)) if *c == cq => {
+                super::doorbell::ring(fd);
+                ctx.db_rings.fetch_add(1, Ordering::Relaxed);
             }
-        }
-        if let Some((_, _, fd)) = g.as_ref() {
-            super::doorbell::ring(fd);
-            ctx.db_rings.fetch_add(1, Ordering::Relaxed);
+            _ => {
+                tracing::debug!("soft doorbell: the requester's send CQ {cq:#x} is unknown here; it falls back");
+                slot.no_tx_wake.store(1, Ordering::Release);
+            }
         }
     }
 }
@@ -158,7 +165,6 @@ impl SoftQp {
         let qpn = pd.ctx.alloc_qpn();
         let (state_tx, _) = watch::channel(QpState::Reset);
         let db = pd.ctx.doorbells.as_ref().and_then(|t| t.alloc()).map(|(index, slot)| {
-            slot.get().rx_efd.store(recv_cq.channel_fd(), Ordering::Release);
             slot.get().rx_cq.store(soft_cq(recv_cq).uid, Ordering::Release);
             RxDoorbell { index, slot, tx_wake: Mutex::new(None) }
         });
@@ -171,7 +177,13 @@ impl SoftQp {
             sq_sig_all: attr.sq_sig_all,
             send_cq: send_cq.clone(),
             recv_cq: recv_cq.clone(),
-            st: Mutex::new(QpSt { state: QpState::Reset, access: AccessFlags::empty(), rtr: None, sq_tx: None }),
+            st: Mutex::new(QpSt {
+                state: QpState::Reset,
+                access: AccessFlags::empty(),
+                rtr: None,
+                sq_tx: None,
+                accepted: None,
+            }),
             state_tx,
             rq: Mutex::new(VecDeque::new()),
             rq_notify: Notify::new(),
@@ -202,10 +214,30 @@ impl SoftQp {
         self.token.iter().zip(t).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
     }
 
-    /// A QP takes connections in every state but ERR: its peer may reach RTS
-    /// before this QP leaves RESET; requests then wait for RTR.
-    pub(crate) fn accepts_connections(&self) -> bool {
-        self.state() != QpState::Err
+    /// Admits the connection of remote QP `src_qpn` (its token already
+    /// checked). A QP takes connections in every state but ERR (its peer may
+    /// reach RTS before this QP leaves RESET; requests then wait for RTR),
+    /// but only one per life (reset epoch), and only from the remote QP set
+    /// at RTR once that is set: a token holder cannot pile up connections.
+    pub(crate) fn admit(&self, src_qpn: u32) -> Result<u64, Refusal> {
+        let mut st = self.lock();
+        if st.state == QpState::Err {
+            return Err(Refusal::ErrState);
+        }
+        if st.rtr.as_ref().is_some_and(|r| r.remote.qpn != src_qpn) {
+            return Err(Refusal::WrongPeer);
+        }
+        let epoch = self.epoch();
+        if st.accepted.is_some_and(|(e, _)| e == epoch) {
+            return Err(Refusal::AlreadyConnected);
+        }
+        st.accepted = Some((epoch, src_qpn));
+        Ok(epoch)
+    }
+
+    /// The remote QP set at RTR, once it is.
+    pub(crate) fn rtr_remote_qpn(&self) -> Option<u32> {
+        self.lock().rtr.as_ref().map(|r| r.remote.qpn)
     }
 
     pub(crate) fn set_fast(&self, f: Option<FastPath>) {
@@ -517,8 +549,27 @@ impl SoftQp {
 
     /// The send CQ's event fd and unique id (the peer rings it after
     /// claiming).
-    pub(crate) fn send_cq_fd(&self) -> (std::os::fd::RawFd, u64) {
-        (self.send_cq.channel_fd(), soft_cq(&self.send_cq).uid)
+    pub(crate) fn send_cq_fd(&self) -> (std::os::fd::BorrowedFd<'_>, u64) {
+        let cq = soft_cq(&self.send_cq);
+        (cq.event_fd(), cq.uid)
+    }
+
+    /// The receive CQ's event fd (a same-host requester rings it after
+    /// publishing a doorbell record).
+    pub(crate) fn recv_cq_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        soft_cq(&self.recv_cq).event_fd()
+    }
+
+    /// Records the event fd of the requester's send CQ `cq`, given over the
+    /// attach socket; false when this QP has no doorbell.
+    pub(crate) fn set_tx_waker(&self, cq: u64, fd: Arc<std::os::fd::OwnedFd>) -> bool {
+        match &self.db {
+            Some(db) => {
+                *db.tx_wake.lock().unwrap_or_else(|e| e.into_inner()) = Some((cq, fd));
+                true
+            }
+            None => false,
+        }
     }
 
     pub(crate) fn epoch(&self) -> u64 {
@@ -672,14 +723,11 @@ impl QpOps for SoftQp {
                 ctx_uid: ctx.uid,
                 tcp: ctx.tcp_addrs.clone(),
                 unix: ctx.unix_name.clone(),
-                keytable_fd: ctx.keytable.fd(),
+                keytable_fd: -1,
                 keytable_uid: ctx.keytable.uid(),
                 pd: self.pd,
                 token: self.token,
-                doorbell_fd: match (&ctx.doorbells, &self.db) {
-                    (Some(t), Some(_)) => t.fd(),
-                    _ => -1,
-                },
+                doorbell_fd: -1,
                 doorbell_uid: ctx.doorbells.as_ref().map_or(0, |t| t.uid()),
                 doorbell_slot: self.db.as_ref().map_or(0, |d| d.index),
             }),

@@ -226,6 +226,10 @@ impl Shared {
 struct Link {
     writer: Writer,
     peer: Option<Arc<PeerMap>>,
+    /// The peer QP and its token (segment requests on the attach socket
+    /// present them).
+    peer_qpn: u32,
+    token: [u8; 16],
 }
 
 /// The requester task of one QP; ends when the QP is reset or destroyed.
@@ -251,7 +255,7 @@ pub(crate) async fn run(qp: Arc<SoftQp>, mut rx: mpsc::UnboundedReceiver<SqEntry
         Ok((r, w, peer, dup)) => {
             if let Some(p) = &peer {
                 if qp.ctx.config.doorbell && qp.ctx.config.chaos_seed.is_none() && dup.is_some() {
-                    match TxDoorbell::open(&qp, p, &remote) {
+                    match TxDoorbell::open(&qp, p, &remote, rtr.remote.qpn).await {
                         Ok(db) => {
                             let _ = sh.db.set(db);
                             tokio::spawn(db_watch(Arc::downgrade(&sh)));
@@ -270,7 +274,7 @@ pub(crate) async fn run(qp: Arc<SoftQp>, mut rx: mpsc::UnboundedReceiver<SqEntry
             if let Some(t) = ack_timeout {
                 tokio::spawn(watchdog(sh.clone(), t, reader));
             }
-            Some(Link { writer: w, peer })
+            Some(Link { writer: w, peer, peer_qpn: rtr.remote.qpn, token: remote.token })
         }
         Err(why) => {
             tracing::warn!(qpn = qp.qpn, "soft QP cannot reach its peer QP {:#x}: {why}", rtr.remote.qpn);
@@ -343,6 +347,11 @@ async fn connect(
                 .map_err(|e| e.to_string())?;
                 let s =
                     std::os::unix::net::UnixStream::connect_addr(&addr).map_err(|e| format!("unix connect: {e}"))?;
+                // Who really serves that socket: the direct path trusts the
+                // kernel's word, never the endpoint's pid.
+                let cred = rustix::net::sockopt::socket_peercred(&s).map_err(|e| format!("SO_PEERCRED: {e}"))?;
+                let same_user = cred.uid == rustix::process::geteuid();
+                let served_by = same_user.then(|| cred.pid.as_raw_nonzero().get() as u32);
                 s.set_nonblocking(true).map_err(|e| e.to_string())?;
                 // A second descriptor of the same socket, for notifies sent
                 // by the posting thread (it stays valid whatever the task
@@ -350,7 +359,7 @@ async fn connect(
                 let dup = s.try_clone().ok().map(OwnedFd::from);
                 let s = tokio::net::UnixStream::from_std(s).map_err(|e| e.to_string())?;
                 let (r, w) = s.into_split();
-                Ok::<(Reader, Writer, Option<OwnedFd>), String>((Box::new(r), Box::new(w), dup))
+                Ok::<(Reader, Writer, Option<OwnedFd>, Option<u32>), String>((Box::new(r), Box::new(w), dup, served_by))
             } else {
                 let mut err = String::from("no TCP address");
                 for a in &remote.tcp {
@@ -376,7 +385,7 @@ async fn connect(
                                 }
                             };
                             let (r, w) = s.into_split();
-                            return Ok((Box::new(r) as Reader, Box::new(w) as Writer, dup));
+                            return Ok((Box::new(r) as Reader, Box::new(w) as Writer, dup, None));
                         }
                         Ok(Err(e)) => err = format!("tcp connect {a}: {e}"),
                         Err(_) => err = format!("tcp connect {a}: timed out"),
@@ -386,7 +395,7 @@ async fn connect(
             }
         };
         match attempt.await {
-            Ok((mut r, mut w, dup)) => {
+            Ok((mut r, mut w, dup, served_by)) => {
                 w.write_all(&hello.encode()).await.map_err(|e| format!("hello: {e}"))?;
                 let mut buf = [0u8; HELLO_LEN];
                 tokio::time::timeout(Duration::from_secs(10), r.read_exact(&mut buf))
@@ -405,16 +414,19 @@ async fn connect(
                         continue;
                     }
                 }
-                let peer = if use_shm {
-                    match qp.ctx.peer(remote) {
+                let peer = match served_by {
+                    Some(pid) => match qp.ctx.peer(remote, remote_qpn, pid).await {
                         Ok(p) => Some(p),
                         Err(e) => {
                             tracing::info!("same-host peer's tables cannot be mapped ({e}); staging every transfer");
                             None
                         }
+                    },
+                    None if use_shm => {
+                        tracing::info!("same-host peer runs as another user; staging every transfer");
+                        None
                     }
-                } else {
-                    None
+                    None => None,
                 };
                 return Ok((r, w, peer, dup));
             }
@@ -425,6 +437,47 @@ async fn connect(
         }
     }
     Err(last_err)
+}
+
+/// Finds where a same-host access goes: a mapped segment (mapped first if
+/// it is not yet), the peer's other memory, or the connection. A direct
+/// path is returned only once every earlier staged request is answered,
+/// and the key is checked again after that wait: the region may have been
+/// revoked meanwhile, and nothing is copied into a revoked region.
+#[allow(clippy::too_many_arguments)]
+async fn place(
+    sh: &Shared,
+    peer: Option<&PeerMap>,
+    (peer_qpn, token): (u32, [u8; 16]),
+    pd: u32,
+    rkey: u32,
+    raddr: u64,
+    len: u64,
+    need: AccessFlags,
+) -> Result<Direct, WcStatus> {
+    let Some(p) = peer else { return Ok(Direct::Staged) };
+    if len == 0 {
+        // Zero bytes: nothing to place and, as in verbs, no key check.
+        return Ok(Direct::Vm(raddr));
+    }
+    let mut d = p.resolve(pd, rkey, raddr, len, need)?;
+    if let Direct::Unmapped(uid) = d {
+        if p.map_segment(uid, peer_qpn, token).await {
+            sh.qp.ctx.segs_mapped.fetch_add(1, Ordering::Relaxed);
+        }
+        d = p.resolve(pd, rkey, raddr, len, need)?;
+    }
+    if matches!(d, Direct::Staged | Direct::Unmapped(_)) {
+        return Ok(Direct::Staged);
+    }
+    drop(d);
+    if !memory_ordered(sh).await {
+        return Err(WcStatus::WrFlushErr);
+    }
+    match p.resolve(pd, rkey, raddr, len, need)? {
+        Direct::Unmapped(_) => Ok(Direct::Staged),
+        d => Ok(d),
+    }
 }
 
 fn local_ptrs(sh: &Shared, e: &SqEntry) -> Result<Vec<(usize, usize)>, WcStatus> {
@@ -543,41 +596,30 @@ async fn execute(sh: &Arc<Shared>, link: &mut Option<Link>, e: SqEntry) {
     }
     let len = e.len;
     let pd = remote_pd(&sh.qp);
-    // Direct placement where the peer's memory is mapped here.
-    let direct = |rkey: u32, raddr: u64, need: AccessFlags| -> Result<Direct, WcStatus> {
-        match &l.peer {
-            Some(p) if len > 0 => p.resolve(pd, rkey, raddr, len, need),
-            // Zero bytes: nothing to place and, as in verbs, no key check.
-            Some(_) => Ok(Direct::Vm(raddr)),
-            None => Ok(Direct::Staged),
-        }
-    };
+    // Direct placement where the peer's memory is mapped here (after every
+    // earlier staged request, and checked again after that wait).
+    let (peer, at) = (l.peer.clone(), (l.peer_qpn, l.token));
+    let direct = |rkey: u32, raddr: u64, need: AccessFlags| place(sh, peer.as_deref(), at, pd, rkey, raddr, len, need);
     let frame = match e.op {
         SendOp::RdmaWrite { remote_addr, rkey } | SendOp::RdmaWriteWithImm { remote_addr, rkey, .. } => {
             let imm = match e.op {
                 SendOp::RdmaWriteWithImm { imm, .. } => Some(imm),
                 _ => None,
             };
-            let placed = match direct(rkey, remote_addr, AccessFlags::REMOTE_WRITE) {
+            let placed = match direct(rkey, remote_addr, AccessFlags::REMOTE_WRITE).await {
                 Err(st) => return finish(sh, inf, st).await,
                 Ok(Direct::Ptr(p, _keep)) => {
-                    if !memory_ordered(sh).await {
-                        return finish(sh, inf, WcStatus::WrFlushErr).await;
-                    }
                     gather_to(p, &local, sh.qp.stream.observe(remote_addr, len));
                     true
                 }
                 Ok(Direct::Vm(a)) => {
-                    if !memory_ordered(sh).await {
-                        return finish(sh, inf, WcStatus::WrFlushErr).await;
-                    }
                     let r = l.peer.as_ref().expect("vm implies a peer").vm_copy(true, &local, a, len as usize);
                     match r {
                         Ok(done) => done,
                         Err(st) => return finish(sh, inf, st).await,
                     }
                 }
-                Ok(Direct::Staged) => false,
+                Ok(Direct::Staged | Direct::Unmapped(_)) => false,
             };
             match (placed, imm) {
                 (true, None) => return finish(sh, inf, WcStatus::Success).await,
@@ -587,38 +629,31 @@ async fn execute(sh: &Arc<Shared>, link: &mut Option<Link>, e: SqEntry) {
         }
         SendOp::Send => Frame::Send { psn: 0, len: len as u32, imm: None },
         SendOp::SendWithImm { imm } => Frame::Send { psn: 0, len: len as u32, imm: Some(imm) },
-        SendOp::RdmaRead { remote_addr, rkey } => match direct(rkey, remote_addr, AccessFlags::REMOTE_READ) {
+        SendOp::RdmaRead { remote_addr, rkey } => match direct(rkey, remote_addr, AccessFlags::REMOTE_READ).await {
             Err(st) => return finish(sh, inf, st).await,
             Ok(Direct::Ptr(p, _keep)) => {
-                if !memory_ordered(sh).await {
-                    return finish(sh, inf, WcStatus::WrFlushErr).await;
-                }
                 scatter_from(p, &local, sh.qp.stream.observe(remote_addr, len));
                 return finish(sh, inf, WcStatus::Success).await;
             }
             Ok(Direct::Vm(a)) => {
-                if !memory_ordered(sh).await {
-                    return finish(sh, inf, WcStatus::WrFlushErr).await;
-                }
                 match l.peer.as_ref().expect("vm implies a peer").vm_copy(false, &local, a, len as usize) {
                     Ok(true) => return finish(sh, inf, WcStatus::Success).await,
                     Ok(false) => Frame::ReadReq { psn: 0, raddr: remote_addr, rkey, len: len as u32 },
                     Err(st) => return finish(sh, inf, st).await,
                 }
             }
-            Ok(Direct::Staged) => Frame::ReadReq { psn: 0, raddr: remote_addr, rkey, len: len as u32 },
+            Ok(Direct::Staged | Direct::Unmapped(_)) => {
+                Frame::ReadReq { psn: 0, raddr: remote_addr, rkey, len: len as u32 }
+            }
         },
         SendOp::Atomic { remote_addr, rkey, op } => {
             let (cmp_swap, a, b) = match op {
                 AtomicOp::FetchAdd { add } => (false, add, 0),
                 AtomicOp::CompareSwap { compare, swap } => (true, compare, swap),
             };
-            match direct(rkey, remote_addr, AccessFlags::REMOTE_ATOMIC) {
+            match direct(rkey, remote_addr, AccessFlags::REMOTE_ATOMIC).await {
                 Err(st) => return finish(sh, inf, st).await,
                 Ok(Direct::Ptr(p, _keep)) => {
-                    if !memory_ordered(sh).await {
-                        return finish(sh, inf, WcStatus::WrFlushErr).await;
-                    }
                     // SAFETY: p is 8-byte aligned (checked at post) and inside
                     // the peer's mapped MR; other processes use atomics on it too.
                     let cell = unsafe { &*(p as *const std::sync::atomic::AtomicU64) };
@@ -873,20 +908,28 @@ impl FastNotify {
 }
 
 impl TxDoorbell {
-    /// Maps the peer QP's slot, takes a duplicate of its receive CQ's event
-    /// fd and leaves ours in the slot. Fails (and the QP notifies through
-    /// the connection only) when the peer has no slot or will not let us.
-    fn open(qp: &SoftQp, peer: &PeerMap, remote: &SoftAddress) -> Result<TxDoorbell, String> {
+    /// Maps the peer QP's slot, obtains its receive CQ's event fd and gives
+    /// it ours (both over the attach socket). Fails (and the QP notifies
+    /// through the connection only) when the peer has no slot or will not
+    /// exchange event fds.
+    async fn open(qp: &SoftQp, peer: &PeerMap, remote: &SoftAddress, remote_qpn: u32) -> Result<TxDoorbell, String> {
         let slot = peer.doorbell(remote).map_err(|e| e.to_string())?;
         let s = slot.get();
-        let rx_waker = qp
-            .ctx
-            .wakers
-            .get(peer.pid(), s.rx_efd.load(Ordering::Acquire), s.rx_cq.load(Ordering::Acquire))
-            .map_err(|e| format!("cannot reach the peer's CQ: {e}"))?;
+        let rx_cq = s.rx_cq.load(Ordering::Acquire);
+        let rx_waker = match qp.ctx.wakers.lookup(peer.pid(), rx_cq) {
+            Some(w) => w,
+            None => {
+                let fd = peer
+                    .recv_cq_waker(remote_qpn, remote.token)
+                    .await
+                    .map_err(|e| format!("cannot reach the peer's CQ: {e}"))?;
+                qp.ctx.wakers.insert(peer.pid(), rx_cq, fd)
+            }
+        };
         let (efd, cq) = qp.send_cq_fd();
-        s.tx_pid.store(qp.ctx.pid, Ordering::Release);
-        s.tx_efd.store(efd, Ordering::Release);
+        peer.give_send_cq_waker(remote_qpn, remote.token, cq, efd)
+            .await
+            .map_err(|e| format!("the peer did not take our CQ's event fd: {e}"))?;
         s.tx_cq.store(cq, Ordering::Release);
         s.tx_armed.store(0, Ordering::Release);
         s.no_tx_wake.store(0, Ordering::Release);

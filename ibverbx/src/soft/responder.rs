@@ -33,6 +33,7 @@ where
     let mut state_rx = qp.state_tx.subscribe();
     let epoch = qp.epoch();
     let max_msg = qp.ctx.config.max_msg_size;
+    let mut checked_peer = false;
     loop {
         let mut hdr = [0u8; HEADER_LEN];
         tokio::select! {
@@ -63,6 +64,18 @@ where
         qp.ctx.touch();
         if !ready(&qp, epoch, &mut state_rx).await {
             return;
+        }
+        // A connection admitted before RTR must come from the remote QP
+        // that RTR then named.
+        if !checked_peer {
+            if qp.rtr_remote_qpn().is_some_and(|q| q != hello.src_qpn) {
+                return tracing::warn!(
+                    "soft QP {:#x}: connection from {peer} is QP {:#x}, not the one set at RTR; closing it",
+                    qp.qpn,
+                    hello.src_qpn
+                );
+            }
+            checked_peer = true;
         }
         match serve(&qp, &mut s, f, epoch, hello.rnr_retry, &mut state_rx).await {
             Ok(Outcome::Continue) => {}

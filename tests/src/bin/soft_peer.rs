@@ -2,6 +2,13 @@
 //!
 //! Usage: `soft_peer target|initiator [--mem shm|heap] [--sizes N,N,...]`
 //! `soft_peer hold` connects and then waits to be killed.
+//! `--wait-eof` (target): after the script, wait for stdin to close before
+//! printing the counters.
+//! `soft_peer victim` is a third process that only registers a region
+//! (0xAA bytes) and, when its stdin closes, reports whether it is intact;
+//! `soft_peer forge` takes the victim's line and then the real peer's, and
+//! connects to the peer with an endpoint forged to name the victim's pid,
+//! key table descriptor and region (see `soft_multiprocess.rs`).
 //!
 //! Each side prints one JSON line with its QP endpoint and region, reads the
 //! peer's line from stdin, connects, and runs its part of the script:
@@ -27,6 +34,26 @@ struct Hello {
     addr: u64,
     rkey: u32,
     len: u64,
+    /// Descriptor numbers of this process's soft key table and doorbell
+    /// table (what a forger would put in an endpoint).
+    #[serde(default)]
+    fds: Vec<i32>,
+}
+
+/// Descriptor numbers of this process's memfd segments named for `uids`.
+fn segment_fds(uids: &[u64]) -> Vec<i32> {
+    let mut out = Vec::new();
+    for uid in uids {
+        let name = format!("rmacomm-seg-{uid:016x}");
+        for e in std::fs::read_dir("/proc/self/fd").into_iter().flatten().flatten() {
+            let target = std::fs::read_link(e.path()).map(|p| p.to_string_lossy().into_owned()).unwrap_or_default();
+            if target.contains(&name) {
+                out.push(e.file_name().to_string_lossy().parse().unwrap_or(-1));
+                break;
+            }
+        }
+    }
+    out
 }
 
 const WAIT: Duration = Duration::from_secs(60);
@@ -71,14 +98,19 @@ fn main() {
     } else {
         MemoryRegion::register(&pd, vec![0u8; max], AccessFlags::all_remote()).unwrap()
     };
+    if role == "victim" {
+        return victim(&qp, &region);
+    }
+    if role == "forge" {
+        return forge(&qp, &scq, &region);
+    }
     qp.modify(&ibverbx::QpTransition::Init(ibverbx::InitAttr::default())).unwrap();
     if role == "target" {
         for i in 0..=sizes.len() {
             qp.post_recv(&[RecvWr { wr_id: i as u64, sg_list: &[region.sge(max - 4096, 4096).unwrap()] }]).unwrap();
         }
     }
-    let me =
-        Hello { endpoint: qp.endpoint().unwrap(), addr: region.addr(), rkey: region.rkey(), len: region.len() as u64 };
+    let me = hello(&qp, &region);
     println!("{}", serde_json::to_string(&me).unwrap());
     std::io::stdout().flush().unwrap();
     let mut line = String::new();
@@ -114,6 +146,16 @@ fn main() {
             region.read(max - 4096, &mut got).unwrap();
             if wc.status != WcStatus::Success || got != b"done" {
                 fail(format!("final send: {wc:?} {got:?}"));
+            }
+            if args.iter().any(|a| a == "--wait-eof") {
+                // Report only when told (stdin closed): e.g. at the end of
+                // a flood that is still under way.
+                println!("{}", serde_json::json!({ "done": true }));
+                std::io::stdout().flush().unwrap();
+                let mut rest = String::new();
+                while std::io::stdin().lock().read_line(&mut rest).map(|n| n > 0).unwrap_or(false) {
+                    rest.clear();
+                }
             }
             print_stats(&ctx);
             println!("{}", serde_json::json!({ "ok": true }));
@@ -192,8 +234,61 @@ fn main() {
                 }
             }
         }
-        r => fail(format!("unknown role {r:?}: use target, initiator, hold or stream")),
+        r => fail(format!("unknown role {r:?}: use target, initiator, hold, stream, victim or forge")),
     }
+}
+
+fn hello(qp: &ibverbx::QueuePair, region: &MemoryRegion) -> Hello {
+    let endpoint = qp.endpoint().unwrap();
+    let soft = endpoint.soft.as_ref().expect("soft provider");
+    let fds = segment_fds(&[soft.keytable_uid, soft.doorbell_uid]);
+    Hello { endpoint, addr: region.addr(), rkey: region.rkey(), len: region.len() as u64, fds }
+}
+
+/// A bystander: its region must never change.
+fn victim(qp: &ibverbx::QueuePair, region: &MemoryRegion) {
+    region.write(0, &vec![0xAA; region.len()]).unwrap();
+    println!("{}", serde_json::to_string(&hello(qp, region)).unwrap());
+    std::io::stdout().flush().unwrap();
+    let mut line = String::new();
+    while std::io::stdin().lock().read_line(&mut line).map(|n| n > 0).unwrap_or(false) {
+        line.clear();
+    }
+    let mut got = vec![0u8; region.len()];
+    region.read(0, &mut got).unwrap();
+    let changed = got.iter().filter(|b| **b != 0xAA).count();
+    println!("{}", serde_json::json!({ "victim_bytes_changed": changed }));
+}
+
+/// Connects to the peer with its endpoint forged to name the victim, then
+/// writes to the victim's region with the victim's key.
+fn forge(qp: &ibverbx::QueuePair, scq: &ibverbx::CompletionQueue, region: &MemoryRegion) {
+    let read = || {
+        let mut line = String::new();
+        std::io::stdin().lock().read_line(&mut line).unwrap();
+        serde_json::from_str::<Hello>(&line).unwrap_or_else(|e| fail(format!("hello: {e}")))
+    };
+    let v = read();
+    println!("{}", serde_json::to_string(&hello(qp, region)).unwrap());
+    std::io::stdout().flush().unwrap();
+    let peer = read();
+    let vs = v.endpoint.soft.clone().unwrap();
+    let mut ep = peer.endpoint.clone();
+    let s = ep.soft.as_mut().unwrap();
+    s.pid = vs.pid;
+    s.ctx_uid = vs.ctx_uid;
+    s.keytable_uid = vs.keytable_uid;
+    s.doorbell_uid = vs.doorbell_uid;
+    s.keytable_fd = v.fds.first().copied().unwrap_or(-1);
+    s.doorbell_fd = v.fds.get(1).copied().unwrap_or(-1);
+    s.pd = vs.pd;
+    qp.connect(&ep).unwrap_or_else(|e| fail(format!("connect: {e}")));
+    region.write(0, &[0x55; 4096]).unwrap();
+    let sg = [region.sge(0, 4096).unwrap()];
+    let op = SendOp::RdmaWrite { remote_addr: v.addr, rkey: v.rkey };
+    qp.post_send(&[SendWr { wr_id: 1, op, sg_list: &sg, flags: SendFlags::SIGNALED }]).unwrap();
+    let wc = wait1(scq);
+    println!("{}", serde_json::json!({ "forged_write": format!("{}", wc.status) }));
 }
 
 /// This side's soft doorbell counters, as a JSON line.
@@ -204,7 +299,11 @@ fn print_stats(ctx: &ibverbx::Context) {
             serde_json::json!({
                 "doorbell_claimed": s.doorbell_claimed,
                 "doorbell_retracted": s.doorbell_retracted,
-                "doorbell_rings": s.doorbell_rings
+                "doorbell_rings": s.doorbell_rings,
+                "peer_segments_mapped": s.peer_segments_mapped,
+                "attach_refused": s.attach_refused,
+                "handshakes_evicted": s.handshakes_evicted,
+                "open_fds": std::fs::read_dir("/proc/self/fd").map(|d| d.count()).unwrap_or(0)
             })
         );
     }
