@@ -37,6 +37,11 @@ pub struct SoftConfig {
     /// (`RMACOMM_SOFT_ADDR`); `None` binds all and advertises every IPv4
     /// address that is up.
     pub bind_addr: Option<IpAddr>,
+    /// Interfaces whose addresses the TCP listener binds (one listener per
+    /// address) and advertises, in `NCCL_SOCKET_IFNAME` syntax (`eth0,ib`,
+    /// `=eth0`, `^docker,lo`): `RMACOMM_SOCKET_IFNAME`. `bind_addr` wins
+    /// when both are set.
+    pub socket_ifname: Option<String>,
     /// Largest message; longer WRs fail at post time and longer frames are
     /// rejected as malformed.
     pub max_msg_size: u32,
@@ -69,6 +74,7 @@ impl Default for SoftConfig {
         SoftConfig {
             link: SoftLink::Auto,
             bind_addr: None,
+            socket_ifname: None,
             max_msg_size: 1 << 30,
             chaos_seed: None,
             chaos_max_delay: Duration::from_micros(500),
@@ -98,6 +104,11 @@ impl SoftConfig {
                 Err(_) => {
                     tracing::warn!("RMACOMM_SOFT_ADDR={v:?} is not an IP address; ignoring it")
                 }
+            }
+        }
+        if let Ok(v) = std::env::var("RMACOMM_SOCKET_IFNAME") {
+            if !v.trim().is_empty() {
+                c.socket_ifname = Some(v);
             }
         }
         if let Ok(v) = std::env::var("RMACOMM_SOFT_INLINE_COPY_MAX") {

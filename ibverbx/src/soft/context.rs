@@ -81,14 +81,7 @@ impl CtxShared {
     pub(crate) fn open(config: SoftConfig) -> Result<Arc<CtxShared>> {
         let uid: u64 = rand::random();
         let pid = std::process::id();
-        let bind_ip = config.bind_addr.unwrap_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED));
-        let tcp = std::net::TcpListener::bind(SocketAddr::new(bind_ip, 0)).map_err(|e| Error::os("bind(tcp)", e))?;
-        tcp.set_nonblocking(true).map_err(|e| Error::os("bind(tcp)", e))?;
-        let port = tcp.local_addr().map_err(|e| Error::os("bind(tcp)", e))?.port();
-        let tcp_addrs: Vec<SocketAddr> = match config.bind_addr {
-            Some(ip) if !ip.is_unspecified() => vec![SocketAddr::new(ip, port)],
-            _ => local_ipv4_addrs().into_iter().map(|ip| SocketAddr::new(ip, port)).collect(),
-        };
+        let (tcp, tcp_addrs) = tcp_listeners(&config)?;
         let unix_name = format!("rmacomm-soft-{pid}-{uid:016x}");
         let uaddr = <std::os::unix::net::SocketAddr as std::os::linux::net::SocketAddrExt>::from_abstract_name(
             unix_name.as_bytes(),
@@ -152,24 +145,26 @@ impl CtxShared {
         let weak = Arc::downgrade(&ctx);
         ctx.rt.spawn(super::attach::serve(weak.clone(), attach_listener));
         let pending = Arc::new(Mutex::new(Handshakes::default()));
-        let (w, p) = (weak.clone(), pending.clone());
-        ctx.rt.spawn(async move {
-            let l = match tokio::net::TcpListener::from_std(tcp) {
-                Ok(l) => l,
-                Err(e) => return tracing::error!("soft tcp listener: {e}"),
-            };
-            loop {
-                let r = l.accept().await.map(|(s, a)| {
-                    let _ = s.set_nodelay(true);
-                    (s, a.to_string())
-                });
-                match admit_handshake(&w, &p, r, "tcp") {
-                    None => return,
-                    Some(d) if !d.is_zero() => tokio::time::sleep(d).await,
-                    Some(_) => {}
+        for l in tcp {
+            let (w, p) = (weak.clone(), pending.clone());
+            ctx.rt.spawn(async move {
+                let l = match tokio::net::TcpListener::from_std(l) {
+                    Ok(l) => l,
+                    Err(e) => return tracing::error!("soft tcp listener: {e}"),
+                };
+                loop {
+                    let r = l.accept().await.map(|(s, a)| {
+                        let _ = s.set_nodelay(true);
+                        (s, a.to_string())
+                    });
+                    match admit_handshake(&w, &p, r, "tcp") {
+                        None => return,
+                        Some(d) if !d.is_zero() => tokio::time::sleep(d).await,
+                        Some(_) => {}
+                    }
                 }
-            }
-        });
+            });
+        }
         ctx.rt.spawn(async move {
             let l = match tokio::net::UnixListener::from_std(unix) {
                 Ok(l) => l,
@@ -305,6 +300,42 @@ async fn spin(ctx: std::sync::Weak<CtxShared>, activity: Arc<tokio::sync::Notify
             tokio::task::yield_now().await;
         }
     }
+}
+
+/// The TCP listeners of a context and the addresses it advertises:
+/// `RMACOMM_SOFT_ADDR` (one address, or all when unspecified), else
+/// `RMACOMM_SOCKET_IFNAME` (one listener per selected address, so nothing
+/// listens on the other interfaces), else every interface.
+fn tcp_listeners(config: &SoftConfig) -> Result<(Vec<std::net::TcpListener>, Vec<SocketAddr>)> {
+    let bind = |ip: IpAddr, port: u16| -> Result<(std::net::TcpListener, SocketAddr)> {
+        let l = std::net::TcpListener::bind(SocketAddr::new(ip, port)).map_err(|e| Error::os("bind(tcp)", e))?;
+        l.set_nonblocking(true).map_err(|e| Error::os("bind(tcp)", e))?;
+        let a = l.local_addr().map_err(|e| Error::os("bind(tcp)", e))?;
+        Ok((l, a))
+    };
+    let selected = match (config.bind_addr, &config.socket_ifname) {
+        (Some(ip), _) if !ip.is_unspecified() => vec![ip],
+        (None, Some(spec)) => {
+            let f = super::ifname::IfnameFilter::parse(spec).map_err(|e| Error::invalid("open soft context", e))?;
+            super::host::selected_ipv4_addrs(&f, spec).map_err(|e| Error::invalid("open soft context", e))?
+        }
+        _ => {
+            let (l, a) = bind(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0)?;
+            let addrs = local_ipv4_addrs().into_iter().map(|ip| SocketAddr::new(ip, a.port())).collect();
+            return Ok((vec![l], addrs));
+        }
+    };
+    let mut ls = Vec::new();
+    let mut addrs = Vec::new();
+    for ip in selected {
+        // The same port on every address when it is free (easier to read
+        // in a firewall rule); any port otherwise.
+        let port = addrs.first().map_or(0, |a: &SocketAddr| a.port());
+        let (l, a) = bind(ip, port).or_else(|_| bind(ip, 0))?;
+        ls.push(l);
+        addrs.push(a);
+    }
+    Ok((ls, addrs))
 }
 
 /// Connections accepted whose hello has not been read yet hold descriptors

@@ -31,6 +31,7 @@ mod copy;
 mod cq;
 mod doorbell;
 mod host;
+mod ifname;
 mod keytable;
 mod mr;
 mod peer;

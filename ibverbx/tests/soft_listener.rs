@@ -1,0 +1,66 @@
+//! The soft TCP listener binds and advertises only the interfaces
+//! `RMACOMM_SOCKET_IFNAME` (NCCL_SOCKET_IFNAME syntax) selects.
+
+use std::net::{IpAddr, SocketAddr, TcpStream};
+use std::time::Duration;
+
+use ibverbx::soft::{SoftConfig, SoftLink, SoftProvider};
+use ibverbx::{AccessFlags, MemoryRegion, QpInitAttr, SendFlags, SendOp, SendWr, WorkCompletion};
+
+fn config(ifname: &str) -> SoftConfig {
+    SoftConfig { link: SoftLink::Tcp, socket_ifname: Some(ifname.to_owned()), ..SoftConfig::default() }
+}
+
+/// The machine's IPv4 addresses that are not loopback (from `ip`-free
+/// sources: the addresses a default context advertises).
+fn other_addrs() -> Vec<IpAddr> {
+    let ctx = SoftProvider::new(SoftConfig::default()).device().open().unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(4).unwrap();
+    let qp = pd.create_qp(&QpInitAttr::default(), &cq, &cq).unwrap();
+    qp.endpoint().unwrap().soft.unwrap().tcp.iter().map(|a| a.ip()).filter(|ip| !ip.is_loopback()).collect()
+}
+
+#[test]
+fn only_the_selected_interfaces_listen() {
+    let ctx = SoftProvider::new(config("=lo")).device().open().unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(16).unwrap();
+    let a = pd.create_qp(&QpInitAttr::default(), &cq, &cq).unwrap();
+    let b = pd.create_qp(&QpInitAttr::default(), &cq, &cq).unwrap();
+    let ep = a.endpoint().unwrap();
+    let tcp: Vec<SocketAddr> = ep.soft.as_ref().unwrap().tcp.clone();
+    assert!(!tcp.is_empty() && tcp.iter().all(|a| a.ip().is_loopback()), "advertised {tcp:?}");
+    let port = tcp[0].port();
+    let others = other_addrs();
+    if others.is_empty() {
+        eprintln!("note: this machine has no non-loopback IPv4 address; only the advertisement is checked");
+    }
+    for ip in others {
+        let r = TcpStream::connect_timeout(&SocketAddr::new(ip, port), Duration::from_secs(1));
+        assert!(r.is_err(), "the listener also accepts on {ip} although only lo was selected");
+    }
+    // And it works over the selected interface.
+    a.connect(&b.endpoint().unwrap()).unwrap();
+    b.connect(&ep).unwrap();
+    let src = MemoryRegion::alloc(&pd, 4096, AccessFlags::LOCAL_WRITE).unwrap();
+    let dst = MemoryRegion::alloc(&pd, 4096, AccessFlags::all_remote()).unwrap();
+    src.write(0, b"over lo").unwrap();
+    let sg = [src.sge(0, 7).unwrap()];
+    let op = SendOp::RdmaWrite { remote_addr: dst.addr(), rkey: dst.rkey() };
+    a.post_send(&[SendWr { wr_id: 1, op, sg_list: &sg, flags: SendFlags::SIGNALED }]).unwrap();
+    let mut wc = [WorkCompletion::empty(); 1];
+    assert_eq!(cq.wait(&mut wc, Some(Duration::from_secs(20)), Duration::ZERO).unwrap(), 1);
+    assert!(wc[0].is_ok(), "{:?}", wc[0]);
+    let mut got = [0u8; 7];
+    dst.read(0, &mut got).unwrap();
+    assert_eq!(&got, b"over lo");
+}
+
+#[test]
+fn a_selection_that_matches_nothing_is_an_error_naming_the_variable() {
+    let e = SoftProvider::new(config("=no-such-if0")).device().open().unwrap_err().to_string();
+    assert!(e.contains("RMACOMM_SOCKET_IFNAME") && e.contains("no-such-if0"), "{e}");
+    let e = SoftProvider::new(config("^")).device().open().unwrap_err().to_string();
+    assert!(e.contains("RMACOMM_SOCKET_IFNAME"), "{e}");
+}
