@@ -11,6 +11,10 @@ use ibverbx::{LoadBalancing, ProviderKind, VirtualQpConfig};
 #[derive(Debug, Clone, PartialEq)]
 pub struct TransportConfig {
     /// Provider: auto (hardware if present, else soft), verbs or soft.
+    /// The default comes from `RMACOMM_PROVIDER` (unset: auto). An invalid
+    /// value there cannot fail `default()`, so it makes
+    /// [`RdmaTransport::new`](crate::RdmaTransport::new) fail instead while
+    /// this is `Auto`: a typo never silently picks a provider.
     pub provider: ProviderKind,
     /// Device name (`mlx5_0`, `soft0`); `None` takes the first.
     pub device: Option<String>,

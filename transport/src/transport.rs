@@ -8,7 +8,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use ibverbx::{RecvWr, SendFlags, SendOp, SendWr, VirtualCq, VirtualQp, WcOpcode, WcStatus, WorkCompletion};
+use ibverbx::{
+    ProviderKind, RecvWr, SendFlags, SendOp, SendWr, VirtualCq, VirtualQp, WcOpcode, WcStatus, WorkCompletion,
+};
 use tokio::io::unix::AsyncFd;
 use tokio::sync::{oneshot, Notify};
 
@@ -110,7 +112,15 @@ const RECV_BIT: u64 = 1 << 63;
 
 impl RdmaTransport {
     /// Creates a transport on the configured provider and device.
+    ///
+    /// Fails when `config.provider` is `Auto` and `RMACOMM_PROVIDER` holds
+    /// something else than `auto`, `verbs` or `soft`.
     pub fn new(config: TransportConfig) -> Result<RdmaTransport, TransportError> {
+        if config.provider == ProviderKind::Auto {
+            // `TransportConfig::default()` fell back to auto on a bad value;
+            // report it here rather than run on a provider nobody chose.
+            ProviderKind::from_env()?;
+        }
         let d = domain(config.provider, config.device.as_deref(), config.soft.as_ref())?;
         let vcfg = config.virtual_qp_config();
         vcfg.validate()?;
