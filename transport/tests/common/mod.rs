@@ -27,7 +27,7 @@ pub fn pattern(len: usize, seed: u64) -> Vec<u8> {
 }
 
 pub fn config() -> TransportConfig {
-    TransportConfig { timeout: Some(Duration::from_secs(30)), ..TransportConfig::default() }
+    TransportConfig::default().with_timeout(Some(Duration::from_secs(30)))
 }
 
 pub async fn pair_with(ca: TransportConfig, cb: TransportConfig) -> (Arc<RdmaTransport>, Arc<RdmaTransport>) {
@@ -54,7 +54,7 @@ pub fn contents(m: &RdmaMemory, off: usize, len: usize) -> Vec<u8> {
 pub const SIZES: [usize; 9] = [1, 64, 4095, 4096, 4097, 8192, 64 << 10, 1 << 20, 64 << 20];
 
 pub async fn write_notify_read_every_size(qps: u32, lb: ibverbx::LoadBalancing) {
-    let cfg = TransportConfig { qps, load_balancing: lb, frag_size: 256 << 10, ..config() };
+    let cfg = config().with_qps(qps).with_load_balancing(lb).with_frag_size(256 << 10);
     let (a, b) = pair_with(cfg.clone(), cfg).await;
     let max = *SIZES.iter().max().unwrap();
     let src = RdmaMemory::alloc(max).unwrap();
@@ -76,7 +76,7 @@ pub async fn write_notify_read_every_size(qps: u32, lb: ibverbx::LoadBalancing) 
 
 /// Busy-polling calls behave as sleeping ones, only sooner.
 pub async fn busy_poll_ping_pong() {
-    let cfg = TransportConfig { busy_poll: Duration::from_micros(200), ..config() };
+    let cfg = config().with_busy_poll(Duration::from_micros(200));
     let (a, b) = pair_with(cfg.clone(), cfg).await;
     let (ma, mb) = (RdmaMemory::alloc(4096).unwrap(), RdmaMemory::alloc(4096).unwrap());
     for i in 0..200u64 {
@@ -292,7 +292,7 @@ pub async fn dropping_the_transport_aborts_pending() {
     // (or had finished already), never hang; the memory stays valid.
     // (8 MiB fragments: larger than what the soft provider copies in the
     // posting thread, so the writes really are pending.)
-    let big = TransportConfig { frag_size: 8 << 20, ..config() };
+    let big = config().with_frag_size(8 << 20);
     let (a, _b) = pair_with(big.clone(), big).await;
     let a = Arc::try_unwrap(a).unwrap();
     let src = RdmaMemory::alloc(64 << 20).unwrap();
