@@ -71,3 +71,4 @@ pub use error::TransportError;
 pub use memory::{RdmaMemory, View, ViewMut};
 pub use remote::RdmaRemoteBuffer;
 pub use transport::RdmaTransport;
+pub use url::redact_url;

@@ -159,6 +159,8 @@ impl RdmaTransport {
     /// Connects to the peer's URL. Must be called inside a tokio runtime
     /// (the completion driver runs there). Resolves once this side's
     /// connection to the peer is accepted.
+    ///
+    /// Errors never contain the URL or its tokens.
     pub async fn connect(&self, peer_url: &str) -> Result<(), TransportError> {
         if self.connected() {
             return Err(TransportError::invalid("connect", "already connected; one transport serves one peer"));
@@ -172,7 +174,14 @@ impl RdmaTransport {
         }
         let rt = tokio::runtime::Handle::try_current()
             .map_err(|_| TransportError::Unsupported("connect must be called inside a tokio runtime".into()))?;
-        self.inner.qp.connect(&ep)?;
+        let peer = url::describe(&provider, &ep);
+        self.inner.qp.connect(&ep).map_err(|e| match TransportError::from(e) {
+            TransportError::InvalidArgument { op, reason } => {
+                TransportError::InvalidArgument { op, reason: format!("{reason} (connecting to {peer})") }
+            }
+            TransportError::Broken(m) => TransportError::Broken(format!("connecting to {peer}: {m}")),
+            other => other,
+        })?;
         let recvs: Vec<RecvWr<'_>> =
             (0..self.inner.config.recv_depth as u64).map(|i| RecvWr { wr_id: RECV_BIT | i, sg_list: &[] }).collect();
         self.inner.qp.post_recv(&recvs)?;
@@ -192,7 +201,14 @@ impl RdmaTransport {
                 self.inner.connected.store(true, Ordering::Release);
                 Ok(())
             }
-            Err(e) => Err(TransportError::Broken(format!("connection to the peer refused or lost: {e}"))),
+            Err(e) => {
+                // Broken's own text already says what to do next; say it once.
+                let why = match e {
+                    TransportError::Broken(m) => m,
+                    other => other.to_string(),
+                };
+                Err(TransportError::Broken(format!("connection to {peer} refused or lost: {why}")))
+            }
         }
     }
 

@@ -314,3 +314,82 @@ pub async fn dropping_the_transport_aborts_pending() {
     let e = c.write(src.view(0, 8).unwrap(), &rb, false).await.unwrap_err();
     assert!(matches!(e, TransportError::InvalidArgument { .. }), "{e}");
 }
+
+/// Every spelling of a 16-byte token that a formatter or encoder might put
+/// in a message: Debug, JSON, hex, base64.
+fn token_spellings(tok: &[u8]) -> Vec<String> {
+    use base64::Engine;
+    let dec: Vec<String> = tok.iter().map(|b| b.to_string()).collect();
+    let hex: String = tok.iter().map(|b| format!("{b:02x}")).collect();
+    vec![
+        dec.join(", "),
+        dec.join(","),
+        hex.clone(),
+        hex.to_uppercase(),
+        base64::engine::general_purpose::STANDARD_NO_PAD.encode(tok),
+        base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(tok),
+    ]
+}
+
+/// The URL's payload as JSON, and the tokens of its QPs.
+fn url_tokens(url: &str) -> (String, Vec<Vec<u8>>) {
+    use base64::Engine;
+    let (_, payload) = url.rsplit_once('/').unwrap();
+    let json: serde_json::Value =
+        serde_json::from_slice(&base64::engine::general_purpose::URL_SAFE_NO_PAD.decode(payload).unwrap()).unwrap();
+    let mut qps: Vec<&serde_json::Value> = json["ep"]["data"].as_array().unwrap().iter().collect();
+    qps.extend(json["ep"]["notify"].as_object().map(|_| &json["ep"]["notify"]));
+    let toks = qps
+        .iter()
+        .map(|qp| qp["soft"]["token"].as_array().unwrap().iter().map(|b| b.as_u64().unwrap() as u8).collect())
+        .collect();
+    (payload.to_owned(), toks)
+}
+
+fn assert_no_secret(what: &str, text: &str, url: &str) {
+    let (payload, toks) = url_tokens(url);
+    assert!(!toks.is_empty());
+    assert!(!text.contains(&payload[..24.min(payload.len())]), "{what} echoes the URL: {text}");
+    for t in &toks {
+        for s in token_spellings(t) {
+            assert!(!text.contains(&s), "{what} shows a token as {s:?}: {text}");
+        }
+    }
+}
+
+/// Tokens never reach `Debug` output or error messages: not the
+/// transport's, not an endpoint's, not a refused connect's.
+pub async fn tokens_never_show_in_debug_or_errors() {
+    let cfg = config().with_qps(2);
+    let a = RdmaTransport::new(cfg.clone()).unwrap();
+    let b = RdmaTransport::new(cfg).unwrap();
+    let ub = b.bind().unwrap();
+    // The endpoint inside the URL, printed as a log line would print it.
+    use base64::Engine;
+    let (prefix, payload) = ub.rsplit_once('/').unwrap();
+    let eng = base64::engine::general_purpose::URL_SAFE_NO_PAD;
+    let mut json: serde_json::Value = serde_json::from_slice(&eng.decode(payload).unwrap()).unwrap();
+    let ep: ibverbx::VirtualQpEndpoint = serde_json::from_value(json["ep"].clone()).unwrap();
+    assert_no_secret("an endpoint's Debug", &format!("{ep:?}"), &ub);
+    assert_no_secret("an endpoint's Debug", &format!("{ep:#?}"), &ub);
+    assert_no_secret("redact_url", &rmacomm_transport::redact_url(&ub), &ub);
+    assert_eq!(rmacomm_transport::redact_url(&ub), "rmacomm://soft/<redacted>");
+    // A connect with a wrong token: neither the URL sent nor the real one.
+    let tok = &mut json["ep"]["data"][0]["soft"]["token"][0];
+    *tok = serde_json::json!((tok.as_u64().unwrap() + 1) % 256);
+    let bad = format!("{prefix}/{}", eng.encode(serde_json::to_vec(&json).unwrap()));
+    let e = a.connect(&bad).await.unwrap_err();
+    assert!(matches!(e, TransportError::Broken(_)), "{e}");
+    for text in [e.to_string(), format!("{e:?}")] {
+        assert!(text.contains("QP 0x"), "the error should say which peer: {text}");
+        assert_no_secret("a refused connect", &text, &ub);
+        assert_no_secret("a refused connect", &text, &bad);
+    }
+    assert_no_secret("a transport's Debug", &format!("{a:?} {b:?}"), &ub);
+    // Another provider's URL: an argument error, which does not echo it.
+    let c = RdmaTransport::new(config()).unwrap();
+    let foreign = ub.replacen("rmacomm://soft/", "rmacomm://verbs/", 1);
+    let e = c.connect(&foreign).await.unwrap_err();
+    assert!(matches!(e, TransportError::InvalidArgument { .. }), "{e}");
+    assert_no_secret("a refused connect", &e.to_string(), &ub);
+}
