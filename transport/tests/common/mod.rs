@@ -393,3 +393,72 @@ pub async fn tokens_never_show_in_debug_or_errors() {
     assert!(matches!(e, TransportError::InvalidArgument { .. }), "{e}");
     assert_no_secret("a refused connect", &e.to_string(), &ub);
 }
+
+/// Two racing `connect` calls on one transport: exactly one goes ahead, the
+/// other fails at once with an argument error; later ones fail the same
+/// way, and the connection works.
+pub async fn concurrent_connects_one_wins() {
+    let a = RdmaTransport::new(config()).unwrap();
+    let b = RdmaTransport::new(config()).unwrap();
+    let (ua, ub) = (a.bind().unwrap(), b.bind().unwrap());
+    let (r1, r2, rb) = tokio::join!(a.connect(&ub), a.connect(&ub), b.connect(&ua));
+    rb.unwrap();
+    let lost = match (r1, r2) {
+        (Ok(()), Err(e)) | (Err(e), Ok(())) => e,
+        (r1, r2) => panic!("exactly one connect must succeed: {r1:?}, {r2:?}"),
+    };
+    match &lost {
+        TransportError::InvalidArgument { op: "connect", reason } => {
+            assert!(reason.contains("already in progress") || reason.contains("already connected"), "{reason}")
+        }
+        other => panic!("the losing connect should be an argument error: {other}"),
+    }
+    assert!(a.connected() && b.connected());
+    // Once connected, another connect (to any URL) is refused at once.
+    let t = Instant::now();
+    let e = a.connect(&ub).await.unwrap_err();
+    assert!(
+        matches!(&e, TransportError::InvalidArgument { reason, .. } if reason.contains("already connected")),
+        "{e}"
+    );
+    assert!(t.elapsed() < Duration::from_secs(1));
+    assert!(a.connected(), "a refused connect must not break the transport");
+    // And the connection works both ways.
+    let (ma, mb) = (RdmaMemory::alloc(4096).unwrap(), RdmaMemory::alloc(4096).unwrap());
+    ma.write_from(0, b"one connection").unwrap();
+    a.write(ma.view(0, 14).unwrap(), &mb.remote_buffer(), true).await.unwrap();
+    b.wait_for_write().await.unwrap();
+    assert_eq!(contents(&mb, 0, 14), b"one connection");
+    b.read(mb.view_mut(100, 14).unwrap(), &ma.remote_buffer()).await.unwrap();
+    assert_eq!(contents(&mb, 100, 14), b"one connection");
+}
+
+/// A connect that fails before reaching the peer can be retried; one that
+/// reached it cannot, and says to make a new transport.
+pub async fn a_connect_may_be_retried_only_if_it_never_reached_the_peer() {
+    let a = RdmaTransport::new(config()).unwrap();
+    let b = RdmaTransport::new(config()).unwrap();
+    let (ua, ub) = (a.bind().unwrap(), b.bind().unwrap());
+    assert!(matches!(a.connect("not a url").await, Err(TransportError::InvalidArgument { .. })));
+    let (ra, rb) = tokio::join!(a.connect(&ub), b.connect(&ua));
+    ra.unwrap();
+    rb.unwrap();
+    // A connect polled once (it reaches the peer and waits for its answer)
+    // and then dropped, as a caller's own timeout would.
+    let c = RdmaTransport::new(config()).unwrap();
+    let d = RdmaTransport::new(config()).unwrap();
+    let ud = d.bind().unwrap();
+    use std::future::Future as _;
+    let mut pending = Box::pin(c.connect(&ud));
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    let first = pending.as_mut().poll(&mut cx);
+    drop(pending);
+    if first.is_pending() {
+        let e = c.connect(&ud).await.unwrap_err();
+        assert!(
+            matches!(&e, TransportError::InvalidArgument { reason, .. } if reason.contains("create a new transport")),
+            "{e}"
+        );
+        assert!(!c.connected());
+    }
+}
