@@ -145,16 +145,15 @@ impl ProviderKind {
         }
     }
 
-    /// [`from_env`](Self::from_env) for a given value of the variable.
-    fn from_env_value(value: Option<&str>) -> Result<ProviderKind> {
+    /// [`from_env`](Self::from_env) for a given value of the variable
+    /// (`None`: unset), for tools that read it themselves.
+    pub fn from_env_value(value: Option<&str>) -> Result<ProviderKind> {
         match value {
             None => Ok(ProviderKind::Auto),
             Some(v) => ProviderKind::parse(v).ok_or_else(|| {
                 Error::invalid(
                     "RMACOMM_PROVIDER",
-                    format!(
-                        "RMACOMM_PROVIDER={v:?} is not a provider; expected auto|verbs|soft (or unset it for auto)"
-                    ),
+                    format!("{v:?} is not a provider; expected auto|verbs|soft (or unset RMACOMM_PROVIDER for auto)"),
                 )
             }),
         }
