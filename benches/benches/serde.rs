@@ -12,12 +12,8 @@ use rmacomm_transport::{RdmaRemoteBuffer, RdmaTransport, TransportConfig, Transp
 
 fn bench(c: &mut Criterion) {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-    let t = RdmaTransport::new(TransportConfig {
-        provider: ibverbx::ProviderKind::Soft,
-        qps: 4,
-        ..TransportConfig::default()
-    })
-    .unwrap();
+    let t =
+        RdmaTransport::new(TransportConfig::default().with_provider(ibverbx::ProviderKind::Soft).with_qps(4)).unwrap();
     let url = t.bind().unwrap();
     let (scheme_provider, payload) = url.rsplit_once('/').unwrap();
     assert!(scheme_provider.ends_with("soft"), "{url}");
@@ -30,12 +26,9 @@ fn bench(c: &mut Criterion) {
     let mut g = c.benchmark_group("serde");
     g.bench_function("url_encode_bind_4qp", |b| b.iter(|| black_box(t.bind().unwrap())));
     g.bench_function("url_decode_4qp", |b| {
-        let other = RdmaTransport::new(TransportConfig {
-            provider: ibverbx::ProviderKind::Soft,
-            qps: 4,
-            ..TransportConfig::default()
-        })
-        .unwrap();
+        let other =
+            RdmaTransport::new(TransportConfig::default().with_provider(ibverbx::ProviderKind::Soft).with_qps(4))
+                .unwrap();
         b.iter(|| {
             let r = rt.block_on(other.connect(black_box(&foreign)));
             assert!(matches!(r, Err(TransportError::InvalidArgument { .. })), "{r:?}");

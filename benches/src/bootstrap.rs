@@ -43,8 +43,9 @@ pub struct Hello {
     pub busy_poll_us: Option<u64>,
 }
 
-/// Either side → the other: how to reach it.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+/// Either side → the other: how to reach it. `Debug` redacts the URL (its
+/// tokens admit a connection); the endpoint redacts its own.
+#[derive(Clone, Serialize, Deserialize)]
 pub struct SideInfo {
     /// Provider actually used (`soft`, `verbs`).
     pub provider: String,
@@ -58,6 +59,20 @@ pub struct SideInfo {
     pub vqp: Option<VirtualQpEndpoint>,
     /// The registered buffer: source half, then destination half.
     pub buf: RdmaRemoteBuffer,
+}
+
+impl std::fmt::Debug for SideInfo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let SideInfo { provider, device, host, url, vqp, buf } = self;
+        f.debug_struct("SideInfo")
+            .field("provider", provider)
+            .field("device", device)
+            .field("host", host)
+            .field("url", &url.as_deref().map(rmacomm_transport::redact_url))
+            .field("vqp", vqp)
+            .field("buf", buf)
+            .finish()
+    }
 }
 
 /// The halves of each side's buffer.
@@ -204,6 +219,21 @@ pub fn parse_peer(s: &str, default_port: u16) -> std::result::Result<(String, u1
 mod tests {
     use super::*;
     use crate::plan::Measure;
+
+    #[test]
+    fn side_info_debug_redacts_the_url() {
+        let info = SideInfo {
+            provider: "soft".into(),
+            device: "soft0".into(),
+            host: HostInfo::current(),
+            url: Some("rmacomm://soft/eyJzZWNyZXQiOiJ0b2tlbiJ9".into()),
+            vqp: None,
+            buf: RdmaRemoteBuffer { addr: 0x1000, len: 64, key: 7 },
+        };
+        let d = format!("{info:?}");
+        assert!(d.contains("rmacomm://soft/<redacted>") && d.contains("soft0"), "{d}");
+        assert!(!d.contains("eyJzZWNyZXQi"), "the URL's payload leaked: {d}");
+    }
 
     #[test]
     fn peers() {

@@ -157,9 +157,9 @@ pub struct BenchArgs {
     /// Fragment size: longer messages are cut into pieces of this size.
     #[arg(long, value_parser = size_arg, default_value = "1M")]
     pub frag_size: u64,
-    /// Provider.
-    #[arg(long, value_enum, default_value_t = ProviderArg::Auto)]
-    pub provider: ProviderArg,
+    /// Provider [default: `RMACOMM_PROVIDER`, else auto].
+    #[arg(long, value_enum)]
+    pub provider: Option<ProviderArg>,
     /// Soft provider link.
     #[arg(long, value_enum, default_value_t = LinkArg::Auto)]
     pub link: LinkArg,

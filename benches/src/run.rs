@@ -11,7 +11,7 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use crate::bootstrap::{parse_peer, Control, Hello, Region, Reply, Request, SideInfo, PROTOCOL_VERSION};
 use crate::cli::{BenchArgs, LbArg, LinkArg, ProviderArg};
-use crate::device::{link_used, resolve};
+use crate::device::{link_used, requested_provider, resolve};
 use crate::engine::{checksum, fill, Dir, Engine, EngineConfig};
 use crate::error::{BenchError, Result};
 use crate::plan::{plan, Measure, Plan};
@@ -119,8 +119,9 @@ fn busy_poll(op: Op, us: Option<u64>) -> Duration {
     }
 }
 
-fn engine_for(op: Op, hello: &Hello, ib_dev: Option<&str>) -> Result<Box<dyn Engine>> {
-    let resolved = resolve(&hello.provider, &hello.link, ib_dev)?;
+/// The engine for `hello`; `origin` says where its provider came from.
+fn engine_for(op: Op, hello: &Hello, origin: &str, ib_dev: Option<&str>) -> Result<Box<dyn Engine>> {
+    let resolved = resolve(&hello.provider, origin, &hello.link, ib_dev)?;
     let lb = ibverbx::LoadBalancing::parse(&hello.lb)
         .ok_or_else(|| BenchError::Config(format!("--lb {}: expected dqplb or spray", hello.lb)))?;
     let frag = u32::try_from(hello.frag_size)
@@ -212,7 +213,9 @@ fn serve_session(op: Op, a: &BenchArgs, ctl: &mut Control) -> Result<()> {
             op.name()
         )));
     }
-    let mut e = engine_for(op, &hello, a.ib_dev.as_deref())?;
+    // The client chose the provider (its flag or its environment).
+    let origin = format!("the client's provider {}", hello.provider);
+    let mut e = engine_for(op, &hello, &origin, a.ib_dev.as_deref())?;
     fill(e.as_ref(), SERVER_SEED, u64::MAX)?;
     ctl.send(&e.info()?)?;
     let peer: SideInfo = ctl.recv("the client's endpoint")?;
@@ -383,6 +386,10 @@ fn client(op: Op, a: &BenchArgs) -> Result<()> {
     if a.bidirectional && op.kind() == Kind::Latency {
         return Err(BenchError::Config("-b/--bidirectional applies to bandwidth tests".into()));
     }
+    // Lossy, so that a value that is not UTF-8 is refused rather than taken
+    // for an unset variable.
+    let env = std::env::var_os("RMACOMM_PROVIDER").map(|v| v.to_string_lossy().into_owned());
+    let (provider, origin) = requested_provider(a.provider.map(provider_name), env.as_deref())?;
     let hello = Hello {
         version: PROTOCOL_VERSION,
         op: op.name().into(),
@@ -390,14 +397,14 @@ fn client(op: Op, a: &BenchArgs) -> Result<()> {
         qps: a.qps,
         lb: lb_name(a.lb).into(),
         frag_size: a.frag_size,
-        provider: provider_name(a.provider).into(),
+        provider: provider.into(),
         link: link_name(a.link).into(),
         tx_depth: a.tx_depth,
         busy_poll_us: a.busy_poll_us,
     };
     // Fail here, before any server starts, when the provider or device
     // cannot be had.
-    let mut e = engine_for(op, &hello, a.ib_dev.as_deref())?;
+    let mut e = engine_for(op, &hello, &origin, a.ib_dev.as_deref())?;
     fill(e.as_ref(), CLIENT_SEED, u64::MAX)?;
     let (local, host, port) = match &a.client {
         Some(peer) => {
@@ -423,7 +430,7 @@ fn client(op: Op, a: &BenchArgs) -> Result<()> {
     e.connect(&server)?;
 
     let same_host = me.host.same_host(&server.host);
-    let resolved = resolve(&hello.provider, &hello.link, a.ib_dev.as_deref())?;
+    let resolved = resolve(&hello.provider, &origin, &hello.link, a.ib_dev.as_deref())?;
     let link = link_used(&resolved, same_host);
     let info = RunInfo {
         op: op.name().into(),

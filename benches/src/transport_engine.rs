@@ -35,17 +35,15 @@ impl TransportEngine {
             .enable_all()
             .build()
             .map_err(BenchError::run)?;
-        let tc = TransportConfig {
-            provider: cfg.resolved.kind,
-            device: Some(cfg.resolved.device.name().to_owned()),
-            qps: cfg.qps,
-            load_balancing: cfg.lb,
-            frag_size: cfg.frag,
-            timeout: Some(OP_TIMEOUT),
-            busy_poll: cfg.busy_poll,
-            soft: cfg.resolved.soft.clone(),
-            ..TransportConfig::default()
-        };
+        let tc = TransportConfig::default()
+            .with_provider(cfg.resolved.kind)
+            .with_device(Some(cfg.resolved.device.name().to_owned()))
+            .with_qps(cfg.qps)
+            .with_load_balancing(cfg.lb)
+            .with_frag_size(cfg.frag)
+            .with_timeout(Some(OP_TIMEOUT))
+            .with_busy_poll(cfg.busy_poll)
+            .with_soft(cfg.resolved.soft.clone());
         let t = RdmaTransport::new(tc)?;
         let mem = RdmaMemory::alloc_for(&t, (2 * cfg.max) as usize)?;
         Ok(TransportEngine { rt, t, mem, cfg, peer: None })

@@ -56,7 +56,7 @@ pub(crate) struct VerbsEngine {
 
 /// The virtual QP settings the transport would use for `cfg`.
 fn vqp_config(cfg: &EngineConfig) -> (VirtualQpConfig, usize) {
-    let t = TransportConfig { qps: cfg.qps, load_balancing: cfg.lb, frag_size: cfg.frag, ..TransportConfig::default() };
+    let t = TransportConfig::default().with_qps(cfg.qps).with_load_balancing(cfg.lb).with_frag_size(cfg.frag);
     (t.virtual_qp_config(), t.cq_depth)
 }
 

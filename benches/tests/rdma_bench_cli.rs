@@ -218,6 +218,38 @@ fn verbs_without_a_device_is_a_clear_error() {
 }
 
 #[test]
+fn an_invalid_rmacomm_provider_is_an_error_naming_it() {
+    let o = run_with(&["write", "-s", "8", "-n", "2"], &[("RMACOMM_PROVIDER", "foo")]);
+    let (out, err) = text(&o);
+    assert_eq!(o.status.code(), Some(2), "stdout:\n{out}\nstderr:\n{err}");
+    assert!(err.contains("RMACOMM_PROVIDER") && err.contains("foo") && err.contains("auto|verbs|soft"), "{err}");
+    assert!(!out.contains("#bytes"), "nothing may be measured: {out}");
+    // --provider wins over the variable.
+    let o = run_with(&["write", "--provider", "soft", "-s", "8", "-n", "2"], &[("RMACOMM_PROVIDER", "foo")]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "stdout:\n{out}\nstderr:\n{err}");
+}
+
+#[test]
+fn rmacomm_provider_verbs_is_honoured_without_a_flag() {
+    if matches!(ibverbx::devices_of(ibverbx::ProviderKind::Verbs), Ok(d) if !d.is_empty()) {
+        println!("skipped: this machine has an RDMA device, so RMACOMM_PROVIDER=verbs works");
+        return;
+    }
+    let o = run_with(&["write", "-s", "8", "-n", "2"], &[("RMACOMM_PROVIDER", "verbs")]);
+    let (out, err) = text(&o);
+    assert_eq!(o.status.code(), Some(2), "it must not fall back to soft:\nstdout:\n{out}\nstderr:\n{err}");
+    // The reason is the verbs provider's: no RDMA device in the kernel, or
+    // no libibverbs to ask.
+    assert!(err.contains("RMACOMM_PROVIDER=verbs: provider verbs unavailable"), "{err}");
+    assert!(!out.contains("#bytes"), "nothing may be measured: {out}");
+    // And RMACOMM_PROVIDER=soft runs on soft.
+    let o = run_with(&["write", "-s", "8", "-n", "2"], &[("RMACOMM_PROVIDER", "soft")]);
+    let (out, err) = text(&o);
+    assert!(o.status.success() && out.contains("soft"), "stdout:\n{out}\nstderr:\n{err}");
+}
+
+#[test]
 fn wrong_data_fails_loudly() {
     // Test hook: the server reports a wrong checksum.
     let o = run_with(&["write", "-s", "4K", "-n", "5"], &[("RDMA_BENCH_TEST_CORRUPT", "always")]);

@@ -134,12 +134,28 @@ impl ProviderKind {
         }
     }
 
-    /// From `RMACOMM_PROVIDER` (default `auto`).
+    /// From `RMACOMM_PROVIDER` (default `auto` when unset). Any other value
+    /// than `auto`, `verbs`, `soft` or empty is an error naming the
+    /// variable: a typo must not silently pick a provider.
     pub fn from_env() -> Result<ProviderKind> {
         match std::env::var("RMACOMM_PROVIDER") {
-            Err(_) => Ok(ProviderKind::Auto),
-            Ok(v) => ProviderKind::parse(&v)
-                .ok_or_else(|| Error::invalid("RMACOMM_PROVIDER", format!("{v:?} is not one of auto, verbs, soft"))),
+            Err(std::env::VarError::NotPresent) => Self::from_env_value(None),
+            Err(std::env::VarError::NotUnicode(v)) => Self::from_env_value(Some(&v.to_string_lossy())),
+            Ok(v) => Self::from_env_value(Some(&v)),
+        }
+    }
+
+    /// [`from_env`](Self::from_env) for a given value of the variable
+    /// (`None`: unset), for tools that read it themselves.
+    pub fn from_env_value(value: Option<&str>) -> Result<ProviderKind> {
+        match value {
+            None => Ok(ProviderKind::Auto),
+            Some(v) => ProviderKind::parse(v).ok_or_else(|| {
+                Error::invalid(
+                    "RMACOMM_PROVIDER",
+                    format!("{v:?} is not a provider; expected auto|verbs|soft (or unset RMACOMM_PROVIDER for auto)"),
+                )
+            }),
         }
     }
 }
@@ -174,4 +190,28 @@ pub fn devices_of(kind: ProviderKind) -> Result<Vec<Device>> {
 /// The devices of the provider `RMACOMM_PROVIDER` names (default `auto`).
 pub fn devices() -> Result<Vec<Device>> {
     devices_of(ProviderKind::from_env()?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn provider_names_parse_and_anything_else_is_an_error_naming_the_variable() {
+        assert_eq!(ProviderKind::from_env_value(None), Ok(ProviderKind::Auto));
+        for (v, k) in [
+            ("auto", ProviderKind::Auto),
+            ("", ProviderKind::Auto),
+            ("verbs", ProviderKind::Verbs),
+            (" Soft ", ProviderKind::Soft),
+        ] {
+            assert_eq!(ProviderKind::from_env_value(Some(v)), Ok(k), "{v:?}");
+        }
+        for v in ["foo", "rxe", "soft0", "verbs,soft"] {
+            let e = ProviderKind::from_env_value(Some(v)).unwrap_err();
+            assert!(matches!(e, Error::InvalidArgument { .. }), "{e}");
+            let m = e.to_string();
+            assert!(m.contains("RMACOMM_PROVIDER") && m.contains("auto|verbs|soft") && m.contains(v), "{m}");
+        }
+    }
 }

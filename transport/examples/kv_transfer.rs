@@ -54,7 +54,7 @@ fn block_bytes(r: u64, b: usize) -> Vec<u8> {
 }
 
 fn config() -> TransportConfig {
-    TransportConfig { qps: 4, timeout: Some(Duration::from_secs(60)), ..TransportConfig::default() }
+    TransportConfig::default().with_qps(4).with_timeout(Some(Duration::from_secs(60)))
 }
 
 async fn decode() -> Result<(), String> {

@@ -39,7 +39,7 @@ struct Hello {
 
 /// The transport's settings; the raw virtual QP gets the same ones.
 fn tconfig() -> TransportConfig {
-    TransportConfig { timeout: Some(Duration::from_secs(60)), ..TransportConfig::default() }
+    TransportConfig::default().with_timeout(Some(Duration::from_secs(60)))
 }
 
 /// Where the bytes go: the soft provider over one link, or the verbs
@@ -85,12 +85,10 @@ impl Via {
 /// The transport over `via`.
 fn transport(via: Via) -> RdmaTransport {
     let cfg = match via {
-        Via::Soft(link) => TransportConfig {
-            provider: ibverbx::ProviderKind::Soft,
-            soft: Some(SoftConfig { link, ..SoftConfig::default() }),
-            ..tconfig()
-        },
-        Via::Verbs => TransportConfig { provider: ibverbx::ProviderKind::Verbs, ..tconfig() },
+        Via::Soft(link) => tconfig()
+            .with_provider(ibverbx::ProviderKind::Soft)
+            .with_soft(Some(SoftConfig { link, ..SoftConfig::default() })),
+        Via::Verbs => tconfig().with_provider(ibverbx::ProviderKind::Verbs),
     };
     RdmaTransport::new(cfg).unwrap_or_else(|e| {
         eprintln!("transport_bench: {e}");

@@ -8,9 +8,38 @@ use ibverbx::{LoadBalancing, ProviderKind, VirtualQpConfig};
 /// Settings of an [`RdmaTransport`](crate::RdmaTransport). The environment
 /// fills the defaults (`RMACOMM_PROVIDER`, `RMACOMM_TIMEOUT_SECONDS`); code
 /// wins.
+///
+/// Start from [`TransportConfig::default()`] and change what you need, with
+/// the `with_*` setters or by assigning the public fields:
+///
+/// ```
+/// use std::time::Duration;
+/// use rmacomm_transport::TransportConfig;
+///
+/// let config = TransportConfig::default().with_qps(4).with_timeout(Some(Duration::from_secs(60)));
+/// let mut same = TransportConfig::default();
+/// same.qps = 4;
+/// same.timeout = Some(Duration::from_secs(60));
+/// assert_eq!(config, same);
+/// ```
+///
+/// The struct is `#[non_exhaustive]`, so that settings can be added without
+/// breaking callers; a struct literal outside this crate is therefore
+/// rejected, even with `..Default::default()`:
+///
+/// ```compile_fail,E0639
+/// use rmacomm_transport::TransportConfig;
+///
+/// let config = TransportConfig { qps: 4, ..TransportConfig::default() };
+/// ```
 #[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
 pub struct TransportConfig {
     /// Provider: auto (hardware if present, else soft), verbs or soft.
+    /// The default comes from `RMACOMM_PROVIDER` (unset: auto). An invalid
+    /// value there cannot fail `default()`, so it makes
+    /// [`RdmaTransport::new`](crate::RdmaTransport::new) fail instead while
+    /// this is `Auto`: a typo never silently picks a provider.
     pub provider: ProviderKind,
     /// Device name (`mlx5_0`, `soft0`); `None` takes the first.
     pub device: Option<String>,
@@ -58,6 +87,75 @@ impl Default for TransportConfig {
             busy_poll: Duration::ZERO,
             soft: None,
         }
+    }
+}
+
+/// Builder-style setters: each sets one field and returns the config.
+impl TransportConfig {
+    /// Sets [`provider`](Self::provider).
+    pub fn with_provider(mut self, provider: ProviderKind) -> Self {
+        self.provider = provider;
+        self
+    }
+
+    /// Sets [`device`](Self::device) (`None`: the provider's first).
+    pub fn with_device(mut self, device: Option<String>) -> Self {
+        self.device = device;
+        self
+    }
+
+    /// Sets [`qps`](Self::qps).
+    pub fn with_qps(mut self, qps: u32) -> Self {
+        self.qps = qps;
+        self
+    }
+
+    /// Sets [`load_balancing`](Self::load_balancing).
+    pub fn with_load_balancing(mut self, load_balancing: LoadBalancing) -> Self {
+        self.load_balancing = load_balancing;
+        self
+    }
+
+    /// Sets [`frag_size`](Self::frag_size).
+    pub fn with_frag_size(mut self, frag_size: u32) -> Self {
+        self.frag_size = frag_size;
+        self
+    }
+
+    /// Sets [`max_outstanding_per_qp`](Self::max_outstanding_per_qp).
+    pub fn with_max_outstanding_per_qp(mut self, max_outstanding_per_qp: u32) -> Self {
+        self.max_outstanding_per_qp = max_outstanding_per_qp;
+        self
+    }
+
+    /// Sets [`cq_depth`](Self::cq_depth).
+    pub fn with_cq_depth(mut self, cq_depth: usize) -> Self {
+        self.cq_depth = cq_depth;
+        self
+    }
+
+    /// Sets [`recv_depth`](Self::recv_depth).
+    pub fn with_recv_depth(mut self, recv_depth: u32) -> Self {
+        self.recv_depth = recv_depth;
+        self
+    }
+
+    /// Sets [`timeout`](Self::timeout) (`None`: wait forever).
+    pub fn with_timeout(mut self, timeout: Option<Duration>) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// Sets [`busy_poll`](Self::busy_poll).
+    pub fn with_busy_poll(mut self, busy_poll: Duration) -> Self {
+        self.busy_poll = busy_poll;
+        self
+    }
+
+    /// Sets [`soft`](Self::soft) (`None`: from the environment).
+    pub fn with_soft(mut self, soft: Option<SoftConfig>) -> Self {
+        self.soft = soft;
+        self
     }
 }
 

@@ -35,6 +35,8 @@
 //!
 //! # Features
 //! - `bind` / `connect` with printable URLs carrying unguessable tokens.
+//!   A URL is a credential: log it through [`redact_url`]; `Debug` output
+//!   and errors never contain one. One `connect` per transport.
 //! - `write` (optionally notifying), `read`, `wait_for_write` (a counting
 //!   semaphore), per-call timeouts.
 //! - [`RdmaMemory`]: allocation in shared memory, registration of owned
@@ -71,3 +73,4 @@ pub use error::TransportError;
 pub use memory::{RdmaMemory, View, ViewMut};
 pub use remote::RdmaRemoteBuffer;
 pub use transport::RdmaTransport;
+pub use url::redact_url;

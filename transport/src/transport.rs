@@ -4,11 +4,13 @@ use std::collections::VecDeque;
 use std::fmt;
 use std::future::Future;
 use std::os::fd::{AsRawFd, RawFd};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use ibverbx::{RecvWr, SendFlags, SendOp, SendWr, VirtualCq, VirtualQp, WcOpcode, WcStatus, WorkCompletion};
+use ibverbx::{
+    ProviderKind, RecvWr, SendFlags, SendOp, SendWr, VirtualCq, VirtualQp, WcOpcode, WcStatus, WorkCompletion,
+};
 use tokio::io::unix::AsyncFd;
 use tokio::sync::{oneshot, Notify};
 
@@ -70,7 +72,8 @@ struct Inner {
     qp: VirtualQp,
     config: TransportConfig,
     st: Mutex<State>,
-    connected: AtomicBool,
+    /// Where `connect` stands: one of the `CONN_*` values.
+    conn: AtomicU8,
     shutdown: Notify,
     /// Posts in progress: the soft provider may copy inside a post while
     /// holding the virtual QP's lock; the driver stands aside meanwhile
@@ -108,9 +111,50 @@ impl fmt::Debug for RdmaTransport {
 
 const RECV_BIT: u64 = 1 << 63;
 
+/// `connect` never called, or it failed before touching the QP.
+const CONN_IDLE: u8 = 0;
+/// A `connect` call is running.
+const CONN_CONNECTING: u8 = 1;
+const CONN_CONNECTED: u8 = 2;
+/// A `connect` failed (or was dropped) after moving the QP towards a peer;
+/// the QP cannot be pointed at another one.
+const CONN_FAILED: u8 = 3;
+
+/// Holds the `connect` claim; dropped without [`ConnectClaim::succeeded`]
+/// (an error, or the future dropped mid-way) it releases the claim:
+/// back to idle while the QP is untouched, else to failed.
+struct ConnectClaim<'a> {
+    conn: &'a AtomicU8,
+    qp_touched: bool,
+    done: bool,
+}
+
+impl ConnectClaim<'_> {
+    fn succeeded(mut self) {
+        self.conn.store(CONN_CONNECTED, Ordering::Release);
+        self.done = true;
+    }
+}
+
+impl Drop for ConnectClaim<'_> {
+    fn drop(&mut self) {
+        if !self.done {
+            self.conn.store(if self.qp_touched { CONN_FAILED } else { CONN_IDLE }, Ordering::Release);
+        }
+    }
+}
+
 impl RdmaTransport {
     /// Creates a transport on the configured provider and device.
+    ///
+    /// Fails when `config.provider` is `Auto` and `RMACOMM_PROVIDER` holds
+    /// something else than `auto`, `verbs` or `soft`.
     pub fn new(config: TransportConfig) -> Result<RdmaTransport, TransportError> {
+        if config.provider == ProviderKind::Auto {
+            // `TransportConfig::default()` fell back to auto on a bad value;
+            // report it here rather than run on a provider nobody chose.
+            ProviderKind::from_env()?;
+        }
         let d = domain(config.provider, config.device.as_deref(), config.soft.as_ref())?;
         let vcfg = config.virtual_qp_config();
         vcfg.validate()?;
@@ -123,7 +167,7 @@ impl RdmaTransport {
                 qp,
                 config,
                 st: Mutex::new(State::default()),
-                connected: AtomicBool::new(false),
+                conn: AtomicU8::new(CONN_IDLE),
                 shutdown: Notify::new(),
                 posting: std::sync::atomic::AtomicUsize::new(0),
             }),
@@ -149,10 +193,21 @@ impl RdmaTransport {
     /// Connects to the peer's URL. Must be called inside a tokio runtime
     /// (the completion driver runs there). Resolves once this side's
     /// connection to the peer is accepted.
+    ///
+    /// One transport connects once, to one peer. A second `connect` — while
+    /// one is in progress, after one succeeded, or after one failed once it
+    /// had reached the peer — fails at once with
+    /// [`TransportError::InvalidArgument`] and leaves the transport as it
+    /// is. An error rather than a wait for the first call: code that races
+    /// two connects on one transport (say, a NIXL- or torchcomms-style
+    /// agent connecting twice to one peer) has a bug, which sharing the
+    /// first call's result would hide. Make one transport per peer, and a
+    /// new one to reconnect. A `connect` that fails before reaching the
+    /// peer (a malformed URL, another provider, no runtime) may be retried.
+    ///
+    /// Errors never contain the URL or its tokens.
     pub async fn connect(&self, peer_url: &str) -> Result<(), TransportError> {
-        if self.connected() {
-            return Err(TransportError::invalid("connect", "already connected; one transport serves one peer"));
-        }
+        let mut claim = self.claim_connect()?;
         let (provider, ep) = url::decode(peer_url)?;
         if provider != self.inner.domain.provider {
             return Err(TransportError::invalid(
@@ -162,7 +217,15 @@ impl RdmaTransport {
         }
         let rt = tokio::runtime::Handle::try_current()
             .map_err(|_| TransportError::Unsupported("connect must be called inside a tokio runtime".into()))?;
-        self.inner.qp.connect(&ep)?;
+        let peer = url::describe(&provider, &ep);
+        claim.qp_touched = true;
+        self.inner.qp.connect(&ep).map_err(|e| match TransportError::from(e) {
+            TransportError::InvalidArgument { op, reason } => {
+                TransportError::InvalidArgument { op, reason: format!("{reason} (connecting to {peer})") }
+            }
+            TransportError::Broken(m) => TransportError::Broken(format!("connecting to {peer}: {m}")),
+            other => other,
+        })?;
         let recvs: Vec<RecvWr<'_>> =
             (0..self.inner.config.recv_depth as u64).map(|i| RecvWr { wr_id: RECV_BIT | i, sg_list: &[] }).collect();
         self.inner.qp.post_recv(&recvs)?;
@@ -179,16 +242,45 @@ impl RdmaTransport {
         let t = self.inner.config.timeout.unwrap_or(Duration::from_secs(30));
         match self.inner.finish(id, rx, "connect", Some(t)).await {
             Ok(()) => {
-                self.inner.connected.store(true, Ordering::Release);
+                claim.succeeded();
                 Ok(())
             }
-            Err(e) => Err(TransportError::Broken(format!("connection to the peer refused or lost: {e}"))),
+            Err(e) => {
+                // Broken's own text already says what to do next; say it once.
+                let why = match e {
+                    TransportError::Broken(m) => m,
+                    other => other.to_string(),
+                };
+                Err(TransportError::Broken(format!("connection to {peer} refused or lost: {why}")))
+            }
+        }
+    }
+
+    /// Takes the one `connect` of this transport, or says why not.
+    fn claim_connect(&self) -> Result<ConnectClaim<'_>, TransportError> {
+        let conn = &self.inner.conn;
+        match conn.compare_exchange(CONN_IDLE, CONN_CONNECTING, Ordering::AcqRel, Ordering::Acquire) {
+            Ok(_) => Ok(ConnectClaim { conn, qp_touched: false, done: false }),
+            Err(state) => Err(TransportError::invalid(
+                "connect",
+                match state {
+                    CONN_CONNECTING => {
+                        "a connect is already in progress on this transport; one transport serves one \
+                                        peer (make another transport for another peer)"
+                    }
+                    CONN_CONNECTED => {
+                        "already connected; one transport serves one peer (make another transport \
+                                       for another peer)"
+                    }
+                    _ => "an earlier connect of this transport failed; create a new transport to connect again",
+                },
+            )),
         }
     }
 
     /// True once `connect` succeeded and nothing has broken since.
     pub fn connected(&self) -> bool {
-        self.inner.connected.load(Ordering::Acquire) && self.inner.lock().broken.is_none()
+        self.inner.is_connected() && self.inner.lock().broken.is_none()
     }
 
     /// Writes `local` into the peer's `remote` buffer (zero-copy); resolves
@@ -266,7 +358,7 @@ impl RdmaTransport {
                 Err(Ok(()))
             } else if let Some(e) = &st.broken {
                 Err(Err(e.clone()))
-            } else if !self.inner.connected.load(Ordering::Acquire) {
+            } else if !self.inner.is_connected() {
                 Err(Err(TransportError::invalid(OP, "not connected")))
             } else {
                 let (tx, rx) = oneshot::channel();
@@ -336,7 +428,7 @@ impl RdmaTransport {
         if let Some(e) = &self.inner.lock().broken {
             return Err(e.clone());
         }
-        if !self.inner.connected.load(Ordering::Acquire) {
+        if !self.inner.is_connected() {
             return Err(TransportError::invalid(op, "not connected; call connect first"));
         }
         if !Arc::ptr_eq(&mem.domain, &self.inner.domain) {
@@ -356,6 +448,10 @@ impl RdmaTransport {
 }
 
 impl Inner {
+    fn is_connected(&self) -> bool {
+        self.conn.load(Ordering::Acquire) == CONN_CONNECTED
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         self.st.lock().unwrap_or_else(|e| e.into_inner())
     }

@@ -26,3 +26,6 @@ t!(timeouts, common::timeouts());
 t!(revoked_key, common::revoked_key_is_remote_access_then_broken_fails_fast());
 t!(wrong_token, common::wrong_token_is_refused());
 t!(drop_aborts, common::dropping_the_transport_aborts_pending());
+t!(tokens_never_show, common::tokens_never_show_in_debug_or_errors());
+t!(concurrent_connects, common::concurrent_connects_one_wins());
+t!(connect_retry_rules, common::a_connect_may_be_retried_only_if_it_never_reached_the_peer());

@@ -20,8 +20,9 @@ pub const MAGIC: [u8; 8] = *b"RMACSOFT";
 /// Wire protocol version.
 pub const VERSION: u16 = 1;
 
-/// The opening message of a connection.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// The opening message of a connection. `Debug` leaves the token out: it
+/// admits a connection and must not reach logs.
+#[derive(Clone, Copy, PartialEq, Eq)]
 pub struct Hello {
     /// The connecting (requester) QP.
     pub src_qpn: u32,
@@ -31,6 +32,18 @@ pub struct Hello {
     pub token: [u8; 16],
     /// Requester's RNR retry budget (7 = forever).
     pub rnr_retry: u8,
+}
+
+impl std::fmt::Debug for Hello {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let Hello { src_qpn, dst_qpn, token: _, rnr_retry } = self;
+        f.debug_struct("Hello")
+            .field("src_qpn", src_qpn)
+            .field("dst_qpn", dst_qpn)
+            .field("token", &format_args!("<redacted>"))
+            .field("rnr_retry", rnr_retry)
+            .finish()
+    }
 }
 
 /// Why a connection was refused.
@@ -534,6 +547,15 @@ mod tests {
         assert!(Frame::decode(&f.encode(), 999).is_err());
         let f = Frame::Write { psn: 1, raddr: u64::MAX - 10, rkey: 0, len: 100, imm: None };
         assert!(Frame::decode(&f.encode(), 1 << 30).is_err());
+    }
+
+    #[test]
+    fn hello_debug_hides_the_token() {
+        let token = [0xde, 0xad, 0xbe, 0xef, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9];
+        let d = format!("{:?}", Hello { src_qpn: 1, dst_qpn: 2, token, rnr_retry: 3 });
+        assert!(d.contains("<redacted>") && d.contains("dst_qpn: 2"), "{d}");
+        // The derived Debug would print the bytes in decimal: 222, 173, ...
+        assert!(!d.contains("222") && !d.contains("173"), "the token leaked: {d}");
     }
 
     #[test]

@@ -40,7 +40,7 @@ async fn main() {
     let total = sizes.iter().sum::<usize>().max(1 << 20);
     let qps: u32 = opt("--qps").map_or(1, |q| q.parse().expect("qps"));
 
-    let cfg = TransportConfig { qps, timeout: Some(Duration::from_secs(60)), ..TransportConfig::default() };
+    let cfg = TransportConfig::default().with_qps(qps).with_timeout(Some(Duration::from_secs(60)));
     let t = RdmaTransport::new(cfg).unwrap_or_else(|e| fail(format!("new: {e}")));
     let mem = RdmaMemory::alloc(total).unwrap_or_else(|e| fail(format!("alloc: {e}")));
     let me = Hello { url: t.bind().unwrap(), rb: mem.remote_buffer() };

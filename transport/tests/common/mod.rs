@@ -27,7 +27,7 @@ pub fn pattern(len: usize, seed: u64) -> Vec<u8> {
 }
 
 pub fn config() -> TransportConfig {
-    TransportConfig { timeout: Some(Duration::from_secs(30)), ..TransportConfig::default() }
+    TransportConfig::default().with_timeout(Some(Duration::from_secs(30)))
 }
 
 pub async fn pair_with(ca: TransportConfig, cb: TransportConfig) -> (Arc<RdmaTransport>, Arc<RdmaTransport>) {
@@ -54,7 +54,7 @@ pub fn contents(m: &RdmaMemory, off: usize, len: usize) -> Vec<u8> {
 pub const SIZES: [usize; 9] = [1, 64, 4095, 4096, 4097, 8192, 64 << 10, 1 << 20, 64 << 20];
 
 pub async fn write_notify_read_every_size(qps: u32, lb: ibverbx::LoadBalancing) {
-    let cfg = TransportConfig { qps, load_balancing: lb, frag_size: 256 << 10, ..config() };
+    let cfg = config().with_qps(qps).with_load_balancing(lb).with_frag_size(256 << 10);
     let (a, b) = pair_with(cfg.clone(), cfg).await;
     let max = *SIZES.iter().max().unwrap();
     let src = RdmaMemory::alloc(max).unwrap();
@@ -76,7 +76,7 @@ pub async fn write_notify_read_every_size(qps: u32, lb: ibverbx::LoadBalancing) 
 
 /// Busy-polling calls behave as sleeping ones, only sooner.
 pub async fn busy_poll_ping_pong() {
-    let cfg = TransportConfig { busy_poll: Duration::from_micros(200), ..config() };
+    let cfg = config().with_busy_poll(Duration::from_micros(200));
     let (a, b) = pair_with(cfg.clone(), cfg).await;
     let (ma, mb) = (RdmaMemory::alloc(4096).unwrap(), RdmaMemory::alloc(4096).unwrap());
     for i in 0..200u64 {
@@ -292,7 +292,7 @@ pub async fn dropping_the_transport_aborts_pending() {
     // (or had finished already), never hang; the memory stays valid.
     // (8 MiB fragments: larger than what the soft provider copies in the
     // posting thread, so the writes really are pending.)
-    let big = TransportConfig { frag_size: 8 << 20, ..config() };
+    let big = config().with_frag_size(8 << 20);
     let (a, _b) = pair_with(big.clone(), big).await;
     let a = Arc::try_unwrap(a).unwrap();
     let src = RdmaMemory::alloc(64 << 20).unwrap();
@@ -313,4 +313,152 @@ pub async fn dropping_the_transport_aborts_pending() {
     let c = RdmaTransport::new(config()).unwrap();
     let e = c.write(src.view(0, 8).unwrap(), &rb, false).await.unwrap_err();
     assert!(matches!(e, TransportError::InvalidArgument { .. }), "{e}");
+}
+
+/// Every spelling of a 16-byte token that a formatter or encoder might put
+/// in a message: Debug, JSON, hex, base64.
+fn token_spellings(tok: &[u8]) -> Vec<String> {
+    use base64::Engine;
+    let dec: Vec<String> = tok.iter().map(|b| b.to_string()).collect();
+    let hex: String = tok.iter().map(|b| format!("{b:02x}")).collect();
+    vec![
+        dec.join(", "),
+        dec.join(","),
+        hex.clone(),
+        hex.to_uppercase(),
+        base64::engine::general_purpose::STANDARD_NO_PAD.encode(tok),
+        base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(tok),
+    ]
+}
+
+/// The URL's payload as JSON, and the tokens of its QPs.
+fn url_tokens(url: &str) -> (String, Vec<Vec<u8>>) {
+    use base64::Engine;
+    let (_, payload) = url.rsplit_once('/').unwrap();
+    let json: serde_json::Value =
+        serde_json::from_slice(&base64::engine::general_purpose::URL_SAFE_NO_PAD.decode(payload).unwrap()).unwrap();
+    let mut qps: Vec<&serde_json::Value> = json["ep"]["data"].as_array().unwrap().iter().collect();
+    qps.extend(json["ep"]["notify"].as_object().map(|_| &json["ep"]["notify"]));
+    let toks = qps
+        .iter()
+        .map(|qp| qp["soft"]["token"].as_array().unwrap().iter().map(|b| b.as_u64().unwrap() as u8).collect())
+        .collect();
+    (payload.to_owned(), toks)
+}
+
+fn assert_no_secret(what: &str, text: &str, url: &str) {
+    let (payload, toks) = url_tokens(url);
+    assert!(!toks.is_empty());
+    assert!(!text.contains(&payload[..24.min(payload.len())]), "{what} echoes the URL: {text}");
+    for t in &toks {
+        for s in token_spellings(t) {
+            assert!(!text.contains(&s), "{what} shows a token as {s:?}: {text}");
+        }
+    }
+}
+
+/// Tokens never reach `Debug` output or error messages: not the
+/// transport's, not an endpoint's, not a refused connect's.
+pub async fn tokens_never_show_in_debug_or_errors() {
+    let cfg = config().with_qps(2);
+    let a = RdmaTransport::new(cfg.clone()).unwrap();
+    let b = RdmaTransport::new(cfg).unwrap();
+    let ub = b.bind().unwrap();
+    // The endpoint inside the URL, printed as a log line would print it.
+    use base64::Engine;
+    let (prefix, payload) = ub.rsplit_once('/').unwrap();
+    let eng = base64::engine::general_purpose::URL_SAFE_NO_PAD;
+    let mut json: serde_json::Value = serde_json::from_slice(&eng.decode(payload).unwrap()).unwrap();
+    let ep: ibverbx::VirtualQpEndpoint = serde_json::from_value(json["ep"].clone()).unwrap();
+    assert_no_secret("an endpoint's Debug", &format!("{ep:?}"), &ub);
+    assert_no_secret("an endpoint's Debug", &format!("{ep:#?}"), &ub);
+    assert_no_secret("redact_url", &rmacomm_transport::redact_url(&ub), &ub);
+    assert_eq!(rmacomm_transport::redact_url(&ub), "rmacomm://soft/<redacted>");
+    // A connect with a wrong token: neither the URL sent nor the real one.
+    let tok = &mut json["ep"]["data"][0]["soft"]["token"][0];
+    *tok = serde_json::json!((tok.as_u64().unwrap() + 1) % 256);
+    let bad = format!("{prefix}/{}", eng.encode(serde_json::to_vec(&json).unwrap()));
+    let e = a.connect(&bad).await.unwrap_err();
+    assert!(matches!(e, TransportError::Broken(_)), "{e}");
+    for text in [e.to_string(), format!("{e:?}")] {
+        assert!(text.contains("QP 0x"), "the error should say which peer: {text}");
+        assert_no_secret("a refused connect", &text, &ub);
+        assert_no_secret("a refused connect", &text, &bad);
+    }
+    assert_no_secret("a transport's Debug", &format!("{a:?} {b:?}"), &ub);
+    // Another provider's URL: an argument error, which does not echo it.
+    let c = RdmaTransport::new(config()).unwrap();
+    let foreign = ub.replacen("rmacomm://soft/", "rmacomm://verbs/", 1);
+    let e = c.connect(&foreign).await.unwrap_err();
+    assert!(matches!(e, TransportError::InvalidArgument { .. }), "{e}");
+    assert_no_secret("a refused connect", &e.to_string(), &ub);
+}
+
+/// Two racing `connect` calls on one transport: exactly one goes ahead, the
+/// other fails at once with an argument error; later ones fail the same
+/// way, and the connection works.
+pub async fn concurrent_connects_one_wins() {
+    let a = RdmaTransport::new(config()).unwrap();
+    let b = RdmaTransport::new(config()).unwrap();
+    let (ua, ub) = (a.bind().unwrap(), b.bind().unwrap());
+    let (r1, r2, rb) = tokio::join!(a.connect(&ub), a.connect(&ub), b.connect(&ua));
+    rb.unwrap();
+    let lost = match (r1, r2) {
+        (Ok(()), Err(e)) | (Err(e), Ok(())) => e,
+        (r1, r2) => panic!("exactly one connect must succeed: {r1:?}, {r2:?}"),
+    };
+    match &lost {
+        TransportError::InvalidArgument { op: "connect", reason } => {
+            assert!(reason.contains("already in progress") || reason.contains("already connected"), "{reason}")
+        }
+        other => panic!("the losing connect should be an argument error: {other}"),
+    }
+    assert!(a.connected() && b.connected());
+    // Once connected, another connect (to any URL) is refused at once.
+    let t = Instant::now();
+    let e = a.connect(&ub).await.unwrap_err();
+    assert!(
+        matches!(&e, TransportError::InvalidArgument { reason, .. } if reason.contains("already connected")),
+        "{e}"
+    );
+    assert!(t.elapsed() < Duration::from_secs(1));
+    assert!(a.connected(), "a refused connect must not break the transport");
+    // And the connection works both ways.
+    let (ma, mb) = (RdmaMemory::alloc(4096).unwrap(), RdmaMemory::alloc(4096).unwrap());
+    ma.write_from(0, b"one connection").unwrap();
+    a.write(ma.view(0, 14).unwrap(), &mb.remote_buffer(), true).await.unwrap();
+    b.wait_for_write().await.unwrap();
+    assert_eq!(contents(&mb, 0, 14), b"one connection");
+    b.read(mb.view_mut(100, 14).unwrap(), &ma.remote_buffer()).await.unwrap();
+    assert_eq!(contents(&mb, 100, 14), b"one connection");
+}
+
+/// A connect that fails before reaching the peer can be retried; one that
+/// reached it cannot, and says to make a new transport.
+pub async fn a_connect_may_be_retried_only_if_it_never_reached_the_peer() {
+    let a = RdmaTransport::new(config()).unwrap();
+    let b = RdmaTransport::new(config()).unwrap();
+    let (ua, ub) = (a.bind().unwrap(), b.bind().unwrap());
+    assert!(matches!(a.connect("not a url").await, Err(TransportError::InvalidArgument { .. })));
+    let (ra, rb) = tokio::join!(a.connect(&ub), b.connect(&ua));
+    ra.unwrap();
+    rb.unwrap();
+    // A connect polled once (it reaches the peer and waits for its answer)
+    // and then dropped, as a caller's own timeout would.
+    let c = RdmaTransport::new(config()).unwrap();
+    let d = RdmaTransport::new(config()).unwrap();
+    let ud = d.bind().unwrap();
+    use std::future::Future as _;
+    let mut pending = Box::pin(c.connect(&ud));
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    let first = pending.as_mut().poll(&mut cx);
+    drop(pending);
+    if first.is_pending() {
+        let e = c.connect(&ud).await.unwrap_err();
+        assert!(
+            matches!(&e, TransportError::InvalidArgument { reason, .. } if reason.contains("create a new transport")),
+            "{e}"
+        );
+        assert!(!c.connected());
+    }
 }
