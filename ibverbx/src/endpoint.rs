@@ -43,7 +43,9 @@ pub struct HostId {
 pub struct SoftAddress {
     /// Host identity, to choose between the shared-memory and TCP links.
     pub host: HostId,
-    /// Process id of the owning process.
+    /// Process id of the owning process, for diagnostics only: a peer uses
+    /// the pid the kernel reports for the socket it connected to
+    /// (`SO_PEERCRED`), never this claim.
     pub pid: u32,
     /// Unique id of the owning context.
     pub ctx_uid: u64,
@@ -51,7 +53,9 @@ pub struct SoftAddress {
     pub tcp: Vec<SocketAddr>,
     /// Abstract unix-socket name of the context's same-host listener.
     pub unix: String,
-    /// File descriptor (in `pid`) of the context's shared key table.
+    /// Unused since peers obtain descriptors by `SCM_RIGHTS` over the
+    /// context's attach socket (always -1; kept so that the serialised form
+    /// stays the same). A value here is never acted on.
     pub keytable_fd: i32,
     /// Unique id of the key table segment (checked against the fd's name).
     pub keytable_uid: u64,
@@ -59,7 +63,7 @@ pub struct SoftAddress {
     pub pd: u32,
     /// Connection token: a connection must present it to reach this QP.
     pub token: [u8; 16],
-    /// File descriptor (in `pid`) of the context's doorbell table; -1: none.
+    /// Unused, as `keytable_fd` (always -1).
     #[serde(default = "no_fd")]
     pub doorbell_fd: i32,
     /// Unique id of the doorbell table segment.
