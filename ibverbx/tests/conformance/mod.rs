@@ -351,7 +351,10 @@ pub fn inline_sources_checked(dev: &Device) {
     let stack = secret.as_ptr() as u64;
     refused(&[inline(1, op, &[Sge { addr: stack, length: 16, lkey: 0xdead_beef }])], "stack variable, bogus lkey");
     refused(&[inline(2, op, &[Sge { addr: 0x1000, length: 16, lkey: 0x1234_5678 }])], "unmapped address, bogus lkey");
-    refused(&[inline(3, op, &[Sge { addr: stack, length: 16, lkey: src.lkey() }])], "valid lkey, address outside its MR");
+    refused(
+        &[inline(3, op, &[Sge { addr: stack, length: 16, lkey: src.lkey() }])],
+        "valid lkey, address outside its MR",
+    );
     refused(&[inline(4, op, &[Sge { addr: src.addr() + 60, length: 8, lkey: src.lkey() }])], "runs past the MR's end");
     refused(&[inline(6, op, &[foreign.sge(0, 8).unwrap()])], "MR of another PD");
     let good = [src.sge(0, 8).unwrap()];
