@@ -250,6 +250,8 @@ impl MemoryRegion {
     /// # Safety
     /// No peer may write the region (and no local WR scatter into it) while
     /// the slice lives.
+    // The slice is what the caller asked for, under that contract.
+    #[allow(clippy::disallowed_methods)]
     pub unsafe fn as_slice(&self) -> &[u8] {
         // SAFETY: live registration of len bytes; exclusivity is the caller's.
         unsafe { std::slice::from_raw_parts(self.as_ptr(), self.len()) }
@@ -260,7 +262,8 @@ impl MemoryRegion {
     /// # Safety
     /// No peer may access the region, and no other reference to it may exist,
     /// while the slice lives.
-    #[allow(clippy::mut_from_ref)]
+    // The slice is what the caller asked for, under that contract.
+    #[allow(clippy::mut_from_ref, clippy::disallowed_methods)]
     pub unsafe fn as_mut_slice(&self) -> &mut [u8] {
         // SAFETY: as above.
         unsafe { std::slice::from_raw_parts_mut(self.as_ptr(), self.len()) }
