@@ -12,14 +12,47 @@ use crate::{Error, ProtectionDomain, Result};
 
 /// Memory that a [`MemoryRegion`] can own: its bytes stay put while the
 /// value lives (heap or mapped memory, never inline).
-pub trait OwnedBuffer: Send + Sync + 'static {
+///
+/// # Safety
+/// [`MemoryRegion::register`] hands `buf_ptr()..buf_ptr() + buf_len()` to
+/// the provider, which reads and writes it (and lets peers holding the rkey
+/// do so) until the region and every WR naming it are gone. An implementor
+/// promises that:
+/// - the pointer returned by `buf_ptr` is valid for reads and writes of
+///   `buf_len()` bytes, and both values are the same on every call;
+/// - the bytes stay allocated and at the same address for as long as the
+///   value lives, also when the value itself is moved (the region keeps it
+///   behind an `Arc`), and are freed no earlier than its drop;
+/// - nothing else owns, frees or reallocates them while the value lives,
+///   and no safe code can reach them through a Rust reference while they
+///   are registered: the type hands out no shared or mutable slices of
+///   them through `&self` methods, interior mutability or shared ownership
+///   (so `bytes::Bytes` or `Arc<[u8]>`, whose clones alias the bytes, must
+///   not implement it).
+///
+/// ```compile_fail,E0200
+/// // A safe impl could expose any memory: the trait refuses it.
+/// struct Anywhere;
+/// impl ibverbx::OwnedBuffer for Anywhere {
+///     fn buf_ptr(&mut self) -> *mut u8 {
+///         0x1000 as *mut u8
+///     }
+///     fn buf_len(&self) -> usize {
+///         4096
+///     }
+/// }
+/// ```
+pub unsafe trait OwnedBuffer: Send + Sync + 'static {
     /// Start of the bytes.
     fn buf_ptr(&mut self) -> *mut u8;
     /// Number of bytes.
     fn buf_len(&self) -> usize;
 }
 
-impl OwnedBuffer for Vec<u8> {
+// SAFETY: the heap block of a Vec does not move when the Vec does, and the
+// Vec is the only owner; `register` takes it by value, so nobody can grow
+// it (which would reallocate) while it is registered.
+unsafe impl OwnedBuffer for Vec<u8> {
     fn buf_ptr(&mut self) -> *mut u8 {
         self.as_mut_ptr()
     }
@@ -28,7 +61,8 @@ impl OwnedBuffer for Vec<u8> {
     }
 }
 
-impl OwnedBuffer for Box<[u8]> {
+// SAFETY: as for Vec<u8>: a uniquely owned heap block that moves with the box.
+unsafe impl OwnedBuffer for Box<[u8]> {
     fn buf_ptr(&mut self) -> *mut u8 {
         self.as_mut_ptr()
     }
@@ -37,7 +71,9 @@ impl OwnedBuffer for Box<[u8]> {
     }
 }
 
-impl OwnedBuffer for ShmBuffer {
+// SAFETY: a mapping owned by the buffer, unmapped only on its drop; its
+// slice accessors are unreachable once the region owns the value.
+unsafe impl OwnedBuffer for ShmBuffer {
     fn buf_ptr(&mut self) -> *mut u8 {
         self.as_ptr()
     }
@@ -46,7 +82,10 @@ impl OwnedBuffer for ShmBuffer {
     }
 }
 
-impl OwnedBuffer for bytes::BytesMut {
+// SAFETY: a BytesMut uniquely owns its view of the block (it cannot be
+// frozen or split once the region owns it) and the block does not move
+// with the handle.
+unsafe impl OwnedBuffer for bytes::BytesMut {
     fn buf_ptr(&mut self) -> *mut u8 {
         self.as_mut_ptr()
     }
@@ -92,8 +131,9 @@ impl MemoryRegion {
         let ptr = buf.buf_ptr();
         let len = buf.buf_len();
         let owner: Arc<dyn Any + Send + Sync> = Arc::new(buf);
-        // SAFETY: the bytes belong to `owner`, which the provider keeps alive
-        // for as long as the registration or any WR needs them.
+        // SAFETY: `OwnedBuffer`'s contract makes ptr..ptr+len valid, stable
+        // and unaliased while `owner` lives; the provider keeps `owner` alive
+        // for as long as the registration or any WR needs the bytes.
         let ops = unsafe { pd.inner.ops.reg_mr(ptr, len, access, Some(owner))? };
         Ok(MemoryRegion { ops, pd: pd.clone() })
     }
@@ -210,6 +250,8 @@ impl MemoryRegion {
     /// # Safety
     /// No peer may write the region (and no local WR scatter into it) while
     /// the slice lives.
+    // The slice is what the caller asked for, under that contract.
+    #[allow(clippy::disallowed_methods)]
     pub unsafe fn as_slice(&self) -> &[u8] {
         // SAFETY: live registration of len bytes; exclusivity is the caller's.
         unsafe { std::slice::from_raw_parts(self.as_ptr(), self.len()) }
@@ -220,7 +262,8 @@ impl MemoryRegion {
     /// # Safety
     /// No peer may access the region, and no other reference to it may exist,
     /// while the slice lives.
-    #[allow(clippy::mut_from_ref)]
+    // The slice is what the caller asked for, under that contract.
+    #[allow(clippy::mut_from_ref, clippy::disallowed_methods)]
     pub unsafe fn as_mut_slice(&self) -> &mut [u8] {
         // SAFETY: as above.
         unsafe { std::slice::from_raw_parts_mut(self.as_ptr(), self.len()) }

@@ -75,8 +75,9 @@ impl QueuePair {
     }
 
     /// Posts send WRs. Malformed WRs (too many SGEs, inline too long, an
-    /// atomic without one 8-byte SGE, a full send queue) fail the call and
-    /// post nothing; key, bounds and access errors come back as completions.
+    /// inline SGE outside the registered region its lkey names, an atomic
+    /// without one 8-byte SGE, a full send queue) fail the call and post
+    /// nothing; other key, bounds and access errors come back as completions.
     pub fn post_send(&self, wrs: &[SendWr<'_>]) -> Result<()> {
         self.ops.post_send(wrs)
     }

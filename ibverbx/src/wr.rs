@@ -105,7 +105,10 @@ pub struct SendFlags {
     /// produce one).
     pub signaled: bool,
     /// Copy the payload at post time: the buffer may be reused as soon as
-    /// `post_send` returns and needs no lkey. At most `max_inline_data` bytes.
+    /// `post_send` returns. At most `max_inline_data` bytes. Unlike raw
+    /// verbs, the SGEs still need a registered region of the QP's PD and its
+    /// lkey: the library reads them, so `post_send` checks them and refuses
+    /// an SGE outside its region.
     pub inline: bool,
     /// Wait for earlier RDMA READs and atomics to finish before starting.
     pub fence: bool,

@@ -23,6 +23,8 @@
 //! - `doorbell`: same-host WRITE_WITH_IMM notifications through shared
 //!   memory; `copy`: direct copies, streaming for long runs
 //! - `cq`, `mr`: completion queues and regions
+//! - `raw_io`: payloads between sockets and registered memory through raw
+//!   pointers (a region peers write is never a Rust slice)
 
 mod attach;
 mod config;
@@ -36,6 +38,7 @@ mod keytable;
 mod mr;
 mod peer;
 mod qp;
+mod raw_io;
 mod requester;
 mod responder;
 pub mod wire;

@@ -265,14 +265,11 @@ impl SoftQp {
         }
         let Some(fast) = self.fast.read().unwrap_or_else(|e| e.into_inner()).clone() else { return false };
         let local_need = wr.op.local_access();
-        // Local pieces: inline data is read where it is; keys are checked.
+        // Local pieces, inline ones included: their keys and bounds are
+        // checked (and the regions held) before anything reads them.
         let mut local: [(usize, usize); 16] = [(0, 0); 16];
         let mut _keep: [Option<Arc<super::mr::SoftMr>>; 16] = Default::default();
         for (i, s) in wr.sg_list.iter().enumerate() {
-            if wr.flags.inline {
-                local[i] = (s.addr as usize, s.length as usize);
-                continue;
-            }
             let Some(mr) = self.ctx.mr(s.lkey) else { return false };
             let Some(p) = mr.check(self.pd, s.addr, s.length as u64, local_need) else { return false };
             local[i] = (p as usize, s.length as usize);
@@ -389,7 +386,7 @@ impl SoftQp {
     }
 
     /// The local pieces of a WR about to be sent by the posting thread:
-    /// checked registrations (kept alive in `keep`) or inline data.
+    /// checked registrations (kept alive in `keep`), for inline WRs too.
     fn local_pieces(
         &self,
         wr: &SendWr<'_>,
@@ -397,8 +394,8 @@ impl SoftQp {
         keep: &mut [Option<Arc<super::mr::SoftMr>>; 16],
     ) -> bool {
         for (i, s) in wr.sg_list.iter().enumerate() {
-            if wr.flags.inline || s.length == 0 {
-                local[i] = (s.addr as usize, s.length as usize);
+            if s.length == 0 {
+                local[i] = (s.addr as usize, 0);
                 continue;
             }
             let Some(mr) = self.ctx.mr(s.lkey) else { return false };
@@ -653,6 +650,41 @@ impl SoftQp {
             .collect()
     }
 
+    /// Copies an inline WR's data. Its SGEs must lie in live regions of
+    /// this QP's PD named by their lkeys: inline data is read by the
+    /// library, so an unchecked address would let safe code read any memory.
+    fn copy_inline(&self, sges: &[crate::Sge], len: u64) -> Result<Vec<u8>> {
+        let mut data: Vec<u8> = Vec::with_capacity(len as usize);
+        for (i, s) in sges.iter().enumerate() {
+            if s.length == 0 {
+                continue;
+            }
+            let mr = self.ctx.mr(s.lkey);
+            let Some(p) = mr.as_ref().and_then(|mr| mr.check(self.pd, s.addr, s.length as u64, AccessFlags::empty()))
+            else {
+                return Err(Error::invalid(
+                    "post_send",
+                    format!(
+                        "inline SGE {i} ({:#x}+{} bytes, lkey {:#x}) is not inside a registered region of this \
+                         QP's PD with that lkey; inline data must come from registered memory",
+                        s.addr, s.length, s.lkey
+                    ),
+                ));
+            };
+            let n = s.length as usize;
+            let at = data.len();
+            // SAFETY: p..p+n was just checked against a live region held by
+            // `mr`; the destination has room (capacity is the sum of the
+            // SGE lengths). Copied through raw pointers: peers may write the
+            // region concurrently, so it is never borrowed as a slice.
+            unsafe {
+                std::ptr::copy_nonoverlapping(p, data.as_mut_ptr().add(at), n);
+                data.set_len(at + n);
+            }
+        }
+        Ok(data)
+    }
+
     fn check_send_wr(&self, wr: &SendWr<'_>) -> Result<u64> {
         if wr.sg_list.len() > self.caps.max_send_sge as usize {
             return Err(Error::invalid(
@@ -837,22 +869,22 @@ impl QpOps for SoftQp {
                 format!("send queue full: {before} outstanding, max_send_wr {}", self.caps.max_send_wr),
             ));
         }
+        // Every entry is built (inline data copied out of checked regions)
+        // before the first is queued, so that a bad inline SGE posts nothing.
+        let mut entries = Vec::with_capacity(wrs.len());
         for (wr, len) in wrs.iter().zip(lens) {
             let (segs, inline) = if wr.flags.inline {
-                let mut data = Vec::with_capacity(len as usize);
-                for s in wr.sg_list {
-                    // SAFETY: inline SGEs name caller memory that the caller
-                    // vouches for at post time (verbs' inline contract); it is
-                    // copied before post_send returns.
-                    data.extend_from_slice(unsafe {
-                        std::slice::from_raw_parts(s.addr as usize as *const u8, s.length as usize)
-                    });
+                match self.copy_inline(wr.sg_list, len) {
+                    Ok(data) => (Vec::new(), Some(data)),
+                    Err(e) => {
+                        self.sq_outstanding.fetch_sub(n, Ordering::AcqRel);
+                        return Err(e);
+                    }
                 }
-                (Vec::new(), Some(data))
             } else {
                 (self.resolve(wr.sg_list), None)
             };
-            let e = SqEntry {
+            entries.push(SqEntry {
                 wr_id: wr.wr_id,
                 op: wr.op,
                 segs,
@@ -860,7 +892,9 @@ impl QpOps for SoftQp {
                 signaled: wr.flags.signaled || self.sq_sig_all,
                 fence: wr.flags.fence,
                 len,
-            };
+            });
+        }
+        for e in entries {
             if let Err(mpsc::error::SendError(e)) = tx.send(e) {
                 // The engine is gone (context shutting down): flush.
                 self.sq_outstanding.fetch_sub(1, Ordering::AcqRel);

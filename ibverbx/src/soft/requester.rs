@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use rand::{Rng, SeedableRng};
 use std::os::fd::{AsRawFd, OwnedFd};
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use tokio::sync::{mpsc, Notify};
 
@@ -21,6 +21,7 @@ use super::config::SoftLink;
 use super::mr::LocalSeg;
 use super::peer::{Direct, PeerMap};
 use super::qp::{SoftQp, SqEntry};
+use super::raw_io::{recv_exact, send_all, HasSock, SockRead, SockWrite};
 use super::wire::{Frame, Hello, HelloStatus, Syndrome, HEADER_LEN, HELLO_LEN};
 use crate::endpoint::SoftAddress;
 use crate::qp_attr::{ack_timeout_duration, QpState, RtrAttr, RtsAttr};
@@ -28,8 +29,10 @@ use crate::wc::{WcOpcode, WcStatus, WorkCompletion};
 use crate::wr::{AtomicOp, SendOp};
 use crate::AccessFlags;
 
-type Reader = Box<dyn AsyncRead + Unpin + Send>;
-type Writer = Box<dyn AsyncWrite + Unpin + Send>;
+// Payloads move through the socket's descriptor (`raw_io`), headers
+// through AsyncRead/AsyncWrite.
+type Reader = Box<dyn SockRead>;
+type Writer = Box<dyn SockWrite>;
 
 /// What an in-flight stream request waits for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -755,11 +758,9 @@ impl FastNotify {
         let frame = with_psn(wr.frame, psn);
         let mut buf = Vec::with_capacity(HEADER_LEN + frame.payload_len());
         buf.extend_from_slice(&frame.encode());
-        for &(p, l) in wr.payload {
-            // SAFETY: p..p+l is a checked live local region (or the
-            // caller's inline buffer), read before this call returns.
-            buf.extend_from_slice(unsafe { std::slice::from_raw_parts(p as *const u8, l) });
-        }
+        // SAFETY: each piece is a checked live local region, read before
+        // this call returns.
+        unsafe { extend_raw(&mut buf, wr.payload) };
         // Queued before the bytes leave, so that the ACK finds it.
         sh.lock().inflight.push_back(Inflight {
             awaiting: Some((psn, Expect::Ack)),
@@ -1107,9 +1108,28 @@ fn with_psn(f: Frame, psn: u32) -> Frame {
     }
 }
 
+/// Appends the raw pieces `(addr, len)` to `buf`, copied through raw
+/// pointers: registered memory may be written by peers meanwhile, so it is
+/// never borrowed as a slice.
+///
+/// # Safety
+/// Every piece must be valid for reads.
+unsafe fn extend_raw(buf: &mut Vec<u8>, pieces: &[(usize, usize)]) {
+    for &(p, l) in pieces {
+        buf.reserve(l);
+        let at = buf.len();
+        // SAFETY: the source is valid for reads (the caller's contract) and
+        // the destination has room for l more bytes (reserved above).
+        unsafe {
+            std::ptr::copy_nonoverlapping(p as *const u8, buf.as_mut_ptr().add(at), l);
+            buf.set_len(at + l);
+        }
+    }
+}
+
 /// Writes a header and its payload, straight from registered memory.
-/// Small frames go out in one write.
-pub(crate) async fn send_frame<W: AsyncWrite + Unpin + ?Sized>(
+/// Small frames are staged and go out in one write.
+pub(crate) async fn send_frame<W: HasSock + ?Sized>(
     w: &mut W,
     f: &Frame,
     payload: &[(usize, usize)],
@@ -1119,18 +1139,14 @@ pub(crate) async fn send_frame<W: AsyncWrite + Unpin + ?Sized>(
     if total <= 4096 {
         let mut buf = Vec::with_capacity(HEADER_LEN + total);
         buf.extend_from_slice(&hdr);
-        for &(p, l) in payload {
-            // SAFETY: p..p+l is a checked, live registration (or inline copy).
-            buf.extend_from_slice(unsafe { std::slice::from_raw_parts(p as *const u8, l) });
-        }
-        return w.write_all(&buf).await;
+        // SAFETY: each piece is a checked, live registration (or inline copy).
+        unsafe { extend_raw(&mut buf, payload) };
+        // SAFETY: no raw pieces.
+        return unsafe { send_all(w, &buf, &[]).await };
     }
-    w.write_all(&hdr).await?;
-    for &(p, l) in payload {
-        // SAFETY: as above; the WR keeps the region alive until completion.
-        w.write_all(unsafe { std::slice::from_raw_parts(p as *const u8, l) }).await?;
-    }
-    Ok(())
+    // SAFETY: as above; the WR (or the responder's MR handle) keeps the
+    // regions alive until this returns.
+    unsafe { send_all(w, &hdr, payload).await }
 }
 
 /// Reads responses, completes the WRs they answer.
@@ -1192,8 +1208,7 @@ async fn read_responses(sh: Arc<Shared>, mut r: Reader, rnr_retry: u8) {
                         Err(st) => return sh.fail_link(st, "read destination became invalid"),
                     };
                     // SAFETY: p..p+len is a live, checked local registration.
-                    let dst = unsafe { std::slice::from_raw_parts_mut(p as *mut u8, s.len as usize) };
-                    if let Err(e) = r.read_exact(dst).await {
+                    if let Err(e) = unsafe { recv_exact(&mut *r, p, s.len as usize).await } {
                         return sh.fail_link(WcStatus::RetryExcErr, &format!("read response: {e}"));
                     }
                 }

@@ -3,8 +3,10 @@
 //!
 //! A request that fails a check is answered with a NAK and the connection is
 //! closed; a malformed frame closes the connection at once. Payloads are read
-//! from the socket straight into the registered memory.
+//! from the socket straight into the registered memory (through raw
+//! pointers, `raw_io`).
 
+use std::any::Any;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
@@ -13,6 +15,7 @@ use tokio::sync::watch;
 
 use super::mr::SoftMr;
 use super::qp::{RecvEntry, SoftQp};
+use super::raw_io::{recv_exact, HasSock};
 use super::requester::send_frame;
 use super::wire::{Frame, Hello, Syndrome, HEADER_LEN};
 use crate::qp_attr::QpState;
@@ -26,9 +29,28 @@ enum Outcome {
 
 /// Serves one connection until it closes, the QP leaves service, or a
 /// request fails.
-pub(crate) async fn run<S>(qp: Arc<SoftQp>, mut s: S, hello: Hello, peer: String)
+pub(crate) async fn run<S>(qp: Arc<SoftQp>, s: S, hello: Hello, peer: String)
 where
-    S: AsyncRead + AsyncWrite + Unpin + Send,
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    // The listeners (context.rs) hand the accepted socket over as a plain
+    // stream; payloads go through its descriptor (`raw_io`), so the two
+    // socket types they accept are recovered here. TODO: once `accept_conn`
+    // takes `S: HasSock`, pass it straight to `serve_conn`.
+    let s: Box<dyn Any + Send> = Box::new(s);
+    let s = match s.downcast::<tokio::net::TcpStream>() {
+        Ok(s) => return serve_conn(qp, *s, hello, peer).await,
+        Err(s) => s,
+    };
+    match s.downcast::<tokio::net::UnixStream>() {
+        Ok(s) => serve_conn(qp, *s, hello, peer).await,
+        Err(_) => tracing::error!("soft QP {:#x}: connection from {peer} is neither TCP nor unix; closing", qp.qpn),
+    }
+}
+
+async fn serve_conn<S>(qp: Arc<SoftQp>, mut s: S, hello: Hello, peer: String)
+where
+    S: AsyncRead + AsyncWrite + HasSock + Unpin + Send,
 {
     let mut state_rx = qp.state_tx.subscribe();
     let epoch = qp.epoch();
@@ -227,7 +249,7 @@ async fn serve<S>(
     state_rx: &mut watch::Receiver<QpState>,
 ) -> std::io::Result<Outcome>
 where
-    S: AsyncRead + AsyncWrite + Unpin + Send,
+    S: AsyncRead + AsyncWrite + HasSock + Unpin + Send,
 {
     match f {
         Frame::Write { psn, raddr, rkey, len, imm } => {
@@ -235,9 +257,9 @@ where
                 let Some((_mr, p)) = check(qp, rkey, raddr, len as u64, AccessFlags::REMOTE_WRITE) else {
                     return nak(qp, s, psn, Syndrome::RemoteAccess, "RDMA WRITE outside a writable region").await;
                 };
-                // SAFETY: p..p+len was checked against a live MR (held by _mr).
-                let dst = unsafe { std::slice::from_raw_parts_mut(p as *mut u8, len as usize) };
-                s.read_exact(dst).await?;
+                // SAFETY: p..p+len was checked against a live MR, held by
+                // _mr until the read is done.
+                unsafe { recv_exact(s, p, len as usize).await? };
             }
             if let Some(imm) = imm {
                 let Some(r) = take_recv(qp, s, psn, epoch, rnr_retry, state_rx).await? else {
@@ -284,8 +306,7 @@ where
             }
             for (p, n) in pieces {
                 // SAFETY: p..p+n lies in a checked local MR kept alive by `r`.
-                let dst = unsafe { std::slice::from_raw_parts_mut(p as *mut u8, n) };
-                s.read_exact(dst).await?;
+                unsafe { recv_exact(s, p, n).await? };
             }
             let opcode = WcOpcode::Recv;
             qp.push_recv_wc(recv_wc(qp, &r, WcStatus::Success, opcode, len, imm));

@@ -20,6 +20,9 @@ pub(crate) struct MrInner {
     pub(crate) lkey: u32,
     pub(crate) rkey: u32,
     access: AccessFlags,
+    /// `addr..addr+len` is memory of this process (not a DMA-BUF's IOVA),
+    /// so inline sends may read it.
+    host: bool,
     _owner: Option<Arc<dyn Any + Send + Sync>>,
 }
 
@@ -35,6 +38,7 @@ impl MrInner {
         mr: NonNull<ibv_mr>,
         access: AccessFlags,
         owner: Option<Arc<dyn Any + Send + Sync>>,
+        host: bool,
     ) -> Arc<MrInner> {
         // SAFETY: ibv_reg_mr returned this registration, fully initialised.
         let m = unsafe { mr.as_ref() };
@@ -46,8 +50,19 @@ impl MrInner {
             mr: Mutex::new(Some(mr)),
             pd,
             access,
+            host,
             _owner: owner,
         })
+    }
+
+    /// Whether an inline send may read `len` bytes at `addr`: inside this
+    /// registration of host memory, still registered.
+    pub(crate) fn covers(&self, addr: u64, len: u32) -> bool {
+        let end = addr.checked_add(len as u64);
+        self.host
+            && addr >= self.addr
+            && end.is_some_and(|e| e <= self.addr + self.len as u64)
+            && self.mr.lock().unwrap_or_else(|e| e.into_inner()).is_some()
     }
 
     fn deregister(self: &Arc<Self>) -> Result<()> {

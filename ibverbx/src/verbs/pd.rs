@@ -66,9 +66,10 @@ impl VerbsPd {
         verb: &'static str,
         access: AccessFlags,
         owner: Option<Arc<dyn Any + Send + Sync>>,
+        host: bool,
     ) -> Result<Arc<dyn MrOps>> {
         let mr = NonNull::new(mr).ok_or_else(|| Error::last_os(verb))?;
-        let inner = MrInner::new(self.shared.clone(), mr, access, owner);
+        let inner = MrInner::new(self.shared.clone(), mr, access, owner, host);
         self.shared.mrs.lock().unwrap_or_else(|e| e.into_inner()).insert(inner.lkey, Arc::downgrade(&inner));
         Ok(Arc::new(VerbsMr { inner }))
     }
@@ -101,7 +102,9 @@ impl VerbsPd {
         // SAFETY: the PD is live; the fd is a borrowed open descriptor; the
         // memory's lifetime is the caller's promise.
         let mr = unsafe { reg(self.shared.pd.as_ptr(), offset, len, iova, fd.as_raw_fd(), access.bits() as i32) };
-        self.finish_reg(mr, "reg_dmabuf_mr", access, None)
+        // Its addresses are an IOVA, not this process's memory: never a
+        // source of inline data.
+        self.finish_reg(mr, "reg_dmabuf_mr", access, None, false)
     }
 }
 
@@ -120,7 +123,7 @@ impl PdOps for VerbsPd {
         // deregistration is the caller's contract (`owner` keeps it).
         let mr =
             unsafe { (self.shared.ctx.lib.reg_mr)(self.shared.pd.as_ptr(), addr.cast(), len, access.bits() as i32) };
-        self.finish_reg(mr, "reg_mr", access, owner)
+        self.finish_reg(mr, "reg_mr", access, owner, true)
     }
 
     fn create_qp(

@@ -292,6 +292,29 @@ impl VerbsQp {
         self.rcq.release(r);
     }
 
+    /// The registrations an inline WR's SGEs lie in, or the error that
+    /// refuses the WR.
+    fn inline_sources(&self, sges: &[crate::wr::Sge]) -> Result<Vec<Arc<MrInner>>> {
+        let table = self.pd.mrs.lock().unwrap_or_else(|e| e.into_inner());
+        let mut keep = Vec::with_capacity(sges.len());
+        for (i, s) in sges.iter().enumerate().filter(|(_, s)| s.length > 0) {
+            match table.get(&s.lkey).and_then(|w| w.upgrade()) {
+                Some(mr) if mr.covers(s.addr, s.length) => keep.push(mr),
+                _ => {
+                    return Err(Error::invalid(
+                        "post_send",
+                        format!(
+                            "inline SGE {i} ({:#x}+{} bytes, lkey {:#x}) is not inside a registered host-memory \
+                             region of this QP's PD with that lkey; inline data must come from registered memory",
+                            s.addr, s.length, s.lkey
+                        ),
+                    ))
+                }
+            }
+        }
+        Ok(keep)
+    }
+
     fn keepalive(&self, sges: &[crate::wr::Sge]) -> Vec<Arc<MrInner>> {
         let table = self.pd.mrs.lock().unwrap_or_else(|e| e.into_inner());
         sges.iter().filter(|s| s.length > 0).filter_map(|s| table.get(&s.lkey).and_then(|w| w.upgrade())).collect()
@@ -410,6 +433,13 @@ impl QpOps for VerbsQp {
         for wr in wrs {
             check_send_wr(wr, &self.caps)?;
         }
+        // libibverbs copies inline data from the SGE addresses themselves:
+        // they must lie in a registration of this PD, held until the call
+        // returns.
+        let mut inline_keep = Vec::new();
+        for wr in wrs.iter().filter(|w| w.flags.inline) {
+            inline_keep.extend(self.inline_sources(wr.sg_list)?);
+        }
         let mut ring = self.rings.send.lock().unwrap_or_else(|e| e.into_inner());
         if ring.len() + wrs.len() > self.caps.max_send_wr as usize {
             return Err(Error::exhausted(
@@ -443,10 +473,11 @@ impl QpOps for VerbsQp {
         self.scq.reserve(counted);
         let mut bad: *mut ibv_send_wr = std::ptr::null_mut();
         // SAFETY: the QP is live; `base` is a valid chain whose SGE arrays
-        // live in `sges`; inline SGE addresses are the caller's (as for the
-        // seam's inline contract); the driver copies everything it needs
+        // live in `sges`; inline SGEs were checked against registrations
+        // held by `inline_keep`; the driver copies everything it needs
         // before returning.
         let r = unsafe { (self.post_send_fn)(self.qp.as_ptr(), base, &mut bad) };
+        drop(inline_keep);
         if r != 0 {
             // SAFETY: the driver sets `bad` to an element of `hw`.
             let posted = if bad.is_null() { 0 } else { unsafe { bad.offset_from(hw.as_ptr()) }.max(0) as usize };

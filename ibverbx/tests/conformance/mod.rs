@@ -305,29 +305,73 @@ pub fn scatter_gather(dev: &Device, mem: Mem) {
 pub fn inline_send(dev: &Device) {
     let p = Pair::new(dev);
     let dst = mr(&p.b.pd, Mem::Shm, 4096, AccessFlags::all_remote());
-    let mut buf = *b"inline payload!";
-    let s = [Sge { addr: buf.as_ptr() as u64, length: buf.len() as u32, lkey: 0 }];
+    let src = mr(&p.a.pd, Mem::Heap, 8192, AccessFlags::LOCAL_WRITE);
+    src.write(0, b"inline payload!").unwrap();
     p.a.qp
         .post_send(&[SendWr {
             wr_id: 1,
             op: SendOp::RdmaWrite { remote_addr: dst.addr(), rkey: dst.rkey() },
-            sg_list: &s,
+            sg_list: &[src.sge(0, 15).unwrap()],
             flags: SendFlags { signaled: true, inline: true, fence: false },
         }])
         .unwrap();
-    buf.fill(0);
+    src.write(0, &[0; 15]).unwrap();
     ok(wait1(&p.a.scq), 1, WcOpcode::RdmaWrite);
     assert_eq!(contents(&dst, 0, 15), b"inline payload!");
     // Too long for max_inline_data: refused at post time.
-    let big = vec![0u8; 5000];
-    let s = [Sge { addr: big.as_ptr() as u64, length: 5000, lkey: 0 }];
     let e = p.a.qp.post_send(&[SendWr {
         wr_id: 2,
         op: SendOp::RdmaWrite { remote_addr: dst.addr(), rkey: dst.rkey() },
-        sg_list: &s,
+        sg_list: &[src.sge(0, 5000).unwrap()],
         flags: SendFlags { signaled: true, inline: true, fence: false },
     }]);
     assert!(matches!(e, Err(Error::InvalidArgument { .. })), "{e:?}");
+}
+
+/// Inline SGEs are read by the library at post time, so each must lie in a
+/// registered region of the QP's PD named by its lkey: anything else is
+/// refused by post_send, posts nothing (not even the good WRs of the batch)
+/// and leaves the QP usable.
+pub fn inline_sources_checked(dev: &Device) {
+    let p = Pair::new(dev);
+    let dst = mr(&p.b.pd, Mem::Shm, 4096, AccessFlags::all_remote());
+    let src = mr(&p.a.pd, Mem::Heap, 64, AccessFlags::LOCAL_WRITE);
+    let other_pd = p.a.ctx.alloc_pd().unwrap();
+    let foreign = mr(&other_pd, Mem::Heap, 64, AccessFlags::LOCAL_WRITE);
+    let op = SendOp::RdmaWrite { remote_addr: dst.addr(), rkey: dst.rkey() };
+    // A fn, not a closure: each call borrows its own SGE list.
+    fn inline<'a>(wr_id: u64, op: SendOp, sg_list: &'a [Sge]) -> SendWr<'a> {
+        SendWr { wr_id, op, sg_list, flags: SendFlags { signaled: true, inline: true, fence: false } }
+    }
+    let refused = |wrs: &[SendWr<'_>], what: &str| {
+        let e = p.a.qp.post_send(wrs);
+        assert!(matches!(&e, Err(Error::InvalidArgument { verb: "post_send", .. })), "{what}: {e:?}");
+    };
+    let secret = *b"never registered";
+    let stack = secret.as_ptr() as u64;
+    refused(&[inline(1, op, &[Sge { addr: stack, length: 16, lkey: 0xdead_beef }])], "stack variable, bogus lkey");
+    refused(&[inline(2, op, &[Sge { addr: 0x1000, length: 16, lkey: 0x1234_5678 }])], "unmapped address, bogus lkey");
+    refused(
+        &[inline(3, op, &[Sge { addr: stack, length: 16, lkey: src.lkey() }])],
+        "valid lkey, address outside its MR",
+    );
+    refused(&[inline(4, op, &[Sge { addr: src.addr() + 60, length: 8, lkey: src.lkey() }])], "runs past the MR's end");
+    refused(&[inline(6, op, &[foreign.sge(0, 8).unwrap()])], "MR of another PD");
+    let good = [src.sge(0, 8).unwrap()];
+    let bad = [src.sge(0, 8).unwrap(), Sge { addr: stack, length: 8, lkey: src.lkey() }];
+    refused(&[inline(7, op, &good), inline(8, op, &bad)], "good WR then a WR with a bad second SGE");
+
+    // The QP still works, and none of the refused WRs was posted: the next
+    // WR's completion is the first and only one.
+    src.write(0, b"checked inline!!").unwrap();
+    p.a.qp.post_send(&[inline(9, op, &[src.sge(0, 16).unwrap()])]).unwrap();
+    src.write(0, &[0; 16]).unwrap();
+    ok(wait1(&p.a.scq), 9, WcOpcode::RdmaWrite);
+    assert_eq!(contents(&dst, 0, 16), b"checked inline!!");
+    std::thread::sleep(Duration::from_millis(50));
+    let mut more = [WorkCompletion::empty(); 4];
+    assert_eq!(p.a.scq.poll(&mut more).unwrap(), 0, "a refused WR was posted: {:?}", &more[..1]);
+    assert_eq!(p.a.qp.state(), QpState::Rts);
 }
 
 /// No receive posted: with a small RNR budget the sender gets
@@ -614,6 +658,10 @@ macro_rules! conformance_suite {
         #[test]
         fn inline_send() {
             conformance::inline_send(&$dev);
+        }
+        #[test]
+        fn inline_sources_checked() {
+            conformance::inline_sources_checked(&$dev);
         }
         #[test]
         fn rnr() {

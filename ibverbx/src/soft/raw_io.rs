@@ -1,0 +1,283 @@
+//! Socket I/O to and from raw memory: payloads move between a connection
+//! and registered regions without a Rust reference to the region.
+//!
+//! Peers (and the application, and other WRs) may read or write a
+//! registered region at any time, so a `&[u8]` or `&mut [u8]` over it would
+//! promise an immutability or exclusivity that does not hold. The payload
+//! bytes are moved by `recv`/`sendmsg` on the socket's descriptor instead: a
+//! system call writing memory creates no reference. Readiness comes from
+//! tokio (try the call, wait for readiness only after `WouldBlock`, which
+//! `try_io` clears). Headers still go through `AsyncRead`/`AsyncWrite` on
+//! the same sockets: neither buffers, so the two interleave.
+//!
+//! rustix and nix take `&mut [u8]`/`&[MaybeUninit<u8>]` for `recv` and
+//! `IoSlice`s (slices again) for `sendmsg`, so this module calls libc.
+
+use std::io;
+use std::os::fd::{AsRawFd, RawFd};
+use std::task::{ready, Context, Poll};
+
+use tokio::io::{AsyncRead, AsyncWrite, Interest};
+use tokio::net::{tcp, unix, TcpStream, UnixStream};
+
+/// Header plus one piece per SGE (at most 16).
+const MAX_IOV: usize = 17;
+
+/// The socket under a stream or one of its halves.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Sock<'a> {
+    Tcp(&'a TcpStream),
+    Unix(&'a UnixStream),
+}
+
+impl Sock<'_> {
+    fn poll_ready(&self, cx: &mut Context<'_>, interest: Interest) -> Poll<io::Result<()>> {
+        match (self, interest.is_readable()) {
+            (Sock::Tcp(s), true) => s.poll_read_ready(cx),
+            (Sock::Tcp(s), false) => s.poll_write_ready(cx),
+            (Sock::Unix(s), true) => s.poll_read_ready(cx),
+            (Sock::Unix(s), false) => s.poll_write_ready(cx),
+        }
+    }
+
+    /// Runs `op` on the descriptor until it does something other than
+    /// `WouldBlock`, waiting for `interest` in between.
+    fn poll_io<R>(
+        &self,
+        cx: &mut Context<'_>,
+        interest: Interest,
+        mut op: impl FnMut(RawFd) -> io::Result<R>,
+    ) -> Poll<io::Result<R>> {
+        loop {
+            ready!(self.poll_ready(cx, interest))?;
+            let r = match self {
+                Sock::Tcp(s) => s.try_io(interest, || op(s.as_raw_fd())),
+                Sock::Unix(s) => s.try_io(interest, || op(s.as_raw_fd())),
+            };
+            match r {
+                Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted) => continue,
+                r => return Poll::Ready(r),
+            }
+        }
+    }
+}
+
+/// A stream, or one half of it, whose socket the raw I/O can reach.
+pub(crate) trait HasSock {
+    fn sock(&self) -> Sock<'_>;
+}
+
+impl HasSock for TcpStream {
+    fn sock(&self) -> Sock<'_> {
+        Sock::Tcp(self)
+    }
+}
+
+impl HasSock for UnixStream {
+    fn sock(&self) -> Sock<'_> {
+        Sock::Unix(self)
+    }
+}
+
+impl HasSock for tcp::OwnedReadHalf {
+    fn sock(&self) -> Sock<'_> {
+        Sock::Tcp(self.as_ref())
+    }
+}
+
+impl HasSock for tcp::OwnedWriteHalf {
+    fn sock(&self) -> Sock<'_> {
+        Sock::Tcp(self.as_ref())
+    }
+}
+
+impl HasSock for unix::OwnedReadHalf {
+    fn sock(&self) -> Sock<'_> {
+        Sock::Unix(self.as_ref())
+    }
+}
+
+impl HasSock for unix::OwnedWriteHalf {
+    fn sock(&self) -> Sock<'_> {
+        Sock::Unix(self.as_ref())
+    }
+}
+
+impl<T: HasSock + ?Sized> HasSock for Box<T> {
+    fn sock(&self) -> Sock<'_> {
+        (**self).sock()
+    }
+}
+
+/// The reading half of a connection.
+pub(crate) trait SockRead: AsyncRead + HasSock + Unpin + Send {}
+impl<T: AsyncRead + HasSock + Unpin + Send> SockRead for T {}
+
+/// The writing half of a connection.
+pub(crate) trait SockWrite: AsyncWrite + HasSock + Unpin + Send {}
+impl<T: AsyncWrite + HasSock + Unpin + Send> SockWrite for T {}
+
+/// Reads exactly `len` bytes from the socket into `addr..addr+len`
+/// (zero-copy: straight from the socket buffer into that memory).
+///
+/// # Safety
+/// `addr..addr+len` must stay valid for writes until the returned future
+/// completes or is dropped. Others may access it concurrently (their reads
+/// then see torn data, as with a NIC), but nothing may hold a Rust
+/// reference to it.
+pub(crate) async unsafe fn recv_exact<R: HasSock + ?Sized>(r: &mut R, addr: usize, len: usize) -> io::Result<()> {
+    let mut done = 0;
+    // `move`: the closure owns `&mut R` (Send) rather than borrowing `&R`
+    // (which would need R: Sync).
+    std::future::poll_fn(move |cx| {
+        let sock = r.sock();
+        while done < len {
+            let n = ready!(sock.poll_io(cx, Interest::READABLE, |fd| {
+                // SAFETY: addr+done..addr+len is valid for writes (the
+                // caller's contract) and recv writes at most len-done bytes.
+                let n = unsafe { libc::recv(fd, (addr + done) as *mut libc::c_void, len - done, 0) };
+                if n < 0 {
+                    Err(io::Error::last_os_error())
+                } else {
+                    Ok(n as usize)
+                }
+            }))?;
+            if n == 0 {
+                return Poll::Ready(Err(io::ErrorKind::UnexpectedEof.into()));
+            }
+            done += n;
+        }
+        Poll::Ready(Ok(()))
+    })
+    .await
+}
+
+/// Writes `head`, then the raw pieces `(addr, len)` in order, all of them,
+/// with as few `sendmsg` calls as the socket allows.
+///
+/// # Safety
+/// Every piece must stay valid for reads until the returned future
+/// completes or is dropped (others may write it meanwhile: the peer then
+/// gets torn data, as from a NIC).
+pub(crate) async unsafe fn send_all<W: HasSock + ?Sized>(
+    w: &mut W,
+    head: &[u8],
+    pieces: &[(usize, usize)],
+) -> io::Result<()> {
+    let total = head.len() + pieces.iter().map(|p| p.1).sum::<usize>();
+    let mut sent = 0;
+    // `move`: as in `recv_exact`.
+    std::future::poll_fn(move |cx| {
+        let sock = w.sock();
+        while sent < total {
+            let n = ready!(sock.poll_io(cx, Interest::WRITABLE, |fd| {
+                let mut iov = [libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }; MAX_IOV];
+                let mut k = 0;
+                let mut skip = sent;
+                for (a, l) in std::iter::once((head.as_ptr() as usize, head.len())).chain(pieces.iter().copied()) {
+                    if skip >= l {
+                        skip -= l;
+                        continue;
+                    }
+                    if k == MAX_IOV {
+                        break;
+                    }
+                    iov[k] = libc::iovec { iov_base: (a + skip) as *mut libc::c_void, iov_len: l - skip };
+                    skip = 0;
+                    k += 1;
+                }
+                // SAFETY: all-zero is a valid msghdr (no name, no control).
+                let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+                msg.msg_iov = iov.as_mut_ptr();
+                msg.msg_iovlen = k as _;
+                // SAFETY: the iovecs cover the unsent rest of `head` (a live
+                // slice) and of the pieces (valid for reads: the caller's
+                // contract); MSG_NOSIGNAL: a closed peer is an error, not
+                // SIGPIPE.
+                let n = unsafe { libc::sendmsg(fd, &msg, libc::MSG_NOSIGNAL) };
+                if n < 0 {
+                    Err(io::Error::last_os_error())
+                } else {
+                    Ok(n as usize)
+                }
+            }))?;
+            if n == 0 {
+                return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
+            }
+            sent += n;
+        }
+        Poll::Ready(Ok(()))
+    })
+    .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Raw sends and receives interleave with AsyncRead/AsyncWrite on the
+    /// same sockets, over TCP and unix sockets, across partial transfers.
+    #[test]
+    fn raw_and_async_io_interleave() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        rt.block_on(async {
+            let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let (a, b) = tokio::join!(TcpStream::connect(l.local_addr().unwrap()), l.accept());
+            let (tcp_a, tcp_b) = (a.unwrap(), b.unwrap().0);
+            let (unix_a, unix_b) = UnixStream::pair().unwrap();
+            check(tcp_a, tcp_b).await;
+            let (ua, ub) = (unix_a.into_split(), unix_b.into_split());
+            check_halves(ua, ub).await;
+        });
+
+        async fn check(mut a: TcpStream, mut b: TcpStream) {
+            // Bigger than the socket buffers: both sides make progress in
+            // pieces.
+            let src: Vec<u8> = (0..8 << 20).map(|i| (i * 7 + i / 4096) as u8).collect();
+            let mut dst = vec![0u8; src.len()];
+            let pieces = [(src.as_ptr() as usize, 1000), (src.as_ptr() as usize + 1000, src.len() - 1000)];
+            let (p, n) = (dst.as_mut_ptr() as usize, dst.len());
+            let send = async {
+                // SAFETY: `src` outlives the future and nobody writes it.
+                unsafe { send_all(&mut a, b"head", &pieces).await }.unwrap();
+                a.write_all(b"tail").await.unwrap();
+            };
+            let recv = async {
+                let mut h = [0u8; 4];
+                b.read_exact(&mut h).await.unwrap();
+                assert_eq!(&h, b"head");
+                // SAFETY: `dst` outlives the future and is not borrowed
+                // until it completes.
+                unsafe { recv_exact(&mut b, p, n).await }.unwrap();
+                b.read_exact(&mut h).await.unwrap();
+                assert_eq!(&h, b"tail");
+            };
+            tokio::join!(send, recv);
+            assert!(dst == src);
+            drop(a);
+            let mut one = 0u8;
+            // SAFETY: `one` is a live local.
+            let e = unsafe { recv_exact(&mut b, &mut one as *mut u8 as usize, 1).await };
+            assert_eq!(e.unwrap_err().kind(), io::ErrorKind::UnexpectedEof);
+        }
+
+        async fn check_halves(
+            (_ra, mut wa): (unix::OwnedReadHalf, unix::OwnedWriteHalf),
+            (mut rb, _wb): (unix::OwnedReadHalf, unix::OwnedWriteHalf),
+        ) {
+            let src = vec![5u8; 300_000];
+            let mut dst = vec![0u8; src.len() + 2];
+            let (p, n) = (dst.as_mut_ptr() as usize, dst.len());
+            let send = async {
+                // SAFETY: as above.
+                unsafe { send_all(&mut wa, b"hi", &[(src.as_ptr() as usize, src.len()), (0, 0)]).await }.unwrap();
+            };
+            // SAFETY: as above.
+            let recv = async { unsafe { recv_exact(&mut rb, p, n).await }.unwrap() };
+            tokio::join!(send, recv);
+            assert_eq!(&dst[..2], b"hi");
+            assert!(dst[2..] == src[..]);
+        }
+    }
+}
