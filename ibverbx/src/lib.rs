@@ -82,11 +82,6 @@ mod pd;
 pub mod provider;
 mod qp;
 mod qp_attr;
-// ShmBuffer::as_slice/as_mut_slice borrow a buffer that its owner holds
-// exclusively (once registered, the region owns it and nobody can call
-// them). The allow sits here rather than on those two functions while
-// shm.rs is being rewritten elsewhere; move it onto them at the merge.
-#[allow(clippy::disallowed_methods)]
 mod shm;
 pub mod soft;
 pub mod verbs;

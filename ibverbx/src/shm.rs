@@ -182,12 +182,17 @@ impl ShmBuffer {
     }
 
     /// The buffer as a slice.
+    // The owner holds the buffer exclusively: once registered, the region
+    // owns it and nobody can call this.
+    #[allow(clippy::disallowed_methods)]
     pub fn as_slice(&self) -> &[u8] {
         // SAFETY: the mapping is len bytes, alive while self is.
         unsafe { std::slice::from_raw_parts(self.seg.ptr(), self.seg.len()) }
     }
 
     /// The buffer as a mutable slice.
+    // As for `as_slice`.
+    #[allow(clippy::disallowed_methods)]
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
         // SAFETY: as above, and &mut self gives exclusive access in this process.
         unsafe { std::slice::from_raw_parts_mut(self.seg.ptr(), self.seg.len()) }

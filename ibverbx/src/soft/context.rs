@@ -378,7 +378,7 @@ fn admit_handshake<S>(
     kind: &str,
 ) -> Option<Duration>
 where
-    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    S: AsyncRead + AsyncWrite + super::raw_io::HasSock + Unpin + Send + 'static,
 {
     let c = ctx.upgrade()?;
     let (s, peer) = match accepted {
@@ -407,7 +407,7 @@ where
 /// responder.
 async fn accept_conn<S>(ctx: Arc<CtxShared>, mut s: S, peer: String, id: u64, pending: Arc<Mutex<Handshakes>>)
 where
-    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    S: AsyncRead + AsyncWrite + super::raw_io::HasSock + Unpin + Send + 'static,
 {
     let mut buf = [0u8; HELLO_LEN];
     let r = tokio::time::timeout(HELLO_DEADLINE, s.read_exact(&mut buf)).await;

@@ -6,7 +6,6 @@
 //! from the socket straight into the registered memory (through raw
 //! pointers, `raw_io`).
 
-use std::any::Any;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
@@ -29,26 +28,7 @@ enum Outcome {
 
 /// Serves one connection until it closes, the QP leaves service, or a
 /// request fails.
-pub(crate) async fn run<S>(qp: Arc<SoftQp>, s: S, hello: Hello, peer: String)
-where
-    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
-{
-    // The listeners (context.rs) hand the accepted socket over as a plain
-    // stream; payloads go through its descriptor (`raw_io`), so the two
-    // socket types they accept are recovered here. TODO: once `accept_conn`
-    // takes `S: HasSock`, pass it straight to `serve_conn`.
-    let s: Box<dyn Any + Send> = Box::new(s);
-    let s = match s.downcast::<tokio::net::TcpStream>() {
-        Ok(s) => return serve_conn(qp, *s, hello, peer).await,
-        Err(s) => s,
-    };
-    match s.downcast::<tokio::net::UnixStream>() {
-        Ok(s) => serve_conn(qp, *s, hello, peer).await,
-        Err(_) => tracing::error!("soft QP {:#x}: connection from {peer} is neither TCP nor unix; closing", qp.qpn),
-    }
-}
-
-async fn serve_conn<S>(qp: Arc<SoftQp>, mut s: S, hello: Hello, peer: String)
+pub(crate) async fn run<S>(qp: Arc<SoftQp>, mut s: S, hello: Hello, peer: String)
 where
     S: AsyncRead + AsyncWrite + HasSock + Unpin + Send,
 {
