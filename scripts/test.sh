@@ -31,6 +31,14 @@ else
   echo "# skipped the rdma-sys/hwloc feature builds: libibverbs-dev, librdmacm-dev or libhwloc-dev is missing"
 fi
 
+# Lints: clippy with warnings as errors (the workspace's
+# undocumented_unsafe_blocks and the clippy.toml disallowed methods included).
+if cargo clippy --version >/dev/null 2>&1; then
+  cargo clippy --workspace --all-targets --release -- -D warnings
+else
+  echo "# skipped clippy: the toolchain has no clippy component (rustup component add clippy)"
+fi
+
 # Release build: the 64 MiB conformance cases and the multi-process tests run
 # against optimised code, as users run it.
 cargo nextest run --workspace --release --no-fail-fast

@@ -37,6 +37,8 @@ impl fmt::Debug for SoftMr {
 }
 
 impl SoftMr {
+    // A record's constructor: every argument is one of its fields.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         key: u32,
         pd: u32,
