@@ -72,6 +72,10 @@ pub struct SoftAddress {
     /// This QP's slot in it (0: none).
     #[serde(default)]
     pub doorbell_slot: u32,
+    /// Unique id of the context's deregistration fence table (checked
+    /// against the descriptor the attach socket passes).
+    #[serde(default)]
+    pub fence_uid: u64,
 }
 
 impl std::fmt::Debug for SoftAddress {
@@ -92,6 +96,7 @@ impl std::fmt::Debug for SoftAddress {
             doorbell_fd,
             doorbell_uid,
             doorbell_slot,
+            fence_uid,
         } = self;
         f.debug_struct("SoftAddress")
             .field("host", host)
@@ -106,6 +111,7 @@ impl std::fmt::Debug for SoftAddress {
             .field("doorbell_fd", doorbell_fd)
             .field("doorbell_uid", doorbell_uid)
             .field("doorbell_slot", doorbell_slot)
+            .field("fence_uid", fence_uid)
             .finish()
     }
 }

@@ -26,6 +26,7 @@ fn endpoint() -> QpEndpoint {
             doorbell_fd: -1,
             doorbell_uid: 0,
             doorbell_slot: 0,
+            fence_uid: 0x5151,
         }),
     }
 }

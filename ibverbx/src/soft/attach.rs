@@ -42,7 +42,7 @@ const REQ_MAGIC: [u8; 8] = *b"RMACATCH";
 const REPLY_MAGIC: [u8; 8] = *b"RMACATOK";
 const VERSION: u16 = 1;
 /// At most this many descriptors travel in one frame.
-const MAX_FDS: usize = 2;
+const MAX_FDS: usize = 3;
 /// A request and its reply must be done within this long.
 const DEADLINE: Duration = Duration::from_secs(5);
 /// Attach connections served at once; more are closed at once (a peer
@@ -52,8 +52,8 @@ const MAX_CONCURRENT: usize = 64;
 /// What a client asks for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Want {
-    /// The key table (read-only) and, when doorbells are on, the doorbell
-    /// table.
+    /// The key table (read-only), the deregistration fence table and,
+    /// when doorbells are on, the doorbell table.
     Tables,
     /// The shared segment with this unique id, which must back a region
     /// registered in the context.
@@ -343,7 +343,7 @@ async fn handle(ctx: &CtxShared, s: &tokio::net::UnixStream, pid: u32) {
                     return;
                 }
             };
-            let mut out = vec![kt.as_fd()];
+            let mut out = vec![kt.as_fd(), ctx.fences.borrow_fd()];
             if let Some(t) = &ctx.doorbells {
                 out.push(t.borrow_fd());
             }
@@ -474,9 +474,9 @@ mod tests {
 
     #[test]
     fn reply_validated() {
-        let ok = Reply { status: Status::Ok, nfds: 2 };
+        let ok = Reply { status: Status::Ok, nfds: 3 };
         assert_eq!(Reply::decode(&ok.encode()).unwrap(), ok);
-        assert!(Reply::decode(&Reply { status: Status::Ok, nfds: 3 }.encode()).is_err());
+        assert!(Reply::decode(&Reply { status: Status::Ok, nfds: 4 }.encode()).is_err());
         assert!(Reply::decode(&Reply { status: Status::Refused, nfds: 1 }.encode()).is_err());
     }
 

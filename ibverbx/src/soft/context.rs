@@ -39,6 +39,8 @@ pub(crate) struct CtxShared {
     pub(crate) tcp_addrs: Vec<SocketAddr>,
     pub(crate) unix_name: String,
     pub(crate) keytable: KeyTable,
+    /// Peers' copies in progress per key (see `fence.rs`).
+    pub(crate) fences: super::fence::FenceTable,
     /// Doorbell slots of this context's QPs (`None`: doorbells off).
     pub(crate) doorbells: Option<super::doorbell::DoorbellTable>,
     /// Doorbell records claimed here, and records of ours retracted to go
@@ -117,6 +119,7 @@ impl CtxShared {
             tcp_addrs,
             unix_name,
             keytable: KeyTable::new()?,
+            fences: super::fence::FenceTable::new()?,
             doorbells: if config.doorbell {
                 super::doorbell::DoorbellTable::new().map_err(|e| tracing::debug!("soft doorbells off: {e}")).ok()
             } else {
@@ -197,6 +200,9 @@ impl CtxShared {
 
     pub(crate) fn deregister(&self, key: u32) {
         self.keytable.revoke(key);
+        // No same-host peer is still copying after a check that passed
+        // before the revocation.
+        self.fences.wait_idle(key);
         self.mrs.write().unwrap_or_else(|e| e.into_inner()).remove(&key);
     }
 

@@ -32,6 +32,7 @@ mod context;
 mod copy;
 mod cq;
 mod doorbell;
+mod fence;
 mod host;
 mod ifname;
 mod keytable;

@@ -9,6 +9,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::attach::{self, Request, Status, Want};
+use super::fence::{FenceGuard, FenceView};
 use super::keytable::{KeyTableView, SlotData, TABLE_BYTES};
 use crate::endpoint::SoftAddress;
 use crate::{AccessFlags, Error, Result, WcStatus};
@@ -49,14 +50,23 @@ impl Drop for Mapping {
     }
 }
 
-/// Where a direct access goes.
+/// What a direct access holds until its copy is done: the mapping it
+/// copies into, and the peer's deregistration fence for the key.
+#[derive(Debug, Default)]
+pub(crate) struct Held {
+    _map: Option<Arc<Mapping>>,
+    _fence: Option<FenceGuard>,
+}
+
+/// Where a direct access goes. The copy must be done (synchronously)
+/// while the value lives: it holds the key's fence.
 #[derive(Debug)]
 pub(crate) enum Direct {
     /// An address (as an integer, so that futures holding it stay `Send`)
-    /// in a mapped segment, kept mapped by the Arc.
-    Ptr(usize, Arc<Mapping>),
+    /// in a mapped segment, kept mapped by what is held.
+    Ptr(usize, Held),
     /// An address in the peer process, reached by process_vm_*.
-    Vm(u64),
+    Vm(u64, Held),
     /// In the peer's segment with this unique id, not mapped here yet:
     /// [`PeerMap::map_segment`] first (the engine does; a posting thread
     /// takes its slow path).
@@ -84,6 +94,8 @@ pub(crate) struct PeerMap {
     vm: AtomicU8,
     /// The peer context's doorbell table, when it has one.
     doorbells: Option<Arc<Mapping>>,
+    /// The peer context's deregistration fences.
+    fence: FenceView,
 }
 
 impl PeerMap {
@@ -103,9 +115,17 @@ impl PeerMap {
         if ans.status != Status::Ok || ans.fds.is_empty() {
             return Err(Error::invalid("attach peer", format!("peer answered {:?}", ans.status)));
         }
+        if ans.fds.len() < 2 {
+            return Err(Error::invalid("attach peer", "the peer sent no fence table"));
+        }
         let mut fds = ans.fds.into_iter();
-        let kt = fds.next().expect("checked non-empty");
+        let kt = fds.next().expect("checked");
         let m = Mapping::map(&kt, remote.keytable_uid, TABLE_BYTES, false)?;
+        let f =
+            Arc::new(Mapping::map(&fds.next().expect("checked"), remote.fence_uid, super::fence::TABLE_BYTES, true)?);
+        // SAFETY: a writable mapping of at least TABLE_BYTES, page aligned,
+        // kept by the Arc handed over with it.
+        let fence = unsafe { FenceView::new(f.ptr, f.clone()) };
         let doorbells = match fds.next() {
             Some(fd) => Some(Arc::new(Mapping::map(&fd, remote.doorbell_uid, super::doorbell::TABLE_BYTES, true)?)),
             None => None,
@@ -121,6 +141,7 @@ impl PeerMap {
             segs: Mutex::new(HashMap::new()),
             vm: AtomicU8::new(VM_UNKNOWN),
             doorbells,
+            fence,
         })
     }
 
@@ -209,6 +230,9 @@ impl PeerMap {
         len: u64,
         need: AccessFlags,
     ) -> Result<Direct, WcStatus> {
+        // Entered before the key is checked, left when the caller's copy
+        // is done: the owner's deregistration waits for it.
+        let fence = self.fence.enter(rkey);
         let d: SlotData = self.table.lookup(rkey).ok_or(WcStatus::RemAccessErr)?;
         let access = AccessFlags::from_bits_truncate(d.access);
         let end = raddr.checked_add(len).ok_or(WcStatus::RemAccessErr)?;
@@ -227,12 +251,12 @@ impl PeerMap {
             }
             // SAFETY: off+len is within the mapping (checked above).
             let p = unsafe { m.ptr.add(off as usize) };
-            return Ok(Direct::Ptr(p as usize, m));
+            return Ok(Direct::Ptr(p as usize, Held { _map: Some(m), _fence: Some(fence) }));
         }
         if self.vm.load(Ordering::Relaxed) == VM_DENIED || need.contains(AccessFlags::REMOTE_ATOMIC) {
             return Ok(Direct::Staged);
         }
-        Ok(Direct::Vm(raddr))
+        Ok(Direct::Vm(raddr, Held { _map: None, _fence: Some(fence) }))
     }
 
     /// `process_vm_writev` (write) or `readv` (read) of the local pieces

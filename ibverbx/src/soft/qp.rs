@@ -762,6 +762,7 @@ impl QpOps for SoftQp {
                 doorbell_fd: -1,
                 doorbell_uid: ctx.doorbells.as_ref().map_or(0, |t| t.uid()),
                 doorbell_slot: self.db.as_ref().map_or(0, |d| d.index),
+                fence_uid: ctx.fences.uid(),
             }),
         })
     }

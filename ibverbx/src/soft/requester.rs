@@ -19,7 +19,7 @@ use tokio::sync::{mpsc, Notify};
 
 use super::config::SoftLink;
 use super::mr::LocalSeg;
-use super::peer::{Direct, PeerMap};
+use super::peer::{Direct, Held, PeerMap};
 use super::qp::{SoftQp, SqEntry};
 use super::raw_io::{recv_exact, send_all, HasSock, SockRead, SockWrite};
 use super::wire::{Frame, Hello, HelloStatus, Syndrome, HEADER_LEN, HELLO_LEN};
@@ -461,7 +461,7 @@ async fn place(
     let Some(p) = peer else { return Ok(Direct::Staged) };
     if len == 0 {
         // Zero bytes: nothing to place and, as in verbs, no key check.
-        return Ok(Direct::Vm(raddr));
+        return Ok(Direct::Vm(raddr, Held::default()));
     }
     let mut d = p.resolve(pd, rkey, raddr, len, need)?;
     if let Direct::Unmapped(uid) = d {
@@ -615,7 +615,7 @@ async fn execute(sh: &Arc<Shared>, link: &mut Option<Link>, e: SqEntry) {
                     gather_to(p, &local, sh.qp.stream.observe(remote_addr, len));
                     true
                 }
-                Ok(Direct::Vm(a)) => {
+                Ok(Direct::Vm(a, _held)) => {
                     let r = l.peer.as_ref().expect("vm implies a peer").vm_copy(true, &local, a, len as usize);
                     match r {
                         Ok(done) => done,
@@ -638,7 +638,7 @@ async fn execute(sh: &Arc<Shared>, link: &mut Option<Link>, e: SqEntry) {
                 scatter_from(p, &local, sh.qp.stream.observe(remote_addr, len));
                 return finish(sh, inf, WcStatus::Success).await;
             }
-            Ok(Direct::Vm(a)) => {
+            Ok(Direct::Vm(a, _held)) => {
                 match l.peer.as_ref().expect("vm implies a peer").vm_copy(false, &local, a, len as usize) {
                     Ok(true) => return finish(sh, inf, WcStatus::Success).await,
                     Ok(false) => Frame::ReadReq { psn: 0, raddr: remote_addr, rkey, len: len as u32 },
