@@ -22,7 +22,7 @@
 //! each record delivered exactly once.
 
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -39,52 +39,9 @@ pub(crate) const TABLE_BYTES: usize = SLOTS as usize * SLOT_BYTES;
 /// (longer in unit tests, so that they see which path a record took).
 pub(crate) const STALE: Duration = if cfg!(test) { Duration::from_millis(300) } else { Duration::from_millis(2) };
 
-/// Low two bits of [`Slot::state`]; the rest is the record's sequence
-/// (from 1: the word 0 is a slot never used).
-pub(crate) const POSTED: u64 = 1;
-pub(crate) const CLAIMED: u64 = 2;
-pub(crate) const RETRACTED: u64 = 3;
-
-/// One QP's doorbell. Written by two processes: atomics only.
-#[repr(C)]
-#[derive(Debug)]
-pub(crate) struct Slot {
-    // First cache line: what a polling receiver reads on every poll.
-    /// `seq << 2 | POSTED/CLAIMED/RETRACTED` (0: never used).
-    pub(crate) state: AtomicU64,
-    /// Receives the owner has posted (a requester posts only when one is
-    /// there, so that a record never waits for a receive).
-    pub(crate) rq_len: AtomicU32,
-    /// 1 while the owner accepts records (QP in RTR or RTS).
-    pub(crate) open: AtomicU32,
-    /// The owner's receive CQ is armed: ring its event fd after publishing.
-    pub(crate) rx_armed: AtomicU32,
-    /// The requester's send CQ is armed: ring its event fd after claiming.
-    pub(crate) tx_armed: AtomicU32,
-    _pad: [AtomicU32; 10],
-    // Second cache line: the record and the rarely changing rest.
-    /// Held by the requester writing a record (a requester of an earlier
-    /// connection to the same QP may still try), so that the fields of two
-    /// records never mix; apart from the line `state` is on, so that taking
-    /// it does not disturb a polling receiver.
-    pub(crate) wlock: AtomicU32,
-    /// The record: immediate and byte count (written before `state`).
-    pub(crate) imm: AtomicU32,
-    pub(crate) len: AtomicU32,
-    /// The owner QP's life (bumped at every reset); a record is claimed
-    /// only in the life it was written for (`rec_gen`).
-    pub(crate) rec_gen: AtomicU32,
-    pub(crate) gen: AtomicU32,
-    /// The owner cannot ring the requester (it was not given the
-    /// requester's send CQ event fd): the requester stops using the slot.
-    pub(crate) no_tx_wake: AtomicU32,
-    _reserved: [AtomicU32; 3],
-    /// Unique ids of the owner's receive CQ and the requester's send CQ:
-    /// event-fd duplicates are shared per CQ, and a new CQ behind a reused
-    /// descriptor number never gets an old duplicate.
-    pub(crate) rx_cq: AtomicU64,
-    pub(crate) tx_cq: AtomicU64,
-}
+#[cfg(test)]
+use super::doorbell_proto::word;
+pub(crate) use super::doorbell_proto::{is_free, Slot, POSTED};
 
 const _: () = assert!(std::mem::size_of::<Slot>() <= SLOT_BYTES);
 const _: () = assert!(std::mem::offset_of!(Slot, wlock) == 64);
@@ -198,17 +155,6 @@ pub(crate) fn ring(fd: &OwnedFd) {
     let one: u64 = 1;
     // SAFETY: writing 8 bytes from a valid u64 to an event fd.
     unsafe { libc::write(fd.as_raw_fd(), (&one as *const u64).cast(), 8) };
-}
-
-/// Whether a requester may take the slot for a new record: never used, or
-/// its last record claimed or retracted.
-pub(crate) fn is_free(state: u64) -> bool {
-    state == 0 || state & 3 == CLAIMED || state & 3 == RETRACTED
-}
-
-/// The state word of record `seq` in state `st`.
-pub(crate) fn word(seq: u64, st: u64) -> u64 {
-    (seq << 2) | st
 }
 
 #[cfg(test)]

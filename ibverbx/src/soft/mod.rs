@@ -26,12 +26,17 @@
 //! - `raw_io`: payloads between sockets and registered memory through raw
 //!   pointers (a region peers write is never a Rust slice)
 
+/// The atomics the doorbell protocol uses (loom's, in its model tests).
+mod atomics {
+    pub(crate) use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
+}
 mod attach;
 mod config;
 mod context;
 mod copy;
 mod cq;
 mod doorbell;
+mod doorbell_proto;
 mod fence;
 mod host;
 mod ifname;

@@ -435,19 +435,8 @@ impl SoftQp {
     /// is reset for another connection): its requester then fails that WR
     /// instead of a later life of this QP claiming it.
     fn db_open(&self, open: bool) {
-        use super::doorbell::{POSTED, RETRACTED};
         if let Some(db) = &self.db {
-            let slot = db.slot.get();
-            slot.open.store(u32::from(open), Ordering::SeqCst);
-            if !open {
-                // Paired with the requester's check of `open` after it
-                // publishes: one of the two voids a record caught between.
-                std::sync::atomic::fence(Ordering::SeqCst);
-                let s = slot.state.load(Ordering::SeqCst);
-                if s & 3 == POSTED {
-                    let _ = slot.state.compare_exchange(s, s - POSTED + RETRACTED, Ordering::AcqRel, Ordering::Acquire);
-                }
-            }
+            super::doorbell_proto::set_open(db.slot.get(), open);
         }
     }
 
@@ -463,34 +452,18 @@ impl SoftQp {
     /// the requester if it sleeps. Called by this QP's receive-CQ polls
     /// and by its responder before it takes a receive for a later request.
     pub(crate) fn db_claim(&self) {
-        use super::doorbell::{CLAIMED, POSTED};
+        use super::doorbell_proto::{claim, ring_tx, Claim};
         let Some(db) = &self.db else { return };
         let slot = db.slot.get();
-        let s = slot.state.load(Ordering::Acquire);
-        if s & 3 != POSTED || !matches!(self.state(), QpState::Rtr | QpState::Rts) {
+        if slot.state.load(Ordering::Acquire) & 3 != super::doorbell::POSTED {
             return;
         }
-        let (imm, len) = (slot.imm.load(Ordering::Relaxed), slot.len.load(Ordering::Relaxed));
-        if slot.rec_gen.load(Ordering::Relaxed) != slot.gen.load(Ordering::Acquire) {
-            // Written for an earlier life of this QP: void it (its
-            // requester fails that WR).
-            let _ = slot.state.compare_exchange(
-                s,
-                s - POSTED + super::doorbell::RETRACTED,
-                Ordering::AcqRel,
-                Ordering::Acquire,
-            );
-            return;
-        }
-        let mut rq = self.rq.lock().unwrap_or_else(|e| e.into_inner());
-        if rq.is_empty() {
-            return;
-        }
-        // The record read above is the one claimed only if the word is
-        // unchanged (a retracted-and-reposted slot fails here).
-        if slot.state.compare_exchange(s, s - POSTED + CLAIMED, Ordering::AcqRel, Ordering::Acquire).is_err() {
-            return;
-        }
+        let in_service = matches!(self.state(), QpState::Rtr | QpState::Rts);
+        let take_rq = || {
+            let rq = self.rq.lock().unwrap_or_else(|e| e.into_inner());
+            (!rq.is_empty()).then_some(rq)
+        };
+        let Claim::Claimed { imm, len, guard: mut rq } = claim(slot, in_service, take_rq) else { return };
         let r = rq.pop_front().expect("checked non-empty");
         self.db_note_rq(rq.len());
         self.ctx.db_claimed.fetch_add(1, Ordering::Relaxed);
@@ -505,8 +478,7 @@ impl SoftQp {
             vendor_err: 0,
         });
         drop(rq);
-        std::sync::atomic::fence(Ordering::SeqCst);
-        if slot.tx_armed.load(Ordering::Relaxed) != 0 && slot.tx_armed.swap(0, Ordering::AcqRel) != 0 {
+        if ring_tx(slot) {
             db.wake_tx(&self.ctx);
         }
     }
@@ -515,8 +487,7 @@ impl SoftQp {
     /// next record (the caller polls once more after arming).
     pub(crate) fn db_arm_rx(&self) {
         if let Some(db) = &self.db {
-            db.slot.get().rx_armed.store(1, Ordering::SeqCst);
-            std::sync::atomic::fence(Ordering::SeqCst);
+            super::doorbell_proto::arm_rx(db.slot.get());
         }
     }
 
@@ -811,7 +782,7 @@ impl QpOps for SoftQp {
                 self.set_fast(None);
                 self.db_open(false);
                 if let Some(db) = &self.db {
-                    db.slot.get().gen.fetch_add(1, Ordering::AcqRel);
+                    super::doorbell_proto::new_life(db.slot.get());
                 }
                 self.state_tx.send_replace(QpState::Reset);
                 self.rq.lock().unwrap_or_else(|e| e.into_inner()).clear();

@@ -117,8 +117,6 @@ pub(crate) struct TxDoorbell {
     slot: super::doorbell::SlotRef,
     /// The peer's receive CQ event fd (duplicated).
     rx_waker: Arc<OwnedFd>,
-    /// Sequence of the last record posted.
-    seq: AtomicU64,
     /// The peer QP's life this doorbell was opened in (its records carry it).
     gen: u32,
 }
@@ -198,17 +196,16 @@ impl Shared {
 
     /// Completes doorbell WRs whose record the peer has claimed.
     fn check_db(&self) {
-        use super::doorbell::{word, CLAIMED};
         if self.qp.db_tx_pending.load(Ordering::Acquire) == 0 {
             return;
         }
         let Some(db) = self.db.get() else { return };
-        let cur = db.slot.get().state.load(Ordering::Acquire);
+        let slot = db.slot.get();
         let mut q = self.lock();
         let mut done = false;
         for f in q.inflight.iter_mut().filter(|f| f.status.is_none()) {
             if let Some((k, _)) = f.db {
-                if cur == word(k, CLAIMED) {
+                if super::doorbell_proto::claimed(slot, k) {
                     f.db = None;
                     f.status = Some(WcStatus::Success);
                     self.qp.db_tx_pending.fetch_sub(1, Ordering::AcqRel);
@@ -822,7 +819,6 @@ impl FastNotify {
     /// already) in the peer's doorbell; rings the peer if it sleeps. The
     /// caller holds the QP's only outstanding-WR slot.
     pub(crate) fn post_doorbell(&self, wr_id: u64, opcode: WcOpcode, signaled: bool, len: u32, imm: u32) -> bool {
-        use super::doorbell::{is_free, word, POSTED, RETRACTED};
         let sh = &self.sh;
         let Some(db) = sh.db.get() else { return false };
         let slot = db.slot.get();
@@ -831,57 +827,36 @@ impl FastNotify {
         if sh.wire_busy.compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed).is_err() {
             return false;
         }
+        use super::doorbell_proto::{publish, ring_rx, Published};
         let done = |r: bool| {
             sh.wire_busy.store(false, Ordering::Release);
             r
         };
-        // Own the record fields (a requester of an earlier connection to
-        // the same QP may still try), then publish from a free state.
-        if slot.wlock.compare_exchange(0, 1, Ordering::Acquire, Ordering::Relaxed).is_err() {
-            return done(false);
-        }
-        let unlock = |r: bool| {
-            slot.wlock.store(0, Ordering::Release);
-            done(r)
-        };
-        let cur = slot.state.load(Ordering::Acquire);
-        let k = db.seq.fetch_add(1, Ordering::Relaxed) + 1;
-        if !is_free(cur) {
-            return unlock(false);
-        }
-        {
+        // Queued before the record is visible, so that a claim finds it.
+        let enqueue = |k: u64| {
             let mut q = sh.lock();
             if q.broken.is_some() {
-                return unlock(false);
+                return false;
             }
-            // Queued before the record is visible, so that a claim finds it.
             q.inflight.push_back(Inflight { db: Some((k, imm)), ..Inflight::new(wr_id, opcode, signaled, len) });
             sh.qp.db_tx_pending.fetch_add(1, Ordering::AcqRel);
-        }
-        slot.imm.store(imm, Ordering::Relaxed);
-        slot.len.store(len, Ordering::Relaxed);
-        slot.rec_gen.store(db.gen, Ordering::Relaxed);
-        if slot.state.compare_exchange(cur, word(k, POSTED), Ordering::SeqCst, Ordering::Acquire).is_err() {
-            // Only the owner changes a free state (it does not): take the
-            // entry back and let the WR go another way.
+            true
+        };
+        let dequeue = |k: u64| {
             let mut q = sh.lock();
             if q.inflight.back().is_some_and(|f| f.db.is_some_and(|d| d.0 == k)) {
                 q.inflight.pop_back();
                 sh.qp.db_tx_pending.fetch_sub(1, Ordering::AcqRel);
             }
-            drop(q);
-            return unlock(false);
-        }
-        slot.wlock.store(0, Ordering::Release);
-        std::sync::atomic::fence(Ordering::SeqCst);
-        // The peer QP closed meanwhile (it voids what it sees posted; this
-        // may have come just after): void it here, the watcher fails the WR.
-        if slot.open.load(Ordering::SeqCst) == 0 {
-            let _ =
-                slot.state.compare_exchange(word(k, POSTED), word(k, RETRACTED), Ordering::AcqRel, Ordering::Acquire);
+        };
+        // A record voided because the peer QP closed meanwhile is left to
+        // the watcher, which fails the WR.
+        match publish(slot, imm, len, db.gen, enqueue, dequeue) {
+            Published::No => return done(false),
+            Published::Posted(_) | Published::Voided(_) => {}
         }
         done(true);
-        if slot.rx_armed.load(Ordering::Relaxed) != 0 && slot.rx_armed.swap(0, Ordering::AcqRel) != 0 {
+        if ring_rx(slot) {
             super::doorbell::ring(&db.rx_waker);
             sh.qp.ctx.db_rings.fetch_add(1, Ordering::Relaxed);
         }
@@ -902,8 +877,7 @@ impl FastNotify {
     /// caller polls once more after arming).
     pub(crate) fn arm_doorbell(&self) {
         if let Some(db) = self.sh.db.get() {
-            db.slot.get().tx_armed.store(1, Ordering::SeqCst);
-            std::sync::atomic::fence(Ordering::SeqCst);
+            super::doorbell_proto::arm_tx(db.slot.get());
         }
     }
 }
@@ -934,24 +908,14 @@ impl TxDoorbell {
         s.tx_cq.store(cq, Ordering::Release);
         s.tx_armed.store(0, Ordering::Release);
         s.no_tx_wake.store(0, Ordering::Release);
-        let seq = s.state.load(Ordering::Acquire) >> 2;
         let gen = s.gen.load(Ordering::Acquire);
-        Ok(TxDoorbell { slot, rx_waker, seq: AtomicU64::new(seq), gen })
+        Ok(TxDoorbell { slot, rx_waker, gen })
     }
 
     /// Takes record `k` back if the peer has not claimed it: `Ok` when
     /// retracted, `Err(true)` when it was claimed, `Err(false)` otherwise.
     fn retract(&self, k: u64) -> Result<(), bool> {
-        use super::doorbell::{word, CLAIMED, POSTED, RETRACTED};
-        match self.slot.get().state.compare_exchange(
-            word(k, POSTED),
-            word(k, RETRACTED),
-            Ordering::AcqRel,
-            Ordering::Acquire,
-        ) {
-            Ok(_) => Ok(()),
-            Err(cur) => Err(cur == word(k, CLAIMED)),
-        }
+        super::doorbell_proto::retract(self.slot.get(), k)
     }
 }
 
