@@ -364,17 +364,22 @@ fn missing_ranks(store: &dyn Store, e: Error, keys: &[String], op: impl FnOnce()
     Error::Timeout { waiting_for: format!("{}: {} of {} missing", op(), Ranks(&missing), keys.len()), after }
 }
 
-/// A rank list for messages, shortened when long.
+/// "rank [3]" / "ranks [0, 1]" for messages.
 struct Ranks<'a>(&'a [usize]);
 
 impl fmt::Display for Ranks<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        const SHOWN: usize = 16;
         let word = if self.0.len() == 1 { "rank" } else { "ranks" };
-        let shown: Vec<String> = self.0.iter().take(SHOWN).map(usize::to_string).collect();
-        let more = if self.0.len() > SHOWN { format!(", ... ({} in all)", self.0.len()) } else { String::new() };
-        write!(f, "{word} [{}{more}]", shown.join(", "))
+        write!(f, "{word} {}", short_list(self.0))
     }
+}
+
+/// A list for messages, shortened when long.
+fn short_list(list: &[usize]) -> String {
+    const SHOWN: usize = 16;
+    let shown: Vec<String> = list.iter().take(SHOWN).map(usize::to_string).collect();
+    let more = if list.len() > SHOWN { format!(", ... ({} in all)", list.len()) } else { String::new() };
+    format!("[{}{more}]", shown.join(", "))
 }
 
 /// 64-bit FNV-1a of the list plus its length: equal lists, equal digests.
