@@ -224,7 +224,10 @@ fn serve_client(mut stream: TcpStream, shared: &Shared) -> io::Result<()> {
             return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "truncated frame"));
         }
         let req = wire::decode_request(&body).map_err(invalid_data)?;
-        let resp = handle(&shared.store, req);
+        let Some(resp) = handle(&shared.store, req) else {
+            // Shutting down: closing tells the client more than any reply.
+            return Ok(());
+        };
         stream.write_all(&wire::encode_response(&resp))?;
     }
 }
@@ -237,8 +240,9 @@ fn refs(keys: &[String]) -> Vec<&str> {
     keys.iter().map(String::as_str).collect()
 }
 
-/// One request against the store. Limits were checked by the decoder.
-fn handle(store: &HashStore, req: Request) -> Response {
+/// One request against the store (limits were checked by the decoder);
+/// `None` when the store is shutting down.
+fn handle(store: &HashStore, req: Request) -> Option<Response> {
     let result = match req {
         Request::Set { key, value } => store.set(&key, &value).map(|()| Response::Ok),
         Request::TryGet { key } => store.try_get(&key).map(Response::Value),
@@ -255,11 +259,11 @@ fn handle(store: &HashStore, req: Request) -> Response {
                     Ok(Response::Values(values))
                 }
             }
-            Err(e) => Ok(wait_response(e)),
+            Err(e) => wait_response(e).map(Ok)?,
         },
         Request::Wait { keys, timeout_ms } => match store.wait_raw(&refs(&keys), wait_time(timeout_ms)) {
             Ok(()) => Ok(Response::Ok),
-            Err(e) => Ok(wait_response(e)),
+            Err(e) => wait_response(e).map(Ok)?,
         },
         Request::Check { keys } => store.check(&refs(&keys)).map(Response::Bool),
         Request::Add { key, delta } => store.add(&key, delta).map(Response::Int),
@@ -268,19 +272,19 @@ fn handle(store: &HashStore, req: Request) -> Response {
         }
         Request::Delete { key } => store.delete(&key).map(Response::Bool),
     };
-    result.unwrap_or_else(|e| match e {
+    Some(result.unwrap_or_else(|e| match e {
         Error::InvalidArgument { reason, .. } => Response::Error(reason),
         other => Response::Error(other.to_string()),
-    })
+    }))
 }
 
 fn wait_time(ms: u64) -> Duration {
     Duration::from_millis(ms).min(MAX_WAIT)
 }
 
-fn wait_response(e: WaitError) -> Response {
+fn wait_response(e: WaitError) -> Option<Response> {
     match e {
-        WaitError::Timeout(key) => Response::Timeout { key },
-        WaitError::Closed(_) => Response::Error("the store is shutting down".into()),
+        WaitError::Timeout(key) => Some(Response::Timeout { key }),
+        WaitError::Closed(_) => None,
     }
 }
