@@ -38,9 +38,9 @@ fn garbage_closes_that_client_and_the_server_keeps_serving() {
     assert_serving(&good, 0);
 
     let mut cases: Vec<Vec<u8>> = vec![
-        u32::MAX.to_le_bytes().to_vec(),                           // oversized length
-        (65u32 << 20).to_le_bytes().to_vec(),                      // just over the limit
-        0u32.to_le_bytes().to_vec(),                               // empty frame
+        u32::MAX.to_le_bytes().to_vec(),                            // oversized length
+        (65u32 << 20).to_le_bytes().to_vec(),                       // just over the limit
+        0u32.to_le_bytes().to_vec(),                                // empty frame
         [1u32.to_le_bytes().as_slice(), &[0xEE]].concat(),          // unknown opcode
         [5u32.to_le_bytes().as_slice(), &[2, 9, 0, 0, 0]].concat(), // key longer than its frame
         [7u32.to_le_bytes().as_slice(), &[2, 2, 0, 0, 0, 0xff, 0xfe]].concat(), // key not UTF-8

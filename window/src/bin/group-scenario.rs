@@ -122,7 +122,7 @@ fn hosts() -> R {
 
 fn mismatch_split() -> R {
     let g = Group::from_env_with(GroupOptions::new().timeout(Duration::from_secs(60))).map_err(|e| e.to_string())?;
-    let list: Vec<usize> = if g.rank() == 0 { vec![0, 1] } else { (0..g.size()).collect() };
+    let list: Vec<usize> = if g.rank() == 0 { vec![1, 0] } else { (0..g.size()).collect() };
     match g.split(&list) {
         Err(e @ Error::Mismatch { .. }) => {
             println!("mismatch detected: {e}");

@@ -10,7 +10,9 @@
 //! prints is prefixed with `[rank] ` on the same stream. When a rank fails the
 //! others get SIGTERM, then SIGKILL after the grace period, and rmacomm-run
 //! exits with the failed rank's code (128 + signal for a rank killed by a
-//! signal). SIGINT and SIGTERM are forwarded to the ranks.
+//! signal). SIGINT and SIGTERM are forwarded to the ranks. Each rank runs in its
+//! own process group, and signals go to the group, so helpers a rank started
+//! stop with it.
 //!
 //! Organization: `supervisor.rs` decides (sans-IO), this file does the I/O.
 
@@ -25,7 +27,7 @@ use std::process::{ExitStatus, Stdio};
 use std::time::Duration;
 
 use clap::Parser;
-use rustix::process::{kill_process, Pid, Signal};
+use rustix::process::{kill_process_group, Pid, Signal};
 use tokio::io::{AsyncBufReadExt, AsyncRead, BufReader};
 use tokio::process::Command;
 use tokio::signal::unix::{signal, SignalKind};
@@ -120,6 +122,8 @@ async fn run(args: Args) -> i32 {
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
+            // Its own process group, so that stopping a rank stops what it started too.
+            .process_group(0)
             .kill_on_drop(true);
         let mut child = match cmd.spawn() {
             Ok(c) => c,
@@ -199,7 +203,9 @@ async fn run(args: Args) -> i32 {
                 }
             })
             .await;
-            if let Some((rank, code)) = supervisor.failure() {
+            if let Some(sig) = supervisor.interrupted() {
+                eprintln!("rmacomm-run: stopped by signal {sig}, forwarded to the ranks");
+            } else if let Some((rank, code)) = supervisor.failure() {
                 eprintln!("rmacomm-run: rank {rank} failed with exit code {code}; stopped the other ranks");
             }
             break code;
@@ -214,8 +220,9 @@ fn send(pid: Option<u32>, sig: supervisor::Sig) {
         9 => Signal::KILL,
         _ => Signal::TERM,
     };
-    // ESRCH (already gone) is expected in races with the exit.
-    let _ = kill_process(pid, signal);
+    // The rank leads its process group (its pgid is its pid). ESRCH (already
+    // gone) is expected in races with the exit.
+    let _ = kill_process_group(pid, signal);
 }
 
 /// Copies a rank's stream line by line to ours, each line prefixed with `[rank] `.

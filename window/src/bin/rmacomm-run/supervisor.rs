@@ -49,6 +49,11 @@ impl Supervisor {
         self.failure
     }
 
+    /// The first signal the launcher received, if any.
+    pub(crate) fn interrupted(&self) -> Option<Sig> {
+        self.interrupted
+    }
+
     fn running(&self) -> Vec<usize> {
         (0..self.running.len()).filter(|&r| self.running[r]).collect()
     }
@@ -62,7 +67,6 @@ impl Supervisor {
                 }
                 if code != 0 && self.failure.is_none() {
                     self.failure = Some((rank, code));
-                    // Ranks stopped by our own signal after an interrupt are not "the" failure.
                     let others = self.running();
                     if !others.is_empty() {
                         actions.push(Action::Kill { ranks: others, signal: SIGTERM });
