@@ -37,6 +37,14 @@ pub enum Error {
         /// The last connection error.
         reason: String,
     },
+    /// The store host could not listen on its port (or start its threads).
+    #[error("cannot serve the TCP store on {addr} ({reason}); pick another MASTER_PORT or stop what holds this one")]
+    Listen {
+        /// The address or port it tried.
+        addr: String,
+        /// The operating system's error.
+        reason: String,
+    },
     /// A TCP store connection broke during a request. The next call reconnects.
     #[error(
         "lost the connection to the TCP store at {addr} ({reason}); the store host (rank 0) probably exited or \

@@ -59,12 +59,9 @@ impl fmt::Debug for TcpStoreServer {
 impl TcpStoreServer {
     /// Binds `addr` (port 0 picks a free port; see [`local_addr`](Self::local_addr))
     /// and starts serving a new, empty store.
-    pub fn bind(addr: impl ToSocketAddrs) -> Result<Self> {
-        let listener = TcpListener::bind(addr).map_err(|e| Error::Connect {
-            addr: "listen address".into(),
-            after: Duration::ZERO,
-            reason: format!("cannot listen: {e}; pick another MASTER_PORT"),
-        })?;
+    pub fn bind(addr: impl ToSocketAddrs + fmt::Debug) -> Result<Self> {
+        let listener =
+            TcpListener::bind(&addr).map_err(|e| Error::Listen { addr: format!("{addr:?}"), reason: e.to_string() })?;
         Self::serve(listener, Arc::new(HashStore::new()))
     }
 
@@ -73,20 +70,13 @@ impl TcpStoreServer {
     pub fn bind_any(port: u16) -> Result<Self> {
         let listener = TcpListener::bind((Ipv6Addr::UNSPECIFIED, port))
             .or_else(|_| TcpListener::bind((Ipv4Addr::UNSPECIFIED, port)))
-            .map_err(|e| Error::Connect {
-                addr: format!("port {port}"),
-                after: Duration::ZERO,
-                reason: format!("cannot listen: {e}; pick another MASTER_PORT"),
-            })?;
+            .map_err(|e| Error::Listen { addr: format!("port {port}"), reason: e.to_string() })?;
         Self::serve(listener, Arc::new(HashStore::new()))
     }
 
     fn serve(listener: TcpListener, store: Arc<HashStore>) -> Result<Self> {
-        let addr = listener.local_addr().map_err(|e| Error::Connect {
-            addr: "listener".into(),
-            after: Duration::ZERO,
-            reason: e.to_string(),
-        })?;
+        let addr =
+            listener.local_addr().map_err(|e| Error::Listen { addr: "the listener".into(), reason: e.to_string() })?;
         let shared = Arc::new(Shared {
             store,
             stop: AtomicBool::new(false),
@@ -99,7 +89,7 @@ impl TcpStoreServer {
         let acceptor = thread::Builder::new()
             .name("rmacomm-store-accept".into())
             .spawn(move || accept_loop(listener, s))
-            .map_err(|e| Error::invalid("TcpStoreServer", format!("cannot start a thread: {e}")))?;
+            .map_err(|e| Error::Listen { addr: addr.to_string(), reason: format!("cannot start a thread: {e}") })?;
         tracing::debug!(%addr, "TCP store serving");
         Ok(TcpStoreServer { shared, addr, acceptor: Some(acceptor) })
     }

@@ -428,7 +428,7 @@ mod tests {
         // Key longer than the limit.
         let mut body = vec![op::TRY_GET];
         body.extend_from_slice(&(MAX_KEY_LEN as u32 + 1).to_le_bytes());
-        body.extend(std::iter::repeat(b'a').take(MAX_KEY_LEN + 1));
+        body.extend(std::iter::repeat_n(b'a', MAX_KEY_LEN + 1));
         assert!(decode_request(&body).unwrap_err().0.contains("exceeds the limit"));
         // Key that is not UTF-8.
         let body = [op::TRY_GET, 2, 0, 0, 0, 0xff, 0xfe];

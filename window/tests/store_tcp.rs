@@ -186,3 +186,13 @@ fn store_semantics_across_processes() {
         }
     }
 }
+
+#[test]
+fn a_taken_port_is_a_clear_error_for_the_host() {
+    let taken = TcpListener::bind("0.0.0.0:0").unwrap();
+    let port = taken.local_addr().unwrap().port();
+    match TcpStore::new("127.0.0.1", port, Some(2), true, T) {
+        Err(e @ Error::Listen { .. }) => assert!(e.to_string().contains("MASTER_PORT"), "{e}"),
+        other => panic!("{other:?}"),
+    }
+}

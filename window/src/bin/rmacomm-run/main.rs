@@ -110,7 +110,7 @@ async fn run(args: Args) -> i32 {
     let mut printers = Vec::new();
     let mut supervisor = Supervisor::new(n);
     let mut spawn_failed = None;
-    for rank in 0..n {
+    for (rank, pid) in pids.iter_mut().enumerate() {
         let mut cmd = Command::new(&args.command[0]);
         cmd.args(&args.command[1..])
             .env("RANK", rank.to_string())
@@ -133,7 +133,7 @@ async fn run(args: Args) -> i32 {
                 break;
             }
         };
-        pids[rank] = child.id();
+        *pid = child.id();
         if let Some(out) = child.stdout.take() {
             printers.push(tokio::spawn(prefix_lines(rank, out, false)));
         }
