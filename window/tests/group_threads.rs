@@ -215,3 +215,14 @@ fn several_groups_on_one_store_and_keys_are_cleaned_up() {
     let keys: usize = debug.split("keys: ").nth(1).unwrap().split(',').next().unwrap().trim().parse().unwrap();
     assert!(keys < 3 * 3 * 6, "{keys} keys left: {debug}");
 }
+
+#[test]
+fn groups_and_stores_are_send_and_sync() {
+    fn check<T: Send + Sync>() {}
+    check::<Group>();
+    check::<rmacomm_window::TcpStore>();
+    check::<rmacomm_window::FileStore>();
+    check::<rmacomm_window::PrefixStore>();
+    check::<rmacomm_window::TcpStoreServer>();
+    check::<Arc<dyn Store>>();
+}
