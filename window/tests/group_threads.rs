@@ -226,3 +226,36 @@ fn groups_and_stores_are_send_and_sync() {
     check::<rmacomm_window::TcpStoreServer>();
     check::<Arc<dyn Store>>();
 }
+
+#[test]
+fn exchange_and_barrier_scale_to_a_few_hundred_ranks_over_tcp() {
+    const N: usize = 200;
+    let host = Arc::new(rmacomm_window::TcpStore::new("127.0.0.1", 0, Some(N), true, T).unwrap());
+    let port = host.port();
+    let start = Instant::now();
+    let handles: Vec<_> = (0..N)
+        .map(|rank| {
+            let host = host.clone();
+            thread::spawn(move || {
+                // Rank 0 uses the hosting store, the others a connection each, as processes would.
+                let store: Arc<dyn Store> = if rank == 0 {
+                    host
+                } else {
+                    Arc::new(rmacomm_window::TcpStore::connect("127.0.0.1", port, T).unwrap())
+                };
+                let g = Group::with_options(rank, N, store, quick(rank)).unwrap();
+                for round in 0..5u8 {
+                    let all = g.exchange("desc", &[round; 64]).unwrap();
+                    assert_eq!(all.len(), N);
+                    assert!(all.iter().all(|v| v.len() == 64 && v[0] == round));
+                    g.barrier(None).unwrap();
+                }
+            })
+        })
+        .collect();
+    drop(host);
+    handles.into_iter().for_each(|h| h.join().unwrap());
+    let took = start.elapsed();
+    eprintln!("{N} ranks: join + 5 x (exchange + barrier) in {took:?}");
+    assert!(took < Duration::from_secs(15), "{took:?}");
+}
