@@ -79,8 +79,10 @@ impl Group {
     /// Joins a group of `size` ranks as `rank`, through `store`. Collective:
     /// returns once every rank has joined (or fails after the timeout).
     ///
-    /// Each rank publishes its host identity and its idea of `size`; a rank
-    /// that disagrees on `size` is an error on every rank. Several groups may
+    /// Each rank publishes its host identity and its idea of `size`. Ranks
+    /// that disagree on `size` fail: those expecting fewer ranks with
+    /// [`Error::Mismatch`] naming the rank that disagrees, those expecting
+    /// more with a timeout naming the ranks that never came. Several groups may
     /// be created on one store: the n-th group each rank creates uses its own
     /// key space.
     pub fn new(rank: usize, size: usize, store: Arc<dyn Store>) -> Result<Self> {
