@@ -259,3 +259,12 @@ fn exchange_and_barrier_scale_to_a_few_hundred_ranks_over_tcp() {
     eprintln!("{N} ranks: join + 5 x (exchange + barrier) in {took:?}");
     assert!(took < Duration::from_secs(15), "{took:?}");
 }
+
+#[test]
+fn the_host_id_is_stable_and_names_boot_and_namespaces() {
+    let id = rmacomm_window::host_id();
+    assert_eq!(id, rmacomm_window::host_id());
+    if std::path::Path::new("/proc/self/ns/net").exists() {
+        assert!(id.contains("ipc:[") && id.contains("net:["), "{id}");
+    }
+}
