@@ -1,5 +1,115 @@
-//! rmacomm window: groups, bootstrap stores and the one-sided Window.
+//! rmacomm window: groups, bootstrap stores and (later) the one-sided Window.
 //!
-//! It will hold the `Store` trait with `TcpStore`/`FileStore`, launcher environment detection (torchrun, Open MPI, Slurm), `Group` and the `Window` (put / signal / wait_signal / get / map_remote_tensor) with torchcomms' semantics, built on the transport crate. Nothing is implemented yet.
+//! This part of the crate gets the ranks of a job to know each other: a
+//! [`Store`] they all reach, launcher detection, and a [`Group`] with rank,
+//! size, host locality, `barrier`, `exchange` (all-gather of small blobs) and
+//! `split`. The `Window` will be built on it.
+//!
+//! # Quick start
+//!
+//! Under `rmacomm-run --nproc-per-node 4 ./prog`, torchrun, mpirun or srun:
+//!
+//! ```no_run
+//! use rmacomm_window::Group;
+//!
+//! # fn main() -> Result<(), rmacomm_window::Error> {
+//! let group = Group::from_env()?;                       // rank 0 hosts the TcpStore
+//! let urls = group.exchange("urls", b"my transport url")?; // urls[r] from rank r
+//! assert_eq!(urls.len(), group.size());
+//! group.barrier(None)?;                                  // group timeout
+//! if let Some(evens) = group.split(&(0..group.size()).step_by(2).collect::<Vec<_>>())? {
+//!     evens.barrier(None)?;
+//! }
+//! # Ok(()) }
+//! ```
+//!
+//! With an explicit store, e.g. ranks that are threads of one process:
+//!
+//! ```
+//! use std::sync::Arc;
+//! use rmacomm_window::{Group, HashStore, Store};
+//!
+//! let store: Arc<dyn Store> = Arc::new(HashStore::new());
+//! let handles: Vec<_> = (0..3)
+//!     .map(|rank| {
+//!         let store = store.clone();
+//!         std::thread::spawn(move || {
+//!             let g = Group::new(rank, 3, store).unwrap();
+//!             g.exchange("who", &[rank as u8]).unwrap()
+//!         })
+//!     })
+//!     .collect();
+//! for h in handles {
+//!     assert_eq!(h.join().unwrap(), vec![vec![0], vec![1], vec![2]]);
+//! }
+//! ```
+//!
+//! # Features
+//!
+//! - [`Store`]: set / try_get / multi_get (waits) / wait / check / add /
+//!   compare_set / delete, blocking with explicit timeouts. Implementations:
+//!   [`TcpStore`] (hosted by rank 0 like torch's `TCPStore`, or by a standalone
+//!   [`TcpStoreServer`]), [`FileStore`] (a shared directory), [`HashStore`] (in
+//!   process) and [`PrefixStore`] (a key space inside another store).
+//! - [`LaunchEnv::detect`]: torchrun / rmacomm-run (`RANK`, `WORLD_SIZE`,
+//!   `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`), Open MPI
+//!   (`OMPI_COMM_WORLD_*` plus `MASTER_ADDR`/`MASTER_PORT`) and Slurm
+//!   (`SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`, the store on the first
+//!   host of the node list unless `MASTER_ADDR` says otherwise). A missing or
+//!   contradictory variable is an error naming it.
+//! - [`Group`]: `rank`, `size`, `local_rank`, `local_size`, `same_host`
+//!   (boot id + IPC and network namespaces, as DESIGN.md defines a host),
+//!   `barrier`, `exchange`, `split`.
+//! - Timeouts: `RMACOMM_TIMEOUT_SECONDS` (default 600) unless code sets one
+//!   ([`GroupOptions::timeout`]).
+//! - The `rmacomm-run` binary: a one-host launcher with torchrun's variables.
+//!
+//! Why blocking: bootstrap runs a few times per job, mostly from code that is
+//! not async (a `main`, Python with the GIL released, a test), and every call
+//! waits on *other processes*; a blocking call with a timeout is the simplest
+//! thing that is right there. From async code use `spawn_blocking`.
+//!
+//! # Thread safety
+//!
+//! Stores and groups are `Send + Sync`. A `TcpStore` client runs one request
+//! at a time on its connection (others queue on a mutex), so a long wait
+//! delays other calls through the same store. Group operations are
+//! collective and numbered in call order: issue them from one thread per rank
+//! (or otherwise in the same order on every rank).
+//!
+//! # Resource cleanup
+//!
+//! A hosting `TcpStore` (rank 0's), when dropped, keeps serving until the
+//! other ranks have connected and hung up, for at most 30 s
+//! ([`TcpStore::set_linger`]), so that rank 0 finishing first does not cut
+//! the replies the others wait for; then it stops its threads and closes
+//! every connection. Group keys are deleted by the rank that wrote them after
+//! the next barrier. A `FileStore` directory is left in place: give each job
+//! its own.
 
 #![forbid(unsafe_code)]
+
+mod error;
+mod file_store;
+mod group;
+mod hash_store;
+mod host_id;
+mod launch_env;
+mod nodelist;
+mod prefix_store;
+mod store;
+mod tcp_server;
+mod tcp_store;
+mod wire;
+
+pub use error::{Error, Result};
+pub use file_store::FileStore;
+pub use group::{Group, GroupOptions};
+pub use hash_store::HashStore;
+pub use host_id::host_id;
+pub use launch_env::{default_timeout, timeout_from, LaunchEnv, Launcher, DEFAULT_TIMEOUT};
+pub use nodelist::first_host;
+pub use prefix_store::PrefixStore;
+pub use store::{Store, MAX_KEYS, MAX_KEY_LEN, MAX_VALUE_LEN};
+pub use tcp_server::{TcpStoreServer, MAX_CLIENTS};
+pub use tcp_store::TcpStore;

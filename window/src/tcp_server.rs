@@ -1,0 +1,280 @@
+//! `TcpStoreServer`: serves a [`HashStore`] over TCP, one thread per client.
+//!
+//! Threads rather than tokio: a bootstrap store has one connection per rank,
+//! its requests mostly wait on a condition variable, and a blocking server
+//! works the same whether or not the hosting program runs a runtime.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::io::{self, Read, Write};
+use std::net::{Ipv4Addr, Ipv6Addr, Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::{self, JoinHandle};
+use std::time::{Duration, Instant};
+
+use crate::error::{Error, Result};
+use crate::hash_store::{HashStore, WaitError};
+use crate::store::Store;
+use crate::wire::{self, Request, Response, MAX_FRAME_LEN};
+
+/// Most clients served at once; later ones are closed at once. A bootstrap
+/// store sees one connection per rank, and a thread each.
+pub const MAX_CLIENTS: usize = 8192;
+
+/// Longest wait a client may ask for; longer requests are cut to it.
+const MAX_WAIT: Duration = Duration::from_secs(7 * 24 * 3600);
+
+/// A TCP store server running on its own threads.
+///
+/// Dropping it (or [`shutdown`](Self::shutdown)) stops accepting, closes
+/// every connection and wakes pending waits with an error. A malformed frame
+/// closes only the connection it came on.
+pub struct TcpStoreServer {
+    shared: Arc<Shared>,
+    addr: SocketAddr,
+    acceptor: Option<JoinHandle<()>>,
+}
+
+struct Shared {
+    store: Arc<HashStore>,
+    stop: AtomicBool,
+    /// Clones of the live connections, so that shutdown can close them.
+    conns: Mutex<HashMap<u64, TcpStream>>,
+    next_id: AtomicU64,
+    /// Connections accepted so far, and those still open.
+    seen: AtomicUsize,
+    active: AtomicUsize,
+}
+
+impl fmt::Debug for TcpStoreServer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TcpStoreServer")
+            .field("addr", &self.addr)
+            .field("clients", &self.shared.active.load(Ordering::Relaxed))
+            .finish()
+    }
+}
+
+impl TcpStoreServer {
+    /// Binds `addr` (port 0 picks a free port; see [`local_addr`](Self::local_addr))
+    /// and starts serving a new, empty store.
+    pub fn bind(addr: impl ToSocketAddrs + fmt::Debug) -> Result<Self> {
+        let listener =
+            TcpListener::bind(&addr).map_err(|e| Error::Listen { addr: format!("{addr:?}"), reason: e.to_string() })?;
+        Self::serve(listener, Arc::new(HashStore::new()))
+    }
+
+    /// Binds `port` on every interface (IPv6 and IPv4 where the host allows,
+    /// else IPv4 only), as torch.distributed's TCPStore does.
+    pub fn bind_any(port: u16) -> Result<Self> {
+        let listener = TcpListener::bind((Ipv6Addr::UNSPECIFIED, port))
+            .or_else(|_| TcpListener::bind((Ipv4Addr::UNSPECIFIED, port)))
+            .map_err(|e| Error::Listen { addr: format!("port {port}"), reason: e.to_string() })?;
+        Self::serve(listener, Arc::new(HashStore::new()))
+    }
+
+    fn serve(listener: TcpListener, store: Arc<HashStore>) -> Result<Self> {
+        let addr =
+            listener.local_addr().map_err(|e| Error::Listen { addr: "the listener".into(), reason: e.to_string() })?;
+        let shared = Arc::new(Shared {
+            store,
+            stop: AtomicBool::new(false),
+            conns: Mutex::new(HashMap::new()),
+            next_id: AtomicU64::new(0),
+            seen: AtomicUsize::new(0),
+            active: AtomicUsize::new(0),
+        });
+        let s = shared.clone();
+        let acceptor = thread::Builder::new()
+            .name("rmacomm-store-accept".into())
+            .spawn(move || accept_loop(listener, s))
+            .map_err(|e| Error::Listen { addr: addr.to_string(), reason: format!("cannot start a thread: {e}") })?;
+        tracing::debug!(%addr, "TCP store serving");
+        Ok(TcpStoreServer { shared, addr, acceptor: Some(acceptor) })
+    }
+
+    /// The address it listens on.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The served data, for in-process access by the host.
+    pub(crate) fn store(&self) -> &Arc<HashStore> {
+        &self.shared.store
+    }
+
+    /// Clients connected now.
+    pub fn clients(&self) -> usize {
+        self.shared.active.load(Ordering::Acquire)
+    }
+
+    /// Waits until at least `expected` clients have connected and all of them
+    /// have hung up, or `linger` passes. Lets the host outlive the last reply.
+    pub fn wait_for_clients_to_leave(&self, expected: usize, linger: Duration) -> bool {
+        let deadline = Instant::now() + linger;
+        loop {
+            let s = &self.shared;
+            if s.seen.load(Ordering::Acquire) >= expected && s.active.load(Ordering::Acquire) == 0 {
+                return true;
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// Stops serving: no new connections, open ones closed, waiters woken.
+    pub fn shutdown(&mut self) {
+        let Some(acceptor) = self.acceptor.take() else { return };
+        self.shared.stop.store(true, Ordering::Release);
+        self.shared.store.close();
+        // Wake the blocking accept with a connection of our own.
+        let wake = match self.addr {
+            SocketAddr::V6(a) if a.ip().is_unspecified() => SocketAddr::from((Ipv6Addr::LOCALHOST, a.port())),
+            SocketAddr::V4(a) if a.ip().is_unspecified() => SocketAddr::from((Ipv4Addr::LOCALHOST, a.port())),
+            a => a,
+        };
+        let _ = TcpStream::connect_timeout(&wake, Duration::from_secs(1));
+        let _ = acceptor.join();
+        for (_, c) in self.shared.conns.lock().unwrap_or_else(|p| p.into_inner()).drain() {
+            let _ = c.shutdown(Shutdown::Both);
+        }
+    }
+}
+
+impl Drop for TcpStoreServer {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
+    for conn in listener.incoming() {
+        if shared.stop.load(Ordering::Acquire) {
+            break;
+        }
+        let stream = match conn {
+            Ok(s) => s,
+            Err(e) => {
+                // EMFILE and friends: back off instead of spinning.
+                tracing::warn!("TCP store: accept failed: {e}");
+                thread::sleep(Duration::from_millis(50));
+                continue;
+            }
+        };
+        if shared.active.load(Ordering::Acquire) >= MAX_CLIENTS {
+            tracing::warn!("TCP store: refusing a client, {MAX_CLIENTS} are connected already");
+            continue;
+        }
+        let _ = stream.set_nodelay(true);
+        let id = shared.next_id.fetch_add(1, Ordering::Relaxed);
+        if let Ok(clone) = stream.try_clone() {
+            shared.conns.lock().unwrap_or_else(|p| p.into_inner()).insert(id, clone);
+        }
+        shared.seen.fetch_add(1, Ordering::AcqRel);
+        shared.active.fetch_add(1, Ordering::AcqRel);
+        let s = shared.clone();
+        let spawned = thread::Builder::new().name("rmacomm-store-conn".into()).spawn(move || {
+            let peer = stream.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+            match serve_client(stream, &s) {
+                Ok(()) => tracing::trace!(%peer, "TCP store client left"),
+                Err(e) => tracing::warn!(%peer, "TCP store: closing client connection: {e}"),
+            }
+            s.conns.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
+            s.active.fetch_sub(1, Ordering::AcqRel);
+        });
+        if spawned.is_err() {
+            tracing::warn!("TCP store: cannot start a client thread");
+            shared.conns.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
+            shared.active.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+}
+
+/// Serves one client until it hangs up (`Ok`) or misbehaves (`Err`).
+fn serve_client(mut stream: TcpStream, shared: &Shared) -> io::Result<()> {
+    let mut header = [0u8; 4];
+    let mut body = Vec::new();
+    loop {
+        match stream.read_exact(&mut header) {
+            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(()),
+            r => r?,
+        }
+        if shared.stop.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let len = wire::frame_len(header).map_err(invalid_data)?;
+        debug_assert!(len <= MAX_FRAME_LEN);
+        body.clear();
+        // Grow with what actually arrives, so a header promising 64 MiB costs nothing until the bytes come.
+        let got = (&mut stream).take(len as u64).read_to_end(&mut body)?;
+        if got < len {
+            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "truncated frame"));
+        }
+        let req = wire::decode_request(&body).map_err(invalid_data)?;
+        let Some(resp) = handle(&shared.store, req) else {
+            // Shutting down: closing tells the client more than any reply.
+            return Ok(());
+        };
+        stream.write_all(&wire::encode_response(&resp))?;
+    }
+}
+
+fn invalid_data(e: wire::WireError) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, e.0)
+}
+
+fn refs(keys: &[String]) -> Vec<&str> {
+    keys.iter().map(String::as_str).collect()
+}
+
+/// One request against the store (limits were checked by the decoder);
+/// `None` when the store is shutting down.
+fn handle(store: &HashStore, req: Request) -> Option<Response> {
+    let result = match req {
+        Request::Set { key, value } => store.set(&key, &value).map(|()| Response::Ok),
+        Request::TryGet { key } => store.try_get(&key).map(Response::Value),
+        Request::MultiGet { keys, timeout_ms } => match store.multi_get_raw(&refs(&keys), wait_time(timeout_ms)) {
+            Ok(values) => {
+                let total: usize = values.iter().map(|v| v.len() + 4).sum();
+                if total + 16 > MAX_FRAME_LEN {
+                    Ok(Response::Error(format!(
+                        "the {} values add up to {total} bytes, more than one reply carries ({MAX_FRAME_LEN}); \
+                             fetch fewer keys per call",
+                        values.len()
+                    )))
+                } else {
+                    Ok(Response::Values(values))
+                }
+            }
+            Err(e) => wait_response(e).map(Ok)?,
+        },
+        Request::Wait { keys, timeout_ms } => match store.wait_raw(&refs(&keys), wait_time(timeout_ms)) {
+            Ok(()) => Ok(Response::Ok),
+            Err(e) => wait_response(e).map(Ok)?,
+        },
+        Request::Check { keys } => store.check(&refs(&keys)).map(Response::Bool),
+        Request::Add { key, delta } => store.add(&key, delta).map(Response::Int),
+        Request::CompareSet { key, expected, desired } => {
+            store.compare_set(&key, expected.as_deref(), &desired).map(Response::Value)
+        }
+        Request::Delete { key } => store.delete(&key).map(Response::Bool),
+    };
+    Some(result.unwrap_or_else(|e| match e {
+        Error::InvalidArgument { reason, .. } => Response::Error(reason),
+        other => Response::Error(other.to_string()),
+    }))
+}
+
+fn wait_time(ms: u64) -> Duration {
+    Duration::from_millis(ms).min(MAX_WAIT)
+}
+
+fn wait_response(e: WaitError) -> Option<Response> {
+    match e {
+        WaitError::Timeout(key) => Some(Response::Timeout { key }),
+        WaitError::Closed(_) => None,
+    }
+}

@@ -1,0 +1,198 @@
+//! TcpStore and its server against real sockets and processes: garbage
+//! frames, reconnection, several processes, the host's linger.
+
+use std::io::{Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::process::Command;
+use std::sync::Arc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use rmacomm_window::{Error, Store, TcpStore, TcpStoreServer};
+
+const T: Duration = Duration::from_secs(10);
+
+/// Sends `bytes` on a raw connection and checks that the server closes it.
+fn assert_closed_after(port: u16, bytes: &[u8]) {
+    let mut raw = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    raw.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    raw.write_all(bytes).unwrap();
+    let mut buf = [0u8; 64];
+    // Either a clean close or a reset; never a reply to garbage, never a hang.
+    match raw.read(&mut buf) {
+        Ok(0) | Err(_) => {}
+        Ok(n) => panic!("server replied {n} bytes to garbage {:?}", &bytes[..bytes.len().min(16)]),
+    }
+}
+
+fn assert_serving(client: &TcpStore, round: u32) {
+    client.set("alive", &round.to_le_bytes()).unwrap();
+    assert_eq!(client.get("alive", T).unwrap(), round.to_le_bytes());
+}
+
+#[test]
+fn garbage_closes_that_client_and_the_server_keeps_serving() {
+    let server = TcpStoreServer::bind("127.0.0.1:0").unwrap();
+    let port = server.local_addr().port();
+    let good = TcpStore::connect("127.0.0.1", port, T).unwrap();
+    assert_serving(&good, 0);
+
+    let mut cases: Vec<Vec<u8>> = vec![
+        u32::MAX.to_le_bytes().to_vec(),                            // oversized length
+        (65u32 << 20).to_le_bytes().to_vec(),                       // just over the limit
+        0u32.to_le_bytes().to_vec(),                                // empty frame
+        [1u32.to_le_bytes().as_slice(), &[0xEE]].concat(),          // unknown opcode
+        [5u32.to_le_bytes().as_slice(), &[2, 9, 0, 0, 0]].concat(), // key longer than its frame
+        [7u32.to_le_bytes().as_slice(), &[2, 2, 0, 0, 0, 0xff, 0xfe]].concat(), // key not UTF-8
+        b"GET / HTTP/1.1\r\nHost: x\r\n\r\n".to_vec(),              // a stray HTTP client
+    ];
+    // Random bytes (deterministic).
+    let mut x = 0x2545F4914F6CDD1Du64;
+    for len in [1usize, 3, 17, 100, 1000, 5000] {
+        cases.push(
+            (0..len)
+                .map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    x as u8
+                })
+                .collect(),
+        );
+    }
+    for (i, case) in cases.iter().enumerate() {
+        // Random bytes may announce a long frame and then wait: shut our side to end it.
+        let mut raw = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        raw.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        raw.write_all(case).unwrap();
+        raw.shutdown(Shutdown::Write).unwrap();
+        let mut rest = Vec::new();
+        let _ = raw.read_to_end(&mut rest);
+        // Whatever it answered, it did not answer garbage with data it should not have;
+        // the good client still works.
+        assert_serving(&good, i as u32 + 1);
+    }
+    // These are refused from the header alone, without waiting for more bytes.
+    assert_closed_after(port, &u32::MAX.to_le_bytes());
+    assert_closed_after(port, &[1, 0, 0, 0, 0xEE]);
+
+    // A truncated frame left hanging does not block anyone else.
+    let mut stalled = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    stalled.write_all(&[100, 0, 0, 0, 1, 2, 3]).unwrap();
+    assert_serving(&good, 100);
+    let other = TcpStore::connect("127.0.0.1", port, T).unwrap();
+    assert_serving(&other, 101);
+    drop(stalled);
+    assert_serving(&good, 102);
+}
+
+#[test]
+fn a_client_started_before_the_server_connects_once_it_is_up() {
+    // Find a free port, then let the server take it a little later.
+    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let host = thread::spawn(move || {
+        thread::sleep(Duration::from_millis(300));
+        let host = TcpStore::new("127.0.0.1", port, Some(2), true, T).unwrap();
+        host.set("hello", b"from the host").unwrap();
+        host.wait(&["bye"], T).unwrap();
+        // Dropping the host waits for the client to hang up.
+    });
+    let start = Instant::now();
+    let client = TcpStore::new("127.0.0.1", port, Some(2), false, T).unwrap();
+    assert!(start.elapsed() >= Duration::from_millis(250));
+    assert_eq!(client.get("hello", T).unwrap(), b"from the host");
+    client.set("bye", b"").unwrap();
+    drop(client);
+    host.join().unwrap();
+}
+
+#[test]
+fn connect_gives_up_after_its_timeout_with_a_clear_error() {
+    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let start = Instant::now();
+    match TcpStore::connect("127.0.0.1", port, Duration::from_millis(500)) {
+        Err(e @ Error::Connect { .. }) => {
+            let msg = e.to_string();
+            assert!(msg.contains(&format!("127.0.0.1:{port}")) && msg.contains("MASTER_ADDR"), "{msg}");
+        }
+        other => panic!("{other:?}"),
+    }
+    let took = start.elapsed();
+    assert!(took >= Duration::from_millis(450) && took < Duration::from_secs(3), "{took:?}");
+}
+
+#[test]
+fn a_client_reports_a_dead_server_and_reconnects_to_a_new_one() {
+    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let mut server = TcpStoreServer::bind(("127.0.0.1", port)).unwrap();
+    let client = TcpStore::connect("127.0.0.1", port, Duration::from_secs(3)).unwrap();
+    client.set("k", b"v").unwrap();
+    // A waiter is woken when the server goes away.
+    let c = Arc::new(client);
+    let waiter = {
+        let c = c.clone();
+        thread::spawn(move || c.wait(&["never"], T))
+    };
+    thread::sleep(Duration::from_millis(100));
+    server.shutdown();
+    assert!(matches!(waiter.join().unwrap(), Err(Error::Disconnected { .. })));
+    assert!(matches!(c.try_get("k"), Err(Error::Connect { .. } | Error::Disconnected { .. })));
+    let _server = TcpStoreServer::bind(("127.0.0.1", port)).unwrap();
+    assert_eq!(c.try_get("k").unwrap(), None, "reconnected to the new, empty server");
+}
+
+#[test]
+fn many_threads_share_one_client() {
+    let server = TcpStoreServer::bind("127.0.0.1:0").unwrap();
+    let client = Arc::new(TcpStore::connect("127.0.0.1", server.local_addr().port(), T).unwrap());
+    let threads: Vec<_> = (0..8)
+        .map(|i| {
+            let c = client.clone();
+            thread::spawn(move || {
+                for j in 0..50 {
+                    c.set(&format!("t{i}/{j}"), &[i, j]).unwrap();
+                    assert_eq!(c.get(&format!("t{i}/{j}"), T).unwrap(), [i, j]);
+                }
+            })
+        })
+        .collect();
+    threads.into_iter().for_each(|t| t.join().unwrap());
+    let keys: Vec<String> = (0..8).flat_map(|i| (0..50).map(move |j| format!("t{i}/{j}"))).collect();
+    let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+    let start = Instant::now();
+    let values = client.multi_get(&refs, T).unwrap();
+    assert_eq!(values.len(), 400);
+    assert!(start.elapsed() < Duration::from_secs(1), "400 keys in one round trip");
+}
+
+fn run(nproc: usize, args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_rmacomm-run"))
+        .args(["--nproc-per-node", &nproc.to_string(), "--", env!("CARGO_BIN_EXE_group-scenario")])
+        .args(args)
+        .env_remove("MASTER_ADDR")
+        .env_remove("MASTER_PORT")
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn store_semantics_across_processes() {
+    for n in [2, 3, 4] {
+        let out = run(n, &["store-tcp"]);
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{n} ranks: {stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+        for r in 0..n {
+            assert!(stdout.contains(&format!("[{r}] rank {r} ok")), "{stdout}");
+        }
+    }
+}
+
+#[test]
+fn a_taken_port_is_a_clear_error_for_the_host() {
+    let taken = TcpListener::bind("0.0.0.0:0").unwrap();
+    let port = taken.local_addr().unwrap().port();
+    match TcpStore::new("127.0.0.1", port, Some(2), true, T) {
+        Err(e @ Error::Listen { .. }) => assert!(e.to_string().contains("MASTER_PORT"), "{e}"),
+        other => panic!("{other:?}"),
+    }
+}
