@@ -351,3 +351,33 @@ fn mismatched_peers_are_refused() {
     assert!(ep.notify.is_some());
     assert_eq!(a.qp.physical_qp_nums().len(), 5);
 }
+
+/// A thread blocked in `VirtualCq::wait` must not make a concurrent
+/// `poll` (the non-blocking call async drivers make) wait for it.
+#[test]
+fn poll_does_not_block_behind_a_waiter() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let (a, _b) = pair(&cfg(2, LoadBalancing::Dqplb), 4096, None);
+    let waiting_done = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let mut wc = [WorkCompletion::empty(); 4];
+            let n = a.cq.wait(&mut wc, Some(Duration::from_secs(5)), Duration::ZERO).unwrap();
+            assert_eq!(n, 0);
+            waiting_done.store(true, Ordering::SeqCst);
+        });
+        std::thread::sleep(Duration::from_millis(200));
+        let mut wc = [WorkCompletion::empty(); 4];
+        let t = std::time::Instant::now();
+        for _ in 0..10 {
+            assert_eq!(a.cq.poll(&mut wc).unwrap(), 0);
+        }
+        // Not a performance bound: the waiter sleeps for 5 s; a poll that
+        // waited for it takes that long.
+        assert!(
+            t.elapsed() < Duration::from_secs(2) && !waiting_done.load(Ordering::SeqCst),
+            "poll returned after {:?}: it blocked behind the concurrent wait",
+            t.elapsed()
+        );
+    });
+}

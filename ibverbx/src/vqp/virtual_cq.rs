@@ -11,6 +11,10 @@ use std::time::{Duration, Instant};
 use super::virtual_qp::VqpShared;
 use crate::{CompletionQueue, Context, Error, Result, WorkCompletion};
 
+/// The longest one sleep of [`VirtualCq::wait`] lasts before it polls again
+/// (a concurrent waiter may have taken the wake-up).
+const SLEEP_SLICE: Duration = Duration::from_millis(50);
+
 /// A completion queue for [`VirtualQp`](crate::VirtualQp)s. Cheap to clone.
 ///
 /// Every physical QP of every virtual QP created on it completes into one
@@ -157,25 +161,58 @@ impl VirtualCq {
         }
     }
 
-    /// Drains the physical CQ (waiting up to `wait` for a first completion
-    /// when given) and feeds every completion to its virtual QP.
-    /// Returns how many physical completions were routed.
-    fn progress_inner(&self, wait: Option<(Duration, Duration)>) -> Result<usize> {
+    /// Drains the physical CQ and feeds every completion to its virtual QP
+    /// (under the drain lock, so that completions are routed in the order
+    /// the CQ gave them). Returns how many physical completions were routed.
+    fn drain_once(&self) -> Result<usize> {
         let mut scratch = self.inner.drain.lock().unwrap_or_else(|e| e.into_inner());
-        let mut first = true;
         let mut routed = 0;
         loop {
-            let n = match (first, wait) {
-                (true, Some((timeout, busy))) => self.inner.cq.wait(&mut scratch, Some(timeout), busy)?,
-                _ => self.inner.cq.poll(&mut scratch)?,
-            };
-            first = false;
+            let n = self.inner.cq.poll(&mut scratch)?;
             self.route(&scratch[..n]);
             routed += n;
             if n < scratch.len() {
                 return Ok(routed);
             }
         }
+    }
+
+    /// [`drain_once`](Self::drain_once), waiting up to `wait` (timeout,
+    /// busy-poll) for a first completion when given. The drain lock is
+    /// never held while waiting: a concurrent `poll` stays non-blocking.
+    /// Another waiter may consume the channel event meant for this one, so
+    /// one sleep lasts at most [`SLEEP_SLICE`].
+    fn progress_inner(&self, wait: Option<(Duration, Duration)>) -> Result<usize> {
+        let routed = self.drain_once()?;
+        let Some((timeout, busy)) = wait else { return Ok(routed) };
+        if routed > 0 {
+            return Ok(routed);
+        }
+        let start = Instant::now();
+        while start.elapsed() < busy.min(timeout) {
+            let n = self.drain_once()?;
+            if n > 0 {
+                return Ok(n);
+            }
+            std::hint::spin_loop();
+        }
+        self.inner.cq.req_notify()?;
+        let n = self.drain_once()?;
+        if n > 0 {
+            return Ok(n);
+        }
+        let sleep = timeout.saturating_sub(start.elapsed()).min(SLEEP_SLICE);
+        let mut pfd = libc::pollfd { fd: self.inner.cq.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        // SAFETY: pfd is a valid pollfd array of length 1.
+        let r = unsafe { libc::poll(&mut pfd, 1, sleep.as_millis().min(i32::MAX as u128) as i32 + 1) };
+        if r < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() != std::io::ErrorKind::Interrupted {
+                return Err(Error::os("poll(virtual cq channel)", e));
+            }
+        }
+        let _ = self.inner.cq.take_event()?;
+        self.drain_once()
     }
 
     fn collect(&self, out: &mut [WorkCompletion]) -> usize {
