@@ -223,6 +223,10 @@ impl Shared {
     }
 }
 
+/// How long the posting thread waits for room to finish a frame it began
+/// writing before it gives the connection up.
+const PARTIAL_FRAME_LIMIT: Duration = Duration::from_secs(30);
+
 struct Link {
     writer: Writer,
     peer: Option<Arc<PeerMap>>,
@@ -776,9 +780,18 @@ impl FastNotify {
         }
         sh.next_psn.store((psn + 1) & 0x00ff_ffff, Ordering::Relaxed);
         let mut done = n as usize;
+        // A partial write: the frame must be finished before anyone else
+        // writes; wait for room (briefly: a socket drains fast). A peer
+        // that stops reading for PARTIAL_FRAME_LIMIT is treated as dead,
+        // as an unacknowledged request would be: the loop always ends.
+        let give_up = Instant::now() + PARTIAL_FRAME_LIMIT;
         while done < buf.len() {
-            // A partial write: the frame must be finished before anyone else
-            // writes; wait for room (briefly: a unix socket drains fast).
+            if Instant::now() > give_up {
+                sh.wire_busy.store(false, Ordering::Release);
+                sh.fail_link(WcStatus::RetryExcErr, "the peer stopped reading in the middle of a frame");
+                sh.flush();
+                return true;
+            }
             let mut pfd = libc::pollfd { fd, events: libc::POLLOUT, revents: 0 };
             // SAFETY: pfd is a valid pollfd array of length 1.
             unsafe { libc::poll(&mut pfd, 1, 1000) };
