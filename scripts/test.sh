@@ -39,6 +39,19 @@ else
   echo "# skipped clippy: the toolchain has no clippy component (rustup component add clippy)"
 fi
 
+# A minute of coverage-guided fuzzing of the soft provider's frame and hello
+# decoders (cargo-fuzz; libFuzzer without a sanitizer, so that the stable
+# toolchain builds it: RUSTC_BOOTSTRAP lets cargo-fuzz pass its -Z flags).
+# Set RMACOMM_FUZZ_SECONDS=0 to skip it.
+fuzz_s=${RMACOMM_FUZZ_SECONDS:-60}
+if [ "$fuzz_s" != 0 ]; then
+  if ! command -v cargo-fuzz >/dev/null 2>&1; then
+    cargo install --locked cargo-fuzz
+  fi
+  (cd ibverbx && RUSTC_BOOTSTRAP=1 cargo fuzz run frame_decode --sanitizer none -- \
+    -max_total_time="$fuzz_s" -print_final_stats=1 2>&1 | tail -4)
+fi
+
 # Release build: the 64 MiB conformance cases and the multi-process tests run
 # against optimised code, as users run it.
 cargo nextest run --workspace --release --no-fail-fast

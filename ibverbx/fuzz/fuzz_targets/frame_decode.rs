@@ -1,7 +1,8 @@
 //! Fuzzes the soft provider's frame and hello decoders: no input may panic,
 //! and every accepted header re-encodes to the same bytes.
 //!
-//! Run with `cargo +nightly fuzz run frame_decode` from `ibverbx/`.
+//! Run with `RUSTC_BOOTSTRAP=1 cargo fuzz run frame_decode --sanitizer none`
+//! from `ibverbx/` (stable toolchain; CI runs it for a minute).
 
 #![no_main]
 
