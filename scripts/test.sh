@@ -49,7 +49,7 @@ if [ "$fuzz_s" != 0 ]; then
     cargo install --locked cargo-fuzz
   fi
   (cd ibverbx && RUSTC_BOOTSTRAP=1 cargo fuzz run frame_decode --sanitizer none -- \
-    -max_total_time="$fuzz_s" -print_final_stats=1 2>&1 | tail -4)
+    -max_total_time="$fuzz_s" -print_final_stats=1 2>&1 | tail -30)
 fi
 
 # Release build: the 64 MiB conformance cases and the multi-process tests run
