@@ -56,6 +56,9 @@
 //! `max_in_flight` slots, until it completes. Dropping an [`RdmaMemory`]
 //! revokes its key at once when no operation of this process uses it, else
 //! when the last one completes.
+//! A device (on the soft provider: a context with one progress thread) is
+//! shared by the transports and memory that use it and closes with the last
+//! of them.
 //!
 //! # Organization
 //! `transport` (the connection and its completion driver), `memory`
