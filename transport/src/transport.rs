@@ -321,9 +321,11 @@ impl RdmaTransport {
                 Ok(())
             }
             Err(e) => {
-                // Broken's own text already says what to do next; say it once.
+                // The outer error says what to do next; say it once.
                 let why = match e {
                     TransportError::Broken(m) => m,
+                    TransportError::PeerClosed { .. } => "the peer closed the connection or is unreachable".into(),
+                    TransportError::Completion { status, .. } => format!("completion status \"{status}\""),
                     other => other.to_string(),
                 };
                 Err(TransportError::Broken(format!("connection to {peer} refused or lost: {why}")))
@@ -448,13 +450,15 @@ impl RdmaTransport {
                 Ok(rx)
             }
         };
-        let inner = self.inner.clone();
+        // The guard exists from here on, so that a future dropped before
+        // its first poll is counted as abandoned too.
+        let waiter = early.map(|rx| Waiter { inner: self.inner.clone(), rx: Some(rx) });
         async move {
-            let rx = match early {
-                Ok(rx) => rx,
+            let mut w = match waiter {
+                Ok(w) => w,
                 Err(r) => return r,
             };
-            let mut w = Waiter { inner: &inner, rx: Some(rx) };
+            let inner = &w.inner;
             let rx = w.rx.as_mut().expect("set above");
             // Reap pending notifications here first (see `finish`).
             let res = match inner.reap_until(rx) {
@@ -869,12 +873,12 @@ enum Start {
 /// (a timeout, a cancelled future) it closes its receiver, hands on a
 /// notification that raced the drop, and counts itself abandoned so that
 /// the waiter table is pruned.
-struct Waiter<'a> {
-    inner: &'a Inner,
+struct Waiter {
+    inner: Arc<Inner>,
     rx: Option<ReplyRx>,
 }
 
-impl Drop for Waiter<'_> {
+impl Drop for Waiter {
     fn drop(&mut self) {
         let Some(mut rx) = self.rx.take() else { return };
         rx.close();

@@ -106,6 +106,11 @@ async fn timed_out_waits_leave_no_waiters_behind() {
         let _ = futures::poll!(w.as_mut());
     }
     assert!(b.waiters() <= 1, "{} waiter entries after 10,000 dropped waits", b.waiters());
+    // Even ones dropped before their first poll.
+    for _ in 0..WRITES {
+        drop(b.wait_for_write_with_timeout(None));
+    }
+    assert!(b.waiters() <= 1, "{} waiter entries after 10,000 never-polled waits", b.waiters());
     // Notifications still reach the next waiter.
     let (ma, mb) = (RdmaMemory::alloc(4096).unwrap(), RdmaMemory::alloc(4096).unwrap());
     a.write(ma.view(0, 8).unwrap(), &mb.remote_buffer(), true).await.unwrap();
