@@ -61,6 +61,11 @@ pub struct TransportConfig {
     /// this long (burning the calling worker thread meanwhile): lower latency
     /// for small operations. Zero (the default) never spins.
     pub busy_poll: Duration,
+    /// Most writes and reads in flight on one transport (posted, or
+    /// abandoned by their callers and not yet completed). A call made while
+    /// all are taken waits for one to free (backpressure) instead of
+    /// queueing without bound. At least 1.
+    pub max_in_flight: usize,
     /// Soft-provider settings (link, addresses, ...) when the soft provider
     /// is used; `None` takes them from the environment (`RMACOMM_SOFT_*`).
     /// Transports with different settings use different soft contexts.
@@ -85,6 +90,7 @@ impl Default for TransportConfig {
             recv_depth: 512,
             timeout,
             busy_poll: Duration::ZERO,
+            max_in_flight: 4096,
             soft: None,
         }
     }
@@ -149,6 +155,12 @@ impl TransportConfig {
     /// Sets [`busy_poll`](Self::busy_poll).
     pub fn with_busy_poll(mut self, busy_poll: Duration) -> Self {
         self.busy_poll = busy_poll;
+        self
+    }
+
+    /// Sets [`max_in_flight`](Self::max_in_flight).
+    pub fn with_max_in_flight(mut self, max_in_flight: usize) -> Self {
+        self.max_in_flight = max_in_flight;
         self
     }
 

@@ -1,9 +1,14 @@
 //! One open device and protection domain per (provider, device), shared by
 //! every transport and every registration in the process: memory registered
 //! once is usable on every connection to every peer.
+//!
+//! The table holds domains weakly: a device (for the soft provider, a
+//! context with its progress thread, listeners and key table) closes when
+//! its last transport and registration are gone, so transports made with
+//! many different settings do not pile up open devices.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use ibverbx::soft::SoftConfig;
 use ibverbx::{Context, ProtectionDomain, ProviderKind};
@@ -22,8 +27,8 @@ pub(crate) struct Domain {
 /// Provider, device, and the soft settings (as text: they hold no secret).
 type Key = (ProviderKind, Option<String>, String);
 
-fn table() -> &'static Mutex<HashMap<Key, Arc<Domain>>> {
-    static T: OnceLock<Mutex<HashMap<Key, Arc<Domain>>>> = OnceLock::new();
+fn table() -> &'static Mutex<HashMap<Key, Weak<Domain>>> {
+    static T: OnceLock<Mutex<HashMap<Key, Weak<Domain>>>> = OnceLock::new();
     T.get_or_init(|| Mutex::new(HashMap::new()))
 }
 
@@ -36,9 +41,10 @@ pub(crate) fn domain(
 ) -> Result<Arc<Domain>, TransportError> {
     let key = (provider, device.map(str::to_owned), format!("{soft:?}"));
     let mut t = table().lock().unwrap_or_else(|e| e.into_inner());
-    if let Some(d) = t.get(&key) {
-        return Ok(d.clone());
+    if let Some(d) = t.get(&key).and_then(Weak::upgrade) {
+        return Ok(d);
     }
+    t.retain(|_, d| d.strong_count() > 0);
     let mut devs = ibverbx::devices_of(provider)?;
     if let Some(cfg) = soft {
         // Code wins over the environment: the soft device with these settings.
@@ -54,6 +60,6 @@ pub(crate) fn domain(
     let ctx = dev.open()?;
     let pd = ctx.alloc_pd()?;
     let d = Arc::new(Domain { provider: dev.info().provider, device: dev.name().to_owned(), ctx, pd });
-    t.insert(key, d.clone());
+    t.insert(key, Arc::downgrade(&d));
     Ok(d)
 }

@@ -50,8 +50,15 @@
 //! # Resource cleanup
 //! Dropping the transport resolves its pending futures with
 //! [`TransportError::Aborted`]; memory named by operations still in flight
-//! stays alive until the provider has finished with it. Dropping an
-//! [`RdmaMemory`] revokes its key at once.
+//! stays alive until the provider has finished with it. Dropping a write or
+//! read future (a cancellation, a timeout) leaves the operation running: it
+//! keeps its memory's registration, and one of the transport's
+//! `max_in_flight` slots, until it completes. Dropping an [`RdmaMemory`]
+//! revokes its key at once when no operation of this process uses it, else
+//! when the last one completes.
+//! A device (on the soft provider: a context with one progress thread) is
+//! shared by the transports and memory that use it and closes with the last
+//! of them.
 //!
 //! # Organization
 //! `transport` (the connection and its completion driver), `memory`

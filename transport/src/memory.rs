@@ -8,12 +8,16 @@ use ibverbx::{AccessFlags, MemoryRegion, OwnedBuffer, ProviderKind};
 use crate::domain::{domain, Domain};
 use crate::{RdmaRemoteBuffer, RdmaTransport, TransportError};
 
-/// Memory registered for RDMA, deregistered when dropped. Registrations
+/// Memory registered for RDMA, deregistered when dropped and no operation
+/// of this process still uses it (a write or read whose future was dropped
+/// keeps it until the provider is done with it). Registrations
 /// belong to a device (shared by every transport on it), so one buffer
 /// serves all peers. Peers may read and write it at any time through its
 /// [`remote_buffer`](Self::remote_buffer).
 pub struct RdmaMemory {
-    mr: MemoryRegion,
+    /// Shared with the operations in flight on it: the registration (and
+    /// the bytes) outlive this value until they have completed.
+    mr: Arc<MemoryRegion>,
     pub(crate) domain: Arc<Domain>,
 }
 
@@ -47,7 +51,7 @@ impl RdmaMemory {
     pub fn register_for<B: OwnedBuffer>(transport: &RdmaTransport, buf: B) -> Result<RdmaMemory, TransportError> {
         let d = transport.domain().clone();
         let mr = MemoryRegion::register(&d.pd, buf, ACCESS)?;
-        Ok(RdmaMemory { mr, domain: d })
+        Ok(RdmaMemory { mr: Arc::new(mr), domain: d })
     }
 
     /// Allocates on the device `transport` uses.
@@ -60,7 +64,7 @@ impl RdmaMemory {
             return Err(TransportError::invalid("RdmaMemory::alloc", "length 0"));
         }
         let mr = MemoryRegion::alloc(&d.pd, len, ACCESS)?;
-        Ok(RdmaMemory { mr, domain: d })
+        Ok(RdmaMemory { mr: Arc::new(mr), domain: d })
     }
 
     /// Registers a buffer the caller hands over (`Vec<u8>`, `Box<[u8]>`,
@@ -68,7 +72,7 @@ impl RdmaMemory {
     pub fn register<B: OwnedBuffer>(buf: B) -> Result<RdmaMemory, TransportError> {
         let d = domain(ProviderKind::from_env().unwrap_or_default(), None, None)?;
         let mr = MemoryRegion::register(&d.pd, buf, ACCESS)?;
-        Ok(RdmaMemory { mr, domain: d })
+        Ok(RdmaMemory { mr: Arc::new(mr), domain: d })
     }
 
     /// Registers memory the caller owns, e.g. GPU or foreign memory.
@@ -80,7 +84,7 @@ impl RdmaMemory {
         let d = domain(ProviderKind::from_env().unwrap_or_default(), None, None)?;
         // SAFETY: forwarded to the caller.
         let mr = unsafe { MemoryRegion::register_raw(&d.pd, ptr, len, ACCESS)? };
-        Ok(RdmaMemory { mr, domain: d })
+        Ok(RdmaMemory { mr: Arc::new(mr), domain: d })
     }
 
     /// Length in bytes.
@@ -131,7 +135,7 @@ impl RdmaMemory {
         self.mr.write(offset, src).map_err(Into::into)
     }
 
-    pub(crate) fn mr(&self) -> &MemoryRegion {
+    pub(crate) fn mr(&self) -> &Arc<MemoryRegion> {
         &self.mr
     }
 

@@ -5,31 +5,46 @@ use std::fmt;
 use std::future::Future;
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicU8, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use ibverbx::{
-    ProviderKind, RecvWr, SendFlags, SendOp, SendWr, VirtualCq, VirtualQp, WcOpcode, WcStatus, WorkCompletion,
+    MemoryRegion, ProviderKind, RecvWr, SendFlags, SendOp, SendWr, Sge, VirtualCq, VirtualQp, WcOpcode, WcStatus,
+    WorkCompletion,
 };
 use tokio::io::unix::AsyncFd;
-use tokio::sync::{oneshot, Notify};
+use tokio::sync::{oneshot, Notify, OwnedSemaphorePermit, Semaphore, TryAcquireError};
 
 use crate::domain::{domain, Domain};
 use crate::memory::{View, ViewMut};
 use crate::{url, RdmaRemoteBuffer, TransportConfig, TransportError};
 
 type Reply = oneshot::Sender<Result<(), TransportError>>;
+type ReplyRx = oneshot::Receiver<Result<(), TransportError>>;
 
 struct Pending {
     op: &'static str,
-    tx: Reply,
-    /// Generation of the slab slot: a WR id is `gen << 32 | slot`, so a late
-    /// completion of a WR whose call timed out never resolves the slot's
-    /// next user.
+    /// Taken when the result is delivered early (the transport broke or was
+    /// dropped); the entry itself stays until the WR's completion.
+    tx: Option<Reply>,
+    /// Generation of the slab slot: a WR id is `gen << 32 | slot`, so a
+    /// completion never resolves a later user of the same slot.
     gen: u32,
+    /// The registration the WR reads or writes, held until the WR's virtual
+    /// completion. That completion comes only once every physical fragment
+    /// has completed or been flushed, fragments still queued in the virtual
+    /// QP's planner included, so a caller that drops its future and then its
+    /// `RdmaMemory` (a cancellation, a timeout) never has a fragment posted
+    /// with a dead key (which would break the connection) nor a late READ
+    /// land in memory that went back to the allocator.
+    _mem: Option<Arc<MemoryRegion>>,
+    /// The operation's in-flight slot, given back with the entry.
+    _slot: OwnedSemaphorePermit,
 }
 
-/// Posted WRs awaiting their completion, by id.
+/// Posted WRs awaiting their completion, by id. Entries leave only with
+/// their WR's completion (or with the transport), so the table is bounded
+/// by `max_in_flight`.
 #[derive(Default)]
 struct PendingSet {
     slots: slab::Slab<Pending>,
@@ -37,11 +52,17 @@ struct PendingSet {
 }
 
 impl PendingSet {
-    fn insert(&mut self, op: &'static str, tx: Reply) -> u64 {
+    fn insert(
+        &mut self,
+        op: &'static str,
+        tx: Reply,
+        mem: Option<Arc<MemoryRegion>>,
+        slot: OwnedSemaphorePermit,
+    ) -> u64 {
         // 31 bits: bit 63 of an id marks receives.
         let gen = self.next_gen & 0x7fff_ffff;
         self.next_gen = self.next_gen.wrapping_add(1);
-        let slot = self.slots.insert(Pending { op, tx, gen });
+        let slot = self.slots.insert(Pending { op, tx: Some(tx), gen, _mem: mem, _slot: slot });
         (u64::from(gen) << 32) | slot as u64
     }
 
@@ -53,8 +74,14 @@ impl PendingSet {
         }
     }
 
-    fn drain(&mut self) -> impl Iterator<Item = Pending> + '_ {
-        self.slots.drain()
+    /// Resolves every caller still waiting, keeping the entries (and the
+    /// memory they hold) until the WRs' completions or the transport's end.
+    fn resolve_all(&mut self, e: impl Fn(&'static str) -> TransportError) {
+        for (_, p) in self.slots.iter_mut() {
+            if let Some(tx) = p.tx.take() {
+                let _ = tx.send(Err(e(p.op)));
+            }
+        }
     }
 }
 
@@ -62,16 +89,55 @@ impl PendingSet {
 struct State {
     pending: PendingSet,
     broken: Option<TransportError>,
+    /// `broken` was guessed from a flushed receive, before the failure that
+    /// caused the flush was known; that failure, once it arrives, replaces it.
+    broken_guessed: bool,
+    /// The transport was dropped: calls still pending end with `Aborted`.
+    dropped: bool,
     banked: u64,
     waiters: VecDeque<Reply>,
+    /// Waits that timed out or were dropped since the last prune; their
+    /// closed senders are still in `waiters`.
+    abandoned: usize,
 }
 
+impl State {
+    /// Hands one notification to the oldest live waiter, or banks it.
+    fn deliver_notification(&mut self) {
+        while let Some(w) = self.waiters.pop_front() {
+            if w.send(Ok(())).is_ok() {
+                return;
+            }
+            self.abandoned = self.abandoned.saturating_sub(1);
+        }
+        self.banked += 1;
+    }
+
+    /// Counts one abandoned wait; once they are half the table, removes
+    /// them all (amortised O(1) a wait, and the table stays within twice
+    /// the live waits).
+    fn abandon_waiter(&mut self) {
+        self.abandoned += 1;
+        if self.abandoned * 2 >= self.waiters.len() {
+            self.waiters.retain(|w| !w.is_closed());
+            self.abandoned = 0;
+        }
+    }
+}
+
+// Field order is drop order: the QP goes (and with it every physical WR)
+// before `st` lets go of the memory the pending WRs hold.
 struct Inner {
     domain: Arc<Domain>,
     cq: VirtualCq,
     qp: VirtualQp,
     config: TransportConfig,
     st: Mutex<State>,
+    /// `max_in_flight` permits; each operation holds one from its post to
+    /// its completion.
+    slots: Arc<Semaphore>,
+    /// Who the peer is, for errors (set by `connect`).
+    peer: OnceLock<String>,
     /// Where `connect` stands: one of the `CONN_*` values.
     conn: AtomicU8,
     shutdown: Notify,
@@ -155,6 +221,12 @@ impl RdmaTransport {
             // report it here rather than run on a provider nobody chose.
             ProviderKind::from_env()?;
         }
+        if config.max_in_flight == 0 || config.max_in_flight > Semaphore::MAX_PERMITS {
+            return Err(TransportError::invalid(
+                "RdmaTransport::new",
+                format!("max_in_flight must be between 1 and {}", Semaphore::MAX_PERMITS),
+            ));
+        }
         let d = domain(config.provider, config.device.as_deref(), config.soft.as_ref())?;
         let vcfg = config.virtual_qp_config();
         vcfg.validate()?;
@@ -165,8 +237,10 @@ impl RdmaTransport {
                 domain: d,
                 cq,
                 qp,
+                slots: Arc::new(Semaphore::new(config.max_in_flight)),
                 config,
                 st: Mutex::new(State::default()),
+                peer: OnceLock::new(),
                 conn: AtomicU8::new(CONN_IDLE),
                 shutdown: Notify::new(),
                 posting: std::sync::atomic::AtomicUsize::new(0),
@@ -218,6 +292,7 @@ impl RdmaTransport {
         let rt = tokio::runtime::Handle::try_current()
             .map_err(|_| TransportError::Unsupported("connect must be called inside a tokio runtime".into()))?;
         let peer = url::describe(&provider, &ep);
+        let _ = self.inner.peer.set(peer.clone());
         claim.qp_touched = true;
         self.inner.qp.connect(&ep).map_err(|e| match TransportError::from(e) {
             TransportError::InvalidArgument { op, reason } => {
@@ -232,23 +307,25 @@ impl RdmaTransport {
         rt.spawn(drive(self.inner.clone()));
         // A zero-byte write proves the peer accepted this side's connection
         // (a wrong token or a dead peer fails it).
-        let (id, rx) = self.inner.register("connect")?;
-        self.inner.qp.post_send(&[SendWr {
-            wr_id: id,
-            op: SendOp::RdmaWrite { remote_addr: 0, rkey: 0 },
-            sg_list: &[],
-            flags: SendFlags::SIGNALED,
-        }])?;
+        let slot = self.inner.slots.clone().try_acquire_owned().map_err(|_| TransportError::ResourceExhausted {
+            what: "connect: no in-flight slot is free on a fresh transport".into(),
+        })?;
+        let rx = self.inner.post(
+            Op { name: "connect", op: SendOp::RdmaWrite { remote_addr: 0, rkey: 0 }, sge: None, mem: None },
+            slot,
+        )?;
         let t = self.inner.config.timeout.unwrap_or(Duration::from_secs(30));
-        match self.inner.finish(id, rx, "connect", Some(t)).await {
+        match self.inner.finish(rx, "connect", Some((t, tokio::time::Instant::now() + t))).await {
             Ok(()) => {
                 claim.succeeded();
                 Ok(())
             }
             Err(e) => {
-                // Broken's own text already says what to do next; say it once.
+                // The outer error says what to do next; say it once.
                 let why = match e {
                     TransportError::Broken(m) => m,
+                    TransportError::PeerClosed { .. } => "the peer closed the connection or is unreachable".into(),
+                    TransportError::Completion { status, .. } => format!("completion status \"{status}\""),
                     other => other.to_string(),
                 };
                 Err(TransportError::Broken(format!("connection to {peer} refused or lost: {why}")))
@@ -287,9 +364,15 @@ impl RdmaTransport {
     /// when the data is placed. With `notify`, the peer's
     /// [`wait_for_write`](Self::wait_for_write) is satisfied once.
     ///
-    /// The write is posted when this is called; the future does not borrow
-    /// the transport, so dropping the transport resolves it with
-    /// [`TransportError::Aborted`].
+    /// The write is posted when this is called if one of the transport's
+    /// `max_in_flight` slots is free, else when the future, polled, gets
+    /// one (backpressure: memory stays bounded however many calls are
+    /// made). The future does not borrow the transport, so dropping the
+    /// transport resolves it with [`TransportError::Aborted`].
+    ///
+    /// Dropping the future (or timing out) never breaks the transport: the
+    /// write goes on, keeping `local`'s registration alive (and its slot)
+    /// until it completes, even when the `RdmaMemory` itself is dropped.
     pub fn write<'a>(
         &self,
         local: View<'a>,
@@ -312,12 +395,13 @@ impl RdmaTransport {
         } else {
             SendOp::RdmaWrite { remote_addr: remote.addr, rkey: remote.key }
         };
-        let posted = self.post("write", local.mem, local.offset, local.len, remote, op);
-        self.inner.clone().complete(posted, "write", timeout, local)
+        let started = self.start(self.prepare("write", local.mem, local.offset, local.len, remote, op));
+        self.inner.clone().complete(started, "write", timeout, local)
     }
 
     /// Reads the peer's `remote` buffer into `local` (zero-copy). Posted when
-    /// called, like [`write`](Self::write).
+    /// called or once a slot frees, like [`write`](Self::write); a dropped
+    /// read keeps `local`'s registration until the data has landed.
     pub fn read<'a>(
         &self,
         local: ViewMut<'a>,
@@ -334,8 +418,8 @@ impl RdmaTransport {
         timeout: Option<Duration>,
     ) -> impl Future<Output = Result<(), TransportError>> + Send + 'a {
         let op = SendOp::RdmaRead { remote_addr: remote.addr, rkey: remote.key };
-        let posted = self.post("read", local.mem, local.offset, local.len, remote, op);
-        self.inner.clone().complete(posted, "read", timeout, local)
+        let started = self.start(self.prepare("read", local.mem, local.offset, local.len, remote, op));
+        self.inner.clone().complete(started, "read", timeout, local)
     }
 
     /// Waits for one notifying write from the peer. A counting semaphore:
@@ -366,56 +450,76 @@ impl RdmaTransport {
                 Ok(rx)
             }
         };
-        let inner = self.inner.clone();
+        // The guard exists from here on, so that a future dropped before
+        // its first poll is counted as abandoned too.
+        let waiter = early.map(|rx| Waiter { inner: self.inner.clone(), rx: Some(rx) });
         async move {
-            let mut rx = match early {
-                Ok(rx) => rx,
+            let mut w = match waiter {
+                Ok(w) => w,
                 Err(r) => return r,
             };
+            let inner = &w.inner;
+            let rx = w.rx.as_mut().expect("set above");
             // Reap pending notifications here first (see `finish`).
-            if let Some(r) = inner.reap_until(&mut rx) {
-                return r;
-            }
-            let res = match timeout {
-                None => (&mut rx).await,
-                Some(t) => match tokio::time::timeout(t, &mut rx).await {
-                    Ok(r) => r,
-                    Err(_) => {
-                        // A notification that raced the timeout is kept: it is
-                        // either here already or, once rx is dropped, banked.
-                        return match rx.try_recv() {
-                            Ok(r) => r,
-                            Err(_) => Err(TransportError::Timeout { op: OP, after: t }),
-                        };
-                    }
+            let res = match inner.reap_until(rx) {
+                Some(r) => Ok(r),
+                None => match timeout {
+                    None => rx.await,
+                    Some(t) => match tokio::time::timeout(t, &mut *rx).await {
+                        Ok(r) => r,
+                        // A notification that raced the timeout is taken;
+                        // one that comes later is handed on by the
+                        // Waiter's drop.
+                        Err(_) => match rx.try_recv() {
+                            Ok(r) => Ok(r),
+                            Err(_) => return Err(TransportError::Timeout { op: OP, after: t }),
+                        },
+                    },
                 },
             };
+            w.rx = None;
             res.unwrap_or(Err(TransportError::Aborted { op: OP }))
         }
     }
 
-    /// Validates and posts one WR; returns its id and completion receiver.
-    fn post(
+    /// Operations posted (or being posted) and not yet completed, those
+    /// whose callers timed out or dropped their futures included: never
+    /// more than [`TransportConfig::max_in_flight`]. A diagnostic.
+    pub fn in_flight(&self) -> usize {
+        self.inner.lock().pending.slots.len()
+    }
+
+    /// Entries in the table of `wait_for_write` calls: the waiting ones plus
+    /// at most as many abandoned (timed out, dropped) ones not yet pruned.
+    /// A diagnostic.
+    pub fn waiters(&self) -> usize {
+        self.inner.lock().waiters.len()
+    }
+
+    /// Validates an operation (nothing is posted yet).
+    fn prepare(
         &self,
-        op_name: &'static str,
+        name: &'static str,
         mem: &crate::RdmaMemory,
         offset: usize,
         len: usize,
         remote: &RdmaRemoteBuffer,
         op: SendOp,
-    ) -> Result<(u64, oneshot::Receiver<Result<(), TransportError>>), TransportError> {
-        self.check(op_name, mem, len, remote)?;
-        let sge = [mem.mr().sge(offset, len)?];
-        let sg: &[ibverbx::Sge] = if len == 0 { &[] } else { &sge };
-        let (id, rx) = self.inner.register(op_name)?;
-        self.inner.posting.fetch_add(1, Ordering::AcqRel);
-        let posted = self.inner.qp.post_send(&[SendWr { wr_id: id, op, sg_list: sg, flags: SendFlags::SIGNALED }]);
-        self.inner.posting.fetch_sub(1, Ordering::AcqRel);
-        if let Err(e) = posted {
-            self.inner.lock().pending.remove(id);
-            return Err(e.into());
+    ) -> Result<Op, TransportError> {
+        self.check(name, mem, len, remote)?;
+        let sge = mem.mr().sge(offset, len)?;
+        Ok(Op { name, op, sge: (len > 0).then_some(sge), mem: Some(mem.mr().clone()) })
+    }
+
+    /// Posts a validated operation now if a slot is free; else the caller's
+    /// future waits for one.
+    fn start(&self, op: Result<Op, TransportError>) -> Result<Start, TransportError> {
+        let op = op?;
+        match self.inner.slots.clone().try_acquire_owned() {
+            Ok(slot) => self.inner.post(op, slot).map(Start::Posted),
+            Err(TryAcquireError::NoPermits) => Ok(Start::Waiting(op)),
+            Err(TryAcquireError::Closed) => Err(self.inner.closed_error(op.name)),
         }
-        Ok((id, rx))
     }
 
     fn check(
@@ -456,31 +560,66 @@ impl Inner {
         self.st.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn register(
-        &self,
-        op: &'static str,
-    ) -> Result<(u64, oneshot::Receiver<Result<(), TransportError>>), TransportError> {
-        let mut st = self.lock();
-        if let Some(e) = &st.broken {
-            return Err(e.clone());
-        }
+    /// Records and posts one WR holding `slot`; returns its completion
+    /// receiver.
+    fn post(&self, op: Op, slot: OwnedSemaphorePermit) -> Result<ReplyRx, TransportError> {
         let (tx, rx) = oneshot::channel();
-        let id = st.pending.insert(op, tx);
-        Ok((id, rx))
+        let id = {
+            let mut st = self.lock();
+            if let Some(e) = &st.broken {
+                return Err(if st.dropped { TransportError::Aborted { op: op.name } } else { e.clone() });
+            }
+            st.pending.insert(op.name, tx, op.mem, slot)
+        };
+        let sge = op.sge.as_slice();
+        self.posting.fetch_add(1, Ordering::AcqRel);
+        let posted = self.qp.post_send(&[SendWr { wr_id: id, op: op.op, sg_list: sge, flags: SendFlags::SIGNALED }]);
+        self.posting.fetch_sub(1, Ordering::AcqRel);
+        if let Err(e) = posted {
+            self.lock().pending.remove(id);
+            return Err(e.into());
+        }
+        Ok(rx)
     }
 
-    /// The future of a posted WR. `_keep` borrows the local memory for as
-    /// long as the future lives.
+    /// Why no slot can be had: the slots close when the transport breaks or
+    /// is dropped.
+    fn closed_error(&self, op: &'static str) -> TransportError {
+        let st = self.lock();
+        match &st.broken {
+            Some(e) if !st.dropped => e.clone(),
+            _ => TransportError::Aborted { op },
+        }
+    }
+
+    /// The future of an operation: waits for a slot if it has none yet,
+    /// posts, then waits for the completion. `_keep` borrows the local
+    /// memory for as long as the future lives.
     async fn complete<K: Send>(
         self: Arc<Self>,
-        posted: Result<(u64, oneshot::Receiver<Result<(), TransportError>>), TransportError>,
+        started: Result<Start, TransportError>,
         op: &'static str,
         timeout: Option<Duration>,
         _keep: K,
     ) -> Result<(), TransportError> {
         let _keep = _keep;
-        let (id, rx) = posted?;
-        self.finish(id, rx, op, timeout).await
+        let deadline = timeout.map(|t| (t, tokio::time::Instant::now() + t));
+        let rx = match started? {
+            Start::Posted(rx) => rx,
+            Start::Waiting(o) => {
+                let acquire = self.slots.clone().acquire_owned();
+                let slot = match deadline {
+                    None => acquire.await,
+                    Some((after, at)) => match tokio::time::timeout_at(at, acquire).await {
+                        Ok(r) => r,
+                        Err(_) => return Err(TransportError::Timeout { op, after }),
+                    },
+                };
+                let slot = slot.map_err(|_| self.closed_error(op))?;
+                self.post(o, slot)?
+            }
+        };
+        self.finish(rx, op, deadline).await
     }
 
     /// Polls the CQ once from the calling task and resolves what it finds:
@@ -527,45 +666,74 @@ impl Inner {
         None
     }
 
+    /// Waits for the completion of WR `id` until `deadline` (how long it
+    /// allowed, and when it ends).
     async fn finish(
         &self,
-        id: u64,
-        mut rx: oneshot::Receiver<Result<(), TransportError>>,
+        mut rx: ReplyRx,
         op: &'static str,
-        timeout: Option<Duration>,
+        deadline: Option<(Duration, tokio::time::Instant)>,
     ) -> Result<(), TransportError> {
         // Reap here first (and, with busy_poll, keep reaping for a while):
         // no wake-up of the driver task is needed for what is found.
         if let Some(r) = self.reap_until(&mut rx) {
             return r;
         }
-        let r = match timeout {
-            None => rx.await,
-            Some(t) => match tokio::time::timeout(t, rx).await {
+        let r = match deadline {
+            None => (&mut rx).await,
+            Some((after, at)) => match tokio::time::timeout_at(at, &mut rx).await {
                 Ok(r) => r,
                 Err(_) => {
-                    // The WR stays posted; its completion is ignored.
-                    self.lock().pending.remove(id);
-                    return Err(TransportError::Timeout { op, after: t });
+                    // The WR stays posted, its entry (holding the memory and
+                    // the slot) until its completion, which nobody awaits.
+                    return rx.try_recv().unwrap_or(Err(TransportError::Timeout { op, after }));
                 }
             },
         };
         r.unwrap_or(Err(TransportError::Aborted { op }))
     }
 
-    /// Marks the transport broken and fails everything pending with `e`.
+    /// Marks the transport broken and fails everything pending with `e`
+    /// (the entries stay until their WRs' flushes; see [`PendingSet`]).
     fn break_with(&self, e: TransportError) {
         let mut st = self.lock();
-        if st.broken.is_none() {
+        if st.broken.is_none() || st.broken_guessed {
             tracing::warn!("rmacomm transport broken: {e}");
             st.broken = Some(e.clone());
+            st.broken_guessed = false;
         }
         let e = st.broken.clone().expect("set above");
-        for p in st.pending.drain() {
-            let _ = p.tx.send(Err(e.clone()));
-        }
+        st.pending.resolve_all(|_| e.clone());
         for w in st.waiters.drain(..) {
             let _ = w.send(Err(e.clone()));
+        }
+        st.abandoned = 0;
+        drop(st);
+        // Calls waiting for a slot fail now rather than post into a dead QP.
+        self.slots.close();
+    }
+
+    fn peer(&self) -> String {
+        self.peer.get().cloned().unwrap_or_else(|| "the peer".into())
+    }
+
+    /// The error a failed completion of `op` stands for. The virtual QP
+    /// remembers its first failure: the WRs it flushed report
+    /// `WrFlushErr`, which says nothing of the cause.
+    fn completion_error(&self, op: &'static str, status: WcStatus) -> TransportError {
+        let root = match self.qp.error() {
+            Some((s, _)) if s != WcStatus::WrFlushErr => s,
+            _ => status,
+        };
+        match root {
+            WcStatus::RemAccessErr if status == WcStatus::RemAccessErr => TransportError::RemoteAccess { op },
+            // The soft provider's dead peer (closed socket, exited process)
+            // and, on hardware, an unanswered peer: both mean it is gone.
+            // A flush with no known cause is the provider moving the QP to
+            // the error state on its own, which it does when the link to
+            // the peer went away while nothing was in flight.
+            WcStatus::RetryExcErr | WcStatus::WrFlushErr => TransportError::PeerClosed { peer: self.peer() },
+            s => TransportError::Completion { op, status: s, peer: self.peer() },
         }
     }
 
@@ -575,32 +743,34 @@ impl Inner {
             if wc.status != WcStatus::Success {
                 // Pending writes and reads get their own completions (with
                 // the real status); only waiters and later calls fail here.
+                // A flushed receive says the connection is gone, not why: the
+                // send that failed (if one was in flight) tells, maybe later.
+                // Without it, a peer that went away is the likely cause.
+                let known = self.qp.error().is_some_and(|(s, _)| s != WcStatus::WrFlushErr);
+                let cause = self.completion_error("wait_for_write", wc.status);
                 let mut st = self.lock();
-                let e = st
-                    .broken
-                    .get_or_insert_with(|| TransportError::Broken(format!("the connection failed: {}", wc.status)))
-                    .clone();
+                if st.broken.is_none() {
+                    st.broken_guessed = !known;
+                }
+                let e = st.broken.get_or_insert(cause).clone();
                 for w in st.waiters.drain(..) {
                     let _ = w.send(Err(e.clone()));
                 }
+                st.abandoned = 0;
                 return;
             }
             let _ = self.qp.post_recv(&[RecvWr { wr_id: wc.wr_id, sg_list: &[] }]);
-            let mut st = self.lock();
-            while let Some(w) = st.waiters.pop_front() {
-                if w.send(Ok(())).is_ok() {
-                    return;
-                }
-            }
-            st.banked += 1;
+            self.lock().deliver_notification();
             return;
         }
+        // The entry goes only now, with the WR's (virtual) completion: its
+        // memory and slot were held until every fragment was done.
         let p = self.lock().pending.remove(wc.wr_id);
         let op = p.as_ref().map_or("operation", |p| p.op);
+        let tx = p.and_then(|mut p| p.tx.take());
         let res = match wc.status {
             WcStatus::Success => Ok(()),
-            WcStatus::RemAccessErr => Err(TransportError::RemoteAccess { op }),
-            s => Err(TransportError::Broken(format!("{op} failed: {s}"))),
+            s => Err(self.completion_error(op, s)),
         };
         if let Err(e) = &res {
             let broken = match e {
@@ -611,13 +781,9 @@ impl Inner {
             };
             // Broken first, so that whoever the result wakes sees it.
             self.break_with(broken);
-            if let Some(p) = p {
-                let _ = p.tx.send(res.clone());
-            }
-            return;
         }
-        if let Some(p) = p {
-            let _ = p.tx.send(res);
+        if let Some(tx) = tx {
+            let _ = tx.send(res);
         }
     }
 }
@@ -686,19 +852,60 @@ async fn drive(inner: Arc<Inner>) {
     }
 }
 
+/// A validated operation, waiting for its slot or being posted.
+struct Op {
+    name: &'static str,
+    op: SendOp,
+    /// `None` for zero bytes.
+    sge: Option<Sge>,
+    /// The registration `sge` names (moved into the pending entry).
+    mem: Option<Arc<MemoryRegion>>,
+}
+
+/// How an operation left its call.
+enum Start {
+    Posted(ReplyRx),
+    /// No slot was free: the future posts once it gets one.
+    Waiting(Op),
+}
+
+/// A `wait_for_write` in progress. Dropped before it got its notification
+/// (a timeout, a cancelled future) it closes its receiver, hands on a
+/// notification that raced the drop, and counts itself abandoned so that
+/// the waiter table is pruned.
+struct Waiter {
+    inner: Arc<Inner>,
+    rx: Option<ReplyRx>,
+}
+
+impl Drop for Waiter {
+    fn drop(&mut self) {
+        let Some(mut rx) = self.rx.take() else { return };
+        rx.close();
+        let raced = matches!(rx.try_recv(), Ok(Ok(())));
+        let mut st = self.inner.lock();
+        if raced {
+            st.deliver_notification();
+        } else {
+            st.abandon_waiter();
+        }
+    }
+}
+
 impl Drop for RdmaTransport {
     fn drop(&mut self) {
         let mut st = self.inner.lock();
         st.broken.get_or_insert(TransportError::Broken("the transport was dropped".into()));
-        for p in st.pending.drain() {
-            let _ = p.tx.send(Err(TransportError::Aborted { op: p.op }));
-        }
+        st.dropped = true;
+        // The entries (and the memory they hold) stay until `Inner` goes,
+        // after its QP: a WR may still be running in the provider.
+        st.pending.resolve_all(|op| TransportError::Aborted { op });
         for w in st.waiters.drain(..) {
             let _ = w.send(Err(TransportError::Aborted { op: "wait_for_write" }));
         }
         drop(st);
-        // Stop the QP (its posted WRs keep their memory alive until flushed)
-        // and the driver.
+        self.inner.slots.close();
+        // Stop the QP and the driver.
         self.inner.qp.fail();
         self.inner.shutdown.notify_one();
     }
@@ -711,12 +918,14 @@ mod tests {
     #[test]
     fn a_reused_slot_ignores_the_completion_of_its_previous_user() {
         let mut p = PendingSet::default();
+        let slots = Arc::new(Semaphore::new(2));
+        let slot = || slots.clone().try_acquire_owned().unwrap();
         let (tx, _rx) = oneshot::channel();
-        let old = p.insert("write", tx);
+        let old = p.insert("write", tx, None, slot());
         // The call timed out: its entry goes, the WR stays posted.
         assert!(p.remove(old).is_some());
         let (tx, _rx2) = oneshot::channel();
-        let new = p.insert("read", tx);
+        let new = p.insert("read", tx, None, slot());
         assert_eq!(old & 0xffff_ffff, new & 0xffff_ffff, "the slot is reused");
         assert_ne!(old, new);
         // The old WR's late completion finds nothing; the new one its own.
@@ -724,5 +933,7 @@ mod tests {
         assert_eq!(p.remove(new).map(|e| e.op), Some("read"));
         assert!(p.remove(new).is_none());
         assert_eq!(new & RECV_BIT, 0);
+        // Each entry gave its slot back with it.
+        assert_eq!(slots.available_permits(), 2);
     }
 }

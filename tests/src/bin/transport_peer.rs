@@ -99,7 +99,8 @@ async fn main() {
                     t.write_with_timeout(mem.view(0, n).unwrap(), &peer.rb, true, Some(Duration::from_secs(3))).await;
                 if let Err(e) = r {
                     let kind = match e {
-                        TransportError::Broken(_) => "broken",
+                        TransportError::PeerClosed { .. } => "peer_closed",
+                        ref e if e.is_broken() => "broken",
                         TransportError::Timeout { .. } => "timeout",
                         _ => "other",
                     };
