@@ -27,6 +27,15 @@ use crate::wr::{RecvWr, SendWr};
 use crate::{Error, Result};
 
 /// Where the bytes of a memory region travel when a same-host peer targets it.
+///
+/// The variants name provider-specific mechanisms: a region of the verbs
+/// provider is always [`Hardware`](Placement::Hardware); the soft provider
+/// reports [`SharedSegment`](Placement::SharedSegment) or
+/// [`ProcessVm`](Placement::ProcessVm), and its peers may still fall back to
+/// [`Staged`](Placement::Staged). Kept in this generic module because
+/// [`MrOps::placement`] and [`MemoryRegion::placement`](crate::MemoryRegion::placement)
+/// return it and applications match on it (renaming or moving the variants
+/// would break them).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Placement {
     /// The region lies in a shared segment: peers on this host map it and

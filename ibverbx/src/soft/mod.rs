@@ -15,6 +15,7 @@
 //! from the registered memory and read straight into the target's.
 //!
 //! # Organization
+//! - `address`: the soft part of a QP's endpoint (`SoftAddress`, `HostId`)
 //! - `wire`: frame format and validation (sans-IO)
 //! - `keytable`: the shared table of a context's regions
 //! - `context`: progress engine, listeners, PDs, registration
@@ -34,6 +35,7 @@
 mod atomics {
     pub(crate) use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 }
+mod address;
 mod attach;
 mod config;
 mod context;
@@ -55,6 +57,7 @@ pub mod wire;
 
 use std::sync::{Arc, Mutex};
 
+pub use address::{HostId, SoftAddress};
 pub use config::{SoftConfig, SoftLink};
 
 /// Counters of a soft context (diagnostics; they only grow).

@@ -7,9 +7,10 @@ use std::sync::atomic::Ordering;
 use tokio::sync::mpsc;
 
 use super::{RecvEntry, SoftQp, SqEntry};
-use crate::endpoint::{QpEndpoint, SoftAddress};
+use crate::endpoint::QpEndpoint;
 use crate::provider::QpOps;
 use crate::qp_attr::{QpCaps, QpState, QpTransition, RtsAttr};
+use crate::soft::address::SoftAddress;
 use crate::soft::mr::LocalSeg;
 use crate::wr::{RecvWr, SendOp, SendWr};
 use crate::{AccessFlags, Error, Gid, Result};

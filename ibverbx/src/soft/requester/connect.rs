@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::{Reader, Writer};
-use crate::endpoint::SoftAddress;
 use crate::qp_attr::RtsAttr;
+use crate::soft::address::SoftAddress;
 use crate::soft::config::SoftLink;
 use crate::soft::peer::PeerMap;
 use crate::soft::qp::SoftQp;
