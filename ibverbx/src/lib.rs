@@ -95,6 +95,7 @@ pub use access::AccessFlags;
 pub use context::Context;
 pub use cq::CompletionQueue;
 pub use device::{Device, DeviceAttr, DeviceInfo, Gid, LinkLayer, Mtu, PortAttr, PortState};
+#[doc(inline)]
 pub use endpoint::{HostId, QpEndpoint, SoftAddress};
 pub use error::{Error, Result};
 pub use mr::{MemoryRegion, OwnedBuffer};

@@ -156,9 +156,10 @@ impl MemoryRegion {
         Ok(MemoryRegion { ops, pd: pd.clone() })
     }
 
-    /// Registers a DMA-BUF (GPU memory exported by its driver) on the verbs
-    /// provider (`ibv_reg_dmabuf_mr`); `iova` is the address peers use.
-    /// Other providers refuse it with an error.
+    /// Registers a DMA-BUF (GPU memory exported by its driver) through the
+    /// PD's provider ([`PdOps::reg_dmabuf`](crate::provider::PdOps::reg_dmabuf):
+    /// the verbs provider's `ibv_reg_dmabuf_mr`); `iova` is the address peers
+    /// use. Other providers refuse it with an error.
     ///
     /// # Safety
     /// The DMA-BUF range must stay allocated until this region is dropped and
@@ -172,7 +173,7 @@ impl MemoryRegion {
         access: AccessFlags,
     ) -> Result<MemoryRegion> {
         // SAFETY: forwarded to the caller.
-        let ops = unsafe { crate::verbs::reg_dmabuf_mr(pd, fd, offset, len, iova, access)? };
+        let ops = unsafe { pd.inner.ops.reg_dmabuf(fd, offset, len, iova, access)? };
         Ok(MemoryRegion { ops, pd: pd.clone() })
     }
 

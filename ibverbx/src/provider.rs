@@ -15,7 +15,7 @@
 
 use std::any::Any;
 use std::fmt::Debug;
-use std::os::fd::RawFd;
+use std::os::fd::{BorrowedFd, RawFd};
 use std::sync::Arc;
 
 use crate::access::AccessFlags;
@@ -24,9 +24,18 @@ use crate::endpoint::QpEndpoint;
 use crate::qp_attr::{QpCaps, QpInitAttr, QpState, QpTransition};
 use crate::wc::WorkCompletion;
 use crate::wr::{RecvWr, SendWr};
-use crate::Result;
+use crate::{Error, Result};
 
 /// Where the bytes of a memory region travel when a same-host peer targets it.
+///
+/// The variants name provider-specific mechanisms: a region of the verbs
+/// provider is always [`Hardware`](Placement::Hardware); the soft provider
+/// reports [`SharedSegment`](Placement::SharedSegment) or
+/// [`ProcessVm`](Placement::ProcessVm), and its peers may still fall back to
+/// [`Staged`](Placement::Staged). Kept in this generic module because
+/// [`MrOps::placement`] and [`MemoryRegion::placement`](crate::MemoryRegion::placement)
+/// return it and applications match on it (renaming or moving the variants
+/// would break them).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Placement {
     /// The region lies in a shared segment: peers on this host map it and
@@ -85,6 +94,28 @@ pub trait PdOps: Send + Sync + Debug {
         access: AccessFlags,
         owner: Option<Arc<dyn Any + Send + Sync>>,
     ) -> Result<Arc<dyn MrOps>>;
+    /// `ibv_reg_dmabuf_mr`: registers `len` bytes at `offset` of a DMA-BUF
+    /// (GPU memory exported by its driver), addressed by peers and SGEs as
+    /// `iova..iova+len`. The default refuses it: only a provider whose
+    /// hardware can reach device memory implements it.
+    ///
+    /// # Safety
+    /// The DMA-BUF's memory must stay allocated until the returned region is
+    /// deregistered and every WR naming it has completed.
+    unsafe fn reg_dmabuf(
+        &self,
+        fd: BorrowedFd<'_>,
+        offset: u64,
+        len: usize,
+        iova: u64,
+        access: AccessFlags,
+    ) -> Result<Arc<dyn MrOps>> {
+        let _ = (fd, offset, len, iova, access);
+        Err(Error::invalid(
+            "reg_dmabuf_mr",
+            "this PD's provider cannot register a DMA-BUF; use a PD of the verbs provider",
+        ))
+    }
     /// `ibv_create_qp` for an RC QP.
     fn create_qp(
         &self,

@@ -15,6 +15,7 @@ use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
+use super::address::{HostId, SoftAddress};
 use super::config::SoftConfig;
 use super::cq::SoftCq;
 use super::host::{host_id, local_ipv4_addrs};
@@ -24,7 +25,6 @@ use super::peer::PeerMap;
 use super::qp::{Refusal, SoftQp};
 use super::wire::{Hello, HelloStatus, HELLO_LEN};
 use crate::device::{DeviceAttr, Gid, LinkLayer, Mtu, PortAttr, PortState};
-use crate::endpoint::{HostId, SoftAddress};
 use crate::provider::{ContextOps, CqOps, MrOps, PdOps, Placement, QpOps};
 use crate::shm::find_segment;
 use crate::{AccessFlags, Error, QpInitAttr, Result};

@@ -4,7 +4,7 @@
 use std::net::{IpAddr, Ipv4Addr};
 use std::os::unix::fs::MetadataExt;
 
-use crate::endpoint::HostId;
+use super::address::HostId;
 
 /// This process's host identity: boot id, IPC namespace, network namespace.
 pub(crate) fn host_id() -> HostId {

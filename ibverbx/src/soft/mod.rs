@@ -15,13 +15,18 @@
 //! from the registered memory and read straight into the target's.
 //!
 //! # Organization
+//! - `address`: the soft part of a QP's endpoint (`SoftAddress`, `HostId`)
 //! - `wire`: frame format and validation (sans-IO)
 //! - `keytable`: the shared table of a context's regions
 //! - `context`: progress engine, listeners, PDs, registration
-//! - `qp`: state machine and posting; `requester` / `responder`: the engine
-//!   tasks; `peer`: direct access to a same-host peer
+//! - `qp/`: the QP (state, its verbs, the posting thread's fast path, the
+//!   receiving side of its doorbell); `requester/` (connection, in-flight
+//!   WRs, execution, responses, watchdog, the requesting side of the
+//!   doorbell) / `responder`: the engine tasks; `peer`: direct access to a
+//!   same-host peer
 //! - `doorbell`: same-host WRITE_WITH_IMM notifications through shared
-//!   memory; `copy`: direct copies, streaming for long runs
+//!   memory (the slot table; `doorbell_proto`: the protocol on one slot);
+//!   `copy`: direct copies, streaming for long runs
 //! - `cq`, `mr`: completion queues and regions
 //! - `raw_io`: payloads between sockets and registered memory through raw
 //!   pointers (a region peers write is never a Rust slice)
@@ -30,6 +35,7 @@
 mod atomics {
     pub(crate) use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 }
+mod address;
 mod attach;
 mod config;
 mod context;
@@ -51,6 +57,7 @@ pub mod wire;
 
 use std::sync::{Arc, Mutex};
 
+pub use address::{HostId, SoftAddress};
 pub use config::{SoftConfig, SoftLink};
 
 /// Counters of a soft context (diagnostics; they only grow).

@@ -8,10 +8,10 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 
+use super::address::SoftAddress;
 use super::attach::{self, Request, Status, Want};
 use super::fence::{FenceGuard, FenceView};
 use super::keytable::{KeyTableView, SlotData, TABLE_BYTES};
-use crate::endpoint::SoftAddress;
 use crate::{AccessFlags, Error, Result, WcStatus};
 
 /// A mapping of a peer's memfd.

@@ -20,6 +20,8 @@ use std::task::{ready, Context, Poll};
 use tokio::io::{AsyncRead, AsyncWrite, Interest};
 use tokio::net::{tcp, unix, TcpStream, UnixStream};
 
+use super::wire::{Frame, HEADER_LEN};
+
 /// Header plus one piece per SGE (at most 16).
 const MAX_IOV: usize = 17;
 
@@ -209,6 +211,47 @@ pub(crate) async unsafe fn send_all<W: HasSock + ?Sized>(
         Poll::Ready(Ok(()))
     })
     .await
+}
+
+/// Appends the raw pieces `(addr, len)` to `buf`, copied through raw
+/// pointers: registered memory may be written by peers meanwhile, so it is
+/// never borrowed as a slice.
+///
+/// # Safety
+/// Every piece must be valid for reads.
+pub(crate) unsafe fn extend_raw(buf: &mut Vec<u8>, pieces: &[(usize, usize)]) {
+    for &(p, l) in pieces {
+        buf.reserve(l);
+        let at = buf.len();
+        // SAFETY: the source is valid for reads (the caller's contract) and
+        // the destination has room for l more bytes (reserved above).
+        unsafe {
+            std::ptr::copy_nonoverlapping(p as *const u8, buf.as_mut_ptr().add(at), l);
+            buf.set_len(at + l);
+        }
+    }
+}
+
+/// Writes a header and its payload, straight from registered memory.
+/// Small frames are staged and go out in one write.
+pub(crate) async fn send_frame<W: HasSock + ?Sized>(
+    w: &mut W,
+    f: &Frame,
+    payload: &[(usize, usize)],
+) -> std::io::Result<()> {
+    let hdr = f.encode();
+    let total: usize = payload.iter().map(|p| p.1).sum();
+    if total <= 4096 {
+        let mut buf = Vec::with_capacity(HEADER_LEN + total);
+        buf.extend_from_slice(&hdr);
+        // SAFETY: each piece is a checked, live registration (or inline copy).
+        unsafe { extend_raw(&mut buf, payload) };
+        // SAFETY: no raw pieces.
+        return unsafe { send_all(w, &buf, &[]).await };
+    }
+    // SAFETY: as above; the WR (or the responder's MR handle) keeps the
+    // regions alive until this returns.
+    unsafe { send_all(w, &hdr, payload).await }
 }
 
 #[cfg(test)]

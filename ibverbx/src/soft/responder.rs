@@ -14,8 +14,8 @@ use tokio::sync::watch;
 
 use super::mr::SoftMr;
 use super::qp::{RecvEntry, SoftQp};
+use super::raw_io::send_frame;
 use super::raw_io::{recv_exact, HasSock};
-use super::requester::send_frame;
 use super::wire::{Frame, Hello, Syndrome, HEADER_LEN};
 use crate::qp_attr::QpState;
 use crate::wc::{WcOpcode, WcStatus, WorkCompletion};

@@ -126,6 +126,18 @@ impl PdOps for VerbsPd {
         self.finish_reg(mr, "reg_mr", access, owner, true)
     }
 
+    unsafe fn reg_dmabuf(
+        &self,
+        fd: BorrowedFd<'_>,
+        offset: u64,
+        len: usize,
+        iova: u64,
+        access: AccessFlags,
+    ) -> Result<Arc<dyn MrOps>> {
+        // SAFETY: forwarded to the caller (the same contract).
+        unsafe { self.reg_dmabuf_mr(fd, offset, len, iova, access) }
+    }
+
     fn create_qp(
         &self,
         attr: &QpInitAttr,

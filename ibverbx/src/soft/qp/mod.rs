@@ -1,0 +1,305 @@
+//! The soft RC queue pair: its state, creation, connection admission,
+//! moving to ERR and flushing.
+//!
+//! # Organization
+//! - this file: [`SoftQp`] and the state every path shares
+//! - `ops`: the verbs it answers (endpoint, modify, post_send/post_recv)
+//! - `fast_path`: WRs run or sent by the posting thread itself
+//! - `doorbell_rx`: the receiving side of this QP's doorbell
+
+mod doorbell_rx;
+mod fast_path;
+mod ops;
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+
+use tokio::sync::{mpsc, watch, Notify};
+
+use super::context::{CtxShared, SoftPd};
+use super::cq::SoftCq;
+use super::mr::LocalSeg;
+use crate::provider::{CqOps, QpOps};
+use crate::qp_attr::{QpCaps, QpState, RtrAttr};
+use crate::wc::{WcOpcode, WcStatus, WorkCompletion};
+use crate::wr::SendOp;
+use crate::{AccessFlags, Error, QpInitAttr, Result};
+use doorbell_rx::RxDoorbell;
+
+pub(crate) use fast_path::FastPath;
+
+/// A send WR as the engine sees it: local buffers resolved (and so kept
+/// alive), inline data copied.
+#[derive(Debug)]
+pub(crate) struct SqEntry {
+    pub(crate) wr_id: u64,
+    pub(crate) op: SendOp,
+    pub(crate) segs: Vec<LocalSeg>,
+    pub(crate) inline: Option<Vec<u8>>,
+    pub(crate) signaled: bool,
+    pub(crate) fence: bool,
+    pub(crate) len: u64,
+}
+
+/// A posted receive.
+#[derive(Debug)]
+pub(crate) struct RecvEntry {
+    pub(crate) wr_id: u64,
+    pub(crate) segs: Vec<LocalSeg>,
+}
+
+impl RecvEntry {
+    pub(crate) fn capacity(&self) -> u64 {
+        self.segs.iter().map(|s| s.len as u64).sum()
+    }
+}
+
+#[derive(Debug)]
+struct QpSt {
+    state: QpState,
+    access: AccessFlags,
+    rtr: Option<RtrAttr>,
+    sq_tx: Option<mpsc::UnboundedSender<SqEntry>>,
+    /// The connection admitted in this life of the QP: (epoch, remote QP).
+    accepted: Option<(u64, u32)>,
+}
+
+/// Why a connection to a QP was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Refusal {
+    /// The QP is in ERR (it may be reset and reused: the peer retries).
+    ErrState,
+    /// Another remote QP than the one set at RTR.
+    WrongPeer,
+    /// This life of the QP already has its connection.
+    AlreadyConnected,
+}
+
+pub(crate) struct SoftQp {
+    pub(crate) qpn: u32,
+    token: [u8; 16],
+    pub(crate) pd: u32,
+    pub(crate) ctx: Arc<CtxShared>,
+    caps: QpCaps,
+    sq_sig_all: bool,
+    send_cq: Arc<dyn CqOps>,
+    recv_cq: Arc<dyn CqOps>,
+    st: Mutex<QpSt>,
+    pub(crate) state_tx: watch::Sender<QpState>,
+    pub(crate) rq: Mutex<VecDeque<RecvEntry>>,
+    pub(crate) rq_notify: Notify,
+    pub(crate) sq_outstanding: AtomicU32,
+    /// Incremented by every transition to RESET: connections accepted in an
+    /// earlier epoch belong to a previous life of the QP and are closed.
+    epoch: std::sync::atomic::AtomicU64,
+    /// Set by the requester while a same-host link with a mapped peer is up.
+    fast: std::sync::RwLock<Option<Arc<FastPath>>>,
+    /// This QP's doorbell: notifications to it through shared memory.
+    db: Option<RxDoorbell>,
+    /// Doorbell WRs this QP posted that are not finished yet (shared with
+    /// the send CQ's registration).
+    pub(crate) db_tx_pending: Arc<AtomicU32>,
+    /// Long runs of direct copies stream past the cache (`copy.rs`).
+    pub(crate) stream: super::copy::StreamDetector,
+}
+
+impl std::fmt::Debug for SoftQp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SoftQp").field("qpn", &format_args!("{:#x}", self.qpn)).field("state", &self.state()).finish()
+    }
+}
+
+fn soft_cq(cq: &Arc<dyn CqOps>) -> &SoftCq {
+    cq.as_any().downcast_ref::<SoftCq>().expect("checked at QP creation")
+}
+
+impl SoftQp {
+    pub(crate) fn create(
+        pd: &SoftPd,
+        attr: &QpInitAttr,
+        send_cq: &Arc<dyn CqOps>,
+        recv_cq: &Arc<dyn CqOps>,
+    ) -> Result<Arc<SoftQp>> {
+        for cq in [send_cq, recv_cq] {
+            match cq.as_any().downcast_ref::<SoftCq>() {
+                Some(c) if c.ctx_uid == pd.ctx.uid => {}
+                _ => return Err(Error::invalid("create_qp", "the CQs must come from the same soft context as the PD")),
+            }
+        }
+        let c = attr.caps;
+        if c.max_send_wr == 0 || c.max_send_wr > 1 << 16 || c.max_recv_wr > 1 << 16 {
+            return Err(Error::invalid("create_qp", "max_send_wr must be 1..=65536 and max_recv_wr at most 65536"));
+        }
+        if c.max_send_sge > 16 || c.max_recv_sge > 16 || c.max_inline_data > 4096 {
+            return Err(Error::invalid("create_qp", "at most 16 SGEs and 4096 inline bytes per WR"));
+        }
+        let qpn = pd.ctx.alloc_qpn();
+        let (state_tx, _) = watch::channel(QpState::Reset);
+        let db = pd.ctx.doorbells.as_ref().and_then(|t| t.alloc()).map(|(index, slot)| {
+            slot.get().rx_cq.store(soft_cq(recv_cq).uid, Ordering::Release);
+            RxDoorbell { index, slot, tx_wake: Mutex::new(None) }
+        });
+        let qp = Arc::new(SoftQp {
+            qpn,
+            token: rand::random(),
+            pd: pd.id,
+            ctx: pd.ctx.clone(),
+            caps: c,
+            sq_sig_all: attr.sq_sig_all,
+            send_cq: send_cq.clone(),
+            recv_cq: recv_cq.clone(),
+            st: Mutex::new(QpSt {
+                state: QpState::Reset,
+                access: AccessFlags::empty(),
+                rtr: None,
+                sq_tx: None,
+                accepted: None,
+            }),
+            state_tx,
+            rq: Mutex::new(VecDeque::new()),
+            rq_notify: Notify::new(),
+            sq_outstanding: AtomicU32::new(0),
+            epoch: std::sync::atomic::AtomicU64::new(0),
+            fast: std::sync::RwLock::new(None),
+            db,
+            db_tx_pending: Arc::new(AtomicU32::new(0)),
+            stream: Default::default(),
+        });
+        pd.ctx.qps.lock().unwrap_or_else(|e| e.into_inner()).insert(qpn, Arc::downgrade(&qp));
+        if pd.ctx.doorbells.is_some() {
+            use super::cq::DbReg;
+            let (rx, tx) = (qp.db.as_ref().map(|d| d.slot.clone()), Some(qp.db_tx_pending.clone()));
+            if Arc::ptr_eq(send_cq, recv_cq) {
+                soft_cq(recv_cq).db_register(DbReg { qp: Arc::downgrade(&qp), rx, tx });
+            } else {
+                soft_cq(recv_cq).db_register(DbReg { qp: Arc::downgrade(&qp), rx, tx: None });
+                soft_cq(send_cq).db_register(DbReg { qp: Arc::downgrade(&qp), rx: None, tx });
+            }
+        }
+        Ok(qp)
+    }
+
+    pub(crate) fn token_matches(&self, t: &[u8; 16]) -> bool {
+        // Constant-time compare: the token is the only thing that admits a
+        // connection.
+        self.token.iter().zip(t).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
+    }
+
+    /// Admits the connection of remote QP `src_qpn` (its token already
+    /// checked). A QP takes connections in every state but ERR (its peer may
+    /// reach RTS before this QP leaves RESET; requests then wait for RTR),
+    /// but only one per life (reset epoch), and only from the remote QP set
+    /// at RTR once that is set: a token holder cannot pile up connections.
+    pub(crate) fn admit(&self, src_qpn: u32) -> Result<u64, Refusal> {
+        let mut st = self.lock();
+        if st.state == QpState::Err {
+            return Err(Refusal::ErrState);
+        }
+        if st.rtr.as_ref().is_some_and(|r| r.remote.qpn != src_qpn) {
+            return Err(Refusal::WrongPeer);
+        }
+        let epoch = self.epoch();
+        if st.accepted.is_some_and(|(e, _)| e == epoch) {
+            return Err(Refusal::AlreadyConnected);
+        }
+        st.accepted = Some((epoch, src_qpn));
+        Ok(epoch)
+    }
+
+    /// The remote QP set at RTR, once it is.
+    pub(crate) fn rtr_remote_qpn(&self) -> Option<u32> {
+        self.lock().rtr.as_ref().map(|r| r.remote.qpn)
+    }
+
+    /// The send CQ's event fd and unique id (the peer rings it after
+    /// claiming).
+    pub(crate) fn send_cq_fd(&self) -> (std::os::fd::BorrowedFd<'_>, u64) {
+        let cq = soft_cq(&self.send_cq);
+        (cq.event_fd(), cq.uid)
+    }
+
+    /// The receive CQ's event fd (a same-host requester rings it after
+    /// publishing a doorbell record).
+    pub(crate) fn recv_cq_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        soft_cq(&self.recv_cq).event_fd()
+    }
+
+    pub(crate) fn epoch(&self) -> u64 {
+        self.epoch.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn remote_access(&self) -> AccessFlags {
+        self.lock().access
+    }
+
+    /// The PD of the peer QP (same-host direct checks use it).
+    pub(crate) fn remote_pd(&self) -> u32 {
+        self.lock().rtr.as_ref().and_then(|r| r.remote.soft.as_ref()).map_or(0, |s| s.pd)
+    }
+
+    /// The RNR NAK period this QP (as a responder) reports at.
+    pub(crate) fn rnr_period(&self) -> std::time::Duration {
+        let code = self.lock().rtr.as_ref().map_or(12, |r| r.min_rnr_timer);
+        crate::qp_attr::rnr_timer_duration(code).max(std::time::Duration::from_micros(100))
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, QpSt> {
+        self.st.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(crate) fn push_send_wc(&self, wc: WorkCompletion) {
+        soft_cq(&self.send_cq).push(wc);
+    }
+
+    pub(crate) fn push_recv_wc(&self, wc: WorkCompletion) {
+        soft_cq(&self.recv_cq).push(wc);
+    }
+
+    pub(crate) fn flush_wc(&self, wr_id: u64, opcode: WcOpcode) -> WorkCompletion {
+        WorkCompletion {
+            wr_id,
+            status: WcStatus::WrFlushErr,
+            opcode,
+            byte_len: 0,
+            imm_data: None,
+            qp_num: self.qpn,
+            vendor_err: 0,
+        }
+    }
+
+    /// Moves the QP to ERR (from any engine task): flushes the receive queue
+    /// and tells the requester to flush the send queue.
+    pub(crate) fn set_error(&self, why: &str) {
+        let mut st = self.lock();
+        if matches!(st.state, QpState::Err | QpState::Reset) {
+            return;
+        }
+        tracing::debug!(qpn = self.qpn, "soft QP enters the error state: {why}");
+        st.state = QpState::Err;
+        drop(st);
+        self.db_open(false);
+        self.set_fast(None);
+        self.state_tx.send_replace(QpState::Err);
+        self.flush_rq();
+    }
+
+    fn flush_rq(&self) {
+        // Pushed under the RQ lock: a poster flushing its late receive (QP
+        // already in ERR) cannot slip its completion between these.
+        let mut rq = self.rq.lock().unwrap_or_else(|e| e.into_inner());
+        self.db_note_rq(0);
+        for r in rq.drain(..) {
+            self.push_recv_wc(self.flush_wc(r.wr_id, WcOpcode::Recv));
+        }
+        drop(rq);
+        self.rq_notify.notify_waiters();
+    }
+}
+
+impl Drop for SoftQp {
+    fn drop(&mut self) {
+        self.db_open(false);
+        self.ctx.qps.lock().unwrap_or_else(|e| e.into_inner()).remove(&self.qpn);
+    }
+}

@@ -1,0 +1,300 @@
+//! Executing one posted send WR on the progress engine: direct placement
+//! into a same-host peer's memory when it is mapped here (after every
+//! earlier staged request), else a request frame on the connection.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::doorbell_tx::{settle_db, settle_db_held};
+use super::inflight::{Expect, Inflight};
+use super::{with_psn, Link, Shared};
+use crate::qp_attr::QpState;
+use crate::soft::peer::{Direct, Held, PeerMap};
+use crate::soft::qp::{SoftQp, SqEntry};
+use crate::soft::raw_io::send_frame;
+use crate::soft::wire::Frame;
+use crate::wc::WcStatus;
+use crate::wr::{AtomicOp, SendOp};
+use crate::AccessFlags;
+
+/// Finds where a same-host access goes: a mapped segment (mapped first if
+/// it is not yet), the peer's other memory, or the connection. A direct
+/// path is returned only once every earlier staged request is answered,
+/// and the key is checked again after that wait: the region may have been
+/// revoked meanwhile, and nothing is copied into a revoked region.
+#[allow(clippy::too_many_arguments)]
+async fn place(
+    sh: &Shared,
+    peer: Option<&PeerMap>,
+    (peer_qpn, token): (u32, [u8; 16]),
+    pd: u32,
+    rkey: u32,
+    raddr: u64,
+    len: u64,
+    need: AccessFlags,
+) -> Result<Direct, WcStatus> {
+    let Some(p) = peer else { return Ok(Direct::Staged) };
+    if len == 0 {
+        // Zero bytes: nothing to place and, as in verbs, no key check.
+        return Ok(Direct::Vm(raddr, Held::default()));
+    }
+    let mut d = p.resolve(pd, rkey, raddr, len, need)?;
+    if let Direct::Unmapped(uid) = d {
+        if p.map_segment(uid, peer_qpn, token).await {
+            sh.qp.ctx.segs_mapped.fetch_add(1, Ordering::Relaxed);
+        }
+        d = p.resolve(pd, rkey, raddr, len, need)?;
+    }
+    if matches!(d, Direct::Staged | Direct::Unmapped(_)) {
+        return Ok(Direct::Staged);
+    }
+    drop(d);
+    if !memory_ordered(sh).await {
+        return Err(WcStatus::WrFlushErr);
+    }
+    match p.resolve(pd, rkey, raddr, len, need)? {
+        Direct::Unmapped(_) => Ok(Direct::Staged),
+        d => Ok(d),
+    }
+}
+
+fn local_ptrs(sh: &Shared, e: &SqEntry) -> Result<Vec<(usize, usize)>, WcStatus> {
+    if let Some(d) = &e.inline {
+        return Ok(vec![(d.as_ptr() as usize, d.len())]);
+    }
+    let need = e.op.local_access();
+    e.segs.iter().map(|s| s.ptr(sh.qp.pd, need).map(|p| (p as usize, s.len as usize))).collect()
+}
+
+/// Copies the local pieces to `dst` (gather); `stream`: past the cache.
+fn gather_to(dst: usize, local: &[(usize, usize)], stream: bool) {
+    let mut off = 0;
+    for &(p, l) in local {
+        // SAFETY: p..p+l lies in a live, checked local registration (or the
+        // inline copy); dst..dst+total was checked against the peer's MR and
+        // lies in a live mapping.
+        unsafe { crate::soft::copy::copy((dst + off) as *mut u8, p as *const u8, l, stream) };
+        off += l;
+    }
+}
+
+/// Copies from `src` into the local pieces (scatter).
+fn scatter_from(src: usize, local: &[(usize, usize)], stream: bool) {
+    let mut off = 0;
+    for &(p, l) in local {
+        // SAFETY: as in gather_to, directions swapped.
+        unsafe { crate::soft::copy::copy(p as *mut u8, (src + off) as *const u8, l, stream) };
+        off += l;
+    }
+}
+
+/// Waits until no earlier staged request that touches target memory is
+/// still unanswered, so that a direct placement cannot overtake it: the
+/// responder executes requests in order, and so must the two paths together.
+/// Returns false when the QP failed meanwhile (the WR is then flushed, not
+/// placed).
+async fn memory_ordered(sh: &Shared) -> bool {
+    loop {
+        let progressed = sh.progress.notified();
+        tokio::pin!(progressed);
+        progressed.as_mut().enable();
+        {
+            let q = sh.lock();
+            let pending = q.inflight.iter().any(|f| f.awaiting.is_some() && f.touches_memory);
+            if q.broken.is_some() || *sh.qp.state_tx.borrow() == QpState::Err {
+                return false;
+            }
+            if !pending {
+                return true;
+            }
+        }
+        progressed.await;
+    }
+}
+
+/// Completes a WR that needs no response. An error waits until every
+/// earlier request has been answered: as a NAK acknowledges everything
+/// before it on hardware, earlier WRs still complete normally.
+async fn finish(sh: &Arc<Shared>, mut inf: Inflight, status: WcStatus) {
+    if status != WcStatus::Success && status != WcStatus::WrFlushErr {
+        loop {
+            let progressed = sh.progress.notified();
+            tokio::pin!(progressed);
+            progressed.as_mut().enable();
+            {
+                let q = sh.lock();
+                let earlier_pending = q.inflight.iter().any(|f| f.awaiting.is_some());
+                if !earlier_pending || q.broken.is_some() || *sh.qp.state_tx.borrow() == QpState::Err {
+                    break;
+                }
+            }
+            progressed.await;
+        }
+    }
+    // The QP is in ERR before the error completion can be seen.
+    if status != WcStatus::Success {
+        sh.qp.set_error(&format!("send WR failed: {status}"));
+    }
+    inf.status = Some(status);
+    let mut q = sh.lock();
+    q.inflight.push_back(inf);
+    sh.emit(&mut q);
+    drop(q);
+    if status != WcStatus::Success {
+        sh.flush();
+    }
+}
+
+pub(super) async fn execute(sh: &Arc<Shared>, link: &mut Option<Link>, e: SqEntry) {
+    // A doorbell record still pending goes first: claimed, or retracted and
+    // put on the wire ahead of this WR.
+    settle_db(sh, link).await;
+    let mut inf = Inflight::new(e.wr_id, e.op.wc_opcode(), e.signaled, e.len as u32);
+    if sh.qp.state_tx.borrow().eq(&QpState::Err) {
+        return finish(sh, inf, WcStatus::WrFlushErr).await;
+    }
+    let local = match local_ptrs(sh, &e) {
+        Ok(l) => l,
+        Err(st) => return finish(sh, inf, st).await,
+    };
+    let broken = sh.lock().broken;
+    let Some(l) = link.as_mut().filter(|_| broken.is_none()) else {
+        return finish(sh, inf, broken.unwrap_or(WcStatus::RetryExcErr)).await;
+    };
+    if e.fence {
+        loop {
+            let notified = sh.progress.notified();
+            let pending =
+                sh.lock().inflight.iter().any(|f| matches!(f.awaiting, Some((_, Expect::Read(_) | Expect::Atomic))));
+            if !pending {
+                break;
+            }
+            notified.await;
+        }
+    }
+    let len = e.len;
+    let pd = remote_pd(&sh.qp);
+    // Direct placement where the peer's memory is mapped here (after every
+    // earlier staged request, and checked again after that wait).
+    let (peer, at) = (l.peer.clone(), (l.peer_qpn, l.token));
+    let direct = |rkey: u32, raddr: u64, need: AccessFlags| place(sh, peer.as_deref(), at, pd, rkey, raddr, len, need);
+    let frame = match e.op {
+        SendOp::RdmaWrite { remote_addr, rkey } | SendOp::RdmaWriteWithImm { remote_addr, rkey, .. } => {
+            let imm = match e.op {
+                SendOp::RdmaWriteWithImm { imm, .. } => Some(imm),
+                _ => None,
+            };
+            let placed = match direct(rkey, remote_addr, AccessFlags::REMOTE_WRITE).await {
+                Err(st) => return finish(sh, inf, st).await,
+                Ok(Direct::Ptr(p, _keep)) => {
+                    gather_to(p, &local, sh.qp.stream.observe(remote_addr, len));
+                    true
+                }
+                Ok(Direct::Vm(a, _held)) => {
+                    let r = l.peer.as_ref().expect("vm implies a peer").vm_copy(true, &local, a, len as usize);
+                    match r {
+                        Ok(done) => done,
+                        Err(st) => return finish(sh, inf, st).await,
+                    }
+                }
+                Ok(Direct::Staged | Direct::Unmapped(_)) => false,
+            };
+            match (placed, imm) {
+                (true, None) => return finish(sh, inf, WcStatus::Success).await,
+                (true, Some(imm)) => Frame::Notify { psn: 0, len: len as u32, imm },
+                (false, imm) => Frame::Write { psn: 0, raddr: remote_addr, rkey, len: len as u32, imm },
+            }
+        }
+        SendOp::Send => Frame::Send { psn: 0, len: len as u32, imm: None },
+        SendOp::SendWithImm { imm } => Frame::Send { psn: 0, len: len as u32, imm: Some(imm) },
+        SendOp::RdmaRead { remote_addr, rkey } => match direct(rkey, remote_addr, AccessFlags::REMOTE_READ).await {
+            Err(st) => return finish(sh, inf, st).await,
+            Ok(Direct::Ptr(p, _keep)) => {
+                scatter_from(p, &local, sh.qp.stream.observe(remote_addr, len));
+                return finish(sh, inf, WcStatus::Success).await;
+            }
+            Ok(Direct::Vm(a, _held)) => {
+                match l.peer.as_ref().expect("vm implies a peer").vm_copy(false, &local, a, len as usize) {
+                    Ok(true) => return finish(sh, inf, WcStatus::Success).await,
+                    Ok(false) => Frame::ReadReq { psn: 0, raddr: remote_addr, rkey, len: len as u32 },
+                    Err(st) => return finish(sh, inf, st).await,
+                }
+            }
+            Ok(Direct::Staged | Direct::Unmapped(_)) => {
+                Frame::ReadReq { psn: 0, raddr: remote_addr, rkey, len: len as u32 }
+            }
+        },
+        SendOp::Atomic { remote_addr, rkey, op } => {
+            let (cmp_swap, a, b) = match op {
+                AtomicOp::FetchAdd { add } => (false, add, 0),
+                AtomicOp::CompareSwap { compare, swap } => (true, compare, swap),
+            };
+            match direct(rkey, remote_addr, AccessFlags::REMOTE_ATOMIC).await {
+                Err(st) => return finish(sh, inf, st).await,
+                Ok(Direct::Ptr(p, _keep)) => {
+                    // SAFETY: p is 8-byte aligned (checked at post) and inside
+                    // the peer's mapped MR; other processes use atomics on it too.
+                    let cell = unsafe { &*(p as *const std::sync::atomic::AtomicU64) };
+                    let orig = if cmp_swap {
+                        match cell.compare_exchange(a, b, Ordering::AcqRel, Ordering::Acquire) {
+                            Ok(v) | Err(v) => v,
+                        }
+                    } else {
+                        cell.fetch_add(a, Ordering::AcqRel)
+                    };
+                    write_u64(local[0].0, orig);
+                    return finish(sh, inf, WcStatus::Success).await;
+                }
+                Ok(_) => Frame::Atomic { psn: 0, raddr: remote_addr, rkey, cmp_swap, a, b },
+            }
+        }
+    };
+    // Stream request: PSN, queue entry and bytes on the wire in one turn.
+    while sh.wire_busy.compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed).is_err() {
+        tokio::task::yield_now().await;
+    }
+    // A doorbell record published since the check at the top (by another
+    // posting thread) goes before this frame.
+    settle_db_held(sh, link).await;
+    if sh.lock().broken.is_some() {
+        sh.wire_busy.store(false, Ordering::Release);
+        return finish(sh, inf, WcStatus::WrFlushErr).await;
+    }
+    let Some(l) = link.as_mut() else {
+        sh.wire_busy.store(false, Ordering::Release);
+        return finish(sh, inf, WcStatus::RetryExcErr).await;
+    };
+    let psn = sh.next_psn.load(Ordering::Relaxed);
+    sh.next_psn.store((psn + 1) & 0x00ff_ffff, Ordering::Relaxed);
+    let frame = with_psn(frame, psn);
+    let expect = match frame {
+        Frame::ReadReq { len, .. } => Expect::Read(len),
+        Frame::Atomic { .. } => Expect::Atomic,
+        _ => Expect::Ack,
+    };
+    inf.awaiting = Some((psn, expect));
+    inf.touches_memory = !matches!(frame, Frame::Notify { .. });
+    inf.segs = e.segs;
+    inf.sent_at = Instant::now();
+    {
+        let mut q = sh.lock();
+        q.inflight.push_back(inf);
+    }
+    let payload: &[(usize, usize)] = if frame.payload_len() > 0 { &local } else { &[] };
+    let sent = send_frame(&mut l.writer, &frame, payload).await;
+    sh.wire_busy.store(false, Ordering::Release);
+    if let Err(err) = sent {
+        sh.fail_link(WcStatus::RetryExcErr, &format!("write to peer: {err}"));
+        sh.flush();
+    }
+}
+
+fn remote_pd(qp: &SoftQp) -> u32 {
+    qp.remote_pd()
+}
+
+pub(super) fn write_u64(p: usize, v: u64) {
+    // SAFETY: p is a checked 8-byte local SGE of an atomic WR.
+    unsafe { std::ptr::write_unaligned(p as *mut u64, v) };
+}
