@@ -2,7 +2,7 @@
 //! every transition the requester and the owner make (publish, claim,
 //! retract, void on close or reset, both wake-up handshakes), and nothing
 //! else — no sockets, no CQs, no clocks. `doorbell.rs` places slots in
-//! shared memory; `requester.rs` and `qp.rs` drive these functions;
+//! shared memory; `requester/` and `qp/` drive these functions;
 //! `tests/loom_doorbell.rs` model-checks them with loom by including this
 //! file with loom's atomics in place of std's (`super::atomics`).
 //!
