@@ -145,3 +145,35 @@ fn deregistration_waits_for_copies_in_progress() {
     }
     assert_eq!(damaged_rounds, 0, "memory changed after deregistration returned in {damaged_rounds} of 12 rounds");
 }
+
+/// Mapped `rmacomm-seg` segments of this process (both sides of the pair
+/// live here).
+fn seg_mappings() -> usize {
+    std::fs::read_to_string("/proc/self/maps").unwrap().lines().filter(|l| l.contains("rmacomm-seg")).count()
+}
+
+/// A peer that registers and frees memory over and over does not have it
+/// all kept mapped (and so kept allocated) by the side that writes into it.
+#[test]
+fn freed_peer_memory_is_not_kept_mapped() {
+    let (a, b) = pair();
+    let src = MemoryRegion::alloc(&a.pd, 65536, AccessFlags::LOCAL_WRITE).unwrap();
+    let sg = [src.sge(0, 65536).unwrap()];
+    let mut counts = Vec::new();
+    for i in 0..20u64 {
+        let dst = MemoryRegion::alloc(&b.pd, LEN, AccessFlags::all_remote()).unwrap();
+        let op = SendOp::RdmaWrite { remote_addr: dst.addr(), rkey: dst.rkey() };
+        a.qp.post_send(&[SendWr { wr_id: i, op, sg_list: &sg, flags: SendFlags::SIGNALED }]).unwrap();
+        assert!(wait_n(&a.cq, 1)[0].is_ok());
+        drop(dst);
+        counts.push(seg_mappings());
+    }
+    let s = ibverbx::soft::stats(&a._ctx).unwrap();
+    eprintln!(
+        "segment mappings after each cycle: {counts:?}; mapped {} unmapped {}",
+        s.peer_segments_mapped, s.peer_segments_unmapped
+    );
+    assert_eq!(s.peer_segments_mapped, 20, "every region was written directly");
+    assert!(s.peer_segments_unmapped >= 19, "stale mappings were kept: {s:?}");
+    assert!(counts[19] <= counts[1] + 1, "mappings grow with every freed region: {counts:?}");
+}

@@ -51,6 +51,7 @@ pub(crate) struct CtxShared {
     pub(crate) db_rings: std::sync::atomic::AtomicU64,
     /// Peer segments mapped, attach requests refused (diagnostics).
     pub(crate) segs_mapped: std::sync::atomic::AtomicU64,
+    pub(crate) segs_unmapped: std::sync::atomic::AtomicU64,
     pub(crate) attach_refused: std::sync::atomic::AtomicU64,
     /// Unauthenticated connections closed to stay under the cap.
     pub(crate) handshakes_evicted: std::sync::atomic::AtomicU64,
@@ -129,6 +130,7 @@ impl CtxShared {
             db_retracted: std::sync::atomic::AtomicU64::new(0),
             db_rings: std::sync::atomic::AtomicU64::new(0),
             segs_mapped: std::sync::atomic::AtomicU64::new(0),
+            segs_unmapped: std::sync::atomic::AtomicU64::new(0),
             attach_refused: std::sync::atomic::AtomicU64::new(0),
             handshakes_evicted: std::sync::atomic::AtomicU64::new(0),
             wakers: Default::default(),

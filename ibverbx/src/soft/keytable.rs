@@ -105,6 +105,27 @@ impl KeyTableView {
     }
 }
 
+impl KeyTableView {
+    /// The segments that back the regions published now (a peer drops its
+    /// mappings of the others).
+    pub(crate) fn live_segments(&self) -> std::collections::HashSet<u64> {
+        let mut out = std::collections::HashSet::new();
+        for i in 0..SLOTS as u32 {
+            let s = self.slot(i);
+            if s.access.load(Ordering::Relaxed) == 0 {
+                continue;
+            }
+            let rkey = s.rkey.load(Ordering::Relaxed);
+            if let Some(d) = self.lookup(rkey) {
+                if d.seg_uid != 0 {
+                    out.insert(d.seg_uid);
+                }
+            }
+        }
+        out
+    }
+}
+
 /// The table this context owns and writes.
 #[derive(Debug)]
 pub(crate) struct KeyTable {

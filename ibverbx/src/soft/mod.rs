@@ -75,6 +75,9 @@ pub struct SoftStats {
     /// Same-host peers' shared segments this context mapped (each obtained
     /// over the peer's attach socket, `SCM_RIGHTS`).
     pub peer_segments_mapped: u64,
+    /// Mappings of peer segments dropped because the peer no longer
+    /// publishes a region in them.
+    pub peer_segments_unmapped: u64,
     /// Attach requests this context refused (unknown QP, wrong token,
     /// malformed request, another user).
     pub attach_refused: u64,
@@ -93,6 +96,7 @@ pub fn stats(ctx: &crate::Context) -> Option<SoftStats> {
         doorbell_retracted: s.db_retracted.load(Relaxed),
         doorbell_rings: s.db_rings.load(Relaxed),
         peer_segments_mapped: s.segs_mapped.load(Relaxed),
+        peer_segments_unmapped: s.segs_unmapped.load(Relaxed),
         attach_refused: s.attach_refused.load(Relaxed),
         handshakes_evicted: s.handshakes_evicted.load(Relaxed),
     })

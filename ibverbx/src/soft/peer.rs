@@ -150,10 +150,26 @@ impl PeerMap {
         self.pid
     }
 
+    /// Drops the mappings of segments that no region the peer publishes
+    /// lies in any more (the peer deregistered them): they would keep the
+    /// peer's memory alive. Copies in progress hold their own reference.
+    /// Returns how many were dropped.
+    pub(crate) fn prune(&self) -> usize {
+        let live = self.table.live_segments();
+        let mut segs = self.segs.lock().unwrap_or_else(|e| e.into_inner());
+        let before = segs.len();
+        segs.retain(|uid, _| live.contains(uid));
+        before - segs.len()
+    }
+
     /// Asks the peer for segment `uid` (presenting QP `qpn`'s token) and
     /// maps it; a refusal is remembered, and transfers to it are staged.
-    /// True when it is mapped now.
-    pub(crate) async fn map_segment(&self, uid: u64, qpn: u32, token: [u8; 16]) -> bool {
+    /// Mappings of segments the peer no longer publishes are dropped first,
+    /// so a peer that registers and frees memory over and over does not
+    /// have it all kept mapped here. Returns whether `uid` is mapped now and
+    /// how many stale mappings were dropped.
+    pub(crate) async fn map_segment(&self, uid: u64, qpn: u32, token: [u8; 16]) -> (bool, usize) {
+        let pruned = self.prune();
         let req = Request { qpn, token, want: Want::Segment(uid) };
         let mapped = match attach::call(&self.unix, &req, None).await {
             Ok(a) if a.pid != self.pid => Err(format!("answered by pid {}, not {}", a.pid, self.pid)),
@@ -161,7 +177,7 @@ impl PeerMap {
                 Mapping::map(&a.fds[0], uid, 1, true).map(Arc::new).map_err(|e| e.to_string())
             }
             // Not registered (any more): ask again next time.
-            Ok(a) if a.status == Status::NotFound => return false,
+            Ok(a) if a.status == Status::NotFound => return (false, pruned),
             Ok(a) => Err(format!("peer answered {:?}", a.status)),
             Err(e) => Err(e),
         };
@@ -174,7 +190,7 @@ impl PeerMap {
         };
         let ok = entry.is_some();
         self.segs.lock().unwrap_or_else(|e| e.into_inner()).entry(uid).or_insert(entry);
-        ok
+        (ok, pruned)
     }
 
     /// The event fd of the receive CQ of the peer's QP `qpn`, checked.

@@ -41,9 +41,9 @@ async fn place(
     }
     let mut d = p.resolve(pd, rkey, raddr, len, need)?;
     if let Direct::Unmapped(uid) = d {
-        if p.map_segment(uid, peer_qpn, token).await {
-            sh.qp.ctx.segs_mapped.fetch_add(1, Ordering::Relaxed);
-        }
+        let (mapped, pruned) = p.map_segment(uid, peer_qpn, token).await;
+        sh.qp.ctx.segs_mapped.fetch_add(u64::from(mapped), Ordering::Relaxed);
+        sh.qp.ctx.segs_unmapped.fetch_add(pruned as u64, Ordering::Relaxed);
         d = p.resolve(pd, rkey, raddr, len, need)?;
     }
     if matches!(d, Direct::Staged | Direct::Unmapped(_)) {
