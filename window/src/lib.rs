@@ -101,6 +101,8 @@ mod store;
 mod tcp_server;
 mod tcp_store;
 mod wire;
+mod window;
+mod work;
 
 pub use error::{Error, Result};
 pub use file_store::FileStore;
@@ -113,3 +115,5 @@ pub use prefix_store::PrefixStore;
 pub use store::{Store, MAX_KEYS, MAX_KEY_LEN, MAX_VALUE_LEN};
 pub use tcp_server::{TcpStoreServer, MAX_CLIENTS};
 pub use tcp_store::TcpStore;
+pub use window::{AccessType, Window, WindowAttr, WindowOptions};
+pub use work::Work;
