@@ -100,8 +100,8 @@ mod prefix_store;
 mod store;
 mod tcp_server;
 mod tcp_store;
-mod wire;
 mod window;
+mod wire;
 mod work;
 
 pub use error::{Error, Result};

@@ -181,9 +181,9 @@ impl Window {
             .enable_all()
             .build()
             .map_err(|e| os(OP, e))?;
-        let config =
-            opts.transport.unwrap_or_default().with_timeout(Some(timeout)).with_max_in_flight(MAX_IN_FLIGHT);
-        let transport = || RdmaTransport::new(config.clone()).map(Arc::new).map_err(|e| Error::Transport { op: OP, source: e });
+        let config = opts.transport.unwrap_or_default().with_timeout(Some(timeout)).with_max_in_flight(MAX_IN_FLIGHT);
+        let transport =
+            || RdmaTransport::new(config.clone()).map(Arc::new).map_err(|e| Error::Transport { op: OP, source: e });
         let mut links = Vec::with_capacity(n);
         for p in 0..n {
             let out = transport()?;
@@ -191,9 +191,8 @@ impl Window {
             links.push(Link { out, inbound });
         }
         let bound = |t: &RdmaTransport| t.bind().map_err(|e| Error::Transport { op: OP, source: e });
-        let signal_src = Arc::new(
-            RdmaMemory::alloc_for(&links[me].out, 8).map_err(|e| Error::Transport { op: OP, source: e })?,
-        );
+        let signal_src =
+            Arc::new(RdmaMemory::alloc_for(&links[me].out, 8).map_err(|e| Error::Transport { op: OP, source: e })?);
         let signal_dst =
             RdmaMemory::alloc_for(&links[me].out, 8 * n).map_err(|e| Error::Transport { op: OP, source: e })?;
         // Line 0: my signal buffer; line 1 + p: the URL of my transport for p.
@@ -268,7 +267,8 @@ impl Window {
     /// `RdmaMemory::alloc` gives the same when the transports use the
     /// default settings.
     pub fn alloc(&self, len: usize) -> Result<RdmaMemory> {
-        RdmaMemory::alloc_for(&self.links[self.rank()].out, len).map_err(|e| Error::Transport { op: "alloc", source: e })
+        RdmaMemory::alloc_for(&self.links[self.rank()].out, len)
+            .map_err(|e| Error::Transport { op: "alloc", source: e })
     }
 
     /// Registers `mem` as this rank's tensor of elements of `elem_size`
@@ -279,7 +279,7 @@ impl Window {
     /// elements of the *peer's* element size, and are checked against the
     /// peer's registered size.
     pub fn tensor_register(&mut self, mem: RdmaMemory, elem_size: usize) -> Result<()> {
-        let len = if elem_size == 0 { 0 } else { mem.len() / elem_size * elem_size };
+        let len = mem.len().checked_div(elem_size).map_or(0, |n| n * elem_size);
         self.tensor_register_len(mem, len, elem_size)
     }
 
@@ -291,7 +291,7 @@ impl Window {
         if self.reg.is_some() {
             return Err(Error::invalid(OP, "a tensor is registered already; call tensor_deregister first"));
         }
-        if elem_size == 0 || len == 0 || len % elem_size != 0 || len > mem.len() {
+        if len == 0 || len.checked_rem(elem_size) != Some(0) || len > mem.len() {
             return Err(Error::invalid(
                 OP,
                 format!(
@@ -307,7 +307,8 @@ impl Window {
         let mut peers = Vec::with_capacity(all.len());
         for (p, value) in all.iter().enumerate() {
             let text = String::from_utf8_lossy(value);
-            let parsed = text.split_once('\n').and_then(|(rb, es)| Some((RdmaRemoteBuffer::parse(rb)?, es.parse().ok()?)));
+            let parsed =
+                text.split_once('\n').and_then(|(rb, es)| Some((RdmaRemoteBuffer::parse(rb)?, es.parse().ok()?)));
             peers.push(parsed.ok_or_else(|| Error::Protocol(format!("{OP}: rank {p} sent a malformed descriptor")))?);
         }
         self.reg = Some(Registration { mem, peers });
@@ -357,9 +358,10 @@ impl Window {
     /// `offset` touches, or the error saying why it does not fit.
     fn target(&self, op: &'static str, rank: usize, offset: usize, len: usize) -> Result<RdmaRemoteBuffer> {
         self.check_rank(op, rank)?;
-        let reg = self.reg.as_ref().ok_or_else(|| {
-            Error::invalid(op, "no tensor is registered; call tensor_register (collective) first")
-        })?;
+        let reg = self
+            .reg
+            .as_ref()
+            .ok_or_else(|| Error::invalid(op, "no tensor is registered; call tensor_register (collective) first"))?;
         let (rb, es) = reg.peers[rank];
         let start = offset.checked_mul(es).map(|s| s as u64);
         start.and_then(|s| rb.slice(s, len as u64)).ok_or_else(|| Error::Bounds {
@@ -400,7 +402,13 @@ impl Window {
     /// [`Work`] tells when the data is placed; without, this returns once
     /// it is (an error is returned directly). `src` must not change until
     /// then.
-    pub fn put<'a>(&'a self, src: View<'a>, dst_rank: usize, target_offset_nelems: usize, async_op: bool) -> Result<Work<'a>> {
+    pub fn put<'a>(
+        &'a self,
+        src: View<'a>,
+        dst_rank: usize,
+        target_offset_nelems: usize,
+        async_op: bool,
+    ) -> Result<Work<'a>> {
         const OP: &str = "put";
         let remote = self.target(OP, dst_rank, target_offset_nelems, src.len())?;
         let fut = self.links[dst_rank].out.write_with_timeout(src, &remote, false, Some(self.timeout));
@@ -410,7 +418,13 @@ impl Window {
     /// Reads from `src_rank`'s registered buffer at element
     /// `source_offset_nelems` (of `src_rank`'s element size) into `dst`: an
     /// RDMA READ. Bounds are checked first, as for [`put`](Self::put).
-    pub fn get<'a>(&'a self, dst: ViewMut<'a>, src_rank: usize, source_offset_nelems: usize, async_op: bool) -> Result<Work<'a>> {
+    pub fn get<'a>(
+        &'a self,
+        dst: ViewMut<'a>,
+        src_rank: usize,
+        source_offset_nelems: usize,
+        async_op: bool,
+    ) -> Result<Work<'a>> {
         const OP: &str = "get";
         let remote = self.target(OP, src_rank, source_offset_nelems, dst.len())?;
         let fut = self.links[src_rank].out.read_with_timeout(dst, &remote, Some(self.timeout));
@@ -456,9 +470,11 @@ impl Window {
         const OP: &str = "wait_signal";
         self.check_rank(OP, peer_rank)?;
         let t = Some(timeout.unwrap_or(self.timeout));
-        self.rt
-            .block_on(self.links[peer_rank].inbound.wait_for_write_with_timeout(t))
-            .map_err(|source| Error::Rma { op: OP, peer: peer_rank, source })
+        self.rt.block_on(self.links[peer_rank].inbound.wait_for_write_with_timeout(t)).map_err(|source| Error::Rma {
+            op: OP,
+            peer: peer_rank,
+            source,
+        })
     }
 
     /// How this rank reaches `rank`'s buffer: [`AccessType::Separate`] for

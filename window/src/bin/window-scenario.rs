@@ -84,7 +84,8 @@ fn ring(g: &Group, mut w: Window, counts: &str, iters: usize) -> R {
                     for it in 0..iters {
                         let value = |r: usize| r + 10 * it + if async_put { 50 } else { 0 };
                         src.write_from(0, &elem(dtype, value(rank)).repeat(count)).map_err(s)?;
-                        let what = || format!("count {count} {dtype} async put {async_put} signal {async_signal} iter {it}");
+                        let what =
+                            || format!("count {count} {dtype} async put {async_put} signal {async_signal} iter {it}");
                         let put = w.put(src.view(0, count * es).map_err(s)?, right, rank * count, async_put);
                         let put = put.map_err(|e| format!("{}: {e}", what()))?;
                         // The signal is issued before the put's Work is
@@ -140,7 +141,10 @@ fn signals(g: &Group, w: Window) -> R {
         Err(e @ Error::Rma { .. }) => {
             let msg = e.to_string();
             println!("timeout error: {msg}");
-            ensure(msg.contains("wait_signal") && msg.contains(&format!("rank {left}")) && msg.contains("timed out"), || msg.clone())?;
+            ensure(
+                msg.contains("wait_signal") && msg.contains(&format!("rank {left}")) && msg.contains("timed out"),
+                || msg.clone(),
+            )?;
         }
         other => return Err(format!("a wait with no signal coming: {other:?}")),
     }
@@ -170,7 +174,12 @@ fn bounds(g: &Group, mut w: Window) -> R {
         match w.put(src.view(0, len * 4).map_err(s)?, right, off, false) {
             Err(e @ Error::Bounds { .. }) => {
                 let msg = e.to_string();
-                ensure(msg.contains("put") && msg.contains(&format!("rank {right}")) && msg.contains(&format!("{} bytes", n * 4)), || msg.clone())?;
+                ensure(
+                    msg.contains("put")
+                        && msg.contains(&format!("rank {right}"))
+                        && msg.contains(&format!("{} bytes", n * 4)),
+                    || msg.clone(),
+                )?;
                 if off == n - 1 {
                     println!("bounds error: {msg}");
                 }
@@ -186,7 +195,9 @@ fn bounds(g: &Group, mut w: Window) -> R {
         drop(dst);
     }
     // Rank out of range.
-    ensure(matches!(w.put(src.view(0, 4).map_err(s)?, size, 0, false), Err(Error::InvalidArgument { .. })), || "rank".into())?;
+    ensure(matches!(w.put(src.view(0, 4).map_err(s)?, size, 0, false), Err(Error::InvalidArgument { .. })), || {
+        "rank".into()
+    })?;
     // The last two elements: fits exactly.
     w.put(src.view(0, 8).map_err(s)?, right, n - 2, true).map_err(s)?.wait(None).map_err(s)?;
     w.signal(right, false).map_err(s)?;
@@ -233,7 +244,11 @@ fn get(g: &Group, mut w: Window) -> R {
     }
     // Many async gets in flight at once, waited after.
     let bufs: Vec<RdmaMemory> = (0..size).map(|_| w.alloc(N).map_err(s)).collect::<Result<_, _>>()?;
-    let works = bufs.iter().enumerate().map(|(p, b)| w.get(b.view_mut(0, N).map_err(s)?, p, 0, true).map_err(s)).collect::<Result<Vec<_>, _>>()?;
+    let works = bufs
+        .iter()
+        .enumerate()
+        .map(|(p, b)| w.get(b.view_mut(0, N).map_err(s)?, p, 0, true).map_err(s))
+        .collect::<Result<Vec<_>, _>>()?;
     for wk in &works {
         wk.wait(None).map_err(s)?;
     }
