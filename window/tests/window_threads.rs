@@ -6,6 +6,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use ibverbx::soft::SoftConfig;
+use ibverbx::{LoadBalancing, ProviderKind};
+use rmacomm_transport::TransportConfig;
 use rmacomm_window::{Error, Group, GroupOptions, HashStore, Store, Window, WindowOptions};
 
 /// Runs `f(rank, group)` on `n` threads, one rank each.
@@ -34,14 +37,39 @@ fn window(g: &Group) -> Window {
     Window::new(g, WindowOptions::new().timeout(Duration::from_secs(30))).unwrap()
 }
 
+/// Four physical QPs, 64 KiB fragments and seeded stalls before every
+/// operation of every QP: fragments of one put, and puts, overtake each other.
+fn chaotic(lb: LoadBalancing, seed: u64) -> WindowOptions {
+    let soft = SoftConfig { chaos_seed: Some(seed), ..SoftConfig::from_env() };
+    let config = TransportConfig::default()
+        .with_provider(ProviderKind::Soft)
+        .with_qps(4)
+        .with_frag_size(64 << 10)
+        .with_load_balancing(lb)
+        .with_soft(Some(soft));
+    WindowOptions::new().timeout(Duration::from_secs(30)).transport(config)
+}
+
 /// 16 async puts of 256 KiB each, their Works not waited, then one signal:
 /// when the wait returns, all of them are there.
 #[test]
 fn a_signal_follows_every_earlier_async_put() {
+    signal_after_async_puts(|g| window(g));
+}
+
+/// The same over 4 QPs with reordering chaos, both load balancings.
+#[test]
+fn a_signal_follows_every_earlier_async_put_over_4_reordering_qps() {
+    for (lb, seed) in [(LoadBalancing::Dqplb, 1), (LoadBalancing::Spray, 2), (LoadBalancing::Dqplb, 3)] {
+        signal_after_async_puts(move |g| Window::new(g, chaotic(lb, seed)).unwrap());
+    }
+}
+
+fn signal_after_async_puts(make: impl Fn(&Group) -> Window + Send + Sync + 'static) {
     const PIECE: usize = 256 << 10;
     const PIECES: usize = 16;
-    ranks(2, |rank, g| {
-        let mut w = window(&g);
+    ranks(2, move |rank, g| {
+        let mut w = make(&g);
         w.tensor_register(w.alloc(PIECE * PIECES).unwrap(), 1).unwrap();
         let peer = 1 - rank;
         for round in 0..5u8 {
