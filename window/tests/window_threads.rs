@@ -54,7 +54,7 @@ fn chaotic(lb: LoadBalancing, seed: u64) -> WindowOptions {
 /// when the wait returns, all of them are there.
 #[test]
 fn a_signal_follows_every_earlier_async_put() {
-    signal_after_async_puts(|g| window(g));
+    signal_after_async_puts(window);
 }
 
 /// The same over 4 QPs with reordering chaos, both load balancings.
