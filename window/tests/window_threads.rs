@@ -160,3 +160,36 @@ fn register_deregister_repeats_and_argument_errors() {
         assert!(matches!(w.tensor_register(w.alloc(8).unwrap(), 0), Err(Error::InvalidArgument { .. })));
     });
 }
+
+/// Works dropped unfinished detach their operations; `tensor_deregister`
+/// still waits for them, and the window goes on working.
+#[test]
+fn deregister_waits_for_detached_operations() {
+    const PIECE: usize = 64 << 10;
+    ranks(2, |rank, g| {
+        let mut w = window(&g);
+        w.tensor_register(w.alloc(32 * PIECE).unwrap(), 1).unwrap();
+        let src = w.alloc(32 * PIECE).unwrap();
+        src.write_from(0, &vec![rank as u8 + 1; 32 * PIECE]).unwrap();
+        let peer = 1 - rank;
+        for i in 0..32 {
+            let work = w.put(src.view(i * PIECE, PIECE).unwrap(), peer, i * PIECE, true).unwrap();
+            assert!(work.op() == "put" && work.peer() == peer);
+            drop(work);
+            drop(w.signal(peer, true).unwrap());
+        }
+        let mem = w.tensor_deregister().unwrap();
+        // The barrier inside proved the peer's puts done too.
+        let mut got = vec![0u8; 32 * PIECE];
+        mem.read_into(0, &mut got).unwrap();
+        assert!(got.iter().all(|b| *b == peer as u8 + 1));
+        for _ in 0..32 {
+            w.wait_signal(peer, None).unwrap();
+        }
+        w.tensor_register(mem, 1).unwrap();
+        let work = w.put(src.view(0, 8).unwrap(), peer, 0, true).unwrap();
+        work.wait(None).unwrap();
+        assert!(work.is_completed());
+        g.barrier(None).unwrap();
+    });
+}
