@@ -5,7 +5,7 @@ use std::time::Duration;
 /// Result with the crate's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-/// Errors of stores, launcher detection and groups.
+/// Errors of stores, launcher detection, groups and windows.
 ///
 /// Every message says what to do next. The type is `Clone + PartialEq` so that
 /// tests can compare errors; I/O errors are carried as their text.
@@ -96,6 +96,46 @@ pub enum Error {
         op: String,
         /// Which ranks passed what.
         detail: String,
+    },
+    /// A window operation with a peer failed in the transport: the peer's
+    /// process exited (`the peer closed the connection`), the operation
+    /// timed out, or the connection broke.
+    #[error("{op} with rank {peer}: {source}")]
+    Rma {
+        /// The window operation (`put`, `signal`, `wait_signal`, `get`, ...).
+        op: &'static str,
+        /// The peer rank.
+        peer: usize,
+        /// What the transport said.
+        #[source]
+        source: rmacomm_transport::TransportError,
+    },
+    /// A local transport call failed (creating a transport, binding, memory).
+    #[error("{op}: {source}")]
+    Transport {
+        /// The window operation.
+        op: &'static str,
+        /// What the transport said.
+        #[source]
+        source: rmacomm_transport::TransportError,
+    },
+    /// A put or get does not fit the peer's registered buffer; nothing was moved.
+    #[error("{op} with rank {peer}: out of bounds: {reason}; nothing was moved")]
+    Bounds {
+        /// `put` or `get`.
+        op: &'static str,
+        /// The peer rank.
+        peer: usize,
+        /// The sizes involved.
+        reason: String,
+    },
+    /// Something this build or this path cannot do yet.
+    #[error("{op}: not available: {reason}")]
+    Unsupported {
+        /// The operation.
+        op: &'static str,
+        /// Why, and what to use instead.
+        reason: String,
     },
     /// The store was shut down while the call was pending.
     #[error("the store was shut down while {op} was pending; keep the store host alive until every rank is done")]

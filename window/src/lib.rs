@@ -1,11 +1,41 @@
-//! rmacomm window: groups, bootstrap stores and (later) the one-sided Window.
+//! rmacomm window: groups, bootstrap stores and the one-sided [`Window`].
 //!
-//! This part of the crate gets the ranks of a job to know each other: a
+//! The bootstrap part gets the ranks of a job to know each other: a
 //! [`Store`] they all reach, launcher detection, and a [`Group`] with rank,
 //! size, host locality, `barrier`, `exchange` (all-gather of small blobs) and
-//! `split`. The `Window` will be built on it.
+//! `split`. The [`Window`] is built on it: torchcomms' one-sided window
+//! (`put`, `signal`, `wait_signal`, `get`, `tensor_register`), over one
+//! transport per peer.
 //!
-//! # Quick start
+//! # Quick start: a window
+//!
+//! The ring of torchcomms' window test, under `rmacomm-run --nproc-per-node 4`:
+//!
+//! ```no_run
+//! use rmacomm_window::{Group, Window, WindowOptions};
+//!
+//! # fn main() -> Result<(), rmacomm_window::Error> {
+//! let group = Group::from_env()?;
+//! let (rank, size) = (group.rank(), group.size());
+//! let (right, left) = ((rank + 1) % size, (rank + size - 1) % size);
+//! let mut win = Window::new(&group, WindowOptions::new())?;      // collective
+//! const COUNT: usize = 1024;
+//! win.tensor_register(win.alloc(size * COUNT * 4)?, 4)?;          // collective; f32 elements
+//! let src = win.alloc(COUNT * 4)?;
+//! src.write_from(0, &(rank as f32).to_le_bytes().repeat(COUNT)).unwrap();
+//! let put = win.put(src.view(0, COUNT * 4).unwrap(), right, rank * COUNT, true)?; // async
+//! win.signal(right, false)?;          // delivered after the put's data is placed
+//! win.wait_signal(left, None)?;       // left's data is in my buffer now
+//! let mut got = vec![0u8; COUNT * 4];
+//! win.local_tensor().unwrap().read_into(left * COUNT * 4, &mut got).unwrap();
+//! put.wait(None)?;
+//! drop(put);
+//! group.barrier(None)?;
+//! let _mem = win.tensor_deregister()?;                           // collective
+//! # Ok(()) }
+//! ```
+//!
+//! # Quick start: a group
 //!
 //! Under `rmacomm-run --nproc-per-node 4 ./prog`, torchrun, mpirun or srun:
 //!
@@ -63,6 +93,16 @@
 //! - Timeouts: `RMACOMM_TIMEOUT_SECONDS` (default 600) unless code sets one
 //!   ([`GroupOptions::timeout`]).
 //! - The `rmacomm-run` binary: a one-host launcher with torchrun's variables.
+//! - [`Window`] (torchcomms' semantics): `new`, `tensor_register` /
+//!   `tensor_deregister` (collective; sizes and element sizes may differ per
+//!   rank), `put` (RDMA WRITE, bounds-checked against the peer's registered
+//!   size before anything moves), `signal` / `wait_signal` (the n-th signal
+//!   from s satisfies the n-th wait on d, delivered after every earlier put
+//!   from s to d is placed; early signals are banked), `get` (RDMA READ),
+//!   `get_attr` (SEPARATE for every peer in this version),
+//!   `map_remote_tensor` (this rank's own buffer; an error for peers), and
+//!   [`Work`] (`is_completed`, `wait`). Every peer, same-host ones included,
+//!   goes through the transport; the UNIFIED same-host mapping is to come.
 //!
 //! Why blocking: bootstrap runs a few times per job, mostly from code that is
 //! not async (a `main`, Python with the GIL released, a test), and every call
@@ -71,8 +111,12 @@
 //!
 //! # Thread safety
 //!
-//! Stores and groups are `Send + Sync`. A `TcpStore` client runs one request
-//! at a time on its connection (others queue on a mutex), so a long wait
+//! Stores, groups and windows are `Send + Sync`. A window's operations may
+//! be issued from several threads; its blocking calls (`wait_signal`,
+//! `Work::wait`, synchronous operations) must not run inside a tokio
+//! runtime (the window has its own; use `spawn_blocking`). A `TcpStore`
+//! client runs one request at a time on its connection (others queue on a
+//! mutex), so a long wait
 //! delays other calls through the same store. Group operations are
 //! collective and numbered in call order: issue them from one thread per rank
 //! (or otherwise in the same order on every rank).
@@ -86,6 +130,13 @@
 //! every connection. Group keys are deleted by the rank that wrote them after
 //! the next barrier. A `FileStore` directory is left in place: give each job
 //! its own.
+//!
+//! A [`Work`] borrows its window and local memory; dropping it unfinished
+//! detaches the operation, which goes on holding its memory's registration.
+//! `tensor_deregister` waits for this rank's operations in flight, detached
+//! ones included, then for every rank, and hands the memory back. Dropping a
+//! window drops its transports (peers' later operations to this rank fail
+//! with "the peer closed the connection") and then its runtime.
 
 #![forbid(unsafe_code)]
 
@@ -100,7 +151,9 @@ mod prefix_store;
 mod store;
 mod tcp_server;
 mod tcp_store;
+mod window;
 mod wire;
+mod work;
 
 pub use error::{Error, Result};
 pub use file_store::FileStore;
@@ -113,3 +166,5 @@ pub use prefix_store::PrefixStore;
 pub use store::{Store, MAX_KEYS, MAX_KEY_LEN, MAX_VALUE_LEN};
 pub use tcp_server::{TcpStoreServer, MAX_CLIENTS};
 pub use tcp_store::TcpStore;
+pub use window::{AccessType, Window, WindowAttr, WindowOptions};
+pub use work::Work;

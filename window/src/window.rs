@@ -1,0 +1,536 @@
+//! `Window`: one-sided put / signal / wait_signal / get between the ranks
+//! of a [`Group`], with torchcomms' window semantics, on the transport.
+
+use std::fmt;
+use std::future::Future;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rmacomm_transport::{RdmaMemory, RdmaRemoteBuffer, RdmaTransport, TransportConfig, TransportError, View, ViewMut};
+
+use crate::error::{Error, Result};
+use crate::group::Group;
+use crate::work::Work;
+
+/// How this rank reaches a peer's registered buffer (torchcomms'
+/// `get_attr(rank).access_type`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum AccessType {
+    /// The peer's buffer is mapped here: loads and stores reach it
+    /// ([`Window::map_remote_tensor`]). Not produced yet (see the crate docs).
+    Unified,
+    /// The peer's buffer is reached through the transport only.
+    Separate,
+}
+
+/// What [`Window::get_attr`] says about a peer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct WindowAttr {
+    /// How the peer's buffer is reached.
+    pub access_type: AccessType,
+}
+
+/// Settings of a [`Window`]; code wins over the environment.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct WindowOptions {
+    timeout: Option<Duration>,
+    transport: Option<TransportConfig>,
+    worker_threads: usize,
+}
+
+impl Default for WindowOptions {
+    fn default() -> Self {
+        WindowOptions { timeout: None, transport: None, worker_threads: 1 }
+    }
+}
+
+impl WindowOptions {
+    /// Options with every value from the environment or its default.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Timeout of every operation (default: the group's, i.e.
+    /// `RMACOMM_TIMEOUT_SECONDS`, else 600 s).
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = Some(timeout);
+        self
+    }
+
+    /// Settings of the transports (one per peer); its timeout and
+    /// `max_in_flight` are replaced by the window's.
+    pub fn transport(mut self, config: TransportConfig) -> Self {
+        self.transport = Some(config);
+        self
+    }
+
+    /// Worker threads of the window's tokio runtime (default 1): they run
+    /// the transports' completion drivers and the signals' tasks.
+    pub fn worker_threads(mut self, n: usize) -> Self {
+        self.worker_threads = n.max(1);
+        self
+    }
+}
+
+/// Operations one transport may have in flight. A put posts when it is
+/// called only while a slot is free, and the ordering of signals behind
+/// puts relies on posting order (see [`Window::signal`]): so this is large.
+const MAX_IN_FLIGHT: usize = 1 << 16;
+
+/// One peer's connection. For a peer the two are the same transport; for
+/// this rank itself they are a loopback pair in this process, so that
+/// put/signal/get to self take the same path as to anyone else.
+struct Link {
+    /// Puts, gets and signals to the peer go out here.
+    out: Arc<RdmaTransport>,
+    /// The peer's signals arrive here.
+    inbound: Arc<RdmaTransport>,
+}
+
+/// The registered tensor of every rank.
+struct Registration {
+    mem: RdmaMemory,
+    /// Per rank: its buffer and its element size.
+    peers: Vec<(RdmaRemoteBuffer, usize)>,
+}
+
+/// A one-sided communication window over the ranks of a group
+/// (torchcomms' window: put / signal / wait_signal / get).
+///
+/// # Data path
+/// Every peer, this rank and same-host ranks included, is reached through
+/// an [`RdmaTransport`] (one per peer, two for this rank: a loopback pair):
+/// the SEPARATE path. On the soft provider a same-host put is still one
+/// memcpy by the calling thread into the peer's shared segment.
+///
+/// # Runtime
+/// The window owns a multi-threaded tokio runtime (one worker thread by
+/// default, [`WindowOptions::worker_threads`]) that drives the transports'
+/// completions and the signals. Blocking calls (`wait_signal`, synchronous
+/// operations, [`Work::wait`]) run on the caller's thread with `block_on`:
+/// call them from plain threads, not from inside a tokio runtime.
+///
+/// # Ordering
+/// Per (source, destination) pair, the n-th [`signal`](Self::signal) from
+/// s satisfies the n-th [`wait_signal`](Self::wait_signal) on d (early
+/// signals are banked), and it is delivered only after every put s issued
+/// to d before that signal has been placed: when `wait_signal(s)` returns
+/// on d, those puts' data is visible. Puts not separated by a signal may be
+/// placed in any order. Signals from different sources are independent.
+///
+/// # Thread safety
+/// `Window` is `Send + Sync`; operations may be issued from several threads
+/// ("issued before" then means happens-before in the issuing process).
+/// `tensor_register` / `tensor_deregister` take `&mut self`, so no
+/// operation ([`Work`] borrows the window) is alive across them.
+pub struct Window {
+    // Field order is drop order: the registration and the transports go
+    // before the runtime that drives them.
+    reg: Option<Registration>,
+    links: Vec<Link>,
+    /// The 8 bytes every signal writes (their content is not read).
+    signal_src: Arc<RdmaMemory>,
+    /// Peers' signals land here, at 8 bytes per source rank.
+    _signal_dst: RdmaMemory,
+    /// Per peer: this rank's slot in the peer's signal buffer.
+    signal_slots: Vec<RdmaRemoteBuffer>,
+    /// Signal tasks not yet finished.
+    signals_in_flight: Arc<AtomicUsize>,
+    timeout: Duration,
+    group: Group,
+    rt: tokio::runtime::Runtime,
+}
+
+impl fmt::Debug for Window {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Window")
+            .field("rank", &self.group.rank())
+            .field("size", &self.group.size())
+            .field("registered_bytes", &self.reg.as_ref().map(|r| r.mem.len()))
+            .field("timeout", &self.timeout)
+            .finish()
+    }
+}
+
+fn os(op: &'static str, e: std::io::Error) -> Error {
+    Error::Transport { op, source: TransportError::Os { op: "tokio runtime", source: Arc::new(e) } }
+}
+
+impl Window {
+    /// Creates the window of `group`'s ranks. Collective: every rank calls
+    /// it (as the n-th group operation on each). Creates one transport per
+    /// peer, exchanges their URLs through the group and connects every
+    /// pair (both sides connect); returns once all connections are up.
+    ///
+    /// The window works in a group of its own (a split of `group` with
+    /// every rank), so its keys never meet the caller's.
+    pub fn new(group: &Group, opts: WindowOptions) -> Result<Window> {
+        const OP: &str = "Window::new";
+        let all: Vec<usize> = (0..group.size()).collect();
+        let mut group = group.split(&all)?.expect("every rank is in the list");
+        let timeout = opts.timeout.unwrap_or(group.timeout());
+        group.set_timeout(timeout);
+        let (me, n) = (group.rank(), group.size());
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(opts.worker_threads)
+            .thread_name("rmacomm-window")
+            .enable_all()
+            .build()
+            .map_err(|e| os(OP, e))?;
+        let config = opts.transport.unwrap_or_default().with_timeout(Some(timeout)).with_max_in_flight(MAX_IN_FLIGHT);
+        let transport =
+            || RdmaTransport::new(config.clone()).map(Arc::new).map_err(|e| Error::Transport { op: OP, source: e });
+        let mut links = Vec::with_capacity(n);
+        for p in 0..n {
+            let out = transport()?;
+            let inbound = if p == me { transport()? } else { out.clone() };
+            links.push(Link { out, inbound });
+        }
+        let bound = |t: &RdmaTransport| t.bind().map_err(|e| Error::Transport { op: OP, source: e });
+        let signal_src =
+            Arc::new(RdmaMemory::alloc_for(&links[me].out, 8).map_err(|e| Error::Transport { op: OP, source: e })?);
+        let signal_dst =
+            RdmaMemory::alloc_for(&links[me].out, 8 * n).map_err(|e| Error::Transport { op: OP, source: e })?;
+        // Line 0: my signal buffer; line 1 + p: the URL of my transport for p.
+        let mut blob = signal_dst.remote_buffer().to_string();
+        for link in &links {
+            blob.push('\n');
+            blob.push_str(&bound(&link.out)?);
+        }
+        let self_in_url = bound(&links[me].inbound)?;
+        let all = group.exchange("window", blob.as_bytes())?;
+        let mut peer_urls = Vec::with_capacity(n);
+        let mut signal_slots = Vec::with_capacity(n);
+        for (p, value) in all.iter().enumerate() {
+            let text = String::from_utf8_lossy(value);
+            let lines: Vec<&str> = text.lines().collect();
+            let bad = || Error::Protocol(format!("{OP}: rank {p} sent a malformed window descriptor"));
+            if lines.len() != n + 1 {
+                return Err(bad());
+            }
+            let slot = RdmaRemoteBuffer::parse(lines[0]).and_then(|rb| rb.slice(8 * me as u64, 8)).ok_or_else(bad)?;
+            signal_slots.push(slot);
+            peer_urls.push(if p == me { self_in_url.clone() } else { lines[1 + me].to_string() });
+        }
+        let own_out_url = all[me].split(|b| *b == b'\n').nth(1 + me).map(|u| String::from_utf8_lossy(u).into_owned());
+        let own_out_url = own_out_url.expect("checked above");
+        rt.block_on(async {
+            let connects = links.iter().enumerate().map(|(p, link)| {
+                let (url, own_out_url) = (&peer_urls[p], &own_out_url);
+                async move {
+                    let r = if p == me {
+                        let (a, b) = tokio::join!(link.out.connect(url), link.inbound.connect(own_out_url));
+                        a.and(b)
+                    } else {
+                        link.out.connect(url).await
+                    };
+                    r.map_err(|e| Error::Rma { op: "Window::new (connect)", peer: p, source: e })
+                }
+            });
+            futures::future::try_join_all(connects).await
+        })?;
+        Ok(Window {
+            reg: None,
+            links,
+            signal_src,
+            _signal_dst: signal_dst,
+            signal_slots,
+            signals_in_flight: Arc::new(AtomicUsize::new(0)),
+            timeout,
+            group,
+            rt,
+        })
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.group.rank()
+    }
+
+    /// Ranks in the window.
+    pub fn size(&self) -> usize {
+        self.group.size()
+    }
+
+    /// The timeout of every operation.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// Allocates `len` zeroed bytes of registered memory on the window's
+    /// device (a shared segment on the soft provider): what
+    /// [`tensor_register`](Self::tensor_register) takes and what puts read.
+    /// `RdmaMemory::alloc` gives the same when the transports use the
+    /// default settings.
+    pub fn alloc(&self, len: usize) -> Result<RdmaMemory> {
+        RdmaMemory::alloc_for(&self.links[self.rank()].out, len)
+            .map_err(|e| Error::Transport { op: "alloc", source: e })
+    }
+
+    /// Registers `mem` as this rank's tensor of elements of `elem_size`
+    /// bytes: all of it, whole elements (`RdmaMemory::alloc` rounds up to
+    /// whole pages; use [`tensor_register_len`](Self::tensor_register_len)
+    /// for an exact size). Collective: every rank calls it; sizes and
+    /// element sizes may differ per rank. Offsets of puts and gets count
+    /// elements of the *peer's* element size, and are checked against the
+    /// peer's registered size.
+    pub fn tensor_register(&mut self, mem: RdmaMemory, elem_size: usize) -> Result<()> {
+        let len = mem.len().checked_div(elem_size).map_or(0, |n| n * elem_size);
+        self.tensor_register_len(mem, len, elem_size)
+    }
+
+    /// [`tensor_register`](Self::tensor_register) of the first `len` bytes
+    /// of `mem` only (a whole number of elements): peers' puts and gets
+    /// beyond them fail with [`Error::Bounds`].
+    pub fn tensor_register_len(&mut self, mem: RdmaMemory, len: usize, elem_size: usize) -> Result<()> {
+        const OP: &str = "tensor_register";
+        if self.reg.is_some() {
+            return Err(Error::invalid(OP, "a tensor is registered already; call tensor_deregister first"));
+        }
+        if len == 0 || len.checked_rem(elem_size) != Some(0) || len > mem.len() {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "{len} bytes of elements of {elem_size} bytes in {} registered bytes: the element size and the \
+                     length must be positive, the length a multiple of the element size within the memory",
+                    mem.len()
+                ),
+            ));
+        }
+        let rb = mem.remote_buffer().slice(0, len as u64).expect("checked above");
+        let blob = format!("{rb}\n{elem_size}");
+        let all = self.group.exchange(OP, blob.as_bytes())?;
+        let mut peers = Vec::with_capacity(all.len());
+        for (p, value) in all.iter().enumerate() {
+            let text = String::from_utf8_lossy(value);
+            let parsed =
+                text.split_once('\n').and_then(|(rb, es)| Some((RdmaRemoteBuffer::parse(rb)?, es.parse().ok()?)));
+            peers.push(parsed.ok_or_else(|| Error::Protocol(format!("{OP}: rank {p} sent a malformed descriptor")))?);
+        }
+        self.reg = Some(Registration { mem, peers });
+        Ok(())
+    }
+
+    /// Ends the registration and gives the memory back. Collective: waits
+    /// (up to the window's timeout) for this rank's operations still in
+    /// flight, detached ones included, then for every rank (a barrier), so
+    /// no peer still reaches the buffer when it returns.
+    pub fn tensor_deregister(&mut self) -> Result<RdmaMemory> {
+        const OP: &str = "tensor_deregister";
+        if self.reg.is_none() {
+            return Err(Error::invalid(OP, "no tensor is registered"));
+        }
+        let start = Instant::now();
+        let busy = |w: &Window| {
+            w.signals_in_flight.load(Ordering::Acquire) > 0
+                || w.links.iter().any(|l| l.out.in_flight() > 0 || l.inbound.in_flight() > 0)
+        };
+        while busy(self) {
+            if start.elapsed() >= self.timeout {
+                return Err(Error::Timeout {
+                    waiting_for: format!("{OP}: this rank's operations in flight"),
+                    after: self.timeout,
+                });
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        self.group.barrier(None)?;
+        Ok(self.reg.take().expect("checked above").mem)
+    }
+
+    /// This rank's registered memory (to fill or read it locally).
+    pub fn local_tensor(&self) -> Option<&RdmaMemory> {
+        self.reg.as_ref().map(|r| &r.mem)
+    }
+
+    fn check_rank(&self, op: &'static str, rank: usize) -> Result<()> {
+        if rank >= self.size() {
+            return Err(Error::invalid(op, format!("rank {rank} is not in this window of {} ranks", self.size())));
+        }
+        Ok(())
+    }
+
+    /// The part of `rank`'s buffer an operation of `len` bytes at element
+    /// `offset` touches, or the error saying why it does not fit.
+    fn target(&self, op: &'static str, rank: usize, offset: usize, len: usize) -> Result<RdmaRemoteBuffer> {
+        self.check_rank(op, rank)?;
+        let reg = self
+            .reg
+            .as_ref()
+            .ok_or_else(|| Error::invalid(op, "no tensor is registered; call tensor_register (collective) first"))?;
+        let (rb, es) = reg.peers[rank];
+        let start = offset.checked_mul(es).map(|s| s as u64);
+        start.and_then(|s| rb.slice(s, len as u64)).ok_or_else(|| Error::Bounds {
+            op,
+            peer: rank,
+            reason: format!(
+                "{len} bytes at element offset {offset} ({es} B elements) end past rank {rank}'s registered \
+                 buffer of {} bytes ({} elements)",
+                rb.len,
+                rb.len / es as u64
+            ),
+        })
+    }
+
+    /// Wraps a transport future in a [`Work`]; a synchronous operation
+    /// waits for it here and returns its error directly.
+    fn work<'a>(
+        &self,
+        op: &'static str,
+        peer: usize,
+        fut: impl Future<Output = Result<(), TransportError>> + Send + 'a,
+        async_op: bool,
+    ) -> Result<Work<'a>> {
+        let fut = async move { fut.await.map_err(|source| Error::Rma { op, peer, source }) };
+        let work = Work::new(self.rt.handle().clone(), op, peer, Box::pin(fut));
+        if !async_op {
+            work.wait(None)?;
+        }
+        Ok(work)
+    }
+
+    /// Writes `src` into `dst_rank`'s registered buffer at element
+    /// `target_offset_nelems` (of `dst_rank`'s element size): an RDMA
+    /// WRITE, posted before this returns. Does not signal.
+    ///
+    /// A put that does not fit the destination's buffer fails here with
+    /// [`Error::Bounds`] and moves nothing. With `async_op`, the returned
+    /// [`Work`] tells when the data is placed; without, this returns once
+    /// it is (an error is returned directly). `src` must not change until
+    /// then.
+    pub fn put<'a>(
+        &'a self,
+        src: View<'a>,
+        dst_rank: usize,
+        target_offset_nelems: usize,
+        async_op: bool,
+    ) -> Result<Work<'a>> {
+        const OP: &str = "put";
+        let remote = self.target(OP, dst_rank, target_offset_nelems, src.len())?;
+        let fut = self.links[dst_rank].out.write_with_timeout(src, &remote, false, Some(self.timeout));
+        self.work(OP, dst_rank, fut, async_op)
+    }
+
+    /// Reads from `src_rank`'s registered buffer at element
+    /// `source_offset_nelems` (of `src_rank`'s element size) into `dst`: an
+    /// RDMA READ. Bounds are checked first, as for [`put`](Self::put).
+    pub fn get<'a>(
+        &'a self,
+        dst: ViewMut<'a>,
+        src_rank: usize,
+        source_offset_nelems: usize,
+        async_op: bool,
+    ) -> Result<Work<'a>> {
+        const OP: &str = "get";
+        let remote = self.target(OP, src_rank, source_offset_nelems, dst.len())?;
+        let fut = self.links[src_rank].out.read_with_timeout(dst, &remote, Some(self.timeout));
+        self.work(OP, src_rank, fut, async_op)
+    }
+
+    /// Signals `dst_rank`: satisfies one [`wait_signal`](Self::wait_signal)
+    /// for this rank there, once every put this rank issued to `dst_rank`
+    /// before this call has been placed.
+    ///
+    /// How: a signal first writes 8 bytes into this rank's slot of the
+    /// peer's signal buffer without notification and waits for that write's
+    /// completion. The transport completes operations in posting order and a
+    /// completion means the data is placed, so by then every earlier put to
+    /// the peer is placed. Then it writes the 8 bytes again, with a
+    /// notification, which the peer's `wait_signal` counts. That costs one
+    /// round trip more than a bare notification; it is correct on any
+    /// number of physical QPs and either load balancing.
+    ///
+    /// The signal runs on the window's runtime whether or not the returned
+    /// [`Work`] is waited for.
+    pub fn signal(&self, dst_rank: usize, async_op: bool) -> Result<Work<'_>> {
+        const OP: &str = "signal";
+        self.check_rank(OP, dst_rank)?;
+        let (t, src, slot) = (self.links[dst_rank].out.clone(), self.signal_src.clone(), self.signal_slots[dst_rank]);
+        let timeout = Some(self.timeout);
+        let counter = InFlight::enter(&self.signals_in_flight);
+        let task = self.rt.spawn(async move {
+            let _counter = counter;
+            let v = src.view(0, 8)?;
+            t.write_with_timeout(v, &slot, false, timeout).await?;
+            t.write_with_timeout(v, &slot, true, timeout).await
+        });
+        let fut = async move { task.await.unwrap_or(Err(TransportError::Aborted { op: OP })) };
+        self.work(OP, dst_rank, fut, async_op)
+    }
+
+    /// Waits for the next signal from `peer_rank` (the n-th call takes the
+    /// n-th signal; signals that came first were kept), for at most
+    /// `timeout` (`None`: the window's). Fails with an error naming the
+    /// peer when it times out or the peer is gone.
+    pub fn wait_signal(&self, peer_rank: usize, timeout: Option<Duration>) -> Result<()> {
+        const OP: &str = "wait_signal";
+        self.check_rank(OP, peer_rank)?;
+        let t = Some(timeout.unwrap_or(self.timeout));
+        self.rt.block_on(self.links[peer_rank].inbound.wait_for_write_with_timeout(t)).map_err(|source| Error::Rma {
+            op: OP,
+            peer: peer_rank,
+            source,
+        })
+    }
+
+    /// How this rank reaches `rank`'s buffer: [`AccessType::Separate`] for
+    /// every peer in this version.
+    pub fn get_attr(&self, rank: usize) -> Result<WindowAttr> {
+        self.check_rank("get_attr", rank)?;
+        Ok(WindowAttr { access_type: AccessType::Separate })
+    }
+
+    /// A local view of `rank`'s registered buffer: this rank's own buffer
+    /// for itself; for a peer an [`Error::Unsupported`] (no UNIFIED
+    /// mapping yet: use put and get).
+    pub fn map_remote_tensor(&self, rank: usize) -> Result<View<'_>> {
+        const OP: &str = "map_remote_tensor";
+        self.check_rank(OP, rank)?;
+        let reg = self
+            .reg
+            .as_ref()
+            .ok_or_else(|| Error::invalid(OP, "no tensor is registered; call tensor_register (collective) first"))?;
+        if rank != self.rank() {
+            return Err(Error::Unsupported {
+                op: OP,
+                reason: format!(
+                    "rank {rank}'s buffer cannot be mapped here: UNIFIED (same-host shared memory) mapping is not \
+                     available yet, every peer is SEPARATE (get_attr); use put and get"
+                ),
+            });
+        }
+        reg.mem.view(0, reg.peers[rank].0.len as usize).map_err(|e| Error::Transport { op: OP, source: e })
+    }
+}
+
+/// Counts a signal task from its spawn to its end (or its drop).
+struct InFlight(Arc<AtomicUsize>);
+
+impl InFlight {
+    fn enter(counter: &Arc<AtomicUsize>) -> Self {
+        counter.fetch_add(1, Ordering::AcqRel);
+        InFlight(counter.clone())
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn windows_and_works_are_send_and_sync() {
+        fn both<T: Send + Sync>() {}
+        both::<Window>();
+        both::<Work<'static>>();
+    }
+}

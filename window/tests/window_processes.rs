@@ -1,0 +1,71 @@
+//! Windows across real processes started by rmacomm-run (the
+//! `window-scenario` helper): torchcomms' ring test with 2, 3 and 4 ranks,
+//! banked signals and wait timeouts, bounds, get, a peer that dies.
+
+use std::process::{Command, Output};
+use std::time::Instant;
+
+fn run(nproc: usize, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_rmacomm-run"))
+        .args(["--nproc-per-node", &nproc.to_string(), env!("CARGO_BIN_EXE_window-scenario")])
+        .args(args)
+        .env_remove("MASTER_ADDR")
+        .env_remove("MASTER_PORT")
+        .env("RMACOMM_TIMEOUT_SECONDS", "60")
+        .output()
+        .unwrap()
+}
+
+fn assert_every_rank_ok(n: usize, out: &Output) -> String {
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{n} ranks failed ({:?}):\n{stdout}\n{stderr}", out.status);
+    for r in 0..n {
+        assert!(stdout.contains(&format!("[{r}] rank {r} ok")), "rank {r}:\n{stdout}\n{stderr}");
+    }
+    stdout
+}
+
+/// Counts 4, 1024 and 1 Mi elements × f32, i32, i8 × sync/async put ×
+/// sync/async signal × 10 iterations, on 2, 3 and 4 ranks (the full cross
+/// product, about 5 s in all on two cores).
+#[test]
+fn ring_put_signal_wait_with_2_3_and_4_ranks() {
+    for n in [2, 3, 4] {
+        let t0 = Instant::now();
+        assert_every_rank_ok(n, &run(n, &["ring", "4,1024,1048576", "10"]));
+        eprintln!("ring, {n} ranks: {:?}", t0.elapsed());
+    }
+}
+
+#[test]
+fn signals_are_banked_and_a_wait_times_out_clearly() {
+    for n in [2, 3] {
+        let stdout = assert_every_rank_ok(n, &run(n, &["signals"]));
+        assert!(stdout.contains("timeout error: wait_signal with rank"), "{stdout}");
+    }
+}
+
+#[test]
+fn out_of_bounds_puts_and_gets_fail_and_move_nothing() {
+    for n in [2, 3] {
+        let stdout = assert_every_rank_ok(n, &run(n, &["bounds"]));
+        assert!(stdout.contains("bounds error: put with rank"), "{stdout}");
+    }
+}
+
+#[test]
+fn get_reads_every_ranks_buffer() {
+    for n in [2, 3] {
+        assert_every_rank_ok(n, &run(n, &["get"]));
+    }
+}
+
+#[test]
+fn a_dead_peer_fails_wait_signal_within_the_timeout() {
+    let t0 = Instant::now();
+    let stdout = assert_every_rank_ok(2, &run(2, &["killed"]));
+    let line = stdout.lines().find(|l| l.starts_with("[0] killed peer error")).unwrap_or_else(|| panic!("{stdout}"));
+    assert!(line.contains("wait_signal with rank 1") && line.contains("peer closed the connection"), "{line}");
+    assert!(t0.elapsed().as_secs() < 30, "{:?}", t0.elapsed());
+}

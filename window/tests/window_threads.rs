@@ -1,0 +1,195 @@
+//! Windows whose ranks are threads of this process (a `HashStore`):
+//! signals ordered behind many async puts, operations issued from several
+//! threads of one rank, collective register/deregister repeated, argument
+//! errors.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use ibverbx::soft::SoftConfig;
+use ibverbx::{LoadBalancing, ProviderKind};
+use rmacomm_transport::TransportConfig;
+use rmacomm_window::{Error, Group, GroupOptions, HashStore, Store, Window, WindowOptions};
+
+/// Runs `f(rank, group)` on `n` threads, one rank each.
+fn ranks<F>(n: usize, f: F)
+where
+    F: Fn(usize, Group) + Send + Sync + 'static,
+{
+    let store: Arc<dyn Store> = Arc::new(HashStore::new());
+    let f = Arc::new(f);
+    let handles: Vec<_> = (0..n)
+        .map(|rank| {
+            let (store, f) = (store.clone(), f.clone());
+            std::thread::spawn(move || {
+                let g =
+                    Group::with_options(rank, n, store, GroupOptions::new().timeout(Duration::from_secs(30))).unwrap();
+                f(rank, g)
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+}
+
+fn window(g: &Group) -> Window {
+    Window::new(g, WindowOptions::new().timeout(Duration::from_secs(30))).unwrap()
+}
+
+/// Four physical QPs, 64 KiB fragments and seeded stalls before every
+/// operation of every QP: fragments of one put, and puts, overtake each other.
+fn chaotic(lb: LoadBalancing, seed: u64) -> WindowOptions {
+    let soft = SoftConfig { chaos_seed: Some(seed), ..SoftConfig::from_env() };
+    let config = TransportConfig::default()
+        .with_provider(ProviderKind::Soft)
+        .with_qps(4)
+        .with_frag_size(64 << 10)
+        .with_load_balancing(lb)
+        .with_soft(Some(soft));
+    WindowOptions::new().timeout(Duration::from_secs(30)).transport(config)
+}
+
+/// 16 async puts of 256 KiB each, their Works not waited, then one signal:
+/// when the wait returns, all of them are there.
+#[test]
+fn a_signal_follows_every_earlier_async_put() {
+    signal_after_async_puts(window);
+}
+
+/// The same over 4 QPs with reordering chaos, both load balancings.
+#[test]
+fn a_signal_follows_every_earlier_async_put_over_4_reordering_qps() {
+    for (lb, seed) in [(LoadBalancing::Dqplb, 1), (LoadBalancing::Spray, 2), (LoadBalancing::Dqplb, 3)] {
+        signal_after_async_puts(move |g| Window::new(g, chaotic(lb, seed)).unwrap());
+    }
+}
+
+fn signal_after_async_puts(make: impl Fn(&Group) -> Window + Send + Sync + 'static) {
+    const PIECE: usize = 256 << 10;
+    const PIECES: usize = 16;
+    ranks(2, move |rank, g| {
+        let mut w = make(&g);
+        w.tensor_register(w.alloc(PIECE * PIECES).unwrap(), 1).unwrap();
+        let peer = 1 - rank;
+        for round in 0..5u8 {
+            let src = w.alloc(PIECE * PIECES).unwrap();
+            for i in 0..PIECES {
+                src.write_from(i * PIECE, &vec![round * 32 + i as u8; PIECE]).unwrap();
+            }
+            let works: Vec<_> = (0..PIECES)
+                .map(|i| w.put(src.view(i * PIECE, PIECE).unwrap(), peer, i * PIECE, true).unwrap())
+                .collect();
+            w.signal(peer, true).unwrap();
+            w.wait_signal(peer, None).unwrap();
+            let mut got = vec![0u8; PIECE * PIECES];
+            w.local_tensor().unwrap().read_into(0, &mut got).unwrap();
+            for i in 0..PIECES {
+                assert!(
+                    got[i * PIECE..(i + 1) * PIECE].iter().all(|b| *b == round * 32 + i as u8),
+                    "round {round} piece {i}"
+                );
+            }
+            for wk in &works {
+                wk.wait(None).unwrap();
+            }
+            g.barrier(None).unwrap();
+        }
+        w.tensor_deregister().unwrap();
+    });
+}
+
+/// A window shared by two threads of each rank: one puts and signals, the
+/// other waits.
+#[test]
+fn one_window_used_from_several_threads() {
+    ranks(2, |rank, g| {
+        let mut w = window(&g);
+        w.tensor_register(w.alloc(4096).unwrap(), 8).unwrap();
+        let peer = 1 - rank;
+        let w = &w;
+        std::thread::scope(|s| {
+            s.spawn(move || {
+                let src = w.alloc(8).unwrap();
+                for i in 0..200u64 {
+                    src.write_from(0, &i.to_le_bytes()).unwrap();
+                    w.put(src.view(0, 8).unwrap(), peer, (i % 512) as usize, false).unwrap();
+                    w.signal(peer, i % 3 == 0).unwrap();
+                }
+            });
+            s.spawn(move || {
+                for i in 0..200u64 {
+                    w.wait_signal(peer, None).unwrap();
+                    let mut got = [0u8; 8];
+                    w.local_tensor().unwrap().read_into((i % 512) as usize * 8, &mut got).unwrap();
+                    assert_eq!(u64::from_le_bytes(got), i);
+                }
+            });
+        });
+        g.barrier(None).unwrap();
+    });
+}
+
+#[test]
+fn register_deregister_repeats_and_argument_errors() {
+    ranks(3, |rank, g| {
+        let mut w = window(&g);
+        // No tensor yet.
+        let src = w.alloc(64).unwrap();
+        assert!(matches!(w.put(src.view(0, 8).unwrap(), 0, 0, false), Err(Error::InvalidArgument { op: "put", .. })));
+        assert!(matches!(w.map_remote_tensor(rank), Err(Error::InvalidArgument { .. })));
+        assert!(matches!(w.tensor_deregister(), Err(Error::InvalidArgument { .. })));
+        for round in 1..4usize {
+            // Sizes and element sizes differ per rank and per round.
+            let es = [1, 2, 4][(rank + round) % 3];
+            w.tensor_register_len(w.alloc(4096).unwrap(), es * 10 * (rank + 1), es).unwrap();
+            assert!(matches!(w.tensor_register(w.alloc(8).unwrap(), 1), Err(Error::InvalidArgument { .. })));
+            let right = (rank + 1) % 3;
+            let right_es = [1, 2, 4][(right + round) % 3];
+            let right_len = right_es * 10 * (right + 1);
+            // Fits exactly, then one byte too many.
+            w.put(src.view(0, right_es).unwrap(), right, right_len / right_es - 1, false).unwrap();
+            let e = w.put(src.view(0, right_es + 1).unwrap(), right, right_len / right_es - 1, false).unwrap_err();
+            assert!(matches!(e, Error::Bounds { op: "put", peer, .. } if peer == right), "{e}");
+            assert!(e.to_string().contains(&format!("{right_len} bytes")), "{e}");
+            let mem = w.tensor_deregister().unwrap();
+            assert_eq!(mem.len(), 4096);
+        }
+        assert!(matches!(w.signal(3, false), Err(Error::InvalidArgument { op: "signal", .. })));
+        assert!(matches!(w.wait_signal(3, None), Err(Error::InvalidArgument { op: "wait_signal", .. })));
+        assert!(matches!(w.tensor_register(w.alloc(8).unwrap(), 0), Err(Error::InvalidArgument { .. })));
+    });
+}
+
+/// Works dropped unfinished detach their operations; `tensor_deregister`
+/// still waits for them, and the window goes on working.
+#[test]
+fn deregister_waits_for_detached_operations() {
+    const PIECE: usize = 64 << 10;
+    ranks(2, |rank, g| {
+        let mut w = window(&g);
+        w.tensor_register(w.alloc(32 * PIECE).unwrap(), 1).unwrap();
+        let src = w.alloc(32 * PIECE).unwrap();
+        src.write_from(0, &vec![rank as u8 + 1; 32 * PIECE]).unwrap();
+        let peer = 1 - rank;
+        for i in 0..32 {
+            let work = w.put(src.view(i * PIECE, PIECE).unwrap(), peer, i * PIECE, true).unwrap();
+            assert!(work.op() == "put" && work.peer() == peer);
+            drop(work);
+            drop(w.signal(peer, true).unwrap());
+        }
+        let mem = w.tensor_deregister().unwrap();
+        // The barrier inside proved the peer's puts done too.
+        let mut got = vec![0u8; 32 * PIECE];
+        mem.read_into(0, &mut got).unwrap();
+        assert!(got.iter().all(|b| *b == peer as u8 + 1));
+        for _ in 0..32 {
+            w.wait_signal(peer, None).unwrap();
+        }
+        w.tensor_register(mem, 1).unwrap();
+        let work = w.put(src.view(0, 8).unwrap(), peer, 0, true).unwrap();
+        work.wait(None).unwrap();
+        assert!(work.is_completed());
+        g.barrier(None).unwrap();
+    });
+}
