@@ -381,3 +381,50 @@ fn poll_does_not_block_behind_a_waiter() {
         );
     });
 }
+
+/// A large message posted on an idle same-host virtual QP is not copied
+/// whole by the posting thread (an async runtime's worker, through the
+/// transport): one post copies at most one fragment itself, the progress
+/// thread the rest.
+#[test]
+fn a_large_write_is_not_copied_whole_by_the_posting_thread() {
+    const LEN: usize = 16 << 20;
+    let p = provider(None);
+    let c = VirtualQpConfig { max_msg_size: 1 << 20, max_msg_cnt_per_qp: 64, ..cfg(1, LoadBalancing::Spray) };
+    let side = || {
+        let ctx = p.device().open().unwrap();
+        let pd = ctx.alloc_pd().unwrap();
+        let cq = VirtualCq::new(&ctx, 4096).unwrap();
+        let qp = VirtualQp::new(&pd, &cq, &c).unwrap();
+        let mr = MemoryRegion::alloc(&pd, LEN, AccessFlags::all_remote()).unwrap();
+        (ctx, End { qp, cq, mr })
+    };
+    let ((ctx_a, a), (_ctx_b, b)) = (side(), side());
+    a.qp.connect(&b.qp.endpoint().unwrap()).unwrap();
+    b.qp.connect(&a.qp.endpoint().unwrap()).unwrap();
+    let data = pattern(LEN, 7);
+    a.mr.write(0, &data).unwrap();
+    let copied = || ibverbx::soft::stats(&ctx_a).unwrap().inline_copied_bytes;
+    // Warm up until the same-host link is up (a small write copied by the
+    // posting thread itself).
+    let deadline = std::time::Instant::now() + HANG;
+    while copied() == 0 {
+        assert!(std::time::Instant::now() < deadline, "the posting thread never copied a small write");
+        let sg = [a.mr.sge(0, 4096).unwrap()];
+        let op = SendOp::RdmaWrite { remote_addr: b.mr.addr(), rkey: b.mr.rkey() };
+        a.qp.post_send(&[SendWr { wr_id: 0, op, sg_list: &sg, flags: SendFlags::SIGNALED }]).unwrap();
+        assert_eq!(collect_with(&a.cq, 1, &b.cq)[0].status, WcStatus::Success);
+    }
+    let before = copied();
+    let sg = [a.mr.sge(0, LEN).unwrap()];
+    let op = SendOp::RdmaWrite { remote_addr: b.mr.addr(), rkey: b.mr.rkey() };
+    a.qp.post_send(&[SendWr { wr_id: 1, op, sg_list: &sg, flags: SendFlags::SIGNALED }]).unwrap();
+    let by_post = copied() - before;
+    let wc = collect_with(&a.cq, 1, &b.cq);
+    assert_eq!(wc[0].status, WcStatus::Success, "{wc:?}");
+    let mut got = vec![0u8; LEN];
+    b.mr.read(0, &mut got).unwrap();
+    assert!(got == data, "the 16 MiB write did not arrive intact");
+    eprintln!("the post copied {by_post} of {LEN} bytes itself");
+    assert!(by_post <= 1 << 20, "the posting thread copied {by_post} bytes of a {LEN}-byte write");
+}

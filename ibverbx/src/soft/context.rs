@@ -52,6 +52,8 @@ pub(crate) struct CtxShared {
     /// Peer segments mapped, attach requests refused (diagnostics).
     pub(crate) segs_mapped: std::sync::atomic::AtomicU64,
     pub(crate) segs_unmapped: std::sync::atomic::AtomicU64,
+    /// Bytes the posting threads copied themselves (WRITE/READ on an idle QP).
+    pub(crate) inline_copied: std::sync::atomic::AtomicU64,
     pub(crate) attach_refused: std::sync::atomic::AtomicU64,
     /// Unauthenticated connections closed to stay under the cap.
     pub(crate) handshakes_evicted: std::sync::atomic::AtomicU64,
@@ -131,6 +133,7 @@ impl CtxShared {
             db_rings: std::sync::atomic::AtomicU64::new(0),
             segs_mapped: std::sync::atomic::AtomicU64::new(0),
             segs_unmapped: std::sync::atomic::AtomicU64::new(0),
+            inline_copied: std::sync::atomic::AtomicU64::new(0),
             attach_refused: std::sync::atomic::AtomicU64::new(0),
             handshakes_evicted: std::sync::atomic::AtomicU64::new(0),
             wakers: Default::default(),

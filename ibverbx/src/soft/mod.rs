@@ -46,6 +46,7 @@ mod doorbell_proto;
 mod fence;
 mod host;
 mod ifname;
+pub(crate) mod inline_budget;
 mod keytable;
 mod mr;
 mod peer;
@@ -78,6 +79,9 @@ pub struct SoftStats {
     /// Mappings of peer segments dropped because the peer no longer
     /// publishes a region in them.
     pub peer_segments_unmapped: u64,
+    /// Bytes of same-host WRITEs and READs copied by the posting threads
+    /// themselves (not the progress thread).
+    pub inline_copied_bytes: u64,
     /// Attach requests this context refused (unknown QP, wrong token,
     /// malformed request, another user).
     pub attach_refused: u64,
@@ -97,6 +101,7 @@ pub fn stats(ctx: &crate::Context) -> Option<SoftStats> {
         doorbell_rings: s.db_rings.load(Relaxed),
         peer_segments_mapped: s.segs_mapped.load(Relaxed),
         peer_segments_unmapped: s.segs_unmapped.load(Relaxed),
+        inline_copied_bytes: s.inline_copied.load(Relaxed),
         attach_refused: s.attach_refused.load(Relaxed),
         handshakes_evicted: s.handshakes_evicted.load(Relaxed),
     })

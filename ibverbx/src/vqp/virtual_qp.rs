@@ -58,6 +58,11 @@ pub(crate) struct VqpShared {
     reserved: usize,
 }
 
+/// Bytes one `pump` (a post, or the completions that free QPs) may copy
+/// in the calling thread on the soft provider's same-host path: one
+/// fragment of the default size.
+const PUMP_INLINE_BUDGET: usize = 1 << 20;
+
 /// A physical send WR waiting in the planner.
 #[derive(Debug)]
 struct PhysOp {
@@ -479,11 +484,17 @@ impl State {
         Ok(())
     }
 
-    /// Posts whatever the planner lets go now.
+    /// Posts whatever the planner lets go now. The posting thread copies
+    /// at most [`PUMP_INLINE_BUDGET`] bytes itself per call (same-host soft
+    /// QPs); the rest goes to the provider's thread.
     fn pump(&mut self) {
         if self.error.is_some() {
             return;
         }
+        crate::soft::inline_budget::scope(PUMP_INLINE_BUDGET, || self.pump_all());
+    }
+
+    fn pump_all(&mut self) {
         while let Some((qp, op)) = self.planner.next(|vid| self.agg.data_done(vid)) {
             let wr = SendWr {
                 wr_id: encode_wr_id(op.vid, op.part),

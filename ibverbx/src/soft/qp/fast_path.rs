@@ -61,6 +61,10 @@ impl SoftQp {
         let local = &local[..wr.sg_list.len()];
         let Some(peer) = &fast.peer else { return false };
         let Ok(Direct::Ptr(p, _map)) = peer.resolve(fast.remote_pd, rkey, raddr, len, need) else { return false };
+        if !crate::soft::inline_budget::take(len) {
+            return false;
+        }
+        self.ctx.inline_copied.fetch_add(len, Ordering::Relaxed);
         let mut off = 0;
         match wr.op {
             SendOp::RdmaWrite { .. } => {
@@ -258,6 +262,9 @@ fn copy_direct(
     else {
         return false;
     };
+    if !crate::soft::inline_budget::take(len) {
+        return false;
+    }
     let stream = stream.observe(remote_addr, len);
     let mut off = 0;
     for &(l, n) in local {
