@@ -29,8 +29,9 @@ use std::time::Duration;
 use crate::shm::ShmSegment;
 use crate::Result;
 
-/// Slots per context (one per QP ever created; slots are never reused, so
-/// a stale peer can never reach a later QP through an old slot).
+/// Slots per context: one per live QP. A destroyed QP's slot goes to a later
+/// QP in a new life (`gen`), so a stale peer can never reach the later QP
+/// through it: its records carry the old life and are voided.
 pub(crate) const SLOTS: u32 = 1 << 14;
 const SLOT_BYTES: usize = 128;
 pub(crate) const TABLE_BYTES: usize = SLOTS as usize * SLOT_BYTES;
@@ -92,12 +93,14 @@ impl SlotRef {
 pub(crate) struct DoorbellTable {
     seg: Arc<ShmSegment>,
     next: AtomicU32,
+    /// Slots of destroyed QPs, to give to new ones.
+    free: std::sync::Mutex<Vec<u32>>,
 }
 
 impl DoorbellTable {
     pub(crate) fn new() -> Result<DoorbellTable> {
         // Sparse: pages are allocated as slots are used.
-        Ok(DoorbellTable { seg: ShmSegment::create(TABLE_BYTES)?, next: AtomicU32::new(1) })
+        Ok(DoorbellTable { seg: ShmSegment::create(TABLE_BYTES)?, next: AtomicU32::new(1), free: Default::default() })
     }
 
     /// The table's descriptor, to pass to a same-host peer.
@@ -109,14 +112,35 @@ impl DoorbellTable {
         self.seg.uid()
     }
 
-    /// A fresh slot, or `None` when the table is used up (the QP then
-    /// notifies through its connection only).
+    /// A slot for a new QP (a destroyed QP's, or one never used), or
+    /// `None` when all are in use (the QP then notifies through its
+    /// connection only). A reused slot starts a new life: a requester of the
+    /// old QP that still maps it finds its life gone (it stops using the
+    /// slot), and a record it still publishes is void (`doorbell_proto`).
     pub(crate) fn alloc(&self) -> Option<(u32, SlotRef)> {
-        let i = self.next.fetch_add(1, Ordering::Relaxed);
+        let reused = self.free.lock().unwrap_or_else(|e| e.into_inner()).pop();
+        let i = match reused {
+            Some(i) => i,
+            None => self.next.fetch_add(1, Ordering::Relaxed),
+        };
         let keep: Arc<dyn Send + Sync> = self.seg.clone();
         // SAFETY: the segment is TABLE_BYTES long, page aligned, kept by `keep`.
         let s = unsafe { SlotRef::new(self.seg.ptr(), i, keep) }?;
+        if reused.is_some() {
+            let slot = s.get();
+            super::doorbell_proto::new_life(slot);
+            slot.rq_len.store(0, Ordering::Release);
+            slot.rx_armed.store(0, Ordering::Release);
+            slot.tx_armed.store(0, Ordering::Release);
+            slot.no_tx_wake.store(0, Ordering::Release);
+            slot.tx_cq.store(0, Ordering::Release);
+        }
         Some((i, s))
+    }
+
+    /// Gives a destroyed QP's slot back (the QP closed it first).
+    pub(crate) fn release(&self, index: u32) {
+        self.free.lock().unwrap_or_else(|e| e.into_inner()).push(index);
     }
 }
 
@@ -171,6 +195,46 @@ mod tests {
         assert_eq!(sb.get().state.load(Ordering::Acquire), 0);
         t.next.store(SLOTS, Ordering::Relaxed);
         assert!(t.alloc().is_none());
+    }
+
+    #[test]
+    fn released_slots_are_reused_in_a_new_life() {
+        let t = DoorbellTable::new().unwrap();
+        let (a, sa) = t.alloc().unwrap();
+        sa.get().rx_armed.store(1, Ordering::Release);
+        let gen = sa.get().gen.load(Ordering::Acquire);
+        t.release(a);
+        let (b, sb) = t.alloc().unwrap();
+        assert_eq!(b, a, "the released slot is given out again");
+        assert_eq!(sb.get().gen.load(Ordering::Acquire), gen + 1, "a reused slot starts a new life");
+        assert_eq!(sb.get().rx_armed.load(Ordering::Acquire), 0);
+        // A record of the old life published now (the new QP open) is
+        // voided, never claimed.
+        sb.get().open.store(1, Ordering::Release);
+        let k = match super::super::doorbell_proto::publish(sb.get(), 1, 8, gen, |_| true, |_| {}) {
+            super::super::doorbell_proto::Published::Posted(k) | super::super::doorbell_proto::Published::Voided(k) => {
+                k
+            }
+            other => panic!("{other:?}"),
+        };
+        let c = super::super::doorbell_proto::claim(sb.get(), true, || Some(()));
+        assert!(matches!(c, super::super::doorbell_proto::Claim::Stale), "{c:?}");
+        assert!(!super::super::doorbell_proto::claimed(sb.get(), k));
+    }
+
+    #[test]
+    fn a_context_outlives_its_slot_count_in_qps() {
+        // More QPs created and destroyed over a context's life than it has
+        // slots: the last one still gets a doorbell.
+        let dev = SoftProvider::new(SoftConfig { link: SoftLink::Shm, ..SoftConfig::default() }).device();
+        let ctx = dev.open().unwrap();
+        let pd = ctx.alloc_pd().unwrap();
+        let cq = ctx.create_cq(16).unwrap();
+        for _ in 0..SLOTS + 100 {
+            drop(pd.create_qp(&QpInitAttr::default(), &cq, &cq).unwrap());
+        }
+        let qp = pd.create_qp(&QpInitAttr::default(), &cq, &cq).unwrap();
+        assert_ne!(qp.endpoint().unwrap().soft.unwrap().doorbell_slot, 0, "the doorbell slots ran out");
     }
 
     #[test]

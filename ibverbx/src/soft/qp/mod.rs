@@ -300,6 +300,9 @@ impl SoftQp {
 impl Drop for SoftQp {
     fn drop(&mut self) {
         self.db_open(false);
+        if let (Some(t), Some(db)) = (&self.ctx.doorbells, &self.db) {
+            t.release(db.index);
+        }
         self.ctx.qps.lock().unwrap_or_else(|e| e.into_inner()).remove(&self.qpn);
     }
 }
