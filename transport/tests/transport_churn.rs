@@ -1,9 +1,8 @@
 //! Transports created, connected, used and dropped in a loop keep the
 //! process's descriptors, threads and memory flat.
 //!
-//! `churn_1000_*` run in CI; the 10,000-iteration variants are ignored
-//! (about 10x longer: 10-60 s each on a shared 2-core machine) and run with
-//! `cargo test -p rmacomm-transport --release --test transport_churn -- --ignored --nocapture`.
+//! 10,000 pairs per link, as the hardening issue asks (10-60 s each on a
+//! shared 2-core machine); `--nocapture` shows the series.
 //! The counts are compared once asynchronous teardown has settled: while
 //! the loop runs, the soft provider still holds the QPs of the last second
 //! or so of dropped transports (TCP connections linger up to 5 s), a
@@ -148,23 +147,11 @@ async fn churn(link: &str, iterations: usize) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn churn_1000_shm() {
-    churn("shm", 1000).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn churn_1000_tcp() {
-    churn("tcp", 1000).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "10,000 pairs: about ten times the CI variant's time"]
 async fn churn_10000_shm() {
     churn("shm", 10_000).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "10,000 pairs: about ten times the CI variant's time"]
 async fn churn_10000_tcp() {
     churn("tcp", 10_000).await;
 }

@@ -137,12 +137,7 @@ pub(crate) async unsafe fn recv_exact<R: HasSock + ?Sized>(r: &mut R, addr: usiz
             let n = ready!(sock.poll_io(cx, Interest::READABLE, |fd| {
                 // SAFETY: addr+done..addr+len is valid for writes (the
                 // caller's contract) and recv writes at most len-done bytes.
-                let n = unsafe { libc::recv(fd, (addr + done) as *mut libc::c_void, len - done, 0) };
-                if n < 0 {
-                    Err(io::Error::last_os_error())
-                } else {
-                    Ok(n as usize)
-                }
+                byte_count(unsafe { libc::recv(fd, (addr + done) as *mut libc::c_void, len - done, 0) })
             }))?;
             if n == 0 {
                 return Poll::Ready(Err(io::ErrorKind::UnexpectedEof.into()));
@@ -152,6 +147,15 @@ pub(crate) async unsafe fn recv_exact<R: HasSock + ?Sized>(r: &mut R, addr: usiz
         Poll::Ready(Ok(()))
     })
     .await
+}
+
+/// A syscall's byte count, or the error it set.
+fn byte_count(n: isize) -> io::Result<usize> {
+    if n < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(n as usize)
+    }
 }
 
 /// Writes `head`, then the raw pieces `(addr, len)` in order, all of them,
@@ -196,12 +200,7 @@ pub(crate) async unsafe fn send_all<W: HasSock + ?Sized>(
                 // slice) and of the pieces (valid for reads: the caller's
                 // contract); MSG_NOSIGNAL: a closed peer is an error, not
                 // SIGPIPE.
-                let n = unsafe { libc::sendmsg(fd, &msg, libc::MSG_NOSIGNAL) };
-                if n < 0 {
-                    Err(io::Error::last_os_error())
-                } else {
-                    Ok(n as usize)
-                }
+                byte_count(unsafe { libc::sendmsg(fd, &msg, libc::MSG_NOSIGNAL) })
             }))?;
             if n == 0 {
                 return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
