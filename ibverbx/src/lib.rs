@@ -82,6 +82,7 @@ mod pd;
 pub mod provider;
 mod qp;
 mod qp_attr;
+mod remote_map;
 mod shm;
 pub mod soft;
 pub mod verbs;
@@ -105,6 +106,7 @@ pub use qp::QueuePair;
 pub use qp_attr::{
     ack_timeout_duration, rnr_timer_duration, InitAttr, QpCaps, QpInitAttr, QpState, QpTransition, RtrAttr, RtsAttr,
 };
+pub use remote_map::RemoteMapping;
 pub use shm::ShmBuffer;
 pub use vqp::{
     proto as vqp_proto, LoadBalancing, VirtualCq, VirtualQp, VirtualQpConfig, VirtualQpEndpoint, VirtualQpStats,

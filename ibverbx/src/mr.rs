@@ -270,6 +270,33 @@ impl MemoryRegion {
         unsafe { std::slice::from_raw_parts_mut(self.as_ptr(), self.len()) }
     }
 
+    /// The 64-bit word at `offset` (8-byte aligned) as an atomic: for words
+    /// peers update with RDMA atomics or through a
+    /// [`RemoteMapping`](crate::RemoteMapping) (signal slots).
+    pub fn atomic_u64(&self, offset: usize) -> Result<&std::sync::atomic::AtomicU64> {
+        let p = self.word(offset, 8, "atomic_u64")?;
+        // SAFETY: aligned, inside the live registration borrowed by the
+        // result; AtomicU64 is valid for any bit pattern.
+        Ok(unsafe { &*(p as *const std::sync::atomic::AtomicU64) })
+    }
+
+    /// The 32-bit word at `offset` (4-byte aligned) as an atomic (e.g. a
+    /// futex word shared with same-host peers).
+    pub fn atomic_u32(&self, offset: usize) -> Result<&std::sync::atomic::AtomicU32> {
+        let p = self.word(offset, 4, "atomic_u32")?;
+        // SAFETY: as in atomic_u64.
+        Ok(unsafe { &*(p as *const std::sync::atomic::AtomicU32) })
+    }
+
+    fn word(&self, offset: usize, size: usize, verb: &'static str) -> Result<usize> {
+        self.check(offset, size, verb)?;
+        let p = self.as_ptr() as usize + offset;
+        if p % size != 0 {
+            return Err(Error::invalid(verb, format!("offset {offset} is not {size}-byte aligned")));
+        }
+        Ok(p)
+    }
+
     fn check(&self, offset: usize, len: usize, verb: &'static str) -> Result<()> {
         match offset.checked_add(len) {
             Some(end) if end <= self.len() && len <= u32::MAX as usize => Ok(()),

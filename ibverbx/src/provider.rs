@@ -185,4 +185,16 @@ pub trait QpOps: Send + Sync + Debug {
     fn post_send(&self, wrs: &[SendWr<'_>]) -> Result<()>;
     /// `ibv_post_recv`.
     fn post_recv(&self, wrs: &[RecvWr<'_>]) -> Result<()>;
+    /// Maps `len` bytes at `addr` of the connected peer's region `rkey`
+    /// into this process ([`RemoteMapping`](crate::RemoteMapping)); resolves
+    /// once the QP's connection is up. `None` where the provider cannot: a
+    /// peer on another host, memory outside a shared segment, hardware.
+    fn map_remote(&self, rkey: u32, addr: u64, len: u64) -> MapRemoteFuture {
+        let _ = (rkey, addr, len);
+        Box::pin(std::future::ready(Ok(None)))
+    }
 }
+
+/// What [`QpOps::map_remote`] returns.
+pub type MapRemoteFuture =
+    std::pin::Pin<Box<dyn std::future::Future<Output = Result<Option<crate::RemoteMapping>>> + Send>>;

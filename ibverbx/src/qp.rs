@@ -87,6 +87,18 @@ impl QueuePair {
         self.ops.post_recv(wrs)
     }
 
+    /// Maps `len` bytes at `addr` of the connected peer's region `rkey`
+    /// into this process, for loads, stores and atomics by the calling
+    /// thread ([`RemoteMapping`](crate::RemoteMapping): the UNIFIED path of
+    /// windows). Resolves once the connection is up (run it on a tokio
+    /// runtime: the soft provider asks the peer's attach socket for the
+    /// segment). `Ok(None)` where no mapping is possible: a peer on another
+    /// host, a region outside a shared segment, the verbs provider. An error
+    /// when the peer does not register the range under `rkey`.
+    pub fn map_remote(&self, rkey: u32, addr: u64, len: u64) -> crate::provider::MapRemoteFuture {
+        self.ops.map_remote(rkey, addr, len)
+    }
+
     /// The PD.
     pub fn pd(&self) -> &ProtectionDomain {
         &self.pd

@@ -70,6 +70,7 @@
 mod config;
 mod domain;
 mod error;
+mod mapped;
 mod memory;
 mod remote;
 mod transport;
@@ -77,6 +78,7 @@ mod url;
 
 pub use config::TransportConfig;
 pub use error::TransportError;
+pub use mapped::MappedBuffer;
 pub use memory::{RdmaMemory, View, ViewMut};
 pub use remote::RdmaRemoteBuffer;
 pub use transport::RdmaTransport;

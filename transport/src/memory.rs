@@ -135,6 +135,19 @@ impl RdmaMemory {
         self.mr.write(offset, src).map_err(Into::into)
     }
 
+    /// The 64-bit word at `offset` (8-byte aligned) as an atomic, e.g. a
+    /// signal slot that peers update (RDMA atomics, or through a
+    /// [`MappedBuffer`](crate::MappedBuffer)).
+    pub fn atomic_u64(&self, offset: usize) -> Result<&std::sync::atomic::AtomicU64, TransportError> {
+        self.mr.atomic_u64(offset).map_err(Into::into)
+    }
+
+    /// The 32-bit word at `offset` (4-byte aligned) as an atomic (a futex
+    /// word shared with same-host peers).
+    pub fn atomic_u32(&self, offset: usize) -> Result<&std::sync::atomic::AtomicU32, TransportError> {
+        self.mr.atomic_u32(offset).map_err(Into::into)
+    }
+
     pub(crate) fn mr(&self) -> &Arc<MemoryRegion> {
         &self.mr
     }

@@ -422,6 +422,37 @@ impl RdmaTransport {
         self.inner.clone().complete(started, "read", timeout, local)
     }
 
+    /// Maps the peer's `remote` buffer into this process when the peer is on
+    /// this host and its memory is a shared segment (the soft provider's
+    /// default allocation): `Some` [`MappedBuffer`](crate::MappedBuffer),
+    /// through which copies and atomics are plain loads and stores by the
+    /// calling thread. `None` for a peer on another host, memory outside a
+    /// shared segment, or a hardware provider: use `write` / `read`. Fails
+    /// when the peer does not register `remote`. Needs a connected
+    /// transport; runs under the transport's timeout.
+    pub fn map_remote(
+        &self,
+        remote: &RdmaRemoteBuffer,
+    ) -> impl Future<Output = Result<Option<crate::MappedBuffer>, TransportError>> + Send + 'static {
+        const OP: &str = "map_remote";
+        let remote = *remote;
+        let connected = self.inner.is_connected();
+        let fut = self.inner.qp.map_remote(remote.key, remote.addr, remote.len);
+        let timeout = self.inner.config.timeout;
+        async move {
+            if !connected {
+                return Err(TransportError::invalid(OP, "not connected"));
+            }
+            let mapped = match timeout {
+                None => fut.await,
+                Some(t) => {
+                    tokio::time::timeout(t, fut).await.map_err(|_| TransportError::Timeout { op: OP, after: t })?
+                }
+            };
+            Ok(mapped?.map(|m| crate::MappedBuffer::new(m, remote)))
+        }
+    }
+
     /// Waits for one notifying write from the peer. A counting semaphore:
     /// each write with `notify` satisfies exactly one wait, and
     /// notifications that arrive first are kept for later waits.

@@ -29,3 +29,11 @@ t!(drop_aborts, common::dropping_the_transport_aborts_pending());
 t!(tokens_never_show, common::tokens_never_show_in_debug_or_errors());
 t!(concurrent_connects, common::concurrent_connects_one_wins());
 t!(connect_retry_rules, common::a_connect_may_be_retried_only_if_it_never_reached_the_peer());
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn map_remote_over_tcp_is_none() {
+    common::link(LINK);
+    let (a, b) = common::pair().await;
+    let dst = rmacomm_transport::RdmaMemory::alloc_for(&b, 8192).unwrap();
+    assert!(a.map_remote(&dst.remote_buffer()).await.unwrap().is_none(), "a TCP peer is never mapped");
+}

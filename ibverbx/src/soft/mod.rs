@@ -52,6 +52,7 @@ mod mr;
 mod peer;
 mod qp;
 mod raw_io;
+pub(crate) mod remote;
 mod requester;
 mod responder;
 pub mod wire;

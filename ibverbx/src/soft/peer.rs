@@ -42,6 +42,13 @@ impl Mapping {
     }
 }
 
+impl Mapping {
+    /// One past the mapping's last byte.
+    pub(crate) fn end(&self) -> usize {
+        self.ptr as usize + self.len
+    }
+}
+
 impl Drop for Mapping {
     fn drop(&mut self) {
         // SAFETY: ptr/len are a mapping we made; users hold an Arc while
@@ -56,6 +63,13 @@ impl Drop for Mapping {
 pub(crate) struct Held {
     _map: Option<Arc<Mapping>>,
     _fence: Option<FenceGuard>,
+}
+
+impl Held {
+    /// The mapping the access lies in, if any.
+    pub(crate) fn mapping(&self) -> Option<Arc<Mapping>> {
+        self._map.clone()
+    }
 }
 
 /// Where a direct access goes. The copy must be done (synchronously)

@@ -340,6 +340,14 @@ impl VirtualQp {
         st.qps[st.ctrl].post_recv(wrs)
     }
 
+    /// Maps `len` bytes at `addr` of the peer's region `rkey` into this
+    /// process ([`QueuePair::map_remote`] on the first data QP: every
+    /// physical QP reaches the same peer).
+    pub fn map_remote(&self, rkey: u32, addr: u64, len: u64) -> crate::provider::MapRemoteFuture {
+        let st = self.shared.lock();
+        st.qps[0].map_remote(rkey, addr, len)
+    }
+
     /// The first error, with what caused it, once the virtual QP failed.
     pub fn error(&self) -> Option<(WcStatus, String)> {
         self.shared.lock().error.clone()

@@ -97,6 +97,10 @@ pub(crate) struct SoftQp {
     fast: std::sync::RwLock<Option<Arc<FastPath>>>,
     /// This QP's doorbell: notifications to it through shared memory.
     db: Option<RxDoorbell>,
+    /// Set by the requester once its connection is up: `Some(Some(_))` to
+    /// a same-host peer whose tables are mapped, `Some(None)` to any other;
+    /// `None` before (and after a reset). `map_remote` waits on it.
+    pub(crate) map_target: watch::Sender<Option<Option<Arc<super::remote::MapTarget>>>>,
     /// Doorbell WRs this QP posted that are not finished yet (shared with
     /// the send CQ's registration).
     pub(crate) db_tx_pending: Arc<AtomicU32>,
@@ -157,6 +161,7 @@ impl SoftQp {
                 accepted: None,
             }),
             state_tx,
+            map_target: watch::channel(None).0,
             rq: Mutex::new(VecDeque::new()),
             rq_notify: Notify::new(),
             sq_outstanding: AtomicU32::new(0),

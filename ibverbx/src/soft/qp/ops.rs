@@ -106,6 +106,24 @@ impl QpOps for SoftQp {
         self.qpn
     }
 
+    fn map_remote(&self, rkey: u32, addr: u64, len: u64) -> crate::provider::MapRemoteFuture {
+        let mut rx = self.map_target.subscribe();
+        Box::pin(async move {
+            let target = loop {
+                if let Some(t) = rx.borrow_and_update().clone() {
+                    break t;
+                }
+                if rx.changed().await.is_err() {
+                    return Ok(None);
+                }
+            };
+            match target {
+                Some(t) => crate::RemoteMapping::map(t, rkey, addr, len).await,
+                None => Ok(None),
+            }
+        })
+    }
+
     fn state(&self) -> QpState {
         self.lock().state
     }
@@ -185,6 +203,7 @@ impl QpOps for SoftQp {
                 st.state = QpState::Reset;
                 drop(st);
                 self.set_fast(None);
+                self.map_target.send_replace(None);
                 self.db_open(false);
                 if let Some(db) = &self.db {
                     crate::soft::doorbell_proto::new_life(db.slot.get());

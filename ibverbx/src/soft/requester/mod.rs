@@ -135,6 +135,14 @@ pub(crate) async fn run(qp: Arc<SoftQp>, mut rx: mpsc::UnboundedReceiver<SqEntry
             if peer.is_some() || notify.is_some() {
                 qp.set_fast(Some(super::qp::FastPath { peer: peer.clone(), remote_pd: remote.pd, notify }));
             }
+            qp.map_target.send_replace(Some(peer.clone().map(|peer| {
+                Arc::new(crate::soft::remote::MapTarget {
+                    peer,
+                    remote_pd: remote.pd,
+                    peer_qpn: rtr.remote.qpn,
+                    token: remote.token,
+                })
+            })));
             let reader = tokio::spawn(read_responses(sh.clone(), r, rts.rnr_retry));
             if let Some(t) = ack_timeout {
                 tokio::spawn(watchdog(sh.clone(), t, reader));
@@ -144,6 +152,7 @@ pub(crate) async fn run(qp: Arc<SoftQp>, mut rx: mpsc::UnboundedReceiver<SqEntry
         Err(why) => {
             tracing::warn!(qpn = qp.qpn, "soft QP cannot reach its peer QP {:#x}: {why}", rtr.remote.qpn);
             sh.lock().broken = Some(WcStatus::RetryExcErr);
+            qp.map_target.send_replace(Some(None));
             None
         }
     };
