@@ -291,7 +291,7 @@ impl MemoryRegion {
     fn word(&self, offset: usize, size: usize, verb: &'static str) -> Result<usize> {
         self.check(offset, size, verb)?;
         let p = self.as_ptr() as usize + offset;
-        if p % size != 0 {
+        if !p.is_multiple_of(size) {
             return Err(Error::invalid(verb, format!("offset {offset} is not {size}-byte aligned")));
         }
         Ok(p)

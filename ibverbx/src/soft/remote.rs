@@ -121,7 +121,7 @@ impl PeerRegion {
     /// the region, registered for remote atomics.
     pub(crate) fn word(&self, op: &'static str, offset: usize, size: usize) -> Result<usize> {
         let (p, _held) = self.check(op, offset, size, AccessFlags::REMOTE_ATOMIC)?;
-        if p % size != 0 {
+        if !p.is_multiple_of(size) {
             return Err(Error::invalid(op, format!("offset {offset} is not {size}-byte aligned in the peer's region")));
         }
         debug_assert!(p + size <= self.map.end());
