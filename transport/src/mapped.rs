@@ -29,6 +29,15 @@ impl fmt::Debug for MappedBuffer {
     }
 }
 
+/// A mapped copy that fails (a revoked key, bounds) leaves the transport
+/// whole: it is reported as the argument it was, never as a broken link.
+fn err(e: ibverbx::Error) -> TransportError {
+    match e {
+        ibverbx::Error::InvalidState { verb, reason } => TransportError::InvalidArgument { op: verb, reason },
+        e => e.into(),
+    }
+}
+
 impl MappedBuffer {
     pub(crate) fn new(map: RemoteMapping, remote: RdmaRemoteBuffer) -> Self {
         MappedBuffer { map, remote }
@@ -61,31 +70,31 @@ impl MappedBuffer {
 
     /// Copies `src` (registered memory) into the peer's buffer at `offset`.
     pub fn put(&self, src: View<'_>, offset: usize) -> Result<(), TransportError> {
-        self.map.write_from(offset, src.mem.mr(), src.offset, src.len).map_err(Into::into)
+        self.map.write_from(offset, src.mem.mr(), src.offset, src.len).map_err(err)
     }
 
     /// Copies from the peer's buffer at `offset` into `dst`.
     pub fn get(&self, dst: ViewMut<'_>, offset: usize) -> Result<(), TransportError> {
-        self.map.read_into(offset, dst.mem.mr(), dst.offset, dst.len).map_err(Into::into)
+        self.map.read_into(offset, dst.mem.mr(), dst.offset, dst.len).map_err(err)
     }
 
     /// Copies plain bytes (any memory) into the peer's buffer at `offset`.
     pub fn write_from(&self, offset: usize, src: &[u8]) -> Result<(), TransportError> {
-        self.map.write(offset, src).map_err(Into::into)
+        self.map.write(offset, src).map_err(err)
     }
 
     /// Copies from the peer's buffer at `offset` into plain bytes.
     pub fn read_into(&self, offset: usize, dst: &mut [u8]) -> Result<(), TransportError> {
-        self.map.read(offset, dst).map_err(Into::into)
+        self.map.read(offset, dst).map_err(err)
     }
 
     /// The 64-bit word at `offset` (8-byte aligned) as an atomic.
     pub fn atomic_u64(&self, offset: usize) -> Result<&AtomicU64, TransportError> {
-        self.map.atomic_u64(offset).map_err(Into::into)
+        self.map.atomic_u64(offset).map_err(err)
     }
 
     /// The 32-bit word at `offset` (4-byte aligned) as an atomic.
     pub fn atomic_u32(&self, offset: usize) -> Result<&AtomicU32, TransportError> {
-        self.map.atomic_u32(offset).map_err(Into::into)
+        self.map.atomic_u32(offset).map_err(err)
     }
 }

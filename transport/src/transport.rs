@@ -355,6 +355,12 @@ impl RdmaTransport {
         }
     }
 
+    /// The error that broke the connection (the peer closed it, an
+    /// operation failed), once one did: every later operation fails with it.
+    pub fn error(&self) -> Option<TransportError> {
+        self.inner.lock().broken.clone()
+    }
+
     /// True once `connect` succeeded and nothing has broken since.
     pub fn connected(&self) -> bool {
         self.inner.is_connected() && self.inner.lock().broken.is_none()
@@ -420,6 +426,28 @@ impl RdmaTransport {
         let op = SendOp::RdmaRead { remote_addr: remote.addr, rkey: remote.key };
         let started = self.start(self.prepare("read", local.mem, local.offset, local.len, remote, op));
         self.inner.clone().complete(started, "read", timeout, local)
+    }
+
+    /// Adds `add` to the 64-bit word at `remote` (8 bytes, 8-byte aligned)
+    /// in the peer's memory, atomically with respect to the peer's other
+    /// atomics, and stores the old value in `local` (8 bytes): an RDMA
+    /// fetch-and-add. Posted and completed in order with this transport's
+    /// other operations, like [`write`](Self::write).
+    pub fn fetch_add<'a>(
+        &self,
+        local: ViewMut<'a>,
+        remote: &RdmaRemoteBuffer,
+        add: u64,
+        timeout: Option<Duration>,
+    ) -> impl Future<Output = Result<(), TransportError>> + Send + 'a {
+        let op = SendOp::Atomic { remote_addr: remote.addr, rkey: remote.key, op: ibverbx::AtomicOp::FetchAdd { add } };
+        let prepared = if local.len != 8 || remote.len != 8 || remote.addr % 8 != 0 {
+            Err(TransportError::invalid("fetch_add", "the local and remote words must be 8 bytes, the remote aligned"))
+        } else {
+            self.prepare("fetch_add", local.mem, local.offset, local.len, remote, op)
+        };
+        let started = self.start(prepared);
+        self.inner.clone().complete(started, "fetch_add", timeout, local)
     }
 
     /// Maps the peer's `remote` buffer into this process when the peer is on

@@ -37,3 +37,22 @@ async fn map_remote_over_tcp_is_none() {
     let dst = rmacomm_transport::RdmaMemory::alloc_for(&b, 8192).unwrap();
     assert!(a.map_remote(&dst.remote_buffer()).await.unwrap().is_none(), "a TCP peer is never mapped");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fetch_add_adds_and_returns_the_old_value() {
+    common::link(LINK);
+    let (a, b) = common::pair().await;
+    let dst = rmacomm_transport::RdmaMemory::alloc_for(&b, 64).unwrap();
+    dst.write_from(8, &40u64.to_le_bytes()).unwrap();
+    let old = rmacomm_transport::RdmaMemory::alloc_for(&a, 8).unwrap();
+    let word = dst.remote_buffer().slice(8, 8).unwrap();
+    for (i, add) in [2u64, 5].into_iter().enumerate() {
+        a.fetch_add(old.view_mut(0, 8).unwrap(), &word, add, None).await.unwrap();
+        let mut v = [0u8; 8];
+        old.read_into(0, &mut v).unwrap();
+        assert_eq!(u64::from_le_bytes(v), [40, 42][i]);
+    }
+    assert_eq!(dst.atomic_u64(8).unwrap().load(std::sync::atomic::Ordering::Acquire), 47);
+    let unaligned = dst.remote_buffer().slice(4, 8).unwrap();
+    assert!(a.fetch_add(old.view_mut(0, 8).unwrap(), &unaligned, 1, None).await.is_err());
+}

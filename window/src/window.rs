@@ -3,14 +3,17 @@
 
 use std::fmt;
 use std::future::Future;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rmacomm_transport::{RdmaMemory, RdmaRemoteBuffer, RdmaTransport, TransportConfig, TransportError, View, ViewMut};
+use rmacomm_transport::{
+    MappedBuffer, RdmaMemory, RdmaRemoteBuffer, RdmaTransport, TransportConfig, TransportError, View, ViewMut,
+};
 
 use crate::error::{Error, Result};
 use crate::group::Group;
+use crate::unified::{Slot, SLOT};
 use crate::work::Work;
 
 /// How this rank reaches a peer's registered buffer (torchcomms'
@@ -19,7 +22,8 @@ use crate::work::Work;
 #[non_exhaustive]
 pub enum AccessType {
     /// The peer's buffer is mapped here: loads and stores reach it
-    /// ([`Window::map_remote_tensor`]). Not produced yet (see the crate docs).
+    /// ([`Window::map_remote_tensor`]); puts and gets are copies by the
+    /// calling thread, signals atomics. Same-host peers (and this rank).
     Unified,
     /// The peer's buffer is reached through the transport only.
     Separate,
@@ -40,11 +44,16 @@ pub struct WindowOptions {
     timeout: Option<Duration>,
     transport: Option<TransportConfig>,
     worker_threads: usize,
+    unified: bool,
+    spin: Duration,
 }
+
+/// How long a UNIFIED `wait_signal` spins before it sleeps (default).
+pub const DEFAULT_SPIN: Duration = Duration::from_micros(50);
 
 impl Default for WindowOptions {
     fn default() -> Self {
-        WindowOptions { timeout: None, transport: None, worker_threads: 1 }
+        WindowOptions { timeout: None, transport: None, worker_threads: 1, unified: true, spin: DEFAULT_SPIN }
     }
 }
 
@@ -65,6 +74,21 @@ impl WindowOptions {
     /// `max_in_flight` are replaced by the window's.
     pub fn transport(mut self, config: TransportConfig) -> Self {
         self.transport = Some(config);
+        self
+    }
+
+    /// Whether same-host peers are reached through shared memory (UNIFIED,
+    /// the default) or, like other hosts, through the transport only
+    /// (`false`: every peer SEPARATE; for comparisons and tests).
+    pub fn unified(mut self, on: bool) -> Self {
+        self.unified = on;
+        self
+    }
+
+    /// How long a UNIFIED `wait_signal` spins on its slot before it sleeps
+    /// on a futex (default [`DEFAULT_SPIN`]; zero: sleep at once).
+    pub fn spin(mut self, spin: Duration) -> Self {
+        self.spin = spin;
         self
     }
 
@@ -96,6 +120,9 @@ struct Registration {
     mem: RdmaMemory,
     /// Per rank: its buffer and its element size.
     peers: Vec<(RdmaRemoteBuffer, usize)>,
+    /// Per rank: its buffer mapped here (UNIFIED peers whose memory is a
+    /// shared segment).
+    maps: Vec<Option<MappedBuffer>>,
 }
 
 /// A one-sided communication window over the ranks of a group
@@ -134,10 +161,16 @@ pub struct Window {
     links: Vec<Link>,
     /// The 8 bytes every signal writes (their content is not read).
     signal_src: Arc<RdmaMemory>,
-    /// Peers' signals land here, at 8 bytes per source rank.
-    _signal_dst: RdmaMemory,
+    /// Peers' signals land here, one [`SLOT`] per source rank.
+    signal_dst: RdmaMemory,
     /// Per peer: this rank's slot in the peer's signal buffer.
     signal_slots: Vec<RdmaRemoteBuffer>,
+    /// Per peer: its signal buffer mapped here, for UNIFIED pairs (both
+    /// sides mapped the other's): then signals are atomics on the slot.
+    signal_maps: Vec<Option<MappedBuffer>>,
+    /// Per source: signals taken by `wait_signal` on UNIFIED pairs.
+    consumed: Vec<AtomicU64>,
+    spin: Duration,
     /// Signal tasks not yet finished.
     signals_in_flight: Arc<AtomicUsize>,
     timeout: Duration,
@@ -194,7 +227,7 @@ impl Window {
         let signal_src =
             Arc::new(RdmaMemory::alloc_for(&links[me].out, 8).map_err(|e| Error::Transport { op: OP, source: e })?);
         let signal_dst =
-            RdmaMemory::alloc_for(&links[me].out, 8 * n).map_err(|e| Error::Transport { op: OP, source: e })?;
+            RdmaMemory::alloc_for(&links[me].out, SLOT * n).map_err(|e| Error::Transport { op: OP, source: e })?;
         // Line 0: my signal buffer; line 1 + p: the URL of my transport for p.
         let mut blob = signal_dst.remote_buffer().to_string();
         for link in &links {
@@ -205,6 +238,7 @@ impl Window {
         let all = group.exchange("window", blob.as_bytes())?;
         let mut peer_urls = Vec::with_capacity(n);
         let mut signal_slots = Vec::with_capacity(n);
+        let mut signal_bufs = Vec::with_capacity(n);
         for (p, value) in all.iter().enumerate() {
             let text = String::from_utf8_lossy(value);
             let lines: Vec<&str> = text.lines().collect();
@@ -212,8 +246,9 @@ impl Window {
             if lines.len() != n + 1 {
                 return Err(bad());
             }
-            let slot = RdmaRemoteBuffer::parse(lines[0]).and_then(|rb| rb.slice(8 * me as u64, 8)).ok_or_else(bad)?;
-            signal_slots.push(slot);
+            let buf = RdmaRemoteBuffer::parse(lines[0]).filter(|rb| rb.len >= (SLOT * n) as u64).ok_or_else(bad)?;
+            signal_slots.push(buf.slice((SLOT * me) as u64, 8).expect("checked"));
+            signal_bufs.push(buf);
             peer_urls.push(if p == me { self_in_url.clone() } else { lines[1 + me].to_string() });
         }
         let own_out_url = all[me].split(|b| *b == b'\n').nth(1 + me).map(|u| String::from_utf8_lossy(u).into_owned());
@@ -233,12 +268,16 @@ impl Window {
             });
             futures::future::try_join_all(connects).await
         })?;
+        let signal_maps = unify(&group, &rt, &links, &signal_bufs, opts.unified)?;
         Ok(Window {
             reg: None,
             links,
             signal_src,
-            _signal_dst: signal_dst,
+            signal_dst,
             signal_slots,
+            signal_maps,
+            consumed: (0..n).map(|_| AtomicU64::new(0)).collect(),
+            spin: opts.spin,
             signals_in_flight: Arc::new(AtomicUsize::new(0)),
             timeout,
             group,
@@ -311,7 +350,20 @@ impl Window {
                 text.split_once('\n').and_then(|(rb, es)| Some((RdmaRemoteBuffer::parse(rb)?, es.parse().ok()?)));
             peers.push(parsed.ok_or_else(|| Error::Protocol(format!("{OP}: rank {p} sent a malformed descriptor")))?);
         }
-        self.reg = Some(Registration { mem, peers });
+        // UNIFIED peers' tensors, mapped here when they are shared segments.
+        let mut maps = Vec::with_capacity(peers.len());
+        for (p, (rb, _)) in peers.iter().enumerate() {
+            let m = match self.signal_maps[p] {
+                Some(_) => self.rt.block_on(self.links[p].out.map_remote(rb)).map_err(|source| Error::Rma {
+                    op: OP,
+                    peer: p,
+                    source,
+                })?,
+                None => None,
+            };
+            maps.push(m);
+        }
+        self.reg = Some(Registration { mem, peers, maps });
         Ok(())
     }
 
@@ -338,8 +390,13 @@ impl Window {
             }
             std::thread::sleep(Duration::from_millis(1));
         }
-        self.group.barrier(None)?;
-        Ok(self.reg.take().expect("checked above").mem)
+        let reg = self.reg.take().expect("checked above");
+        drop(reg.maps);
+        if let Err(e) = self.group.barrier(None) {
+            self.reg = Some(Registration { maps: (0..reg.peers.len()).map(|_| None).collect(), ..reg });
+            return Err(e);
+        }
+        Ok(reg.mem)
     }
 
     /// This rank's registered memory (to fill or read it locally).
@@ -411,7 +468,15 @@ impl Window {
     ) -> Result<Work<'a>> {
         const OP: &str = "put";
         let remote = self.target(OP, dst_rank, target_offset_nelems, src.len())?;
+        if let Some((m, off)) = self.mapped(dst_rank, &remote) {
+            let r = self.peer_alive(dst_rank).and_then(|()| m.put(src, off));
+            return self.done(OP, dst_rank, r, async_op);
+        }
         let fut = self.links[dst_rank].out.write_with_timeout(src, &remote, false, Some(self.timeout));
+        // With UNIFIED signals to the peer (atomics, which pass anything in
+        // flight), a put through the transport is complete before it
+        // returns, so that a later signal follows it.
+        let async_op = async_op && self.signal_maps[dst_rank].is_none();
         self.work(OP, dst_rank, fut, async_op)
     }
 
@@ -427,6 +492,10 @@ impl Window {
     ) -> Result<Work<'a>> {
         const OP: &str = "get";
         let remote = self.target(OP, src_rank, source_offset_nelems, dst.len())?;
+        if let Some((m, off)) = self.mapped(src_rank, &remote) {
+            let r = self.peer_alive(src_rank).and_then(|()| m.get(dst, off));
+            return self.done(OP, src_rank, r, async_op);
+        }
         let fut = self.links[src_rank].out.read_with_timeout(dst, &remote, Some(self.timeout));
         self.work(OP, src_rank, fut, async_op)
     }
@@ -449,6 +518,14 @@ impl Window {
     pub fn signal(&self, dst_rank: usize, async_op: bool) -> Result<Work<'_>> {
         const OP: &str = "signal";
         self.check_rank(OP, dst_rank)?;
+        if let Some(m) = &self.signal_maps[dst_rank] {
+            let off = SLOT * self.rank();
+            let r = self
+                .peer_alive(dst_rank)
+                .and_then(|()| Slot::at(off, |o| m.atomic_u64(o), |o| m.atomic_u32(o)))
+                .map(|slot| slot.add(1));
+            return self.done(OP, dst_rank, r, async_op);
+        }
         let (t, src, slot) = (self.links[dst_rank].out.clone(), self.signal_src.clone(), self.signal_slots[dst_rank]);
         let timeout = Some(self.timeout);
         let counter = InFlight::enter(&self.signals_in_flight);
@@ -469,6 +546,9 @@ impl Window {
     pub fn wait_signal(&self, peer_rank: usize, timeout: Option<Duration>) -> Result<()> {
         const OP: &str = "wait_signal";
         self.check_rank(OP, peer_rank)?;
+        if self.signal_maps[peer_rank].is_some() {
+            return self.wait_unified(peer_rank, timeout.unwrap_or(self.timeout));
+        }
         let t = Some(timeout.unwrap_or(self.timeout));
         self.rt.block_on(self.links[peer_rank].inbound.wait_for_write_with_timeout(t)).map_err(|source| Error::Rma {
             op: OP,
@@ -477,33 +557,228 @@ impl Window {
         })
     }
 
-    /// How this rank reaches `rank`'s buffer: [`AccessType::Separate`] for
-    /// every peer in this version.
+    /// How this rank reaches `rank`'s buffer: [`AccessType::Unified`] for
+    /// this rank and for same-host peers whose buffer is mapped here (with
+    /// no tensor registered: whose signal buffer is), else
+    /// [`AccessType::Separate`].
     pub fn get_attr(&self, rank: usize) -> Result<WindowAttr> {
         self.check_rank("get_attr", rank)?;
-        Ok(WindowAttr { access_type: AccessType::Separate })
+        let unified = rank == self.rank()
+            || match &self.reg {
+                Some(reg) => reg.maps[rank].is_some(),
+                None => self.signal_maps[rank].is_some(),
+            };
+        Ok(WindowAttr { access_type: if unified { AccessType::Unified } else { AccessType::Separate } })
     }
 
-    /// A local view of `rank`'s registered buffer: this rank's own buffer
-    /// for itself; for a peer an [`Error::Unsupported`] (no UNIFIED
-    /// mapping yet: use put and get).
-    pub fn map_remote_tensor(&self, rank: usize) -> Result<View<'_>> {
+    /// A local view of `rank`'s registered buffer, aliasing it: this rank's
+    /// own buffer, or a UNIFIED peer's mapped here (what the peer and
+    /// others put there is seen at once). For a SEPARATE peer (another
+    /// host, or memory outside a shared segment) an [`Error::Unsupported`]
+    /// naming the peer: use get.
+    pub fn map_remote_tensor(&self, rank: usize) -> Result<MappedTensor<'_>> {
         const OP: &str = "map_remote_tensor";
         self.check_rank(OP, rank)?;
         let reg = self
             .reg
             .as_ref()
             .ok_or_else(|| Error::invalid(OP, "no tensor is registered; call tensor_register (collective) first"))?;
-        if rank != self.rank() {
-            return Err(Error::Unsupported {
+        let (rb, elem_size) = reg.peers[rank];
+        if rank == self.rank() {
+            return Ok(MappedTensor { inner: Mapped::Local(&reg.mem, rb.len as usize), elem_size });
+        }
+        match &reg.maps[rank] {
+            Some(m) => Ok(MappedTensor { inner: Mapped::Peer(m), elem_size }),
+            None => Err(Error::Unsupported {
                 op: OP,
                 reason: format!(
-                    "rank {rank}'s buffer cannot be mapped here: UNIFIED (same-host shared memory) mapping is not \
-                     available yet, every peer is SEPARATE (get_attr); use put and get"
+                    "rank {rank}'s buffer cannot be mapped here: it is SEPARATE (get_attr: {}), so only put and \
+                     get reach it",
+                    if self.signal_maps[rank].is_some() {
+                        "same host, but its memory is not a shared segment"
+                    } else {
+                        "on another host, or UNIFIED access is off"
+                    }
                 ),
-            });
+            }),
         }
-        reg.mem.view(0, reg.peers[rank].0.len as usize).map_err(|e| Error::Transport { op: OP, source: e })
+    }
+
+    /// On the UNIFIED path nothing else notices that a peer is gone (its
+    /// memory stays mapped): the transport's connection does.
+    fn peer_alive(&self, rank: usize) -> Result<(), TransportError> {
+        match self.links[rank].out.error() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// The mapping of `rank`'s tensor and the byte offset of `remote` in it.
+    fn mapped(&self, rank: usize, remote: &RdmaRemoteBuffer) -> Option<(&MappedBuffer, usize)> {
+        let reg = self.reg.as_ref()?;
+        let m = reg.maps[rank].as_ref()?;
+        Some((m, (remote.addr - reg.peers[rank].0.addr) as usize))
+    }
+
+    /// A `Work` for an operation done in the call (UNIFIED): a synchronous
+    /// one returns its error directly.
+    fn done(&self, op: &'static str, peer: usize, r: Result<(), TransportError>, async_op: bool) -> Result<Work<'_>> {
+        let r = r.map_err(|source| Error::Rma { op, peer, source });
+        if !async_op {
+            r.clone()?;
+        }
+        Ok(Work::done(self.rt.handle().clone(), op, peer, r))
+    }
+
+    /// `wait_signal` on a UNIFIED pair: takes one signal from the slot.
+    fn wait_unified(&self, peer: usize, timeout: Duration) -> Result<()> {
+        const OP: &str = "wait_signal";
+        let rma = |source| Error::Rma { op: OP, peer, source };
+        let slot =
+            Slot::at(SLOT * peer, |o| self.signal_dst.atomic_u64(o), |o| self.signal_dst.atomic_u32(o)).map_err(rma)?;
+        let consumed = &self.consumed[peer];
+        let take = || loop {
+            let (have, taken) = (slot.value.load(Ordering::Acquire), consumed.load(Ordering::Acquire));
+            if have <= taken {
+                return false;
+            }
+            if consumed.compare_exchange(taken, taken + 1, Ordering::AcqRel, Ordering::Acquire).is_ok() {
+                return true;
+            }
+        };
+        let link = &self.links[peer].inbound;
+        let alive = || match link.error() {
+            Some(e) => Err(rma(e)),
+            None => Ok(()),
+        };
+        let deadline = Instant::now() + timeout;
+        if slot.wait(self.spin, deadline, take, alive)? {
+            return Ok(());
+        }
+        Err(rma(TransportError::Timeout { op: OP, after: timeout }))
+    }
+}
+
+/// Maps the signal buffer of every same-host peer (and this rank's own),
+/// and keeps the mappings of the pairs where both sides mapped the other's:
+/// those signal through shared memory (UNIFIED). One all-gather.
+fn unify(
+    group: &Group,
+    rt: &tokio::runtime::Runtime,
+    links: &[Link],
+    signal_bufs: &[RdmaRemoteBuffer],
+    enabled: bool,
+) -> Result<Vec<Option<MappedBuffer>>> {
+    const OP: &str = "Window::new (map same-host peers)";
+    let (me, n) = (group.rank(), group.size());
+    let mut maps = Vec::with_capacity(n);
+    for p in 0..n {
+        let m = if enabled && (p == me || group.same_host(p)) {
+            match rt.block_on(links[p].out.map_remote(&signal_bufs[p])) {
+                Ok(m) => m,
+                Err(e) => {
+                    tracing::info!("rank {me}: cannot map rank {p}'s signals ({e}); the pair is SEPARATE");
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        maps.push(m);
+    }
+    let mine: String = maps.iter().map(|m| if m.is_some() { '1' } else { '0' }).collect();
+    let all = group.exchange("unified", mine.as_bytes())?;
+    for (p, theirs) in all.iter().enumerate() {
+        if theirs.len() != n {
+            return Err(Error::Protocol(format!("{OP}: rank {p} sent a malformed map of {} ranks", theirs.len())));
+        }
+        if theirs[me] != b'1' {
+            maps[p] = None;
+        }
+    }
+    Ok(maps)
+}
+
+/// What [`Window::map_remote_tensor`] returns: a rank's registered buffer,
+/// aliased here (this rank's own memory, or a same-host peer's mapped).
+/// Others write it at any time, so it is read and written by copies (or
+/// through [`as_ptr`](Self::as_ptr) by code that knows the element type).
+#[derive(Debug)]
+pub struct MappedTensor<'a> {
+    inner: Mapped<'a>,
+    elem_size: usize,
+}
+
+#[derive(Debug)]
+enum Mapped<'a> {
+    Local(&'a RdmaMemory, usize),
+    Peer(&'a MappedBuffer),
+}
+
+impl MappedTensor<'_> {
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        match &self.inner {
+            Mapped::Local(_, len) => *len,
+            Mapped::Peer(m) => m.len(),
+        }
+    }
+
+    /// True when empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The element size the owner registered it with.
+    pub fn elem_size(&self) -> usize {
+        self.elem_size
+    }
+
+    /// Elements.
+    pub fn numel(&self) -> usize {
+        self.len() / self.elem_size
+    }
+
+    /// Whether it is a peer's memory mapped here (not this rank's own).
+    pub fn is_peer(&self) -> bool {
+        matches!(self.inner, Mapped::Peer(_))
+    }
+
+    /// The first byte (raw access only: others write it concurrently).
+    pub fn as_ptr(&self) -> *mut u8 {
+        match &self.inner {
+            Mapped::Local(mem, _) => mem.as_ptr(),
+            Mapped::Peer(m) => m.as_ptr(),
+        }
+    }
+
+    fn check(&self, op: &'static str, offset: usize, n: usize) -> Result<()> {
+        if offset.checked_add(n).is_none_or(|end| end > self.len()) {
+            return Err(Error::invalid(op, format!("{offset}+{n} is outside the tensor of {} bytes", self.len())));
+        }
+        Ok(())
+    }
+
+    /// Copies bytes out, from byte `offset`.
+    pub fn read_into(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
+        const OP: &str = "map_remote_tensor (read)";
+        self.check(OP, offset, dst.len())?;
+        match &self.inner {
+            Mapped::Local(mem, _) => mem.read_into(offset, dst),
+            Mapped::Peer(m) => m.read_into(offset, dst),
+        }
+        .map_err(|source| Error::Transport { op: OP, source })
+    }
+
+    /// Copies bytes in, at byte `offset` (a store into the owner's buffer).
+    pub fn write_from(&self, offset: usize, src: &[u8]) -> Result<()> {
+        const OP: &str = "map_remote_tensor (write)";
+        self.check(OP, offset, src.len())?;
+        match &self.inner {
+            Mapped::Local(mem, _) => mem.write_from(offset, src),
+            Mapped::Peer(m) => m.write_from(offset, src),
+        }
+        .map_err(|source| Error::Transport { op: OP, source })
     }
 }
 

@@ -50,6 +50,12 @@ impl<'a> Work<'a> {
         Work { op, peer, rt, state: Mutex::new(State::Pending(fut)) }
     }
 
+    /// A `Work` for an operation that finished when it was issued (the
+    /// UNIFIED path's copies and signals).
+    pub(crate) fn done(rt: Handle, op: &'static str, peer: usize, r: Result<()>) -> Self {
+        Work { op, peer, rt, state: Mutex::new(State::Done(r)) }
+    }
+
     fn lock(&self) -> MutexGuard<'_, State<'a>> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }

@@ -6,12 +6,19 @@ use std::process::{Command, Output};
 use std::time::Instant;
 
 fn run(nproc: usize, args: &[&str]) -> Output {
+    run_on("unified", nproc, args)
+}
+
+/// `path`: `unified` (same-host peers through shared memory, the default)
+/// or `separate` (every peer through the transport).
+fn run_on(path: &str, nproc: usize, args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_rmacomm-run"))
         .args(["--nproc-per-node", &nproc.to_string(), env!("CARGO_BIN_EXE_window-scenario")])
         .args(args)
         .env_remove("MASTER_ADDR")
         .env_remove("MASTER_PORT")
         .env("RMACOMM_TIMEOUT_SECONDS", "60")
+        .env("WINDOW_PATH", path)
         .output()
         .unwrap()
 }
@@ -29,6 +36,7 @@ fn assert_every_rank_ok(n: usize, out: &Output) -> String {
 /// Counts 4, 1024 and 1 Mi elements × f32, i32, i8 × sync/async put ×
 /// sync/async signal × 10 iterations, on 2, 3 and 4 ranks (the full cross
 /// product, about 5 s in all on two cores).
+/// Same host, so every pair is UNIFIED (shared memory: copies and atomics).
 #[test]
 fn ring_put_signal_wait_with_2_3_and_4_ranks() {
     for n in [2, 3, 4] {
@@ -38,33 +46,53 @@ fn ring_put_signal_wait_with_2_3_and_4_ranks() {
     }
 }
 
+/// The same ring with the UNIFIED path off: every pair through the transport.
+#[test]
+fn ring_put_signal_wait_separate_with_2_and_3_ranks() {
+    for n in [2, 3] {
+        assert_every_rank_ok(n, &run_on("separate", n, &["ring", "4,1024,1048576", "10"]));
+    }
+}
+
 #[test]
 fn signals_are_banked_and_a_wait_times_out_clearly() {
-    for n in [2, 3] {
-        let stdout = assert_every_rank_ok(n, &run(n, &["signals"]));
-        assert!(stdout.contains("timeout error: wait_signal with rank"), "{stdout}");
+    for path in ["unified", "separate"] {
+        for n in [2, 3] {
+            let stdout = assert_every_rank_ok(n, &run_on(path, n, &["signals"]));
+            assert!(stdout.contains("timeout error: wait_signal with rank"), "{path}: {stdout}");
+        }
     }
 }
 
 #[test]
 fn out_of_bounds_puts_and_gets_fail_and_move_nothing() {
-    for n in [2, 3] {
-        let stdout = assert_every_rank_ok(n, &run(n, &["bounds"]));
-        assert!(stdout.contains("bounds error: put with rank"), "{stdout}");
+    for path in ["unified", "separate"] {
+        for n in [2, 3] {
+            let stdout = assert_every_rank_ok(n, &run_on(path, n, &["bounds"]));
+            assert!(stdout.contains("bounds error: put with rank"), "{path}: {stdout}");
+        }
     }
 }
 
 #[test]
 fn get_reads_every_ranks_buffer() {
-    for n in [2, 3] {
-        assert_every_rank_ok(n, &run(n, &["get"]));
+    for path in ["unified", "separate"] {
+        for n in [2, 3] {
+            assert_every_rank_ok(n, &run_on(path, n, &["get"]));
+        }
     }
 }
 
 #[test]
 fn a_dead_peer_fails_wait_signal_within_the_timeout() {
+    for path in ["unified", "separate"] {
+        a_dead_peer_fails(path);
+    }
+}
+
+fn a_dead_peer_fails(path: &str) {
     let t0 = Instant::now();
-    let stdout = assert_every_rank_ok(2, &run(2, &["killed"]));
+    let stdout = assert_every_rank_ok(2, &run_on(path, 2, &["killed"]));
     let line = stdout.lines().find(|l| l.starts_with("[0] killed peer error")).unwrap_or_else(|| panic!("{stdout}"));
     assert!(line.contains("wait_signal with rank 1") && line.contains("peer closed the connection"), "{line}");
     assert!(t0.elapsed().as_secs() < 30, "{:?}", t0.elapsed());

@@ -47,31 +47,57 @@ fn chaotic(lb: LoadBalancing, seed: u64) -> WindowOptions {
         .with_frag_size(64 << 10)
         .with_load_balancing(lb)
         .with_soft(Some(soft));
-    WindowOptions::new().timeout(Duration::from_secs(30)).transport(config)
+    // The transport path (SEPARATE) is what reorders: same-host pairs use it
+    // only with UNIFIED off.
+    WindowOptions::new().timeout(Duration::from_secs(30)).transport(config).unified(false)
 }
 
 /// 16 async puts of 256 KiB each, their Works not waited, then one signal:
 /// when the wait returns, all of them are there.
 #[test]
 fn a_signal_follows_every_earlier_async_put() {
-    signal_after_async_puts(window);
+    // UNIFIED (shared memory; threads of one process are one host).
+    signal_after_async_puts(window, false);
+    // SEPARATE: through the transport.
+    signal_after_async_puts(
+        |g| Window::new(g, WindowOptions::new().timeout(Duration::from_secs(30)).unified(false)).unwrap(),
+        false,
+    );
+}
+
+/// Same host, but the registered tensor is private memory (a `Vec`), which
+/// cannot be mapped: puts go through the transport while signals stay
+/// atomics on the shared slot, so a put completes before it returns, and
+/// the signal still follows it. `get_attr` says SEPARATE for the peer.
+#[test]
+fn a_signal_follows_transport_puts_into_private_memory() {
+    signal_after_async_puts(window, true);
 }
 
 /// The same over 4 QPs with reordering chaos, both load balancings.
 #[test]
 fn a_signal_follows_every_earlier_async_put_over_4_reordering_qps() {
     for (lb, seed) in [(LoadBalancing::Dqplb, 1), (LoadBalancing::Spray, 2), (LoadBalancing::Dqplb, 3)] {
-        signal_after_async_puts(move |g| Window::new(g, chaotic(lb, seed)).unwrap());
+        signal_after_async_puts(move |g| Window::new(g, chaotic(lb, seed)).unwrap(), false);
     }
 }
 
-fn signal_after_async_puts(make: impl Fn(&Group) -> Window + Send + Sync + 'static) {
+fn signal_after_async_puts(make: impl Fn(&Group) -> Window + Send + Sync + 'static, private: bool) {
     const PIECE: usize = 256 << 10;
     const PIECES: usize = 16;
     ranks(2, move |rank, g| {
         let mut w = make(&g);
-        w.tensor_register(w.alloc(PIECE * PIECES).unwrap(), 1).unwrap();
+        let mem = if private {
+            rmacomm_transport::RdmaMemory::register(vec![0u8; PIECE * PIECES]).unwrap()
+        } else {
+            w.alloc(PIECE * PIECES).unwrap()
+        };
+        w.tensor_register(mem, 1).unwrap();
         let peer = 1 - rank;
+        if private {
+            assert_eq!(w.get_attr(peer).unwrap().access_type, rmacomm_window::AccessType::Separate);
+            assert!(matches!(w.map_remote_tensor(peer), Err(Error::Unsupported { .. })));
+        }
         for round in 0..5u8 {
             let src = w.alloc(PIECE * PIECES).unwrap();
             for i in 0..PIECES {

@@ -5,6 +5,8 @@
 //!
 //! `window-scenario SCENARIO [ARGS]`, scenarios: `ring COUNTS ITERS`
 //! (COUNTS comma-separated), `signals`, `bounds`, `get`, `killed`.
+//! `WINDOW_PATH=separate` turns the UNIFIED same-host path off (every peer
+//! through the transport); by default same-host ranks are UNIFIED.
 
 #![forbid(unsafe_code)]
 
@@ -47,11 +49,19 @@ fn main() {
     }
 }
 
+/// Whether same-host peers are UNIFIED in this run.
+fn unified() -> bool {
+    std::env::var("WINDOW_PATH").map_or(true, |v| v != "separate")
+}
+
 fn setup() -> Result<(Group, Window), String> {
     let g = Group::from_env_with(GroupOptions::new().timeout(Duration::from_secs(60))).map_err(s)?;
-    let w = Window::new(&g, WindowOptions::new().timeout(Duration::from_secs(30))).map_err(s)?;
+    let opts = WindowOptions::new().timeout(Duration::from_secs(30)).unified(unified());
+    let w = Window::new(&g, opts).map_err(s)?;
     for p in 0..g.size() {
-        ensure(w.get_attr(p).map_err(s)?.access_type == AccessType::Separate, || format!("attr of {p}"))?;
+        let want = if unified() || p == g.rank() { AccessType::Unified } else { AccessType::Separate };
+        let got = w.get_attr(p).map_err(s)?.access_type;
+        ensure(got == want, || format!("attr of {p}: {got:?}, want {want:?}"))?;
     }
     Ok((g, w))
 }
@@ -93,7 +103,8 @@ fn ring(g: &Group, mut w: Window, counts: &str, iters: usize) -> R {
                         let sig = w.signal(right, async_signal).map_err(|e| format!("{}: {e}", what()))?;
                         w.wait_signal(left, None).map_err(|e| format!("{}: {e}", what()))?;
                         let mut got = vec![0u8; count * es];
-                        w.local_tensor().unwrap().read_into(left * count * es, &mut got).map_err(s)?;
+                        let own = w.map_remote_tensor(rank).map_err(s)?;
+                        own.read_into(left * count * es, &mut got).map_err(s)?;
                         let want = elem(dtype, value(left)).repeat(count);
                         if got != want {
                             let bad = got.chunks(es).zip(want.chunks(es)).position(|(a, b)| a != b).unwrap();
@@ -104,6 +115,19 @@ fn ring(g: &Group, mut w: Window, counts: &str, iters: usize) -> R {
                         ensure(put.is_completed() && sig.is_completed(), || "works not completed".into())?;
                         // Rank `left` must not overwrite the region before it is checked.
                         g.barrier(None).map_err(s)?;
+                        if unified() && size > 2 {
+                            // Through the mapping of a peer's buffer: what a
+                            // third rank put there (left's left into left).
+                            let ll = (left + size - 1) % size;
+                            let m = w.map_remote_tensor(left).map_err(s)?;
+                            ensure(m.is_peer() && m.len() >= size * count * es, || "peer map".into())?;
+                            m.read_into(ll * count * es, &mut got).map_err(s)?;
+                            ensure(got == elem(dtype, value(ll)).repeat(count), || {
+                                format!("{}: rank {ll}'s put into {left} not seen through the mapping: {got:?}", what())
+                            })?;
+                            // Nobody puts the next iteration's value before it is checked.
+                            g.barrier(None).map_err(s)?;
+                        }
                         cases += 1;
                     }
                 }
@@ -207,13 +231,21 @@ fn bounds(g: &Group, mut w: Window) -> R {
     let split = mine.len() - 8;
     ensure(mine[..split].iter().all(|b| *b == 0), || "bytes written outside the fitting put".into())?;
     ensure(mine[split..] == 7i32.to_le_bytes().repeat(2)[..], || "the fitting put did not land".into())?;
-    // UNIFIED mapping: for self a view, for a peer a clear error.
+    // map_remote_tensor: for self its own buffer; for a UNIFIED peer its
+    // buffer (its registered size), for a SEPARATE one a clear error.
     ensure(w.map_remote_tensor(rank).map_err(s)?.len() == elems(rank) * 4, || "own map".into())?;
     ensure(w.local_tensor().unwrap().len() >= elems(rank) * 4, || "own tensor".into())?;
     match w.map_remote_tensor(right) {
-        Err(e @ Error::Unsupported { .. }) if right != rank => {
+        Ok(m) if unified() => {
+            ensure(m.len() == elems(right) * 4 && m.elem_size() == 4, || format!("map of {right}: {m:?}"))?;
+            let mut tail = [0u8; 8];
+            m.read_into(m.len() - 8, &mut tail).map_err(s)?;
+            ensure(tail[..] == 7i32.to_le_bytes().repeat(2)[..], || "the mapping does not see the put".into())?;
+            ensure(m.read_into(m.len() - 7, &mut tail).is_err(), || "read past the mapped tensor".into())?;
+        }
+        Err(e @ Error::Unsupported { .. }) if right != rank && !unified() => {
             let msg = e.to_string();
-            ensure(msg.contains(&format!("rank {right}")) && msg.contains("UNIFIED"), || msg.clone())?;
+            ensure(msg.contains(&format!("rank {right}")) && msg.contains("SEPARATE"), || msg.clone())?;
         }
         other if right != rank => return Err(format!("map_remote_tensor({right}): {other:?}")),
         _ => {}
