@@ -441,7 +441,7 @@ impl RdmaTransport {
         timeout: Option<Duration>,
     ) -> impl Future<Output = Result<(), TransportError>> + Send + 'a {
         let op = SendOp::Atomic { remote_addr: remote.addr, rkey: remote.key, op: ibverbx::AtomicOp::FetchAdd { add } };
-        let prepared = if local.len != 8 || remote.len != 8 || remote.addr % 8 != 0 {
+        let prepared = if local.len != 8 || remote.len != 8 || !remote.addr.is_multiple_of(8) {
             Err(TransportError::invalid("fetch_add", "the local and remote words must be 8 bytes, the remote aligned"))
         } else {
             self.prepare("fetch_add", local.mem, local.offset, local.len, remote, op)
