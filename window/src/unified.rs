@@ -26,9 +26,9 @@ pub(crate) const SLOT: usize = 16;
 const SEQ: usize = 8;
 const SLEEPERS: usize = 12;
 
-/// The longest one futex sleep lasts: between sleeps the waiter checks
-/// that the peer is still there.
-const SLICE: Duration = Duration::from_millis(20);
+/// The longest one futex sleep lasts when every writer wakes the waiter:
+/// between sleeps the waiter checks that the peer is still there.
+pub(crate) const SLICE: Duration = Duration::from_millis(20);
 
 /// One slot, wherever it is mapped.
 #[derive(Clone, Copy)]
@@ -64,7 +64,6 @@ impl<'a> Slot<'a> {
     }
 
     /// Sets the value and wakes the sleepers.
-    #[allow(dead_code)] // the ctran form's value signals
     pub(crate) fn set(&self, v: u64) {
         self.value.swap(v, Ordering::SeqCst);
         self.wake();
@@ -72,11 +71,14 @@ impl<'a> Slot<'a> {
 
     /// Waits until `ready()` (which reads the value with acquire ordering,
     /// and may take what it finds: it is called again only after it said
-    /// false) is true: spins for `spin`, then sleeps on the futex in slices,
-    /// calling `alive()` between them. `Ok(false)` at `deadline`.
+    /// false) is true: spins for `spin`, then sleeps on the futex in slices
+    /// of at most `slice` (short when writers may not wake it: RDMA writes
+    /// from another host), calling `alive()` between them. `Ok(false)` at
+    /// `deadline`.
     pub(crate) fn wait(
         &self,
         spin: Duration,
+        slice: Duration,
         deadline: Instant,
         mut ready: impl FnMut() -> bool,
         mut alive: impl FnMut() -> Result<()>,
@@ -109,7 +111,7 @@ impl<'a> Slot<'a> {
             // once per look and act on that answer.
             let done = ready();
             if !done {
-                let t = (deadline - now).min(SLICE);
+                let t = (deadline - now).min(slice);
                 let ts = rustix::time::Timespec { tv_sec: t.as_secs() as i64, tv_nsec: t.subsec_nanos() as i64 };
                 // EAGAIN (the word moved), EINTR, ETIMEDOUT: all mean look again.
                 let _ = futex::wait(self.seq, futex::Flags::empty(), seen, Some(&ts));
@@ -151,12 +153,12 @@ mod tests {
             });
             for i in 0..N {
                 let deadline = Instant::now() + Duration::from_secs(10);
-                assert!(slot.wait(Duration::ZERO, deadline, take, || Ok(())).unwrap(), "wait {i} timed out");
+                assert!(slot.wait(Duration::ZERO, SLICE, deadline, take, || Ok(())).unwrap(), "wait {i} timed out");
             }
         });
         assert_eq!(taken.load(Ordering::SeqCst), N);
         let deadline = Instant::now() + Duration::from_millis(30);
-        assert!(!slot.wait(Duration::from_micros(10), deadline, take, || Ok(())).unwrap(), "no signal is left");
+        assert!(!slot.wait(Duration::from_micros(10), SLICE, deadline, take, || Ok(())).unwrap(), "no signal is left");
         assert_eq!(sleepers.load(Ordering::SeqCst), 0);
     }
 
@@ -180,7 +182,7 @@ mod tests {
             Ok(())
         };
         let deadline = Instant::now() + Duration::from_millis(200);
-        assert!(slot.wait(Duration::ZERO, deadline, take, alive).unwrap(), "the signal was taken and lost");
+        assert!(slot.wait(Duration::ZERO, SLICE, deadline, take, alive).unwrap(), "the signal was taken and lost");
         assert_eq!(taken.load(Ordering::SeqCst), 1);
     }
 }

@@ -14,7 +14,10 @@ use rmacomm_transport::{
 use crate::error::{Error, Result};
 use crate::group::Group;
 use crate::unified::{Slot, SLOT};
+
+mod ctran;
 use crate::work::Work;
+pub use ctran::{Cmp, SignalOp};
 
 /// How this rank reaches a peer's registered buffer (torchcomms'
 /// `get_attr(rank).access_type`).
@@ -46,6 +49,7 @@ pub struct WindowOptions {
     worker_threads: usize,
     unified: bool,
     spin: Duration,
+    signal_slots: usize,
 }
 
 /// How long a UNIFIED `wait_signal` spins before it sleeps (default).
@@ -53,7 +57,14 @@ pub const DEFAULT_SPIN: Duration = Duration::from_micros(50);
 
 impl Default for WindowOptions {
     fn default() -> Self {
-        WindowOptions { timeout: None, transport: None, worker_threads: 1, unified: true, spin: DEFAULT_SPIN }
+        WindowOptions {
+            timeout: None,
+            transport: None,
+            worker_threads: 1,
+            unified: true,
+            spin: DEFAULT_SPIN,
+            signal_slots: 0,
+        }
     }
 }
 
@@ -82,6 +93,14 @@ impl WindowOptions {
     /// (`false`: every peer SEPARATE; for comparisons and tests).
     pub fn unified(mut self, on: bool) -> Self {
         self.unified = on;
+        self
+    }
+
+    /// Value-signal slots per rank (the ctran form's `signal_slots`;
+    /// default 0): 64-bit words peers `signal_value` into (SET or ADD) and
+    /// the owner `wait_signal_until`s. Every rank passes the same number.
+    pub fn signal_slots(mut self, n: usize) -> Self {
+        self.signal_slots = n;
         self
     }
 
@@ -170,6 +189,10 @@ pub struct Window {
     signal_maps: Vec<Option<MappedBuffer>>,
     /// Per source: signals taken by `wait_signal` on UNIFIED pairs.
     consumed: Vec<AtomicU64>,
+    /// Per peer: its whole signal buffer (counting slots, then value slots).
+    signal_bufs: Vec<RdmaRemoteBuffer>,
+    /// Value-signal slots per rank (the ctran form).
+    value_slots: usize,
     spin: Duration,
     /// Signal tasks not yet finished.
     signals_in_flight: Arc<AtomicUsize>,
@@ -226,8 +249,8 @@ impl Window {
         let bound = |t: &RdmaTransport| t.bind().map_err(|e| Error::Transport { op: OP, source: e });
         let signal_src =
             Arc::new(RdmaMemory::alloc_for(&links[me].out, 8).map_err(|e| Error::Transport { op: OP, source: e })?);
-        let signal_dst =
-            RdmaMemory::alloc_for(&links[me].out, SLOT * n).map_err(|e| Error::Transport { op: OP, source: e })?;
+        let signal_dst = RdmaMemory::alloc_for(&links[me].out, SLOT * (n + opts.signal_slots))
+            .map_err(|e| Error::Transport { op: OP, source: e })?;
         // Line 0: my signal buffer; line 1 + p: the URL of my transport for p.
         let mut blob = signal_dst.remote_buffer().to_string();
         for link in &links {
@@ -246,7 +269,8 @@ impl Window {
             if lines.len() != n + 1 {
                 return Err(bad());
             }
-            let buf = RdmaRemoteBuffer::parse(lines[0]).filter(|rb| rb.len >= (SLOT * n) as u64).ok_or_else(bad)?;
+            let need = (SLOT * (n + opts.signal_slots)) as u64;
+            let buf = RdmaRemoteBuffer::parse(lines[0]).filter(|rb| rb.len >= need).ok_or_else(bad)?;
             signal_slots.push(buf.slice((SLOT * me) as u64, 8).expect("checked"));
             signal_bufs.push(buf);
             peer_urls.push(if p == me { self_in_url.clone() } else { lines[1 + me].to_string() });
@@ -277,6 +301,8 @@ impl Window {
             signal_slots,
             signal_maps,
             consumed: (0..n).map(|_| AtomicU64::new(0)).collect(),
+            signal_bufs,
+            value_slots: opts.signal_slots,
             spin: opts.spin,
             signals_in_flight: Arc::new(AtomicUsize::new(0)),
             timeout,
@@ -585,10 +611,10 @@ impl Window {
             .ok_or_else(|| Error::invalid(OP, "no tensor is registered; call tensor_register (collective) first"))?;
         let (rb, elem_size) = reg.peers[rank];
         if rank == self.rank() {
-            return Ok(MappedTensor { inner: Mapped::Local(&reg.mem, rb.len as usize), elem_size });
+            return Ok(MappedTensor { inner: Mapped::Local(&reg.mem), elem_size, offset: 0, len: rb.len as usize });
         }
         match &reg.maps[rank] {
-            Some(m) => Ok(MappedTensor { inner: Mapped::Peer(m), elem_size }),
+            Some(m) => Ok(MappedTensor { inner: Mapped::Peer(m), elem_size, offset: 0, len: m.len() }),
             None => Err(Error::Unsupported {
                 op: OP,
                 reason: format!(
@@ -652,7 +678,7 @@ impl Window {
             None => Ok(()),
         };
         let deadline = Instant::now() + timeout;
-        if slot.wait(self.spin, deadline, take, alive)? {
+        if slot.wait(self.spin, crate::unified::SLICE, deadline, take, alive)? {
             return Ok(());
         }
         Err(rma(TransportError::Timeout { op: OP, after: timeout }))
@@ -707,21 +733,28 @@ fn unify(
 pub struct MappedTensor<'a> {
     inner: Mapped<'a>,
     elem_size: usize,
+    /// Where this view starts in the rank's buffer, and its length (bytes).
+    offset: usize,
+    len: usize,
 }
 
-#[derive(Debug)]
+#[derive(Debug, Clone, Copy)]
 enum Mapped<'a> {
-    Local(&'a RdmaMemory, usize),
+    Local(&'a RdmaMemory),
     Peer(&'a MappedBuffer),
 }
 
-impl MappedTensor<'_> {
+impl<'a> MappedTensor<'a> {
     /// Length in bytes.
     pub fn len(&self) -> usize {
-        match &self.inner {
-            Mapped::Local(_, len) => *len,
-            Mapped::Peer(m) => m.len(),
-        }
+        self.len
+    }
+
+    /// The `len` bytes at byte `offset` of this view, or `None` when they
+    /// do not fit.
+    pub fn slice(&self, offset: usize, len: usize) -> Option<MappedTensor<'a>> {
+        offset.checked_add(len).filter(|&end| end <= self.len)?;
+        Some(MappedTensor { inner: self.inner, elem_size: self.elem_size, offset: self.offset + offset, len })
     }
 
     /// True when empty.
@@ -746,10 +779,11 @@ impl MappedTensor<'_> {
 
     /// The first byte (raw access only: others write it concurrently).
     pub fn as_ptr(&self) -> *mut u8 {
-        match &self.inner {
-            Mapped::Local(mem, _) => mem.as_ptr(),
+        let base = match &self.inner {
+            Mapped::Local(mem) => mem.as_ptr(),
             Mapped::Peer(m) => m.as_ptr(),
-        }
+        };
+        base.wrapping_add(self.offset)
     }
 
     fn check(&self, op: &'static str, offset: usize, n: usize) -> Result<()> {
@@ -764,8 +798,8 @@ impl MappedTensor<'_> {
         const OP: &str = "map_remote_tensor (read)";
         self.check(OP, offset, dst.len())?;
         match &self.inner {
-            Mapped::Local(mem, _) => mem.read_into(offset, dst),
-            Mapped::Peer(m) => m.read_into(offset, dst),
+            Mapped::Local(mem) => mem.read_into(self.offset + offset, dst),
+            Mapped::Peer(m) => m.read_into(self.offset + offset, dst),
         }
         .map_err(|source| Error::Transport { op: OP, source })
     }
@@ -775,8 +809,8 @@ impl MappedTensor<'_> {
         const OP: &str = "map_remote_tensor (write)";
         self.check(OP, offset, src.len())?;
         match &self.inner {
-            Mapped::Local(mem, _) => mem.write_from(offset, src),
-            Mapped::Peer(m) => m.write_from(offset, src),
+            Mapped::Local(mem) => mem.write_from(self.offset + offset, src),
+            Mapped::Peer(m) => m.write_from(self.offset + offset, src),
         }
         .map_err(|source| Error::Transport { op: OP, source })
     }

@@ -97,3 +97,15 @@ fn a_dead_peer_fails(path: &str) {
     assert!(line.contains("wait_signal with rank 1") && line.contains("peer closed the connection"), "{line}");
     assert!(t0.elapsed().as_secs() < 30, "{:?}", t0.elapsed());
 }
+
+/// The ctran form (`allocate`, value signals SET/ADD, every comparison,
+/// `get_tensor`), UNIFIED and SEPARATE, 2 and 3 ranks.
+#[test]
+fn ctran_form_value_signals_with_every_comparison() {
+    for path in ["unified", "separate"] {
+        for n in [2, 3] {
+            let stdout = assert_every_rank_ok(n, &run_on(path, n, &["ctran"]));
+            assert!(stdout.contains("value timeout: timed out"), "{path}: {stdout}");
+        }
+    }
+}

@@ -4,7 +4,7 @@
 //! wrong.
 //!
 //! `window-scenario SCENARIO [ARGS]`, scenarios: `ring COUNTS ITERS`
-//! (COUNTS comma-separated), `signals`, `bounds`, `get`, `killed`.
+//! (COUNTS comma-separated), `signals`, `bounds`, `get`, `killed`, `ctran`.
 //! `WINDOW_PATH=separate` turns the UNIFIED same-host path off (every peer
 //! through the transport); by default same-host ranks are UNIFIED.
 
@@ -13,7 +13,7 @@
 use std::time::{Duration, Instant};
 
 use rmacomm_transport::RdmaMemory;
-use rmacomm_window::{AccessType, Error, Group, GroupOptions, Window, WindowOptions};
+use rmacomm_window::{AccessType, Cmp, Error, Group, GroupOptions, SignalOp, Window, WindowOptions};
 
 type R = Result<(), String>;
 
@@ -38,6 +38,10 @@ fn main() {
         Some("bounds") => bounds(&g, w),
         Some("get") => get(&g, w),
         Some("killed") => killed(&g, w),
+        Some("ctran") => {
+            drop(w);
+            ctran(&g)
+        }
         other => Err(format!("unknown scenario {other:?}")),
     });
     match result {
@@ -326,5 +330,93 @@ fn killed(g: &Group, mut w: Window) -> R {
     ensure(r.is_err(), || "a signal to a dead peer succeeded".into())?;
     // No collective deregister with a dead peer: the window just goes.
     drop(w);
+    Ok(())
+}
+
+/// The ctran form: `allocate` with per-rank sizes, value signals (SET and
+/// ADD, from every rank, self included), every comparison of
+/// `wait_signal_until`, `get_tensor`, bounds, sizes.
+fn ctran(g: &Group) -> R {
+    let (rank, size) = (g.rank(), g.size());
+    let (right, left) = ((rank + 1) % size, (rank + size - 1) % size);
+    const SLOTS: usize = 4;
+    let bytes = |r: usize| (r + 1) * 4096 + 8;
+    let opts = WindowOptions::new().timeout(Duration::from_secs(30)).unified(unified());
+    let w = Window::allocate(g, bytes(rank), SLOTS, opts).map_err(s)?;
+    ensure(w.get_size() == bytes(rank) && w.get_device() == "cpu" && w.signal_slots() == SLOTS, || {
+        format!("size {} device {} slots {}", w.get_size(), w.get_device(), w.signal_slots())
+    })?;
+    let src = w.alloc(4096).map_err(s)?;
+    const ITERS: u64 = 20;
+    for it in 1..=ITERS {
+        // SET, ordered behind a put: the data is there when the value is.
+        let byte = (rank as u64 * 31 + it) as u8;
+        src.write_from(0, &vec![byte; 4096]).map_err(s)?;
+        let put = w.put(src.view(0, 4096).map_err(s)?, right, 8, it % 2 == 0).map_err(s)?;
+        w.signal_value(0, it, right, SignalOp::Set, it % 3 == 0).map_err(s)?;
+        w.wait_signal_until(0, it, Cmp::Eq, None).map_err(|e| format!("iter {it}: {e}"))?;
+        let mut got = vec![0u8; 4096];
+        w.map_remote_tensor(rank).map_err(s)?.read_into(8, &mut got).map_err(s)?;
+        let want = (left as u64 * 31 + it) as u8;
+        ensure(got.iter().all(|b| *b == want), || format!("iter {it}: the put before the SET is not there"))?;
+        put.wait(None).map_err(s)?;
+        // ADD from every rank (self too) into slot 1 of every rank.
+        for p in 0..size {
+            w.signal_value(1, 1, p, SignalOp::Add, p % 2 == 1).map_err(s)?;
+        }
+        w.wait_signal_until(1, it * size as u64, Cmp::Ge, None).map_err(|e| format!("iter {it} add: {e}"))?;
+        // Nobody overwrites the region before it is checked.
+        g.barrier(None).map_err(s)?;
+    }
+    // Every rank's ADDs are in: slot 1 holds ITERS * size; each comparison.
+    let total = ITERS * size as u64;
+    let short = Some(Duration::from_millis(1));
+    for (cmp, v) in [(Cmp::Eq, total), (Cmp::Ne, total + 1), (Cmp::Ge, total), (Cmp::Gt, total - 1)] {
+        w.wait_signal_until(1, v, cmp, short).map_err(|e| format!("{cmp:?} {v}: {e}"))?;
+    }
+    for (cmp, v) in [(Cmp::Le, total), (Cmp::Lt, total + 1)] {
+        w.wait_signal_until(1, v, cmp, short).map_err(|e| format!("{cmp:?} {v}: {e}"))?;
+    }
+    ensure(w.read_signal(1).map_err(s)? == total, || "read_signal".into())?;
+    for (cmp, v) in [(Cmp::Eq, total + 1), (Cmp::Ne, total), (Cmp::Gt, total), (Cmp::Lt, total)] {
+        match w.wait_signal_until(1, v, cmp, Some(Duration::from_millis(30))) {
+            Err(e @ Error::Timeout { .. }) => {
+                let msg = e.to_string();
+                ensure(msg.contains("slot 1") && msg.contains(&format!("holds {total}")), || msg.clone())?;
+                if cmp == Cmp::Eq {
+                    println!("value timeout: {msg}");
+                }
+            }
+            other => return Err(format!("{cmp:?} {v} with the slot at {total}: {other:?}")),
+        }
+    }
+    // Bounds: slots and sizes.
+    match w.signal_value(SLOTS, 1, right, SignalOp::Set, false) {
+        Err(Error::Bounds { op: "signal_value", .. }) => {}
+        other => return Err(format!("signal_value past the slots: {other:?}")),
+    }
+    ensure(matches!(w.wait_signal_until(SLOTS, 0, Cmp::Eq, short), Err(Error::Bounds { .. })), || {
+        "wait_signal_until past the slots".into()
+    })?;
+    ensure(
+        matches!(w.put(src.view(0, 16).map_err(s)?, right, bytes(right) - 8, false), Err(Error::Bounds { .. })),
+        || "put past the end".into(),
+    )?;
+    // get_tensor: a view of a byte range of a peer's buffer.
+    g.barrier(None).map_err(s)?;
+    match w.get_tensor(right, 8, 4096) {
+        Ok(t) if unified() => {
+            let mut got = vec![0u8; 4096];
+            t.read_into(0, &mut got).map_err(s)?;
+            let want = (rank as u64 * 31 + ITERS) as u8;
+            ensure(got.iter().all(|b| *b == want), || "get_tensor does not show my last put".into())?;
+            ensure(t.read_into(1, &mut got).is_err(), || "read past the get_tensor view".into())?;
+        }
+        Err(Error::Unsupported { .. }) if !unified() && right != rank => {}
+        other if right != rank => return Err(format!("get_tensor({right}): {other:?}")),
+        _ => {}
+    }
+    ensure(matches!(w.get_tensor(rank, bytes(rank) - 4, 8), Err(Error::Bounds { .. })), || "get_tensor bounds".into())?;
+    g.barrier(None).map_err(s)?;
     Ok(())
 }
