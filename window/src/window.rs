@@ -119,6 +119,9 @@ impl WindowOptions {
     }
 }
 
+/// The piece size of [`Window::put_bytes`]'s staging (two pieces in flight).
+pub const BOUNCE_CHUNK: usize = 1 << 20;
+
 /// Operations one transport may have in flight. A put posts when it is
 /// called only while a slot is free, and the ordering of signals behind
 /// puts relies on posting order (see [`Window::signal`]): so this is large.
@@ -196,6 +199,8 @@ pub struct Window {
     spin: Duration,
     /// Signal tasks not yet finished.
     signals_in_flight: Arc<AtomicUsize>,
+    /// Where `put_bytes` stages unregistered memory (allocated on first use).
+    bounce: std::sync::Mutex<Option<RdmaMemory>>,
     timeout: Duration,
     group: Group,
     rt: tokio::runtime::Runtime,
@@ -305,6 +310,7 @@ impl Window {
             value_slots: opts.signal_slots,
             spin: opts.spin,
             signals_in_flight: Arc::new(AtomicUsize::new(0)),
+            bounce: std::sync::Mutex::new(None),
             timeout,
             group,
             rt,
@@ -504,6 +510,50 @@ impl Window {
         // returns, so that a later signal follows it.
         let async_op = async_op && self.signal_maps[dst_rank].is_none();
         self.work(OP, dst_rank, fut, async_op)
+    }
+
+    /// Writes `src`, memory that need not be registered (a `Vec`, a slice),
+    /// into `dst_rank`'s buffer at element `target_offset_nelems`, bounds
+    /// checked first as for [`put`](Self::put). Complete when it returns
+    /// (the bytes are placed). UNIFIED peers: one copy into the mapped
+    /// buffer. Others: staged through the window's registered bounce
+    /// buffer in [`BOUNCE_CHUNK`] pieces, two in flight, so copying one
+    /// piece overlaps the RDMA write of the previous one. Staged puts of
+    /// one window run one at a time.
+    pub fn put_bytes(&self, src: &[u8], dst_rank: usize, target_offset_nelems: usize) -> Result<()> {
+        const OP: &str = "put_bytes";
+        let remote = self.target(OP, dst_rank, target_offset_nelems, src.len())?;
+        let rma = |source| Error::Rma { op: OP, peer: dst_rank, source };
+        if let Some((m, off)) = self.mapped(dst_rank, &remote) {
+            return self.peer_alive(dst_rank).and_then(|()| m.write_from(off, src)).map_err(rma);
+        }
+        let mut bounce = self.bounce.lock().unwrap_or_else(|e| e.into_inner());
+        if bounce.is_none() {
+            *bounce = Some(self.alloc(2 * BOUNCE_CHUNK)?);
+        }
+        let b = bounce.as_ref().expect("set above");
+        let t = &self.links[dst_rank].out;
+        let timeout = Some(self.timeout);
+        self.rt
+            .block_on(async {
+                let mut pending: [Option<_>; 2] = [None, None];
+                for (i, piece) in src.chunks(BOUNCE_CHUNK).enumerate() {
+                    let half = i % 2;
+                    if let Some(f) = pending[half].take() {
+                        f.await?;
+                    }
+                    b.write_from(half * BOUNCE_CHUNK, piece)?;
+                    let to = remote.slice((i * BOUNCE_CHUNK) as u64, piece.len() as u64).expect("inside remote");
+                    // Posted now; awaited when its half is needed again.
+                    let write = t.write_with_timeout(b.view(half * BOUNCE_CHUNK, piece.len())?, &to, false, timeout);
+                    pending[half] = Some(Box::pin(write));
+                }
+                for f in pending.iter_mut().filter_map(Option::take) {
+                    f.await?;
+                }
+                Ok(())
+            })
+            .map_err(rma)
     }
 
     /// Reads from `src_rank`'s registered buffer at element

@@ -109,3 +109,16 @@ fn ctran_form_value_signals_with_every_comparison() {
         }
     }
 }
+
+/// A peer drops its window while this rank still puts into it: the put
+/// fails with an error naming the operation and the peer, on both paths.
+#[test]
+fn a_peer_leaving_fails_the_writer_cleanly() {
+    for path in ["unified", "separate"] {
+        let t0 = Instant::now();
+        let stdout = assert_every_rank_ok(2, &run_on(path, 2, &["leave"]));
+        let line = stdout.lines().find(|l| l.starts_with("[0] leave error")).unwrap_or_else(|| panic!("{stdout}"));
+        assert!(line.contains("put with rank 1"), "{path}: {line}");
+        assert!(t0.elapsed().as_secs() < 30, "{path}: {:?}", t0.elapsed());
+    }
+}

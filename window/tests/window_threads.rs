@@ -219,3 +219,40 @@ fn deregister_waits_for_detached_operations() {
         g.barrier(None).unwrap();
     });
 }
+
+/// `put_bytes` from plain (unregistered) memory, on both paths: sizes
+/// around the staging piece, at an offset, followed by a signal; bounds
+/// checked before anything moves.
+#[test]
+fn put_bytes_from_unregistered_memory() {
+    for unified in [true, false] {
+        ranks(2, move |rank, g| {
+            let opts = WindowOptions::new().timeout(Duration::from_secs(30)).unified(unified);
+            let mut w = Window::new(&g, opts).unwrap();
+            const CAP: usize = 3 * rmacomm_window::BOUNCE_CHUNK + 4096;
+            w.tensor_register_len(w.alloc(CAP).unwrap(), CAP, 1).unwrap();
+            let peer = 1 - rank;
+            let mut done = 0;
+            for (round, len) in [0usize, 1, rmacomm_window::BOUNCE_CHUNK + 3, 3 * rmacomm_window::BOUNCE_CHUNK + 5]
+                .into_iter()
+                .enumerate()
+            {
+                let src: Vec<u8> = (0..len).map(|i| (i * 7 + round + rank) as u8).collect();
+                w.put_bytes(&src, peer, 11).unwrap();
+                w.signal(peer, false).unwrap();
+                w.wait_signal(peer, None).unwrap();
+                let mut got = vec![0u8; len];
+                w.local_tensor().unwrap().read_into(11, &mut got).unwrap();
+                let want: Vec<u8> = (0..len).map(|i| (i * 7 + round + peer) as u8).collect();
+                assert!(got == want, "unified {unified}: {len} bytes from rank {peer}");
+                g.barrier(None).unwrap();
+                done += 1;
+            }
+            assert_eq!(done, 4);
+            let e = w.put_bytes(&[1u8; 8], peer, CAP - 4).unwrap_err();
+            assert!(matches!(e, Error::Bounds { op: "put_bytes", .. }), "{e}");
+            g.barrier(None).unwrap();
+            w.tensor_deregister().unwrap();
+        });
+    }
+}

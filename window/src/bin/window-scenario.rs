@@ -4,7 +4,7 @@
 //! wrong.
 //!
 //! `window-scenario SCENARIO [ARGS]`, scenarios: `ring COUNTS ITERS`
-//! (COUNTS comma-separated), `signals`, `bounds`, `get`, `killed`, `ctran`.
+//! (COUNTS comma-separated), `signals`, `bounds`, `get`, `killed`, `ctran`, `leave`.
 //! `WINDOW_PATH=separate` turns the UNIFIED same-host path off (every peer
 //! through the transport); by default same-host ranks are UNIFIED.
 
@@ -38,6 +38,7 @@ fn main() {
         Some("bounds") => bounds(&g, w),
         Some("get") => get(&g, w),
         Some("killed") => killed(&g, w),
+        Some("leave") => leave(&g, w),
         Some("ctran") => {
             drop(w);
             ctran(&g)
@@ -418,5 +419,53 @@ fn ctran(g: &Group) -> R {
     }
     ensure(matches!(w.get_tensor(rank, bytes(rank) - 4, 8), Err(Error::Bounds { .. })), || "get_tensor bounds".into())?;
     g.barrier(None).map_err(s)?;
+    Ok(())
+}
+
+/// Rank 1 drops its window (its memory deregistered, its connections
+/// closed) while rank 0 keeps putting into it: rank 0's put fails with an
+/// error naming the operation and the peer, within the timeout; nothing
+/// hangs, nothing panics.
+fn leave(g: &Group, mut w: Window) -> R {
+    w.tensor_register(w.alloc(1 << 20).map_err(s)?, 1).map_err(s)?;
+    g.barrier(None).map_err(s)?;
+    if g.rank() == 1 {
+        std::thread::sleep(Duration::from_millis(200));
+        drop(w);
+        println!("rank 1 left");
+        // Stay alive a while: the failure must come from the deregistration
+        // and the closed connections, not from a process exit.
+        std::thread::sleep(Duration::from_millis(1500));
+        return Ok(());
+    }
+    if g.rank() != 0 {
+        return Ok(());
+    }
+    let src = w.alloc(64 << 10).map_err(s)?;
+    let t0 = Instant::now();
+    let mut puts = 0u64;
+    loop {
+        match w.put(src.view(0, 64 << 10).map_err(s)?, 1, 0, false) {
+            Ok(_) => puts += 1,
+            Err(e) => {
+                let msg = e.to_string();
+                println!("leave error after {puts} puts, {:?}: {msg}", t0.elapsed());
+                ensure(msg.contains("put with rank 1"), || msg.clone())?;
+                break;
+            }
+        }
+        if t0.elapsed() > Duration::from_secs(20) {
+            return Err("puts into a window that was dropped kept succeeding".into());
+        }
+    }
+    // Signals fail too once the peer's connections are gone (one issued
+    // while it is still tearing down may land), and the window can still
+    // be dropped.
+    let t1 = Instant::now();
+    while w.signal(1, false).is_ok() {
+        ensure(t1.elapsed() < Duration::from_secs(10), || "signals to a peer that left kept succeeding".into())?;
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    drop(w);
     Ok(())
 }
