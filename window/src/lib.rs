@@ -95,14 +95,19 @@
 //! - The `rmacomm-run` binary: a one-host launcher with torchrun's variables.
 //! - [`Window`] (torchcomms' semantics): `new`, `tensor_register` /
 //!   `tensor_deregister` (collective; sizes and element sizes may differ per
-//!   rank), `put` (RDMA WRITE, bounds-checked against the peer's registered
-//!   size before anything moves), `signal` / `wait_signal` (the n-th signal
-//!   from s satisfies the n-th wait on d, delivered after every earlier put
-//!   from s to d is placed; early signals are banked), `get` (RDMA READ),
-//!   `get_attr` (SEPARATE for every peer in this version),
-//!   `map_remote_tensor` (this rank's own buffer; an error for peers), and
-//!   [`Work`] (`is_completed`, `wait`). Every peer, same-host ones included,
-//!   goes through the transport; the UNIFIED same-host mapping is to come.
+//!   rank), `put` (bounds-checked against the peer's registered size before
+//!   anything moves), `put_bytes` (unregistered memory), `signal` /
+//!   `wait_signal` (the n-th signal from s satisfies the n-th wait on d,
+//!   delivered after every earlier put from s to d is placed; early signals
+//!   are banked), `get`, `get_attr`, `map_remote_tensor` (a [`MappedTensor`]
+//!   aliasing a same-host peer's buffer), and [`Work`] (`is_completed`,
+//!   `wait`). The ctran form: [`Window::allocate`], value signals
+//!   ([`SignalOp`] SET / ADD), `wait_signal_until` ([`Cmp`]), `get_tensor`,
+//!   `get_size`, `get_device`.
+//! - Two data paths: same-host peers are UNIFIED (their buffers and signal
+//!   slots mapped here: a put is a copy by the calling thread, a signal an
+//!   atomic, a wait spins then sleeps on a futex), other hosts SEPARATE
+//!   (RDMA WRITE / READ and notifications on the transport).
 //!
 //! Why blocking: bootstrap runs a few times per job, mostly from code that is
 //! not async (a `main`, Python with the GIL released, a test), and every call
