@@ -1,5 +1,12 @@
-//! rmacomm collectives: every collective written on one-sided windows.
-//!
-//! It will hold `Comm` with broadcast, all_reduce, all_gather, reduce_scatter, all_to_all and the rest, with algorithm choice by size and world size, and NCCL/RCCL fallback backends loaded at run time. Nothing is implemented yet.
+//! rmacomm collectives: torchcomms' collectives on one-sided windows.
 
-#![forbid(unsafe_code)]
+mod channel;
+mod comm;
+mod error;
+mod kern;
+mod ops;
+
+pub use comm::{new_comm, Batch, Comm, CommOptions, DEFAULT_SLOT_BYTES};
+pub use error::{Error, Result};
+pub use kern::{DType, ReduceOp};
+pub use ops::AllReduceAlgo;

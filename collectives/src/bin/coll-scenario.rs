@@ -1,0 +1,308 @@
+//! Test helper, not a tool: the multi-process collective scenarios the
+//! integration tests (`tests/collectives_processes.rs`) run, one process
+//! per rank with torchrun's variables. Each checks itself and exits
+//! non-zero (with a message) when something is wrong.
+//!
+//! `coll-scenario SCENARIO`: `all` (every operation, torchcomms'
+//! conventions), `mismatch`, `killed`. `COLL_PATH=separate` turns the
+//! UNIFIED same-host path off.
+
+use std::time::{Duration, Instant};
+
+use rmacomm_collectives::{new_comm, Comm, CommOptions, DType, Error, ReduceOp};
+use rmacomm_window::WindowOptions;
+
+type R = Result<(), String>;
+
+fn ensure(cond: bool, msg: impl FnOnce() -> String) -> R {
+    if cond {
+        Ok(())
+    } else {
+        Err(msg())
+    }
+}
+
+fn s<E: std::fmt::Display>(e: E) -> String {
+    e.to_string()
+}
+
+fn opts() -> CommOptions {
+    let unified = std::env::var("COLL_PATH").map_or(true, |v| v != "separate");
+    CommOptions::new()
+        .timeout(Duration::from_secs(30))
+        .slot_bytes(64 << 10)
+        .window(WindowOptions::new().unified(unified))
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let rank: usize = std::env::var("RANK").ok().and_then(|v| v.parse().ok()).expect("RANK");
+    let t0 = Instant::now();
+    let r = match args.first().map(String::as_str) {
+        Some("all") => all(),
+        Some("mismatch") => mismatch(),
+        Some("killed") => killed(),
+        other => Err(format!("unknown scenario {other:?}")),
+    };
+    match r {
+        Ok(()) => println!("rank {rank} ok ({:?})", t0.elapsed()),
+        Err(e) => {
+            eprintln!("rank {rank} FAILED: {e}");
+            std::process::exit(1);
+        }
+    }
+}
+
+/// `count` elements of `dtype`, all equal to `v`.
+fn full(dtype: DType, count: usize, v: f64) -> Vec<u8> {
+    let one: Vec<u8> = match dtype {
+        DType::F32 => (v as f32).to_le_bytes().to_vec(),
+        DType::F64 => v.to_le_bytes().to_vec(),
+        DType::I32 => (v as i32).to_le_bytes().to_vec(),
+        DType::I64 => (v as i64).to_le_bytes().to_vec(),
+        DType::I8 => vec![v as i8 as u8],
+        DType::U8 => vec![v as u8],
+    };
+    one.repeat(count)
+}
+
+fn check_full(what: &str, buf: &[u8], dtype: DType, v: f64) -> R {
+    let want = full(dtype, buf.len() / dtype.size(), v);
+    if buf != want.as_slice() {
+        let es = dtype.size();
+        let bad = buf.chunks(es).zip(want.chunks(es)).position(|(a, b)| a != b).unwrap_or(0);
+        return Err(format!("{what}: element {bad} is {:?}, want {v} ({dtype:?})", &buf[bad * es..(bad + 1) * es]));
+    }
+    Ok(())
+}
+
+fn all() -> R {
+    let mut direct = new_comm("rdma", opts()).map_err(s)?;
+    let mut ring = new_comm("rdma", opts().hint("rmacomm::algo", "ring")).map_err(s)?;
+    let (rank, n) = (direct.rank(), direct.size());
+    let nf = n as f64;
+    let counts = [0usize, 4, 1024, 1 << 20];
+    let dtypes = [DType::F32, DType::I32, DType::I8];
+    // all_reduce: SUM = n(n+1)/2, MAX = n, AVG = (n+1)/2 (integers truncate
+    // the average), both algorithms.
+    for c in [&mut direct, &mut ring] {
+        for &count in &counts {
+            for &dt in &dtypes {
+                for (op, want) in [
+                    (ReduceOp::Sum, nf * (nf + 1.0) / 2.0),
+                    (ReduceOp::Max, nf),
+                    (ReduceOp::Avg, if dt == DType::F32 { (nf + 1.0) / 2.0 } else { ((n * (n + 1) / 2) / n) as f64 }),
+                ] {
+                    let mut buf = full(dt, count, rank as f64 + 1.0);
+                    c.all_reduce(&mut buf, dt, op).map_err(|e| format!("all_reduce {count} {dt:?} {op:?}: {e}"))?;
+                    check_full(&format!("all_reduce {count} {dt:?} {op:?} ({})", c.name()), &buf, dt, want)?;
+                }
+            }
+        }
+    }
+    // PREMUL_SUM(2) = n(n+1); PRODUCT, MIN, and the bitwise ops on integers.
+    for dt in [DType::F32, DType::I32, DType::I64, DType::F64] {
+        let mut buf = full(dt, 1000, rank as f64 + 1.0);
+        direct.all_reduce(&mut buf, dt, ReduceOp::PremulSum(2.0)).map_err(s)?;
+        check_full("premul_sum", &buf, dt, nf * (nf + 1.0))?;
+    }
+    let mut buf = full(DType::I64, 77, rank as f64 + 1.0);
+    ring.all_reduce(&mut buf, DType::I64, ReduceOp::Product).map_err(s)?;
+    check_full("product", &buf, DType::I64, (1..=n).product::<usize>() as f64)?;
+    let mut buf = full(DType::F32, 77, rank as f64 + 1.0);
+    direct.all_reduce(&mut buf, DType::F32, ReduceOp::Min).map_err(s)?;
+    check_full("min", &buf, DType::F32, 1.0)?;
+    let mut buf = full(DType::U8, 33, (1u32 << rank) as f64);
+    direct.all_reduce(&mut buf, DType::U8, ReduceOp::Bor).map_err(s)?;
+    check_full("bor", &buf, DType::U8, ((1u32 << n) - 1) as f64)?;
+    match direct.all_reduce(&mut full(DType::F32, 4, 1.0), DType::F32, ReduceOp::Band) {
+        Err(Error::Kernel { .. }) => {}
+        other => return Err(format!("BAND on f32: {other:?}")),
+    }
+    // all_gather: slot i = i + 1 (single, list, and v with uneven sizes).
+    for &count in &counts[..3] {
+        let input = full(DType::F32, count, rank as f64 + 1.0);
+        let mut out = vec![0u8; n * input.len()];
+        direct.all_gather_single(&mut out, &input).map_err(s)?;
+        for i in 0..n {
+            check_full("all_gather_single", &out[i * input.len()..(i + 1) * input.len()], DType::F32, i as f64 + 1.0)?;
+        }
+        let mut outs: Vec<Vec<u8>> = (0..n).map(|i| vec![0u8; 4 * count * (i + 1)]).collect();
+        let input = full(DType::F32, count * (rank + 1), rank as f64 + 1.0);
+        let mut refs: Vec<&mut [u8]> = outs.iter_mut().map(|v| v.as_mut_slice()).collect();
+        ring.all_gather_v(&mut refs, &input).map_err(s)?;
+        for (i, o) in outs.iter().enumerate() {
+            check_full("all_gather_v", o, DType::F32, i as f64 + 1.0)?;
+        }
+    }
+    // reduce_scatter as all_reduce (single; list with uneven sizes).
+    for &count in &counts[..3] {
+        for &dt in &dtypes {
+            let input = full(dt, count * n, rank as f64 + 1.0);
+            let mut out = vec![0u8; count * dt.size()];
+            direct.reduce_scatter_single(&mut out, &input, dt, ReduceOp::Sum).map_err(s)?;
+            check_full("reduce_scatter_single", &out, dt, nf * (nf + 1.0) / 2.0)?;
+            let ins: Vec<Vec<u8>> = (0..n).map(|j| full(dt, count + j, rank as f64 + 1.0)).collect();
+            let refs: Vec<&[u8]> = ins.iter().map(Vec::as_slice).collect();
+            let mut out = vec![0u8; (count + rank) * dt.size()];
+            ring.reduce_scatter_v(&mut out, &refs, dt, ReduceOp::Max).map_err(s)?;
+            check_full("reduce_scatter_v", &out, dt, nf)?;
+        }
+    }
+    // reduce to every root; broadcast of 99 from root 0, and from the last.
+    for root in 0..n {
+        let mut buf = full(DType::I32, 1000, rank as f64 + 1.0);
+        direct.reduce(&mut buf, DType::I32, ReduceOp::Sum, root).map_err(s)?;
+        let want = if rank == root { nf * (nf + 1.0) / 2.0 } else { rank as f64 + 1.0 };
+        check_full("reduce", &buf, DType::I32, want)?;
+    }
+    for (root, count) in [(0, 1 << 20), (n - 1, 5), (0, 0)] {
+        let mut buf = full(DType::F32, count, if rank == root { 99.0 } else { 0.0 });
+        ring.broadcast(&mut buf, root).map_err(s)?;
+        check_full("broadcast", &buf, DType::F32, 99.0)?;
+    }
+    // all_to_all_single: section i = i + 1; v with uneven splits (rank r
+    // sends r + j + 1 elements to j).
+    for &count in &counts[..3] {
+        let input = full(DType::I32, count * n, rank as f64 + 1.0);
+        let mut out = vec![0u8; input.len()];
+        direct.all_to_all_single(&mut out, &input).map_err(s)?;
+        for i in 0..n {
+            check_full("all_to_all_single", &out[i * count * 4..(i + 1) * count * 4], DType::I32, i as f64 + 1.0)?;
+        }
+    }
+    let isplit: Vec<usize> = (0..n).map(|j| 4 * (rank + j + 1)).collect();
+    let osplit: Vec<usize> = (0..n).map(|i| 4 * (i + rank + 1)).collect();
+    let input = full(DType::I32, isplit.iter().sum::<usize>() / 4, rank as f64 + 1.0);
+    let mut out = vec![0u8; osplit.iter().sum()];
+    ring.all_to_all_v_single(&mut out, &input, &osplit, &isplit).map_err(s)?;
+    let mut at = 0;
+    for (i, l) in osplit.iter().enumerate() {
+        check_full("all_to_all_v_single", &out[at..at + l], DType::I32, i as f64 + 1.0)?;
+        at += l;
+    }
+    // scatter and gather from root 1 % n.
+    let root = 1 % n;
+    let ins: Vec<Vec<u8>> = (0..n).map(|j| full(DType::F32, 300, j as f64 + 7.0)).collect();
+    let refs: Vec<&[u8]> = ins.iter().map(Vec::as_slice).collect();
+    let mut out = vec![0u8; 1200];
+    direct.scatter(&mut out, (rank == root).then_some(refs.as_slice()), root).map_err(s)?;
+    check_full("scatter", &out, DType::F32, rank as f64 + 7.0)?;
+    let mut outs: Vec<Vec<u8>> = (0..n).map(|_| vec![0u8; 1200]).collect();
+    let mut orefs: Vec<&mut [u8]> = outs.iter_mut().map(|v| v.as_mut_slice()).collect();
+    let input = full(DType::F32, 300, rank as f64 + 1.0);
+    direct.gather((rank == root).then_some(orefs.as_mut_slice()), &input, root).map_err(s)?;
+    if rank == root {
+        for (i, o) in outs.iter().enumerate() {
+            check_full("gather", o, DType::F32, i as f64 + 1.0)?;
+        }
+    }
+    // send/recv around the ring, even ranks sending first; then a batch.
+    if n > 1 {
+        let (right, left) = ((rank + 1) % n, (rank + n - 1) % n);
+        let data = full(DType::I8, 200_000, rank as f64);
+        let mut got = vec![0u8; 200_000];
+        if rank % 2 == 0 {
+            direct.send(&data, right).map_err(s)?;
+            direct.recv(&mut got, left).map_err(s)?;
+        } else {
+            direct.recv(&mut got, left).map_err(s)?;
+            direct.send(&data, right).map_err(s)?;
+        }
+        check_full("send/recv", &got, DType::I8, left as f64)?;
+        let mut from_left = vec![0u8; 100_000];
+        let mut from_right = vec![0u8; 100];
+        let to_right = full(DType::I8, 100_000, rank as f64);
+        let to_left = full(DType::I8, 100, rank as f64 + 50.0);
+        let b = direct.batch_op_create().recv(&mut from_left, left).send(&to_right, right);
+        let b = if n > 2 { b.send(&to_left, left).recv(&mut from_right, right) } else { b };
+        b.issue(&mut direct).map_err(s)?;
+        check_full("batch", &from_left, DType::I8, left as f64)?;
+        if n > 2 {
+            check_full("batch", &from_right, DType::I8, right as f64 + 50.0)?;
+        }
+    }
+    direct.barrier().map_err(s)?;
+    // A non-contiguous split running collectives while the parent runs its
+    // own on another thread.
+    let evens: Vec<usize> = (0..n).step_by(2).collect();
+    let sub = direct.split(&evens).map_err(s)?;
+    std::thread::scope(|sc| -> R {
+        let h = sc.spawn(move || -> R {
+            if let Some(mut sub) = sub {
+                let k = sub.size() as f64;
+                for _ in 0..20 {
+                    let mut buf = full(DType::F32, 10_000, 1.0);
+                    sub.all_reduce(&mut buf, DType::F32, ReduceOp::Sum).map_err(s)?;
+                    check_full("split all_reduce", &buf, DType::F32, k)?;
+                }
+                sub.finalize().map_err(s)?;
+            }
+            Ok(())
+        });
+        for _ in 0..20 {
+            let mut buf = full(DType::F32, 10_000, rank as f64 + 1.0);
+            ring.all_reduce(&mut buf, DType::F32, ReduceOp::Sum).map_err(s)?;
+            check_full("parent all_reduce beside the split", &buf, DType::F32, nf * (nf + 1.0) / 2.0)?;
+        }
+        h.join().map_err(|_| "split thread panicked".to_string())?
+    })?;
+    direct.finalize().map_err(s)?;
+    ring.finalize().map_err(s)?;
+    ensure(direct.barrier().is_err(), || "an operation after finalize".into())
+}
+
+/// Rank 0 all-reduces 4 elements, the others 8: every rank fails with a
+/// mismatch or timeout error naming the operation, none hangs.
+fn mismatch() -> R {
+    let mut c = new_comm("rdma", opts().timeout(Duration::from_secs(3))).map_err(s)?;
+    let count = if c.rank() == 0 { 4 } else { 8 };
+    let mut buf = full(DType::F32, count, 1.0);
+    let t0 = Instant::now();
+    match c.all_reduce(&mut buf, DType::F32, ReduceOp::Sum) {
+        Err(e @ (Error::Mismatch { .. } | Error::Timeout { .. })) => {
+            let msg = e.to_string();
+            println!("mismatch error after {:?}: {msg}", t0.elapsed());
+            ensure(msg.contains("all_reduce #1"), || msg.clone())?;
+        }
+        other => return Err(format!("mismatched all_reduce: {other:?}")),
+    }
+    ensure(t0.elapsed() < Duration::from_secs(10), || format!("took {:?}", t0.elapsed()))?;
+    let e = c.barrier().unwrap_err().to_string();
+    ensure(e.contains("unusable"), || e.clone())?;
+    // A new communicator works.
+    let mut c2 = new_comm("rdma", opts()).map_err(s)?;
+    let mut buf = full(DType::F32, 16, 1.0);
+    c2.all_reduce(&mut buf, DType::F32, ReduceOp::Sum).map_err(s)?;
+    check_full("after a mismatch", &buf, DType::F32, c2.size() as f64)?;
+    c2.finalize().map_err(s)
+}
+
+/// Rank 1 exits in the middle of the collectives; the others fail within
+/// the timeout with an error naming the operation and rank 1.
+fn killed() -> R {
+    let mut c: Comm = new_comm("rdma", opts().timeout(Duration::from_secs(5))).map_err(s)?;
+    let mut buf = full(DType::F32, 1 << 16, 1.0);
+    c.all_reduce(&mut buf, DType::F32, ReduceOp::Sum).map_err(s)?;
+    // Every rank is done with it (acknowledgements included) before rank 1 goes.
+    c.group().barrier(None).map_err(s)?;
+    if c.rank() == 1 {
+        println!("rank 1 ok (exiting)");
+        std::process::exit(0);
+    }
+    let t0 = Instant::now();
+    let mut r = Ok(());
+    for _ in 0..100 {
+        r = c.all_reduce(&mut buf, DType::F32, ReduceOp::Sum);
+        if r.is_err() {
+            break;
+        }
+    }
+    let msg = match r {
+        Err(e) => e.to_string(),
+        Ok(()) => return Err("all_reduce with a dead rank succeeded".into()),
+    };
+    println!("killed error after {:?}: {msg}", t0.elapsed());
+    ensure(msg.contains("all_reduce") && msg.contains('1'), || msg.clone())?;
+    ensure(t0.elapsed() < Duration::from_secs(15), || format!("took {:?}", t0.elapsed()))
+}

@@ -1,0 +1,555 @@
+//! The collectives, each a list of transfers over the channels
+//! ([`crate::channel`]) plus local copies and reductions.
+
+use crate::kern::{self as rmacomm_kernels, DType, ReduceOp};
+
+use crate::channel::{Combine, Transfer};
+use crate::comm::Comm;
+use crate::error::{Error, Result};
+
+// Operation codes carried in chunk headers (to name a mismatched peer's
+// call).
+pub(crate) const SEND: u16 = 1;
+pub(crate) const BROADCAST: u16 = 2;
+pub(crate) const REDUCE: u16 = 3;
+pub(crate) const ALL_REDUCE: u16 = 4;
+pub(crate) const ALL_GATHER: u16 = 5;
+pub(crate) const REDUCE_SCATTER: u16 = 6;
+pub(crate) const ALL_TO_ALL: u16 = 7;
+pub(crate) const SCATTER: u16 = 8;
+pub(crate) const GATHER: u16 = 9;
+pub(crate) const BARRIER: u16 = 10;
+pub(crate) const BATCH: u16 = 11;
+
+pub(crate) fn op_name(code: u16) -> &'static str {
+    match code {
+        SEND => "send/recv",
+        BROADCAST => "broadcast",
+        REDUCE => "reduce",
+        ALL_REDUCE => "all_reduce",
+        ALL_GATHER => "all_gather",
+        REDUCE_SCATTER => "reduce_scatter",
+        ALL_TO_ALL => "all_to_all",
+        SCATTER => "scatter",
+        GATHER => "gather",
+        BARRIER => "barrier",
+        BATCH => "batch",
+        _ => "an unknown operation",
+    }
+}
+
+/// An all-reduce algorithm (hint `rmacomm::algo`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AllReduceAlgo {
+    /// Every rank sends block j of its input to rank j, which reduces it and
+    /// sends the result to every rank: two steps, n - 1 messages per rank
+    /// per step. The default.
+    Direct,
+    /// Reduce-scatter and all-gather around the ring: 2(n - 1) steps, one
+    /// peer each (the bandwidth-optimal schedule across hosts).
+    Ring,
+}
+
+impl AllReduceAlgo {
+    pub(crate) fn parse(s: &str) -> Option<Self> {
+        match s {
+            "direct" => Some(AllReduceAlgo::Direct),
+            "ring" => Some(AllReduceAlgo::Ring),
+            _ => None,
+        }
+    }
+}
+
+/// Splits `len` bytes into `n` blocks of whole `elem` elements, as even as
+/// possible (the first ones one element larger): (offset, length) each.
+pub(crate) fn blocks(len: usize, n: usize, elem: usize) -> Vec<(usize, usize)> {
+    let elems = len / elem;
+    let (q, r) = (elems / n, elems % n);
+    let mut at = 0;
+    (0..n)
+        .map(|i| {
+            let l = (q + usize::from(i < r)) * elem;
+            let b = (at, l);
+            at += l;
+            b
+        })
+        .collect()
+}
+
+/// Two disjoint blocks of `buf`: the first to read, the second to write.
+fn two_blocks(buf: &mut [u8], a: (usize, usize), b: (usize, usize)) -> (&[u8], &mut [u8]) {
+    debug_assert!(a.0 + a.1 <= b.0 || b.0 + b.1 <= a.0, "blocks overlap");
+    if a.1 == 0 {
+        return (&[], &mut buf[b.0..b.0 + b.1]);
+    }
+    if a.0 < b.0 {
+        let (lo, hi) = buf.split_at_mut(b.0);
+        (&lo[a.0..a.0 + a.1], &mut hi[..b.1])
+    } else {
+        let (lo, hi) = buf.split_at_mut(a.0);
+        (&hi[..a.1], &mut lo[b.0..b.0 + b.1])
+    }
+}
+
+fn check_dtype(op: &'static str, buf_len: usize, dtype: DType) -> Result<()> {
+    if !buf_len.is_multiple_of(dtype.size()) {
+        return Err(Error::invalid(op, format!("{buf_len} bytes are not a whole number of {dtype:?} elements")));
+    }
+    Ok(())
+}
+
+impl Comm {
+    /// Combines the inputs into `out` (which holds this rank's part) with
+    /// `op`, as a kernel call.
+    fn combiner(op_name: &'static str, dtype: DType, op: ReduceOp) -> impl Fn(&mut [u8], &[&[u8]]) -> Result<()> {
+        move |out: &mut [u8], inputs: &[&[u8]]| {
+            for input in inputs {
+                rmacomm_kernels::reduce_into(dtype, op, out, input)
+                    .map_err(|source| Error::Kernel { op: op_name, source })?;
+            }
+            Ok(())
+        }
+    }
+
+    /// The reduction's last step on this rank's result (AVG divides by the
+    /// world size, PREMUL_SUM multiplies by its factor).
+    fn finish(op_name: &'static str, dtype: DType, op: ReduceOp, n: usize, out: &mut [u8]) -> Result<()> {
+        rmacomm_kernels::finish(dtype, op, n, out).map_err(|source| Error::Kernel { op: op_name, source })
+    }
+
+    /// Reduce-scatter with arbitrary blocks: rank j ends with the reduction
+    /// of every rank's `input[blocks[j]]` in `out` (its own block's length).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn reduce_scatter_blocks(
+        &mut self,
+        name: &'static str,
+        code: u16,
+        input: &[u8],
+        blocks: &[(usize, usize)],
+        out: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let (me, n) = (self.rank(), self.size());
+        let mine = blocks[me];
+        out[..mine.1].copy_from_slice(&input[mine.0..mine.0 + mine.1]);
+        let combine = Self::combiner(name, dtype, op);
+        let mut transfers: Vec<Transfer<'_>> = Vec::with_capacity(n);
+        for (p, &(at, len)) in blocks.iter().enumerate() {
+            if p != me {
+                transfers.push(Transfer::Send { peer: p, data: &input[at..at + len] });
+            }
+        }
+        let peers: Vec<usize> = (0..n).filter(|&p| p != me).collect();
+        if !peers.is_empty() {
+            transfers.push(Transfer::Reduce { peers, out: &mut out[..mine.1], combine: &combine as Combine<'_> });
+        }
+        self.exchange(name, code, transfers)
+    }
+
+    /// All-gather with arbitrary blocks: every rank ends with every rank's
+    /// block `blocks[r]` (which it has in `out[blocks[me]]`) in place.
+    pub(crate) fn all_gather_blocks(
+        &mut self,
+        name: &'static str,
+        code: u16,
+        out: &mut [u8],
+        blocks: &[(usize, usize)],
+    ) -> Result<()> {
+        let me = self.rank();
+        let (mine_at, mine_len) = blocks[me];
+        // Split `out` into disjoint per-rank pieces: this rank's (sent) and
+        // the others' (received).
+        let mut pieces: Vec<(usize, &mut [u8])> = Vec::with_capacity(blocks.len());
+        let mut rest = out;
+        let mut consumed = 0;
+        let mut order: Vec<usize> = (0..blocks.len()).collect();
+        order.sort_by_key(|&r| blocks[r].0);
+        for r in order {
+            let (at, len) = blocks[r];
+            let (_, tail) = std::mem::take(&mut rest).split_at_mut(at - consumed);
+            let (piece, tail) = tail.split_at_mut(len);
+            rest = tail;
+            consumed = at + len;
+            pieces.push((r, piece));
+        }
+        let mut own: &[u8] = &[];
+        let mut transfers: Vec<Transfer<'_>> = Vec::with_capacity(2 * blocks.len());
+        for (r, piece) in pieces {
+            if r == me {
+                own = piece;
+            } else {
+                transfers.push(Transfer::Recv { peer: r, out: piece });
+            }
+        }
+        debug_assert_eq!(own.len(), mine_len);
+        let _ = mine_at;
+        for p in (0..blocks.len()).filter(|&p| p != me) {
+            transfers.push(Transfer::Send { peer: p, data: own });
+        }
+        self.exchange(name, code, transfers)
+    }
+
+    /// `all_reduce` of `buf` in place.
+    pub fn all_reduce(&mut self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
+        const OP: &str = "all_reduce";
+        self.begin(OP)?;
+        check_dtype(OP, buf.len(), dtype)?;
+        rmacomm_kernels::check(dtype, op).map_err(|source| Error::Kernel { op: OP, source })?;
+        let n = self.size();
+        let blocks = blocks(buf.len(), n, dtype.size());
+        match self.all_reduce_algo(buf.len()) {
+            AllReduceAlgo::Ring => self.all_reduce_ring(buf, &blocks, dtype, op),
+            AllReduceAlgo::Direct => {
+                let (at, len) = blocks[self.rank()];
+                let mut mine = vec![0u8; len];
+                self.reduce_scatter_blocks(OP, ALL_REDUCE, buf, &blocks, &mut mine, dtype, op)?;
+                Self::finish(OP, dtype, op, n, &mut mine)?;
+                buf[at..at + len].copy_from_slice(&mine);
+                self.all_gather_blocks(OP, ALL_REDUCE, buf, &blocks)
+            }
+        }
+    }
+
+    /// Ring all-reduce: n - 1 reduce-scatter steps, each sending one block
+    /// to the right neighbour and reducing the block from the left one
+    /// into `buf`, so that rank r ends with block r reduced; then n - 1
+    /// all-gather steps around the ring.
+    fn all_reduce_ring(&mut self, buf: &mut [u8], blocks: &[(usize, usize)], dtype: DType, op: ReduceOp) -> Result<()> {
+        const OP: &str = "all_reduce";
+        let (me, n) = (self.rank(), self.size());
+        let (right, left) = ((me + 1) % n, (me + n - 1) % n);
+        let combine = Self::combiner(OP, dtype, op);
+        for step in 0..n.saturating_sub(1) {
+            let send = (me + 2 * n - 1 - step) % n;
+            let recv = (me + 2 * n - 2 - step) % n;
+            let (data, acc) = two_blocks(buf, blocks[send], blocks[recv]);
+            let transfers = vec![
+                Transfer::Send { peer: right, data },
+                Transfer::Reduce { peers: vec![left], out: acc, combine: &combine },
+            ];
+            self.exchange(OP, ALL_REDUCE, transfers)?;
+        }
+        let (at, len) = blocks[me];
+        Self::finish(OP, dtype, op, n, &mut buf[at..at + len])?;
+        for step in 0..n.saturating_sub(1) {
+            let send = (me + n - step) % n;
+            let recv = (me + 2 * n - 1 - step) % n;
+            let (data, out) = two_blocks(buf, blocks[send], blocks[recv]);
+            self.exchange(
+                OP,
+                ALL_REDUCE,
+                vec![Transfer::Send { peer: right, data }, Transfer::Recv { peer: left, out }],
+            )?;
+        }
+        Ok(())
+    }
+
+    /// `broadcast` of `buf` from `root` (in place on every rank).
+    pub fn broadcast(&mut self, buf: &mut [u8], root: usize) -> Result<()> {
+        const OP: &str = "broadcast";
+        self.begin(OP)?;
+        self.check_root(OP, root)?;
+        let me = self.rank();
+        let transfers = if me == root {
+            let data: &[u8] = buf;
+            (0..self.size()).filter(|&p| p != me).map(|p| Transfer::Send { peer: p, data }).collect()
+        } else {
+            vec![Transfer::Recv { peer: root, out: buf }]
+        };
+        self.exchange(OP, BROADCAST, transfers)
+    }
+
+    /// `reduce` of every rank's `buf` into `root`'s `buf` (others' are left
+    /// as they were).
+    pub fn reduce(&mut self, buf: &mut [u8], dtype: DType, op: ReduceOp, root: usize) -> Result<()> {
+        const OP: &str = "reduce";
+        self.begin(OP)?;
+        self.check_root(OP, root)?;
+        check_dtype(OP, buf.len(), dtype)?;
+        rmacomm_kernels::check(dtype, op).map_err(|source| Error::Kernel { op: OP, source })?;
+        let (me, n) = (self.rank(), self.size());
+        if me != root {
+            let data: &[u8] = buf;
+            return self.exchange(OP, REDUCE, vec![Transfer::Send { peer: root, data }]);
+        }
+        let combine = Self::combiner(OP, dtype, op);
+        let peers: Vec<usize> = (0..n).filter(|&p| p != me).collect();
+        let transfers =
+            if peers.is_empty() { vec![] } else { vec![Transfer::Reduce { peers, out: &mut *buf, combine: &combine }] };
+        self.exchange(OP, REDUCE, transfers)?;
+        Self::finish(OP, dtype, op, n, buf)
+    }
+
+    /// `all_gather_single`: rank r's `input` lands at `output[r * len..]`
+    /// on every rank (`output` is `size * input.len()` bytes).
+    pub fn all_gather_single(&mut self, output: &mut [u8], input: &[u8]) -> Result<()> {
+        const OP: &str = "all_gather_single";
+        self.begin(OP)?;
+        let n = self.size();
+        if output.len() != n * input.len() {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "output has {} bytes, {n} ranks × {} input bytes need {}",
+                    output.len(),
+                    input.len(),
+                    n * input.len()
+                ),
+            ));
+        }
+        let blocks: Vec<(usize, usize)> = (0..n).map(|r| (r * input.len(), input.len())).collect();
+        let me = self.rank();
+        output[me * input.len()..(me + 1) * input.len()].copy_from_slice(input);
+        self.all_gather_blocks(OP, ALL_GATHER, output, &blocks)
+    }
+
+    /// `all_gather` into a list: `outputs[r]` receives rank r's `input`.
+    /// With different lengths per rank (`outputs[r].len()` must equal rank
+    /// r's input length) this is `all_gather_v`.
+    pub fn all_gather(&mut self, outputs: &mut [&mut [u8]], input: &[u8]) -> Result<()> {
+        const OP: &str = "all_gather";
+        self.begin(OP)?;
+        let (me, n) = (self.rank(), self.size());
+        if outputs.len() != n {
+            return Err(Error::invalid(OP, format!("{} outputs for {n} ranks", outputs.len())));
+        }
+        if outputs[me].len() != input.len() {
+            return Err(Error::invalid(
+                OP,
+                format!("outputs[{me}] has {} bytes, this rank's input {}", outputs[me].len(), input.len()),
+            ));
+        }
+        outputs[me].copy_from_slice(input);
+        let mut transfers: Vec<Transfer<'_>> = Vec::with_capacity(2 * n);
+        for (r, o) in outputs.iter_mut().enumerate() {
+            if r != me {
+                transfers.push(Transfer::Recv { peer: r, out: o });
+                transfers.push(Transfer::Send { peer: r, data: input });
+            }
+        }
+        self.exchange(OP, ALL_GATHER, transfers)
+    }
+
+    /// `all_gather_v`: as [`all_gather`](Self::all_gather) (which accepts
+    /// uneven lengths already).
+    pub fn all_gather_v(&mut self, outputs: &mut [&mut [u8]], input: &[u8]) -> Result<()> {
+        self.all_gather(outputs, input)
+    }
+
+    /// `reduce_scatter` from a list: this rank's `output` is the reduction
+    /// of every rank's `inputs[rank]`; `inputs[j].len()` may differ per j
+    /// (`reduce_scatter_v`) but must equal rank j's output length.
+    pub fn reduce_scatter(&mut self, output: &mut [u8], inputs: &[&[u8]], dtype: DType, op: ReduceOp) -> Result<()> {
+        const OP: &str = "reduce_scatter";
+        self.begin(OP)?;
+        let (me, n) = (self.rank(), self.size());
+        if inputs.len() != n {
+            return Err(Error::invalid(OP, format!("{} inputs for {n} ranks", inputs.len())));
+        }
+        if inputs[me].len() != output.len() {
+            return Err(Error::invalid(
+                OP,
+                format!("inputs[{me}] has {} bytes, the output {}", inputs[me].len(), output.len()),
+            ));
+        }
+        check_dtype(OP, output.len(), dtype)?;
+        rmacomm_kernels::check(dtype, op).map_err(|source| Error::Kernel { op: OP, source })?;
+        output.copy_from_slice(inputs[me]);
+        let combine = Self::combiner(OP, dtype, op);
+        let mut transfers: Vec<Transfer<'_>> = Vec::with_capacity(n);
+        for (p, data) in inputs.iter().enumerate() {
+            if p != me {
+                transfers.push(Transfer::Send { peer: p, data });
+            }
+        }
+        let peers: Vec<usize> = (0..n).filter(|&p| p != me).collect();
+        if !peers.is_empty() {
+            transfers.push(Transfer::Reduce { peers, out: &mut *output, combine: &combine });
+        }
+        self.exchange(OP, REDUCE_SCATTER, transfers)?;
+        Self::finish(OP, dtype, op, n, output)
+    }
+
+    /// `reduce_scatter_v`: as [`reduce_scatter`](Self::reduce_scatter).
+    pub fn reduce_scatter_v(&mut self, output: &mut [u8], inputs: &[&[u8]], dtype: DType, op: ReduceOp) -> Result<()> {
+        self.reduce_scatter(output, inputs, dtype, op)
+    }
+
+    /// `reduce_scatter_single`: `input` is `size * output.len()` bytes;
+    /// this rank gets the reduction of every rank's block `rank`.
+    pub fn reduce_scatter_single(&mut self, output: &mut [u8], input: &[u8], dtype: DType, op: ReduceOp) -> Result<()> {
+        const OP: &str = "reduce_scatter_single";
+        let n = self.size();
+        if input.len() != n * output.len() {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "input has {} bytes, {n} ranks × {} output bytes need {}",
+                    input.len(),
+                    output.len(),
+                    n * output.len()
+                ),
+            ));
+        }
+        let inputs: Vec<&[u8]> = input.chunks(output.len().max(1)).take(n).collect();
+        let inputs = if output.is_empty() { vec![&input[..0]; n] } else { inputs };
+        self.reduce_scatter(output, &inputs, dtype, op)
+    }
+
+    /// `all_to_all` with lists: `inputs[j]` goes to rank j, `outputs[i]`
+    /// comes from rank i (lengths may differ: they must match pairwise).
+    pub fn all_to_all(&mut self, outputs: &mut [&mut [u8]], inputs: &[&[u8]]) -> Result<()> {
+        const OP: &str = "all_to_all";
+        self.begin(OP)?;
+        let (me, n) = (self.rank(), self.size());
+        if outputs.len() != n || inputs.len() != n {
+            return Err(Error::invalid(
+                OP,
+                format!("{} outputs and {} inputs for {n} ranks", outputs.len(), inputs.len()),
+            ));
+        }
+        if outputs[me].len() != inputs[me].len() {
+            return Err(Error::invalid(OP, format!("outputs[{me}] and inputs[{me}] differ in length")));
+        }
+        outputs[me].copy_from_slice(inputs[me]);
+        let mut transfers: Vec<Transfer<'_>> = Vec::with_capacity(2 * n);
+        for (r, o) in outputs.iter_mut().enumerate() {
+            if r != me {
+                transfers.push(Transfer::Recv { peer: r, out: o });
+                transfers.push(Transfer::Send { peer: r, data: inputs[r] });
+            }
+        }
+        self.exchange(OP, ALL_TO_ALL, transfers)
+    }
+
+    /// `all_to_all_single`: equal blocks; block j of `input` goes to rank j,
+    /// block i of `output` comes from rank i.
+    pub fn all_to_all_single(&mut self, output: &mut [u8], input: &[u8]) -> Result<()> {
+        let n = self.size();
+        let b = input.len() / n;
+        if !input.len().is_multiple_of(n) || output.len() != input.len() {
+            return Err(Error::invalid(
+                "all_to_all_single",
+                format!(
+                    "input {} and output {} bytes must be equal and divisible by {n} ranks",
+                    input.len(),
+                    output.len()
+                ),
+            ));
+        }
+        let splits = vec![b; n];
+        self.all_to_all_v_single(output, input, &splits, &splits)
+    }
+
+    /// `all_to_all_v_single`: `input_splits[j]` bytes of `input` (in order)
+    /// go to rank j, `output_splits[i]` bytes of `output` come from rank i.
+    pub fn all_to_all_v_single(
+        &mut self,
+        output: &mut [u8],
+        input: &[u8],
+        output_splits: &[usize],
+        input_splits: &[usize],
+    ) -> Result<()> {
+        const OP: &str = "all_to_all_v_single";
+        let n = self.size();
+        let sum = |v: &[usize]| v.iter().sum::<usize>();
+        if output_splits.len() != n || input_splits.len() != n {
+            return Err(Error::invalid(OP, format!("splits must have {n} entries")));
+        }
+        if sum(output_splits) != output.len() || sum(input_splits) != input.len() {
+            return Err(Error::invalid(OP, "the splits do not add up to the buffers' lengths"));
+        }
+        let mut inputs: Vec<&[u8]> = Vec::with_capacity(n);
+        let mut rest = input;
+        for &l in input_splits {
+            let (a, b) = rest.split_at(l);
+            inputs.push(a);
+            rest = b;
+        }
+        let mut outputs: Vec<&mut [u8]> = Vec::with_capacity(n);
+        let mut rest = output;
+        for &l in output_splits {
+            let (a, b) = std::mem::take(&mut rest).split_at_mut(l);
+            outputs.push(a);
+            rest = b;
+        }
+        self.all_to_all(&mut outputs, &inputs)
+    }
+
+    /// `scatter` from `root`: rank j receives `inputs[j]` (given on the
+    /// root only) into `output`.
+    pub fn scatter(&mut self, output: &mut [u8], inputs: Option<&[&[u8]]>, root: usize) -> Result<()> {
+        const OP: &str = "scatter";
+        self.begin(OP)?;
+        self.check_root(OP, root)?;
+        let (me, n) = (self.rank(), self.size());
+        if me != root {
+            return self.exchange(OP, SCATTER, vec![Transfer::Recv { peer: root, out: output }]);
+        }
+        let inputs = inputs.ok_or_else(|| Error::invalid(OP, "the root must pass the inputs"))?;
+        if inputs.len() != n || inputs[me].len() != output.len() {
+            return Err(Error::invalid(OP, format!("{n} inputs needed, inputs[{me}] as long as the output")));
+        }
+        output.copy_from_slice(inputs[me]);
+        let transfers = (0..n).filter(|&p| p != me).map(|p| Transfer::Send { peer: p, data: inputs[p] }).collect();
+        self.exchange(OP, SCATTER, transfers)
+    }
+
+    /// `gather` to `root`: `outputs[i]` (on the root only) receives rank
+    /// i's `input`.
+    pub fn gather(&mut self, outputs: Option<&mut [&mut [u8]]>, input: &[u8], root: usize) -> Result<()> {
+        const OP: &str = "gather";
+        self.begin(OP)?;
+        self.check_root(OP, root)?;
+        let (me, n) = (self.rank(), self.size());
+        if me != root {
+            return self.exchange(OP, GATHER, vec![Transfer::Send { peer: root, data: input }]);
+        }
+        let outputs = outputs.ok_or_else(|| Error::invalid(OP, "the root must pass the outputs"))?;
+        if outputs.len() != n || outputs[me].len() != input.len() {
+            return Err(Error::invalid(OP, format!("{n} outputs needed, outputs[{me}] as long as the input")));
+        }
+        outputs[me].copy_from_slice(input);
+        let transfers = outputs
+            .iter_mut()
+            .enumerate()
+            .filter(|(p, _)| *p != me)
+            .map(|(p, o)| Transfer::Recv { peer: p, out: o })
+            .collect();
+        self.exchange(OP, GATHER, transfers)
+    }
+
+    /// `send` of `data` to `dst` (matched by `dst`'s `recv` from this rank).
+    pub fn send(&mut self, data: &[u8], dst: usize) -> Result<()> {
+        const OP: &str = "send";
+        self.begin(OP)?;
+        self.check_peer(OP, dst)?;
+        // Point-to-point streams are FIFO per pair: no sequence number.
+        self.exchange_seq(OP, SEND, 0, vec![Transfer::Send { peer: dst, data }])
+    }
+
+    /// `recv` into `out` from `src`.
+    pub fn recv(&mut self, out: &mut [u8], src: usize) -> Result<()> {
+        const OP: &str = "recv";
+        self.begin(OP)?;
+        self.check_peer(OP, src)?;
+        self.exchange_seq(OP, SEND, 0, vec![Transfer::Recv { peer: src, out }])
+    }
+
+    /// `barrier`: returns once every rank called it.
+    pub fn barrier(&mut self) -> Result<()> {
+        const OP: &str = "barrier";
+        self.begin(OP)?;
+        let me = self.rank();
+        let mut transfers: Vec<Transfer<'_>> = Vec::new();
+        let mut sinks: Vec<[u8; 0]> = vec![[]; self.size()];
+        for (p, sink) in sinks.iter_mut().enumerate() {
+            if p != me {
+                transfers.push(Transfer::Send { peer: p, data: &[] });
+                transfers.push(Transfer::Recv { peer: p, out: sink });
+            }
+        }
+        self.exchange(OP, BARRIER, transfers)
+    }
+}
