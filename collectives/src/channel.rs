@@ -121,15 +121,18 @@ impl Channels {
         debug_assert!(st.iter().all(|s| !peers_of(&s.t).contains(&me)));
         let start = Instant::now();
         let mut idle = 0u32;
+        let mut idle_since = start;
         let mut tmp: Vec<Vec<u8>> = Vec::new();
         let n = self.size();
+        let (mut busy_out, mut busy_in) = (vec![false; n], vec![false; n]);
         loop {
             let mut progressed = false;
             let mut pending = false;
             // Transfers on one pair and direction go one after the other
             // (their chunks share the pair's stream): a later one waits
             // until the earlier ones are done.
-            let (mut busy_out, mut busy_in) = (vec![false; n], vec![false; n]);
+            busy_out.fill(false);
+            busy_in.fill(false);
             for s in st.iter_mut() {
                 let (busy, peers) = match &s.t {
                     Transfer::Send { peer, .. } => (&mut busy_out, std::slice::from_ref(peer)),
@@ -157,11 +160,11 @@ impl Channels {
                 }
                 if s.chunk < s.chunks {
                     let (busy, peers) = match &s.t {
-                        Transfer::Send { peer, .. } => (&mut busy_out, vec![*peer]),
-                        Transfer::Recv { peer, .. } => (&mut busy_in, vec![*peer]),
-                        Transfer::Reduce { peers, .. } => (&mut busy_in, peers.clone()),
+                        Transfer::Send { peer, .. } => (&mut busy_out, std::slice::from_ref(peer)),
+                        Transfer::Recv { peer, .. } => (&mut busy_in, std::slice::from_ref(peer)),
+                        Transfer::Reduce { peers, .. } => (&mut busy_in, peers.as_slice()),
                     };
-                    for p in peers {
+                    for &p in peers {
                         busy[p] = true;
                     }
                 }
@@ -173,13 +176,20 @@ impl Channels {
                 idle = 0;
                 continue;
             }
+            // Spin a little, then yield (ranks often outnumber free cores: a
+            // rank that spins through its time slice keeps the peer it
+            // waits for off the CPU), then, after a few idle milliseconds,
+            // sleep in short steps.
             idle += 1;
-            if idle < 2000 {
+            if idle == 1 {
+                idle_since = Instant::now();
+            }
+            if idle < 64 {
                 std::hint::spin_loop();
-            } else if idle < 2100 {
+            } else if idle_since.elapsed() < Duration::from_millis(5) {
                 std::thread::yield_now();
             } else {
-                std::thread::sleep(Duration::from_micros(if idle < 3000 { 20 } else { 200 }));
+                std::thread::sleep(Duration::from_micros(50));
             }
             if idle.is_multiple_of(64) && start.elapsed() >= timeout {
                 return Err(self.timeout(op, seq, &st, timeout));

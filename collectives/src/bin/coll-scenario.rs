@@ -42,6 +42,7 @@ fn main() {
         Some("all") => all(),
         Some("mismatch") => mismatch(),
         Some("killed") => killed(),
+        Some("time") => time(&args[1..]),
         other => Err(format!("unknown scenario {other:?}")),
     };
     match r {
@@ -305,4 +306,39 @@ fn killed() -> R {
     println!("killed error after {:?}: {msg}", t0.elapsed());
     ensure(msg.contains("all_reduce") && msg.contains('1'), || msg.clone())?;
     ensure(t0.elapsed() < Duration::from_secs(15), || format!("took {:?}", t0.elapsed()))
+}
+
+/// Not a test: `time OP ALGO SIZES...` prints the mean time of `OP`
+/// (all_reduce f32 SUM, all_gather, all_to_all) per size in bytes, after
+/// warm-up, on rank 0 (a quick look; rdma_bench is the benchmark).
+fn time(args: &[String]) -> R {
+    let (op, algo) = (args[0].as_str(), args[1].as_str());
+    let mut c = new_comm("rdma", opts().slot_bytes(1 << 20).hint("rmacomm::algo", algo)).map_err(s)?;
+    let n = c.size();
+    for size in args[2..].iter().map(|a| a.parse::<usize>().expect("size")) {
+        let iters = (200_000_000 / size.max(4096)).clamp(5, 2000);
+        let mut buf = full(DType::F32, size / 4, 1.0);
+        let mut out = vec![0u8; size * n];
+        let mut run = |c: &mut Comm| -> R {
+            match op {
+                "all_reduce" => c.all_reduce(&mut buf, DType::F32, ReduceOp::Sum).map_err(s),
+                "all_gather" => c.all_gather_single(&mut out, &buf).map_err(s),
+                "all_to_all" => c.all_to_all_single(&mut out[..size], &buf).map_err(s),
+                _ => Err(format!("unknown op {op}")),
+            }
+        };
+        for _ in 0..iters.min(20) {
+            run(&mut c)?;
+        }
+        c.barrier().map_err(s)?;
+        let t0 = Instant::now();
+        for _ in 0..iters {
+            run(&mut c)?;
+        }
+        let per = t0.elapsed() / iters as u32;
+        if c.rank() == 0 {
+            println!("{op} {algo} {n} ranks {size} B: {per:?}");
+        }
+    }
+    c.finalize().map_err(s)
 }

@@ -28,6 +28,8 @@ pub(crate) struct PeerRegion {
     pub(crate) len: usize,
     pub(crate) rkey: u32,
     pub(crate) addr: u64,
+    /// Set once the owner's key was seen to allow remote atomics.
+    atomics_ok: std::sync::atomic::AtomicBool,
 }
 
 impl PeerRegion {
@@ -52,7 +54,15 @@ impl PeerRegion {
             match d {
                 Direct::Ptr(p, held) => {
                     let Some(map) = held.mapping() else { return Ok(None) };
-                    return Ok(Some(PeerRegion { target, map, base: p, len: len as usize, rkey, addr }));
+                    return Ok(Some(PeerRegion {
+                        target,
+                        map,
+                        base: p,
+                        len: len as usize,
+                        rkey,
+                        addr,
+                        atomics_ok: Default::default(),
+                    }));
                 }
                 Direct::Unmapped(uid) if !asked => {
                     asked = true;
@@ -118,9 +128,25 @@ impl PeerRegion {
     }
 
     /// The address of the `size`-byte word at `offset`, aligned and inside
-    /// the region, registered for remote atomics.
+    /// the region, registered for remote atomics. The key is checked on the
+    /// first call only: a word handed out stays in our mapping whatever the
+    /// owner does later (atomics on it are memory-safe; what the owner no
+    /// longer registers it no longer reads), so signals pay no key lookup.
     pub(crate) fn word(&self, op: &'static str, offset: usize, size: usize) -> Result<usize> {
-        let (p, _held) = self.check(op, offset, size, AccessFlags::REMOTE_ATOMIC)?;
+        use std::sync::atomic::Ordering;
+        let p = if self.atomics_ok.load(Ordering::Relaxed) {
+            if offset.checked_add(size).is_none_or(|e| e > self.len) {
+                return Err(Error::invalid(
+                    op,
+                    format!("{offset}+{size} is outside the mapped region of {} bytes (key {:#x})", self.len, self.rkey),
+                ));
+            }
+            self.base + offset
+        } else {
+            let (p, _held) = self.check(op, offset, size, AccessFlags::REMOTE_ATOMIC)?;
+            self.atomics_ok.store(true, Ordering::Relaxed);
+            p
+        };
         if !p.is_multiple_of(size) {
             return Err(Error::invalid(op, format!("offset {offset} is not {size}-byte aligned in the peer's region")));
         }
