@@ -1,5 +1,17 @@
-//! rmacomm kernels: reductions for every op and dtype.
+//! rmacomm kernels: the CPU reductions the collectives call, for every op
+//! and dtype.
 //!
-//! It will hold vectorised CPU reductions (SUM, PRODUCT, MIN, MAX, bitwise, AVG, PREMUL_SUM over f32, f64, f16, bf16, i8, u8, i32, i64) and CUDA kernels compiled with NVRTC. Nothing is implemented yet.
+//! (The kernels and their docs come in the next commits.)
 
-#![forbid(unsafe_code)]
+mod device;
+mod dtype;
+mod element;
+mod error;
+mod op;
+
+pub use device::Device;
+pub use dtype::DType;
+pub use element::{as_bytes, as_bytes_mut, Element};
+pub use error::{Error, Result};
+pub use half;
+pub use op::ReduceOp;

@@ -1,0 +1,3 @@
+//! Reduction throughput (placeholder until the bench lands).
+
+fn main() {}
