@@ -3,16 +3,16 @@
 
 use std::fmt;
 
-/// The memory and compute a `Reducer` works on.
+/// The memory and compute a [`Reducer`](crate::Reducer) works on.
 ///
-/// `Reducer::on` with anything but [`Device::Cpu`]
+/// [`Reducer::on`](crate::Reducer::on) with anything but [`Device::Cpu`]
 /// returns [`Error::DeviceUnavailable`](crate::Error::DeviceUnavailable) in
 /// this build.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 #[non_exhaustive]
 pub enum Device {
     /// Host memory, reduced by the calling thread (and helper threads for
-    /// large buffers, see `Reducer::threads`).
+    /// large buffers, see [`Reducer::threads`](crate::Reducer::threads)).
     #[default]
     Cpu,
     /// A CUDA device by ordinal (kernels compiled with NVRTC; not built yet).

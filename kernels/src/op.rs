@@ -20,8 +20,10 @@ use crate::{DType, Error};
 /// | `Avg` | combined as `Sum`; the finishing step divides by n, truncating toward zero (torch's integer division) | combined as `Sum`; finishing divides by n |
 /// | `PremulSum(f)` | each *input* is multiplied by `f` (integral, wrapping) before it is summed | each input is multiplied by `f` (rounded to the dtype, `f32` for `f16`/`bf16`) before it is summed |
 ///
-/// `Avg` and `PremulSum` need a step outside the combine (the reducer's
-/// `prepare`, `finish`, and `reduce_full` which fuses both).
+/// `Avg` and `PremulSum` need a step outside the combine: see
+/// [`Reducer::prepare`](crate::Reducer::prepare),
+/// [`Reducer::finish`](crate::Reducer::finish) and
+/// [`Reducer::reduce_full`](crate::Reducer::reduce_full), which fuses both.
 #[derive(Debug, Clone, Copy, PartialEq)]
 #[non_exhaustive]
 pub enum ReduceOp {
