@@ -1,10 +1,12 @@
 //! [`Kernels`]: the monomorphised functions of one (dtype, op), chosen once
 //! when a [`Reducer`](crate::Reducer) is built, so that a call dispatches
 //! through one function pointer and no element ever branches on the op.
+//! The instruction set (the AVX2 copy of the native kernels, where the CPU
+//! has it) is chosen here too.
 
 use std::ops::Range;
 
-use crate::arith::{Band, Bits, Bor, Bxor, DivBy, Id, Max, Min, Native, Params, Prod, Scale, Sum};
+use crate::arith::{Band, Bits, Bor, Bxor, DivBy, Id, Map, Max, Min, Native, Op, Params, Prod, Scale, Sum};
 use crate::halfs::{self, Half, BF16, F16};
 use crate::{native, DType, ReduceOp};
 
@@ -33,44 +35,95 @@ pub(crate) struct Kernels {
 
 impl Kernels {
     /// The kernels for `op` on `dtype`; `op.check(dtype)` must have passed.
-    pub(crate) fn select(dtype: DType, op: ReduceOp) -> Kernels {
-        match dtype {
-            DType::F32 => arithmetic::<f32>(op),
-            DType::F64 => arithmetic::<f64>(op),
-            DType::I8 => integer::<i8>(op),
-            DType::U8 => integer::<u8>(op),
-            DType::I32 => integer::<i32>(op),
-            DType::I64 => integer::<i64>(op),
-            DType::F16 => half::<F16>(op),
-            DType::BF16 => half::<BF16>(op),
+    /// With `avx2`, the AVX2 copy of the native kernels if this CPU has
+    /// AVX2 (detected at run time); else the baseline copy.
+    pub(crate) fn select(dtype: DType, op: ReduceOp, avx2: bool) -> Kernels {
+        #[cfg(target_arch = "x86_64")]
+        if avx2 && std::arch::is_x86_feature_detected!("avx2") {
+            return select_for::<Avx2>(dtype, op);
         }
+        let _ = avx2;
+        select_for::<Baseline>(dtype, op)
     }
 }
 
-fn integer<T: Bits>(op: ReduceOp) -> Kernels {
-    match op {
-        ReduceOp::Band => plain::<T, Band>(),
-        ReduceOp::Bor => plain::<T, Bor>(),
-        ReduceOp::Bxor => plain::<T, Bxor>(),
-        op => arithmetic::<T>(op),
+fn select_for<I: Isa>(dtype: DType, op: ReduceOp) -> Kernels {
+    match dtype {
+        DType::F32 => arithmetic::<I, f32>(op),
+        DType::F64 => arithmetic::<I, f64>(op),
+        DType::I8 => integer::<I, i8>(op),
+        DType::U8 => integer::<I, u8>(op),
+        DType::I32 => integer::<I, i32>(op),
+        DType::I64 => integer::<I, i64>(op),
+        DType::F16 => half::<F16>(op),
+        DType::BF16 => half::<BF16>(op),
     }
 }
 
-fn arithmetic<T: Native>(op: ReduceOp) -> Kernels {
+/// One compiled copy of the native kernels.
+trait Isa {
+    fn inplace<T: Native, O: Op<T>>() -> InplaceFn;
+    fn reduce<T: Native, O: Op<T>, P: Map<T>, Q: Map<T>>() -> ReduceFn;
+    fn map<T: Native, M: Map<T>>() -> MapFn;
+}
+
+/// The copy compiled for the baseline target.
+struct Baseline;
+
+impl Isa for Baseline {
+    fn inplace<T: Native, O: Op<T>>() -> InplaceFn {
+        native::baseline::inplace::<T, O>
+    }
+    fn reduce<T: Native, O: Op<T>, P: Map<T>, Q: Map<T>>() -> ReduceFn {
+        native::baseline::reduce::<T, O, P, Q>
+    }
+    fn map<T: Native, M: Map<T>>() -> MapFn {
+        native::baseline::map::<T, M>
+    }
+}
+
+/// The AVX2 copy: only selected after `is_x86_feature_detected!("avx2")`,
+/// which is what makes calling these `#[target_feature]` functions sound.
+#[cfg(target_arch = "x86_64")]
+struct Avx2;
+
+#[cfg(target_arch = "x86_64")]
+impl Isa for Avx2 {
+    fn inplace<T: Native, O: Op<T>>() -> InplaceFn {
+        native::avx2::inplace::<T, O>
+    }
+    fn reduce<T: Native, O: Op<T>, P: Map<T>, Q: Map<T>>() -> ReduceFn {
+        native::avx2::reduce::<T, O, P, Q>
+    }
+    fn map<T: Native, M: Map<T>>() -> MapFn {
+        native::avx2::map::<T, M>
+    }
+}
+
+fn integer<I: Isa, T: Bits>(op: ReduceOp) -> Kernels {
     match op {
-        ReduceOp::Sum => plain::<T, Sum>(),
-        ReduceOp::Product => plain::<T, Prod>(),
-        ReduceOp::Min => plain::<T, Min>(),
-        ReduceOp::Max => plain::<T, Max>(),
+        ReduceOp::Band => plain::<I, T, Band>(),
+        ReduceOp::Bor => plain::<I, T, Bor>(),
+        ReduceOp::Bxor => plain::<I, T, Bxor>(),
+        op => arithmetic::<I, T>(op),
+    }
+}
+
+fn arithmetic<I: Isa, T: Native>(op: ReduceOp) -> Kernels {
+    match op {
+        ReduceOp::Sum => plain::<I, T, Sum>(),
+        ReduceOp::Product => plain::<I, T, Prod>(),
+        ReduceOp::Min => plain::<I, T, Min>(),
+        ReduceOp::Max => plain::<I, T, Max>(),
         ReduceOp::Avg => Kernels {
-            full: native::reduce::<T, Sum, Id, DivBy<T>>,
-            finish: Some(native::map::<T, DivBy<T>>),
-            ..plain::<T, Sum>()
+            full: I::reduce::<T, Sum, Id, DivBy<T>>(),
+            finish: Some(I::map::<T, DivBy<T>>()),
+            ..plain::<I, T, Sum>()
         },
         ReduceOp::PremulSum(_) => Kernels {
-            full: native::reduce::<T, Sum, Scale<T>, Id>,
-            prepare: Some(native::map::<T, Scale<T>>),
-            ..plain::<T, Sum>()
+            full: I::reduce::<T, Sum, Scale<T>, Id>(),
+            prepare: Some(I::map::<T, Scale<T>>()),
+            ..plain::<I, T, Sum>()
         },
         ReduceOp::Band | ReduceOp::Bor | ReduceOp::Bxor => {
             unreachable!("ReduceOp::check refuses bitwise ops on float dtypes")
@@ -78,18 +131,18 @@ fn arithmetic<T: Native>(op: ReduceOp) -> Kernels {
     }
 }
 
-fn plain<T: Native, O: crate::arith::Op<T>>() -> Kernels {
+fn plain<I: Isa, T: Native, O: Op<T>>() -> Kernels {
     Kernels {
-        inplace: native::inplace::<T, O>,
-        combine: native::reduce::<T, O, Id, Id>,
-        full: native::reduce::<T, O, Id, Id>,
+        inplace: I::inplace::<T, O>(),
+        combine: I::reduce::<T, O, Id, Id>(),
+        full: I::reduce::<T, O, Id, Id>(),
         prepare: None,
         finish: None,
     }
 }
 
 fn half<H: Half>(op: ReduceOp) -> Kernels {
-    fn plain<H: Half, O: crate::arith::Op<f32>>() -> Kernels {
+    fn plain<H: Half, O: Op<f32>>() -> Kernels {
         Kernels {
             inplace: halfs::inplace::<H, O>,
             combine: halfs::reduce::<H, O, Id, Id>,

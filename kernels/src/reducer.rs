@@ -60,6 +60,7 @@ pub struct Reducer {
     kernels: Kernels,
     threads: usize,
     nontemporal: bool,
+    avx2: bool,
 }
 
 impl Reducer {
@@ -84,9 +85,10 @@ impl Reducer {
             device,
             dtype,
             op,
-            kernels: Kernels::select(dtype, op),
+            kernels: Kernels::select(dtype, op, true),
             threads: parallel::default_threads(),
             nontemporal: false,
+            avx2: true,
         })
     }
 
@@ -111,6 +113,17 @@ impl Reducer {
     /// destination anyway and store ordinarily.
     pub fn nontemporal(mut self, on: bool) -> Self {
         self.nontemporal = on;
+        self
+    }
+
+    /// Whether to use the AVX2 copy of the kernels where the CPU has it
+    /// (detected at run time; the default). Off, the kernels compiled for
+    /// the build's target run (SSE2 on a default x86_64 build): for
+    /// comparison and tests. No effect off x86_64, and none on `f16`/`bf16`
+    /// widening, which the `half` crate dispatches itself.
+    pub fn avx2(mut self, on: bool) -> Self {
+        self.avx2 = on;
+        self.kernels = Kernels::select(self.dtype, self.op, on);
         self
     }
 

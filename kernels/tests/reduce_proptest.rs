@@ -1,6 +1,7 @@
 //! Random inputs (any bytes: every NaN payload, subnormal and extreme
-//! integer), random op, dtype, input count, length and misalignment: every
-//! entry point equals the scalar reference.
+//! integer), random op, dtype, input count (1 to 8), length, misalignment
+//! and kernel copy (AVX2 or baseline): every entry point equals the scalar
+//! reference.
 
 mod reference;
 
@@ -9,16 +10,18 @@ use proptest::test_runner::FileFailurePersistence;
 use reference::assert_same;
 use rmacomm_kernels::{DType, ReduceOp, Reducer};
 
-/// A case: dtype, op, the inputs' bytes (1 to 5 of them, equal lengths) and
-/// a byte offset for the output buffer.
-fn case() -> impl Strategy<Value = (DType, ReduceOp, Vec<Vec<u8>>, usize)> {
-    (0..DType::ALL.len(), 0..10usize, 1..=5usize, 0..1100usize, 0..8usize).prop_flat_map(|(d, o, n, len, offset)| {
-        let dtype = DType::ALL[d];
-        let ops = reference::ops_for(dtype);
-        let op = ops[o % ops.len()];
-        let input = proptest::collection::vec(any::<u8>(), len * dtype.size());
-        (Just(dtype), Just(op), proptest::collection::vec(input, n), Just(offset))
-    })
+/// A case: dtype, op, the inputs' bytes (1 to 8 of them, equal lengths), a
+/// byte offset for the output buffer, and whether to use the AVX2 kernels.
+fn case() -> impl Strategy<Value = (DType, ReduceOp, Vec<Vec<u8>>, usize, bool)> {
+    (0..DType::ALL.len(), 0..10usize, 1..=8usize, 0..1100usize, 0..8usize, any::<bool>()).prop_flat_map(
+        |(d, o, n, len, offset, avx2)| {
+            let dtype = DType::ALL[d];
+            let ops = reference::ops_for(dtype);
+            let op = ops[o % ops.len()];
+            let input = proptest::collection::vec(any::<u8>(), len * dtype.size());
+            (Just(dtype), Just(op), proptest::collection::vec(input, n), Just(offset), Just(avx2))
+        },
+    )
 }
 
 fn misaligned(data: &[u8], offset: usize) -> Vec<u8> {
@@ -37,8 +40,8 @@ proptest! {
     })]
 
     #[test]
-    fn random_inputs_match_the_scalar_reference((dtype, op, inputs, offset) in case()) {
-        let r = Reducer::new(dtype, op).unwrap();
+    fn random_inputs_match_the_scalar_reference((dtype, op, inputs, offset, avx2) in case()) {
+        let r = Reducer::new(dtype, op).unwrap().avx2(avx2);
         let views: Vec<&[u8]> = inputs.iter().map(Vec::as_slice).collect();
         let len = inputs[0].len();
         let mut out = vec![0u8; offset + len];
