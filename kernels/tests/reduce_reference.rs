@@ -238,26 +238,30 @@ fn large(dtype: DType, bytes: usize, seed: u64) -> Vec<u8> {
 fn nontemporal_path_matches_the_plain_path() {
     for dtype in [DType::F32, DType::BF16, DType::I8, DType::F64] {
         for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Avg] {
-            let len = (3 << 20) / 2 + 3 * 8; // 1.5 MiB + a bit: above NONTEMPORAL_MIN_BYTES, not 16-aligned
-            let ins: Vec<Vec<u8>> = (0..3).map(|k| large(dtype, len, k)).collect();
-            let views: Vec<&[u8]> = ins.iter().map(Vec::as_slice).collect();
             let plain = Reducer::new(dtype, op).unwrap().threads(1);
-            let nt = plain.clone().nontemporal(true);
-            for n in [1, 2, 3] {
-                for offset in [0, 1, 8] {
-                    let mut want = vec![0u8; len];
-                    plain.reduce_full(&mut want, &views[..n]).unwrap();
-                    let mut got = vec![0u8; len + offset];
-                    nt.reduce_full(&mut got[offset..], &views[..n]).unwrap();
-                    assert_same(dtype, &got[offset..], &want, &format!("nt reduce_full {op} {dtype} n {n} +{offset}"));
-                    nt.reduce_n(&mut got[offset..], &views[..n]).unwrap();
-                    plain.reduce_n(&mut want, &views[..n]).unwrap();
-                    assert_same(dtype, &got[offset..], &want, &format!("nt reduce_n {op} {dtype} n {n} +{offset}"));
+            // Every output streams (the default threshold is 32 MiB).
+            let nt = plain.clone().nontemporal(true).nontemporal_min_bytes(0);
+            // Small, odd, and 300 KiB + a bit; none a multiple of 16 bytes.
+            for len in [3 * 8, 1037 * 8, (300 << 10) + 3 * 8] {
+                let ins: Vec<Vec<u8>> = (0..5).map(|k| large(dtype, len, k)).collect();
+                let views: Vec<&[u8]> = ins.iter().map(Vec::as_slice).collect();
+                for n in 1..=5 {
+                    for offset in [0, 1, 8] {
+                        let what = |call: &str| format!("nt {call} {op} {dtype} len {len} n {n} +{offset}");
+                        let mut want = vec![0u8; len];
+                        let mut got = vec![0u8; len + offset];
+                        plain.reduce_full(&mut want, &views[..n]).unwrap();
+                        nt.reduce_full(&mut got[offset..], &views[..n]).unwrap();
+                        assert_same(dtype, &got[offset..], &want, &what("reduce_full"));
+                        plain.reduce_n(&mut want, &views[..n]).unwrap();
+                        nt.reduce_n(&mut got[offset..], &views[..n]).unwrap();
+                        assert_same(dtype, &got[offset..], &want, &what("reduce_n"));
+                    }
                 }
+                let mut got = vec![0u8; len];
+                nt.reduce(&mut got, &ins[0], &ins[1]).unwrap();
+                assert_same(dtype, &got, &reference::reduce(dtype, op, &views[..2], false), "nt reduce vs reference");
             }
-            let mut got = vec![0u8; len];
-            nt.reduce(&mut got, &ins[0], &ins[1]).unwrap();
-            assert_same(dtype, &got, &reference::reduce(dtype, op, &views[..2], false), "nt reduce vs reference");
         }
     }
 }
@@ -273,7 +277,7 @@ fn multithreaded_path_matches_the_single_threaded_path() {
             for threads in [2, 3, 7] {
                 let many = one.clone().threads(threads);
                 for nt in [false, true] {
-                    let many = many.clone().nontemporal(nt);
+                    let many = many.clone().nontemporal(nt).nontemporal_min_bytes(0);
                     let what = |call: &str| format!("{call} {op} {dtype} threads {threads} nt {nt}");
                     let (mut want, mut got) = (vec![0u8; len], vec![0u8; len]);
                     one.reduce_n(&mut want, &views).unwrap();
