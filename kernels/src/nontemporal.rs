@@ -4,7 +4,7 @@
 //! Streaming stores (`movntdq`) write whole lines to memory without first
 //! reading them into the cache and without evicting what is there: for a
 //! large output nobody reads soon that saves the read-for-ownership traffic
-//! (a third of a 2-input reduction's memory traffic) and keeps the inputs'
+//! (a quarter of a 2-input reduction's memory traffic) and keeps the inputs'
 //! lines cached. They are weakly ordered, so a call that streamed ends with
 //! [`fence`] before it returns. Off x86_64 they are ordinary stores.
 

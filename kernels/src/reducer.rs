@@ -16,9 +16,10 @@ use crate::{DType, Device, Error, ReduceOp, Result};
 /// Streaming pays only once the data no longer fits the last-level cache:
 /// on this project's CI machine (AMD EPYC Zen 4 VM, 1 MiB L2 per core,
 /// 32 MiB L3) a streamed 2-input f32 sum lost to ordinary stores at 1, 2,
-/// 4 and 16 MiB outputs (down to a third of the speed at 1 MiB) and gained
-/// about a third at 64 MiB. Set the machine's own figure, ideally its L3
-/// size, with [`Reducer::nontemporal_min_bytes`].
+/// 4 and 16 MiB outputs (down to a third of the speed at 2 MiB) and gained
+/// up to a third at 64 MiB (in one run of two; the VM is shared and noisy).
+/// Set the machine's own figure, ideally its L3 size, with
+/// [`Reducer::nontemporal_min_bytes`].
 pub const NONTEMPORAL_MIN_BYTES: usize = 32 << 20;
 
 /// Outputs at least this large are split over [`Reducer::threads`] threads

@@ -402,3 +402,20 @@ fn typed_buffers_reduce_through_byte_views() {
     assert_eq!(acc, [3.0, -8.0, -0.0]);
     assert!(acc[2].is_sign_negative());
 }
+
+#[test]
+fn reducers_are_send_sync_and_cheap_to_share() {
+    fn assert_send_sync<T: Send + Sync + Clone>() {}
+    assert_send_sync::<Reducer>();
+    let r = Reducer::new(DType::I32, ReduceOp::Sum).unwrap();
+    std::thread::scope(|s| {
+        for k in 0..2i32 {
+            let r = &r;
+            s.spawn(move || {
+                let mut acc = [k; 4];
+                r.reduce_into(as_bytes_mut(&mut acc), as_bytes(&[1i32; 4])).unwrap();
+                assert_eq!(acc, [k + 1; 4]);
+            });
+        }
+    });
+}
