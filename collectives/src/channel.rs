@@ -26,15 +26,21 @@ use rmacomm_window::{Group, Window, WindowOptions};
 
 use crate::error::{Error, Result};
 
+/// How long the executor spins while nothing moves before it yields.
+const SPIN: Duration = Duration::from_micros(30);
+
 /// Slots per (source, destination) pair: chunk k+1 travels while chunk k
 /// is consumed.
 pub(crate) const DEPTH: u64 = 2;
 const HDR: usize = 32;
 const MAGIC: u32 = 0x524d_4143; // "RMAC"
 
-/// Combines one chunk of several peers' data into the output chunk (which
-/// holds this rank's own contribution): `inputs` in rank order.
-pub(crate) type Combine<'a> = &'a dyn Fn(&mut [u8], &[&[u8]]) -> Result<()>;
+/// Combines one chunk of several ranks' data into the output chunk:
+/// `inputs` are in rank order and one of them is the output itself (which
+/// holds this rank's own contribution); every input is `len` bytes. The
+/// peers' inputs point into this rank's window buffer, where nobody writes
+/// until the chunk is acknowledged (after the call).
+pub(crate) type Combine<'a> = &'a dyn Fn(*mut u8, &[*const u8], usize) -> Result<()>;
 
 /// One rank's part of a collective with one peer (or, for `Reduce`, with
 /// several).
@@ -122,7 +128,7 @@ impl Channels {
         let start = Instant::now();
         let mut idle = 0u32;
         let mut idle_since = start;
-        let mut tmp: Vec<Vec<u8>> = Vec::new();
+        let mut tmp: Vec<usize> = Vec::new();
         let n = self.size();
         let (mut busy_out, mut busy_in) = (vec![false; n], vec![false; n]);
         loop {
@@ -176,7 +182,7 @@ impl Channels {
                 idle = 0;
                 continue;
             }
-            // Spin a little, then yield (ranks often outnumber free cores: a
+            // Spin 30 µs, then yield (ranks often outnumber free cores: a
             // rank that spins through its time slice keeps the peer it
             // waits for off the CPU), then, after a few idle milliseconds,
             // sleep in short steps.
@@ -184,9 +190,10 @@ impl Channels {
             if idle == 1 {
                 idle_since = Instant::now();
             }
-            if idle < 64 {
+            let waited = if idle < 64 { Duration::ZERO } else { idle_since.elapsed() };
+            if waited < SPIN {
                 std::hint::spin_loop();
-            } else if idle_since.elapsed() < Duration::from_millis(5) {
+            } else if waited < Duration::from_millis(5) {
                 std::thread::yield_now();
             } else {
                 std::thread::sleep(Duration::from_micros(50));
@@ -343,25 +350,34 @@ impl Channels {
         out: &mut [u8],
         combine: Combine<'_>,
         k: u64,
-        tmp: &mut Vec<Vec<u8>>,
+        tmp: &mut Vec<usize>,
     ) -> Result<bool> {
         for &p in peers {
             if !self.arrived(op, p)? {
                 return Ok(false);
             }
         }
+        let me = self.win.rank();
         let from = k as usize * self.slot_bytes;
-        let own = self.win.map_remote_tensor(self.win.rank()).map_err(Error::window(op))?;
-        tmp.resize_with(peers.len(), Vec::new);
-        let mut n = 0;
-        for (i, &p) in peers.iter().enumerate() {
-            let (at, len) = self.check_header(op, code, seq, p, out.len(), k)?;
-            tmp[i].resize(len, 0);
-            own.read_into(at, &mut tmp[i]).map_err(Error::window(op))?;
-            n = len;
+        let n = out.len().saturating_sub(from).min(self.slot_bytes);
+        let own = self.win.map_remote_tensor(me).map_err(Error::window(op))?;
+        let base = own.as_ptr() as usize;
+        let outp = out[from..from + n].as_mut_ptr();
+        tmp.clear();
+        for &p in peers {
+            let (at, _) = self.check_header(op, code, seq, p, out.len(), k)?;
+            if p > me && !tmp.contains(&(outp as usize)) {
+                tmp.push(outp as usize);
+            }
+            // Inside this rank's window buffer (checked by slot_offset's
+            // layout): the chunk's data, read in place.
+            tmp.push(base + at);
         }
-        let inputs: Vec<&[u8]> = tmp[..peers.len()].iter().map(Vec::as_slice).collect();
-        combine(&mut out[from..from + n], &inputs)?;
+        if !tmp.contains(&(outp as usize)) {
+            tmp.push(outp as usize);
+        }
+        let inputs: Vec<*const u8> = tmp.iter().map(|&a| a as *const u8).collect();
+        combine(outp, &inputs, n)?;
         for &p in peers {
             self.ack(op, p)?;
         }

@@ -176,7 +176,7 @@ impl Comm {
             .unwrap_or_else(|| format!("rdma{}", NTH.fetch_add(1, std::sync::atomic::Ordering::Relaxed)));
         if let Some(a) = opts.hints.get("rmacomm::algo") {
             if AllReduceAlgo::parse(a).is_none() {
-                return Err(Error::invalid(OP, format!("hint rmacomm::algo={a:?}: use direct or ring")));
+                return Err(Error::invalid(OP, format!("hint rmacomm::algo={a:?}: use oneshot, direct or ring")));
             }
         }
         Ok(Comm { ch, group, name, timeout, hints: opts.hints.clone(), abort, opts, seq: 0, unusable: None })
@@ -280,8 +280,9 @@ impl Comm {
         Ok(())
     }
 
-    pub(crate) fn all_reduce_algo(&self, _len: usize) -> AllReduceAlgo {
-        self.hints.get("rmacomm::algo").and_then(|a| AllReduceAlgo::parse(a)).unwrap_or(AllReduceAlgo::Direct)
+    pub(crate) fn all_reduce_algo(&self, len: usize) -> AllReduceAlgo {
+        let default = if len <= crate::ops::ONESHOT_MAX { AllReduceAlgo::OneShot } else { AllReduceAlgo::Direct };
+        self.hints.get("rmacomm::algo").and_then(|a| AllReduceAlgo::parse(a)).unwrap_or(default)
     }
 
     /// Runs one collective's transfers under the next sequence number.

@@ -66,7 +66,7 @@ pub enum Error {
         op: &'static str,
         /// What the kernel said.
         #[source]
-        source: crate::kern::Error,
+        source: rmacomm_kernels::Error,
     },
     /// The communicator was finalized, or an earlier error left it unusable.
     #[error("{op}: the communicator is unusable: {reason}")]

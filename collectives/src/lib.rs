@@ -8,5 +8,5 @@ mod ops;
 
 pub use comm::{new_comm, Batch, Comm, CommOptions, DEFAULT_SLOT_BYTES};
 pub use error::{Error, Result};
-pub use kern::{DType, ReduceOp};
 pub use ops::AllReduceAlgo;
+pub use rmacomm_kernels::{self as kernels, DType, ReduceOp};

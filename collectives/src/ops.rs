@@ -48,13 +48,21 @@ pub enum AllReduceAlgo {
     /// Reduce-scatter and all-gather around the ring: 2(n - 1) steps, one
     /// peer each (the bandwidth-optimal schedule across hosts).
     Ring,
+    /// Every rank sends its whole input to every rank and reduces all of
+    /// them itself, in rank order: one step, for small messages (the
+    /// default up to 64 KiB).
+    OneShot,
 }
+
+/// Up to this size all_reduce is one-shot by default.
+pub(crate) const ONESHOT_MAX: usize = 64 << 10;
 
 impl AllReduceAlgo {
     pub(crate) fn parse(s: &str) -> Option<Self> {
         match s {
             "direct" => Some(AllReduceAlgo::Direct),
             "ring" => Some(AllReduceAlgo::Ring),
+            "oneshot" => Some(AllReduceAlgo::OneShot),
             _ => None,
         }
     }
@@ -101,20 +109,26 @@ fn check_dtype(op: &'static str, buf_len: usize, dtype: DType) -> Result<()> {
 impl Comm {
     /// Combines the inputs into `out` (which holds this rank's part) with
     /// `op`, as a kernel call.
-    fn combiner(op_name: &'static str, dtype: DType, op: ReduceOp) -> impl Fn(&mut [u8], &[&[u8]]) -> Result<()> {
-        move |out: &mut [u8], inputs: &[&[u8]]| {
-            for input in inputs {
-                rmacomm_kernels::reduce_into(dtype, op, out, input)
-                    .map_err(|source| Error::Kernel { op: op_name, source })?;
-            }
-            Ok(())
-        }
+    fn combiner(
+        op_name: &'static str,
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<impl Fn(*mut u8, &[*const u8], usize) -> Result<()>> {
+        let r = rmacomm_kernels::reducer(dtype, op).map_err(|source| Error::Kernel { op: op_name, source })?;
+        Ok(move |out: *mut u8, inputs: &[*const u8], len: usize| {
+            // SAFETY: the executor's contract for `Combine` (channel.rs):
+            // `out` is an exclusively borrowed output chunk, the other inputs
+            // are acknowledged-later chunks in this rank's window buffer.
+            unsafe { rmacomm_kernels::combine_raw(&r, out, inputs, len) }
+                .map_err(|source| Error::Kernel { op: op_name, source })
+        })
     }
 
     /// The reduction's last step on this rank's result (AVG divides by the
     /// world size, PREMUL_SUM multiplies by its factor).
     fn finish(op_name: &'static str, dtype: DType, op: ReduceOp, n: usize, out: &mut [u8]) -> Result<()> {
-        rmacomm_kernels::finish(dtype, op, n, out).map_err(|source| Error::Kernel { op: op_name, source })
+        let r = rmacomm_kernels::reducer(dtype, op).map_err(|source| Error::Kernel { op: op_name, source })?;
+        rmacomm_kernels::finish(&r, n, out).map_err(|source| Error::Kernel { op: op_name, source })
     }
 
     /// Reduce-scatter with arbitrary blocks: rank j ends with the reduction
@@ -133,7 +147,7 @@ impl Comm {
         let (me, n) = (self.rank(), self.size());
         let mine = blocks[me];
         out[..mine.1].copy_from_slice(&input[mine.0..mine.0 + mine.1]);
-        let combine = Self::combiner(name, dtype, op);
+        let combine = Self::combiner(name, dtype, op)?;
         let mut transfers: Vec<Transfer<'_>> = Vec::with_capacity(n);
         for (p, &(at, len)) in blocks.iter().enumerate() {
             if p != me {
@@ -200,6 +214,19 @@ impl Comm {
         let blocks = blocks(buf.len(), n, dtype.size());
         match self.all_reduce_algo(buf.len()) {
             AllReduceAlgo::Ring => self.all_reduce_ring(buf, &blocks, dtype, op),
+            AllReduceAlgo::OneShot => {
+                let input = buf.to_vec();
+                let combine = Self::combiner(OP, dtype, op)?;
+                let me = self.rank();
+                let mut transfers: Vec<Transfer<'_>> =
+                    (0..n).filter(|&p| p != me).map(|p| Transfer::Send { peer: p, data: &input }).collect();
+                let peers: Vec<usize> = (0..n).filter(|&p| p != me).collect();
+                if !peers.is_empty() {
+                    transfers.push(Transfer::Reduce { peers, out: &mut *buf, combine: &combine });
+                }
+                self.exchange(OP, ALL_REDUCE, transfers)?;
+                Self::finish(OP, dtype, op, n, buf)
+            }
             AllReduceAlgo::Direct => {
                 let (at, len) = blocks[self.rank()];
                 let mut mine = vec![0u8; len];
@@ -219,7 +246,7 @@ impl Comm {
         const OP: &str = "all_reduce";
         let (me, n) = (self.rank(), self.size());
         let (right, left) = ((me + 1) % n, (me + n - 1) % n);
-        let combine = Self::combiner(OP, dtype, op);
+        let combine = Self::combiner(OP, dtype, op)?;
         for step in 0..n.saturating_sub(1) {
             let send = (me + 2 * n - 1 - step) % n;
             let recv = (me + 2 * n - 2 - step) % n;
@@ -273,7 +300,7 @@ impl Comm {
             let data: &[u8] = buf;
             return self.exchange(OP, REDUCE, vec![Transfer::Send { peer: root, data }]);
         }
-        let combine = Self::combiner(OP, dtype, op);
+        let combine = Self::combiner(OP, dtype, op)?;
         let peers: Vec<usize> = (0..n).filter(|&p| p != me).collect();
         let transfers =
             if peers.is_empty() { vec![] } else { vec![Transfer::Reduce { peers, out: &mut *buf, combine: &combine }] };
@@ -356,7 +383,7 @@ impl Comm {
         check_dtype(OP, output.len(), dtype)?;
         rmacomm_kernels::check(dtype, op).map_err(|source| Error::Kernel { op: OP, source })?;
         output.copy_from_slice(inputs[me]);
-        let combine = Self::combiner(OP, dtype, op);
+        let combine = Self::combiner(OP, dtype, op)?;
         let mut transfers: Vec<Transfer<'_>> = Vec::with_capacity(n);
         for (p, data) in inputs.iter().enumerate() {
             if p != me {

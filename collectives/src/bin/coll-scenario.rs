@@ -63,6 +63,9 @@ fn full(dtype: DType, count: usize, v: f64) -> Vec<u8> {
         DType::I64 => (v as i64).to_le_bytes().to_vec(),
         DType::I8 => vec![v as i8 as u8],
         DType::U8 => vec![v as u8],
+        DType::F16 => rmacomm_kernels::half::f16::from_f64(v).to_le_bytes().to_vec(),
+        DType::BF16 => rmacomm_kernels::half::bf16::from_f64(v).to_le_bytes().to_vec(),
+        other => unreachable!("{other:?}"),
     };
     one.repeat(count)
 }
@@ -80,13 +83,15 @@ fn check_full(what: &str, buf: &[u8], dtype: DType, v: f64) -> R {
 fn all() -> R {
     let mut direct = new_comm("rdma", opts()).map_err(s)?;
     let mut ring = new_comm("rdma", opts().hint("rmacomm::algo", "ring")).map_err(s)?;
+    let mut oneshot = new_comm("rdma", opts().hint("rmacomm::algo", "oneshot")).map_err(s)?;
+    let mut twoshot = new_comm("rdma", opts().hint("rmacomm::algo", "direct")).map_err(s)?;
     let (rank, n) = (direct.rank(), direct.size());
     let nf = n as f64;
     let counts = [0usize, 4, 1024, 1 << 20];
     let dtypes = [DType::F32, DType::I32, DType::I8];
     // all_reduce: SUM = n(n+1)/2, MAX = n, AVG = (n+1)/2 (integers truncate
     // the average), both algorithms.
-    for c in [&mut direct, &mut ring] {
+    for c in [&mut direct, &mut ring, &mut oneshot, &mut twoshot] {
         for &count in &counts {
             for &dt in &dtypes {
                 for (op, want) in [
@@ -100,6 +105,15 @@ fn all() -> R {
                 }
             }
         }
+    }
+    // Every element type, SUM and MAX.
+    for dt in rmacomm_collectives::DType::ALL {
+        let mut buf = full(dt, 333, rank as f64 + 1.0);
+        direct.all_reduce(&mut buf, dt, ReduceOp::Sum).map_err(|e| format!("{dt:?}: {e}"))?;
+        check_full("all_reduce every dtype", &buf, dt, nf * (nf + 1.0) / 2.0)?;
+        let mut buf = full(dt, 333, rank as f64 + 1.0);
+        ring.all_reduce(&mut buf, dt, ReduceOp::Max).map_err(|e| format!("{dt:?}: {e}"))?;
+        check_full("all_reduce every dtype", &buf, dt, nf)?;
     }
     // PREMUL_SUM(2) = n(n+1); PRODUCT, MIN, and the bitwise ops on integers.
     for dt in [DType::F32, DType::I32, DType::I64, DType::F64] {

@@ -138,7 +138,10 @@ impl PeerRegion {
             if offset.checked_add(size).is_none_or(|e| e > self.len) {
                 return Err(Error::invalid(
                     op,
-                    format!("{offset}+{size} is outside the mapped region of {} bytes (key {:#x})", self.len, self.rkey),
+                    format!(
+                        "{offset}+{size} is outside the mapped region of {} bytes (key {:#x})",
+                        self.len, self.rkey
+                    ),
                 ));
             }
             self.base + offset
