@@ -139,9 +139,10 @@ pub struct BenchArgs {
     /// Sweep sizes: powers of two from --min to --max.
     #[arg(short = 'a', long)]
     pub all: bool,
-    /// Smallest size of a sweep.
-    #[arg(long, value_parser = size_arg, default_value = "2")]
-    pub min: u64,
+    /// Smallest size of a sweep [default: 2; 64K for put and get, whose
+    /// sweep is 64 KiB … 256 MiB].
+    #[arg(long, value_parser = size_arg)]
+    pub min: Option<u64>,
     /// Largest size of a sweep.
     #[arg(long, value_parser = size_arg, default_value = "256M")]
     pub max: u64,

@@ -171,7 +171,10 @@ fn engine_for(op: Op, hello: &Hello, origin: &str, ib_dev: Option<&str>, role: R
 /// The sizes a run measures.
 fn sizes(op: Op, a: &BenchArgs) -> Result<Vec<u64>> {
     let v = if a.all {
-        sweep_sizes(a.min, a.max)
+        // Window bandwidth sweeps start where bandwidth matters; small puts
+        // are put_lat's.
+        let min = a.min.unwrap_or(if op.window() && op.kind() == Kind::Bandwidth { 64 << 10 } else { 2 });
+        sweep_sizes(min, a.max)
     } else {
         vec![a.size.unwrap_or(if op.kind() == Kind::Latency { 2 } else { 65536 })]
     };

@@ -157,6 +157,11 @@ fn local_window_put_get_and_put_lat() {
     check_bw_table(&out, "32768", "60");
     assert!(out.contains("(bidirectional)"), "{out}");
     check_bw_table(&ok(&["get", "-b", "-s", "32K", "-n", "30"]), "32768", "60");
+    // A window bandwidth sweep starts at 64 KiB unless --min says otherwise.
+    let out = ok(&["put", "-a", "--max", "128K", "-n", "10", "--json"]);
+    let sizes: Vec<u64> =
+        out.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["bytes"].as_u64().unwrap()).collect();
+    assert_eq!(sizes, [65536, 131072], "{out}");
 }
 
 #[test]
