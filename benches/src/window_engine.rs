@@ -143,7 +143,10 @@ impl Engine for WindowEngine {
             }
         };
         let group = Group::with_options(rank, 2, store, GroupOptions::new().timeout(OP_TIMEOUT))?;
-        let mut win = Window::new(&group, WindowOptions::new().timeout(OP_TIMEOUT).transport(self.tc.clone()))?;
+        // A UNIFIED wait_signal spins as long as the transport's waits do
+        // (`--busy-poll-us`; latency tests spin, bandwidth tests sleep).
+        let opts = WindowOptions::new().timeout(OP_TIMEOUT).transport(self.tc.clone()).spin(self.cfg.busy_poll);
+        let mut win = Window::new(&group, opts)?;
         let mem = self.mem.take().ok_or_else(|| BenchError::run("connected twice"))?;
         win.tensor_register(mem, 1)?;
         self.conn = Some(Connected { win, _group: group });
