@@ -3,10 +3,12 @@
 # (rmacomm / peer; for latency peer / rmacomm, so > 1 always means rmacomm
 # is better):
 #   single-thread memcpy, iperf3 on loopback, UCX ucx_perftest (ucp_put_bw /
-#   ucp_put_lat over shared memory with UCX_TLS=posix,cma; uct put_bw over
-#   tcp), Open MPI MPI_Put + MPI_Win_flush (benches/peers/mpi_put.c; osc sm
-#   and osc ucx over tcp), perftest ib_write_bw / ib_write_lat when an HCA
-#   exists.
+#   ucp_put_lat / ucp_get over shared memory with UCX_TLS=posix,cma; uct
+#   put_bw over tcp), Open MPI MPI_Put / MPI_Get + MPI_Win_flush
+#   (benches/peers/mpi_put.c; osc sm and osc ucx over tcp), perftest
+#   ib_write_bw / ib_write_lat when an HCA exists.
+# rmacomm rows: the transport (write, write_lat), the raw virtual QP
+# (verbs_write, verbs_write_lat) and the window (put, put_lat, get).
 # Usage: benches/compare.sh [--quick] [--json FILE]
 # As root it installs the missing peers from Debian's packages; otherwise it
 # skips each missing peer and names it.
@@ -55,12 +57,13 @@ bw_sizes="65536 1048576 16777216 268435456"
 lat_n=$([ $quick = 1 ] && echo 2000 || echo 20000)
 max=$(echo $bw_sizes | tr ' ' '\n' | tail -1)
 for link in shm tcp; do
-  for op in write verbs_write; do
+  for op in write verbs_write put get; do
     log "rdma_bench $op over $link"
     "$rb" $op -a --min 64K --max "$max" --link $link --json >>"$res" || { log "rdma_bench $op failed"; exit 1; }
   done
   "$rb" write_lat -s 8 -n "$lat_n" --link $link --json >>"$res" || exit 1
   "$rb" verbs_write_lat -s 8 -n "$lat_n" --link $link --json >>"$res" || exit 1
+  "$rb" put_lat -s 8 -n "$lat_n" --link $link --json >>"$res" || exit 1
 done
 hca=0
 if "$rb" write --provider verbs -s 8 -n 2 >/dev/null 2>&1; then hca=1; fi
@@ -109,6 +112,7 @@ if command -v ucx_perftest >/dev/null; then
   ucx "ucx ucp_put_lat (posix,cma)" shm "UCX_TLS=posix,cma" ucp_put_lat 8 "$lat_n" >>"$res"
   for s in $bw_sizes; do
     ucx "ucx ucp_put_bw (posix,cma)" shm "UCX_TLS=posix,cma" ucp_put_bw "$s" $(( 2000000000 / s / 2 + 10 )) >>"$res"
+    ucx "ucx ucp_get (posix,cma)" shm "UCX_TLS=posix,cma" ucp_get "$s" $(( 2000000000 / s / 2 + 10 )) >>"$res"
   done
   for s in 65536 1048576 16777216; do
     ucx "ucx uct put_bw (tcp, zcopy)" tcp "" put_bw "$s" $(( 500000000 / s + 10 )) -x tcp -d lo -D zcopy >>"$res"
@@ -170,18 +174,28 @@ def size_name(n):
             return "%d %s" % (n // u, s)
     return "%d B" % n
 
+# Which rmacomm ops each peer figure is set beside: reads (gets) beside
+# reads and the memcpy ceiling, writes (puts) beside everything else.
+GETS = ("ucp_get", "get_flush", "get")
+def bw_ops(p):
+    if p.get("test") in GETS:
+        return ("get",)
+    if p["peer"] == "memcpy":
+        return ("write", "verbs_write", "put", "get")
+    return ("write", "verbs_write", "put")
+
 out = []
 for p in peers:
     link, size = p.get("link"), p["bytes"]
     if p.get("GBps") and p.get("test") != "lat" and size >= 65536:
-        for op in ("write", "verbs_write"):
+        for op in bw_ops(p):
             v = mine(op, link, size, "bw_avg_MBps")
             if v is None and link == "tcp" and p["peer"] == "iperf3":
                 v = mine(op, "tcp", size, "bw_avg_MBps")
             if v is not None:
                 out.append((size, "bw GB/s", link, op, v * GB, p["peer"], p["GBps"], v * GB / p["GBps"]))
-    if p.get("lat_us") and size == 8:
-        for op in ("write_lat", "verbs_write_lat"):
+    if p.get("lat_us") and size == 8 and p.get("test") not in GETS:
+        for op in ("write_lat", "verbs_write_lat", "put_lat"):
             v = mine(op, link, 8, "t_typical_us")
             if v is not None:
                 out.append((8, "lat us", link, op, v, p["peer"], p["lat_us"], p["lat_us"] / v))
@@ -193,6 +207,8 @@ for s, fig, link, op, v, peer, pv, ratio in out:
     print("| %s | %s | %s | %s | %.3g | %s | %.3g | %.3g |" % (size_name(s), fig, link, op, v, peer, pv, ratio))
 print()
 print("ratio = rmacomm / peer for bandwidth, peer / rmacomm for latency (> 1: rmacomm is better).")
-print("rmacomm latency: median half round trip of a notifying write ping-pong; MPI put+flush latency: one")
-print("put completed by a flush (a full round trip); UCX put_lat: half round trip.")
+print("rmacomm latency: median half round trip of a notifying write ping-pong (put_lat: put + signal,")
+print("answered by wait_signal + put + signal); MPI put+flush latency: one put completed by a flush (a full")
+print("round trip); UCX put_lat: half round trip. put bandwidth includes a signal the peer answers at the")
+print("end of each batch; get and MPI get+flush read the peer's buffer; UCX ucp_get likewise.")
 PY

@@ -1,6 +1,6 @@
 //! The bootstrap connection between client and server: one TCP stream of
 //! JSON lines that carries the session settings, each side's endpoint
-//! (transport URL or virtual-QP endpoint) and buffer, the server's part of
+//! (transport URL, virtual-QP endpoint, or the window's store port) and buffer, the server's part of
 //! bidirectional and ping-pong tests, and the per-size refills and checksums.
 
 use std::io::{BufRead, BufReader, Write};
@@ -59,11 +59,15 @@ pub struct SideInfo {
     pub vqp: Option<VirtualQpEndpoint>,
     /// The registered buffer: source half, then destination half.
     pub buf: RdmaRemoteBuffer,
+    /// Window operations: the port of the server's group store (a
+    /// `TcpStore` the client joins at the server's address).
+    #[serde(default)]
+    pub store_port: Option<u16>,
 }
 
 impl std::fmt::Debug for SideInfo {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let SideInfo { provider, device, host, url, vqp, buf } = self;
+        let SideInfo { provider, device, host, url, vqp, buf, store_port } = self;
         f.debug_struct("SideInfo")
             .field("provider", provider)
             .field("device", device)
@@ -71,6 +75,7 @@ impl std::fmt::Debug for SideInfo {
             .field("url", &url.as_deref().map(rmacomm_transport::redact_url))
             .field("vqp", vqp)
             .field("buf", buf)
+            .field("store_port", store_port)
             .finish()
     }
 }
@@ -185,6 +190,12 @@ impl Control {
         serde_json::from_str(&line).map_err(|e| BenchError::Run(format!("bad bootstrap message ({what}): {e}: {line}")))
     }
 
+    /// The address of the other end, as text (for the server: where the
+    /// client dialled from).
+    pub fn peer_host(&self) -> Result<String> {
+        Ok(self.writer.peer_addr()?.ip().to_string())
+    }
+
     /// Receives a reply; a server error becomes this side's error.
     pub fn reply(&mut self, what: &str) -> Result<Reply> {
         match self.recv::<Reply>(what)? {
@@ -229,6 +240,7 @@ mod tests {
             url: Some("rmacomm://soft/eyJzZWNyZXQiOiJ0b2tlbiJ9".into()),
             vqp: None,
             buf: RdmaRemoteBuffer { addr: 0x1000, len: 64, key: 7 },
+            store_port: None,
         };
         let d = format!("{info:?}");
         assert!(d.contains("rmacomm://soft/<redacted>") && d.contains("soft0"), "{d}");

@@ -12,7 +12,7 @@ use crate::size::size_arg;
 #[command(
     name = "rdma_bench",
     version,
-    about = "perftest-style bandwidth and latency of rmacomm's layers: RdmaTransport and the raw VirtualQp",
+    about = "perftest-style bandwidth and latency of rmacomm's layers: the Window, RdmaTransport and the raw VirtualQp",
     long_about = None
 )]
 pub struct Cli {
@@ -23,13 +23,24 @@ pub struct Cli {
 
 /// The commands: one per measured operation, and helpers.
 ///
-/// Operations through the transport layer (`RdmaTransport`) and on the raw
-/// virtual QP (`ibverbx::VirtualQp`, no transport layer) sit side by side;
-/// window (`put`, `put_signal_lat`, `get`) and collective (`allreduce`,
-/// `allgather`, `alltoall`) operations join this enum when those layers
-/// exist.
+/// Operations of the one-sided window (`rmacomm_window::Window`), through
+/// the transport layer (`RdmaTransport`) and on the raw virtual QP
+/// (`ibverbx::VirtualQp`, no transport layer) sit side by side; collective
+/// (`allreduce`, `allgather`, `alltoall`) operations join this enum when
+/// that layer exists.
 #[derive(Debug, Subcommand)]
 pub enum Command {
+    /// Window put bandwidth: puts into the peer's registered tensor, each
+    /// batch (warm-up, measured part) ended by a signal the peer answers.
+    #[command(name = "put")]
+    Put(BenchArgs),
+    /// Window put latency: put + signal, answered by wait_signal + put +
+    /// signal (ping-pong), half the round trip.
+    #[command(name = "put_lat")]
+    PutLat(BenchArgs),
+    /// Window get bandwidth: gets from the peer's registered tensor.
+    #[command(name = "get")]
+    Get(BenchArgs),
     /// RDMA WRITE bandwidth through RdmaTransport.
     #[command(name = "write")]
     Write(BenchArgs),
@@ -128,9 +139,10 @@ pub struct BenchArgs {
     /// Sweep sizes: powers of two from --min to --max.
     #[arg(short = 'a', long)]
     pub all: bool,
-    /// Smallest size of a sweep.
-    #[arg(long, value_parser = size_arg, default_value = "2")]
-    pub min: u64,
+    /// Smallest size of a sweep [default: 2; 64K for put and get, whose
+    /// sweep is 64 KiB … 256 MiB].
+    #[arg(long, value_parser = size_arg)]
+    pub min: Option<u64>,
     /// Largest size of a sweep.
     #[arg(long, value_parser = size_arg, default_value = "256M")]
     pub max: u64,

@@ -43,7 +43,20 @@ pub(crate) trait Engine {
     /// What the peer needs.
     fn info(&self) -> Result<SideInfo>;
     /// Connects to the peer (both sides call it at about the same time).
-    fn connect(&mut self, peer: &SideInfo) -> Result<()>;
+    /// `peer_host`: the address of the peer's bootstrap connection (the
+    /// host the client dialled, or the address the server was dialled from).
+    fn connect(&mut self, peer: &SideInfo, peer_host: &str) -> Result<()>;
+    /// A line for the header about the data path, once connected (the
+    /// window's access type); `None` where there is nothing to say.
+    fn describe(&self) -> Option<String> {
+        None
+    }
+    /// How many times a bandwidth test in `dir` needs the peer's answer
+    /// (the server's `echo` of size 0, run alongside): the window's puts end
+    /// each batch with a signal the peer answers. 0 by default.
+    fn peer_syncs(&self, _dir: Dir) -> u64 {
+        0
+    }
     /// Runs `plan` of `size`-byte operations in `dir` with the configured
     /// depth; returns when each measured operation was posted and each
     /// completion was seen.

@@ -55,6 +55,12 @@ impl From<rmacomm_transport::TransportError> for BenchError {
     }
 }
 
+impl From<rmacomm_window::Error> for BenchError {
+    fn from(e: rmacomm_window::Error) -> Self {
+        BenchError::Run(format!("window: {e}"))
+    }
+}
+
 impl From<std::io::Error> for BenchError {
     fn from(e: std::io::Error) -> Self {
         BenchError::Run(format!("bootstrap connection: {e}"))

@@ -5,12 +5,15 @@
 //! ```text
 //! cargo run --release -p rmacomm-bench --bin rdma_bench -- write -a --local
 //! cargo run --release -p rmacomm-bench --bin rdma_bench -- verbs_write -a --link tcp --json
+//! cargo run --release -p rmacomm-bench --bin rdma_bench -- put -a --min 64K --local
 //! rdma_bench write_lat --server                 # host A: prints the port
 //! rdma_bench write_lat --client hostA:18515     # host B
 //! ```
-//! Operations through the transport (`write`, `read`, `write_lat`,
-//! `read_lat`) and on the raw virtual QP (`verbs_write`,
-//! `verbs_write_lat`, `verbs_read`) print perftest's tables; every run
+//! Operations of the window (`put`, `put_lat`, `get`: two ranks of an
+//! `rmacomm_window::Group`, the server rank 0 hosting its `TcpStore`),
+//! through the transport (`write`, `read`, `write_lat`, `read_lat`) and on
+//! the raw virtual QP (`verbs_write`, `verbs_write_lat`, `verbs_read`)
+//! print perftest's tables; every run
 //! checks the bytes each size moved and exits non-zero (3) if they
 //! are wrong, 2 for options that cannot work here (e.g. `--provider verbs`
 //! without an RDMA device), 1 when the run breaks.
@@ -24,7 +27,8 @@
 //!
 //! # Thread safety
 //! A run is two processes; each uses one measuring thread (plus the
-//! transport's runtime worker, or the raw server's responder thread).
+//! transport's or the window's runtime worker, or the raw server's
+//! responder thread).
 //!
 //! # Resource cleanup
 //! The `--local` server process is killed if the client fails; buffers
@@ -35,8 +39,8 @@
 //! bandwidth figures), `checksum`, `plan` (iterations), `report` (tables,
 //! JSON), `plot` (SVG). I/O: `cli`, `device` (provider and device
 //! choice), `bootstrap` (the TCP control connection), `engine` with
-//! `transport_engine` and `verbs_engine` (the two measured layers), `run`
-//! (client, server, `--local`).
+//! `window_engine`, `transport_engine` and `verbs_engine` (the three
+//! measured layers), `run` (client, server, `--local`).
 
 #![forbid(unsafe_code)]
 
@@ -55,6 +59,7 @@ mod size;
 mod stats;
 mod transport_engine;
 mod verbs_engine;
+mod window_engine;
 
 pub use bootstrap::{parse_peer, Control, Hello, Region, Reply, Request, SideInfo, PROTOCOL_VERSION};
 pub use checksum::{pattern_chunk, Checksum};
@@ -75,6 +80,9 @@ pub use stats::{
 /// Runs `rdma_bench` with the given command line; returns the exit status.
 pub fn main_with(cli: Cli) -> i32 {
     let r = match cli.command {
+        Command::Put(a) => run_op(Op::Put, &a),
+        Command::PutLat(a) => run_op(Op::PutLat, &a),
+        Command::Get(a) => run_op(Op::Get, &a),
         Command::Write(a) => run_op(Op::Write, &a),
         Command::Read(a) => run_op(Op::Read, &a),
         Command::WriteLat(a) => run_op(Op::WriteLat, &a),

@@ -20,10 +20,17 @@ use crate::size::{format_size, sweep_sizes};
 use crate::stats::{summarize_bandwidth, summarize_latency, BandwidthSummary};
 use crate::transport_engine::TransportEngine;
 use crate::verbs_engine::VerbsEngine;
+use crate::window_engine::{Role, WindowEngine};
 
 /// The measured operations (see [`crate::Command`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Op {
+    /// Window put bandwidth.
+    Put,
+    /// Window put + signal ping-pong latency.
+    PutLat,
+    /// Window get bandwidth.
+    Get,
     /// Transport write bandwidth.
     Write,
     /// Transport read bandwidth.
@@ -44,6 +51,9 @@ impl Op {
     /// The name on the command line and in records.
     pub fn name(self) -> &'static str {
         match self {
+            Op::Put => "put",
+            Op::PutLat => "put_lat",
+            Op::Get => "get",
             Op::Write => "write",
             Op::Read => "read",
             Op::WriteLat => "write_lat",
@@ -57,8 +67,8 @@ impl Op {
     /// Bandwidth or latency table.
     pub fn kind(self) -> Kind {
         match self {
-            Op::Write | Op::Read | Op::VerbsWrite | Op::VerbsRead => Kind::Bandwidth,
-            Op::WriteLat | Op::ReadLat | Op::VerbsWriteLat => Kind::Latency,
+            Op::Put | Op::Get | Op::Write | Op::Read | Op::VerbsWrite | Op::VerbsRead => Kind::Bandwidth,
+            Op::PutLat | Op::WriteLat | Op::ReadLat | Op::VerbsWriteLat => Kind::Latency,
         }
     }
 
@@ -66,15 +76,22 @@ impl Op {
         matches!(self, Op::VerbsWrite | Op::VerbsWriteLat | Op::VerbsRead)
     }
 
+    fn window(self) -> bool {
+        matches!(self, Op::Put | Op::PutLat | Op::Get)
+    }
+
     fn dir(self) -> Dir {
         match self {
-            Op::Read | Op::ReadLat | Op::VerbsRead => Dir::Read,
+            Op::Get | Op::Read | Op::ReadLat | Op::VerbsRead => Dir::Read,
             _ => Dir::Write,
         }
     }
 
     fn title(self) -> &'static str {
         match self {
+            Op::Put => "Put BW Test through the Window",
+            Op::PutLat => "Put + Signal Latency Test through the Window",
+            Op::Get => "Get BW Test through the Window",
             Op::Write => "RDMA_Write BW Test through RdmaTransport",
             Op::Read => "RDMA_Read BW Test through RdmaTransport",
             Op::WriteLat => "RDMA_Write Latency Test through RdmaTransport",
@@ -119,8 +136,9 @@ fn busy_poll(op: Op, us: Option<u64>) -> Duration {
     }
 }
 
-/// The engine for `hello`; `origin` says where its provider came from.
-fn engine_for(op: Op, hello: &Hello, origin: &str, ib_dev: Option<&str>) -> Result<Box<dyn Engine>> {
+/// The engine for `hello`; `origin` says where its provider came from;
+/// `role` is this side's (the window's ranks differ).
+fn engine_for(op: Op, hello: &Hello, origin: &str, ib_dev: Option<&str>, role: Role) -> Result<Box<dyn Engine>> {
     let resolved = resolve(&hello.provider, origin, &hello.link, ib_dev)?;
     let lb = ibverbx::LoadBalancing::parse(&hello.lb)
         .ok_or_else(|| BenchError::Config(format!("--lb {}: expected dqplb or spray", hello.lb)))?;
@@ -141,13 +159,22 @@ fn engine_for(op: Op, hello: &Hello, origin: &str, ib_dev: Option<&str>) -> Resu
         busy_poll: busy_poll(op, hello.busy_poll_us),
         spin_small: hello.busy_poll_us.is_none() && op.kind() == Kind::Bandwidth,
     };
-    Ok(if op.raw() { Box::new(VerbsEngine::new(cfg)?) } else { Box::new(TransportEngine::new(cfg)?) })
+    Ok(if op.raw() {
+        Box::new(VerbsEngine::new(cfg)?)
+    } else if op.window() {
+        Box::new(WindowEngine::new(cfg, role)?)
+    } else {
+        Box::new(TransportEngine::new(cfg)?)
+    })
 }
 
 /// The sizes a run measures.
 fn sizes(op: Op, a: &BenchArgs) -> Result<Vec<u64>> {
     let v = if a.all {
-        sweep_sizes(a.min, a.max)
+        // Window bandwidth sweeps start where bandwidth matters; small puts
+        // are put_lat's.
+        let min = a.min.unwrap_or(if op.window() && op.kind() == Kind::Bandwidth { 64 << 10 } else { 2 });
+        sweep_sizes(min, a.max)
     } else {
         vec![a.size.unwrap_or(if op.kind() == Kind::Latency { 2 } else { 65536 })]
     };
@@ -215,11 +242,11 @@ fn serve_session(op: Op, a: &BenchArgs, ctl: &mut Control) -> Result<()> {
     }
     // The client chose the provider (its flag or its environment).
     let origin = format!("the client's provider {}", hello.provider);
-    let mut e = engine_for(op, &hello, &origin, a.ib_dev.as_deref())?;
+    let mut e = engine_for(op, &hello, &origin, a.ib_dev.as_deref(), Role::Server)?;
     fill(e.as_ref(), SERVER_SEED, u64::MAX)?;
     ctl.send(&e.info()?)?;
     let peer: SideInfo = ctl.recv("the client's endpoint")?;
-    e.connect(&peer)?;
+    e.connect(&peer, &ctl.peer_host()?)?;
     e.start_serving();
     loop {
         let req: Request = match ctl.recv("a request") {
@@ -404,7 +431,7 @@ fn client(op: Op, a: &BenchArgs) -> Result<()> {
     };
     // Fail here, before any server starts, when the provider or device
     // cannot be had.
-    let mut e = engine_for(op, &hello, &origin, a.ib_dev.as_deref())?;
+    let mut e = engine_for(op, &hello, &origin, a.ib_dev.as_deref(), Role::Client)?;
     fill(e.as_ref(), CLIENT_SEED, u64::MAX)?;
     let (local, host, port) = match &a.client {
         Some(peer) => {
@@ -427,7 +454,7 @@ fn client(op: Op, a: &BenchArgs) -> Result<()> {
     };
     let me = e.info()?;
     ctl.send(&me)?;
-    e.connect(&server)?;
+    e.connect(&server, &host)?;
 
     let same_host = me.host.same_host(&server.host);
     let resolved = resolve(&hello.provider, &origin, &hello.link, a.ib_dev.as_deref())?;
@@ -451,15 +478,21 @@ fn client(op: Op, a: &BenchArgs) -> Result<()> {
         Some(p) => format!("client of {p}"),
         None => "local (client and a server process on this host)".into(),
     };
-    let layer =
-        if op.raw() { "raw ibverbx::VirtualQp (no transport layer)" } else { "rmacomm_transport::RdmaTransport" };
+    let layer = if op.raw() {
+        "raw ibverbx::VirtualQp (no transport layer)"
+    } else if op.window() {
+        "rmacomm_window::Window (2 ranks: the server is rank 0, hosting the group's TcpStore)"
+    } else {
+        "rmacomm_transport::RdmaTransport"
+    };
+    let access = e.describe().map(|d| format!("\n Window access   : {d}")).unwrap_or_default();
     let half = match op {
         Op::ReadLat => "  (a read is a round trip: not halved)",
         _ if op.kind() == Kind::Latency => "  (half round trip)",
         _ => "",
     };
     let header = format!(
-        "{RULE}\n                    {}{}\n Layer           : {layer}\n Provider        : {}   Device: {} (server: {} {})\n \
+        "{RULE}\n                    {}{}\n Layer           : {layer}{access}\n Provider        : {}   Device: {} (server: {} {})\n \
          Link            : {link}{}\n Placement       : {placement}, {cores} cores here\n \
          Number of qps   : {}   Load balancing: {}   Fragment size: {} B\n TX depth        : {}   Sizes: {}{}\n{RULE}",
         op.title(),
@@ -505,10 +538,22 @@ fn client(op: Op, a: &BenchArgs) -> Result<()> {
         let p = plan(op.kind(), size, a.iters, a.warmup, a.duration);
         let rec = match op.kind() {
             Kind::Bandwidth => {
+                // The server's part: its own direction (which ends its
+                // batches as this side does), or answering this side's
+                // batch ends.
+                let syncs = e.peer_syncs(op.dir());
                 if a.bidirectional {
                     ctl.send(&Request::Bandwidth { size, plan: p })?;
+                } else if syncs > 0 {
+                    ctl.send(&Request::Echo { size: 0, count: syncs })?;
                 }
                 let times = e.bandwidth(op.dir(), size, p)?;
+                if !a.bidirectional && syncs > 0 {
+                    match ctl.reply("the server's answers to the batch ends")? {
+                        Reply::EchoDone => {}
+                        other => return Err(BenchError::Run(format!("unexpected reply {other:?}"))),
+                    }
+                }
                 let mut s = summarize_bandwidth(size, &times)
                     .ok_or_else(|| BenchError::run(format!("{size} B: nothing was measured")))?;
                 if a.bidirectional {
@@ -545,6 +590,9 @@ fn client(op: Op, a: &BenchArgs) -> Result<()> {
     }
     let _ = ctl.send(&Request::Bye);
     drop(ctl);
+    // Before waiting for the server: a window's group store, hosted by the
+    // server, keeps serving until this side has hung up.
+    drop(e);
     if let Some(srv) = local {
         srv.finish()?;
     }
@@ -591,7 +639,7 @@ fn verify(op: Op, a: &BenchArgs, e: &dyn Engine, ctl: &mut Control, len: u64) ->
         Dir::Write => checks.push((Region::Dst, Region::Src, "the server's destination against the client's source")),
         Dir::Read => checks.push((Region::Src, Region::Dst, "the client's destination against the server's source")),
     }
-    let echoed = matches!(op, Op::WriteLat | Op::VerbsWriteLat);
+    let echoed = matches!(op, Op::WriteLat | Op::VerbsWriteLat | Op::PutLat);
     if a.bidirectional || echoed {
         match op.dir() {
             Dir::Write => {

@@ -68,10 +68,11 @@ impl Engine for TransportEngine {
             url: Some(self.t.bind()?),
             vqp: None,
             buf: self.mem.remote_buffer(),
+            store_port: None,
         })
     }
 
-    fn connect(&mut self, peer: &SideInfo) -> Result<()> {
+    fn connect(&mut self, peer: &SideInfo, _peer_host: &str) -> Result<()> {
         let url = peer.url.as_deref().ok_or_else(|| BenchError::run("the peer sent no transport URL"))?;
         self.rt.block_on(self.t.connect(url))?;
         self.peer = Some(peer.buf);

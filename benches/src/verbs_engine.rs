@@ -217,10 +217,11 @@ impl Engine for VerbsEngine {
             url: None,
             vqp: Some(self.sh.qp.endpoint()?),
             buf,
+            store_port: None,
         })
     }
 
-    fn connect(&mut self, peer: &SideInfo) -> Result<()> {
+    fn connect(&mut self, peer: &SideInfo, _peer_host: &str) -> Result<()> {
         let ep = peer.vqp.as_ref().ok_or_else(|| BenchError::run("the peer sent no virtual QP endpoint"))?;
         self.sh.qp.connect(ep)?;
         let (vcfg, _) = vqp_config(&self.cfg);

@@ -1,6 +1,7 @@
 //! `rdma_bench` as a user runs it: the built binary with small sizes and
 //! iteration counts, both ends in two processes (`--local`), and across two
-//! network namespaces (`--server` / `--client`) when root with iproute2.
+//! network namespaces (`--server` / `--client`) when root with iproute2;
+//! transport, raw virtual QP and window (`put`, `put_lat`, `get`) operations.
 
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
@@ -134,6 +135,85 @@ fn local_reads_and_bidirectional() {
     check_bw_table(&out, "32768", "60");
     assert!(out.contains("(bidirectional)"), "{out}");
     check_bw_table(&ok(&["verbs_write", "-b", "-s", "32K", "-n", "30", "--link", "tcp"]), "32768", "60");
+}
+
+#[test]
+fn local_window_put_get_and_put_lat() {
+    let out = ok(&["put", "--local", "-s", "64K", "-n", "40"]);
+    check_bw_table(&out, "65536", "40");
+    assert!(out.contains("Put BW Test through the Window") && out.contains("rmacomm_window::Window"), "{out}");
+    // The header states the data path the window chose for the peer.
+    assert!(out.contains("Window access   : "), "{out}");
+    assert!(out.contains("Link            : shm"), "{out}");
+    let out = ok(&["get", "-s", "64K", "-n", "40", "--link", "tcp", "-q", "2"]);
+    check_bw_table(&out, "65536", "40");
+    assert!(out.contains("Get BW Test through the Window") && out.contains("Link            : tcp"), "{out}");
+    let out = ok(&["put_lat", "-s", "8", "-n", "30"]);
+    check_lat_table(&out, "8", "30");
+    assert!(out.contains("Put + Signal Latency Test") && out.contains("half round trip"), "{out}");
+    // Both directions: each side does 30, each ends its batches with a
+    // signal the other answers.
+    let out = ok(&["put", "-b", "-s", "32K", "-n", "30"]);
+    check_bw_table(&out, "32768", "60");
+    assert!(out.contains("(bidirectional)"), "{out}");
+    check_bw_table(&ok(&["get", "-b", "-s", "32K", "-n", "30"]), "32768", "60");
+    // A window bandwidth sweep starts at 64 KiB unless --min says otherwise.
+    let out = ok(&["put", "-a", "--max", "128K", "-n", "10", "--json"]);
+    let sizes: Vec<u64> =
+        out.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["bytes"].as_u64().unwrap()).collect();
+    assert_eq!(sizes, [65536, 131072], "{out}");
+}
+
+#[test]
+fn window_json_lines_parse() {
+    let out = ok(&["put", "-a", "--min", "4K", "--max", "16K", "-n", "20", "--json"]);
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines.len(), 3, "stdout must hold only the JSON lines:\n{out}");
+    for (l, bytes) in lines.iter().zip([4096, 8192, 16384]) {
+        let v: serde_json::Value = serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}"));
+        let mut keys: Vec<&str> = v.as_object().unwrap().keys().map(String::as_str).collect();
+        keys.sort_unstable();
+        let mut want = JSON_KEYS.to_vec();
+        want.sort_unstable();
+        assert_eq!(keys, want);
+        assert_eq!(
+            (v["op"].as_str(), v["bytes"].as_u64(), v["iterations"].as_u64()),
+            (Some("put"), Some(bytes), Some(20))
+        );
+        assert!(v["bw_avg_MBps"].as_f64().unwrap() > 0.0 && v["t_typical_us"].is_null(), "{v}");
+    }
+    let out = ok(&["get", "-s", "1M", "-n", "10", "--json", "--link", "tcp"]);
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("{e}: {out}"));
+    assert_eq!((v["op"].as_str(), v["link"].as_str()), (Some("get"), Some("tcp")), "{v}");
+    assert!(v["bw_avg_MBps"].as_f64().unwrap() > 0.0, "{v}");
+    let out = ok(&["put_lat", "-s", "8", "-n", "20", "--json"]);
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("{e}: {out}"));
+    assert_eq!((v["op"].as_str(), v["bytes"].as_u64()), (Some("put_lat"), Some(8)), "{v}");
+    assert!(v["bw_avg_MBps"].is_null() && v["t_typical_us"].as_f64().unwrap() > 0.0, "{v}");
+}
+
+#[test]
+fn window_ops_refuse_bad_options_and_wrong_data() {
+    let o = run(&["put_lat", "-b", "-s", "8", "-n", "2"]);
+    assert_eq!(o.status.code(), Some(2), "{:?}", text(&o));
+    assert!(text(&o).1.contains("-b/--bidirectional applies to bandwidth tests"), "{:?}", text(&o));
+    let o = run(&["put", "-s", "12Q"]);
+    assert_eq!(o.status.code(), Some(2), "{:?}", text(&o));
+    assert!(text(&o).1.contains("unknown suffix"), "{:?}", text(&o));
+    let o = run(&["get", "-a", "--min", "1M", "--max", "64K"]);
+    assert_eq!(o.status.code(), Some(2), "{:?}", text(&o));
+    assert!(text(&o).1.contains("--min must not exceed --max"), "{:?}", text(&o));
+    let o = run(&["put", "-q", "0", "-s", "4K", "-n", "2"]);
+    assert_eq!(o.status.code(), Some(2), "{:?}", text(&o));
+    assert!(text(&o).1.contains("-q 0"), "{:?}", text(&o));
+    let o = run(&["put", "--frobnicate"]);
+    assert_eq!(o.status.code(), Some(2), "{:?}", text(&o));
+    assert!(text(&o).1.contains("--frobnicate"), "{:?}", text(&o));
+    // What a put left at the server is checked: a wrong checksum fails.
+    let o = run_with(&["put", "-s", "4K", "-n", "5"], &[("RDMA_BENCH_TEST_CORRUPT", "always")]);
+    let (out, err) = text(&o);
+    assert_eq!(o.status.code(), Some(3), "stdout:\n{out}\nstderr:\n{err}");
+    assert!(err.contains("DATA VERIFICATION FAILED"), "{err}");
 }
 
 #[test]
@@ -308,7 +388,7 @@ fn server_and_client_in_two_network_namespaces() {
             return;
         }
     };
-    for op in ["write", "verbs_write_lat"] {
+    for op in ["write", "verbs_write_lat", "put", "put_lat"] {
         let mut server = Server(
             Command::new("ip")
                 .args(["netns", "exec", &ns.a, BIN, op, "--server", "--port", "0"])

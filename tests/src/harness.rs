@@ -111,6 +111,14 @@ pub struct NetnsPair {
     pub a: String,
     /// Second namespace.
     pub b: String,
+    /// The address of `a`'s end of the veth pair (`10.213.N.1`).
+    pub addr_a: String,
+    /// The address of `b`'s end (`10.213.N.2`).
+    pub addr_b: String,
+    /// The name of `a`'s veth interface (for `RMACOMM_SOCKET_IFNAME`).
+    pub dev_a: String,
+    /// The name of `b`'s veth interface.
+    pub dev_b: String,
 }
 
 impl NetnsPair {
@@ -128,7 +136,14 @@ impl NetnsPair {
         let (a, b) = (format!("rmc{id}a"), format!("rmc{id}b"));
         let (va, vb) = (format!("rmv{id}a"), format!("rmv{id}b"));
         let net = id % 250 + 1;
-        let pair = NetnsPair { a: a.clone(), b: b.clone() };
+        let pair = NetnsPair {
+            a: a.clone(),
+            b: b.clone(),
+            addr_a: format!("10.213.{net}.1"),
+            addr_b: format!("10.213.{net}.2"),
+            dev_a: va.clone(),
+            dev_b: vb.clone(),
+        };
         let ip = |args: &[&str]| -> Result<(), String> {
             let o = Command::new("ip").args(args).output().map_err(|e| e.to_string())?;
             if o.status.success() {
@@ -137,8 +152,8 @@ impl NetnsPair {
                 Err(format!("ip {}: {}", args.join(" "), String::from_utf8_lossy(&o.stderr).trim()))
             }
         };
-        let ipa = format!("10.213.{net}.1/24");
-        let ipb = format!("10.213.{net}.2/24");
+        let ipa = format!("{}/24", pair.addr_a);
+        let ipb = format!("{}/24", pair.addr_b);
         ip(&["netns", "add", &a])?;
         ip(&["netns", "add", &b])?;
         ip(&["link", "add", &va, "type", "veth", "peer", "name", &vb])?;

@@ -1,8 +1,8 @@
 //! rmacomm cross-crate and multi-process integration tests.
 //!
 //! The tests live in this package's `tests/` folder; the peer processes they
-//! start are this package's binaries (`soft_peer`); this library holds what
-//! both share.
+//! start are this package's binaries (`soft_peer`, `transport_peer`,
+//! `vqp_peer`, `window_peer`); this library holds what both share.
 
 #![forbid(unsafe_code)]
 
