@@ -146,6 +146,9 @@ struct Inner {
     /// rather than queue on that lock (the posting caller reaps its own
     /// completion when it awaits).
     posting: std::sync::atomic::AtomicUsize,
+    /// Set (after `broken`) once the transport is broken: `error()` reads
+    /// it without the lock (UNIFIED window operations ask on every call).
+    broken_flag: std::sync::atomic::AtomicBool,
 }
 
 /// An RDMA connection to one peer (make one transport per peer).
@@ -244,6 +247,7 @@ impl RdmaTransport {
                 conn: AtomicU8::new(CONN_IDLE),
                 shutdown: Notify::new(),
                 posting: std::sync::atomic::AtomicUsize::new(0),
+                broken_flag: std::sync::atomic::AtomicBool::new(false),
             }),
         })
     }
@@ -358,6 +362,9 @@ impl RdmaTransport {
     /// The error that broke the connection (the peer closed it, an
     /// operation failed), once one did: every later operation fails with it.
     pub fn error(&self) -> Option<TransportError> {
+        if !self.inner.broken_flag.load(Ordering::Acquire) {
+            return None;
+        }
         self.inner.lock().broken.clone()
     }
 
@@ -762,6 +769,7 @@ impl Inner {
             st.broken_guessed = false;
         }
         let e = st.broken.clone().expect("set above");
+        self.broken_flag.store(true, Ordering::Release);
         st.pending.resolve_all(|_| e.clone());
         for w in st.waiters.drain(..) {
             let _ = w.send(Err(e.clone()));
@@ -812,6 +820,7 @@ impl Inner {
                     st.broken_guessed = !known;
                 }
                 let e = st.broken.get_or_insert(cause).clone();
+                self.broken_flag.store(true, Ordering::Release);
                 for w in st.waiters.drain(..) {
                     let _ = w.send(Err(e.clone()));
                 }
@@ -955,6 +964,7 @@ impl Drop for RdmaTransport {
     fn drop(&mut self) {
         let mut st = self.inner.lock();
         st.broken.get_or_insert(TransportError::Broken("the transport was dropped".into()));
+        self.inner.broken_flag.store(true, Ordering::Release);
         st.dropped = true;
         // The entries (and the memory they hold) stay until `Inner` goes,
         // after its QP: a WR may still be running in the provider.

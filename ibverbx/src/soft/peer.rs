@@ -289,6 +289,29 @@ impl PeerMap {
         Ok(Direct::Vm(raddr, Held { _map: None, _fence: Some(fence) }))
     }
 
+    /// The key check of [`resolve`](Self::resolve) alone, for a region
+    /// already mapped: enters the key's fence, checks `rkey`, the PD, the
+    /// access and the bounds, and returns the fence (held until the copy is
+    /// done) and the address of `raddr` in the segment `seg_uid` (as an
+    /// offset), which the caller compares with its own mapping.
+    pub(crate) fn check_key(
+        &self,
+        pd: u32,
+        rkey: u32,
+        raddr: u64,
+        len: u64,
+        need: AccessFlags,
+    ) -> Result<(FenceGuard, u64, u64), WcStatus> {
+        let fence = self.fence.enter(rkey);
+        let d: SlotData = self.table.lookup(rkey).ok_or(WcStatus::RemAccessErr)?;
+        let access = AccessFlags::from_bits_truncate(d.access);
+        let end = raddr.checked_add(len).ok_or(WcStatus::RemAccessErr)?;
+        if d.pd != pd || !access.contains(need) || raddr < d.addr || end > d.addr + d.len {
+            return Err(WcStatus::RemAccessErr);
+        }
+        Ok((fence, d.seg_uid, d.seg_off + (raddr - d.addr)))
+    }
+
     /// `process_vm_writev` (write) or `readv` (read) of the local pieces
     /// against `len` bytes at `raddr` in the peer. Returns false when the
     /// kernel refuses (the caller then stages), an error status on a fault.

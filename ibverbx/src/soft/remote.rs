@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use super::peer::{Direct, Held, Mapping, PeerMap};
+use super::peer::{Direct, Mapping, PeerMap};
 use crate::{AccessFlags, Error, Result};
 
 /// What a connected soft QP knows about a same-host peer: its mapped
@@ -30,6 +30,9 @@ pub(crate) struct PeerRegion {
     pub(crate) addr: u64,
     /// Set once the owner's key was seen to allow remote atomics.
     atomics_ok: std::sync::atomic::AtomicBool,
+    /// The segment the region lies in, and where the region starts in it.
+    seg_uid: u64,
+    seg_off: u64,
 }
 
 impl PeerRegion {
@@ -54,6 +57,11 @@ impl PeerRegion {
             match d {
                 Direct::Ptr(p, held) => {
                     let Some(map) = held.mapping() else { return Ok(None) };
+                    let t = &target;
+                    let Ok((_fence, seg_uid, seg_off)) = t.peer.check_key(t.remote_pd, rkey, addr, len.max(1), need)
+                    else {
+                        return Ok(None);
+                    };
                     return Ok(Some(PeerRegion {
                         target,
                         map,
@@ -62,6 +70,8 @@ impl PeerRegion {
                         rkey,
                         addr,
                         atomics_ok: Default::default(),
+                        seg_uid,
+                        seg_off,
                     }));
                 }
                 Direct::Unmapped(uid) if !asked => {
@@ -76,7 +86,13 @@ impl PeerRegion {
     /// Checks that the owner still registers `n` bytes at `offset` with
     /// `need`, and returns their address here and what holds the fence
     /// until the caller's copy is done.
-    pub(crate) fn check(&self, op: &'static str, offset: usize, n: usize, need: AccessFlags) -> Result<(usize, Held)> {
+    pub(crate) fn check(
+        &self,
+        op: &'static str,
+        offset: usize,
+        n: usize,
+        need: AccessFlags,
+    ) -> Result<(usize, super::fence::FenceGuard)> {
         let end = offset.checked_add(n).filter(|&e| e <= self.len);
         if end.is_none() {
             return Err(Error::invalid(
@@ -86,8 +102,10 @@ impl PeerRegion {
         }
         let raddr = self.addr + offset as u64;
         let t = &self.target;
-        match t.peer.resolve(t.remote_pd, self.rkey, raddr, n.max(1) as u64, need) {
-            Ok(Direct::Ptr(p, held)) if p == self.base + offset => Ok((p, held)),
+        match t.peer.check_key(t.remote_pd, self.rkey, raddr, n.max(1) as u64, need) {
+            Ok((fence, uid, off)) if uid == self.seg_uid && off == self.seg_off + offset as u64 => {
+                Ok((self.base + offset, fence))
+            }
             Ok(_) => Err(Error::InvalidState {
                 verb: op,
                 reason: format!("the peer (pid {}) moved the region of key {:#x}", t.peer.pid(), self.rkey),
