@@ -34,7 +34,7 @@ fn opts() -> CommOptions {
         .window(WindowOptions::new().unified(unified))
 }
 
-fn main() {
+pub fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let rank: usize = std::env::var("RANK").ok().and_then(|v| v.parse().ok()).expect("RANK");
     let t0 = Instant::now();
@@ -63,8 +63,8 @@ fn full(dtype: DType, count: usize, v: f64) -> Vec<u8> {
         DType::I64 => (v as i64).to_le_bytes().to_vec(),
         DType::I8 => vec![v as i8 as u8],
         DType::U8 => vec![v as u8],
-        DType::F16 => rmacomm_kernels::half::f16::from_f64(v).to_le_bytes().to_vec(),
-        DType::BF16 => rmacomm_kernels::half::bf16::from_f64(v).to_le_bytes().to_vec(),
+        DType::F16 => rmacomm_collectives::kernels::half::f16::from_f64(v).to_le_bytes().to_vec(),
+        DType::BF16 => rmacomm_collectives::kernels::half::bf16::from_f64(v).to_le_bytes().to_vec(),
         other => unreachable!("{other:?}"),
     };
     one.repeat(count)
