@@ -34,6 +34,7 @@ fn opts() -> CommOptions {
         .window(WindowOptions::new().unified(unified))
 }
 
+/// Runs the scenario named by the first argument, as this process's rank.
 pub fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let rank: usize = std::env::var("RANK").ok().and_then(|v| v.parse().ok()).expect("RANK");
