@@ -45,8 +45,10 @@ impl CommOptions {
         self
     }
 
-    /// A hint (string map, as torchcomms): `rmacomm::algo` = `direct` or
-    /// `ring` forces the all-reduce algorithm.
+    /// A hint (string map, as torchcomms): `rmacomm::algo` = `oneshot`,
+    /// `direct` or `ring` forces the all-reduce algorithm; `ring` also the
+    /// ring all_gather_single / reduce_scatter_single, `tree` the binomial
+    /// tree broadcast.
     pub fn hint(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
         self.hints.insert(key.into(), value.into());
         self
@@ -175,8 +177,8 @@ impl Comm {
             .clone()
             .unwrap_or_else(|| format!("rdma{}", NTH.fetch_add(1, std::sync::atomic::Ordering::Relaxed)));
         if let Some(a) = opts.hints.get("rmacomm::algo") {
-            if AllReduceAlgo::parse(a).is_none() {
-                return Err(Error::invalid(OP, format!("hint rmacomm::algo={a:?}: use oneshot, direct or ring")));
+            if !["oneshot", "direct", "ring", "tree"].contains(&a.as_str()) {
+                return Err(Error::invalid(OP, format!("hint rmacomm::algo={a:?}: use oneshot, direct, ring or tree")));
             }
         }
         Ok(Comm { ch, group, name, timeout, hints: opts.hints.clone(), abort, opts, seq: 0, unusable: None })
@@ -280,14 +282,26 @@ impl Comm {
         Ok(())
     }
 
+    /// The algorithm the hint `rmacomm::algo` names, if any.
+    pub(crate) fn algo_hint(&self) -> Option<&str> {
+        self.hints.get("rmacomm::algo").map(String::as_str)
+    }
+
     pub(crate) fn all_reduce_algo(&self, len: usize) -> AllReduceAlgo {
         let default = if len <= crate::ops::ONESHOT_MAX { AllReduceAlgo::OneShot } else { AllReduceAlgo::Direct };
         self.hints.get("rmacomm::algo").and_then(|a| AllReduceAlgo::parse(a)).unwrap_or(default)
     }
 
-    /// Runs one collective's transfers under the next sequence number.
-    pub(crate) fn exchange(&mut self, op: &'static str, code: u16, transfers: Vec<Transfer<'_>>) -> Result<()> {
+    /// Starts a collective: checks the communicator is usable and takes the
+    /// next sequence number (every step of the collective carries it).
+    pub(crate) fn collective(&mut self, op: &'static str) -> Result<()> {
+        self.begin(op)?;
         self.seq += 1;
+        Ok(())
+    }
+
+    /// Runs transfers of the current collective.
+    pub(crate) fn exchange(&mut self, op: &'static str, code: u16, transfers: Vec<Transfer<'_>>) -> Result<()> {
         let seq = self.seq;
         self.exchange_seq(op, code, seq, transfers)
     }

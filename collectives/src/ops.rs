@@ -207,7 +207,7 @@ impl Comm {
     /// `all_reduce` of `buf` in place.
     pub fn all_reduce(&mut self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
         const OP: &str = "all_reduce";
-        self.begin(OP)?;
+        self.collective(OP)?;
         check_dtype(OP, buf.len(), dtype)?;
         rmacomm_kernels::check(dtype, op).map_err(|source| Error::Kernel { op: OP, source })?;
         let n = self.size();
@@ -245,8 +245,29 @@ impl Comm {
     fn all_reduce_ring(&mut self, buf: &mut [u8], blocks: &[(usize, usize)], dtype: DType, op: ReduceOp) -> Result<()> {
         const OP: &str = "all_reduce";
         let (me, n) = (self.rank(), self.size());
+        self.reduce_scatter_ring(OP, ALL_REDUCE, buf, blocks, dtype, op)?;
+        let (at, len) = blocks[me];
+        Self::finish(OP, dtype, op, n, &mut buf[at..at + len])?;
+        self.all_gather_ring(OP, ALL_REDUCE, buf, blocks)
+    }
+
+    /// Ring reduce-scatter in place: n - 1 steps, each sending one block of
+    /// `buf` to the right neighbour and reducing the block from the left
+    /// one into `buf`, so that rank r ends with block r reduced (not yet
+    /// finished: AVG and PREMUL_SUM are the caller's).
+    #[allow(clippy::too_many_arguments)]
+    fn reduce_scatter_ring(
+        &mut self,
+        name: &'static str,
+        code: u16,
+        buf: &mut [u8],
+        blocks: &[(usize, usize)],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let (me, n) = (self.rank(), self.size());
         let (right, left) = ((me + 1) % n, (me + n - 1) % n);
-        let combine = Self::combiner(OP, dtype, op)?;
+        let combine = Self::combiner(name, dtype, op)?;
         for step in 0..n.saturating_sub(1) {
             let send = (me + 2 * n - 1 - step) % n;
             let recv = (me + 2 * n - 2 - step) % n;
@@ -255,18 +276,31 @@ impl Comm {
                 Transfer::Send { peer: right, data },
                 Transfer::Reduce { peers: vec![left], out: acc, combine: &combine },
             ];
-            self.exchange(OP, ALL_REDUCE, transfers)?;
+            self.exchange(name, code, transfers)?;
         }
-        let (at, len) = blocks[me];
-        Self::finish(OP, dtype, op, n, &mut buf[at..at + len])?;
+        Ok(())
+    }
+
+    /// Ring all-gather in place: n - 1 steps, each sending the block
+    /// received last (first: this rank's own) to the right neighbour and
+    /// receiving the next from the left one.
+    fn all_gather_ring(
+        &mut self,
+        name: &'static str,
+        code: u16,
+        out: &mut [u8],
+        blocks: &[(usize, usize)],
+    ) -> Result<()> {
+        let (me, n) = (self.rank(), self.size());
+        let (right, left) = ((me + 1) % n, (me + n - 1) % n);
         for step in 0..n.saturating_sub(1) {
             let send = (me + n - step) % n;
             let recv = (me + 2 * n - 1 - step) % n;
-            let (data, out) = two_blocks(buf, blocks[send], blocks[recv]);
+            let (data, into) = two_blocks(out, blocks[send], blocks[recv]);
             self.exchange(
-                OP,
-                ALL_REDUCE,
-                vec![Transfer::Send { peer: right, data }, Transfer::Recv { peer: left, out }],
+                name,
+                code,
+                vec![Transfer::Send { peer: right, data }, Transfer::Recv { peer: left, out: into }],
             )?;
         }
         Ok(())
@@ -275,12 +309,36 @@ impl Comm {
     /// `broadcast` of `buf` from `root` (in place on every rank).
     pub fn broadcast(&mut self, buf: &mut [u8], root: usize) -> Result<()> {
         const OP: &str = "broadcast";
-        self.begin(OP)?;
+        self.collective(OP)?;
         self.check_root(OP, root)?;
-        let me = self.rank();
+        let (me, n) = (self.rank(), self.size());
+        if self.algo_hint() == Some("tree") {
+            // Binomial tree over ranks renumbered from the root: receive from
+            // the parent, then send to the children, largest subtree first.
+            let v = (me + n - root) % n;
+            let real = |x: usize| (x + root) % n;
+            let mut mask = 1;
+            while mask < n {
+                if v & mask != 0 {
+                    self.exchange(OP, BROADCAST, vec![Transfer::Recv { peer: real(v - mask), out: &mut *buf }])?;
+                    break;
+                }
+                mask <<= 1;
+            }
+            let data: &[u8] = buf;
+            let mut kids = Vec::new();
+            mask >>= 1;
+            while mask > 0 {
+                if v + mask < n {
+                    kids.push(Transfer::Send { peer: real(v + mask), data });
+                }
+                mask >>= 1;
+            }
+            return self.exchange(OP, BROADCAST, kids);
+        }
         let transfers = if me == root {
             let data: &[u8] = buf;
-            (0..self.size()).filter(|&p| p != me).map(|p| Transfer::Send { peer: p, data }).collect()
+            (0..n).filter(|&p| p != me).map(|p| Transfer::Send { peer: p, data }).collect()
         } else {
             vec![Transfer::Recv { peer: root, out: buf }]
         };
@@ -291,7 +349,7 @@ impl Comm {
     /// as they were).
     pub fn reduce(&mut self, buf: &mut [u8], dtype: DType, op: ReduceOp, root: usize) -> Result<()> {
         const OP: &str = "reduce";
-        self.begin(OP)?;
+        self.collective(OP)?;
         self.check_root(OP, root)?;
         check_dtype(OP, buf.len(), dtype)?;
         rmacomm_kernels::check(dtype, op).map_err(|source| Error::Kernel { op: OP, source })?;
@@ -312,7 +370,7 @@ impl Comm {
     /// on every rank (`output` is `size * input.len()` bytes).
     pub fn all_gather_single(&mut self, output: &mut [u8], input: &[u8]) -> Result<()> {
         const OP: &str = "all_gather_single";
-        self.begin(OP)?;
+        self.collective(OP)?;
         let n = self.size();
         if output.len() != n * input.len() {
             return Err(Error::invalid(
@@ -328,6 +386,9 @@ impl Comm {
         let blocks: Vec<(usize, usize)> = (0..n).map(|r| (r * input.len(), input.len())).collect();
         let me = self.rank();
         output[me * input.len()..(me + 1) * input.len()].copy_from_slice(input);
+        if self.algo_hint() == Some("ring") {
+            return self.all_gather_ring(OP, ALL_GATHER, output, &blocks);
+        }
         self.all_gather_blocks(OP, ALL_GATHER, output, &blocks)
     }
 
@@ -336,7 +397,7 @@ impl Comm {
     /// r's input length) this is `all_gather_v`.
     pub fn all_gather(&mut self, outputs: &mut [&mut [u8]], input: &[u8]) -> Result<()> {
         const OP: &str = "all_gather";
-        self.begin(OP)?;
+        self.collective(OP)?;
         let (me, n) = (self.rank(), self.size());
         if outputs.len() != n {
             return Err(Error::invalid(OP, format!("{} outputs for {n} ranks", outputs.len())));
@@ -369,7 +430,7 @@ impl Comm {
     /// (`reduce_scatter_v`) but must equal rank j's output length.
     pub fn reduce_scatter(&mut self, output: &mut [u8], inputs: &[&[u8]], dtype: DType, op: ReduceOp) -> Result<()> {
         const OP: &str = "reduce_scatter";
-        self.begin(OP)?;
+        self.collective(OP)?;
         let (me, n) = (self.rank(), self.size());
         if inputs.len() != n {
             return Err(Error::invalid(OP, format!("{} inputs for {n} ranks", inputs.len())));
@@ -419,6 +480,17 @@ impl Comm {
                 ),
             ));
         }
+        if self.algo_hint() == Some("ring") {
+            self.collective(OP)?;
+            rmacomm_kernels::check(dtype, op).map_err(|source| Error::Kernel { op: OP, source })?;
+            check_dtype(OP, output.len(), dtype)?;
+            let mut work = input.to_vec();
+            let blocks: Vec<(usize, usize)> = (0..n).map(|r| (r * output.len(), output.len())).collect();
+            self.reduce_scatter_ring(OP, REDUCE_SCATTER, &mut work, &blocks, dtype, op)?;
+            let me = self.rank();
+            output.copy_from_slice(&work[me * output.len()..(me + 1) * output.len()]);
+            return Self::finish(OP, dtype, op, n, output);
+        }
         let inputs: Vec<&[u8]> = input.chunks(output.len().max(1)).take(n).collect();
         let inputs = if output.is_empty() { vec![&input[..0]; n] } else { inputs };
         self.reduce_scatter(output, &inputs, dtype, op)
@@ -428,7 +500,7 @@ impl Comm {
     /// comes from rank i (lengths may differ: they must match pairwise).
     pub fn all_to_all(&mut self, outputs: &mut [&mut [u8]], inputs: &[&[u8]]) -> Result<()> {
         const OP: &str = "all_to_all";
-        self.begin(OP)?;
+        self.collective(OP)?;
         let (me, n) = (self.rank(), self.size());
         if outputs.len() != n || inputs.len() != n {
             return Err(Error::invalid(
@@ -508,7 +580,7 @@ impl Comm {
     /// root only) into `output`.
     pub fn scatter(&mut self, output: &mut [u8], inputs: Option<&[&[u8]]>, root: usize) -> Result<()> {
         const OP: &str = "scatter";
-        self.begin(OP)?;
+        self.collective(OP)?;
         self.check_root(OP, root)?;
         let (me, n) = (self.rank(), self.size());
         if me != root {
@@ -527,7 +599,7 @@ impl Comm {
     /// i's `input`.
     pub fn gather(&mut self, outputs: Option<&mut [&mut [u8]]>, input: &[u8], root: usize) -> Result<()> {
         const OP: &str = "gather";
-        self.begin(OP)?;
+        self.collective(OP)?;
         self.check_root(OP, root)?;
         let (me, n) = (self.rank(), self.size());
         if me != root {
@@ -567,7 +639,7 @@ impl Comm {
     /// `barrier`: returns once every rank called it.
     pub fn barrier(&mut self) -> Result<()> {
         const OP: &str = "barrier";
-        self.begin(OP)?;
+        self.collective(OP)?;
         let me = self.rank();
         let mut transfers: Vec<Transfer<'_>> = Vec::new();
         let mut sinks: Vec<[u8; 0]> = vec![[]; self.size()];

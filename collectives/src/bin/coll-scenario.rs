@@ -86,6 +86,7 @@ fn all() -> R {
     let mut ring = new_comm("rdma", opts().hint("rmacomm::algo", "ring")).map_err(s)?;
     let mut oneshot = new_comm("rdma", opts().hint("rmacomm::algo", "oneshot")).map_err(s)?;
     let mut twoshot = new_comm("rdma", opts().hint("rmacomm::algo", "direct")).map_err(s)?;
+    let mut tree = new_comm("rdma", opts().hint("rmacomm::algo", "tree")).map_err(s)?;
     let (rank, n) = (direct.rank(), direct.size());
     let nf = n as f64;
     let counts = [0usize, 4, 1024, 1 << 20];
@@ -138,10 +139,13 @@ fn all() -> R {
     // all_gather: slot i = i + 1 (single, list, and v with uneven sizes).
     for &count in &counts[..3] {
         let input = full(DType::F32, count, rank as f64 + 1.0);
-        let mut out = vec![0u8; n * input.len()];
-        direct.all_gather_single(&mut out, &input).map_err(s)?;
-        for i in 0..n {
-            check_full("all_gather_single", &out[i * input.len()..(i + 1) * input.len()], DType::F32, i as f64 + 1.0)?;
+        for c in [&mut direct, &mut ring] {
+            let mut out = vec![0u8; n * input.len()];
+            c.all_gather_single(&mut out, &input).map_err(s)?;
+            for i in 0..n {
+                let part = &out[i * input.len()..(i + 1) * input.len()];
+                check_full(&format!("all_gather_single ({})", c.name()), part, DType::F32, i as f64 + 1.0)?;
+            }
         }
         let mut outs: Vec<Vec<u8>> = (0..n).map(|i| vec![0u8; 4 * count * (i + 1)]).collect();
         let input = full(DType::F32, count * (rank + 1), rank as f64 + 1.0);
@@ -155,9 +159,11 @@ fn all() -> R {
     for &count in &counts[..3] {
         for &dt in &dtypes {
             let input = full(dt, count * n, rank as f64 + 1.0);
-            let mut out = vec![0u8; count * dt.size()];
-            direct.reduce_scatter_single(&mut out, &input, dt, ReduceOp::Sum).map_err(s)?;
-            check_full("reduce_scatter_single", &out, dt, nf * (nf + 1.0) / 2.0)?;
+            for c in [&mut direct, &mut ring] {
+                let mut out = vec![0u8; count * dt.size()];
+                c.reduce_scatter_single(&mut out, &input, dt, ReduceOp::Sum).map_err(s)?;
+                check_full(&format!("reduce_scatter_single ({})", c.name()), &out, dt, nf * (nf + 1.0) / 2.0)?;
+            }
             let ins: Vec<Vec<u8>> = (0..n).map(|j| full(dt, count + j, rank as f64 + 1.0)).collect();
             let refs: Vec<&[u8]> = ins.iter().map(Vec::as_slice).collect();
             let mut out = vec![0u8; (count + rank) * dt.size()];
@@ -172,10 +178,14 @@ fn all() -> R {
         let want = if rank == root { nf * (nf + 1.0) / 2.0 } else { rank as f64 + 1.0 };
         check_full("reduce", &buf, DType::I32, want)?;
     }
-    for (root, count) in [(0, 1 << 20), (n - 1, 5), (0, 0)] {
-        let mut buf = full(DType::F32, count, if rank == root { 99.0 } else { 0.0 });
-        ring.broadcast(&mut buf, root).map_err(s)?;
-        check_full("broadcast", &buf, DType::F32, 99.0)?;
+    for c in [&mut direct, &mut tree] {
+        for root in 0..n {
+            for count in [1 << 20, 5, 0] {
+                let mut buf = full(DType::F32, count, if rank == root { 99.0 } else { 0.0 });
+                c.broadcast(&mut buf, root).map_err(s)?;
+                check_full(&format!("broadcast from {root} ({})", c.name()), &buf, DType::F32, 99.0)?;
+            }
+        }
     }
     // all_to_all_single: section i = i + 1; v with uneven splits (rank r
     // sends r + j + 1 elements to j).
@@ -265,6 +275,9 @@ fn all() -> R {
     })?;
     direct.finalize().map_err(s)?;
     ring.finalize().map_err(s)?;
+    for c in [&mut oneshot, &mut twoshot, &mut tree] {
+        c.finalize().map_err(s)?;
+    }
     ensure(direct.barrier().is_err(), || "an operation after finalize".into())
 }
 
