@@ -5,8 +5,10 @@ mod comm;
 mod error;
 mod kern;
 mod ops;
+mod work;
 
 pub use comm::{new_comm, Batch, Comm, CommOptions, DEFAULT_SLOT_BYTES};
 pub use error::{Error, Result};
 pub use ops::AllReduceAlgo;
 pub use rmacomm_kernels::{self as kernels, DType, ReduceOp};
+pub use work::{AsyncComm, CommWork};

@@ -249,6 +249,24 @@ fn all() -> R {
         }
     }
     direct.barrier().map_err(s)?;
+    // Async: operations queued on a worker thread, waited late (in reverse),
+    // buffers owned by the operations and handed back.
+    let a = rmacomm_collectives::AsyncComm::new(direct);
+    let works: Vec<_> = (0..8)
+        .map(|i| {
+            let buf = full(DType::I32, 10_000 * (i + 1), (rank + i) as f64);
+            a.submit(move |c| {
+                let mut buf = buf;
+                c.all_reduce(&mut buf, DType::I32, ReduceOp::Sum).map(|()| buf)
+            })
+        })
+        .collect();
+    for (i, w) in works.into_iter().enumerate().rev() {
+        let buf = w.wait(None).map_err(|(e, _)| e.to_string())?;
+        let want: usize = (0..n).map(|r| r + i).sum();
+        check_full("async all_reduce", &buf, DType::I32, want as f64)?;
+    }
+    let mut direct = a.into_inner();
     // A non-contiguous split running collectives while the parent runs its
     // own on another thread.
     let evens: Vec<usize> = (0..n).step_by(2).collect();

@@ -1,0 +1,130 @@
+//! Asynchronous operations: a communicator handed to a worker thread
+//! ([`AsyncComm`]) runs the operations submitted to it in order, each
+//! returning a [`CommWork`] (torchcomms' `async_op=True` → `Work`).
+
+use std::fmt;
+use std::sync::mpsc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use crate::comm::Comm;
+use crate::error::{Error, Result};
+
+type Job = Box<dyn FnOnce(&mut Comm) + Send>;
+
+/// A communicator on a worker thread: [`submit`](Self::submit) queues an
+/// operation (any closure over the `Comm`, owning its buffers) and returns
+/// at once; operations run in submission order, as a collective stream
+/// does on one rank. [`into_inner`](Self::into_inner) waits for the queue
+/// and gives the communicator back.
+pub struct AsyncComm {
+    tx: Option<mpsc::Sender<Job>>,
+    worker: Option<JoinHandle<Comm>>,
+    rank: usize,
+}
+
+impl fmt::Debug for AsyncComm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("AsyncComm").field("rank", &self.rank).finish()
+    }
+}
+
+/// The handle of one submitted operation (torchcomms' `Work`).
+pub struct CommWork<T> {
+    rx: mpsc::Receiver<Result<T>>,
+    done: Option<Result<T>>,
+}
+
+impl<T> fmt::Debug for CommWork<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CommWork").field("completed", &self.done.is_some()).finish()
+    }
+}
+
+impl<T> CommWork<T> {
+    /// Whether the operation has finished (never blocks).
+    pub fn is_completed(&mut self) -> bool {
+        if self.done.is_none() {
+            if let Ok(r) = self.rx.try_recv() {
+                self.done = Some(r);
+            }
+        }
+        self.done.is_some()
+    }
+
+    /// Waits for the operation and returns what it returned (its buffers,
+    /// typically), or its error; `timeout` (`None`: no limit of its own;
+    /// the operation's timeout still applies) gives the handle back.
+    pub fn wait(mut self, timeout: Option<Duration>) -> Result<T, (Error, Option<CommWork<T>>)> {
+        if let Some(r) = self.done.take() {
+            return r.map_err(|e| (e, None));
+        }
+        let r = match timeout {
+            None => self.rx.recv().map_err(|_| ()),
+            Some(t) => match self.rx.recv_timeout(t) {
+                Ok(r) => Ok(r),
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    let e = Error::Unusable { op: "CommWork::wait", reason: format!("not finished after {t:?}") };
+                    return Err((e, Some(self)));
+                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => Err(()),
+            },
+        };
+        match r {
+            Ok(r) => r.map_err(|e| (e, None)),
+            Err(()) => Err((
+                Error::Unusable { op: "CommWork::wait", reason: "the worker thread ended (it panicked)".into() },
+                None,
+            )),
+        }
+    }
+}
+
+impl AsyncComm {
+    /// Moves `comm` to a worker thread.
+    pub fn new(comm: Comm) -> AsyncComm {
+        let rank = comm.rank();
+        let (tx, rx) = mpsc::channel::<Job>();
+        let worker = std::thread::Builder::new()
+            .name(format!("rmacomm-comm-{rank}"))
+            .spawn(move || {
+                let mut comm = comm;
+                while let Ok(job) = rx.recv() {
+                    job(&mut comm);
+                }
+                comm
+            })
+            .expect("spawning the communicator's worker thread");
+        AsyncComm { tx: Some(tx), worker: Some(worker), rank }
+    }
+
+    /// Queues `op` to run on the communicator after everything submitted
+    /// before it.
+    pub fn submit<T, F>(&self, op: F) -> CommWork<T>
+    where
+        T: Send + 'static,
+        F: FnOnce(&mut Comm) -> Result<T> + Send + 'static,
+    {
+        let (tx, rx) = mpsc::channel();
+        let job: Job = Box::new(move |c: &mut Comm| {
+            let _ = tx.send(op(c));
+        });
+        self.tx.as_ref().expect("present until into_inner").send(job).expect("the worker thread lives while self does");
+        CommWork { rx, done: None }
+    }
+
+    /// Waits for every submitted operation and returns the communicator.
+    pub fn into_inner(mut self) -> Comm {
+        drop(self.tx.take());
+        self.worker.take().expect("present").join().expect("the communicator's worker thread panicked")
+    }
+}
+
+impl Drop for AsyncComm {
+    fn drop(&mut self) {
+        drop(self.tx.take());
+        if let Some(w) = self.worker.take() {
+            let _ = w.join();
+        }
+    }
+}
