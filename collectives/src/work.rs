@@ -53,30 +53,30 @@ impl<T> CommWork<T> {
     }
 
     /// Waits for the operation and returns what it returned (its buffers,
-    /// typically), or its error; `timeout` (`None`: no limit of its own;
-    /// the operation's timeout still applies) gives the handle back.
-    pub fn wait(mut self, timeout: Option<Duration>) -> Result<T, (Error, Option<CommWork<T>>)> {
+    /// typically), or its error. With a `timeout` (`None`: no limit of its
+    /// own; the operation's timeout still applies) that passes, the
+    /// operation stays pending: wait again. The result is handed out once.
+    pub fn wait(&mut self, timeout: Option<Duration>) -> Result<T> {
+        const OP: &str = "CommWork::wait";
         if let Some(r) = self.done.take() {
-            return r.map_err(|e| (e, None));
+            return r;
         }
         let r = match timeout {
-            None => self.rx.recv().map_err(|_| ()),
+            None => self.rx.recv().ok(),
             Some(t) => match self.rx.recv_timeout(t) {
-                Ok(r) => Ok(r),
+                Ok(r) => Some(r),
                 Err(mpsc::RecvTimeoutError::Timeout) => {
-                    let e = Error::Unusable { op: "CommWork::wait", reason: format!("not finished after {t:?}") };
-                    return Err((e, Some(self)));
+                    return Err(Error::Unusable { op: OP, reason: format!("not finished after {t:?}; wait again") })
                 }
-                Err(mpsc::RecvTimeoutError::Disconnected) => Err(()),
+                Err(mpsc::RecvTimeoutError::Disconnected) => None,
             },
         };
-        match r {
-            Ok(r) => r.map_err(|e| (e, None)),
-            Err(()) => Err((
-                Error::Unusable { op: "CommWork::wait", reason: "the worker thread ended (it panicked)".into() },
-                None,
-            )),
-        }
+        r.unwrap_or_else(|| {
+            Err(Error::Unusable {
+                op: OP,
+                reason: "no result: it was handed out already, or the worker thread ended (it panicked)".into(),
+            })
+        })
     }
 }
 

@@ -261,8 +261,8 @@ fn all() -> R {
             })
         })
         .collect();
-    for (i, w) in works.into_iter().enumerate().rev() {
-        let buf = w.wait(None).map_err(|(e, _)| e.to_string())?;
+    for (i, mut w) in works.into_iter().enumerate().rev() {
+        let buf = w.wait(None).map_err(s)?;
         let want: usize = (0..n).map(|r| r + i).sum();
         check_full("async all_reduce", &buf, DType::I32, want as f64)?;
     }
