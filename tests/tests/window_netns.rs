@@ -73,6 +73,7 @@ fn window_put_signal_get_between_two_network_namespaces() {
         assert!(refused.iter().all(|l| l.contains(&format!("rank {peer}"))), "{refused:?}");
         assert!(has("ring ok: 16 iterations"), "rank {rank}: {lines:?}");
         assert!(has("get ok"), "rank {rank}: {lines:?}");
+        assert!(has("ctran ok"), "the ctran form, rank {rank}: {lines:?}");
         assert_eq!(lines.last().map(String::as_str), Some(format!("rank {rank} ok").as_str()), "{lines:?}");
     }
 }

@@ -7,7 +7,9 @@
 //! namespaces, that the peer is another host and SEPARATE (`get_attr`,
 //! `map_remote_tensor` refused naming it), then runs the window ring (put +
 //! signal / wait_signal, 1 Mi f32 and 4 i8 elements, sync and async) and
-//! gets of the peer's buffer, checking every element. Prints one line per
+//! gets of the peer's buffer, checking every element, and the ctran form
+//! (allocate, SET behind a put, ADDs, wait_signal_until, get_tensor refused
+//! for the other host). Prints one line per
 //! step and `rank R ok` at the end; on any failure `rank R FAILED: why`
 //! and exit status 1. `WINDOW_PEER_DAMAGE=R`: rank R flips a byte of what
 //! it received before checking it (to show that the check fails).
@@ -16,7 +18,7 @@
 
 use std::time::{Duration, Instant};
 
-use rmacomm_window::{AccessType, Group, GroupOptions, Window, WindowOptions};
+use rmacomm_window::{AccessType, Cmp, Error, Group, GroupOptions, SignalOp, Window, WindowOptions};
 
 type R = Result<(), String>;
 
@@ -75,6 +77,7 @@ fn run(g: &Group, iters: usize) -> R {
 
     ring(g, &mut w, iters)?;
     gets(g, &mut w)?;
+    ctran(g)?;
     println!("done in {:?}", t0.elapsed());
     Ok(())
 }
@@ -204,5 +207,41 @@ fn gets(g: &Group, w: &mut Window) -> R {
     g.barrier(None).map_err(s)?;
     w.tensor_deregister().map_err(s)?;
     println!("get ok");
+    Ok(())
+}
+
+/// The ctran form across the hosts: `allocate`, a put followed by a SET
+/// value signal (the data is there when the value is), ADDs from both ranks
+/// into both, `wait_signal_until` with EQ and GE, `get_tensor` of the peer
+/// refused (SEPARATE), the own view readable.
+fn ctran(g: &Group) -> R {
+    let (rank, peer) = (g.rank(), 1 - g.rank());
+    let w = Window::allocate(g, 1 << 20, 4, WindowOptions::new().timeout(Duration::from_secs(30))).map_err(s)?;
+    ensure(w.get_size() == 1 << 20 && w.get_device() == "cpu", || "size/device".into())?;
+    let src = w.alloc(1 << 20).map_err(s)?;
+    for it in 1..=10u64 {
+        src.write_from(0, &vec![(rank as u64 * 16 + it) as u8; 1 << 20]).map_err(s)?;
+        let put = w.put(src.view(0, 1 << 20).map_err(s)?, peer, 0, it % 2 == 0).map_err(s)?;
+        w.signal_value(0, it, peer, SignalOp::Set, it % 3 == 0).map_err(s)?;
+        w.wait_signal_until(0, it, Cmp::Eq, None).map_err(|e| format!("ctran iter {it}: {e}"))?;
+        let mut got = vec![0u8; 1 << 20];
+        w.get_tensor(rank, 0, 1 << 20).map_err(s)?.read_into(0, &mut got).map_err(s)?;
+        let want = (peer as u64 * 16 + it) as u8;
+        ensure(got.iter().all(|b| *b == want), || format!("ctran iter {it}: the put before the SET is not there"))?;
+        put.wait(None).map_err(s)?;
+        for p in [rank, peer] {
+            w.signal_value(1, 2, p, SignalOp::Add, false).map_err(s)?;
+        }
+        w.wait_signal_until(1, 4 * it, Cmp::Ge, None).map_err(|e| format!("ctran add {it}: {e}"))?;
+        g.barrier(None).map_err(s)?;
+    }
+    match w.get_tensor(peer, 0, 16) {
+        Err(e @ Error::Unsupported { .. }) => {
+            ensure(e.to_string().contains(&format!("rank {peer}")), || e.to_string())?;
+        }
+        other => return Err(format!("get_tensor of the other host: {other:?}")),
+    }
+    g.barrier(None).map_err(s)?;
+    println!("ctran ok");
     Ok(())
 }
