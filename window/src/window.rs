@@ -199,6 +199,9 @@ pub struct Window {
     spin: Duration,
     /// Signal tasks not yet finished.
     signals_in_flight: Arc<AtomicUsize>,
+    /// Every connection has one QP (no striping): its writes are placed in
+    /// posting order, so a SEPARATE signal needs no fence write.
+    in_order: bool,
     /// Where `put_bytes` stages unregistered memory (allocated on first use).
     bounce: std::sync::Mutex<Option<RdmaMemory>>,
     timeout: Duration,
@@ -243,6 +246,7 @@ impl Window {
             .build()
             .map_err(|e| os(OP, e))?;
         let config = opts.transport.unwrap_or_default().with_timeout(Some(timeout)).with_max_in_flight(MAX_IN_FLIGHT);
+        let in_order = config.qps == 1;
         let transport =
             || RdmaTransport::new(config.clone()).map(Arc::new).map_err(|e| Error::Transport { op: OP, source: e });
         let mut links = Vec::with_capacity(n);
@@ -311,6 +315,7 @@ impl Window {
             spin: opts.spin,
             signals_in_flight: Arc::new(AtomicUsize::new(0)),
             bounce: std::sync::Mutex::new(None),
+            in_order,
             timeout,
             group,
             rt,
@@ -601,6 +606,15 @@ impl Window {
                 .and_then(|()| Slot::at(off, |o| m.atomic_u64(o), |o| m.atomic_u32(o)))
                 .map(|slot| slot.add(1));
             return self.done(OP, dst_rank, r, async_op);
+        }
+        if self.in_order {
+            // One QP per connection: RC places its writes in posting order,
+            // so the notifying write lands after every earlier put. No
+            // fence, no round trip of its own.
+            let v = self.signal_src.view(0, 8).map_err(|source| Error::Transport { op: OP, source })?;
+            let fut =
+                self.links[dst_rank].out.write_with_timeout(v, &self.signal_slots[dst_rank], true, Some(self.timeout));
+            return self.work(OP, dst_rank, fut, async_op);
         }
         let (t, src, slot) = (self.links[dst_rank].out.clone(), self.signal_src.clone(), self.signal_slots[dst_rank]);
         let timeout = Some(self.timeout);

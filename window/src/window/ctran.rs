@@ -150,10 +150,15 @@ impl Window {
         // host, where a registration is cheap beside the round trip).
         let word = Arc::new(self.alloc(8)?);
         word.write_from(0, &value.to_le_bytes()).map_err(|source| Error::Transport { op: OP, source })?;
+        let in_order = self.in_order;
         let counter = InFlight::enter(&self.signals_in_flight);
         let task = self.rt.spawn(async move {
             let _counter = counter;
-            t.write_with_timeout(fence_src.view(0, 8)?, &fence_slot, false, timeout).await?;
+            if !in_order {
+                // Striped connections place writes in any order: a write
+                // waited for first proves every earlier put placed.
+                t.write_with_timeout(fence_src.view(0, 8)?, &fence_slot, false, timeout).await?;
+            }
             match op {
                 SignalOp::Set => t.write_with_timeout(word.view(0, 8)?, &slot, false, timeout).await,
                 SignalOp::Add => t.fetch_add(word.view_mut(0, 8)?, &slot, value, timeout).await,
