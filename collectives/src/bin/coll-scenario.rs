@@ -359,7 +359,8 @@ fn killed() -> R {
 /// warm-up, on rank 0 (a quick look; rdma_bench is the benchmark).
 fn time(args: &[String]) -> R {
     let (op, algo) = (args[0].as_str(), args[1].as_str());
-    let mut c = new_comm("rdma", opts().slot_bytes(1 << 20).hint("rmacomm::algo", algo)).map_err(s)?;
+    let slot = std::env::var("SLOT_BYTES").ok().and_then(|v| v.parse().ok()).unwrap_or(1 << 20);
+    let mut c = new_comm("rdma", opts().slot_bytes(slot).hint("rmacomm::algo", algo)).map_err(s)?;
     let n = c.size();
     for size in args[2..].iter().map(|a| a.parse::<usize>().expect("size")) {
         let iters = (200_000_000 / size.max(4096)).clamp(5, 2000);
