@@ -47,8 +47,9 @@ impl CommOptions {
 
     /// A hint (string map, as torchcomms): `rmacomm::algo` = `oneshot`,
     /// `direct` or `ring` forces the all-reduce algorithm; `ring` also the
-    /// ring all_gather_single / reduce_scatter_single, `tree` the binomial
-    /// tree broadcast.
+    /// ring all_gather_single / reduce_scatter_single, `recursive` recursive
+    /// doubling / halving for those two (power-of-two sizes; others use
+    /// direct), `tree` the binomial tree broadcast.
     pub fn hint(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
         self.hints.insert(key.into(), value.into());
         self
@@ -177,8 +178,11 @@ impl Comm {
             .clone()
             .unwrap_or_else(|| format!("rdma{}", NTH.fetch_add(1, std::sync::atomic::Ordering::Relaxed)));
         if let Some(a) = opts.hints.get("rmacomm::algo") {
-            if !["oneshot", "direct", "ring", "tree"].contains(&a.as_str()) {
-                return Err(Error::invalid(OP, format!("hint rmacomm::algo={a:?}: use oneshot, direct, ring or tree")));
+            if !["oneshot", "direct", "ring", "tree", "recursive"].contains(&a.as_str()) {
+                return Err(Error::invalid(
+                    OP,
+                    format!("hint rmacomm::algo={a:?}: use oneshot, direct, ring, tree or recursive"),
+                ));
             }
         }
         Ok(Comm { ch, group, name, timeout, hints: opts.hints.clone(), abort, opts, seq: 0, unusable: None })

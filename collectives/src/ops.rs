@@ -281,6 +281,58 @@ impl Comm {
         Ok(())
     }
 
+    /// Recursive-doubling all-gather (a power-of-two number of ranks): at
+    /// distance d = 1, 2, 4, … each rank swaps the d blocks it holds with
+    /// the rank d away; log2(n) steps.
+    fn all_gather_recursive(&mut self, name: &'static str, out: &mut [u8], block: usize) -> Result<()> {
+        let (me, n) = (self.rank(), self.size());
+        let mut d = 1;
+        while d < n {
+            let partner = me ^ d;
+            let mine = (me & !(d - 1)) * block;
+            let theirs = (partner & !(d - 1)) * block;
+            let (data, into) = two_blocks(out, (mine, d * block), (theirs, d * block));
+            let t = vec![Transfer::Send { peer: partner, data }, Transfer::Recv { peer: partner, out: into }];
+            self.exchange(name, ALL_GATHER, t)?;
+            d <<= 1;
+        }
+        Ok(())
+    }
+
+    /// Recursive-halving reduce-scatter in place (a power-of-two number of
+    /// ranks): at distance d = n/2, n/4, … each rank keeps the half of its
+    /// current range that holds its own block, sends the other half to the
+    /// rank d away and reduces what that rank sends into the half it kept;
+    /// log2(n) steps, block `rank` reduced at the end.
+    fn reduce_scatter_halving(
+        &mut self,
+        name: &'static str,
+        buf: &mut [u8],
+        block: usize,
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let (me, n) = (self.rank(), self.size());
+        let combine = Self::combiner(name, dtype, op)?;
+        let (mut lo, mut hi) = (0, n);
+        let mut d = n / 2;
+        while d >= 1 {
+            let partner = me ^ d;
+            let mid = (lo + hi) / 2;
+            let (keep, give) = if me & d == 0 { ((lo, mid), (mid, hi)) } else { ((mid, hi), (lo, mid)) };
+            let range = |(a, b): (usize, usize)| (a * block, (b - a) * block);
+            let (data, acc) = two_blocks(buf, range(give), range(keep));
+            let t = vec![
+                Transfer::Send { peer: partner, data },
+                Transfer::Reduce { peers: vec![partner], out: acc, combine: &combine },
+            ];
+            self.exchange(name, REDUCE_SCATTER, t)?;
+            (lo, hi) = keep;
+            d /= 2;
+        }
+        Ok(())
+    }
+
     /// Ring all-gather in place: n - 1 steps, each sending the block
     /// received last (first: this rank's own) to the right neighbour and
     /// receiving the next from the left one.
@@ -389,6 +441,9 @@ impl Comm {
         if self.algo_hint() == Some("ring") {
             return self.all_gather_ring(OP, ALL_GATHER, output, &blocks);
         }
+        if self.algo_hint() == Some("recursive") && n.is_power_of_two() {
+            return self.all_gather_recursive(OP, output, input.len());
+        }
         self.all_gather_blocks(OP, ALL_GATHER, output, &blocks)
     }
 
@@ -479,6 +534,16 @@ impl Comm {
                     n * output.len()
                 ),
             ));
+        }
+        if self.algo_hint() == Some("recursive") && n.is_power_of_two() {
+            self.collective(OP)?;
+            rmacomm_kernels::check(dtype, op).map_err(|source| Error::Kernel { op: OP, source })?;
+            check_dtype(OP, output.len(), dtype)?;
+            let mut work = input.to_vec();
+            self.reduce_scatter_halving(OP, &mut work, output.len(), dtype, op)?;
+            let me = self.rank();
+            output.copy_from_slice(&work[me * output.len()..(me + 1) * output.len()]);
+            return Self::finish(OP, dtype, op, n, output);
         }
         if self.algo_hint() == Some("ring") {
             self.collective(OP)?;

@@ -87,6 +87,7 @@ fn all() -> R {
     let mut oneshot = new_comm("rdma", opts().hint("rmacomm::algo", "oneshot")).map_err(s)?;
     let mut twoshot = new_comm("rdma", opts().hint("rmacomm::algo", "direct")).map_err(s)?;
     let mut tree = new_comm("rdma", opts().hint("rmacomm::algo", "tree")).map_err(s)?;
+    let mut recursive = new_comm("rdma", opts().hint("rmacomm::algo", "recursive")).map_err(s)?;
     let (rank, n) = (direct.rank(), direct.size());
     let nf = n as f64;
     let counts = [0usize, 4, 1024, 1 << 20];
@@ -139,7 +140,7 @@ fn all() -> R {
     // all_gather: slot i = i + 1 (single, list, and v with uneven sizes).
     for &count in &counts[..3] {
         let input = full(DType::F32, count, rank as f64 + 1.0);
-        for c in [&mut direct, &mut ring] {
+        for c in [&mut direct, &mut ring, &mut recursive] {
             let mut out = vec![0u8; n * input.len()];
             c.all_gather_single(&mut out, &input).map_err(s)?;
             for i in 0..n {
@@ -159,7 +160,7 @@ fn all() -> R {
     for &count in &counts[..3] {
         for &dt in &dtypes {
             let input = full(dt, count * n, rank as f64 + 1.0);
-            for c in [&mut direct, &mut ring] {
+            for c in [&mut direct, &mut ring, &mut recursive] {
                 let mut out = vec![0u8; count * dt.size()];
                 c.reduce_scatter_single(&mut out, &input, dt, ReduceOp::Sum).map_err(s)?;
                 check_full(&format!("reduce_scatter_single ({})", c.name()), &out, dt, nf * (nf + 1.0) / 2.0)?;
@@ -293,7 +294,7 @@ fn all() -> R {
     })?;
     direct.finalize().map_err(s)?;
     ring.finalize().map_err(s)?;
-    for c in [&mut oneshot, &mut twoshot, &mut tree] {
+    for c in [&mut oneshot, &mut twoshot, &mut tree, &mut recursive] {
         c.finalize().map_err(s)?;
     }
     ensure(direct.barrier().is_err(), || "an operation after finalize".into())
