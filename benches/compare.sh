@@ -326,8 +326,14 @@ def size_name(n):
         if n >= u:
             return "%d %s" % (n // u, s)
     return "%d B" % n
-def rng(xs, fmt):
-    return (fmt % med(xs)) + ("" if len(xs) < 2 else (" (" + fmt + "–" + fmt + ")") % (min(xs), max(xs)))
+def num(x):
+    # Three significant digits, never an exponent.
+    for lim, f in ((100, "%.0f"), (10, "%.1f"), (1, "%.2f"), (0, "%.3f")):
+        if abs(x) >= lim:
+            return f % x
+    return "%.3g" % x
+def rng(xs):
+    return num(med(xs)) + ("" if len(xs) < 2 else " (%s–%s)" % (num(min(xs)), num(max(xs))))
 peers = sorted({w for (_, _, w) in by if w != "rmacomm"})
 show = {4096, 1048576, 16777216, 67108864}
 ops = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"]
@@ -345,8 +351,8 @@ for op in ops:
                 continue
             ratios = [mine[k]["time_us"] / theirs[k]["time_us"] for k in common]
             print("| %s | %s | %s | %s | %s | %s |" % (
-                op, size_name(size), rng([mine[k]["time_us"] for k in common], "%.4g"), p,
-                rng([theirs[k]["time_us"] for k in common], "%.4g"), rng(ratios, "%.3g")))
+                op, size_name(size), rng([mine[k]["time_us"] for k in common]), p,
+                rng([theirs[k]["time_us"] for k in common]), rng(ratios)))
 bad = [r for r in rows if r.get("wrong")]
 print()
 print("time per call (µs): calls back to back after a warm-up, averaged over the ranks; median of %d"
