@@ -19,10 +19,13 @@
 # ratios rmacomm / peer (< 1: rmacomm is faster).
 # Usage: benches/compare.sh [--quick] [--json FILE] [--only p2p|coll]
 #                           [--reps N] [--nranks N] [--plot FILE.svg]
+#                           [--bind-to none|core]
 #   --reps N      interleaved repetitions of the collective rows (default 1)
 #   --nranks N    ranks of the collective rows (default 2)
 #   --plot F.svg  all_reduce time against size: rmacomm, Open MPI, gloo
 #                 (medians over the repetitions)
+#   --bind-to core  bind rmacomm's ranks one per core, as Open MPI binds its
+#                 2 ranks by default (default: none, as torchrun does)
 # gloo needs PyTorch: the python of the virtual environment $RMACOMM_TORCH_VENV
 # when set (RMACOMM_TORCH_VENV=none: no gloo rows), else a fresh one under the
 # work directory (`pip install torch`: about a minute and 5.4 GB).
@@ -37,7 +40,8 @@ only=""
 reps=1
 nranks=2
 plot_out=""
-usage="usage: $0 [--quick] [--json FILE] [--only p2p|coll] [--reps N] [--nranks N] [--plot FILE.svg]"
+bind=none
+usage="usage: $0 [--quick] [--json FILE] [--only p2p|coll] [--reps N] [--nranks N] [--plot FILE.svg] [--bind-to none|core]"
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) quick=1 ;;
@@ -46,11 +50,13 @@ while [ $# -gt 0 ]; do
     --reps) reps=$2; shift ;;
     --nranks) nranks=$2; shift ;;
     --plot) plot_out=$2; shift ;;
+    --bind-to) bind=$2; shift ;;
     *) echo "$usage" >&2; exit 2 ;;
   esac
   shift
 done
 case "$only" in ""|p2p|coll) ;; *) echo "$usage" >&2; exit 2 ;; esac
+case "$bind" in none|core) ;; *) echo "$usage" >&2; exit 2 ;; esac
 case "$reps$nranks" in *[!0-9]*) echo "$usage" >&2; exit 2 ;; esac
 [ -n "$plot_out" ] && plot_out=$(realpath -m "$plot_out")
 [ -n "$json_out" ] && json_out=$(realpath -m "$json_out")
@@ -118,7 +124,7 @@ if coll; then
   for rep in $(seq 1 "$reps"); do
     for op in $coll_ops; do
       log "collectives, repetition $rep/$reps: $op (rmacomm, Open MPI, gloo; $nranks ranks)"
-      "$rb" $op --nproc "$nranks" -a --min 4K --max "$coll_max" --json >"$work/coll.out" 2>>"$work/coll.err" \
+      "$rb" $op --nproc "$nranks" --bind-to "$bind" -a --min 4K --max "$coll_max" --json >"$work/coll.out" 2>>"$work/coll.err" \
         || { log "rdma_bench $op failed:"; tail -5 "$work/coll.err" >&2; exit 1; }
       tag "$rep" <"$work/coll.out" >>"$coll_res"
       if [ -n "$mpi_coll" ]; then

@@ -243,6 +243,17 @@ impl AlgoArg {
     }
 }
 
+/// Where each rank process may run (Open MPI's `--bind-to`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BindArg {
+    /// Anywhere this process may run (as torchrun and rmacomm-run start
+    /// ranks).
+    None,
+    /// One core each: local rank r on the r-th CPU this process may run
+    /// on (modulo their number), as Open MPI binds 2 ranks by default.
+    Core,
+}
+
 /// Options of the collectives (nccl-tests' meanings where they have one).
 ///
 /// The ranks are processes: under a launcher that sets torchrun's variables
@@ -309,6 +320,9 @@ pub struct CollArgs {
     /// SEPARATE path; default: UNIFIED, mapped shared memory).
     #[arg(long)]
     pub separate: bool,
+    /// Bind each rank process to one core (`core`) or not (`none`).
+    #[arg(long, value_enum, default_value_t = BindArg::None)]
+    pub bind_to: BindArg,
     /// One JSON object per size on stdout instead of the table (the header
     /// goes to stderr).
     #[arg(long)]

@@ -19,7 +19,7 @@ use rmacomm_collectives::{new_comm, Comm, CommOptions, DType, ReduceOp, DEFAULT_
 use rmacomm_transport::TransportConfig;
 use rmacomm_window::WindowOptions;
 
-use crate::cli::{CollArgs, LinkArg, ProviderArg};
+use crate::cli::{BindArg, CollArgs, LinkArg, ProviderArg};
 use crate::coll::{default_iters, default_warmup, redop_name, sweep, Coll};
 use crate::coll_check::{check_output, fill_input, CheckSpec};
 use crate::coll_report::{coll_table_header, coll_table_row, CollRecord};
@@ -214,6 +214,25 @@ impl Drop for Ranks {
     }
 }
 
+/// Binds this process to one CPU: the local rank's position among those
+/// it may run on (modulo their number). Returns the CPU.
+fn bind_to_core() -> Result<usize> {
+    use rustix::thread::{sched_getaffinity, sched_setaffinity, CpuSet};
+    let local = ["LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK"]
+        .iter()
+        .find_map(|v| std::env::var(v).ok().and_then(|s| s.trim().parse::<usize>().ok()))
+        .ok_or_else(|| BenchError::Config("--bind-to core: no LOCAL_RANK to pick a core by".into()))?;
+    let allowed = sched_getaffinity(None).map_err(|e| BenchError::Run(format!("--bind-to core: {e}")))?;
+    let cpus: Vec<usize> = (0..CpuSet::MAX_CPU).filter(|&c| allowed.is_set(c)).collect();
+    let cpu = *cpus
+        .get(local % cpus.len().max(1))
+        .ok_or_else(|| BenchError::Run("--bind-to core: this process may run on no CPU".into()))?;
+    let mut one = CpuSet::new();
+    one.set(cpu);
+    sched_setaffinity(None, &one).map_err(|e| BenchError::Run(format!("--bind-to core: CPU {cpu}: {e}")))?;
+    Ok(cpu)
+}
+
 /// The buffers of one rank, allocated once for the largest size.
 struct Buffers {
     input: Vec<u8>,
@@ -290,6 +309,13 @@ fn rank_main(coll: Coll, a: &CollArgs) -> Result<()> {
         // A rank started by `launch` ends with its launcher.
         let _ = rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::KILL));
     }
+    // This host's cores, before a binding narrows what this process sees.
+    let cores = std::thread::available_parallelism().map_or(0, |c| c.get());
+    // Before the communicator's threads exist: they inherit it.
+    let bound = match a.bind_to {
+        BindArg::None => None,
+        BindArg::Core => Some(bind_to_core()?),
+    };
     let env = std::env::var_os("RMACOMM_PROVIDER").map(|v| v.to_string_lossy().into_owned());
     let (provider, origin) = requested_provider(a.provider.map(provider_name), env.as_deref())?;
     let resolved = resolve(provider, &origin, link_name(a.link), None)?;
@@ -327,7 +353,12 @@ fn rank_main(coll: Coll, a: &CollArgs) -> Result<()> {
         _ => None,
     };
     let mut out = Out { print: me == 0, json: a.json, file, records: Vec::new() };
-    out.header(&header(coll, a, n, resolved.device.name(), resolved.provider_name(), link, &sizes));
+    let cpus = gather_u64(&mut comm, bound.map_or(u64::MAX, |c| c as u64))?;
+    let binding = match bound {
+        None => "none (the scheduler places the ranks)".to_owned(),
+        Some(_) => format!("core: rank r on CPU {}", cpus.iter().map(|c| c.to_string()).collect::<Vec<_>>().join(", ")),
+    };
+    out.header(&header(coll, a, n, resolved.device.name(), resolved.provider_name(), link, &sizes, &binding, cores));
     out.header(&coll_table_header());
 
     let corrupt_at = std::env::var("RDMA_BENCH_TEST_CORRUPT").ok().and_then(|v| v.parse::<u64>().ok());
@@ -438,8 +469,18 @@ fn rank_main(coll: Coll, a: &CollArgs) -> Result<()> {
 }
 
 /// The header block: what ran, where, and how it was timed.
-fn header(coll: Coll, a: &CollArgs, n: usize, device: &str, provider: &str, link: &str, sizes: &[u64]) -> String {
-    let cores = std::thread::available_parallelism().map_or(0, |c| c.get());
+#[allow(clippy::too_many_arguments)]
+fn header(
+    coll: Coll,
+    a: &CollArgs,
+    n: usize,
+    device: &str,
+    provider: &str,
+    link: &str,
+    sizes: &[u64],
+    binding: &str,
+    cores: usize,
+) -> String {
     let ranks = if std::env::var_os(RANK_ENV).is_some() {
         format!("{n} processes on this host (started by rdma_bench --nproc {n})")
     } else {
@@ -481,6 +522,7 @@ fn header(coll: Coll, a: &CollArgs, n: usize, device: &str, provider: &str, link
         "{RULE}\n                    {} through rmacomm_collectives::Comm\n \
          Layer           : new_comm(\"rdma\"): collectives on one-sided windows\n \
          Ranks           : {ranks}, {cores} cores here\n \
+         Binding         : {binding}\n \
          Provider        : {provider}   Device: {device}   Link: {link}\n \
          Window path     : {path}\n \
          Type            : {}{op}{algo}{root}\n \

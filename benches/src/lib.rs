@@ -77,7 +77,7 @@ mod window_engine;
 
 pub use bootstrap::{parse_peer, Control, Hello, Region, Reply, Request, SideInfo, PROTOCOL_VERSION};
 pub use checksum::{pattern_chunk, Checksum};
-pub use cli::{AlgoArg, BenchArgs, Cli, CollArgs, Command, LbArg, LinkArg, PlotArgs, ProviderArg};
+pub use cli::{AlgoArg, BenchArgs, BindArg, Cli, CollArgs, Command, LbArg, LinkArg, PlotArgs, ProviderArg};
 pub use coll::{default_iters, default_warmup, parse_dtype, parse_redop, redop_name, sweep, Coll};
 pub use coll_check::{
     check_output, decode, encode, expected, fill_input, reduce_ref, same, value, CheckResult, CheckSpec, Num,

@@ -565,6 +565,12 @@ fn collective_json_lines_parse_with_types_ops_algorithms_and_roots() {
     assert_eq!((v["type"].as_str(), v["count"].as_u64(), v["wrong"].as_u64()), (Some("i8"), Some(32768), Some(0)));
     let v = &json(&["broadcast", "-s", "100K", "-n", "3", "--root", "1", "--json"])[0];
     assert_eq!((v["root"].as_u64(), v["redop"].as_str(), v["wrong"].as_u64()), (Some(1), None, Some(0)), "{v}");
+    // Bound to one core each (Open MPI's --bind-to core), and the header says where.
+    let o = run(&["all_gather", "-s", "64K", "-n", "3", "--bind-to", "core", "--json"]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}\n{err}");
+    assert!(err.contains("Binding         : core: rank r on CPU "), "{err}");
+    assert!(serde_json::from_str::<serde_json::Value>(out.trim()).unwrap()["wrong"] == 0, "{out}");
     // -c 0: not checked, and the record says so.
     let v = &json(&["all_to_all", "-s", "8K", "-n", "3", "-c", "0", "--json"])[0];
     assert!(v["wrong"].is_null(), "{v}");
