@@ -9,7 +9,26 @@
 #   ib_write_bw / ib_write_lat when an HCA exists.
 # rmacomm rows: the transport (write, write_lat), the raw virtual QP
 # (verbs_write, verbs_write_lat) and the window (put, put_lat, get).
-# Usage: benches/compare.sh [--quick] [--json FILE]
+# Collectives (rdma_bench all_reduce, all_gather, reduce_scatter, all_to_all,
+# broadcast; 2 ranks, f32, sum, one host) beside Open MPI's MPI_Allreduce /
+# MPI_Allgather / MPI_Reduce_scatter_block / MPI_Alltoall / MPI_Bcast
+# (benches/peers/mpi_coll.c) and torch.distributed's gloo backend
+# (benches/peers/torch_coll.py), all timed the same way (nccl-tests': calls
+# back to back after a warm-up, averaged over the ranks), interleaved per
+# operation and repeated --reps times; the table gives medians and time
+# ratios rmacomm / peer (< 1: rmacomm is faster).
+# Usage: benches/compare.sh [--quick] [--json FILE] [--only p2p|coll]
+#                           [--reps N] [--nranks N] [--plot FILE.svg]
+#                           [--bind-to none|core]
+#   --reps N      interleaved repetitions of the collective rows (default 1)
+#   --nranks N    ranks of the collective rows (default 2)
+#   --plot F.svg  all_reduce time against size: rmacomm, Open MPI, gloo
+#                 (medians over the repetitions)
+#   --bind-to core  bind rmacomm's ranks one per core, as Open MPI binds its
+#                 2 ranks by default (default: none, as torchrun does)
+# gloo needs PyTorch: the python of the virtual environment $RMACOMM_TORCH_VENV
+# when set (RMACOMM_TORCH_VENV=none: no gloo rows), else a fresh one under the
+# work directory (`pip install torch`: about a minute and 5.4 GB).
 # As root it installs the missing peers from Debian's packages; otherwise it
 # skips each missing peer and names it.
 set -u
@@ -17,19 +36,39 @@ cd "$(dirname "$0")/.."
 root=$(pwd)
 quick=0
 json_out=""
+only=""
+reps=1
+nranks=2
+plot_out=""
+bind=none
+usage="usage: $0 [--quick] [--json FILE] [--only p2p|coll] [--reps N] [--nranks N] [--plot FILE.svg] [--bind-to none|core]"
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) quick=1 ;;
     --json) json_out=$2; shift ;;
-    *) echo "usage: $0 [--quick] [--json FILE]" >&2; exit 2 ;;
+    --only) only=$2; shift ;;
+    --reps) reps=$2; shift ;;
+    --nranks) nranks=$2; shift ;;
+    --plot) plot_out=$2; shift ;;
+    --bind-to) bind=$2; shift ;;
+    *) echo "$usage" >&2; exit 2 ;;
   esac
   shift
 done
+case "$only" in ""|p2p|coll) ;; *) echo "$usage" >&2; exit 2 ;; esac
+case "$bind" in none|core) ;; *) echo "$usage" >&2; exit 2 ;; esac
+case "$reps$nranks" in *[!0-9]*) echo "$usage" >&2; exit 2 ;; esac
+[ -n "$plot_out" ] && plot_out=$(realpath -m "$plot_out")
+[ -n "$json_out" ] && json_out=$(realpath -m "$json_out")
 work=$(mktemp -d "${TMPDIR:-/tmp}/rmacomm-compare.XXXXXX")
 trap 'rm -rf "$work"' EXIT
 res="$work/results.jsonl"
+coll_res="$work/collectives.jsonl"
 : >"$res"
+: >"$coll_res"
 log() { echo "# $*" >&2; }
+p2p() { [ "$only" != coll ]; }
+coll() { [ "$only" != p2p ]; }
 
 # --- peers ---------------------------------------------------------------
 need=()
@@ -52,11 +91,62 @@ fi
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$root/target}
 cargo build --release -q -p rmacomm-bench --bin rdma_bench || exit 1
 rb="$CARGO_TARGET_DIR/release/rdma_bench"
+port() { python3 -c 'import socket;s=socket.socket();s.bind(("127.0.0.1",0));print(s.getsockname()[1])'; }
+
+# --- collectives: rmacomm, Open MPI, gloo, interleaved ----------------------
+if coll; then
+  coll_ops="all_reduce all_gather reduce_scatter all_to_all broadcast"
+  coll_max=$([ $quick = 1 ] && echo 1048576 || echo 67108864)
+  coll_sizes=$(python3 -c "print(' '.join(str(1 << i) for i in range(12, ($coll_max).bit_length())))")
+  mpi_coll=""
+  if command -v mpicc >/dev/null && command -v mpirun >/dev/null; then
+    if mpicc -O2 -o "$work/mpi_coll" benches/peers/mpi_coll.c 2>"$work/mpicc_coll.log"; then
+      mpi_coll="$work/mpi_coll"
+      mpi_label="Open MPI $(ompi_info --version 2>/dev/null | awk '/v[0-9]/ {sub(/^v/, "", $NF); print $NF; exit}')"
+    else log "skipped Open MPI collectives: mpicc failed"; cat "$work/mpicc_coll.log" >&2; fi
+  else log "skipped Open MPI collectives: mpicc/mpirun not installed"; fi
+  torch_py=""
+  if [ "${RMACOMM_TORCH_VENV:-}" = none ]; then
+    log "skipped gloo: RMACOMM_TORCH_VENV=none"
+  else
+    venv=${RMACOMM_TORCH_VENV:-$work/torch-venv}
+    if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c 'import torch' 2>/dev/null; then
+      log "installing torch into $venv (pip install torch: about a minute, 5.4 GB)"
+      { python3 -m venv "$venv" && "$venv/bin/pip" install -q torch; } >"$work/pip.log" 2>&1 \
+        || { log "skipped gloo: pip install torch failed:"; tail -3 "$work/pip.log" >&2; }
+    fi
+    if "$venv/bin/python" -c 'import torch.distributed as d; assert d.is_gloo_available()' 2>/dev/null; then
+      torch_py="$venv/bin/python"
+      torch_label="torch $("$torch_py" -c 'import torch; print(torch.__version__.split("+")[0])') gloo"
+    else log "skipped gloo: no torch with gloo in $venv"; fi
+  fi
+  tag() { sed "s/^{/{\"rep\":$1,/" | grep '^{'; }
+  for rep in $(seq 1 "$reps"); do
+    for op in $coll_ops; do
+      log "collectives, repetition $rep/$reps: $op (rmacomm, Open MPI, gloo; $nranks ranks)"
+      "$rb" $op --nproc "$nranks" --bind-to "$bind" -a --min 4K --max "$coll_max" --json >"$work/coll.out" 2>>"$work/coll.err" \
+        || { log "rdma_bench $op failed:"; tail -5 "$work/coll.err" >&2; exit 1; }
+      tag "$rep" <"$work/coll.out" >>"$coll_res"
+      if [ -n "$mpi_coll" ]; then
+        timeout 600 mpirun --allow-run-as-root --oversubscribe -np "$nranks" "$mpi_coll" "$mpi_label" $op $coll_sizes \
+          >"$work/peer.out" 2>"$work/peer.err" || { log "mpi_coll $op failed:"; tail -5 "$work/peer.err" >&2; }
+        tag "$rep" <"$work/peer.out" >>"$coll_res"
+      fi
+      if [ -n "$torch_py" ]; then
+        OMP_NUM_THREADS=1 timeout 900 "$torch_py" -m torch.distributed.run --nproc-per-node "$nranks" \
+          --master-port "$(port)" benches/peers/torch_coll.py "$torch_label" $op $coll_sizes \
+          >"$work/peer.out" 2>"$work/peer.err" || { log "gloo $op failed:"; tail -5 "$work/peer.err" >&2; }
+        tag "$rep" <"$work/peer.out" >>"$coll_res"
+      fi
+    done
+  done
+fi
+
 bw_sizes="65536 1048576 16777216 268435456"
 [ $quick = 1 ] && bw_sizes="65536 1048576 16777216"
 lat_n=$([ $quick = 1 ] && echo 2000 || echo 20000)
 max=$(echo $bw_sizes | tr ' ' '\n' | tail -1)
-for link in shm tcp; do
+p2p && for link in shm tcp; do
   for op in write verbs_write put get; do
     log "rdma_bench $op over $link"
     "$rb" $op -a --min 64K --max "$max" --link $link --json >>"$res" || { log "rdma_bench $op failed"; exit 1; }
@@ -66,16 +156,16 @@ for link in shm tcp; do
   "$rb" put_lat -s 8 -n "$lat_n" --link $link --json >>"$res" || exit 1
 done
 hca=0
-if "$rb" write --provider verbs -s 8 -n 2 >/dev/null 2>&1; then hca=1; fi
+if p2p && "$rb" write --provider verbs -s 8 -n 2 >/dev/null 2>&1; then hca=1; fi
 
-port() { python3 -c 'import socket;s=socket.socket();s.bind(("127.0.0.1",0));print(s.getsockname()[1])'; }
-
-if command -v cc >/dev/null; then
+if ! p2p; then :
+elif command -v cc >/dev/null; then
   log "memcpy"
   cc -O2 -o "$work/memcpy_bw" benches/peers/memcpy_bw.c && "$work/memcpy_bw" $bw_sizes >>"$res"
 else log "skipped memcpy: no C compiler"; fi
 
-if command -v iperf3 >/dev/null; then
+if ! p2p; then :
+elif command -v iperf3 >/dev/null; then
   log "iperf3"
   p=$(port)
   iperf3 -s -1 -p "$p" >/dev/null 2>&1 & spid=$!
@@ -107,7 +197,8 @@ ucx() { # peer-label link env test size iters [args]
       printf "{\"peer\":\"%s\",\"test\":\"%s\",\"link\":\"%s\",\"bytes\":%s,\"lat_us\":%s,\"GBps\":%.4f}\n", l, t, k, s, $3, $6*1048576/1e9 }' \
     "$work/ucx_cli.log"
 }
-if command -v ucx_perftest >/dev/null; then
+if ! p2p; then :
+elif command -v ucx_perftest >/dev/null; then
   log "UCX"
   ucx "ucx ucp_put_lat (posix,cma)" shm "UCX_TLS=posix,cma" ucp_put_lat 8 "$lat_n" >>"$res"
   for s in $bw_sizes; do
@@ -119,7 +210,8 @@ if command -v ucx_perftest >/dev/null; then
   done
 else log "skipped UCX: ucx_perftest not installed"; fi
 
-if command -v mpicc >/dev/null && command -v mpirun >/dev/null; then
+if ! p2p; then :
+elif command -v mpicc >/dev/null && command -v mpirun >/dev/null; then
   log "Open MPI"
   if mpicc -O2 -o "$work/mpi_put" benches/peers/mpi_put.c 2>"$work/mpicc.log"; then
     run="mpirun --allow-run-as-root --oversubscribe -np 2"
@@ -131,7 +223,8 @@ if command -v mpicc >/dev/null && command -v mpirun >/dev/null; then
   else log "skipped Open MPI: mpicc failed"; cat "$work/mpicc.log" >&2; fi
 else log "skipped Open MPI: mpicc/mpirun not installed"; fi
 
-if [ $hca = 1 ] && command -v ib_write_bw >/dev/null; then
+if ! p2p; then :
+elif [ $hca = 1 ] && command -v ib_write_bw >/dev/null; then
   log "perftest (HCA)"
   "$rb" write --provider verbs -a --min 64K --max "$max" --json | sed 's/"link":"hca"/"link":"hca"/' >>"$res"
   "$rb" write_lat --provider verbs -s 8 --json >>"$res"
@@ -152,10 +245,10 @@ else
   log "skipped perftest ib_write_bw/ib_write_lat: no RDMA device here"
 fi
 
-[ -n "$json_out" ] && cp "$res" "$json_out"
+[ -n "$json_out" ] && cat "$res" "$coll_res" >"$json_out"
 
 # --- one table of ratios ---------------------------------------------------
-python3 - "$res" <<'PY'
+p2p && python3 - "$res" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
 ours = [r for r in rows if "op" in r]
@@ -212,3 +305,68 @@ print("answered by wait_signal + put + signal); MPI put+flush latency: one put c
 print("round trip); UCX put_lat: half round trip. put bandwidth includes a signal the peer answers at the")
 print("end of each batch; get and MPI get+flush read the peer's buffer; UCX ucp_get likewise.")
 PY
+
+# --- collectives: medians over the repetitions, time ratios ---------------
+coll && python3 - "$coll_res" "$work/coll_medians.jsonl" <<'PY'
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
+def who(r):
+    return r.get("peer") or "rmacomm"
+# (op, size, who) -> {rep: record}
+by = {}
+for r in rows:
+    by.setdefault((r["op"], r["bytes"], who(r)), {})[r.get("rep", 1)] = r
+med = lambda xs: statistics.median(xs) if xs else None
+# Medians per series, for the plot.
+with open(sys.argv[2], "w") as f:
+    for (op, size, w), reps in sorted(by.items()):
+        rs = list(reps.values())
+        m = dict(rs[0])
+        m.pop("rep", None)
+        m["time_us"] = med([r["time_us"] for r in rs])
+        m["algbw_GBps"] = size / m["time_us"] / 1e3
+        m["busbw_GBps"] = med([r["busbw_GBps"] for r in rs])
+        print(json.dumps(m), file=f)
+def size_name(n):
+    for u, s in ((1 << 20, "MiB"), (1 << 10, "KiB")):
+        if n >= u:
+            return "%d %s" % (n // u, s)
+    return "%d B" % n
+def num(x):
+    # Three significant digits, never an exponent.
+    for lim, f in ((100, "%.0f"), (10, "%.1f"), (1, "%.2f"), (0, "%.3f")):
+        if abs(x) >= lim:
+            return f % x
+    return "%.3g" % x
+def rng(xs):
+    return num(med(xs)) + ("" if len(xs) < 2 else " (%s–%s)" % (num(min(xs)), num(max(xs))))
+peers = sorted({w for (_, _, w) in by if w != "rmacomm"})
+show = {4096, 1048576, 16777216, 67108864}
+ops = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"]
+print("| op | size | rmacomm µs | peer | peer µs | ratio rmacomm/peer |")
+print("|---|---|---|---|---|---|")
+for op in ops:
+    for size in sorted({s for (o, s, _) in by if o == op and s in show}):
+        mine = by.get((op, size, "rmacomm"), {})
+        if not mine:
+            continue
+        for p in peers:
+            theirs = by.get((op, size, p), {})
+            common = sorted(set(mine) & set(theirs))
+            if not common:
+                continue
+            ratios = [mine[k]["time_us"] / theirs[k]["time_us"] for k in common]
+            print("| %s | %s | %s | %s | %s | %s |" % (
+                op, size_name(size), rng([mine[k]["time_us"] for k in common]), p,
+                rng([theirs[k]["time_us"] for k in common]), rng(ratios)))
+bad = [r for r in rows if r.get("wrong")]
+print()
+print("time per call (µs): calls back to back after a warm-up, averaged over the ranks; median of %d"
+      " interleaved repetition(s), (min–max) when more than one." % max([r.get("rep", 1) for r in rows] or [1]))
+print("ratio = rmacomm time / peer time, the median of the per-repetition ratios: < 1 means rmacomm is faster.")
+print("every result was checked element by element" + ("" if not bad else "; WRONG RESULTS: %d rows" % len(bad)))
+PY
+if coll && [ -n "$plot_out" ]; then
+  grep '"op": *"all_reduce"' "$work/coll_medians.jsonl" >"$work/all_reduce.jsonl" \
+    && "$rb" plot -o "$plot_out" "$work/all_reduce.jsonl"
+fi

@@ -5,6 +5,9 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
+use rmacomm_collectives::{DType, ReduceOp};
+
+use crate::coll::{parse_dtype, parse_redop};
 use crate::size::size_arg;
 
 /// perftest-style bandwidth and latency of rmacomm's layers.
@@ -23,13 +26,27 @@ pub struct Cli {
 
 /// The commands: one per measured operation, and helpers.
 ///
-/// Operations of the one-sided window (`rmacomm_window::Window`), through
-/// the transport layer (`RdmaTransport`) and on the raw virtual QP
-/// (`ibverbx::VirtualQp`, no transport layer) sit side by side; collective
-/// (`allreduce`, `allgather`, `alltoall`) operations join this enum when
-/// that layer exists.
+/// Collectives of `rmacomm_collectives::Comm` (N ranks, nccl-tests'
+/// columns), operations of the one-sided window (`rmacomm_window::Window`),
+/// through the transport layer (`RdmaTransport`) and on the raw virtual QP
+/// (`ibverbx::VirtualQp`, no transport layer) sit side by side.
 #[derive(Debug, Subcommand)]
 pub enum Command {
+    /// all_reduce in place (nccl-tests' all_reduce_perf).
+    #[command(name = "all_reduce")]
+    AllReduce(CollArgs),
+    /// all_gather_single: size / N bytes from every rank to every rank.
+    #[command(name = "all_gather")]
+    AllGather(CollArgs),
+    /// reduce_scatter_single: size bytes in, size / N reduced bytes out.
+    #[command(name = "reduce_scatter")]
+    ReduceScatter(CollArgs),
+    /// all_to_all_single: size bytes in and out, size / N per peer.
+    #[command(name = "all_to_all")]
+    AllToAll(CollArgs),
+    /// broadcast of size bytes from --root.
+    #[command(name = "broadcast")]
+    Broadcast(CollArgs),
     /// Window put bandwidth: puts into the peer's registered tensor, each
     /// batch (warm-up, measured part) ended by a signal the peer answers.
     #[command(name = "put")]
@@ -198,6 +215,122 @@ pub struct BenchArgs {
     #[arg(long, value_name = "FILE")]
     pub out_json: Option<PathBuf>,
     /// Draw bandwidth/latency against size into this SVG.
+    #[arg(long, value_name = "FILE.svg")]
+    pub plot: Option<PathBuf>,
+}
+
+/// An all-reduce algorithm hint (`rmacomm::algo`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum AlgoArg {
+    /// Every rank sends its whole buffer to every rank and reduces all of
+    /// them itself (the library's default up to 64 KiB).
+    Oneshot,
+    /// Reduce-scatter then all-gather, every pair at once (the default
+    /// above 64 KiB).
+    Direct,
+    /// Reduce-scatter and all-gather around the ring.
+    Ring,
+}
+
+impl AlgoArg {
+    /// The hint's value.
+    pub fn name(self) -> &'static str {
+        match self {
+            AlgoArg::Oneshot => "oneshot",
+            AlgoArg::Direct => "direct",
+            AlgoArg::Ring => "ring",
+        }
+    }
+}
+
+/// Where each rank process may run (Open MPI's `--bind-to`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BindArg {
+    /// Anywhere this process may run (as torchrun and rmacomm-run start
+    /// ranks).
+    None,
+    /// One core each: local rank r on the r-th CPU this process may run
+    /// on (modulo their number), as Open MPI binds 2 ranks by default.
+    Core,
+}
+
+/// Options of the collectives (nccl-tests' meanings where they have one).
+///
+/// The ranks are processes: under a launcher that sets torchrun's variables
+/// (`rmacomm-run --nproc-per-node N`, `torchrun`, or `mpirun -x
+/// MASTER_ADDR -x MASTER_PORT`) each process is one rank and rank 0
+/// prints; otherwise `rdma_bench` starts `--nproc` rank processes of itself
+/// on this host (default 2) and waits for them.
+#[derive(Debug, Clone, Args)]
+pub struct CollArgs {
+    /// Start this many rank processes on this host (default 2 when no
+    /// launcher's variables are set; given, it wins over them).
+    #[arg(long, value_name = "N", alias = "np")]
+    pub nproc: Option<usize>,
+    /// Size in bytes (K, M, G suffixes): nccl-tests' size, the larger of a
+    /// rank's input and output [default: 1M].
+    #[arg(short = 's', long, value_parser = size_arg, conflicts_with = "all")]
+    pub size: Option<u64>,
+    /// Sweep sizes: powers of two from --min to --max (rounded down to
+    /// whole elements per rank, as nccl-tests does).
+    #[arg(short = 'a', long)]
+    pub all: bool,
+    /// Smallest size of a sweep.
+    #[arg(long, value_parser = size_arg, default_value = "4")]
+    pub min: u64,
+    /// Largest size of a sweep.
+    #[arg(long, value_parser = size_arg, default_value = "64M")]
+    pub max: u64,
+    /// Measured iterations per size (default: about 256 MiB per size,
+    /// 20 ..= 1000).
+    #[arg(short = 'n', long)]
+    pub iters: Option<u64>,
+    /// Iterations before measuring (default: a tenth of -n, 5 ..= 100).
+    #[arg(short = 'w', long)]
+    pub warmup: Option<u64>,
+    /// Element type: f32, f64, f16, bf16, i8, u8, i32, i64 (torch names
+    /// too).
+    #[arg(long, value_parser = parse_dtype, default_value = "f32")]
+    pub dtype: DType,
+    /// Reduction (all_reduce, reduce_scatter): sum, prod, min, max, avg,
+    /// band, bor, bxor, premul_sum:FACTOR [default: sum].
+    #[arg(long, value_parser = parse_redop)]
+    pub op: Option<ReduceOp>,
+    /// all_reduce algorithm, passed as the hint rmacomm::algo [default:
+    /// the library's choice].
+    #[arg(long, value_enum)]
+    pub algo: Option<AlgoArg>,
+    /// Root rank (broadcast) [default: 0].
+    #[arg(long)]
+    pub root: Option<usize>,
+    /// Check the result once per size (nccl-tests' -c): 1 = yes, 0 = no.
+    #[arg(short = 'c', long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(0..=1))]
+    pub check: u8,
+    /// The communicator's pipelining chunk (CommOptions::slot_bytes)
+    /// [default: the library's, 1 MiB].
+    #[arg(long, value_parser = size_arg)]
+    pub slot_bytes: Option<u64>,
+    /// Provider [default: `RMACOMM_PROVIDER`, else auto].
+    #[arg(long, value_enum)]
+    pub provider: Option<ProviderArg>,
+    /// Soft provider link (tcp: every pair SEPARATE through the transport).
+    #[arg(long, value_enum, default_value_t = LinkArg::Auto)]
+    pub link: LinkArg,
+    /// Reach same-host peers through the transport too (the window's
+    /// SEPARATE path; default: UNIFIED, mapped shared memory).
+    #[arg(long)]
+    pub separate: bool,
+    /// Bind each rank process to one core (`core`) or not (`none`).
+    #[arg(long, value_enum, default_value_t = BindArg::None)]
+    pub bind_to: BindArg,
+    /// One JSON object per size on stdout instead of the table (the header
+    /// goes to stderr).
+    #[arg(long)]
+    pub json: bool,
+    /// Also write the JSON lines to this file.
+    #[arg(long, value_name = "FILE")]
+    pub out_json: Option<PathBuf>,
+    /// Draw time and bus bandwidth against size into this SVG.
     #[arg(long, value_name = "FILE.svg")]
     pub plot: Option<PathBuf>,
 }

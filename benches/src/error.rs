@@ -13,6 +13,15 @@ pub enum BenchError {
     Run(String),
     /// The data at the destination is not what was sent. Exit status 3.
     Verification(String),
+    /// Exit with this status, the reason having been printed already (a
+    /// rank of a collective run that failed, or that leaves the report of
+    /// a failure every rank saw to rank 0).
+    Exit {
+        /// The rank that failed.
+        rank: usize,
+        /// Its exit status.
+        code: i32,
+    },
 }
 
 impl BenchError {
@@ -27,6 +36,7 @@ impl BenchError {
             BenchError::Config(_) => 2,
             BenchError::Run(_) => 1,
             BenchError::Verification(_) => 3,
+            BenchError::Exit { code, .. } => *code,
         }
     }
 }
@@ -37,6 +47,7 @@ impl fmt::Display for BenchError {
             BenchError::Config(m) => write!(f, "{m}"),
             BenchError::Run(m) => write!(f, "{m}"),
             BenchError::Verification(m) => write!(f, "DATA VERIFICATION FAILED: {m}"),
+            BenchError::Exit { rank, code } => write!(f, "rank {rank} exited with status {code}"),
         }
     }
 }

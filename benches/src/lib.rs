@@ -6,10 +6,15 @@
 //! cargo run --release -p rmacomm-bench --bin rdma_bench -- write -a --local
 //! cargo run --release -p rmacomm-bench --bin rdma_bench -- verbs_write -a --link tcp --json
 //! cargo run --release -p rmacomm-bench --bin rdma_bench -- put -a --min 64K --local
+//! cargo run --release -p rmacomm-bench --bin rdma_bench -- all_reduce -a --nproc 2
+//! rmacomm-run --nproc-per-node 4 rdma_bench all_gather -s 1M   # ranks from a launcher
 //! rdma_bench write_lat --server                 # host A: prints the port
 //! rdma_bench write_lat --client hostA:18515     # host B
 //! ```
-//! Operations of the window (`put`, `put_lat`, `get`: two ranks of an
+//! Collectives (`all_reduce`, `all_gather`, `reduce_scatter`,
+//! `all_to_all`, `broadcast`: `rmacomm_collectives::Comm` over N rank
+//! processes, nccl-tests' columns and bus bandwidth, every size checked
+//! against a reference), operations of the window (`put`, `put_lat`, `get`: two ranks of an
 //! `rmacomm_window::Group`, the server rank 0 hosting its `TcpStore`),
 //! through the transport (`write`, `read`, `write_lat`, `read_lat`) and on
 //! the raw virtual QP (`verbs_write`, `verbs_write_lat`, `verbs_read`)
@@ -26,18 +31,23 @@
 //! UCX, Open MPI, perftest) as ratios.
 //!
 //! # Thread safety
-//! A run is two processes; each uses one measuring thread (plus the
+//! A run is two processes (a collective run: N ranks, plus the `--nproc`
+//! launcher waiting for them); each uses one measuring thread (plus the
 //! transport's or the window's runtime worker, or the raw server's
 //! responder thread).
 //!
 //! # Resource cleanup
-//! The `--local` server process is killed if the client fails; buffers
+//! The `--local` server process is killed if the client fails, the
+//! `--nproc` ranks if one of them fails or the launcher dies; buffers
 //! are deregistered when each process exits.
 //!
 //! # Organization
 //! Sans-IO, unit-tested: `size` (parsing, sweeps), `stats` (latency and
 //! bandwidth figures), `checksum`, `plan` (iterations), `report` (tables,
-//! JSON), `plot` (SVG). I/O: `cli`, `device` (provider and device
+//! JSON), `plot` (SVG), `coll` (collectives' sizes, counts, bus factors),
+//! `coll_check` (the collectives' reference results), `coll_report`
+//! (their table and JSON). `coll_run` runs the ranks and the `--nproc`
+//! launcher. I/O: `cli`, `device` (provider and device
 //! choice), `bootstrap` (the TCP control connection), `engine` with
 //! `window_engine`, `transport_engine` and `verbs_engine` (the three
 //! measured layers), `run` (client, server, `--local`).
@@ -47,6 +57,10 @@
 mod bootstrap;
 mod checksum;
 mod cli;
+mod coll;
+mod coll_check;
+mod coll_report;
+mod coll_run;
 mod device;
 mod engine;
 mod error;
@@ -63,12 +77,18 @@ mod window_engine;
 
 pub use bootstrap::{parse_peer, Control, Hello, Region, Reply, Request, SideInfo, PROTOCOL_VERSION};
 pub use checksum::{pattern_chunk, Checksum};
-pub use cli::{BenchArgs, Cli, Command, LbArg, LinkArg, PlotArgs, ProviderArg};
+pub use cli::{AlgoArg, BenchArgs, BindArg, Cli, CollArgs, Command, LbArg, LinkArg, PlotArgs, ProviderArg};
+pub use coll::{default_iters, default_warmup, parse_dtype, parse_redop, redop_name, sweep, Coll};
+pub use coll_check::{
+    check_output, decode, encode, expected, fill_input, reduce_ref, same, value, CheckResult, CheckSpec, Num,
+};
+pub use coll_report::{coll_table_header, coll_table_row, CollRecord};
+pub use coll_run::run_coll;
 pub use device::{link_used, resolve, Resolved};
 pub use error::{BenchError, Result};
 pub use host::HostInfo;
 pub use plan::{plan, Measure, Plan, BW_BUDGET, LAT_BUDGET};
-pub use plot::{series_name, write_svg};
+pub use plot::{series_name, write_coll_svg, write_svg};
 pub use report::{table_header, table_row, Kind, Record, RunInfo, RULE};
 pub use run::{run_op, Op};
 pub use size::{format_size, parse_size, size_arg, sweep_sizes};
@@ -80,6 +100,11 @@ pub use stats::{
 /// Runs `rdma_bench` with the given command line; returns the exit status.
 pub fn main_with(cli: Cli) -> i32 {
     let r = match cli.command {
+        Command::AllReduce(a) => run_coll(Coll::AllReduce, &a),
+        Command::AllGather(a) => run_coll(Coll::AllGather, &a),
+        Command::ReduceScatter(a) => run_coll(Coll::ReduceScatter, &a),
+        Command::AllToAll(a) => run_coll(Coll::AllToAll, &a),
+        Command::Broadcast(a) => run_coll(Coll::Broadcast, &a),
         Command::Put(a) => run_op(Op::Put, &a),
         Command::PutLat(a) => run_op(Op::PutLat, &a),
         Command::Get(a) => run_op(Op::Get, &a),
@@ -94,6 +119,8 @@ pub fn main_with(cli: Cli) -> i32 {
     };
     match r {
         Ok(()) => 0,
+        // Already reported by the rank that failed.
+        Err(e @ BenchError::Exit { .. }) => e.exit_code(),
         Err(e) => {
             eprintln!("rdma_bench: error: {e}");
             e.exit_code()
@@ -103,15 +130,32 @@ pub fn main_with(cli: Cli) -> i32 {
 
 fn plot_files(p: &PlotArgs) -> Result<()> {
     let mut records = Vec::new();
+    let mut colls = Vec::new();
     for f in &p.inputs {
         let text = std::fs::read_to_string(f).map_err(|e| BenchError::Config(format!("{}: {e}", f.display())))?;
         for (i, line) in text.lines().enumerate().filter(|(_, l)| l.trim_start().starts_with('{')) {
-            records.push(serde_json::from_str::<Record>(line).map_err(|e| {
+            let bad = |e: serde_json::Error| {
                 BenchError::Config(format!("{}:{}: not an rdma_bench record: {e}", f.display(), i + 1))
-            })?);
+            };
+            // Collective records carry a time per call; the others do not.
+            let v: serde_json::Value = serde_json::from_str(line).map_err(bad)?;
+            if v.get("time_us").is_some() {
+                colls.push(serde_json::from_value::<CollRecord>(v).map_err(bad)?);
+            } else {
+                records.push(serde_json::from_value::<Record>(v).map_err(bad)?);
+            }
         }
     }
-    write_svg(&p.out, &records).map_err(BenchError::Run)?;
-    eprintln!("plot: {} ({} records)", p.out.display(), records.len());
+    if !colls.is_empty() && !records.is_empty() {
+        return Err(BenchError::Config(
+            "these files mix collective records (time_us) with point-to-point ones: plot them separately".into(),
+        ));
+    }
+    if colls.is_empty() {
+        write_svg(&p.out, &records).map_err(BenchError::Run)?;
+    } else {
+        write_coll_svg(&p.out, &colls).map_err(BenchError::Run)?;
+    }
+    eprintln!("plot: {} ({} records)", p.out.display(), records.len() + colls.len());
     Ok(())
 }

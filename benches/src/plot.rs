@@ -7,6 +7,7 @@ use std::path::Path;
 
 use plotters::prelude::*;
 
+use crate::coll_report::CollRecord;
 use crate::report::Record;
 use crate::size::format_size;
 
@@ -35,6 +36,21 @@ fn group(records: &[Record], y: impl Fn(&Record) -> Option<f64>) -> Series {
     for r in records {
         if let Some(v) = y(r).filter(|v| *v > 0.0) {
             m.entry(series_name(r)).or_default().push((r.bytes as f64, v));
+        }
+    }
+    for pts in m.values_mut() {
+        pts.sort_by(|a, b| a.0.total_cmp(&b.0));
+    }
+    m
+}
+
+/// Series of collective records: `y` of each against its size.
+fn coll_group(records: &[CollRecord], y: impl Fn(&CollRecord) -> f64) -> Series {
+    let mut m: Series = BTreeMap::new();
+    for r in records {
+        let v = y(r);
+        if v > 0.0 && v.is_finite() {
+            m.entry(r.series()).or_default().push((r.bytes as f64, v));
         }
     }
     for pts in m.values_mut() {
@@ -136,6 +152,32 @@ pub fn write_svg(path: &Path, records: &[Record]) -> Result<(), String> {
     Ok(())
 }
 
+/// Draws collective records (rdma_bench's and, from compare.sh, other
+/// libraries') into an SVG: time per call and bus bandwidth against size,
+/// side by side, one line per series (operation, library, ranks, type).
+pub fn write_coll_svg(path: &Path, records: &[CollRecord]) -> Result<(), String> {
+    let time = coll_group(records, |r| r.time_us);
+    let bus = coll_group(records, |r| r.busbw_GBps);
+    if time.is_empty() {
+        return Err("nothing to plot: no times were measured".into());
+    }
+    let mut colors = BTreeMap::new();
+    for name in time.keys().chain(bus.keys()) {
+        let n = colors.len();
+        colors.entry(name.clone()).or_insert(COLORS[n % COLORS.len()]);
+    }
+    let panels = 1 + usize::from(!bus.is_empty());
+    let root = SVGBackend::new(path, (760 * panels as u32, 520)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| e.to_string())?;
+    let areas = root.split_evenly((1, panels));
+    panel(&areas[0], "Time per call (lower is better)", "usec", &time, &colors)?;
+    if !bus.is_empty() {
+        panel(&areas[1], "Bus bandwidth (nccl-tests)", "GB/s (10^9 B/s)", &bus, &colors)?;
+    }
+    root.present().map_err(|e| format!("writing {}: {e}", path.display()))?;
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -169,5 +211,43 @@ mod tests {
         assert!(svg.contains("<polyline"));
         std::fs::remove_dir_all(&dir).unwrap();
         assert!(write_svg(&p, &[]).is_err());
+    }
+
+    #[test]
+    fn collective_svg_has_time_and_busbw_of_every_series() {
+        let rec = |peer: Option<&str>, bytes: u64, t: f64| CollRecord {
+            op: "all_reduce".into(),
+            bytes,
+            count: bytes / 4,
+            dtype: "f32".into(),
+            redop: Some("sum".into()),
+            root: None,
+            algo: None,
+            ranks: 2,
+            iterations: 20,
+            time_us: t,
+            time_max_us: None,
+            algbw_GBps: bytes as f64 / t / 1e3,
+            busbw_GBps: bytes as f64 / t / 1e3,
+            wrong: Some(0),
+            provider: "soft".into(),
+            link: "shm".into(),
+            peer: peer.map(str::to_owned),
+        };
+        let recs: Vec<CollRecord> = [4096u64, 1 << 20, 64 << 20]
+            .iter()
+            .flat_map(|&b| [rec(None, b, b as f64 / 1e4 + 2.0), rec(Some("Open MPI 4.1"), b, b as f64 / 5e3 + 1.0)])
+            .collect();
+        let dir = std::env::temp_dir().join(format!("rdma_bench_coll_plot_{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("c.svg");
+        write_coll_svg(&p, &recs).unwrap();
+        let svg = std::fs::read_to_string(&p).unwrap();
+        assert!(svg.trim_end().ends_with("</svg>"));
+        assert!(svg.contains("all_reduce rmacomm soft/shm (2 ranks, f32)"), "rmacomm series missing");
+        assert!(svg.contains("all_reduce Open MPI 4.1 (2 ranks, f32)"), "peer series missing");
+        assert!(svg.contains("Time per call") && svg.contains("Bus bandwidth"));
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert!(write_coll_svg(&p, &[]).is_err());
     }
 }

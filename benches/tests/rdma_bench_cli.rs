@@ -435,3 +435,242 @@ impl Drop for Server {
         }
     }
 }
+
+// --- collectives -----------------------------------------------------------
+
+/// The keys of a collective's JSON line.
+const COLL_KEYS: [&str; 16] = [
+    "op",
+    "bytes",
+    "count",
+    "type",
+    "redop",
+    "root",
+    "algo",
+    "ranks",
+    "iterations",
+    "time_us",
+    "time_max_us",
+    "algbw_GBps",
+    "busbw_GBps",
+    "wrong",
+    "provider",
+    "link",
+];
+
+/// The rows of a collective's table: the lines after the column header's
+/// two lines, up to the rule.
+fn coll_rows(out: &str) -> Vec<Vec<String>> {
+    let mut lines = out.lines().skip_while(|l| !(l.starts_with('#') && l.contains("size[B]")));
+    let header = lines.next().unwrap_or_else(|| panic!("no column header in:\n{out}"));
+    for col in ["size[B]", "count", "type", "redop", "root", "time[us]", "algbw", "busbw", "#wrong"] {
+        assert!(header.contains(col), "{col} missing: {header}");
+    }
+    assert!(lines.next().is_some_and(|u| u.starts_with('#') && u.contains("(GB/s)")), "{out}");
+    lines.take_while(|l| !l.starts_with("---")).map(|l| l.split_whitespace().map(str::to_owned).collect()).collect()
+}
+
+/// nccl-tests' bus-bandwidth factor.
+fn bus_factor(op: &str, n: f64) -> f64 {
+    match op {
+        "all_reduce" => 2.0 * (n - 1.0) / n,
+        "broadcast" => 1.0,
+        _ => (n - 1.0) / n,
+    }
+}
+
+/// Every collective with two rank processes (`--nproc 2`), a short sweep:
+/// the table parses, counts follow nccl-tests, busbw = algbw × the factor,
+/// and the check passed (#wrong 0).
+#[test]
+fn collectives_with_two_ranks_print_nccl_tests_tables_and_pass_the_check() {
+    for op in ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"] {
+        let out = ok(&[op, "--nproc", "2", "-a", "--min", "4K", "--max", "64K", "-n", "5"]);
+        assert!(out.contains(&format!("{op} through rmacomm_collectives::Comm")), "{out}");
+        assert!(out.contains("Ranks           : 2 processes") && out.contains("Link: shm"), "{out}");
+        let rows = coll_rows(&out);
+        let sizes: Vec<u64> = rows.iter().map(|r| r[0].parse().unwrap()).collect();
+        assert_eq!(sizes, [4096, 8192, 16384, 32768, 65536], "{out}");
+        for r in &rows {
+            let (size, count): (u64, u64) = (r[0].parse().unwrap(), r[1].parse().unwrap());
+            let per_rank = matches!(op, "all_gather" | "reduce_scatter" | "all_to_all");
+            assert_eq!(count, size / 4 / if per_rank { 2 } else { 1 }, "{op}: {r:?}");
+            assert_eq!(r[2], "f32");
+            assert_eq!(r[3], if matches!(op, "all_reduce" | "reduce_scatter") { "sum" } else { "none" }, "{r:?}");
+            assert_eq!(r[4], if op == "broadcast" { "0" } else { "-1" }, "{r:?}");
+            let (time, algbw, busbw): (f64, f64, f64) =
+                (r[5].parse().unwrap(), r[6].parse().unwrap(), r[7].parse().unwrap());
+            assert!(time > 0.0 && algbw > 0.0, "{r:?}");
+            assert!((busbw - algbw * bus_factor(op, 2.0)).abs() <= 0.002, "{op}: {r:?}");
+            assert_eq!((r[8].as_str(), r[9].as_str()), ("0", "5"), "{r:?}");
+        }
+        assert!(out.contains("every rank's output matched the reference"), "{out}");
+    }
+}
+
+/// `--json` lines (and `--out-json`, `--plot`) with other types, ops,
+/// algorithms and a root; the window's SEPARATE path over tcp.
+#[test]
+fn collective_json_lines_parse_with_types_ops_algorithms_and_roots() {
+    let file = tmp("coll.json");
+    let svg = tmp("coll.svg");
+    let (f, p) = (file.to_str().unwrap(), svg.to_str().unwrap());
+    let json = |args: &[&str]| -> Vec<serde_json::Value> {
+        ok(args).lines().map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}"))).collect()
+    };
+    let lines =
+        json(&["all_reduce", "-a", "--min", "1K", "--max", "4K", "-n", "4", "--json", "--out-json", f, "--plot", p]);
+    assert_eq!(lines.len(), 3);
+    for (v, bytes) in lines.iter().zip([1024, 2048, 4096]) {
+        let mut keys: Vec<&str> = v.as_object().unwrap().keys().map(String::as_str).collect();
+        keys.sort_unstable();
+        let mut want = COLL_KEYS.to_vec();
+        want.sort_unstable();
+        assert_eq!(keys, want, "{v}");
+        assert_eq!(
+            (v["op"].as_str(), v["bytes"].as_u64(), v["count"].as_u64()),
+            (Some("all_reduce"), Some(bytes), Some(bytes / 4))
+        );
+        assert_eq!((v["type"].as_str(), v["redop"].as_str(), v["ranks"].as_u64()), (Some("f32"), Some("sum"), Some(2)));
+        assert!(v["root"].is_null() && v["algo"].is_null(), "{v}");
+        assert_eq!(
+            (v["wrong"].as_u64(), v["iterations"].as_u64(), v["provider"].as_str()),
+            (Some(0), Some(4), Some("soft"))
+        );
+        let (t, tmax) = (v["time_us"].as_f64().unwrap(), v["time_max_us"].as_f64().unwrap());
+        assert!(t > 0.0 && tmax >= t, "{v}");
+    }
+    let written: Vec<String> = std::fs::read_to_string(&file).unwrap().lines().map(str::to_owned).collect();
+    assert_eq!(written.len(), 3);
+    let s = std::fs::read_to_string(&svg).unwrap();
+    assert!(s.contains("all_reduce rmacomm soft/shm (2 ranks, f32)") && s.contains("Time per call"), "{s}");
+    // `plot` reads collective records back.
+    let again = tmp("again.svg");
+    ok(&["plot", "-o", again.to_str().unwrap(), f]);
+    assert!(std::fs::read_to_string(&again).unwrap().contains("Bus bandwidth"));
+
+    for algo in ["oneshot", "direct", "ring"] {
+        let v =
+            &json(&["all_reduce", "-s", "256K", "-n", "3", "--algo", algo, "--dtype", "bf16", "--op", "max", "--json"])
+                [0];
+        assert_eq!(
+            (v["algo"].as_str(), v["type"].as_str(), v["redop"].as_str()),
+            (Some(algo), Some("bf16"), Some("max"))
+        );
+        assert_eq!((v["count"].as_u64(), v["wrong"].as_u64()), (Some(131072), Some(0)), "{v}");
+    }
+    let v = &json(&["all_reduce", "-s", "4K", "-n", "3", "--dtype", "f64", "--op", "premul_sum:2.5", "--json"])[0];
+    assert_eq!((v["redop"].as_str(), v["wrong"].as_u64()), (Some("premul_sum:2.5"), Some(0)), "{v}");
+    let v = &json(&["reduce_scatter", "-s", "64K", "-n", "3", "--dtype", "i8", "--op", "prod", "--json"])[0];
+    assert_eq!((v["type"].as_str(), v["count"].as_u64(), v["wrong"].as_u64()), (Some("i8"), Some(32768), Some(0)));
+    let v = &json(&["broadcast", "-s", "100K", "-n", "3", "--root", "1", "--json"])[0];
+    assert_eq!((v["root"].as_u64(), v["redop"].as_str(), v["wrong"].as_u64()), (Some(1), None, Some(0)), "{v}");
+    // Bound to one core each (Open MPI's --bind-to core), and the header says where.
+    let o = run(&["all_gather", "-s", "64K", "-n", "3", "--bind-to", "core", "--json"]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}\n{err}");
+    assert!(err.contains("Binding         : core: rank r on CPU "), "{err}");
+    assert!(serde_json::from_str::<serde_json::Value>(out.trim()).unwrap()["wrong"] == 0, "{out}");
+    // -c 0: not checked, and the record says so.
+    let v = &json(&["all_to_all", "-s", "8K", "-n", "3", "-c", "0", "--json"])[0];
+    assert!(v["wrong"].is_null(), "{v}");
+    // Over the soft provider's TCP: every pair SEPARATE.
+    let o = run(&["all_gather", "-s", "64K", "-n", "3", "--link", "tcp", "--json"]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}\n{err}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("{e}: {out}"));
+    assert_eq!((v["link"].as_str(), v["wrong"].as_u64()), (Some("tcp"), Some(0)), "{v}");
+    assert!(err.contains("Window path     : SEPARATE"), "{err}");
+}
+
+/// Three ranks started by hand with torchrun's variables, as a launcher
+/// (`rmacomm-run --nproc-per-node 3`, torchrun) would: each process is one
+/// rank, rank 0 prints.
+#[test]
+fn collectives_under_a_launchers_variables() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let children: Vec<_> = (0..3)
+        .map(|r| {
+            Command::new(BIN)
+                .args(["all_to_all", "-a", "--min", "4K", "--max", "16K", "-n", "4", "--json"])
+                .env_remove("RMACOMM_PROVIDER")
+                .env("RANK", r.to_string())
+                .env("WORLD_SIZE", "3")
+                .env("LOCAL_RANK", r.to_string())
+                .env("LOCAL_WORLD_SIZE", "3")
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    // (A rank whose peers died fails by itself within the run's timeout.)
+    let outs: Vec<Output> = children.into_iter().map(|c| c.wait_with_output().unwrap()).collect();
+    for (r, o) in outs.iter().enumerate() {
+        let (out, err) = text(o);
+        assert!(o.status.success(), "rank {r}: {out}\n{err}");
+        if r > 0 {
+            assert!(out.is_empty(), "only rank 0 prints: rank {r} said {out}");
+        }
+    }
+    let (out, err) = text(&outs[0]);
+    assert!(err.contains("3 processes (a launcher's RANK/WORLD_SIZE)"), "{err}");
+    // 3 ranks of f32: sizes rounded down to 12-byte granules.
+    let sizes: Vec<u64> = out
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            assert_eq!((v["ranks"].as_u64(), v["wrong"].as_u64()), (Some(3), Some(0)), "{v}");
+            assert_eq!(v["count"].as_u64().unwrap() * 12, v["bytes"].as_u64().unwrap(), "{v}");
+            v["bytes"].as_u64().unwrap()
+        })
+        .collect();
+    assert_eq!(sizes, [4092, 8184, 16380], "{out}");
+}
+
+/// Options that cannot work are refused before anything runs, naming the
+/// option (exit 2).
+#[test]
+fn collective_bad_arguments_are_clear_errors() {
+    let refused = |args: &[&str], says: &str| {
+        let o = run(args);
+        let (out, err) = text(&o);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: stdout:\n{out}\nstderr:\n{err}");
+        assert!(err.contains(says), "{args:?}: wanted {says:?} in:\n{err}");
+        assert!(!out.contains("size[B]"), "{args:?}: nothing may be measured:\n{out}");
+    };
+    refused(&["all_gather", "--op", "max"], "all_gather does not reduce");
+    refused(&["all_reduce", "--op", "median"], "expected sum, prod, min, max, avg");
+    refused(&["all_reduce", "--op", "premul_sum"], "premul_sum needs its factor");
+    refused(&["all_reduce", "--op", "band"], "--op band with --dtype f32");
+    refused(&["all_reduce", "--dtype", "f128"], "expected f32, f64");
+    refused(&["all_reduce", "--algo", "tree"], "possible values: oneshot, direct, ring");
+    refused(&["broadcast", "--algo", "ring"], "--algo applies to all_reduce only");
+    refused(&["all_to_all", "--root", "1"], "--root applies to broadcast");
+    refused(&["broadcast", "--root", "2", "--nproc", "2"], "--root 2: not a rank of this run of 2");
+    refused(&["all_gather", "-s", "12", "--nproc", "2"], "needs a multiple of 8 B");
+    refused(&["all_reduce", "-s", "6"], "needs a multiple of 4 B");
+    refused(&["all_reduce", "--nproc", "0"], "--nproc 0");
+    refused(&["all_reduce", "-n", "0"], "-n 0");
+    refused(&["all_reduce", "-a", "--min", "1M", "--max", "4K"], "--min 1048576 must not exceed --max 4096");
+    refused(&["all_reduce", "-c", "2"], "-c");
+    refused(&["all_reduce", "-s", "4K", "--provider", "verbs"], "--provider verbs");
+}
+
+/// One damaged element of one rank's result fails the run loudly (exit
+/// 3), at that size: the sweep stops there.
+#[test]
+fn a_wrong_collective_result_fails_loudly() {
+    for op in ["all_reduce", "all_gather", "broadcast"] {
+        let o = run_with(&[op, "-a", "--min", "4K", "--max", "32K", "-n", "3"], &[("RDMA_BENCH_TEST_CORRUPT", "8192")]);
+        let (out, err) = text(&o);
+        assert_eq!(o.status.code(), Some(3), "{op}: stdout:\n{out}\nstderr:\n{err}");
+        assert!(err.contains("DATA VERIFICATION FAILED") && err.contains("of 8 KiB"), "{op}: {err}");
+        assert!(err.contains("rank 1:") && err.contains("1 wrong elements"), "{op}: {err}");
+        let rows = coll_rows(&out);
+        assert_eq!(rows.last().map(|r| (r[0].as_str(), r[8].as_str())), Some(("8192", "1")), "{op}:\n{out}");
+        assert!(!out.contains("16384 "), "{op}: the sweep went on:\n{out}");
+    }
+}
