@@ -273,6 +273,14 @@ impl TransferAgent {
         v
     }
 
+    /// Whether a live connection to peer `name` exists now. A connection
+    /// the peer closed is seen as closed within moments (the transport
+    /// notices); a transfer that raced that moment fails with
+    /// [`AgentError::PeerLost`] and the next one connects again.
+    pub fn is_connected(&self, name: &str) -> bool {
+        matches!(self.sh.lock().peers.get(name).map(|e| &e.link), Some(Link::Ready(c)) if c.usable())
+    }
+
     /// The regions peer `name` published, by id.
     pub fn peer_regions(&self, name: &str) -> Result<Vec<PeerRegion>, AgentError> {
         let st = self.sh.lock();
