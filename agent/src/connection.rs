@@ -159,7 +159,7 @@ async fn send_one(out: &mut Outgoing, message: &[u8]) -> Result<(), AgentError> 
         // in the slot we need off its ring: ask how many it consumed.
         let c = conn(out)?;
         let word = out.ring.slice(0, 8).expect("the ring has a head");
-        let read = c.transport.fetch_add(out.staging.view_mut(0, 8).expect("8 bytes"), &word, 0, out.timeout);
+        let read = c.transport.read_with_timeout(out.staging.view_mut(0, 8).expect("8 bytes"), &word, out.timeout);
         drop(c);
         read.await.map_err(|e| AgentError::from_transport(&peer, e))?;
         let mut v = [0u8; 8];

@@ -65,8 +65,8 @@
 //! as one notifying write, and waits for it to complete before writing the
 //! next: so the peer counts them in order, and the k-th count means slot
 //! k is whole. The peer's drainer copies the message out, queues it, and
-//! bumps the ring's `consumed` word, which the sender reads (an atomic
-//! fetch-and-add of 0) before reusing a slot. The cost: a request with a
+//! bumps the ring's `consumed` word, which the sender reads (an 8-byte
+//! RDMA READ) before reusing a slot. The cost: a request with a
 //! notification completes one notifying write later than its pieces, and
 //! notifications to one peer go one at a time.
 //!

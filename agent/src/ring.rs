@@ -12,8 +12,11 @@
 //! completed, so the k-th count the receiver sees is notification k: it
 //! reads slot `k % slots` and finds `seq == k` there. Before reusing a slot
 //! the sender makes sure the receiver has consumed what was in it, reading
-//! `consumed` with an atomic fetch-and-add of 0 when its cached copy says
-//! the ring is full.
+//! `consumed` (one aligned 8-byte RDMA READ; only the receiver writes the
+//! word, with plain atomic stores) when its cached copy says the ring is
+//! full. Not a fetch-and-add of 0: on hardware whose atomics are not
+//! atomic with the CPU's, its write-back could undo a newer store of the
+//! receiver, and the sender would wait forever on a stale count.
 
 /// The longest notification message, in bytes.
 pub const MAX_MESSAGE: usize = 4096;

@@ -247,8 +247,9 @@ pub async fn bad_requests_move_nothing() {
 /// slots the sender waits for the receiver to consume (credit).
 pub async fn notifications_follow_completion_order() {
     const B: usize = 64 << 10;
+    // Decode takes notifications into a ring of two slots.
     let small = config().with_notification_slots(2);
-    let (decode, prefill, _cache, region) = pair_with(config(), small, 64 * B);
+    let (decode, prefill, _cache, region) = pair_with(small, config(), 64 * B);
     let kv = prefill.alloc(64 * B).unwrap();
     prefill.register(&kv).unwrap();
     let req = |i: usize| {
