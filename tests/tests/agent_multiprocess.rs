@@ -86,12 +86,26 @@ fn two_prefills_into_one_decode_shm() {
     assert_eq!(same_host(&last, 2), [true, true]);
 }
 
-/// The same with four QPs per connection (striped pieces).
+/// The same with four QPs per connection, DQPLB or spray striping, and the
+/// soft provider's seeded chaos (random stalls before each operation of each
+/// QP): fragments of a request land out of order, and decode still finds
+/// every byte of a request in place when its notification arrives.
+fn four_qps(lb: &str) {
+    for seed in ["1", "7"] {
+        let mut env = soft("auto");
+        env.extend([("AGENT_PEER_QPS", "4".into()), ("AGENT_PEER_LB", lb.into()), ("RMACOMM_SOFT_CHAOS", seed.into())]);
+        kv(&[], &[], &env, 2, (3, 32, 200_000));
+    }
+}
+
 #[test]
-fn two_prefills_into_one_decode_shm_four_qps() {
-    let mut env = soft("auto");
-    env.push(("AGENT_PEER_QPS", "4".into()));
-    kv(&[], &[], &env, 2, (3, 32, 200_000));
+fn two_prefills_into_one_decode_shm_four_qps_dqplb_chaos() {
+    four_qps("dqplb");
+}
+
+#[test]
+fn two_prefills_into_one_decode_shm_four_qps_spray_chaos() {
+    four_qps("spray");
 }
 
 /// The same over TCP (forced on one host).

@@ -20,7 +20,9 @@
 //! `{"ok": …}`. With `--stream` it keeps three requests in flight until one
 //! fails and prints
 //! `{"failed": error, "peer": named peer, "again": error of one more}`.
-//! Any failure prints `{"error": why}` and exits 1.
+//! Any failure prints `{"error": why}` and exits 1. `AGENT_PEER_QPS` and
+//! `AGENT_PEER_LB` (`dqplb`, `spray`) set the transports' QPs and striping
+//! (fragments of 64 KiB, so that blocks are striped).
 
 #![forbid(unsafe_code)]
 
@@ -29,6 +31,7 @@ use std::io::{BufRead, Write};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
+use ibverbx::LoadBalancing;
 use rmacomm_agent::{AgentConfig, Op, RemoteBlock, TransferAgent};
 use rmacomm_tests::pattern;
 use rmacomm_transport::TransportConfig;
@@ -77,8 +80,15 @@ fn shuffled(n: usize) -> Vec<usize> {
 
 fn config() -> AgentConfig {
     let qps: u32 = std::env::var("AGENT_PEER_QPS").ok().and_then(|q| q.parse().ok()).unwrap_or(1);
+    let lb = std::env::var("AGENT_PEER_LB").ok().and_then(|l| LoadBalancing::parse(&l)).unwrap_or_default();
     AgentConfig::default()
-        .with_transport(TransportConfig::default().with_qps(qps).with_timeout(Some(Duration::from_secs(30))))
+        .with_transport(
+            TransportConfig::default()
+                .with_qps(qps)
+                .with_load_balancing(lb)
+                .with_frag_size(64 << 10)
+                .with_timeout(Some(Duration::from_secs(30))),
+        )
         .with_connect_timeout(Duration::from_secs(30))
 }
 
