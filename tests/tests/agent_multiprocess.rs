@@ -127,13 +127,12 @@ fn two_prefills_into_one_decode_two_network_namespaces() {
     assert_eq!(same_host(&last, 2), [false, false]);
 }
 
-/// Decode killed under a stream of requests: the prefill's transfer fails
-/// naming "decode", and the next one fails at once (nothing listens).
-fn decode_killed(link: &str, prefix_d: &[String], prefix_p: &[String]) {
-    let env = soft(link);
-    let env = env_refs(&env);
+/// A decode process and a prefill streaming requests into it (three in
+/// flight), once the prefill says it is streaming.
+fn start_stream(env: &[(&'static str, String)], prefix_d: &[String], prefix_p: &[String]) -> (Peer, Peer) {
+    let env = env_refs(env);
     let shape = ["--requests", "1", "--blocks", "16", "--block-size", "1048576"];
-    let mut decode =
+    let decode =
         Peer::spawn("decode", PEER, prefix_d, &[&["decode", "--prefills", "1", "--hold"][..], &shape].concat(), &env);
     let hello = decode.line(Duration::from_secs(30));
     let mut p =
@@ -141,16 +140,62 @@ fn decode_killed(link: &str, prefix_d: &[String], prefix_p: &[String]) {
     p.send(&hello);
     assert!(p.line(Duration::from_secs(60)).contains("streaming"));
     std::thread::sleep(Duration::from_millis(200));
+    (decode, p)
+}
+
+/// Decode killed under a stream of requests: the prefill's transfer fails
+/// naming "decode", and the next one fails at once (nothing listens).
+fn decode_killed(link: &str, prefix_d: &[String], prefix_p: &[String]) {
+    let (mut decode, p) = start_stream(&soft(link), prefix_d, prefix_p);
     decode.child.kill().unwrap();
+    let (failed, again) = outcome(p);
+    assert!(failed.contains("\"decode\"") && failed.contains("lost mid-transfer"), "{failed}");
+    let a = again["again"].as_str().unwrap_or_else(|| panic!("the next transfer succeeded: {again}"));
+    assert!(a.contains("cannot connect to peer \"decode\""), "{a}");
+    assert!(again["again_secs"].as_f64().unwrap() < 10.0, "{again}");
+}
+
+/// The streaming prefill's failure (which must name decode) and its
+/// `again` line.
+fn outcome(p: Peer) -> (String, serde_json::Value) {
     let (out, ok) = p.finish(Duration::from_secs(60));
     assert!(ok, "{out:?}");
-    let v: serde_json::Value = serde_json::from_str(out.last().unwrap()).unwrap();
-    assert_eq!(v["peer"], "decode", "{v}");
-    let failed = v["failed"].as_str().unwrap();
-    assert!(failed.contains("\"decode\"") && failed.contains("lost mid-transfer"), "{failed}");
-    let again = v["again"].as_str().unwrap_or_else(|| panic!("the next transfer succeeded: {v}"));
-    assert!(again.contains("cannot connect to peer \"decode\""), "{again}");
-    assert!(v["again_secs"].as_f64().unwrap() < 10.0, "{v}");
+    let line = |key: &str| -> serde_json::Value {
+        let l = out.iter().find(|l| l.contains(key)).unwrap_or_else(|| panic!("no {key}: {out:?}"));
+        serde_json::from_str(l).unwrap()
+    };
+    let f = line("\"failed\"");
+    assert_eq!(f["peer"], "decode", "{f}");
+    (f["failed"].as_str().unwrap().to_owned(), line("\"again\""))
+}
+
+/// Decode stopped (SIGSTOP: alive, silent, nothing closes) under a stream
+/// of requests over tcp: the transfer fails within the 3 s timeout (plus
+/// slack), naming "decode"; so does the next, reconnecting.
+#[test]
+fn decode_stopped_mid_request_tcp() {
+    let mut env = soft("tcp");
+    env.push(("AGENT_PEER_TIMEOUT_S", "3".into()));
+    let (decode, p) = start_stream(&env, &[], &[]);
+    let pid = decode.child.id().to_string();
+    std::process::Command::new("kill").args(["-STOP", &pid]).status().unwrap();
+    let t0 = std::time::Instant::now();
+    let first: serde_json::Value = serde_json::from_str(&p.line(Duration::from_secs(30))).unwrap();
+    let took = t0.elapsed();
+    let (out, ok) = p.finish(Duration::from_secs(60));
+    std::process::Command::new("kill").args(["-CONT", &pid]).status().unwrap();
+    assert!(ok, "{out:?}");
+    assert_eq!(first["peer"], "decode", "{first}");
+    let failed = first["failed"].as_str().unwrap_or_else(|| panic!("{first}"));
+    let again: serde_json::Value = serde_json::from_str(out.last().unwrap()).unwrap();
+    // Over tcp the soft provider may give up first (its retry timeout).
+    assert!(failed.contains("timed out after 3s") || failed.contains("lost mid-transfer"), "{failed}");
+    assert!(took < Duration::from_secs(8), "found after {took:?}: {failed}");
+    // Reconnecting: the stopped process's kernel accepts the handshake's
+    // TCP connection, nobody answers: the connection timeout.
+    let a = again["again"].as_str().unwrap_or_else(|| panic!("the next transfer succeeded: {again}"));
+    assert!(a.contains("\"decode\""), "{a}");
+    eprintln!("stopped decode, after {took:?}: {failed} (then: {a})");
 }
 
 #[test]

@@ -19,10 +19,12 @@
 //! checks them, sends `done`, waits for decode's `bye` and prints
 //! `{"ok": …}`. With `--stream` it keeps three requests in flight until one
 //! fails and prints
-//! `{"failed": error, "peer": named peer, "again": error of one more}`.
+//! `{"failed": error, "peer": named peer}`, then tries one more and prints
+//! `{"again": its error, "again_secs": how long it took}`.
 //! Any failure prints `{"error": why}` and exits 1. `AGENT_PEER_QPS` and
 //! `AGENT_PEER_LB` (`dqplb`, `spray`) set the transports' QPs and striping
-//! (fragments of 64 KiB, so that blocks are striped).
+//! (fragments of 64 KiB, so that blocks are striped), `AGENT_PEER_TIMEOUT_S`
+//! their timeout and the connection timeout (30 s).
 
 #![forbid(unsafe_code)]
 
@@ -80,6 +82,7 @@ fn shuffled(n: usize) -> Vec<usize> {
 
 fn config() -> AgentConfig {
     let qps: u32 = std::env::var("AGENT_PEER_QPS").ok().and_then(|q| q.parse().ok()).unwrap_or(1);
+    let timeout: u64 = std::env::var("AGENT_PEER_TIMEOUT_S").ok().and_then(|t| t.parse().ok()).unwrap_or(30);
     let lb = std::env::var("AGENT_PEER_LB").ok().and_then(|l| LoadBalancing::parse(&l)).unwrap_or_default();
     AgentConfig::default()
         .with_transport(
@@ -87,9 +90,9 @@ fn config() -> AgentConfig {
                 .with_qps(qps)
                 .with_load_balancing(lb)
                 .with_frag_size(64 << 10)
-                .with_timeout(Some(Duration::from_secs(30))),
+                .with_timeout(Some(Duration::from_secs(timeout))),
         )
-        .with_connect_timeout(Duration::from_secs(30))
+        .with_connect_timeout(Duration::from_secs(timeout))
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
@@ -212,12 +215,10 @@ async fn prefill(id: usize, requests: usize, blocks: usize, size: usize, stream:
             }
         };
         drop(flight);
+        say(serde_json::json!({ "failed": e.to_string(), "peer": e.peer() }));
         let t = Instant::now();
         let again = agent.transfer(Op::Write, "decode", &pieces, None).unwrap().await.err();
-        say(serde_json::json!({
-            "failed": e.to_string(), "peer": e.peer(),
-            "again": again.map(|e| e.to_string()), "again_secs": t.elapsed().as_secs_f64()
-        }));
+        say(serde_json::json!({ "again": again.map(|e| e.to_string()), "again_secs": t.elapsed().as_secs_f64() }));
         return;
     }
 
