@@ -87,7 +87,9 @@
 //! they complete.
 //!
 //! # Organization
-//! `agent` (the agent, its peer table, connection making and the listener),
+//! `agent` (the agent's public surface), `shared` (its state: regions and
+//! the peer table), `dial` (making a connection from this side),
+//! `listener` (answering peers' handshakes),
 //! `transfer` (the request future), `plan` (checks and coalescing,
 //! sans-IO), `connection` (a peer's transport, notifier and drainer),
 //! `ring` (the notification ring's layout and credit, sans-IO), `handshake`
@@ -100,12 +102,15 @@ mod agent;
 mod block;
 mod config;
 mod connection;
+mod dial;
 mod error;
 mod handshake;
+mod listener;
 mod metadata;
 mod notifications;
 mod plan;
 mod ring;
+mod shared;
 mod stats;
 mod store;
 mod transfer;
