@@ -65,6 +65,7 @@ cargo bench --workspace --no-run
 
 # The runnable examples verify what they move and exit non-zero otherwise.
 cargo run --release -q -p rmacomm-transport --example kv_transfer
+cargo run --release -q -p rmacomm-agent --example agent_kv -- --rounds 3
 
 # The README's main command, as written there: a full rdma_bench sweep
 # (2 B … 256 MiB) between two processes; it exits non-zero if the data it

@@ -72,8 +72,13 @@ impl Peer {
                 out.push(l);
             }
             if let Some(st) = self.child.try_wait().expect("wait") {
-                std::thread::sleep(Duration::from_millis(20));
-                out.extend(self.lines.try_iter());
+                // Up to the end of its stdout (the reader thread hangs up
+                // there): a loaded machine may not have read the last
+                // lines yet.
+                let eof = Instant::now() + Duration::from_secs(5);
+                while let Ok(l) = self.lines.recv_timeout(eof.saturating_duration_since(Instant::now())) {
+                    out.push(l);
+                }
                 return (out, st.success());
             }
             if Instant::now() > deadline {

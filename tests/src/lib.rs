@@ -2,7 +2,7 @@
 //!
 //! The tests live in this package's `tests/` folder; the peer processes they
 //! start are this package's binaries (`soft_peer`, `transport_peer`,
-//! `vqp_peer`, `window_peer`); this library holds what both share.
+//! `vqp_peer`, `window_peer`, `agent_peer`); this library holds what both share.
 
 #![forbid(unsafe_code)]
 

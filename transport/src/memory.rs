@@ -108,6 +108,16 @@ impl RdmaMemory {
         p >= start && p.checked_add(len).is_some_and(|end| end <= start + self.mr.len())
     }
 
+    /// Whether `transport` can move this memory: both are on one device
+    /// (memory from [`alloc`](Self::alloc) or [`register`](Self::register)
+    /// and transports of the default configuration always are; a transport
+    /// configured with a device or soft settings of its own needs memory
+    /// from [`alloc_for`](Self::alloc_for) or
+    /// [`register_for`](Self::register_for)).
+    pub fn is_usable_with(&self, transport: &RdmaTransport) -> bool {
+        Arc::ptr_eq(&self.domain, transport.domain())
+    }
+
     /// A read-only view of `len` bytes at `offset` (the source of a write).
     pub fn view(&self, offset: usize, len: usize) -> Result<View<'_>, TransportError> {
         self.check("view", offset, len)?;
@@ -179,7 +189,7 @@ pub struct ViewMut<'a> {
     pub(crate) len: usize,
 }
 
-impl View<'_> {
+impl<'a> View<'a> {
     /// Length in bytes.
     pub fn len(&self) -> usize {
         self.len
@@ -187,10 +197,19 @@ impl View<'_> {
     /// True when empty.
     pub fn is_empty(&self) -> bool {
         self.len == 0
+    }
+    /// The registered memory this is a slice of (for code that batches
+    /// views: two views of one memory that touch can become one).
+    pub fn memory(&self) -> &'a RdmaMemory {
+        self.mem
+    }
+    /// Where the slice starts, in bytes from the start of [`memory`](Self::memory).
+    pub fn offset(&self) -> usize {
+        self.offset
     }
 }
 
-impl ViewMut<'_> {
+impl<'a> ViewMut<'a> {
     /// Length in bytes.
     pub fn len(&self) -> usize {
         self.len
@@ -198,5 +217,13 @@ impl ViewMut<'_> {
     /// True when empty.
     pub fn is_empty(&self) -> bool {
         self.len == 0
+    }
+    /// The registered memory this is a slice of.
+    pub fn memory(&self) -> &'a RdmaMemory {
+        self.mem
+    }
+    /// Where the slice starts, in bytes from the start of [`memory`](Self::memory).
+    pub fn offset(&self) -> usize {
+        self.offset
     }
 }

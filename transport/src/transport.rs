@@ -368,6 +368,20 @@ impl RdmaTransport {
         self.inner.lock().broken.clone()
     }
 
+    /// The TCP addresses at which this transport's device accepts the soft
+    /// provider's connections, best first (the interfaces
+    /// `RMACOMM_SOCKET_IFNAME` or `RMACOMM_SOFT_ADDR` select): the
+    /// addresses a peer on another host reaches this process at. Empty on
+    /// a hardware provider. For control planes that run beside the
+    /// transport (an agent's handshake listener) and should be reachable
+    /// where the transport is.
+    pub fn tcp_addrs(&self) -> Vec<std::net::SocketAddr> {
+        match self.inner.qp.endpoint() {
+            Ok(ep) => ep.data.first().and_then(|q| q.soft.as_ref()).map(|s| s.tcp.clone()).unwrap_or_default(),
+            Err(_) => Vec::new(),
+        }
+    }
+
     /// True once `connect` succeeded and nothing has broken since.
     pub fn connected(&self) -> bool {
         self.inner.is_connected() && self.inner.lock().broken.is_none()

@@ -56,3 +56,25 @@ async fn fetch_add_adds_and_returns_the_old_value() {
     let unaligned = dst.remote_buffer().slice(4, 8).unwrap();
     assert!(a.fetch_add(old.view_mut(0, 8).unwrap(), &unaligned, 1, None).await.is_err());
 }
+
+/// What an agent batching views and running a control plane beside the
+/// transport needs: a view names its memory and offset, memory says which
+/// transports can move it, and the transport where peers reach it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn views_name_their_memory_and_the_transport_its_tcp_addresses() {
+    common::link(LINK);
+    let t = rmacomm_transport::RdmaTransport::new(common::config()).unwrap();
+    let mem = rmacomm_transport::RdmaMemory::alloc(4096).unwrap();
+    let v = mem.view(100, 28).unwrap();
+    assert!(std::ptr::eq(v.memory(), &mem) && v.offset() == 100 && v.len() == 28);
+    let w = mem.view_mut(7, 9).unwrap();
+    assert!(std::ptr::eq(w.memory(), &mem) && w.offset() == 7 && w.len() == 9);
+    assert!(mem.is_usable_with(&t));
+    let soft =
+        ibverbx::soft::SoftConfig { link: ibverbx::soft::SoftLink::Tcp, ..ibverbx::soft::SoftConfig::from_env() };
+    let other = rmacomm_transport::RdmaTransport::new(common::config().with_soft(Some(soft))).unwrap();
+    assert!(!mem.is_usable_with(&other), "another soft context is another device");
+    let addrs = t.tcp_addrs();
+    assert!(addrs.iter().any(|a| a.ip().is_loopback()), "{addrs:?}");
+    assert!(addrs.iter().all(|a| a.port() != 0), "{addrs:?}");
+}

@@ -1,0 +1,133 @@
+//! Making a connection from this side: the first transfer toward a peer
+//! (or `connect`) starts an attempt in its own task — a hello to the
+//! peer's listener — and waits for the link to become ready.
+
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::net::TcpStream;
+
+use crate::connection::{Conn, Prepared};
+use crate::handshake::{self, Hello, Reply};
+use crate::metadata::Metadata;
+use crate::shared::{Link, PeerEntry, Shared};
+use crate::AgentError;
+
+/// How long one of a peer's listener addresses is tried.
+const ADDRESS_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// A live connection to `peer`, made if there is none; waits for one being
+/// made (by this side or by the peer's handshake). The attempt itself runs
+/// in its own task, so that dropping the caller leaves the link consistent.
+pub(crate) async fn connection(sh: Arc<Shared>, peer: String) -> Result<Arc<Conn>, AgentError> {
+    let timeout = sh.config.connect_timeout;
+    let deadline = tokio::time::Instant::now() + timeout;
+    let mut waited = false;
+    loop {
+        let mut changed = {
+            let mut st = sh.lock();
+            let e = st.peers.get_mut(&peer).ok_or_else(|| AgentError::UnknownPeer { name: peer.clone() })?;
+            match &e.link {
+                Link::Ready(c) if c.usable() => return Ok(c.clone()),
+                Link::Connecting { .. } => {}
+                Link::Idle | Link::Ready(_) => {
+                    // An attempt this call waited for failed: that is the answer.
+                    if let (true, Some(err)) = (waited, &e.failed) {
+                        return Err(err.clone());
+                    }
+                    let attempt = sh.next_attempt.fetch_add(1, Ordering::Relaxed);
+                    e.set(Link::Connecting { mine: true, attempt });
+                    tokio::spawn(initiate(sh.clone(), peer.clone(), e.meta.clone(), attempt));
+                }
+            }
+            e.changed.subscribe()
+        };
+        waited = true;
+        match tokio::time::timeout_at(deadline, changed.changed()).await {
+            Err(_) => return Err(AgentError::Timeout { peer, op: "connect", after: timeout }),
+            // Ok(Err): the peer was removed; the next look says so.
+            Ok(_) => continue,
+        }
+    }
+}
+
+/// Connection attempt `attempt` by this side's hello.
+async fn initiate(sh: Arc<Shared>, peer: String, meta: Metadata, attempt: u64) {
+    let timeout = sh.config.connect_timeout;
+    let r = match tokio::time::timeout(timeout, hello(&sh, &peer, &meta)).await {
+        Ok(r) => r,
+        Err(_) => Err(AgentError::Timeout { peer: peer.clone(), op: "connect", after: timeout }),
+    };
+    match r {
+        Ok(Some(conn)) => sh.settle(&peer, attempt, Ok(conn)),
+        Ok(None) => {
+            // A crossing the peer won: its hello replaces this attempt. If
+            // that never happens (its attempt failed), this one fails.
+            let mut changed = {
+                let st = sh.lock();
+                match st.peers.get(&peer) {
+                    Some(e) if e.attempt() == Some(attempt) => e.changed.subscribe(),
+                    _ => return,
+                }
+            };
+            let _ = tokio::time::timeout(timeout, async {
+                while changed.changed().await.is_ok() {
+                    if sh.lock().peers.get(&peer).and_then(PeerEntry::attempt) != Some(attempt) {
+                        return;
+                    }
+                }
+            })
+            .await;
+            let reason = "both agents connected at once and the peer's connection never came".to_string();
+            sh.settle(&peer, attempt, Err(AgentError::Unreachable { peer: peer.clone(), reason }));
+        }
+        Err(e) => sh.settle(&peer, attempt, Err(e)),
+    }
+}
+
+/// Sends this side's hello to `peer` and completes the connection it
+/// accepts; `None` when the peer answers that it is connecting too and
+/// wins the tie.
+async fn hello(sh: &Arc<Shared>, peer: &str, meta: &Metadata) -> Result<Option<Arc<Conn>>, AgentError> {
+    let slots = sh.config.notification_slots;
+    let prepared = Prepared::new(&sh.config.transport, slots).map_err(|e| AgentError::from_transport(peer, e))?;
+    let h = Hello {
+        v: handshake::VERSION,
+        token: meta.token.clone(),
+        from: sh.metadata().encode(),
+        url: prepared.url.clone(),
+        ring: prepared.ring(),
+        slots,
+    };
+    let unreachable = |reason: String| AgentError::Unreachable { peer: peer.into(), reason };
+    let mut stream = dial(&meta.control).await.map_err(unreachable)?;
+    handshake::write_frame(&mut stream, &h).await.map_err(|e| unreachable(format!("the handshake failed ({e})")))?;
+    let reply: Reply = handshake::read_frame(&mut stream)
+        .await
+        .map_err(|e| unreachable(format!("its agent closed the handshake ({e})")))?;
+    match reply {
+        Reply::Accepted { url, ring, slots } => {
+            prepared.finish(peer, &url, ring, slots, sh.queue.clone(), sh.counters.clone()).await.map(Some)
+        }
+        Reply::Crossing => Ok(None),
+        Reply::Refused { reason } => Err(unreachable(format!("its agent refused the connection: {reason}"))),
+    }
+}
+
+/// Connects to the first of a peer's listener addresses that answers.
+async fn dial(addrs: &[SocketAddr]) -> Result<TcpStream, String> {
+    let mut why = Vec::new();
+    for a in addrs {
+        match tokio::time::timeout(ADDRESS_TIMEOUT, TcpStream::connect(a)).await {
+            Ok(Ok(s)) => {
+                let _ = s.set_nodelay(true);
+                return Ok(s);
+            }
+            Ok(Err(e)) => why.push(format!("{a}: {e}")),
+            Err(_) => why.push(format!("{a}: no answer within {ADDRESS_TIMEOUT:?}")),
+        }
+    }
+    Err(format!("no agent listens at its addresses ({}); is its process alive?", why.join("; ")))
+}
