@@ -8,8 +8,8 @@ use rmacomm_window::{AccessType, Cmp};
 /// `TorchCommWinAccessType`): `UNIFIED` — mapped here (same host), loads and
 /// stores reach it and `map_remote_tensor` works; `SEPARATE` — only through
 /// the transport (`put` / `get`).
-#[pyclass(eq, eq_int, frozen, module = "rmacomm", name = "WinAccessType")]
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[pyclass(eq, eq_int, hash, frozen, module = "rmacomm", name = "WinAccessType")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) enum WinAccessType {
     #[pyo3(name = "UNIFIED")]
     Unified,
@@ -46,8 +46,8 @@ impl PyWindowAttr {
 
 /// What a ctran-form value signal does to the destination's slot: `SET`
 /// stores the value, `ADD` adds it (atomically, wrapping).
-#[pyclass(eq, eq_int, frozen, from_py_object, module = "rmacomm", name = "SignalOp")]
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[pyclass(eq, eq_int, hash, frozen, from_py_object, module = "rmacomm", name = "SignalOp")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) enum SignalOp {
     #[pyo3(name = "SET")]
     Set,
@@ -66,8 +66,8 @@ impl From<SignalOp> for rmacomm_window::SignalOp {
 
 /// How a ctran-form `wait_signal` compares its slot with the value
 /// (NVSHMEM's comparisons): slot `==`, `!=`, `>=`, `>`, `<=`, `<` value.
-#[pyclass(eq, eq_int, frozen, from_py_object, module = "rmacomm", name = "SignalCmpOp")]
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[pyclass(eq, eq_int, hash, frozen, from_py_object, module = "rmacomm", name = "SignalCmpOp")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) enum SignalCmpOp {
     #[pyo3(name = "EQ")]
     Eq,

@@ -254,7 +254,14 @@ impl WinCore {
                     // the call (the caller's argument; crate docs); the
                     // copy is done when put_bytes returns.
                     let bytes = unsafe { raw.slice() };
-                    w.put_bytes(bytes, dst, offset).map_err(win_failure)?;
+                    w.put_bytes(bytes, dst, offset).map_err(|e| {
+                        // The caller called put: name it so.
+                        let mut f = win_failure(e);
+                        if let Some(rest) = f.msg.strip_prefix("put_bytes ") {
+                            f.msg = format!("put {rest}");
+                        }
+                        f
+                    })?;
                     Ok(State::Done(Ok(())))
                 }
             }
