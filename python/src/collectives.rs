@@ -156,27 +156,31 @@ impl PyComm {
     }
 
     /// A one-sided window over this communicator's ranks, torchcomms' form
-    /// (collective). With `tensor`, registers it at once.
-    #[pyo3(signature = (tensor=None))]
-    fn new_window(&self, py: Python<'_>, tensor: Option<&Bound<'_, PyAny>>) -> PyResult<PyWindow> {
-        PyWindow::create(py, &self.shared, tensor)
+    /// (collective). With `tensor`, registers it at once. `unified=False`
+    /// reaches same-host peers through the transport too (SEPARATE), as
+    /// peers on other hosts are (for comparisons and tests).
+    #[pyo3(signature = (tensor=None, *, unified=true))]
+    fn new_window(&self, py: Python<'_>, tensor: Option<&Bound<'_, PyAny>>, unified: bool) -> PyResult<PyWindow> {
+        PyWindow::create(py, &self.shared, tensor, unified)
     }
 
     /// A window of the ctran form (collective): `window_size` bytes of
     /// shared memory on every rank and `signal_size` 64-bit value-signal
     /// slots. `cpu_buf` must be True (CPU memory is the only kind).
-    #[pyo3(signature = (window_size, cpu_buf=true, signal_size=64))]
+    /// `unified` as for `new_window`.
+    #[pyo3(signature = (window_size, cpu_buf=true, signal_size=64, *, unified=true))]
     fn window_allocate(
         &self,
         py: Python<'_>,
         window_size: usize,
         cpu_buf: bool,
         signal_size: usize,
+        unified: bool,
     ) -> PyResult<PyCtranWindow> {
         if !cpu_buf {
             return Err(PyValueError::new_err("window_allocate: cpu_buf=False (device memory) is not available"));
         }
-        PyCtranWindow::create(py, &self.shared, window_size, signal_size)
+        PyCtranWindow::create(py, &self.shared, window_size, signal_size, unified)
     }
 
     /// A zero-filled array in shared memory (same as `rmacomm.empty`):

@@ -42,13 +42,14 @@ impl PyCtranWindow {
         s: &Arc<CommShared>,
         window_size: usize,
         signal_size: usize,
+        unified: bool,
     ) -> PyResult<PyCtranWindow> {
         let timeout = s.timeout;
         let own = py.detach(|| Registered::alloc(window_size)).map_err(py_err)?;
         let keep = own.clone();
         let (win, meta) = py
             .detach(move || -> Result<_, Failure> {
-                let opts = WindowOptions::new().timeout(timeout).signal_slots(signal_size);
+                let opts = WindowOptions::new().timeout(timeout).signal_slots(signal_size).unified(unified);
                 let mut win = Window::new(&s.meta, opts)?;
                 let (ptr, len) = (keep.mem.as_ptr(), window_size.max(1));
                 // SAFETY: the allocation is `len` bytes or more at a fixed

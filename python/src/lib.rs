@@ -9,26 +9,26 @@
 //!
 //! # Organization
 //!
-//! - Values that cross the boundary: [`tensor`] (what a numpy array or torch
+//! - Values that cross the boundary: `tensor` (what a numpy array or torch
 //!   tensor is: pointer, bytes, element type, shape; the buffer protocol by
-//!   hand in [`buffer`]), [`elem`] (element types and their numpy / torch /
-//!   reduction names), [`timeout`] (timedelta or seconds), [`errors`] (one
+//!   hand in `buffer`), `elem` (element types and their numpy / torch /
+//!   reduction names), `timeout` (timedelta or seconds), `errors` (one
 //!   exception type per error category).
-//! - Memory: [`memory`] (registrations of Python memory and of rmacomm's own
+//! - Memory: `memory` (registrations of Python memory and of rmacomm's own
 //!   shared-memory allocations, and the table that finds the registration
-//!   an address lies in), [`array`] (numpy arrays and torch tensors over
-//!   memory this module owns), [`mapping`] (a private mapping of a peer's
+//!   an address lies in), `array` (numpy arrays and torch tensors over
+//!   memory this module owns), `mapping` (a private mapping of a peer's
 //!   mapped window memory, so that arrays never outlive what they alias).
-//! - Blocking: [`wait`] (waits in slices with the GIL released, checking
-//!   for Ctrl-C between them), [`work`] (the `Work` handle), [`worker`]
+//! - Blocking: `wait` (waits in slices with the GIL released, checking
+//!   for Ctrl-C between them), `work` (the `Work` handle), `worker`
 //!   (the thread that runs a communicator's async collectives).
-//! - The API: [`comm`] and [`collectives`] (`new_comm`, `Comm`, batches),
-//!   [`reduce_op`] and [`enums`], [`window_core`] (what both window forms
-//!   share, and the owning design of their pending operations), [`window`]
-//!   (torchcomms' form) and [`ctran_window`] (ctran's form), [`store`] (a
-//!   Python object as the bootstrap store; `TcpStore`), [`transport`]
+//! - The API: `comm` and `collectives` (`new_comm`, `Comm`, batches),
+//!   `reduce_op` and `enums`, `window_core` (what both window forms
+//!   share, and the owning design of their pending operations), `window`
+//!   (torchcomms' form) and `ctran_window` (ctran's form), `store` (a
+//!   Python object as the bootstrap store; `TcpStore`), `transport`
 //!   (`RdmaTransport`, `RdmaMemory`, views, remote buffers; blocking and
-//!   asyncio forms) and its tokio runtime in [`runtime`].
+//!   asyncio forms) and its tokio runtime in `runtime`.
 //!
 //! # Thread safety
 //!

@@ -30,11 +30,16 @@ pub(crate) struct PyWindow {
 }
 
 impl PyWindow {
-    pub(crate) fn create(py: Python<'_>, s: &Arc<CommShared>, tensor: Option<&Bound<'_, PyAny>>) -> PyResult<PyWindow> {
+    pub(crate) fn create(
+        py: Python<'_>,
+        s: &Arc<CommShared>,
+        tensor: Option<&Bound<'_, PyAny>>,
+        unified: bool,
+    ) -> PyResult<PyWindow> {
         let timeout = s.timeout;
         let (win, meta) = py
             .detach(|| {
-                let win = Window::new(&s.meta, WindowOptions::new().timeout(timeout))?;
+                let win = Window::new(&s.meta, WindowOptions::new().timeout(timeout).unified(unified))?;
                 let all: Vec<usize> = (0..s.size).collect();
                 Ok::<_, rmacomm_window::Error>((win, s.meta.split(&all)?.expect("every rank is listed")))
             })

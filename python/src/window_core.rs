@@ -194,9 +194,18 @@ impl WinCore {
                 let mut p = self.pending.lock().unwrap_or_else(|e| e.into_inner());
                 std::mem::take(&mut *p).iter().filter_map(Weak::upgrade).collect()
             };
-            for c in cells {
-                // Its result stays in the handle; errors surface there.
-                let _ = c.wait(py, None);
+            for (i, c) in cells.iter().enumerate() {
+                // Its result stays in the handle; its error surfaces there.
+                if let Err(e) = c.wait(py, None) {
+                    if !c.poll() {
+                        // Not the operation's error: the wait itself was
+                        // interrupted (Ctrl-C). Keep the rest for next time.
+                        for c in &cells[i..] {
+                            self.track(c);
+                        }
+                        return Err(e);
+                    }
+                }
             }
             let r = py.detach(|| {
                 let mut w = self.win.write().unwrap_or_else(|e| e.into_inner());
@@ -210,6 +219,7 @@ impl WinCore {
             }
             // A handle made meanwhile by another thread: finish it too.
             py.detach(std::thread::yield_now);
+            py.check_signals()?;
         }
     }
 

@@ -83,23 +83,31 @@ COUNTS = [4, 1024]
 ITERS = 3
 
 
-def window_ring(kind_name: str) -> None:
+def window_ring(arg: str) -> None:
     """torchcomms' window ring in both forms: counts 4 and 1024 × f32, i32,
     i8 × async put yes/no × async signal yes/no, 3 iterations with new values
     each; every rank puts full(count, value) into its right neighbour at
     offset rank × count, signals, waits for its left neighbour and checks
-    map_remote_tensor(rank)[left × count:] (ctran: get_tensor)."""
+    map_remote_tensor(rank)[left × count:] (ctran: get_tensor).
+
+    `arg` is the kind (numpy, torch), with ":separate" for windows whose
+    same-host peers are reached through the transport (SEPARATE: puts are
+    RDMA writes whose Work may still be pending; peers' memory is not
+    mapped, so the check through the peer's view is a get)."""
+    kind_name, _, path = arg.partition(":")
+    unified = path != "separate"
     kind = Kind(kind_name)
     comm = rmacomm.new_comm("rdma", timeout=60)
     r, n = comm.get_rank(), comm.get_size()
     right, left = (r + 1) % n, (r - 1) % n
+    access = rmacomm.WinAccessType.UNIFIED if unified else rmacomm.WinAccessType.SEPARATE
     for count in COUNTS:
         for dt in DTYPES:
             # torchcomms form.
-            win = comm.new_window()
+            win = comm.new_window(unified=unified)
             buf = comm.empty(n * count, kind.dtype(dt))
             win.tensor_register(buf)
-            expect(win.get_attr(right).access_type == rmacomm.WinAccessType.UNIFIED, "same-host peer is UNIFIED")
+            expect(win.get_attr(right).access_type == access, f"the right neighbour is {access}")
             for async_put in (False, True):
                 for async_signal in (False, True):
                     for it in range(ITERS):
@@ -117,9 +125,10 @@ def window_ring(kind_name: str) -> None:
                              kind)
                         # The right neighbour's buffer, mapped here: what
                         # this rank put there.
-                        theirs = win.map_remote_tensor(right)
-                        expect(tuple(theirs.shape) == (n * count,), f"peer view shape {tuple(theirs.shape)}")
-                        same(theirs[r * count:(r + 1) * count], [v] * count, "peer view", kind)
+                        if unified:
+                            theirs = win.map_remote_tensor(right)
+                            expect(tuple(theirs.shape) == (n * count,), f"peer view shape {tuple(theirs.shape)}")
+                            same(theirs[r * count:(r + 1) * count], [v] * count, "peer view", kind)
                         comm.barrier()
             # get from the right neighbour (what this rank put there), into
             # unregistered memory and into shared memory.
@@ -129,12 +138,25 @@ def window_ring(kind_name: str) -> None:
             out2 = comm.empty(count, kind.dtype(dt))
             win.get(out2, right, r * count, async_op=True).wait()
             same(out2, [r + 10 * (ITERS - 1) + 1] * count, f"get into shared memory {dt}", kind)
+            if not unified:
+                try:
+                    win.map_remote_tensor(right)
+                    raise AssertionError("map_remote_tensor of a SEPARATE peer must fail")
+                except rmacomm.UnavailableError as e:
+                    expect("SEPARATE" in str(e), str(e))
+            comm.barrier()
+            # An async put whose Work is never waited for, one dropped at
+            # once: tensor_deregister finishes both first.
+            kept = win.put(kind.full(count, -1, dt), right, r * count, async_op=True)
+            win.put(kind.full(count, -1, dt), right, r * count, async_op=True)
             comm.barrier()
             win.tensor_deregister()
+            expect(kept.is_completed(), "a Work pending at tensor_deregister is complete after it")
+            kept.wait()
 
             # ctran form.
             esize = np.dtype(dt).itemsize
-            cw = comm.window_allocate(n * count * esize, signal_size=4)
+            cw = comm.window_allocate(n * count * esize, signal_size=4, unified=unified)
             expect(cw.get_size() == n * count * esize, "ctran get_size")
             for async_put in (False, True):
                 for async_signal in (False, True):
@@ -150,14 +172,18 @@ def window_ring(kind_name: str) -> None:
                         mine = cw.get_tensor(r, n * count, kind.dtype(dt))
                         same(mine[left * count:(left + 1) * count], [left + 10 * it + 1] * count,
                              f"ctran ring {dt} count {count} put async {async_put} signal async {async_signal}", kind)
-                        theirs = cw.get_tensor(right, count, kind.dtype(dt), offset=r * count)
+                        if unified:
+                            theirs = cw.get_tensor(right, count, kind.dtype(dt), offset=r * count)
+                        else:
+                            theirs = kind.zeros(count, dt)
+                            cw.get(theirs, right, r * count * esize)
                         same(theirs, [v] * count, "ctran peer view", kind)
                         comm.barrier()
                     cw.reset_signal(1)
                     comm.barrier()
             del cw
     comm.finalize()
-    log(f"window_ring {kind_name} ok")
+    log(f"window_ring {arg} ok")
 
 
 # --- collectives -----------------------------------------------------------
@@ -573,11 +599,13 @@ def rank_dies(how: str) -> None:
     os._exit(0)
 
 
-def bench(_: str) -> None:
-    """Timing (not a test): 8-byte put+signal -> wait_signal ping-pong
-    between ranks 0 and 1 (half round trip) and all_reduce 4 KiB / 1 MiB,
-    from Python. Prints one line per figure on rank 0."""
-    comm = rmacomm.new_comm("rdma", timeout=60)
+def bench(algo: str) -> None:
+    """Timing (not a test; python/bench.sh runs it): 8-byte put+signal ->
+    wait_signal ping-pong between ranks 0 and 1 (half round trip) and
+    all_reduce 4 KiB / 1 MiB with all_reduce algorithm `algo`, from Python,
+    the loops of the Rust helpers (py-reference, coll-scenario time).
+    Prints one line per figure on rank 0."""
+    comm = rmacomm.new_comm("rdma", timeout=60, hints={"rmacomm::algo": algo})
     r, n = comm.get_rank(), comm.get_size()
     win = comm.new_window()
     win.tensor_register(comm.empty(16, np.float64))
@@ -600,16 +628,17 @@ def bench(_: str) -> None:
     if r == 0:
         log(f"put8_half_rtt_us {dt / iters / 2 * 1e6:.2f}")
     for size in (4096, 1 << 20):
-        x = comm.empty(size // 4, np.float32)
-        its = 5000 if size == 4096 else 300
+        x = np.ones(size // 4, np.float32)
+        # coll-scenario's count: 200 MB worth, 5 to 2000 calls, 20 warm-up.
+        its = min(max(200_000_000 // max(size, 4096), 5), 2000)
         for phase in ("warm", "run"):
             comm.barrier()
             t0 = time.perf_counter()
-            for _ in range(its if phase == "run" else its // 5):
+            for _ in range(its if phase == "run" else min(its, 20)):
                 comm.all_reduce(x, ReduceOp.SUM)
             dt = time.perf_counter() - t0
         if r == 0:
-            log(f"all_reduce_{size}_us {dt / its * 1e6:.2f}")
+            log(f"all_reduce_{algo}_{size}_us {dt / its * 1e6:.2f}")
     comm.barrier()
     win.tensor_deregister()
 
