@@ -55,7 +55,6 @@ pub(crate) struct Layout<'a> {
     pub(crate) itemsize: usize,
     pub(crate) readonly: bool,
     pub(crate) format: &'a str,
-    pub(crate) shape: Vec<usize>,
     pub(crate) c_contiguous: bool,
 }
 
@@ -84,39 +83,45 @@ impl Export {
         Ok(Export { raw })
     }
 
+    /// Entry `i` of the export's `shape` or `strides` array.
+    fn dim(&self, p: *mut Py_ssize_t, i: usize) -> isize {
+        debug_assert!(!p.is_null() && i < self.raw.ndim.max(0) as usize);
+        // SAFETY: a successful export with PyBUF_STRIDES has `ndim` shape
+        // and stride entries, alive until the release (`self` lives).
+        unsafe { *p.add(i) }
+    }
+
+    /// The exported memory's shape.
+    pub(crate) fn shape(&self) -> Vec<usize> {
+        let r = &*self.raw;
+        if r.shape.is_null() {
+            return vec![(r.len / r.itemsize.max(1)) as usize];
+        }
+        (0..r.ndim.max(0) as usize).map(|i| self.dim(r.shape, i).max(0) as usize).collect()
+    }
+
     /// The exported memory's layout.
     pub(crate) fn layout(&self) -> Layout<'_> {
         let r = &*self.raw;
         let ndim = r.ndim.max(0) as usize;
-        let dims = |p: *mut Py_ssize_t| -> Vec<isize> {
-            if p.is_null() {
-                return Vec::new();
-            }
-            // SAFETY: a successful export with PyBUF_STRIDES has `ndim`
-            // shape and stride entries, alive until the release.
-            (0..ndim).map(|i| unsafe { *p.add(i) }).collect()
-        };
-        let shape: Vec<usize> = if r.shape.is_null() {
-            vec![(r.len / r.itemsize.max(1)) as usize]
-        } else {
-            dims(r.shape).into_iter().map(|d| d.max(0) as usize).collect()
-        };
-        let strides = dims(r.strides);
         let itemsize = r.itemsize.max(0) as usize;
         // C order: each dimension's stride is the product of the later
         // dimensions' sizes (dimensions of size 1 may have any stride).
-        let c_contiguous = shape.contains(&0) || strides.is_empty() || {
-            let mut want = itemsize as isize;
-            let mut ok = true;
-            for (d, s) in shape.iter().zip(&strides).rev() {
-                if *d != 1 && *s != want {
-                    ok = false;
-                    break;
+        let c_contiguous = r.suboffsets.is_null()
+            && (r.shape.is_null() || r.strides.is_null() || {
+                let mut want = itemsize as isize;
+                let mut ok = true;
+                let mut empty = false;
+                for i in (0..ndim).rev() {
+                    let d = self.dim(r.shape, i);
+                    empty |= d == 0;
+                    if d != 1 && self.dim(r.strides, i) != want {
+                        ok = false;
+                    }
+                    want *= d;
                 }
-                want *= *d as isize;
-            }
-            ok
-        };
+                ok || empty
+            });
         let format = if r.format.is_null() {
             "B"
         } else {
@@ -130,8 +135,7 @@ impl Export {
             itemsize,
             readonly: r.readonly != 0,
             format,
-            shape,
-            c_contiguous: c_contiguous && r.suboffsets.is_null(),
+            c_contiguous,
         }
     }
 }

@@ -103,7 +103,7 @@ pub(crate) fn from_format(format: &str, itemsize: usize) -> Result<&'static Elem
         ("B" | "H" | "I" | "L" | "Q" | "N", 8) => "uint64",
         _ => return Err(format!("element format {format:?} ({itemsize} bytes) is not a numeric type rmacomm moves")),
     };
-    Ok(by_name(name).expect("in the table"))
+    Ok(ELEMS.iter().find(|e| e.name == name).expect("in the table"))
 }
 
 impl Elem {

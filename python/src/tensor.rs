@@ -26,10 +26,10 @@ pub(crate) struct Tensor<'py> {
     pub(crate) nbytes: usize,
     pub(crate) elem: &'static Elem,
     pub(crate) kind: Kind,
-    /// numpy's shape comes with the buffer; torch's is asked when needed.
+    /// Asked when needed (from the buffer export, or torch's `shape`).
     shape: Option<Vec<usize>>,
     /// Keeps a numpy array's memory from being resized during the call.
-    _export: Option<Export>,
+    export: Option<Export>,
 }
 
 /// A byte range of a tensor, `Send` so that a call can use it with the GIL
@@ -174,15 +174,15 @@ impl<'py> Tensor<'py> {
         if !l.c_contiguous {
             return Err(PyValueError::new_err(format!(
                 "{arg} is not contiguous (shape {:?}); pass np.ascontiguousarray({arg})",
-                l.shape
+                export.shape()
             )));
         }
         if writable && l.readonly {
             return Err(PyValueError::new_err(format!("{arg} is read-only, and this operation writes it")));
         }
         let elem = elem::from_format(l.format, l.itemsize).map_err(|m| PyTypeError::new_err(format!("{arg}: {m}")))?;
-        let (ptr, nbytes, shape) = (l.ptr, l.len, l.shape);
-        Ok(Tensor { obj: obj.clone(), ptr, nbytes, elem, kind: Kind::Numpy, shape: Some(shape), _export: Some(export) })
+        let (ptr, nbytes) = (l.ptr, l.len);
+        Ok(Tensor { obj: obj.clone(), ptr, nbytes, elem, kind: Kind::Numpy, shape: None, export: Some(export) })
     }
 
     fn torch(obj: &Bound<'py, PyAny>, arg: &str, t: &TorchTypes) -> PyResult<Tensor<'py>> {
@@ -210,7 +210,7 @@ impl<'py> Tensor<'py> {
             elem,
             kind: Kind::Torch,
             shape: None,
-            _export: None,
+            export: None,
         })
     }
 
@@ -224,7 +224,10 @@ impl<'py> Tensor<'py> {
         if let Some(s) = &self.shape {
             return Ok(s.clone());
         }
-        let s: Vec<usize> = self.obj.getattr(intern!(self.obj.py(), "shape"))?.extract()?;
+        let s: Vec<usize> = match &self.export {
+            Some(e) => e.shape(),
+            None => self.obj.getattr(intern!(self.obj.py(), "shape"))?.extract()?,
+        };
         self.shape = Some(s.clone());
         Ok(s)
     }

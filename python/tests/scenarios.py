@@ -643,7 +643,39 @@ def bench(algo: str) -> None:
     win.tensor_deregister()
 
 
+def bench_self(iters: str) -> None:
+    """Timing (not a test): one rank alone — put + signal + wait_signal to
+    itself, all_reduce of 4 KiB and 1 MiB — the loops of `py-reference
+    self`, so that the difference is the bindings' cost per call."""
+    n = int(iters)
+    comm = rmacomm.new_comm("rdma", timeout=60)
+    win = comm.new_window()
+    win.tensor_register(comm.empty(16, np.float64))
+    src = comm.empty(1, np.float64)
+
+    def time_it(k: int, f: Callable[[], object]) -> float:
+        for _ in range(k // 10):
+            f()
+        t0 = time.perf_counter()
+        for _ in range(k):
+            f()
+        return (time.perf_counter() - t0) / k * 1e6
+
+    def psw() -> None:
+        win.put(src, 0, 0)
+        win.signal(0)
+        win.wait_signal(0)
+
+    log(f"self_put_signal_wait_us {time_it(n, psw):.3f}")
+    for size in (4096, 1 << 20):
+        x = np.zeros(size // 4, np.float32)
+        k = n if size == 4096 else n // 100
+        log(f"self_all_reduce_{size}_us {time_it(k, lambda: comm.all_reduce(x, ReduceOp.SUM)):.3f}")
+    win.tensor_deregister()
+
+
 SCENARIOS: Dict[str, Callable[[str], None]] = {
+    "bench_self": bench_self,
     "window_ring": window_ring,
     "collectives": collectives,
     "gil": gil,
