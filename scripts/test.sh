@@ -60,6 +60,36 @@ cargo test --workspace --release --doc
 # The API docs build without broken links.
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --quiet
 
+# The Python package (python/): a virtual environment under target/ (kept
+# between runs), `pip install ./python` (maturin builds the extension in
+# release mode into target/), numpy, pytest and mypy, torch when PyPI gives
+# it (else the torch tests skip, saying why), then the pytest suite, which
+# runs its scenarios under the launcher with 2, 3 and 4 ranks.
+# RMACOMM_PYTHON=0 skips it; RMACOMM_PYTHON_VENV puts the environment
+# elsewhere.
+if [ "${RMACOMM_PYTHON:-1}" != 0 ]; then
+  py_venv=${RMACOMM_PYTHON_VENV:-target/python-venv}
+  if ! python3 -c 'import venv, ensurepip' >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "# installing python3-venv"
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends python3-venv python3-dev) >/dev/null
+  fi
+  if ! command -v python3 >/dev/null || ! python3 -c 'import venv, ensurepip' >/dev/null 2>&1; then
+    echo "# skipped the python stage: no python3 with venv (apt-get install python3-venv)"
+  else
+    [ -x "$py_venv/bin/python" ] || python3 -m venv "$py_venv"
+    "$py_venv/bin/python" -m pip install -q --disable-pip-version-check maturin numpy pytest mypy
+    if ! "$py_venv/bin/python" -c 'import torch' >/dev/null 2>&1; then
+      echo "# installing torch into $py_venv (once; about a minute and 5 GB)"
+      "$py_venv/bin/python" -m pip install -q --disable-pip-version-check torch \
+        || echo "# torch could not be installed from PyPI: the torch tests skip"
+    fi
+    "$py_venv/bin/python" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps ./python
+    # From the repository root, so that `import rmacomm` is the installed
+    # package, not the source directory.
+    "$py_venv/bin/python" -m pytest -q -rs -p no:cacheprovider python/tests
+  fi
+fi
+
 # The criterion benches always build (they run with `cargo bench`).
 cargo bench --workspace --no-run
 

@@ -1,0 +1,106 @@
+"""rmacomm: torchcomms' communicator, one-sided windows and RDMA transport.
+
+CPU numpy arrays and torch tensors move zero-copy between the ranks of a
+job, over rmacomm's soft provider (shared memory between processes of one
+host, TCP between hosts) or RDMA verbs.
+
+Quick start (run with ``python -m rmacomm.run --nproc-per-node 2 prog.py``)::
+
+    import numpy as np
+    import rmacomm
+
+    comm = rmacomm.new_comm("rdma")           # rank, size from the launcher
+    x = np.full(1024, comm.get_rank(), np.float32)
+    comm.all_reduce(x, rmacomm.ReduceOp.SUM)  # x == 0 + 1 on both ranks
+
+    win = comm.new_window()
+    buf = comm.empty(2 * 1024, np.float32)    # shared memory: peers map it
+    win.tensor_register(buf)
+    right = (comm.get_rank() + 1) % comm.get_size()
+    win.put(x, right, comm.get_rank() * 1024)
+    win.signal(right)
+    win.wait_signal((comm.get_rank() - 1) % comm.get_size())
+    win.tensor_deregister()
+    comm.finalize()
+
+Contents:
+
+- ``new_comm(backend, device, *, store, name, timeout, hints, ...)`` ->
+  ``Comm``: every collective (``send``, ``recv``, ``broadcast``,
+  ``all_reduce``, ``reduce``, ``all_gather[_single|_v]``,
+  ``reduce_scatter[_single|_v]``, ``all_to_all[_single|_v_single]``,
+  ``scatter``, ``gather``, ``barrier``), ``split``, ``batch_op_create``,
+  each returning a ``Work`` (``is_completed()``, ``wait()``).
+- ``ReduceOp``: ``SUM``, ``PRODUCT``, ``MIN``, ``MAX``, ``BAND``, ``BOR``,
+  ``BXOR``, ``AVG``, ``PREMUL_SUM(factor)``.
+- Windows: ``comm.new_window()`` -> ``Window`` (torchcomms' form:
+  ``tensor_register``, ``put``, ``signal``, ``wait_signal``, ``get``,
+  ``map_remote_tensor``, ``get_attr``), ``comm.window_allocate(size)`` ->
+  ``CtranWindow`` (ctran's form: value signals ``SignalOp`` and
+  comparisons ``SignalCmpOp``, ``get_tensor``).
+- ``empty(shape, dtype, like=None)``: shared memory to register in windows.
+- Transport: ``RdmaTransport``, ``RdmaMemory``, ``RdmaView``,
+  ``RdmaRemoteBuffer`` (picklable); blocking and ``*_async`` methods.
+- Stores: ``TcpStore``, or any object with ``set``/``get``/``wait``.
+- Errors: ``CommError`` and its subclasses ``TimeoutError`` (also
+  ``builtins.TimeoutError``), ``ArgumentError`` (also ``ValueError``),
+  ``MismatchError``, ``PeerError``, ``UnavailableError``.
+- ``python -m rmacomm.run --nproc-per-node N prog.py`` (or ``rmacomm-run``):
+  a one-host launcher with torchrun's variables.
+
+The full reference is docs/python.md in the repository.
+"""
+
+from ._rmacomm import (
+    ArgumentError,
+    BatchSendRecv,
+    Comm,
+    CommError,
+    CtranWindow,
+    MismatchError,
+    PeerError,
+    RdmaMemory,
+    RdmaRemoteBuffer,
+    RdmaTransport,
+    RdmaView,
+    ReduceOp,
+    SignalCmpOp,
+    SignalOp,
+    TcpStore,
+    TimeoutError,
+    UnavailableError,
+    WinAccessType,
+    Window,
+    WindowAttr,
+    Work,
+    __version__,
+    empty,
+    new_comm,
+)
+
+__all__ = [
+    "ArgumentError",
+    "BatchSendRecv",
+    "Comm",
+    "CommError",
+    "CtranWindow",
+    "MismatchError",
+    "PeerError",
+    "RdmaMemory",
+    "RdmaRemoteBuffer",
+    "RdmaTransport",
+    "RdmaView",
+    "ReduceOp",
+    "SignalCmpOp",
+    "SignalOp",
+    "TcpStore",
+    "TimeoutError",
+    "UnavailableError",
+    "WinAccessType",
+    "Window",
+    "WindowAttr",
+    "Work",
+    "__version__",
+    "empty",
+    "new_comm",
+]

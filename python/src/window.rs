@@ -1,0 +1,199 @@
+//! `Window`: torchcomms' one-sided window (`comm.new_window()`): register a
+//! tensor, put into peers' tensors at element offsets, signal, wait for
+//! signals, get, map a same-host peer's tensor.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use pyo3::prelude::*;
+use rmacomm_window::{Window, WindowOptions};
+
+use crate::comm::CommShared;
+use crate::enums::PyWindowAttr;
+use crate::errors::py_err;
+use crate::tensor::Tensor;
+use crate::timeout;
+use crate::window_core::WinCore;
+use crate::work::{PyWork, State};
+
+/// A one-sided window over a communicator's ranks (torchcomms'
+/// `TorchCommWindow`), made by `comm.new_window()`.
+///
+/// Every rank registers a tensor (`tensor_register`, collective); then any
+/// rank puts into any rank's tensor, signals it, and the target waits for
+/// the signal, after which the data is in its tensor. Same-host peers are
+/// UNIFIED: their tensors are mapped here (`map_remote_tensor`) and puts
+/// are copies by the calling thread.
+#[pyclass(frozen, module = "rmacomm", name = "Window")]
+pub(crate) struct PyWindow {
+    core: Arc<WinCore>,
+}
+
+impl PyWindow {
+    pub(crate) fn create(
+        py: Python<'_>,
+        s: &Arc<CommShared>,
+        tensor: Option<&Bound<'_, PyAny>>,
+        unified: bool,
+    ) -> PyResult<PyWindow> {
+        let timeout = s.timeout;
+        let (win, meta) = py
+            .detach(|| {
+                let win = Window::new(&s.meta, WindowOptions::new().timeout(timeout).unified(unified))?;
+                let all: Vec<usize> = (0..s.size).collect();
+                Ok::<_, rmacomm_window::Error>((win, s.meta.split(&all)?.expect("every rank is listed")))
+            })
+            .map_err(py_err)?;
+        let w = PyWindow { core: WinCore::new(win, meta, timeout) };
+        if let Some(t) = tensor.filter(|t| !t.is_none()) {
+            w.tensor_register(py, t)?;
+        }
+        Ok(w)
+    }
+}
+
+#[pymethods]
+impl PyWindow {
+    /// Registers `tensor` as this rank's window memory (collective: every
+    /// rank calls it; sizes and dtypes may differ per rank). Same-host peers
+    /// map it when it lives in shared memory (`comm.empty`); other memory is
+    /// reached through the transport only.
+    fn tensor_register(&self, py: Python<'_>, tensor: &Bound<'_, PyAny>) -> PyResult<()> {
+        let mut t = Tensor::new(tensor, "tensor", true)?;
+        self.core.register(py, &mut t)
+    }
+
+    /// Ends the registration (collective): waits for this rank's pending
+    /// operations, then for every rank.
+    fn tensor_deregister(&self, py: Python<'_>) -> PyResult<()> {
+        self.core.deregister(py)
+    }
+
+    /// Writes `tensor` into `dst_rank`'s tensor at element
+    /// `target_offset_nelems` (of `dst_rank`'s dtype). Without `async_op`
+    /// it returns once the data is placed. Does not signal.
+    #[pyo3(signature = (tensor, dst_rank, target_offset_nelems, async_op=false, hints=None, timeout=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn put(
+        &self,
+        py: Python<'_>,
+        tensor: &Bound<'_, PyAny>,
+        dst_rank: usize,
+        target_offset_nelems: usize,
+        async_op: bool,
+        hints: Option<HashMap<String, String>>,
+        timeout: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<PyWork> {
+        let _ = (hints, timeout::duration(timeout, "timeout")?);
+        let t = Tensor::new(tensor, "tensor", false)?;
+        let st = self.core.put(py, &t, dst_rank, target_offset_nelems, async_op)?;
+        Ok(self.core.handle(st))
+    }
+
+    /// Signals `dst_rank`: satisfies one `wait_signal` for this rank there,
+    /// once every put this rank issued to `dst_rank` before it is placed.
+    #[pyo3(signature = (dst_rank, async_op=false, hints=None, timeout=None))]
+    fn signal(
+        &self,
+        py: Python<'_>,
+        dst_rank: usize,
+        async_op: bool,
+        hints: Option<HashMap<String, String>>,
+        timeout: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<PyWork> {
+        let _ = (hints, timeout::duration(timeout, "timeout")?);
+        let blocking = !async_op && !self.core.unified(py, dst_rank);
+        let core = self.core.clone();
+        let st = self
+            .core
+            .with(py, blocking, move |w| w.signal(dst_rank, async_op).map(|work| core.settle(work, None)))
+            .map_err(py_err)?;
+        Ok(self.core.handle(st))
+    }
+
+    /// Waits for the next signal from `peer_rank` (the n-th wait takes the
+    /// n-th signal; early ones are kept), for at most `timeout` (default:
+    /// the communicator's). When it returns, what the peer put before that
+    /// signal is in this rank's tensor. With `async_op`, returns a Work
+    /// that takes the signal when waited for (or polled).
+    #[pyo3(signature = (peer_rank, async_op=false, hints=None, timeout=None))]
+    fn wait_signal(
+        &self,
+        py: Python<'_>,
+        peer_rank: usize,
+        async_op: bool,
+        hints: Option<HashMap<String, String>>,
+        timeout: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<PyWork> {
+        let _ = hints;
+        if peer_rank >= self.core.size {
+            return Err(crate::errors::Failure::new(
+                crate::errors::ErrKind::Argument,
+                format!("wait_signal: rank {peer_rank} is not in this window of {} ranks", self.core.size),
+            )
+            .into());
+        }
+        let timeout = timeout::duration(timeout, "timeout")?;
+        let w = PyWork::of(State::WaitSignal { core: self.core.clone(), peer: peer_rank, timeout });
+        if async_op {
+            return Ok(w);
+        }
+        w.cell.wait(py, None)?;
+        Ok(w)
+    }
+
+    /// Reads `src_rank`'s tensor at element `source_offset_nelems` (of its
+    /// dtype) into `tensor`.
+    #[pyo3(signature = (tensor, src_rank, source_offset_nelems, async_op=false, hints=None, timeout=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn get(
+        &self,
+        py: Python<'_>,
+        tensor: &Bound<'_, PyAny>,
+        src_rank: usize,
+        source_offset_nelems: usize,
+        async_op: bool,
+        hints: Option<HashMap<String, String>>,
+        timeout: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<PyWork> {
+        let _ = (hints, timeout::duration(timeout, "timeout")?);
+        let t = Tensor::new(tensor, "tensor", true)?;
+        let st = self.core.get(py, &t, src_rank, source_offset_nelems, async_op)?;
+        Ok(self.core.handle(st))
+    }
+
+    /// `rank`'s registered tensor, aliasing its memory (zero-copy), with the
+    /// dtype and shape `rank` registered, as the kind this rank registered
+    /// (numpy or torch). This rank's own: the tensor itself. A same-host
+    /// peer's: its memory mapped here; what anyone puts there is seen at
+    /// once. A SEPARATE peer: `UnavailableError`.
+    fn map_remote_tensor<'py>(&self, py: Python<'py>, rank: usize) -> PyResult<Bound<'py, PyAny>> {
+        self.core.map_remote_tensor(py, rank)
+    }
+
+    /// How this rank reaches `rank`'s tensor: `WindowAttr.access_type` is
+    /// `WinAccessType.UNIFIED` (mapped here) or `SEPARATE`.
+    fn get_attr(&self, py: Python<'_>, rank: usize) -> PyResult<PyWindowAttr> {
+        let a = self.core.with(py, false, |w| w.get_attr(rank)).map_err(py_err)?;
+        Ok(PyWindowAttr { access_type: a.access_type.into() })
+    }
+
+    /// Bytes this rank registered (0 when nothing is).
+    fn get_size(&self, py: Python<'_>) -> usize {
+        self.core.with(py, false, |w| w.get_size())
+    }
+
+    /// "cpu".
+    fn get_device(&self) -> &'static str {
+        "cpu"
+    }
+
+    /// The registered tensor (None when nothing is registered).
+    fn get_tensor(&self, py: Python<'_>) -> Option<Py<PyAny>> {
+        self.core.reg.lock().unwrap_or_else(|e| e.into_inner()).as_ref().map(|r| r.tensor.clone_ref(py))
+    }
+
+    fn __repr__(&self) -> String {
+        format!("<rmacomm.Window rank {} of {}>", self.core.rank, self.core.size)
+    }
+}

@@ -1,0 +1,536 @@
+//! What both window forms share: the window, its registration as Python
+//! sees it (every rank's element type and shape), the memory operations
+//! read from or write into, and the owning design of pending operations.
+//!
+//! # Pending operations own a borrow of the window
+//!
+//! The window's `Work<'a>` borrows the window and the operation's local
+//! memory; Python needs a handle it can keep as long as it likes. A
+//! [`WinPending`] owns the `Work` with its lifetime extended to `'static`
+//! together with what it borrows: an `Arc` of the [`WinCore`] (the window
+//! inside an `RwLock`, at a stable address) and an `Arc` of the local
+//! memory's registration. That is sound because:
+//!
+//! - the window is only ever borrowed shared while a `WinPending` exists:
+//!   the exclusive operations (`tensor_register`, `tensor_deregister`)
+//!   take the write lock and proceed only when `live` is 0, and `live` is
+//!   raised while the read lock the `Work` was made under is still held,
+//!   so no `WinPending` can appear while the write lock is held;
+//! - the memory a put or get uses is an `Arc` the `WinPending` holds, or
+//!   the window's own registered tensor (moved out only by
+//!   `tensor_deregister`, exclusive as above);
+//! - `WinPending` drops the `Work` before anything it borrows.
+//!
+//! Before an exclusive operation the window waits for every pending
+//! operation it knows of (their results are kept for their handles), so a
+//! `Work` the program still holds never blocks a deregistration.
+//!
+//! Operations that finish in the call (the UNIFIED path's copies and
+//! atomics) never become a `WinPending`.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, RwLock, Weak};
+use std::time::{Duration, Instant};
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use rmacomm_transport::{RdmaMemory, View, ViewMut};
+use rmacomm_window::{AccessType, Cmp, Group, Window, Work};
+
+use crate::array::{self, Keep};
+use crate::elem::{self, Elem};
+use crate::errors::{py_err, ErrKind, Failure};
+use crate::mapping::DupMapping;
+use crate::memory::{self, Borrowed, Owner, Registered};
+use crate::tensor::{Kind, Raw, Tensor};
+use crate::work::{State, WorkCell};
+
+/// A rank's registered tensor, as its element type and shape.
+#[derive(Debug, Clone)]
+pub(crate) struct PeerMeta {
+    pub(crate) elem: &'static Elem,
+    pub(crate) shape: Vec<usize>,
+}
+
+/// This rank's registration as Python sees it.
+pub(crate) struct Reg {
+    /// The registered tensor (returned by `map_remote_tensor(own rank)`).
+    pub(crate) tensor: Py<PyAny>,
+    pub(crate) kind: Kind,
+    pub(crate) peers: Vec<PeerMeta>,
+}
+
+/// A window and what the Python classes keep beside it.
+pub(crate) struct WinCore {
+    pub(crate) win: RwLock<Window>,
+    /// `WinPending`s alive (each borrows `win`).
+    live: AtomicUsize,
+    /// Handles of operations that may still be pending.
+    pending: Mutex<Vec<Weak<WorkCell>>>,
+    /// Registration metadata exchanges (a group of its own).
+    meta: Group,
+    pub(crate) reg: Mutex<Option<Reg>>,
+    pub(crate) rank: usize,
+    pub(crate) size: usize,
+    pub(crate) timeout: Duration,
+}
+
+/// A pending window operation with what it borrows (module docs).
+pub(crate) struct WinPending {
+    // Dropped by hand first (Drop below).
+    work: Option<Work<'static>>,
+    core: Arc<WinCore>,
+    _mem: Option<Arc<Registered>>,
+}
+
+impl Drop for WinPending {
+    fn drop(&mut self) {
+        // The borrow ends before the window may be borrowed exclusively.
+        drop(self.work.take());
+        self.core.live.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+fn win_failure(e: rmacomm_window::Error) -> Failure {
+    e.into()
+}
+
+impl WinPending {
+    fn work(&self) -> &Work<'static> {
+        self.work.as_ref().expect("taken only on drop")
+    }
+
+    pub(crate) fn is_completed(&self) -> bool {
+        self.work().is_completed()
+    }
+
+    /// The result of a completed operation.
+    pub(crate) fn result(&self) -> Result<(), Failure> {
+        self.work().wait(None).map_err(win_failure)
+    }
+
+    /// Waits at most `slice`; `None` if it is still pending then.
+    pub(crate) fn wait_slice(&self, slice: Duration) -> Option<Result<(), Failure>> {
+        match self.work().wait(Some(slice)) {
+            Ok(()) => Some(Ok(())),
+            // A wait that timed out leaves the operation pending; an error
+            // of the operation itself completes it.
+            Err(e) => self.work().is_completed().then(|| Err(win_failure(e))),
+        }
+    }
+}
+
+/// Where an operation's local memory is: a view of it, and the
+/// registration to keep alive while the operation is pending.
+enum Local {
+    /// Inside the window's registered tensor, at this offset.
+    Window(usize),
+    Reg(Arc<Registered>, usize),
+}
+
+impl WinCore {
+    pub(crate) fn new(win: Window, meta: Group, timeout: Duration) -> Arc<WinCore> {
+        let (rank, size) = (win.rank(), win.size());
+        Arc::new(WinCore {
+            win: RwLock::new(win),
+            live: AtomicUsize::new(0),
+            pending: Mutex::new(Vec::new()),
+            meta,
+            reg: Mutex::new(None),
+            rank,
+            size,
+            timeout,
+        })
+    }
+
+    fn read_guard(&self) -> std::sync::RwLockReadGuard<'_, Window> {
+        self.win.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Runs `f` on the window under the read lock: with the GIL held when
+    /// `blocking` is false and the lock is free, else with it released.
+    pub(crate) fn with<R: Send>(&self, py: Python<'_>, blocking: bool, f: impl FnOnce(&Window) -> R + Send) -> R {
+        if !blocking {
+            if let Ok(g) = self.win.try_read() {
+                return f(&g);
+            }
+        }
+        py.detach(|| f(&self.read_guard()))
+    }
+
+    /// Turns a `Work` made under the read lock `_guard` into a `Work`
+    /// state: done when it is, else a `WinPending`.
+    pub(crate) fn settle(self: &Arc<Self>, work: Work<'_>, mem: Option<Arc<Registered>>) -> State {
+        if work.is_completed() {
+            return State::Done(work.wait(None).map_err(win_failure));
+        }
+        // Raised while the read lock is held (the caller's `with`).
+        self.live.fetch_add(1, Ordering::AcqRel);
+        // SAFETY: only the lifetime changes. The borrows it erases are of
+        // `self.win` (kept by the Arc below; never borrowed exclusively
+        // while `live` > 0, see the module docs) and of the registration
+        // `mem` or the window's own tensor (kept by `_mem`, resp. by the
+        // window until an exclusive call). WinPending drops the Work first.
+        let work = unsafe { std::mem::transmute::<Work<'_>, Work<'static>>(work) };
+        State::Win(WinPending { work: Some(work), core: self.clone(), _mem: mem })
+    }
+
+    /// Keeps a weak reference to a pending handle (finished before an
+    /// exclusive operation).
+    pub(crate) fn track(&self, cell: &Arc<WorkCell>) {
+        let mut p = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        if p.len() >= 64 {
+            p.retain(|w| w.strong_count() > 0);
+        }
+        p.push(Arc::downgrade(cell));
+    }
+
+    /// Runs `f` with the window borrowed exclusively, after every pending
+    /// operation has finished.
+    pub(crate) fn exclusive<R: Send>(&self, py: Python<'_>, f: impl FnOnce(&mut Window) -> R + Send) -> PyResult<R> {
+        let mut f = Some(f);
+        loop {
+            let cells: Vec<Arc<WorkCell>> = {
+                let mut p = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+                std::mem::take(&mut *p).iter().filter_map(Weak::upgrade).collect()
+            };
+            for (i, c) in cells.iter().enumerate() {
+                // Its result stays in the handle; its error surfaces there.
+                if let Err(e) = c.wait(py, None) {
+                    if !c.poll() {
+                        // Not the operation's error: the wait itself was
+                        // interrupted (Ctrl-C). Keep the rest for next time.
+                        for c in &cells[i..] {
+                            self.track(c);
+                        }
+                        return Err(e);
+                    }
+                }
+            }
+            let r = py.detach(|| {
+                let mut w = self.win.write().unwrap_or_else(|e| e.into_inner());
+                if self.live.load(Ordering::Acquire) != 0 {
+                    return None;
+                }
+                Some((f.take().expect("called once"))(&mut w))
+            });
+            if let Some(r) = r {
+                return Ok(r);
+            }
+            // A handle made meanwhile by another thread: finish it too.
+            py.detach(std::thread::yield_now);
+            py.check_signals()?;
+        }
+    }
+
+    /// Where the local memory `raw` of an operation is: in the window's
+    /// registered tensor, in a published registration, or (`None`) in
+    /// memory nothing registers.
+    fn locate(&self, w: &Window, raw: Raw) -> Option<Local> {
+        if let Some(mem) = w.local_tensor() {
+            if mem.contains(raw.ptr, raw.len) {
+                return Some(Local::Window(raw.ptr as usize - mem.as_ptr() as usize));
+            }
+        }
+        memory::find(raw.ptr, raw.len).map(|r| {
+            let off = r.offset_of(raw.ptr);
+            Local::Reg(r, off)
+        })
+    }
+
+    /// A put of `t` to `dst` at element (torchcomms form) or byte (ctran
+    /// form) offset `offset` of `dst`'s registration.
+    pub(crate) fn put(
+        self: &Arc<Self>,
+        py: Python<'_>,
+        t: &Tensor<'_>,
+        dst: usize,
+        offset: usize,
+        async_op: bool,
+    ) -> PyResult<State> {
+        let raw = t.raw();
+        let blocking = !(async_op || raw.len <= 64 << 10 && self.unified(py, dst));
+        let core = self.clone();
+        self.with(py, blocking, move |w| -> Result<State, Failure> {
+            match core.locate(w, raw) {
+                Some(local) => {
+                    let (mem, keep) = local_mem(w, &local);
+                    let view: View<'_> = mem.view(local_offset(&local), raw.len).map_err(Failure::from)?;
+                    let work = w.put(view, dst, offset, async_op).map_err(win_failure)?;
+                    Ok(core.settle(work, keep))
+                }
+                None => {
+                    // SAFETY: the tensor is alive and not written during
+                    // the call (the caller's argument; crate docs); the
+                    // copy is done when put_bytes returns.
+                    let bytes = unsafe { raw.slice() };
+                    w.put_bytes(bytes, dst, offset).map_err(|e| {
+                        // The caller called put: name it so.
+                        let mut f = win_failure(e);
+                        if let Some(rest) = f.msg.strip_prefix("put_bytes ") {
+                            f.msg = format!("put {rest}");
+                        }
+                        f
+                    })?;
+                    Ok(State::Done(Ok(())))
+                }
+            }
+        })
+        .map_err(PyErr::from)
+    }
+
+    /// A get into `t` from `src` at element / byte `offset`.
+    pub(crate) fn get(
+        self: &Arc<Self>,
+        py: Python<'_>,
+        t: &Tensor<'_>,
+        src: usize,
+        offset: usize,
+        async_op: bool,
+    ) -> PyResult<State> {
+        let raw = t.raw();
+        let blocking = !(async_op || raw.len <= 64 << 10 && self.unified(py, src));
+        // Memory nothing registers is registered for this one get, kept
+        // alive by the tensor's reference until the get is done.
+        let extra = {
+            let probe = self.with(py, false, |w| self.locate(w, raw).is_some());
+            if probe {
+                None
+            } else {
+                // SAFETY: a numpy array or torch tensor (checked by
+                // Tensor::new) keeps its memory at one address while
+                // referenced; the registration holds the reference.
+                let b = unsafe { Borrowed::new(raw.ptr, raw.len, Owner::Py(t.keep())) };
+                Some(py.detach(|| Registered::register(b)).map_err(py_err)?)
+            }
+        };
+        let core = self.clone();
+        self.with(py, blocking, move |w| -> Result<State, Failure> {
+            let local = match extra {
+                Some(r) => Local::Reg(r, 0),
+                None => core.locate(w, raw).ok_or_else(|| {
+                    Failure::new(ErrKind::Comm, "get: the destination's registration went away during the call")
+                })?,
+            };
+            let (mem, keep) = local_mem(w, &local);
+            let view: ViewMut<'_> = mem.view_mut(local_offset(&local), raw.len).map_err(Failure::from)?;
+            let work = w.get(view, src, offset, async_op).map_err(win_failure)?;
+            Ok(core.settle(work, keep))
+        })
+        .map_err(PyErr::from)
+    }
+
+    /// Whether `rank`'s memory is mapped here (its operations are copies by
+    /// the calling thread: no wait).
+    pub(crate) fn unified(&self, py: Python<'_>, rank: usize) -> bool {
+        self.with(py, false, |w| w.get_attr(rank).map(|a| a.access_type == AccessType::Unified).unwrap_or(false))
+    }
+
+    /// A handle for `state`, tracked when it is pending.
+    pub(crate) fn handle(&self, state: State) -> crate::work::PyWork {
+        let pending = matches!(state, State::Win(_));
+        let w = crate::work::PyWork::of(state);
+        if pending {
+            self.track(&w.cell);
+        }
+        w
+    }
+
+    /// `wait_signal(peer)` in one step of at most `slice`, of a wait of
+    /// `total` ending at `end`.
+    pub(crate) fn wait_signal_slice(
+        &self,
+        peer: usize,
+        slice: Duration,
+        end: Instant,
+        total: Duration,
+    ) -> Option<Result<(), Failure>> {
+        let now = Instant::now();
+        let t = slice.min(end.saturating_duration_since(now));
+        match self.read_guard().wait_signal(peer, Some(t)) {
+            Ok(()) => Some(Ok(())),
+            Err(e) if is_timeout(&e) => (Instant::now() >= end).then(|| {
+                Err(Failure::new(
+                    ErrKind::Timeout,
+                    format!(
+                        "wait_signal with rank {peer}: no signal within {total:?}; check that rank {peer} signals \
+                         this rank, or raise the timeout"
+                    ),
+                ))
+            }),
+            Err(e) => Some(Err(win_failure(e))),
+        }
+    }
+
+    /// `wait_signal(peer)` if a signal is there now.
+    pub(crate) fn try_wait_signal(&self, peer: usize) -> Option<Result<(), Failure>> {
+        let w = self.win.try_read().ok()?;
+        match w.wait_signal(peer, Some(Duration::ZERO)) {
+            Ok(()) => Some(Ok(())),
+            Err(e) if is_timeout(&e) => None,
+            Err(e) => Some(Err(win_failure(e))),
+        }
+    }
+
+    /// ctran's `wait_signal` in one step of at most `slice`, of a wait of
+    /// `total` ending at `end`.
+    pub(crate) fn wait_value_slice(
+        &self,
+        disp: usize,
+        value: u64,
+        cmp: Cmp,
+        slice: Duration,
+        end: Instant,
+        total: Duration,
+    ) -> Option<Result<(), Failure>> {
+        let now = Instant::now();
+        let t = slice.min(end.saturating_duration_since(now));
+        match self.read_guard().wait_signal_until(disp, value, cmp, Some(t)) {
+            Ok(()) => Some(Ok(())),
+            Err(e) if is_timeout(&e) => (Instant::now() >= end).then(|| {
+                let held = self.read_guard().read_signal(disp).map(|v| v.to_string()).unwrap_or_else(|_| "?".into());
+                Err(Failure::new(
+                    ErrKind::Timeout,
+                    format!(
+                        "wait_signal: slot {disp} {cmp:?} {value} did not hold within {total:?} (it holds {held}); \
+                         check that the peers signal it, or raise the timeout"
+                    ),
+                ))
+            }),
+            Err(e) => Some(Err(win_failure(e))),
+        }
+    }
+
+    /// ctran's `wait_signal` if the comparison holds now.
+    pub(crate) fn try_wait_value(&self, disp: usize, value: u64, cmp: Cmp) -> Option<Result<(), Failure>> {
+        let w = self.win.try_read().ok()?;
+        match w.wait_signal_until(disp, value, cmp, Some(Duration::ZERO)) {
+            Ok(()) => Some(Ok(())),
+            Err(e) if is_timeout(&e) => None,
+            Err(e) => Some(Err(win_failure(e))),
+        }
+    }
+
+    /// Registers `t` (collective): the window's `tensor_register` of its
+    /// bytes with its element size, after every rank's element type and
+    /// shape were exchanged.
+    pub(crate) fn register(&self, py: Python<'_>, t: &mut Tensor<'_>) -> PyResult<()> {
+        if self.reg.lock().unwrap_or_else(|e| e.into_inner()).is_some() {
+            return Err(PyValueError::new_err("a tensor is registered already; call tensor_deregister first"));
+        }
+        if t.nbytes == 0 {
+            return Err(PyValueError::new_err("tensor: an empty tensor cannot be registered"));
+        }
+        let shape = t.shape()?;
+        let raw = t.raw();
+        let owner = match memory::find(raw.ptr, raw.len) {
+            Some(r) => Owner::Mem(r),
+            None => Owner::Py(t.keep()),
+        };
+        // SAFETY: a numpy array or torch tensor (checked by Tensor::new),
+        // or an rmacomm allocation, keeps its memory at one address while
+        // the owner lives; the registration holds the owner.
+        let b = unsafe { Borrowed::new(raw.ptr, raw.len, owner) };
+        let mem = py.detach(|| RdmaMemory::register(b)).map_err(py_err)?;
+        let blob = format!("{}\n{}", t.elem.name, shape.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(","));
+        let all = py.detach(|| self.meta.exchange("tensor_register", blob.as_bytes())).map_err(py_err)?;
+        let peers = all
+            .iter()
+            .enumerate()
+            .map(|(r, v)| parse_meta(v).ok_or_else(|| PyValueError::new_err(format!("rank {r} sent a bad descriptor"))))
+            .collect::<PyResult<Vec<_>>>()?;
+        let (elem_size, len) = (t.elem.size, raw.len);
+        self.exclusive(py, move |w| w.tensor_register_len(mem, len, elem_size))?.map_err(py_err)?;
+        *self.reg.lock().unwrap_or_else(|e| e.into_inner()) = Some(Reg { tensor: t.keep(), kind: t.kind, peers });
+        Ok(())
+    }
+
+    /// Ends the registration (collective).
+    pub(crate) fn deregister(&self, py: Python<'_>) -> PyResult<()> {
+        let mem = self.exclusive(py, |w| w.tensor_deregister())?.map_err(py_err)?;
+        let reg = self.reg.lock().unwrap_or_else(|e| e.into_inner()).take();
+        // The memory region, and with it the reference to the tensor, goes
+        // here (with the GIL held: the reference is dropped at once).
+        drop(mem);
+        drop(reg);
+        Ok(())
+    }
+
+    /// `rank`'s registered tensor as an array of this rank's kind, of the
+    /// element type and shape `rank` registered.
+    pub(crate) fn map_remote_tensor<'py>(&self, py: Python<'py>, rank: usize) -> PyResult<Bound<'py, PyAny>> {
+        let (meta, kind, own) = {
+            let reg = self.reg.lock().unwrap_or_else(|e| e.into_inner());
+            let reg = reg.as_ref().ok_or_else(|| {
+                PyValueError::new_err("map_remote_tensor: no tensor is registered; call tensor_register first")
+            })?;
+            let meta = reg.peers.get(rank).cloned().ok_or_else(|| {
+                PyValueError::new_err(format!("map_remote_tensor: rank {rank} is not in this window of {}", self.size))
+            })?;
+            (meta, reg.kind, (rank == self.rank).then(|| reg.tensor.clone_ref(py)))
+        };
+        if let Some(t) = own {
+            return Ok(t.into_bound(py));
+        }
+        let nbytes = meta.shape.iter().product::<usize>() * meta.elem.size;
+        let (map, ptr) = self.dup(py, |w| w.map_remote_tensor(rank).map(|m| (m.as_ptr() as usize, m.len())), nbytes)?;
+        array::make(py, ptr, meta.shape, meta.elem, kind, Keep::Peer(map))
+    }
+
+    /// A private mapping of `len` bytes of what `f` finds mapped.
+    pub(crate) fn dup(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&Window) -> Result<(usize, usize), rmacomm_window::Error> + Send,
+        len: usize,
+    ) -> PyResult<(DupMapping, *mut u8)> {
+        let r = self.with(py, false, |w| -> Result<(DupMapping, usize), Failure> {
+            let (ptr, have) = f(w).map_err(win_failure)?;
+            if have < len {
+                return Err(Failure::new(ErrKind::Argument, format!("{len} bytes asked, {have} mapped")));
+            }
+            // SAFETY: `ptr..ptr+len` lies in the window's mapping of the
+            // peer's shared segment (or this rank's own segment), which
+            // stays mapped while the read lock is held.
+            let (m, p) = unsafe { DupMapping::of(ptr as *mut u8, len) }
+                .map_err(|e| Failure::new(ErrKind::Comm, format!("mapping the peer's memory again failed: {e}")))?;
+            Ok((m, p as usize))
+        });
+        let (m, p) = r?;
+        Ok((m, p as *mut u8))
+    }
+}
+
+/// The registered memory of a local location, and the registration to
+/// keep alive while an operation on it is pending.
+fn local_mem<'w>(w: &'w Window, local: &'w Local) -> (&'w RdmaMemory, Option<Arc<Registered>>) {
+    match local {
+        Local::Window(_) => (w.local_tensor().expect("located in it"), None),
+        Local::Reg(r, _) => (&r.mem, Some(r.clone())),
+    }
+}
+
+fn local_offset(local: &Local) -> usize {
+    match local {
+        Local::Window(o) | Local::Reg(_, o) => *o,
+    }
+}
+
+fn is_timeout(e: &rmacomm_window::Error) -> bool {
+    matches!(
+        e,
+        rmacomm_window::Error::Timeout { .. }
+            | rmacomm_window::Error::Rma { source: rmacomm_transport::TransportError::Timeout { .. }, .. }
+    )
+}
+
+fn parse_meta(v: &[u8]) -> Option<PeerMeta> {
+    let text = std::str::from_utf8(v).ok()?;
+    let (name, dims) = text.split_once('\n')?;
+    let shape = if dims.is_empty() {
+        Vec::new()
+    } else {
+        dims.split(',').map(|d| d.parse().ok()).collect::<Option<Vec<usize>>>()?
+    };
+    Some(PeerMeta { elem: elem::by_name(name)?, shape })
+}

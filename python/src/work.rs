@@ -1,0 +1,162 @@
+//! `Work`: the handle every operation returns (torchcomms' `TorchWork`).
+//!
+//! One type for every source of completion: an operation that finished in
+//! the call, an async collective on the communicator's worker, a pending
+//! window operation (the window's own `Work`, owned here: see
+//! [`window_core`](crate::window_core)), or an async `wait_signal`, which
+//! takes its signal when the handle is waited for or polled.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use pyo3::prelude::*;
+use rmacomm_window::Cmp;
+
+use crate::errors::{ErrKind, Failure};
+use crate::timeout;
+use crate::wait;
+use crate::window_core::{WinCore, WinPending};
+use crate::worker::Completion;
+
+/// Where a `Work`'s result comes from.
+pub(crate) enum State {
+    Done(Result<(), Failure>),
+    Coll(Arc<Completion>),
+    Win(WinPending),
+    /// torchcomms form: the next signal from `peer`, within `timeout`
+    /// (`None`: the window's) of the first wait on the handle.
+    WaitSignal {
+        core: Arc<WinCore>,
+        peer: usize,
+        timeout: Option<Duration>,
+    },
+    /// ctran form: slot `disp` compares to `value` as `cmp` says.
+    WaitValue {
+        core: Arc<WinCore>,
+        disp: usize,
+        value: u64,
+        cmp: Cmp,
+        timeout: Option<Duration>,
+    },
+}
+
+/// A `Work`'s shared state (the window keeps a weak reference to pending
+/// ones, to finish them before a registration changes).
+pub(crate) struct WorkCell {
+    state: Mutex<State>,
+}
+
+impl WorkCell {
+    pub(crate) fn new(state: State) -> Arc<WorkCell> {
+        Arc::new(WorkCell { state: Mutex::new(state) })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether the operation has finished, without blocking (`false` while
+    /// another thread is waiting for it).
+    pub(crate) fn poll(&self) -> bool {
+        let Ok(mut st) = self.state.try_lock() else { return false };
+        let done = match &mut *st {
+            State::Done(_) => return true,
+            State::Coll(c) => c.try_get(),
+            State::Win(p) => p.is_completed().then(|| p.result()),
+            State::WaitSignal { core, peer, .. } => core.try_wait_signal(*peer),
+            State::WaitValue { core, disp, value, cmp, .. } => core.try_wait_value(*disp, *value, *cmp),
+        };
+        match done {
+            Some(r) => {
+                *st = State::Done(r);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Waits (the GIL released, interruptible) at most `limit` (`None`: no
+    /// limit of its own; the operation's timeout still applies) and
+    /// returns the result; a `TimeoutError` if `limit` passed first (the
+    /// operation stays pending).
+    pub(crate) fn wait(&self, py: Python<'_>, limit: Option<Duration>) -> PyResult<()> {
+        let start = Instant::now();
+        let deadline = limit.map(|l| start + l);
+        // The deadline of a lazy signal wait is fixed at its first wait.
+        let mut own: Option<Instant> = None;
+        let r = wait::sliced(py, deadline, |slice| {
+            let mut st = self.lock();
+            let done = match &mut *st {
+                State::Done(r) => return Some(r.clone()),
+                State::Coll(c) => c.wait_for(slice),
+                State::Win(p) => p.wait_slice(slice),
+                State::WaitSignal { core, peer, timeout } => {
+                    let total = timeout.unwrap_or(core.timeout);
+                    let end = *own.get_or_insert_with(|| start + total);
+                    core.wait_signal_slice(*peer, slice, end, total)
+                }
+                State::WaitValue { core, disp, value, cmp, timeout } => {
+                    let total = timeout.unwrap_or(core.timeout);
+                    let end = *own.get_or_insert_with(|| start + total);
+                    core.wait_value_slice(*disp, *value, *cmp, slice, end, total)
+                }
+            };
+            let r = done?;
+            *st = State::Done(r.clone());
+            Some(r)
+        })?;
+        match r {
+            Some(r) => r.map_err(PyErr::from),
+            None => Err(Failure::new(
+                ErrKind::Timeout,
+                format!(
+                    "Work.wait: not complete after {:?} (the timeout of this wait); the operation is still pending, \
+                     wait again or raise the timeout",
+                    limit.unwrap_or_default()
+                ),
+            )
+            .into()),
+        }
+    }
+}
+
+/// The handle of an operation (torchcomms' `TorchWork`): `is_completed()`
+/// asks without blocking, `wait()` blocks until it is done and raises its
+/// error. Synchronous operations return one that is already complete.
+#[pyclass(frozen, name = "Work", module = "rmacomm")]
+pub(crate) struct PyWork {
+    pub(crate) cell: Arc<WorkCell>,
+}
+
+impl PyWork {
+    pub(crate) fn done() -> PyWork {
+        PyWork { cell: WorkCell::new(State::Done(Ok(()))) }
+    }
+
+    pub(crate) fn of(state: State) -> PyWork {
+        PyWork { cell: WorkCell::new(state) }
+    }
+}
+
+#[pymethods]
+impl PyWork {
+    /// True once the operation has finished (successfully or not); never
+    /// blocks.
+    fn is_completed(&self) -> bool {
+        self.cell.poll()
+    }
+
+    /// Blocks until the operation has finished (releasing the GIL; Ctrl-C
+    /// interrupts it) and raises its error if it failed. `timeout`
+    /// (timedelta or seconds) bounds this wait only: when it passes,
+    /// `rmacomm.TimeoutError` is raised and the operation stays pending.
+    #[pyo3(signature = (timeout=None))]
+    fn wait(&self, py: Python<'_>, timeout: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+        let limit = timeout::duration(timeout, "timeout")?;
+        self.cell.wait(py, limit)
+    }
+
+    fn __repr__(&self) -> String {
+        format!("<rmacomm.Work completed={}>", self.cell.poll())
+    }
+}

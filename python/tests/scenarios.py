@@ -1,0 +1,690 @@
+"""Rank programs the tests run under the launcher:
+``python -m rmacomm.run --nproc-per-node N tests/scenarios.py NAME [KIND]``.
+
+Each scenario raises (exit code 1) when a check fails and prints ``ok``
+lines the tests look for. KIND is ``numpy`` or ``torch``: which tensors
+the scenario moves. Checks follow torchcomms' tests (inputs are
+ones × (rank + 1), the ring puts full(count, rank) into the right
+neighbour).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pickle
+import sys
+import threading
+import time
+from typing import Any, Callable, Dict
+
+import numpy as np
+
+import rmacomm
+from rmacomm import ReduceOp
+
+RANK = int(os.environ.get("RANK", "0"))
+
+
+def log(*a: Any) -> None:
+    print(*a, flush=True)
+
+
+class Kind:
+    """Tensor construction for numpy or torch, so one scenario checks both."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.torch = None
+        if name == "torch":
+            import torch
+
+            self.torch = torch
+
+    def dtype(self, name: str) -> Any:
+        return getattr(self.torch, name) if self.torch is not None else np.dtype(name)
+
+    def full(self, n: int, v: float, dtype: str) -> Any:
+        if self.torch is not None:
+            return self.torch.full((n,), v, dtype=self.dtype(dtype))
+        return np.full(n, v, dtype=dtype)
+
+    def zeros(self, n: int, dtype: str) -> Any:
+        return self.full(n, 0, dtype)
+
+    def arange(self, n: int, dtype: str) -> Any:
+        if self.torch is not None:
+            return self.torch.arange(n, dtype=self.dtype(dtype))
+        return np.arange(n, dtype=dtype)
+
+    def np(self, t: Any) -> np.ndarray:
+        if self.torch is not None:
+            assert isinstance(t, self.torch.Tensor), type(t)
+            return t.float().numpy() if t.dtype == self.torch.bfloat16 else t.numpy()
+        assert isinstance(t, np.ndarray), type(t)
+        return t
+
+
+def expect(cond: bool, what: str) -> None:
+    if not cond:
+        raise AssertionError(f"rank {RANK}: {what}")
+
+
+def same(t: Any, want: Any, what: str, kind: Kind) -> None:
+    got = kind.np(t)
+    if not np.array_equal(got, np.asarray(want, dtype=got.dtype)):
+        raise AssertionError(f"rank {RANK}: {what}: got {got[:8]}..., want {np.asarray(want).ravel()[:8]}...")
+
+
+# --- windows ---------------------------------------------------------------
+
+DTYPES = ["float32", "int32", "int8"]
+COUNTS = [4, 1024]
+ITERS = 3
+
+
+def window_ring(arg: str) -> None:
+    """torchcomms' window ring in both forms: counts 4 and 1024 × f32, i32,
+    i8 × async put yes/no × async signal yes/no, 3 iterations with new values
+    each; every rank puts full(count, value) into its right neighbour at
+    offset rank × count, signals, waits for its left neighbour and checks
+    map_remote_tensor(rank)[left × count:] (ctran: get_tensor).
+
+    `arg` is the kind (numpy, torch), with ":separate" for windows whose
+    same-host peers are reached through the transport (SEPARATE: puts are
+    RDMA writes whose Work may still be pending; peers' memory is not
+    mapped, so the check through the peer's view is a get)."""
+    kind_name, _, path = arg.partition(":")
+    unified = path != "separate"
+    kind = Kind(kind_name)
+    comm = rmacomm.new_comm("rdma", timeout=60)
+    r, n = comm.get_rank(), comm.get_size()
+    right, left = (r + 1) % n, (r - 1) % n
+    access = rmacomm.WinAccessType.UNIFIED if unified else rmacomm.WinAccessType.SEPARATE
+    for count in COUNTS:
+        for dt in DTYPES:
+            # torchcomms form.
+            win = comm.new_window(unified=unified)
+            buf = comm.empty(n * count, kind.dtype(dt))
+            win.tensor_register(buf)
+            expect(win.get_attr(right).access_type == access, f"the right neighbour is {access}")
+            for async_put in (False, True):
+                for async_signal in (False, True):
+                    for it in range(ITERS):
+                        v = r + 10 * it + 1
+                        src = kind.full(count, v, dt)
+                        pw = win.put(src, right, r * count, async_op=async_put)
+                        sw = win.signal(right, async_op=async_signal)
+                        win.wait_signal(left)
+                        pw.wait()
+                        sw.wait()
+                        mine = win.map_remote_tensor(r)
+                        expect(mine is buf, "map_remote_tensor(own rank) is the registered tensor")
+                        same(mine[left * count:(left + 1) * count], [left + 10 * it + 1] * count,
+                             f"torchcomms ring {dt} count {count} put async {async_put} signal async {async_signal}",
+                             kind)
+                        # The right neighbour's buffer, mapped here: what
+                        # this rank put there.
+                        if unified:
+                            theirs = win.map_remote_tensor(right)
+                            expect(tuple(theirs.shape) == (n * count,), f"peer view shape {tuple(theirs.shape)}")
+                            same(theirs[r * count:(r + 1) * count], [v] * count, "peer view", kind)
+                        comm.barrier()
+            # get from the right neighbour (what this rank put there), into
+            # unregistered memory and into shared memory.
+            out = kind.zeros(count, dt)
+            win.get(out, right, r * count)
+            same(out, [r + 10 * (ITERS - 1) + 1] * count, f"get {dt}", kind)
+            out2 = comm.empty(count, kind.dtype(dt))
+            win.get(out2, right, r * count, async_op=True).wait()
+            same(out2, [r + 10 * (ITERS - 1) + 1] * count, f"get into shared memory {dt}", kind)
+            if not unified:
+                try:
+                    win.map_remote_tensor(right)
+                    raise AssertionError("map_remote_tensor of a SEPARATE peer must fail")
+                except rmacomm.UnavailableError as e:
+                    expect("SEPARATE" in str(e), str(e))
+            comm.barrier()
+            # An async put whose Work is never waited for, one dropped at
+            # once: tensor_deregister finishes both first.
+            kept = win.put(kind.full(count, -1, dt), right, r * count, async_op=True)
+            win.put(kind.full(count, -1, dt), right, r * count, async_op=True)
+            comm.barrier()
+            win.tensor_deregister()
+            expect(kept.is_completed(), "a Work pending at tensor_deregister is complete after it")
+            kept.wait()
+
+            # ctran form.
+            esize = np.dtype(dt).itemsize
+            cw = comm.window_allocate(n * count * esize, signal_size=4, unified=unified)
+            expect(cw.get_size() == n * count * esize, "ctran get_size")
+            for async_put in (False, True):
+                for async_signal in (False, True):
+                    for it in range(ITERS):
+                        v = r + 10 * it + 1
+                        pw = cw.put(kind.full(count, v, dt), right, r * count * esize, async_op=async_put)
+                        op = rmacomm.SignalOp.ADD if async_signal else rmacomm.SignalOp.SET
+                        want = (it + 1) if op == rmacomm.SignalOp.ADD else 100 + it
+                        sw = cw.signal(1, 1 if op == rmacomm.SignalOp.ADD else want, right, async_op=async_signal, op=op)
+                        cw.wait_signal(1, want, rmacomm.SignalCmpOp.GE)
+                        pw.wait()
+                        sw.wait()
+                        mine = cw.get_tensor(r, n * count, kind.dtype(dt))
+                        same(mine[left * count:(left + 1) * count], [left + 10 * it + 1] * count,
+                             f"ctran ring {dt} count {count} put async {async_put} signal async {async_signal}", kind)
+                        if unified:
+                            theirs = cw.get_tensor(right, count, kind.dtype(dt), offset=r * count)
+                        else:
+                            theirs = kind.zeros(count, dt)
+                            cw.get(theirs, right, r * count * esize)
+                        same(theirs, [v] * count, "ctran peer view", kind)
+                        comm.barrier()
+                    cw.reset_signal(1)
+                    comm.barrier()
+            del cw
+    comm.finalize()
+    log(f"window_ring {arg} ok")
+
+
+# --- collectives -----------------------------------------------------------
+
+def collectives(kind_name: str) -> None:
+    """Collectives with torchcomms' conventions (input = ones × (rank + 1))."""
+    kind = Kind(kind_name)
+    comm = rmacomm.new_comm("rdma", timeout=60)
+    r, n = comm.get_rank(), comm.get_size()
+    tri = n * (n + 1) // 2
+    for dt in ("float32", "int32", "int8"):
+        for count in (4, 1024):
+            x = kind.full(count, r + 1, dt)
+            comm.all_reduce(x, ReduceOp.SUM)
+            same(x, [tri] * count, f"all_reduce SUM {dt} {count}", kind)
+            x = kind.full(count, r + 1, dt)
+            comm.all_reduce(x, ReduceOp.MAX)
+            same(x, [n] * count, f"all_reduce MAX {dt}", kind)
+            x = kind.full(count, r + 1, dt)
+            comm.all_reduce(x, ReduceOp.AVG)
+            avg = (n + 1) / 2 if dt == "float32" else (n + 1) // 2
+            same(x, [avg] * count, f"all_reduce AVG {dt}", kind)
+    x = kind.full(300000, r + 1, "float32")
+    w = comm.all_reduce(x, ReduceOp.PREMUL_SUM(2.0), async_op=True)
+    w.wait()
+    expect(w.is_completed(), "async all_reduce completed")
+    same(x, [2 * tri] * 300000, "all_reduce PREMUL_SUM(2) async, 1.2 MB", kind)
+    for algo in ("ring", "direct", "oneshot"):
+        c2 = comm.split(list(range(n)), hints={"rmacomm::algo": algo})
+        expect(c2 is not None, "split of every rank")
+    if kind.torch is not None:
+        x = kind.full(64, r + 1, "bfloat16")
+        comm.all_reduce(x, ReduceOp.SUM)
+        same(x, [tri] * 64, "all_reduce SUM bfloat16", kind)
+
+    # all_gather: list, single, single in place (input is a slice of the output).
+    outs = [kind.zeros(5, "int32") for _ in range(n)]
+    comm.all_gather(outs, kind.full(5, r + 1, "int32"))
+    for i, o in enumerate(outs):
+        same(o, [i + 1] * 5, f"all_gather slot {i}", kind)
+    out = kind.zeros(n * 5, "int32")
+    comm.all_gather_single(out, kind.full(5, r + 1, "int32"))
+    same(out, np.repeat(np.arange(1, n + 1), 5), "all_gather_single", kind)
+    out = kind.zeros(n * 5, "int32")
+    out[r * 5:(r + 1) * 5] = r + 1
+    comm.all_gather_single(out, out[r * 5:(r + 1) * 5])
+    same(out, np.repeat(np.arange(1, n + 1), 5), "all_gather_single in place", kind)
+    # uneven: all_gather_v, rank i contributes i + 1 elements.
+    outs = [kind.zeros(i + 1, "float32") for i in range(n)]
+    comm.all_gather_v(outs, kind.full(r + 1, r + 1, "float32"))
+    for i, o in enumerate(outs):
+        same(o, [i + 1] * (i + 1), f"all_gather_v slot {i}", kind)
+
+    # reduce_scatter: list and single.
+    o = kind.zeros(6, "float32")
+    comm.reduce_scatter(o, [kind.full(6, r + 1, "float32") for _ in range(n)], ReduceOp.SUM)
+    same(o, [tri] * 6, "reduce_scatter", kind)
+    o = kind.zeros(6, "float32")
+    comm.reduce_scatter_single(o, kind.full(6 * n, r + 1, "float32"), ReduceOp.SUM, async_op=True).wait()
+    same(o, [tri] * 6, "reduce_scatter_single", kind)
+
+    # broadcast from the first and the last rank.
+    for root in (0, n - 1):
+        b = kind.full(7, 99 if r == root else 0, "int64")
+        comm.broadcast(b, root)
+        same(b, [99] * 7, f"broadcast from {root}", kind)
+
+    # all_to_all_single: block j of rank r's input = 100 r + j.
+    inp = kind.zeros(3 * n, "int32")
+    for j in range(n):
+        inp[j * 3:(j + 1) * 3] = 100 * r + j
+    out = kind.zeros(3 * n, "int32")
+    comm.all_to_all_single(out, inp)
+    same(out, np.repeat([100 * i + r for i in range(n)], 3), "all_to_all_single", kind)
+    # v: rank r sends r + j + 1 elements to j.
+    ins = [r + j + 1 for j in range(n)]
+    outs_n = [i + r + 1 for i in range(n)]
+    inp = kind.zeros(sum(ins), "float32")
+    at = 0
+    for j in range(n):
+        inp[at:at + ins[j]] = 10 * r + j
+        at += ins[j]
+    out = kind.zeros(sum(outs_n), "float32")
+    comm.all_to_all_v_single(out, inp, outs_n, ins)
+    want = np.concatenate([np.full(outs_n[i], 10 * i + r) for i in range(n)])
+    same(out, want, "all_to_all_v_single", kind)
+    outs = [kind.zeros(2, "int8") for _ in range(n)]
+    comm.all_to_all(outs, [kind.full(2, 10 * r + j, "int8") for j in range(n)])
+    for i, o in enumerate(outs):
+        same(o, [10 * i + r] * 2, f"all_to_all slot {i}", kind)
+
+    # reduce, gather, scatter to / from the last rank.
+    root = n - 1
+    x = kind.full(4, r + 1, "float64")
+    comm.reduce(x, root, ReduceOp.SUM)
+    if r == root:
+        same(x, [tri] * 4, "reduce at the root", kind)
+    outs = [kind.zeros(3, "int32") for _ in range(n)] if r == root else None
+    comm.gather(outs, kind.full(3, r + 1, "int32"), root)
+    if outs is not None:
+        for i, o in enumerate(outs):
+            same(o, [i + 1] * 3, f"gather slot {i}", kind)
+    o = kind.zeros(3, "int32")
+    comm.scatter(o, [kind.full(3, j + 1, "int32") for j in range(n)] if r == root else None, root)
+    same(o, [r + 1] * 3, "scatter", kind)
+
+    # send / recv in a ring: even ranks send first.
+    right, left = (r + 1) % n, (r - 1) % n
+    got = kind.zeros(8, "float32")
+    if r % 2 == 0:
+        comm.send(kind.full(8, r, "float32"), right)
+        comm.recv(got, left)
+    else:
+        comm.recv(got, left)
+        comm.send(kind.full(8, r, "float32"), right)
+    same(got, [left] * 8, "send/recv ring", kind)
+    # the same as one batch, both directions.
+    a, b = kind.zeros(8, "float32"), kind.zeros(8, "float32")
+    batch = comm.batch_op_create()
+    batch.send(kind.full(8, r, "float32"), right)
+    batch.send(kind.full(8, -r, "float32"), left)
+    batch.recv(a, left)
+    batch.recv(b, right)
+    batch.issue()
+    same(a, [left] * 8, "batch from the left", kind)
+    same(b, [-right] * 8, "batch from the right", kind)
+
+    # async ones in flight together, then a sync one after them.
+    xs = [kind.full(16, r + 1, "float32") for _ in range(4)]
+    works = [comm.all_reduce(x, ReduceOp.SUM, async_op=True) for x in xs]
+    comm.barrier()
+    for w, x in zip(works, xs):
+        w.wait()
+        same(x, [tri] * 16, "async all_reduce", kind)
+
+    # split: the even ranks.
+    evens = list(range(0, n, 2))
+    sub = comm.split(evens)
+    expect((sub is not None) == (r in evens), "split membership")
+    if sub is not None:
+        x = kind.full(4, 1, "int32")
+        sub.all_reduce(x, ReduceOp.SUM)
+        same(x, [len(evens)] * 4, "split all_reduce", kind)
+        expect(sub.get_rank() == evens.index(r) and sub.get_size() == len(evens), "split rank and size")
+    comm.finalize()
+    try:
+        comm.barrier()
+        raise AssertionError("an operation after finalize must fail")
+    except rmacomm.CommError as e:
+        expect("finalize" in str(e), f"after finalize: {e}")
+    log(f"collectives {kind_name} ok")
+
+
+# --- the GIL ---------------------------------------------------------------
+
+def gil(_: str) -> None:
+    """A Python thread keeps running while this rank blocks in wait_signal,
+    in a collective and in Work.wait."""
+    comm = rmacomm.new_comm("rdma", timeout=60)
+    r = comm.get_rank()
+    win = comm.new_window()
+    win.tensor_register(comm.empty(16, np.float32))
+    comm.barrier()
+    counter = [0]
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            counter[0] += 1
+
+    for what in ("wait_signal", "all_reduce", "Work.wait"):
+        if r == 0:
+            t = threading.Thread(target=spin)
+            t.start()
+            time.sleep(0.05)
+            before = counter[0]
+            t0 = time.monotonic()
+            if what == "wait_signal":
+                win.wait_signal(1)
+            elif what == "all_reduce":
+                comm.all_reduce(np.ones(4, np.float32), ReduceOp.SUM)
+            else:
+                win.wait_signal(1, async_op=True).wait()
+            waited = time.monotonic() - t0
+            ran = counter[0] - before
+            stop.set()
+            t.join()
+            stop.clear()
+            log(f"gil {what}: waited {waited:.2f} s, the other thread counted {ran}")
+            expect(waited > 0.5, f"{what} waited for the peer ({waited:.2f} s)")
+            expect(ran > 10000, f"the thread ran during the blocking {what} ({ran} increments)")
+        else:
+            time.sleep(1.0)
+            if what == "all_reduce":
+                comm.all_reduce(np.ones(4, np.float32), ReduceOp.SUM)
+            else:
+                win.signal(0)
+        comm.barrier()
+    comm.barrier()
+    win.tensor_deregister()
+    log("gil ok")
+
+
+# --- transport -------------------------------------------------------------
+
+def _exchange(comm: rmacomm.Comm, obj: Any) -> list:
+    """All-gather of small picklable objects (through all_gather_single)."""
+    blob = pickle.dumps(obj)
+    expect(len(blob) < 1020, "blob fits")
+    mine = np.zeros(1024, np.uint8)
+    mine[:4] = np.frombuffer(len(blob).to_bytes(4, "little"), np.uint8)
+    mine[4:4 + len(blob)] = np.frombuffer(blob, np.uint8)
+    out = np.zeros(1024 * comm.get_size(), np.uint8)
+    comm.all_gather_single(out, mine)
+    res = []
+    for i in range(comm.get_size()):
+        b = out[i * 1024:(i + 1) * 1024].tobytes()
+        res.append(pickle.loads(b[4:4 + int.from_bytes(b[:4], "little")]))
+    return res
+
+
+def transport(_: str) -> None:
+    """Two ranks connect RdmaTransports through URLs and pickled remote
+    buffers exchanged by a collective; write with notify, read, and the
+    asyncio forms."""
+    comm = rmacomm.new_comm("rdma", timeout=60)
+    r = comm.get_rank()
+    peer = 1 - r
+    t = rmacomm.RdmaTransport(timeout=30)
+    private = np.zeros(4096, np.uint8)              # ordinary memory
+    shared = comm.empty(4096, np.uint8)             # a shared segment
+    mp, ms = rmacomm.RdmaMemory(private), rmacomm.RdmaMemory(shared)
+    mine = {"url": t.bind(), "private": mp.to_remote_buffer(), "shared": ms.to_remote_buffer()}
+    theirs = _exchange(comm, mine)[peer]
+    expect(isinstance(theirs["private"], rmacomm.RdmaRemoteBuffer), "unpickled a remote buffer")
+    expect(rmacomm.RdmaRemoteBuffer.parse(str(theirs["shared"])) == theirs["shared"], "str/parse round trip")
+    t.connect(theirs["url"])
+    src = np.arange(4096, dtype=np.uint32).view(np.uint8)[:4096].copy()
+    ms_src = rmacomm.RdmaMemory(src)
+    if r == 0:
+        t.write(ms_src.to_view(0, 1024), theirs["private"], notify=True)
+        t.write(ms_src.to_view(1024, 1024), theirs["shared"].slice(1024, 1024), notify=True)
+    else:
+        t.wait_for_write()
+        t.wait_for_write()
+        expect(np.array_equal(private[:1024], src[:1024]), "write into private memory")
+        expect(np.array_equal(shared[1024:2048], src[1024:2048]), "write into shared memory")
+        got = np.zeros(512, np.uint8)
+        t.read(rmacomm.RdmaMemory(got).to_view(), theirs["private"].slice(0, 512))
+        expect(not got.any(), "read rank 0's (untouched) memory")
+    comm.barrier()
+
+    async def both() -> None:
+        if r == 1:
+            await t.write_async(ms_src.to_view(0, 2048), theirs["shared"], notify=True)
+        else:
+            await t.wait_for_write_async(timeout=30)
+            expect(np.array_equal(shared[:2048], src[:2048]), "write_async")
+            back = np.zeros(2048, np.uint8)
+            await t.read_async(rmacomm.RdmaMemory(back).to_view(), theirs["shared"].slice(0, 2048))
+            # Rank 1's shared memory: untouched, then what rank 0 wrote.
+            expect(not back[:1024].any(), "read_async of rank 1's shared memory (zeroed part)")
+            expect(np.array_equal(back[1024:], src[1024:2048]), "read_async of what rank 0 wrote there")
+
+    asyncio.run(both())
+    comm.barrier()
+    if r == 0:
+        try:
+            t.wait_for_write(timeout=0.2)
+            raise AssertionError("wait_for_write without a write must time out")
+        except rmacomm.TimeoutError as e:
+            expect(isinstance(e, TimeoutError), "rmacomm.TimeoutError is a TimeoutError")
+    comm.barrier()
+    log("transport ok")
+
+
+# --- stores ----------------------------------------------------------------
+
+class FileStore:
+    """A plain Python store: one file per key in a shared directory."""
+
+    def __init__(self, path: str, minimal: bool) -> None:
+        self.path = path
+        os.makedirs(path, exist_ok=True)
+        if not minimal:
+            self.add = self._add
+            self.check = self._check
+            self.delete_key = self._delete_key
+
+    def _file(self, key: str) -> str:
+        return os.path.join(self.path, key.replace("/", "%2F"))
+
+    def set(self, key: str, value: bytes) -> None:
+        tmp = self._file(key) + f".tmp{os.getpid()}"
+        with open(tmp, "wb") as f:
+            f.write(bytes(value))
+        os.replace(tmp, self._file(key))
+
+    def get(self, key: str) -> bytes:
+        self.wait([key], None)
+        with open(self._file(key), "rb") as f:
+            return f.read()
+
+    def wait(self, keys: list, timeout: Any) -> None:
+        secs = 60.0 if timeout is None else timeout.total_seconds()
+        deadline = time.monotonic() + secs
+        while not all(os.path.exists(self._file(k)) for k in keys):
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"timeout waiting for {keys}")
+            time.sleep(0.001)
+
+    def _check(self, keys: list) -> bool:
+        return all(os.path.exists(self._file(k)) for k in keys)
+
+    def _add(self, key: str, amount: int) -> int:
+        import fcntl
+
+        with open(os.path.join(self.path, ".lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            v = int(self.get(key)) if os.path.exists(self._file(key)) else 0
+            self.set(key, str(v + amount).encode())
+            return v + amount
+
+    def _delete_key(self, key: str) -> bool:
+        try:
+            os.remove(self._file(key))
+            return True
+        except FileNotFoundError:
+            return False
+
+
+def _use_store(comm: rmacomm.Comm, what: str) -> None:
+    r, n = comm.get_rank(), comm.get_size()
+    x = np.full(32, r + 1, np.float32)
+    comm.all_reduce(x, ReduceOp.SUM)
+    expect((x == n * (n + 1) / 2).all(), f"all_reduce over a {what}")
+    win = comm.new_window()
+    win.tensor_register(comm.empty(n, np.int64))
+    win.put(np.array([r], np.int64), (r + 1) % n, r)
+    win.signal((r + 1) % n)
+    win.wait_signal((r - 1) % n)
+    expect(win.map_remote_tensor(r)[(r - 1) % n] == (r - 1) % n, f"window over a {what}")
+    win.tensor_deregister()
+    comm.finalize()
+
+
+def python_store(variant: str) -> None:
+    """A plain Python object as the store: with add/check/delete_key
+    ("full") or with only set/get/wait ("minimal", add emulated)."""
+    path = os.environ["RMACOMM_TEST_STORE_DIR"]
+    store = FileStore(os.path.join(path, variant), minimal=variant == "minimal")
+    comm = rmacomm.new_comm("rdma", store=store, timeout=60)
+    _use_store(comm, f"{variant} Python store")
+    log(f"python_store {variant} ok")
+
+
+def tcp_store(variant: str) -> None:
+    """rmacomm.TcpStore, or torch.distributed.TCPStore, as the store (on
+    MASTER_PORT, which nothing else uses in this scenario)."""
+    from datetime import timedelta
+
+    r, n = RANK, int(os.environ["WORLD_SIZE"])
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if variant == "torch":
+        import torch.distributed as dist
+
+        store: Any = dist.TCPStore(addr, port, n, r == 0, timeout=timedelta(seconds=60))
+    else:
+        store = rmacomm.TcpStore(addr, port, n, r == 0, timeout=60)
+    comm = rmacomm.new_comm("rdma", store=store, timeout=60)
+    _use_store(comm, f"{variant} TCP store")
+    log(f"tcp_store {variant} ok")
+
+
+# --- failures --------------------------------------------------------------
+
+def rank_dies(how: str) -> None:
+    """Rank 1 goes away after the setup: "kill" (SIGKILL itself), "exit"
+    (exits at once, no cleanup, code 0 so that a launcher lets the others
+    go on) or "hang" (stays alive, takes no part). The others' window wait
+    and collective raise within the communicator's timeout: PeerError for a
+    dead peer, TimeoutError for a silent one."""
+    import signal
+
+    timeout = 3.0
+    comm = rmacomm.new_comm("rdma", timeout=timeout)
+    r = comm.get_rank()
+    win = comm.new_window()
+    win.tensor_register(comm.empty(4, np.float32))
+    comm.barrier()
+    if r == 1:
+        if how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if how == "hang":
+            time.sleep(2 * timeout + 3)
+        os._exit(0)
+    time.sleep(0.5)
+    want = rmacomm.TimeoutError if how == "hang" else rmacomm.PeerError
+    for what in ("wait_signal", "all_reduce"):
+        t0 = time.monotonic()
+        try:
+            if what == "wait_signal":
+                win.wait_signal(1)
+            else:
+                comm.all_reduce(np.ones(1024, np.float32), ReduceOp.SUM)
+            raise AssertionError(f"{what} with a rank gone must fail")
+        except rmacomm.CommError as e:
+            took = time.monotonic() - t0
+            log(f"{what}: {type(e).__name__} after {took:.2f} s: {e}")
+            expect(took < timeout + 2, f"{what} failed within the timeout ({took:.2f} s)")
+            expect(isinstance(e, want), f"{what}: {want.__name__} expected")
+    log(f"rank_dies {how} ok")
+    os._exit(0)
+
+
+def bench(algo: str) -> None:
+    """Timing (not a test; python/bench.sh runs it): 8-byte put+signal ->
+    wait_signal ping-pong between ranks 0 and 1 (half round trip) and
+    all_reduce 4 KiB / 1 MiB with all_reduce algorithm `algo`, from Python,
+    the loops of the Rust helpers (py-reference, coll-scenario time).
+    Prints one line per figure on rank 0."""
+    comm = rmacomm.new_comm("rdma", timeout=60, hints={"rmacomm::algo": algo})
+    r, n = comm.get_rank(), comm.get_size()
+    win = comm.new_window()
+    win.tensor_register(comm.empty(16, np.float64))
+    src = comm.empty(1, np.float64)
+    peer = 1 - r
+    iters = int(os.environ.get("BENCH_ITERS", "20000"))
+    for phase in ("warm", "run"):
+        comm.barrier()
+        t0 = time.perf_counter()
+        for _ in range(iters if phase == "run" else 2000):
+            if r == 0:
+                win.put(src, peer, 0)
+                win.signal(peer)
+                win.wait_signal(peer)
+            else:
+                win.wait_signal(peer)
+                win.put(src, peer, 0)
+                win.signal(peer)
+        dt = time.perf_counter() - t0
+    if r == 0:
+        log(f"put8_half_rtt_us {dt / iters / 2 * 1e6:.2f}")
+    for size in (4096, 1 << 20):
+        x = np.ones(size // 4, np.float32)
+        # coll-scenario's count: 200 MB worth, 5 to 2000 calls, 20 warm-up.
+        its = min(max(200_000_000 // max(size, 4096), 5), 2000)
+        for phase in ("warm", "run"):
+            comm.barrier()
+            t0 = time.perf_counter()
+            for _ in range(its if phase == "run" else min(its, 20)):
+                comm.all_reduce(x, ReduceOp.SUM)
+            dt = time.perf_counter() - t0
+        if r == 0:
+            log(f"all_reduce_{algo}_{size}_us {dt / its * 1e6:.2f}")
+    comm.barrier()
+    win.tensor_deregister()
+
+
+def bench_self(iters: str) -> None:
+    """Timing (not a test): one rank alone — put + signal + wait_signal to
+    itself, all_reduce of 4 KiB and 1 MiB — the loops of `py-reference
+    self`, so that the difference is the bindings' cost per call."""
+    n = int(iters)
+    comm = rmacomm.new_comm("rdma", timeout=60)
+    win = comm.new_window()
+    win.tensor_register(comm.empty(16, np.float64))
+    src = comm.empty(1, np.float64)
+
+    def time_it(k: int, f: Callable[[], object]) -> float:
+        for _ in range(k // 10):
+            f()
+        t0 = time.perf_counter()
+        for _ in range(k):
+            f()
+        return (time.perf_counter() - t0) / k * 1e6
+
+    def psw() -> None:
+        win.put(src, 0, 0)
+        win.signal(0)
+        win.wait_signal(0)
+
+    log(f"self_put_signal_wait_us {time_it(n, psw):.3f}")
+    for size in (4096, 1 << 20):
+        x = np.zeros(size // 4, np.float32)
+        k = n if size == 4096 else n // 100
+        log(f"self_all_reduce_{size}_us {time_it(k, lambda: comm.all_reduce(x, ReduceOp.SUM)):.3f}")
+    win.tensor_deregister()
+
+
+SCENARIOS: Dict[str, Callable[[str], None]] = {
+    "bench_self": bench_self,
+    "window_ring": window_ring,
+    "collectives": collectives,
+    "gil": gil,
+    "transport": transport,
+    "python_store": python_store,
+    "tcp_store": tcp_store,
+    "rank_dies": rank_dies,
+    "bench": bench,
+}
+
+if __name__ == "__main__":
+    SCENARIOS[sys.argv[1]](sys.argv[2] if len(sys.argv) > 2 else "numpy")

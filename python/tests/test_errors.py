@@ -1,0 +1,108 @@
+"""Bad inputs raise before anything moves, with messages naming the argument."""
+
+import numpy as np
+import pytest
+
+import rmacomm
+from rmacomm import ReduceOp
+
+
+@pytest.fixture(scope="module")
+def comm():
+    store = rmacomm.TcpStore("127.0.0.1", 0, 1, True)
+    c = rmacomm.new_comm(store=store, rank=0, world_size=1, timeout=10)
+    yield c
+    c.finalize()
+
+
+def test_non_contiguous_is_a_value_error_naming_the_argument(comm) -> None:
+    x = np.zeros((4, 4), np.float32)
+    with pytest.raises(ValueError, match=r"tensor is not contiguous.*np.ascontiguousarray"):
+        comm.all_reduce(x[:, ::2], ReduceOp.SUM)
+    with pytest.raises(ValueError, match="input is not contiguous"):
+        comm.all_gather_single(np.zeros(8, np.float32), x[::2, 0])
+
+
+def test_wrong_dtype_is_a_type_error_naming_both_arguments(comm) -> None:
+    with pytest.raises(TypeError, match="output has dtype int32, but input has float32"):
+        comm.all_gather_single(np.zeros(4, np.int32), np.zeros(4, np.float32))
+    with pytest.raises(TypeError, match="reductions support .* not bool"):
+        comm.all_reduce(np.zeros(4, bool), ReduceOp.SUM)
+    with pytest.raises(TypeError, match="must be a numpy array or a torch tensor, not list"):
+        comm.all_reduce([1.0, 2.0], ReduceOp.SUM)
+    with pytest.raises(TypeError, match="byte order"):
+        comm.broadcast(np.zeros(4, ">f4"), 0)
+
+
+def test_wrong_size_read_only_and_bad_op(comm) -> None:
+    with pytest.raises(ValueError, match=r"output has 20 bytes; all_gather_single needs size × input \(12 bytes\)"):
+        comm.all_gather_single(np.zeros(5, np.float32), np.zeros(3, np.float32))
+    ro = np.zeros(4, np.float32)
+    ro.setflags(write=False)
+    with pytest.raises(ValueError, match="tensor is read-only"):
+        comm.all_reduce(ro, ReduceOp.SUM)
+    with pytest.raises(rmacomm.ArgumentError, match="bitwise ops need an integer dtype"):
+        comm.all_reduce(np.zeros(4, np.float32), ReduceOp.BAND)
+    with pytest.raises(rmacomm.ArgumentError, match="not another rank"):
+        comm.send(np.zeros(4), 0)
+    with pytest.raises(ValueError):  # ArgumentError is a ValueError
+        comm.broadcast(np.zeros(4), 3)
+
+
+def test_window_errors(comm) -> None:
+    win = comm.new_window()
+    with pytest.raises(ValueError, match="call tensor_register first"):
+        win.map_remote_tensor(0)
+    buf = comm.empty(8, np.int64)
+    win.tensor_register(buf)
+    with pytest.raises(ValueError, match="registered already"):
+        win.tensor_register(buf)
+    with pytest.raises(rmacomm.ArgumentError, match=r"put with rank 0: out of bounds.*nothing was moved"):
+        win.put(np.arange(9), 0, 0)
+    with pytest.raises(rmacomm.ArgumentError, match="out of bounds"):
+        win.put(comm.empty(2, np.int64), 0, 7)
+    with pytest.raises(rmacomm.ArgumentError, match="not in this window"):
+        win.wait_signal(1)
+    with pytest.raises(rmacomm.TimeoutError, match="no signal within"):
+        win.wait_signal(0, timeout=0.05)
+    w = win.wait_signal(0, async_op=True, timeout=0.05)
+    assert not w.is_completed()
+    win.signal(0)
+    w.wait()
+    with pytest.raises(TypeError, match="timeout must be"):
+        win.signal(0, timeout="soon")
+    win.tensor_deregister()
+    cw = comm.window_allocate(64, signal_size=2)
+    with pytest.raises(rmacomm.ArgumentError, match="signal slot 5"):
+        cw.wait_signal(5, 1)
+    with pytest.raises(rmacomm.TimeoutError, match="slot 0 Ge 1 did not hold"):
+        cw.wait_signal(0, 1, timeout=0.05)
+    with pytest.raises(ValueError, match="end past"):
+        cw.get_tensor(0, 100, np.uint8)
+
+
+def test_unavailable_backend_and_device() -> None:
+    store = rmacomm.TcpStore("127.0.0.1", 0, 1, True)
+    with pytest.raises(rmacomm.UnavailableError, match="GPU collective backends"):
+        rmacomm.new_comm("nccl", store=store, rank=0, world_size=1)
+    with pytest.raises(rmacomm.UnavailableError, match="CPU memory only"):
+        rmacomm.new_comm("rdma", "cuda", store=store, rank=0, world_size=1)
+
+
+def test_store_objects_need_set_get_wait() -> None:
+    with pytest.raises(TypeError, match="has no get, wait method"):
+        rmacomm.new_comm(store=type("S", (), {"set": lambda *a: None})(), rank=0, world_size=1)
+
+
+def test_empty_and_dtypes() -> None:
+    a = rmacomm.empty((2, 3), "int16")
+    assert a.shape == (2, 3) and a.dtype == np.int16 and not a.any()
+    assert rmacomm.empty(5).dtype == np.float32
+    with pytest.raises(TypeError, match="numpy has no bfloat16"):
+        rmacomm.empty(4, "bfloat16")
+    with pytest.raises(TypeError, match="not a type rmacomm moves"):
+        rmacomm.empty(4, "float128x")
+    assert ReduceOp.PREMUL_SUM(0.5).factor == 0.5 and ReduceOp.SUM.name == "sum"
+    assert ReduceOp.SUM == ReduceOp.SUM and ReduceOp.SUM != ReduceOp.MAX
+    assert rmacomm.WinAccessType.UNIFIED != rmacomm.WinAccessType.SEPARATE
+    assert issubclass(rmacomm.TimeoutError, TimeoutError) and issubclass(rmacomm.TimeoutError, rmacomm.CommError)

@@ -1,0 +1,55 @@
+"""Failures: a rank that dies makes the others raise within the timeout;
+Ctrl-C interrupts a blocking wait."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from conftest import launch, launch_direct
+
+
+def test_a_rank_killed_makes_the_others_raise_within_the_timeout() -> None:
+    r0, r1 = launch_direct(2, "rank_dies", "kill")
+    assert r1.returncode == -signal.SIGKILL, r1.stdout
+    assert r0.returncode == 0, r0.stdout
+    assert "wait_signal: PeerError" in r0.stdout and "all_reduce: PeerError" in r0.stdout, r0.stdout
+    assert "rank_dies kill ok" in r0.stdout
+
+
+@pytest.mark.parametrize("how", ["exit", "hang"])
+def test_a_rank_gone_or_silent_under_the_launcher(how: str) -> None:
+    out = launch(2, "rank_dies", how, timeout=90)
+    assert f"rank_dies {how} ok" in out, out
+    err = "TimeoutError" if how == "hang" else "PeerError"
+    assert f"wait_signal: {err}" in out and f"all_reduce: {err}" in out, out
+
+
+def test_ctrl_c_interrupts_a_blocking_wait() -> None:
+    # One rank waits for a signal nobody sends (timeout 60 s); SIGINT after
+    # 0.5 s must raise KeyboardInterrupt within a wait slice.
+    code = textwrap.dedent(
+        """
+        import os, signal, threading, time
+        import numpy as np, rmacomm
+        store = rmacomm.TcpStore("127.0.0.1", 0, 1, True)
+        comm = rmacomm.new_comm(store=store, rank=0, world_size=1, timeout=60)
+        win = comm.new_window()
+        win.tensor_register(comm.empty(4, np.float32))
+        threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+        t0 = time.monotonic()
+        try:
+            win.wait_signal(0)
+        except KeyboardInterrupt:
+            print(f"interrupted after {time.monotonic() - t0:.2f} s", flush=True)
+        """
+    )
+    p = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=60)
+    out = p.stdout.decode()
+    assert p.returncode == 0, out
+    took = float(out.split("interrupted after ")[1].split()[0])
+    assert 0.4 < took < 2.0, out

@@ -1,0 +1,51 @@
+"""python -m rmacomm.run: variables, prefixes, failure handling."""
+
+import subprocess
+import sys
+import time
+
+
+def run(n: int, code: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    """`code` on `n` ranks (torchrun's underscore spelling of the option)."""
+    cmd = [sys.executable, "-m", "rmacomm.run", "--nproc_per_node", str(n), *args,
+           "--no-python", sys.executable, "-c", code]
+    return subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=timeout)
+
+
+def test_sets_torchrun_variables_and_prefixes_lines() -> None:
+    p = run(3, "import os; print(*(os.environ[k] for k in ('RANK','WORLD_SIZE','LOCAL_RANK','LOCAL_WORLD_SIZE',"
+               "'MASTER_ADDR','MASTER_PORT')))")
+    assert p.returncode == 0, p.stderr
+    lines = sorted(p.stdout.decode().splitlines())
+    assert len(lines) == 3
+    ports = set()
+    for r, line in enumerate(lines):
+        prefix, rank, size, lrank, lsize, addr, port = line.split()
+        assert (prefix, rank, size, lrank, lsize, addr) == (f"[{r}]", str(r), "3", str(r), "3", "127.0.0.1")
+        ports.add(port)
+    assert len(ports) == 1 and int(ports.pop()) > 0
+
+
+def test_a_failing_rank_stops_the_others_and_sets_the_exit_code() -> None:
+    t0 = time.monotonic()
+    p = run(3, "import os, sys, time; r = int(os.environ['RANK'])\n"
+               "if r == 1: print('bye', file=sys.stderr); sys.exit(3)\n"
+               "time.sleep(60)", "--grace-period", "1")
+    took = time.monotonic() - t0
+    assert p.returncode == 3, p.stderr
+    assert b"[1] bye" in p.stderr
+    assert b"rank 1 exited with code 3; stopping the other ranks" in p.stderr
+    assert took < 20, took
+
+
+def test_a_rank_killed_by_a_signal_gives_128_plus_signal() -> None:
+    p = run(2, "import os, signal, time\nif os.environ['RANK'] == '0': os.kill(os.getpid(), signal.SIGKILL)\n"
+               "time.sleep(60)", "--grace-period", "1")
+    assert p.returncode == 128 + 9, p.stderr
+
+
+def test_module_mode_and_script_arguments() -> None:
+    p = subprocess.run([sys.executable, "-m", "rmacomm.run", "--nproc-per-node", "2", "-m", "json.tool", "--help"],
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.decode().count("usage:") == 2
