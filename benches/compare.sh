@@ -307,6 +307,7 @@ print("end of each batch; get and MPI get+flush read the peer's buffer; UCX ucp_
 PY
 
 # --- collectives: medians over the repetitions, time ratios ---------------
+p2p && coll && echo
 coll && python3 - "$coll_res" "$work/coll_medians.jsonl" <<'PY'
 import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
