@@ -390,19 +390,15 @@ def gil(_: str) -> None:
 # --- transport -------------------------------------------------------------
 
 def _exchange(comm: rmacomm.Comm, obj: Any) -> list:
-    """All-gather of small picklable objects (through all_gather_single)."""
-    blob = pickle.dumps(obj)
-    expect(len(blob) < 1020, "blob fits")
-    mine = np.zeros(1024, np.uint8)
-    mine[:4] = np.frombuffer(len(blob).to_bytes(4, "little"), np.uint8)
-    mine[4:4 + len(blob)] = np.frombuffer(blob, np.uint8)
-    out = np.zeros(1024 * comm.get_size(), np.uint8)
-    comm.all_gather_single(out, mine)
-    res = []
-    for i in range(comm.get_size()):
-        b = out[i * 1024:(i + 1) * 1024].tobytes()
-        res.append(pickle.loads(b[4:4 + int.from_bytes(b[:4], "little")]))
-    return res
+    """All-gather of picklable objects: their lengths, then the bytes
+    (all_gather_v, uneven)."""
+    blob = np.frombuffer(pickle.dumps(obj), np.uint8)
+    n = comm.get_size()
+    lens = np.zeros(n, np.int64)
+    comm.all_gather_single(lens, np.array([blob.size], np.int64))
+    outs = [np.zeros(int(k), np.uint8) for k in lens]
+    comm.all_gather_v(outs, blob)
+    return [pickle.loads(o.tobytes()) for o in outs]
 
 
 def transport(_: str) -> None:
