@@ -35,6 +35,19 @@ from typing import IO, List, Optional, Sequence
 
 
 def _free_port() -> int:
+    """A port that binds now, below Linux's ephemeral range (32768-60999):
+    a port from that range, once released here, may be handed to another
+    process's outgoing connection before rank 0 binds it again."""
+    import random
+
+    for _ in range(200):
+        port = random.randint(20000, 32767)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
