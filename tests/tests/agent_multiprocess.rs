@@ -131,7 +131,9 @@ fn two_prefills_into_one_decode_two_network_namespaces() {
 /// flight), once the prefill says it is streaming.
 fn start_stream(env: &[(&'static str, String)], prefix_d: &[String], prefix_p: &[String]) -> (Peer, Peer) {
     let env = env_refs(env);
-    let shape = ["--requests", "1", "--blocks", "16", "--block-size", "1048576"];
+    // 4 MiB blocks: above the soft provider's inline-copy limit (1 MiB), so
+    // that requests stay in flight while the provider copies them.
+    let shape = ["--requests", "1", "--blocks", "16", "--block-size", "4194304"];
     let decode =
         Peer::spawn("decode", PEER, prefix_d, &[&["decode", "--prefills", "1", "--hold"][..], &shape].concat(), &env);
     let hello = decode.line(Duration::from_secs(30));
@@ -143,13 +145,20 @@ fn start_stream(env: &[(&'static str, String)], prefix_d: &[String], prefix_p: &
     (decode, p)
 }
 
-/// Decode killed under a stream of requests: the prefill's transfer fails
-/// naming "decode", and the next one fails at once (nothing listens).
+/// Decode killed under a stream of requests (three in flight): the
+/// prefill's transfer fails naming "decode", and the next one fails at once
+/// (nothing listens).
 fn decode_killed(link: &str, prefix_d: &[String], prefix_p: &[String]) {
     let (mut decode, p) = start_stream(&soft(link), prefix_d, prefix_p);
     decode.child.kill().unwrap();
     let (failed, again) = outcome(p);
-    assert!(failed.contains("\"decode\"") && failed.contains("lost mid-transfer"), "{failed}");
+    // Mid-request, as a rule: "lost mid-transfer". On a loaded machine the
+    // kill can land between two requests, when the next one finds the
+    // connection closed and nobody listening: "cannot connect". Both name
+    // the peer.
+    assert!(failed.contains("\"decode\""), "{failed}");
+    assert!(failed.contains("lost mid-transfer") || failed.contains("cannot connect"), "{failed}");
+    eprintln!("killed decode: {failed}");
     let a = again["again"].as_str().unwrap_or_else(|| panic!("the next transfer succeeded: {again}"));
     assert!(a.contains("cannot connect to peer \"decode\""), "{a}");
     assert!(again["again_secs"].as_f64().unwrap() < 10.0, "{again}");
