@@ -45,9 +45,12 @@ impl Prepared {
         self.ring_in.remote_buffer()
     }
 
-    /// Connects to the peer's transport and starts the connection's tasks.
+    /// Connects to the peer's transport and starts the connection's tasks;
+    /// `id` names the connection on both sides.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) async fn finish(
         self,
+        id: u64,
         peer: &str,
         peer_url: &str,
         ring_out: RdmaRemoteBuffer,
@@ -69,6 +72,7 @@ impl Prepared {
             .map_err(|e| AgentError::from_transport(peer, e))?;
         let (tx, rx) = mpsc::unbounded_channel();
         let conn = Arc::new(Conn {
+            id,
             peer: peer.into(),
             transport: self.transport,
             ring_out,
@@ -97,6 +101,9 @@ impl Prepared {
 /// pending on it end with [`AgentError::PeerRemoved`], the peer's with
 /// [`AgentError::PeerLost`], and both tasks end.
 pub(crate) struct Conn {
+    /// Chosen by the side that accepted the handshake; a later hello names
+    /// the connection it replaces by it.
+    pub(crate) id: u64,
     pub(crate) peer: String,
     pub(crate) transport: RdmaTransport,
     /// The peer's ring for this side's notifications.

@@ -38,8 +38,9 @@ pub(crate) async fn connection(sh: Arc<Shared>, peer: String) -> Result<Arc<Conn
                         return Err(err.clone());
                     }
                     let attempt = sh.next_attempt.fetch_add(1, Ordering::Relaxed);
+                    let replaces = e.last_conn;
                     e.set(Link::Connecting { mine: true, attempt });
-                    tokio::spawn(initiate(sh.clone(), peer.clone(), e.meta.clone(), attempt));
+                    tokio::spawn(initiate(sh.clone(), peer.clone(), e.meta.clone(), attempt, replaces));
                 }
             }
             e.changed.subscribe()
@@ -54,17 +55,18 @@ pub(crate) async fn connection(sh: Arc<Shared>, peer: String) -> Result<Arc<Conn
 }
 
 /// Connection attempt `attempt` by this side's hello.
-async fn initiate(sh: Arc<Shared>, peer: String, meta: Metadata, attempt: u64) {
+async fn initiate(sh: Arc<Shared>, peer: String, meta: Metadata, attempt: u64, replaces: Option<u64>) {
     let timeout = sh.config.connect_timeout;
-    let r = match tokio::time::timeout(timeout, hello(&sh, &peer, &meta)).await {
+    let r = match tokio::time::timeout(timeout, hello(&sh, &peer, &meta, attempt, replaces)).await {
         Ok(r) => r,
         Err(_) => Err(AgentError::Timeout { peer: peer.clone(), op: "connect", after: timeout }),
     };
     match r {
         Ok(Some(conn)) => sh.settle(&peer, attempt, Ok(conn)),
         Ok(None) => {
-            // A crossing the peer won: its hello replaces this attempt. If
-            // that never happens (its attempt failed), this one fails.
+            // A crossing the peer won: its hello replaces this attempt (or
+            // already did: the attempt went stale). If that never happens
+            // (its attempt failed), this one fails.
             let mut changed = {
                 let st = sh.lock();
                 match st.peers.get(&peer) {
@@ -89,30 +91,55 @@ async fn initiate(sh: Arc<Shared>, peer: String, meta: Metadata, attempt: u64) {
 
 /// Sends this side's hello to `peer` and completes the connection it
 /// accepts; `None` when the peer answers that it is connecting too and
-/// wins the tie.
-async fn hello(sh: &Arc<Shared>, peer: &str, meta: &Metadata) -> Result<Option<Arc<Conn>>, AgentError> {
+/// wins the tie, or when the attempt is no longer current (the peer's
+/// hello replaced it). A busy peer is asked again while the attempt is
+/// current.
+async fn hello(
+    sh: &Arc<Shared>,
+    peer: &str,
+    meta: &Metadata,
+    attempt: u64,
+    replaces: Option<u64>,
+) -> Result<Option<Arc<Conn>>, AgentError> {
     let slots = sh.config.notification_slots;
     let prepared = Prepared::new(&sh.config.transport, slots).map_err(|e| AgentError::from_transport(peer, e))?;
-    let h = Hello {
-        v: handshake::VERSION,
-        token: meta.token.clone(),
-        from: sh.metadata().encode(),
-        url: prepared.url.clone(),
-        ring: prepared.ring(),
-        slots,
-    };
     let unreachable = |reason: String| AgentError::Unreachable { peer: peer.into(), reason };
-    let mut stream = dial(&meta.control).await.map_err(unreachable)?;
-    handshake::write_frame(&mut stream, &h).await.map_err(|e| unreachable(format!("the handshake failed ({e})")))?;
-    let reply: Reply = handshake::read_frame(&mut stream)
-        .await
-        .map_err(|e| unreachable(format!("its agent closed the handshake ({e})")))?;
-    match reply {
-        Reply::Accepted { url, ring, slots } => {
-            prepared.finish(peer, &url, ring, slots, sh.queue.clone(), sh.counters.clone()).await.map(Some)
+    let current = || sh.lock().peers.get(peer).and_then(PeerEntry::attempt) == Some(attempt);
+    let mut backoff = Duration::from_millis(2);
+    loop {
+        if !current() {
+            return Ok(None);
         }
-        Reply::Crossing => Ok(None),
-        Reply::Refused { reason } => Err(unreachable(format!("its agent refused the connection: {reason}"))),
+        let h = Hello {
+            v: handshake::VERSION,
+            token: meta.token.clone(),
+            from: sh.metadata().encode(),
+            url: prepared.url.clone(),
+            ring: prepared.ring(),
+            slots,
+            replaces,
+        };
+        let mut stream = dial(&meta.control).await.map_err(unreachable)?;
+        handshake::write_frame(&mut stream, &h)
+            .await
+            .map_err(|e| unreachable(format!("the handshake failed ({e})")))?;
+        let reply: Reply = handshake::read_frame(&mut stream)
+            .await
+            .map_err(|e| unreachable(format!("its agent closed the handshake ({e})")))?;
+        match reply {
+            Reply::Accepted { url, ring, slots, id } => {
+                let (q, c) = (sh.queue.clone(), sh.counters.clone());
+                return prepared.finish(id, peer, &url, ring, slots, q, c).await.map(Some);
+            }
+            Reply::Crossing => return Ok(None),
+            Reply::Busy => {
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_millis(100));
+            }
+            Reply::Refused { reason } => {
+                return Err(unreachable(format!("its agent refused the connection: {reason}")));
+            }
+        }
     }
 }
 

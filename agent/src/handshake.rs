@@ -6,11 +6,16 @@
 //! the callee's metadata), its own metadata (the callee learns the caller
 //! from it), the URL of the transport it made for this peer, and the ring
 //! the callee's notifications are to land in. The callee answers
-//! [`Reply::Accepted`] with its transport's URL and ring, and both sides
-//! `connect` their transports to each other. When both agents start a
-//! connection to each other at once, the one whose name sorts first wins:
-//! the other answers its hello with [`Reply::Crossing`] and accepts the
-//! winner's (see [`on_hello`]).
+//! [`Reply::Accepted`] with its transport's URL and ring and an id for the
+//! connection, and both sides `connect` their transports to each other.
+//! When both agents start a connection to each other at once, the one whose
+//! name sorts first wins: the other answers its hello with
+//! [`Reply::Crossing`] and accepts the winner's. A hello that would replace
+//! a connection the callee is making or still finds alive, and that does
+//! not name that connection as the one it replaces, is a stale attempt (or
+//! comes before the callee noticed the old connection close): the callee
+//! answers [`Reply::Busy`], and the caller retries for as long as its
+//! attempt is still current (see [`on_hello`]).
 
 use rmacomm_transport::RdmaRemoteBuffer;
 use serde::{Deserialize, Serialize};
@@ -30,6 +35,9 @@ pub(crate) struct Hello {
     pub(crate) url: String,
     pub(crate) ring: RdmaRemoteBuffer,
     pub(crate) slots: u32,
+    /// The id of the caller's last connection to the callee, which this
+    /// one replaces (the caller found it broken), if it had one.
+    pub(crate) replaces: Option<u64>,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -38,10 +46,14 @@ pub(crate) enum Reply {
         url: String,
         ring: RdmaRemoteBuffer,
         slots: u32,
+        id: u64,
     },
     /// This side is connecting to the caller too and wins the tie: the
     /// caller waits for this side's hello instead.
     Crossing,
+    /// This side is making, or still has, another connection to the
+    /// caller: retry if the attempt is still wanted.
+    Busy,
     Refused {
         reason: String,
     },
@@ -54,18 +66,36 @@ pub(crate) enum LinkState {
     Idle,
     /// A connection is being made: by this side's hello (`mine`) or by
     /// answering the peer's.
-    Connecting {
-        mine: bool,
-    },
-    Ready,
+    Connecting { mine: bool },
+    /// Connection `id`, alive or found broken.
+    Ready { id: u64, usable: bool },
 }
 
-/// What to do with a hello from `them` (sans-IO): refuse it as a crossing
-/// when this side is sending its own hello to them and its name sorts
-/// first; accept it otherwise (a fresh link, a crossing the caller wins, or
-/// a peer reconnecting over a link this side still thinks alive).
-pub(crate) fn on_hello(link: LinkState, me: &str, them: &str) -> bool {
-    !matches!(link, LinkState::Connecting { mine: true } if me < them)
+/// The answer to a hello.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Answer {
+    Accept,
+    Crossing,
+    Busy,
+}
+
+/// What to do with a hello from `them` that replaces connection `replaces`
+/// (sans-IO). Accept it on an idle link, over a broken connection or the
+/// very one it says it replaces, and in a crossing the caller wins (its
+/// name sorts first); refuse it as a crossing when this side wins; answer
+/// busy while this side is already answering a hello of theirs, or holds a
+/// live connection the hello does not name: a stale attempt of the peer's,
+/// which must not tear down the connection both sides use.
+pub(crate) fn on_hello(link: LinkState, me: &str, them: &str, replaces: Option<u64>) -> Answer {
+    match link {
+        LinkState::Idle => Answer::Accept,
+        LinkState::Connecting { mine: true } if me < them => Answer::Crossing,
+        LinkState::Connecting { mine: true } => Answer::Accept,
+        LinkState::Connecting { mine: false } => Answer::Busy,
+        LinkState::Ready { usable: false, .. } => Answer::Accept,
+        LinkState::Ready { id, usable: true } if replaces == Some(id) => Answer::Accept,
+        LinkState::Ready { .. } => Answer::Busy,
+    }
 }
 
 pub(crate) async fn write_frame<W: AsyncWriteExt + Unpin, T: Serialize>(w: &mut W, msg: &T) -> std::io::Result<()> {
@@ -99,12 +129,24 @@ mod tests {
         // Both sides connecting: exactly one side accepts the other's hello.
         let (a, b) = ("prefill-0", "prefill-1");
         let link = Connecting { mine: true };
-        assert!(on_hello(link, b, a), "b accepts the hello of a, whose name sorts first");
-        assert!(!on_hello(link, a, b), "a refuses b's hello as a crossing");
-        // Everything else is accepted.
-        for link in [Idle, Connecting { mine: false }, Ready] {
-            assert!(on_hello(link, a, b) && on_hello(link, b, a), "{link:?}");
-        }
+        assert_eq!(on_hello(link, b, a, None), Answer::Accept, "b accepts the hello of a, whose name sorts first");
+        assert_eq!(on_hello(link, a, b, None), Answer::Crossing, "a refuses b's hello as a crossing");
+        assert_eq!(on_hello(Idle, a, b, None), Answer::Accept);
+    }
+
+    #[test]
+    fn a_stale_hello_never_replaces_a_live_connection() {
+        use LinkState::*;
+        let (a, b) = ("a", "b");
+        // b's attempt lost the crossing but its hello arrives late: a is
+        // already answering one of b's, or connected.
+        assert_eq!(on_hello(Connecting { mine: false }, a, b, None), Answer::Busy);
+        assert_eq!(on_hello(Ready { id: 7, usable: true }, a, b, None), Answer::Busy);
+        assert_eq!(on_hello(Ready { id: 7, usable: true }, a, b, Some(6)), Answer::Busy);
+        // The caller found connection 7 broken before this side did.
+        assert_eq!(on_hello(Ready { id: 7, usable: true }, a, b, Some(7)), Answer::Accept);
+        // This side found it broken too.
+        assert_eq!(on_hello(Ready { id: 7, usable: false }, a, b, None), Answer::Accept);
     }
 
     #[tokio::test]

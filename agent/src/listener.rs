@@ -11,7 +11,7 @@ use rmacomm_transport::RdmaTransport;
 use tokio::net::{TcpListener, TcpStream};
 
 use crate::connection::Prepared;
-use crate::handshake::{self, Hello, Reply};
+use crate::handshake::{self, Answer, Hello, Reply};
 use crate::metadata::{same_token, Metadata};
 use crate::shared::{Link, Shared};
 use crate::{AgentConfig, AgentError};
@@ -46,8 +46,10 @@ impl Shared {
         let attempt = {
             let mut st = self.lock();
             let Some(e) = st.peers.get_mut(&name) else { return refuse("this agent is shutting down".into()) };
-            if !handshake::on_hello(e.state(), &self.name, &name) {
-                return (Reply::Crossing, None);
+            match handshake::on_hello(e.state(), &self.name, &name, h.replaces) {
+                Answer::Accept => {}
+                Answer::Crossing => return (Reply::Crossing, None),
+                Answer::Busy => return (Reply::Busy, None),
             }
             let attempt = self.next_attempt.fetch_add(1, Ordering::Relaxed);
             e.set(Link::Connecting { mine: false, attempt });
@@ -62,10 +64,11 @@ impl Shared {
                 return refuse(format!("it could not make a transport: {e}"));
             }
         };
-        let reply = Reply::Accepted { url: prepared.url.clone(), ring: prepared.ring(), slots };
+        let id: u64 = rand::random();
+        let reply = Reply::Accepted { url: prepared.url.clone(), ring: prepared.ring(), slots, id };
         let sh = self.clone();
         let finish = async move {
-            let connect = prepared.finish(&name, &h.url, h.ring, h.slots, sh.queue.clone(), sh.counters.clone());
+            let connect = prepared.finish(id, &name, &h.url, h.ring, h.slots, sh.queue.clone(), sh.counters.clone());
             let r = match tokio::time::timeout(sh.config.connect_timeout, connect).await {
                 Ok(r) => r,
                 Err(_) => {

@@ -45,6 +45,8 @@ pub(crate) struct PeerEntry {
     pub(crate) link: Link,
     /// Why the last connection attempt failed (cleared by a success).
     pub(crate) failed: Option<AgentError>,
+    /// The id of the last connection made (what a new hello replaces).
+    pub(crate) last_conn: Option<u64>,
     /// Bumped on every change of `link`: what waiters for a connection
     /// sleep on.
     pub(crate) changed: watch::Sender<u64>,
@@ -63,7 +65,7 @@ pub(crate) enum Link {
 
 impl PeerEntry {
     pub(crate) fn new(meta: Metadata) -> Self {
-        PeerEntry { meta, link: Link::Idle, failed: None, changed: watch::Sender::new(0) }
+        PeerEntry { meta, link: Link::Idle, failed: None, last_conn: None, changed: watch::Sender::new(0) }
     }
 
     pub(crate) fn set(&mut self, link: Link) {
@@ -72,10 +74,10 @@ impl PeerEntry {
     }
 
     pub(crate) fn state(&self) -> LinkState {
-        match self.link {
+        match &self.link {
             Link::Idle => LinkState::Idle,
-            Link::Connecting { mine, .. } => LinkState::Connecting { mine },
-            Link::Ready(_) => LinkState::Ready,
+            Link::Connecting { mine, .. } => LinkState::Connecting { mine: *mine },
+            Link::Ready(c) => LinkState::Ready { id: c.id, usable: c.usable() },
         }
     }
 
@@ -106,6 +108,7 @@ impl Shared {
                 // Another incarnation: the old connection leads nowhere.
                 e.meta = meta;
                 e.failed = None;
+                e.last_conn = None;
                 e.set(Link::Idle);
             }
             None => {
@@ -126,6 +129,7 @@ impl Shared {
             Ok(c) => {
                 Counters::add(&self.counters.connections, 1);
                 e.failed = None;
+                e.last_conn = Some(c.id);
                 e.set(Link::Ready(c));
             }
             Err(err) => {

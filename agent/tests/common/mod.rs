@@ -351,10 +351,12 @@ pub async fn dropped_transfers_leave_the_agent_consistent() {
     }
 }
 
-/// Both agents transfer to each other first, at once: one connection, both
-/// requests land, each side's notification arrives.
+/// Both agents transfer to each other first, at once (or b a little
+/// later, so that its attempt meets a's at every stage): one connection,
+/// both requests land, each side's notification arrives.
 pub async fn both_sides_transfer_first_at_once() {
-    for round in 0..5 {
+    for round in 0..12 {
+        let delay = Duration::from_micros([0, 0, 0, 50, 100, 200, 400, 700, 1000, 1500, 2500, 4000][round]);
         let a = TransferAgent::new(&format!("a{round}"), config()).unwrap();
         let b = TransferAgent::new(&format!("b{round}"), config()).unwrap();
         let (ma, mb) = (a.alloc(4096).unwrap(), b.alloc(4096).unwrap());
@@ -367,6 +369,10 @@ pub async fn both_sides_transfer_first_at_once() {
         let pb = [(mb.view(0, 64).unwrap(), RemoteBlock::new(ra, 2048, 64))];
         let ta = a.transfer(Op::Write, &format!("b{round}"), &pa, Some(b"from a")).unwrap();
         let tb = b.transfer(Op::Write, &format!("a{round}"), &pb, Some(b"from b")).unwrap();
+        let tb = async move {
+            tokio::time::sleep(delay).await;
+            tb.await
+        };
         let (x, y) = tokio::join!(ta, tb);
         x.unwrap();
         y.unwrap();
@@ -430,7 +436,14 @@ pub async fn removed_and_restarted_peers() {
     let src_region = prefill.register(&src).unwrap();
     let one = [(src.view(0, 8).unwrap(), RemoteBlock::new(region, 0, 8))];
     prefill.transfer(Op::Write, "decode", &one, None).unwrap().await.unwrap();
-    assert!(prefill.is_connected("decode") && decode.is_connected("prefill"));
+    assert!(prefill.is_connected("decode"));
+    // decode's side settles once its own transport's connect returns, which
+    // may be a moment after prefill's first write completed.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !decode.is_connected("prefill") {
+        assert!(Instant::now() < deadline, "decode never saw the connection");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
     assert!(prefill.remove_peer("decode"));
     assert!(!prefill.remove_peer("decode"));
     assert_eq!(prefill.peers(), Vec::<String>::new());
