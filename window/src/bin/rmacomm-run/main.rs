@@ -82,7 +82,15 @@ fn master_port(args: &Args) -> Result<u16, String> {
     if let Ok(p) = std::env::var("MASTER_PORT") {
         return p.trim().parse().map_err(|_| format!("MASTER_PORT='{p}' is not a port number"));
     }
-    // Bind port 0 and let it go: rank 0 binds it again moments later.
+    // A port that binds now, below Linux's ephemeral range (32768-60999):
+    // an ephemeral port, once let go here, may be handed to another
+    // process's outgoing connection before rank 0 binds it again.
+    for _ in 0..200 {
+        let port = rand::Rng::gen_range(&mut rand::thread_rng(), 20000..32768u16);
+        if TcpListener::bind((Ipv4Addr::UNSPECIFIED, port)).is_ok() {
+            return Ok(port);
+        }
+    }
     let l = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).map_err(|e| format!("cannot find a free port: {e}"))?;
     l.local_addr().map(|a| a.port()).map_err(|e| e.to_string())
 }
