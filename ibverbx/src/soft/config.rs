@@ -67,6 +67,11 @@ pub struct SoftConfig {
     /// through both progress threads (see `soft/doorbell.rs`). On by
     /// default; `RMACOMM_SOFT_DOORBELL=0` turns it off.
     pub doorbell: bool,
+    /// How long the posting thread waits for socket room to finish a
+    /// frame it began writing before it declares the peer dead (a peer
+    /// that stops reading in the middle of a frame). 30 s by default;
+    /// `RMACOMM_SOFT_PARTIAL_FRAME_MS`.
+    pub partial_frame_limit: Duration,
 }
 
 impl Default for SoftConfig {
@@ -81,6 +86,7 @@ impl Default for SoftConfig {
             inline_copy_max: 1 << 20,
             busy_poll: Duration::ZERO,
             doorbell: true,
+            partial_frame_limit: Duration::from_secs(30),
         }
     }
 }
@@ -130,6 +136,12 @@ impl SoftConfig {
                 "0" | "off" | "false" => c.doorbell = false,
                 "1" | "on" | "true" => c.doorbell = true,
                 _ => tracing::warn!("RMACOMM_SOFT_DOORBELL={v:?} is not 0 or 1; ignoring it"),
+            }
+        }
+        if let Ok(v) = std::env::var("RMACOMM_SOFT_PARTIAL_FRAME_MS") {
+            match v.trim().parse::<u64>() {
+                Ok(ms) if ms > 0 => c.partial_frame_limit = Duration::from_millis(ms),
+                _ => tracing::warn!("RMACOMM_SOFT_PARTIAL_FRAME_MS={v:?} is not a positive number of milliseconds; ignoring it"),
             }
         }
         if let Ok(v) = std::env::var("RMACOMM_SOFT_CHAOS") {
