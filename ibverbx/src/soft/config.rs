@@ -141,7 +141,9 @@ impl SoftConfig {
         if let Ok(v) = std::env::var("RMACOMM_SOFT_PARTIAL_FRAME_MS") {
             match v.trim().parse::<u64>() {
                 Ok(ms) if ms > 0 => c.partial_frame_limit = Duration::from_millis(ms),
-                _ => tracing::warn!("RMACOMM_SOFT_PARTIAL_FRAME_MS={v:?} is not a positive number of milliseconds; ignoring it"),
+                _ => tracing::warn!(
+                    "RMACOMM_SOFT_PARTIAL_FRAME_MS={v:?} is not a positive number of milliseconds; ignoring it"
+                ),
             }
         }
         if let Ok(v) = std::env::var("RMACOMM_SOFT_CHAOS") {
