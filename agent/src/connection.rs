@@ -4,12 +4,16 @@
 //! and in order, and the drainer, which takes the peer's notifications off
 //! this side's ring as they land.
 
+use std::collections::HashMap;
 use std::fmt;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Weak};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
-use rmacomm_transport::{RdmaMemory, RdmaRemoteBuffer, RdmaTransport, TransportConfig};
+use futures::future::BoxFuture;
+use futures::FutureExt;
+use ibverbx::LoadBalancing;
+use rmacomm_transport::{MappedBuffer, RdmaMemory, RdmaRemoteBuffer, RdmaTransport, TransportConfig};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::notifications::{Notification, Queue};
@@ -30,6 +34,10 @@ pub(crate) struct Prepared {
     ring_in: RdmaMemory,
     slots_in: u32,
     timeout: Option<Duration>,
+    /// Notifying writes are counted at the peer in the order they were
+    /// posted, each after every write posted before it: one QP, or DQPLB's
+    /// receive sequencer (not spray).
+    ordered: bool,
 }
 
 impl Prepared {
@@ -37,7 +45,8 @@ impl Prepared {
         let transport = RdmaTransport::new(config.clone())?;
         let url = transport.bind()?;
         let ring_in = RdmaMemory::alloc_for(&transport, ring::ring_len(slots))?;
-        Ok(Prepared { transport, url, ring_in, slots_in: slots, timeout: config.timeout })
+        let ordered = config.qps <= 1 || config.load_balancing == LoadBalancing::Dqplb;
+        Ok(Prepared { transport, url, ring_in, slots_in: slots, timeout: config.timeout, ordered })
     }
 
     /// Where the peer's notifications are to land.
@@ -68,28 +77,36 @@ impl Prepared {
             .connect(peer_url)
             .await
             .map_err(|e| AgentError::Unreachable { peer: peer.into(), reason: e.to_string() })?;
-        let staging = RdmaMemory::alloc_for(&self.transport, ring::HEAD + ring::SLOT)
+        // One slot image per ring slot (the image of notification `seq`
+        // waits in slot `seq % slots` until the peer consumed it, so
+        // pipelined notifications never overwrite one still being sent),
+        // and a word the credit is read into.
+        let staging = RdmaMemory::alloc_for(&self.transport, ring::HEAD + slots_out as usize * ring::SLOT)
             .map_err(|e| AgentError::from_transport(peer, e))?;
+        // The peer's notification ring maps here when it is on this host:
+        // then its blocks can be copied by the caller too.
+        let same_host = matches!(self.transport.map_remote(&ring_out).await, Ok(Some(_)));
         let (tx, rx) = mpsc::unbounded_channel();
         let conn = Arc::new(Conn {
             id,
             peer: peer.into(),
             transport: self.transport,
             ring_out,
+            slots_out,
+            staging: Arc::new(staging),
             notify_tx: tx,
             broken: AtomicBool::new(false),
+            lane: Mutex::new(Lane { credit: Credit::new(slots_out), queued: 0 }),
+            ordered: self.ordered,
+            overflowing: Arc::new(AtomicUsize::new(0)),
+            same_host,
+            maps: Mutex::new(HashMap::new()),
+            timeout: self.timeout,
+            counters: counters.clone(),
         });
         let weak = Arc::downgrade(&conn);
-        let out = Outgoing {
-            conn: weak.clone(),
-            peer: peer.into(),
-            staging,
-            ring: ring_out,
-            slots: slots_out,
-            credit: Credit::new(slots_out),
-            timeout: self.timeout,
-        };
-        tokio::spawn(notifier(out, rx, counters.clone()));
+        let out = Outgoing { conn: weak.clone(), peer: peer.into() };
+        tokio::spawn(notifier(out, rx));
         let inc = Incoming { conn: weak, peer: peer.into(), ring: self.ring_in, slots: self.slots_in, next: 0 };
         tokio::spawn(drainer(inc, queue, counters));
         Ok(conn)
@@ -106,11 +123,50 @@ pub(crate) struct Conn {
     pub(crate) id: u64,
     pub(crate) peer: String,
     pub(crate) transport: RdmaTransport,
-    /// The peer's ring for this side's notifications.
+    /// The peer's ring for this side's notifications, and its slots.
     pub(crate) ring_out: RdmaRemoteBuffer,
-    pub(crate) notify_tx: mpsc::UnboundedSender<Job>,
+    slots_out: u32,
+    /// Word 0: where the peer's `consumed` is read into; from `HEAD`, one
+    /// slot image per ring slot.
+    staging: Arc<RdmaMemory>,
+    /// Notifications that must wait (for ring credit, or, under spray, for
+    /// the previous one to complete) go to the notifier task.
+    notify_tx: mpsc::UnboundedSender<Job>,
     /// The drainer found the connection broken, or the ring corrupt.
     broken: AtomicBool,
+    /// Claiming a notification's seq and posting it happen under this
+    /// lock, so that seq order is post order. Pieces of a request whose
+    /// notification is posted right behind them are posted under it too.
+    lane: Mutex<Lane>,
+    /// See [`Prepared::ordered`].
+    pub(crate) ordered: bool,
+    /// Requests whose pieces did not all get an in-flight slot when posted
+    /// (some wait for one, and are posted later by the request's polls):
+    /// while any is in flight, no notification is posted right behind its
+    /// pieces, as it could pass pieces still waiting.
+    pub(crate) overflowing: Arc<AtomicUsize>,
+    /// The peer's memory maps here (same host, shared segments).
+    pub(crate) same_host: bool,
+    /// The peer's regions mapped here, by (address, key).
+    maps: Mutex<HashMap<(u64, u32), MapState>>,
+    timeout: Option<Duration>,
+    counters: Arc<Counters>,
+}
+
+/// The notification lane of a connection (see [`Conn::lane`]).
+pub(crate) struct Lane {
+    credit: Credit,
+    /// Notifications handed to the notifier and not yet posted: while there
+    /// are any, later ones queue behind them.
+    queued: usize,
+}
+
+/// Where the mapping of one of the peer's regions stands.
+#[derive(Clone)]
+enum MapState {
+    Mapping,
+    Mapped(Arc<MappedBuffer>),
+    Unmappable,
 }
 
 impl fmt::Debug for Conn {
@@ -128,72 +184,170 @@ impl Conn {
     fn mark_broken(&self) {
         self.broken.store(true, Ordering::Release);
     }
+
+    /// The notification lane, locked.
+    pub(crate) fn lane(&self) -> MutexGuard<'_, Lane> {
+        self.lane.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The mappings of `regions` when every one of them is mapped here;
+    /// else `None`, after starting to map those never tried (on the
+    /// current tokio runtime, if any): a later request may find them.
+    pub(crate) fn mapped(self: &Arc<Self>, regions: &[(u32, RdmaRemoteBuffer)]) -> Option<Vec<Arc<MappedBuffer>>> {
+        if !self.same_host {
+            return None;
+        }
+        let mut maps = self.maps.lock().unwrap_or_else(|e| e.into_inner());
+        let mut out = Vec::with_capacity(regions.len());
+        let mut all = true;
+        for (_, r) in regions {
+            match maps.get(&(r.addr, r.key)) {
+                Some(MapState::Mapped(m)) if m.remote_buffer() == *r => out.push(m.clone()),
+                Some(MapState::Mapping | MapState::Unmappable) => all = false,
+                Some(MapState::Mapped(_)) | None => {
+                    all = false;
+                    let Ok(rt) = tokio::runtime::Handle::try_current() else { continue };
+                    maps.insert((r.addr, r.key), MapState::Mapping);
+                    let map = self.transport.map_remote(r);
+                    let this = Arc::downgrade(self);
+                    let key = (r.addr, r.key);
+                    rt.spawn(async move {
+                        let state = match map.await {
+                            Ok(Some(m)) => MapState::Mapped(Arc::new(m)),
+                            _ => MapState::Unmappable,
+                        };
+                        if let Some(c) = this.upgrade() {
+                            c.maps.lock().unwrap_or_else(|e| e.into_inner()).insert(key, state);
+                        }
+                    });
+                }
+            }
+        }
+        all.then_some(out)
+    }
+
+    /// Posts `message` as this side's next notification now, behind what
+    /// was posted before, if the peer's ring has room and no notification
+    /// waits at the notifier; the future resolves when it is in the peer's
+    /// ring. `None`: post it through the notifier ([`Job`]).
+    pub(crate) fn try_notify_now(
+        &self,
+        lane: &mut Lane,
+        message: &[u8],
+    ) -> Option<BoxFuture<'static, Result<(), AgentError>>> {
+        if lane.queued > 0 || !lane.credit.has_room() {
+            return None;
+        }
+        Some(self.post_notification(lane, message))
+    }
+
+    /// Hands `message` to the notifier, behind the notifications already
+    /// there; `done` gets its result.
+    pub(crate) fn queue_notification(
+        &self,
+        lane: &mut Lane,
+        message: Vec<u8>,
+        done: oneshot::Sender<Result<(), AgentError>>,
+    ) -> Result<(), AgentError> {
+        self.notify_tx.send(Job { message, done }).map_err(|_| AgentError::PeerRemoved { peer: self.peer.clone() })?;
+        lane.queued += 1;
+        Ok(())
+    }
+
+    /// Claims the next seq and posts its notification (the lane has room).
+    fn post_notification(&self, lane: &mut Lane, message: &[u8]) -> BoxFuture<'static, Result<(), AgentError>> {
+        let seq = lane.credit.next();
+        let image = ring::encode(seq, message);
+        let at = ring::HEAD + (seq % u64::from(self.slots_out)) as usize * ring::SLOT;
+        let dst = self
+            .ring_out
+            .slice(ring::slot_offset(seq, self.slots_out) as u64, image.len() as u64)
+            .expect("a slot fits the ring");
+        let peer = self.peer.clone();
+        if let Err(e) = self.staging.write_from(at, &image) {
+            return futures::future::ready(Err(AgentError::from_transport(&peer, e))).boxed();
+        }
+        lane.credit.sent();
+        let write = self.transport.write_owned(self.staging.clone(), at, image.len(), &dst, true);
+        let counters = self.counters.clone();
+        async move {
+            write.await.map_err(|e| AgentError::from_transport(&peer, e))?;
+            Counters::add(&counters.notifications_sent, 1);
+            Ok(())
+        }
+        .boxed()
+    }
 }
 
 /// The notifier's side of a connection.
 struct Outgoing {
     conn: Weak<Conn>,
     peer: String,
-    /// Word 0: where `consumed` is read into; from `HEAD`: the slot image.
-    staging: RdmaMemory,
-    ring: RdmaRemoteBuffer,
-    slots: u32,
-    credit: Credit,
-    timeout: Option<Duration>,
 }
 
-/// Places notifications in the peer's ring one at a time, each once the
-/// previous completed: so they are counted at the peer in this order
-/// whatever the striping, and a slot is read there only once it is whole.
-/// Ends when the connection and every transfer holding a sender are gone.
-async fn notifier(mut out: Outgoing, mut jobs: mpsc::UnboundedReceiver<Job>, counters: Arc<Counters>) {
+/// Posts the notifications that could not be posted at once: when the
+/// peer's ring had no room, or, under spray striping (where notifying
+/// writes may be counted out of order), one at a time, each once the
+/// previous completed. Ends when the connection and every transfer holding
+/// a sender are gone.
+async fn notifier(out: Outgoing, mut jobs: mpsc::UnboundedReceiver<Job>) {
     while let Some(job) = jobs.recv().await {
-        let r = send_one(&mut out, &job.message).await;
-        if r.is_ok() {
-            Counters::add(&counters.notifications_sent, 1);
-        }
+        let r = match post_one(&out, &job.message).await {
+            Ok(posted) => posted.await,
+            Err(e) => {
+                if let Some(c) = out.conn.upgrade() {
+                    c.lane().queued -= 1;
+                }
+                Err(e)
+            }
+        };
         let _ = job.done.send(r);
     }
 }
 
-async fn send_one(out: &mut Outgoing, message: &[u8]) -> Result<(), AgentError> {
+/// Waits for room in the peer's ring and posts the notification (taking
+/// it off the lane's queue count in the same step).
+async fn post_one(out: &Outgoing, message: &[u8]) -> Result<BoxFuture<'static, Result<(), AgentError>>, AgentError> {
     let peer = out.peer.clone();
-    let conn = |out: &Outgoing| out.conn.upgrade().ok_or_else(|| AgentError::PeerRemoved { peer: out.peer.clone() });
     let started = Instant::now();
     let mut backoff = Duration::from_micros(20);
-    while !out.credit.has_room() {
-        // The peer's agent has not (as far as we know) taken the notification
-        // in the slot we need off its ring: ask how many it consumed.
-        let c = conn(out)?;
-        let word = out.ring.slice(0, 8).expect("the ring has a head");
-        let read = c.transport.read_with_timeout(out.staging.view_mut(0, 8).expect("8 bytes"), &word, out.timeout);
-        drop(c);
-        read.await.map_err(|e| AgentError::from_transport(&peer, e))?;
-        let mut v = [0u8; 8];
-        out.staging.read_into(0, &mut v).map_err(|e| AgentError::from_transport(&peer, e))?;
-        out.credit.update(u64::from_le_bytes(v));
-        if out.credit.has_room() {
-            break;
-        }
-        if let Some(t) = out.timeout {
-            if started.elapsed() >= t {
-                return Err(AgentError::Timeout { peer, op: "notification (the peer's ring stays full)", after: t });
+    loop {
+        let c = out.conn.upgrade().ok_or_else(|| AgentError::PeerRemoved { peer: peer.clone() })?;
+        {
+            let mut lane = c.lane();
+            if lane.credit.has_room() {
+                lane.queued -= 1;
+                return Ok(c.post_notification(&mut lane, message));
             }
         }
-        tokio::time::sleep(backoff).await;
-        backoff = (backoff * 2).min(Duration::from_millis(2));
+        // The peer's agent has not (as far as we know) taken the
+        // notification in the slot we need off its ring: ask how many it
+        // consumed (an 8-byte read into the staging head).
+        let word = c.ring_out.slice(0, 8).expect("the ring has a head");
+        let read = c.transport.read_with_timeout(c.staging.view_mut(0, 8).expect("8 bytes"), &word, c.timeout);
+        read.await.map_err(|e| AgentError::from_transport(&peer, e))?;
+        let mut v = [0u8; 8];
+        c.staging.read_into(0, &mut v).map_err(|e| AgentError::from_transport(&peer, e))?;
+        let has_room = {
+            let mut lane = c.lane();
+            lane.credit.update(u64::from_le_bytes(v));
+            lane.credit.has_room()
+        };
+        if !has_room {
+            if let Some(t) = c.timeout {
+                if started.elapsed() >= t {
+                    return Err(AgentError::Timeout {
+                        peer,
+                        op: "notification (the peer's ring stays full)",
+                        after: t,
+                    });
+                }
+            }
+            drop(c);
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(Duration::from_millis(2));
+        }
     }
-    let seq = out.credit.next();
-    let image = ring::encode(seq, message);
-    let dst =
-        out.ring.slice(ring::slot_offset(seq, out.slots) as u64, image.len() as u64).expect("a slot fits the ring");
-    let c = conn(out)?;
-    out.staging.write_from(ring::HEAD, &image).map_err(|e| AgentError::from_transport(&peer, e))?;
-    let write = c.transport.write(out.staging.view(ring::HEAD, image.len()).expect("fits"), &dst, true);
-    drop(c);
-    write.await.map_err(|e| AgentError::from_transport(&peer, e))?;
-    out.credit.sent();
-    Ok(())
 }
 
 /// The drainer's side of a connection.

@@ -4,16 +4,18 @@
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::task::{Context, Poll};
+
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use futures::future::BoxFuture;
 use futures::stream::FuturesUnordered;
 use futures::{FutureExt, StreamExt};
-use rmacomm_transport::{RdmaMemory, RdmaRemoteBuffer, TransportError};
-use tokio::sync::{mpsc, oneshot};
+use rmacomm_transport::{RdmaMemory, RdmaRemoteBuffer};
+use tokio::sync::oneshot;
 
-use crate::connection::{Conn, Job};
+use crate::connection::Conn;
 use crate::plan::PlannedOp;
 use crate::stats::Counters;
 use crate::{AgentError, Op};
@@ -68,13 +70,33 @@ pub(crate) struct Posting<'a> {
     pub(crate) counters: Arc<Counters>,
 }
 
-type Piece<'a> = BoxFuture<'a, Result<(), TransportError>>;
+type Piece<'a> = BoxFuture<'a, Result<(), AgentError>>;
 
 enum Stage<'a> {
-    Connecting { conn: BoxFuture<'static, Result<Arc<Conn>, AgentError>>, posting: Posting<'a> },
-    Moving { pieces: FuturesUnordered<Piece<'a>>, notify: Option<(Vec<u8>, mpsc::UnboundedSender<Job>)> },
-    Notifying { done: oneshot::Receiver<Result<(), AgentError>> },
+    Connecting {
+        conn: BoxFuture<'static, Result<Arc<Conn>, AgentError>>,
+        posting: Posting<'a>,
+    },
+    /// Pieces (and, when it was posted right behind them, the notification)
+    /// in flight; `notify`: the notification still to send once they are
+    /// placed.
+    Moving {
+        pieces: FuturesUnordered<Piece<'a>>,
+        notify: Option<(Vec<u8>, Weak<Conn>)>,
+        _overflow: Option<Overflow>,
+    },
+    Notifying(BoxFuture<'static, Result<(), AgentError>>),
     Finished(Result<(), AgentError>),
+}
+
+/// Counts a request whose pieces did not all get an in-flight slot at
+/// once (see `Conn::overflowing`) while it exists.
+struct Overflow(Arc<AtomicUsize>);
+
+impl Drop for Overflow {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 impl fmt::Debug for Transfer<'_> {
@@ -82,7 +104,7 @@ impl fmt::Debug for Transfer<'_> {
         let stage = match &self.stage {
             Stage::Connecting { .. } => "connecting",
             Stage::Moving { .. } => "moving",
-            Stage::Notifying { .. } => "notifying",
+            Stage::Notifying(_) => "notifying",
             Stage::Finished(Ok(())) => "done",
             Stage::Finished(Err(_)) => "failed",
         };
@@ -92,7 +114,7 @@ impl fmt::Debug for Transfer<'_> {
 
 impl<'a> Transfer<'a> {
     /// A request whose connection is ready: posted now.
-    pub(crate) fn posted(peer: &str, conn: &Conn, posting: Posting<'a>) -> Result<Transfer<'a>, AgentError> {
+    pub(crate) fn posted(peer: &str, conn: &Arc<Conn>, posting: Posting<'a>) -> Result<Transfer<'a>, AgentError> {
         let ops = posting.plan.len();
         Ok(Transfer { peer: peer.into(), ops, stage: post(peer, conn, posting)? })
     }
@@ -132,9 +154,24 @@ impl<'a> Transfer<'a> {
     }
 }
 
+/// Requests copied by the calling thread on the mapped path up to this
+/// many bytes run on it directly; above, inside `block_in_place` where the
+/// runtime allows it (a multi-thread tokio runtime), so that the worker's
+/// other tasks move elsewhere while it copies.
+const INLINE_COPY_MAX: usize = 1 << 20;
+
 /// Posts every planned operation (the checks that can only be made against
 /// the connection come first, so that a failure posts nothing).
-fn post<'a>(peer: &str, conn: &Conn, p: Posting<'a>) -> Result<Stage<'a>, AgentError> {
+///
+/// Three ways, chosen per request:
+/// - the peer's regions are mapped here (same host): the calling thread
+///   copies every piece, then posts the notification;
+/// - notifying writes are counted in post order (one QP, DQPLB) and every
+///   piece gets an in-flight slot at once: the notification is posted right
+///   behind the pieces (a write request; a read's completion is what says
+///   its data was read), and the transfer resolves with its completion;
+/// - else the notification is sent once a poll sees every piece placed.
+fn post<'a>(peer: &str, conn: &Arc<Conn>, p: Posting<'a>) -> Result<Stage<'a>, AgentError> {
     if let Some(e) = conn.transport.error() {
         return Err(AgentError::from_transport(peer, e));
     }
@@ -144,23 +181,103 @@ fn post<'a>(peer: &str, conn: &Conn, p: Posting<'a>) -> Result<Stage<'a>, AgentE
             "a local memory is on another device than the agent's transports (allocate it with TransferAgent::alloc)",
         ));
     }
-    let pieces = FuturesUnordered::new();
-    for o in &p.plan {
-        let mem = p.locals[o.local];
+    Counters::add(&p.counters.ops_posted, p.plan.len() as u64);
+    if !p.plan.is_empty() {
+        if let Some(maps) = conn.mapped(&p.remotes) {
+            copy_mapped(peer, &p, &maps)?;
+            // Placed: the notification goes now (or queues at the notifier
+            // now, keeping its place among the connection's notifications).
+            let pieces = FuturesUnordered::new();
+            if let Some(message) = p.notify {
+                pieces.push(send_notification(conn, &mut conn.lane(), message));
+            }
+            return Ok(Stage::Moving { pieces, notify: None, _overflow: None });
+        }
+    }
+    let remote_of = |o: &PlannedOp| {
         let region = p.remotes.iter().find(|(id, _)| *id == o.region).expect("the planner checked the region").1;
-        let remote = region.slice(o.remote_off, o.len as u64).expect("the planner checked the bounds");
+        region.slice(o.remote_off, o.len as u64).expect("the planner checked the bounds")
+    };
+    let piece = |o: &PlannedOp| -> Piece<'a> {
+        let mem = p.locals[o.local];
+        let remote = remote_of(o);
+        let name = peer.to_owned();
         // The views lie inside views the caller made of `mem` (coalescing
         // only joins adjacent ones, up to MAX_OP_LEN): they cannot fail.
-        let piece: Piece<'a> = match p.op {
-            Op::Write => {
-                conn.transport.write(mem.view(o.local_off, o.len).expect("inside a view"), &remote, false).boxed()
+        match p.op {
+            Op::Write => conn
+                .transport
+                .write(mem.view(o.local_off, o.len).expect("inside a view"), &remote, false)
+                .map(move |r| r.map_err(|e| AgentError::from_transport(&name, e)))
+                .boxed(),
+            Op::Read => conn
+                .transport
+                .read(mem.view_mut(o.local_off, o.len).expect("inside a view"), &remote)
+                .map(move |r| r.map_err(|e| AgentError::from_transport(&name, e)))
+                .boxed(),
+        }
+    };
+    let pieces = FuturesUnordered::new();
+    let behind =
+        p.notify.is_some() && p.op == Op::Write && conn.ordered && conn.overflowing.load(Ordering::Acquire) == 0;
+    if behind {
+        // Under the lane lock nobody else of this agent posts on the
+        // transport (one credit read of the notifier aside: the margin).
+        let mut lane = conn.lane();
+        if conn.transport.free_slots() >= p.plan.len() + 2 && conn.overflowing.load(Ordering::Acquire) == 0 {
+            for o in &p.plan {
+                pieces.push(piece(o));
             }
-            Op::Read => conn.transport.read(mem.view_mut(o.local_off, o.len).expect("inside a view"), &remote).boxed(),
-        };
-        pieces.push(piece);
+            pieces.push(send_notification(conn, &mut lane, p.notify.expect("checked")));
+            return Ok(Stage::Moving { pieces, notify: None, _overflow: None });
+        }
     }
-    Counters::add(&p.counters.ops_posted, p.plan.len() as u64);
-    Ok(Stage::Moving { pieces, notify: p.notify.map(|m| (m, conn.notify_tx.clone())) })
+    let overflow = (p.plan.len() > conn.transport.free_slots()).then(|| {
+        conn.overflowing.fetch_add(1, Ordering::AcqRel);
+        Overflow(conn.overflowing.clone())
+    });
+    for o in &p.plan {
+        pieces.push(piece(o));
+    }
+    Ok(notify_after(conn, pieces, p.notify, overflow))
+}
+
+/// The stage of pieces in flight whose notification (if any) is sent once
+/// they are placed.
+fn notify_after<'a>(
+    conn: &Arc<Conn>,
+    pieces: FuturesUnordered<Piece<'a>>,
+    notify: Option<Vec<u8>>,
+    overflow: Option<Overflow>,
+) -> Stage<'a> {
+    Stage::Moving { pieces, notify: notify.map(|m| (m, Arc::downgrade(conn))), _overflow: overflow }
+}
+
+/// Copies every piece through the peer's mapped regions, in the calling
+/// thread. A copy that fails (the peer deregistered a region) fails the
+/// request; the pieces before it have landed.
+fn copy_mapped(peer: &str, p: &Posting<'_>, maps: &[Arc<rmacomm_transport::MappedBuffer>]) -> Result<(), AgentError> {
+    let run = || -> Result<(), AgentError> {
+        for o in &p.plan {
+            let k = p.remotes.iter().position(|(id, _)| *id == o.region).expect("the planner checked the region");
+            let mem = p.locals[o.local];
+            let at = o.remote_off as usize;
+            let r = match p.op {
+                Op::Write => maps[k].put(mem.view(o.local_off, o.len).expect("inside a view"), at),
+                Op::Read => maps[k].get(mem.view_mut(o.local_off, o.len).expect("inside a view"), at),
+            };
+            r.map_err(|e| AgentError::from_transport(peer, e))?;
+        }
+        Ok(())
+    };
+    let bytes: usize = p.plan.iter().map(|o| o.len).sum();
+    let multi_thread = tokio::runtime::Handle::try_current()
+        .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
+    if bytes > INLINE_COPY_MAX && multi_thread {
+        tokio::task::block_in_place(run)
+    } else {
+        run()
+    }
 }
 
 impl Future for Transfer<'_> {
@@ -181,7 +298,7 @@ impl Future for Transfer<'_> {
                     };
                     conn.and_then(|c| post(&this.peer, &c, posting)).unwrap_or_else(|e| Stage::Finished(Err(e)))
                 }
-                Stage::Moving { pieces, notify } => {
+                Stage::Moving { pieces, notify, .. } => {
                     let mut failed = None;
                     loop {
                         match pieces.poll_next_unpin(cx) {
@@ -197,26 +314,44 @@ impl Future for Transfer<'_> {
                     match (failed, notify.take()) {
                         // The other pieces keep running in the transport;
                         // dropping their futures cancels nothing.
-                        (Some(e), _) => Stage::Finished(Err(AgentError::from_transport(&this.peer, e))),
+                        (Some(e), _) => Stage::Finished(Err(e)),
                         (None, None) => Stage::Finished(Ok(())),
-                        (None, Some((message, tx))) => {
-                            let (done_tx, done) = oneshot::channel();
-                            match tx.send(Job { message, done: done_tx }) {
-                                Ok(()) => Stage::Notifying { done },
-                                Err(_) => Stage::Finished(Err(AgentError::PeerRemoved { peer: this.peer.clone() })),
-                            }
-                        }
+                        (None, Some((message, conn))) => match conn.upgrade() {
+                            Some(conn) => Stage::Notifying(send_notification(&conn, &mut conn.lane(), message)),
+                            None => Stage::Finished(Err(AgentError::PeerRemoved { peer: this.peer.clone() })),
+                        },
                     }
                 }
-                Stage::Notifying { done } => match done.poll_unpin(cx) {
+                Stage::Notifying(done) => match done.poll_unpin(cx) {
                     Poll::Pending => return Poll::Pending,
-                    Poll::Ready(r) => {
-                        Stage::Finished(r.unwrap_or_else(|_| Err(AgentError::PeerRemoved { peer: this.peer.clone() })))
-                    }
+                    Poll::Ready(r) => Stage::Finished(r),
                 },
                 Stage::Finished(r) => return Poll::Ready(r.clone()),
             };
             this.stage = next;
         }
     }
+}
+
+/// Sends a request's notification (its pieces are placed, or posted ahead
+/// of it on an ordered link): posted at once where notifying writes are
+/// counted in post order and the ring has room, else through the
+/// connection's notifier, behind the notifications already there. The
+/// future resolves when it is in the peer's ring.
+fn send_notification(
+    conn: &Arc<Conn>,
+    lane: &mut crate::connection::Lane,
+    message: Vec<u8>,
+) -> BoxFuture<'static, Result<(), AgentError>> {
+    if conn.ordered {
+        if let Some(n) = conn.try_notify_now(lane, &message) {
+            return n;
+        }
+    }
+    let (done_tx, done) = oneshot::channel();
+    let peer = conn.peer.clone();
+    if let Err(e) = conn.queue_notification(lane, message, done_tx) {
+        return futures::future::ready(Err(e)).boxed();
+    }
+    done.map(move |r| r.unwrap_or(Err(AgentError::PeerRemoved { peer }))).boxed()
 }

@@ -426,6 +426,29 @@ impl RdmaTransport {
         self.inner.clone().complete(started, "write", timeout, local)
     }
 
+    /// [`write`](Self::write) from memory the future owns (an `Arc`), so
+    /// that the future is `'static`: for writes started by one task and
+    /// awaited by another, or kept in a table. `offset` and `len` name the
+    /// bytes of `local` to send. Posted when called (or once a slot frees),
+    /// like `write`.
+    pub fn write_owned(
+        &self,
+        local: Arc<crate::RdmaMemory>,
+        offset: usize,
+        len: usize,
+        remote: &RdmaRemoteBuffer,
+        notify: bool,
+    ) -> impl Future<Output = Result<(), TransportError>> + Send + 'static {
+        let op = if notify {
+            SendOp::RdmaWriteWithImm { remote_addr: remote.addr, rkey: remote.key, imm: 0 }
+        } else {
+            SendOp::RdmaWrite { remote_addr: remote.addr, rkey: remote.key }
+        };
+        let prepared = local.view(offset, len).and_then(|_| self.prepare("write", &local, offset, len, remote, op));
+        let started = self.start(prepared);
+        self.inner.clone().complete(started, "write", self.inner.config.timeout, local)
+    }
+
     /// Reads the peer's `remote` buffer into `local` (zero-copy). Posted when
     /// called or once a slot frees, like [`write`](Self::write); a dropped
     /// read keeps `local`'s registration until the data has landed.
@@ -567,6 +590,14 @@ impl RdmaTransport {
     /// more than [`TransportConfig::max_in_flight`]. A diagnostic.
     pub fn in_flight(&self) -> usize {
         self.inner.lock().pending.slots.len()
+    }
+
+    /// In-flight slots free now: this many operations posted next are
+    /// posted at once (none waits for a slot), as long as nobody else posts
+    /// in between. A diagnostic, and what a caller that must know its
+    /// operations were posted in order checks first.
+    pub fn free_slots(&self) -> usize {
+        self.inner.slots.available_permits()
     }
 
     /// Entries in the table of `wait_for_write` calls: the waiting ones plus

@@ -242,14 +242,34 @@ pub async fn bad_requests_move_nothing() {
     assert!(contents(&cache, 0, 4 * B).iter().all(|&x| x == 0xAB));
 }
 
-/// Notifications of one peer come in the order its requests completed,
-/// which need not be the order they were made in; with a ring of two
-/// slots the sender waits for the receiver to consume (credit).
+/// Notifications of one peer come in the order its requests completed.
+/// On an ordered link (one QP or DQPLB: the default) each request's
+/// notification is posted right behind its pieces, which are placed in
+/// post order: notifications follow the order requests were made in,
+/// whatever order the application awaits them in. Under spray striping the
+/// notification is sent when a poll sees the pieces placed: the order the
+/// transfers were seen complete. With a ring of two slots the sender waits
+/// for the receiver to consume (credit).
 pub async fn notifications_follow_completion_order() {
+    for spray in [false, true] {
+        notifications_in_order(spray).await;
+    }
+}
+
+async fn notifications_in_order(spray: bool) {
     const B: usize = 64 << 10;
+    let both = if spray {
+        let t = TransportConfig::default()
+            .with_timeout(Some(Duration::from_secs(30)))
+            .with_qps(4)
+            .with_load_balancing(ibverbx::LoadBalancing::Spray);
+        config().with_transport(t)
+    } else {
+        config()
+    };
     // Decode takes notifications into a ring of two slots.
-    let small = config().with_notification_slots(2);
-    let (decode, prefill, _cache, region) = pair_with(small, config(), 64 * B);
+    let small = both.clone().with_notification_slots(2);
+    let (decode, prefill, _cache, region) = pair_with(small, both, 64 * B);
     let kv = prefill.alloc(64 * B).unwrap();
     prefill.register(&kv).unwrap();
     let req = |i: usize| {
@@ -257,13 +277,14 @@ pub async fn notifications_follow_completion_order() {
         prefill.transfer(Op::Write, "decode", &p, Some(format!("req {i}").as_bytes())).unwrap()
     };
     prefill.connect("decode").await.unwrap();
-    // Made 0, 1, 2; completed (awaited) 2, 0, 1.
+    // Made 0, 1, 2; awaited 2, 0, 1.
     let (t0, t1, t2) = (req(0), req(1), req(2));
     t2.await.unwrap();
     t0.await.unwrap();
     t1.await.unwrap();
-    for want in ["req 2", "req 0", "req 1"] {
-        assert_eq!(next_notification(&decode).await.message, want.as_bytes());
+    let want = if spray { ["req 2", "req 0", "req 1"] } else { ["req 0", "req 1", "req 2"] };
+    for want in want {
+        assert_eq!(next_notification(&decode).await.message, want.as_bytes(), "spray: {spray}");
     }
     // 200 more through a ring of 2 slots: each in order, none lost.
     let mut stream = decode.notifications();
@@ -280,6 +301,20 @@ pub async fn notifications_follow_completion_order() {
     let want: Vec<Vec<u8>> = (0..200).map(|i| format!("req {}", i % 64).into_bytes()).collect();
     assert_eq!(got.into_iter().map(|n| n.message).collect::<Vec<_>>(), want);
     assert_eq!(decode.stats().notifications_received, 203);
+    // Eight requests made back to back, none awaited until all are made:
+    // more than the ring holds, so some wait for credit at the notifier
+    // while later ones are made; still in order, each once.
+    let ts: Vec<_> = (0..8).map(req).collect();
+    for t in ts {
+        t.await.unwrap();
+    }
+    for i in 0..8 {
+        let n = tokio::time::timeout(Duration::from_secs(20), stream.next()).await.unwrap().unwrap();
+        if !spray {
+            assert_eq!(n.message, format!("req {i}").into_bytes());
+        }
+    }
+    assert_eq!(decode.stats().notifications_received, 211);
 }
 
 /// Polling `status()` alone completes a transfer and sends its notification.
@@ -315,8 +350,10 @@ pub async fn status_completes_a_transfer_without_await() {
 }
 
 /// Dropped transfers: one dropped at once still lands (nothing posted is
-/// cancelled) but sends no notification; one dropped after a poll saw its
-/// pieces placed still notifies, once; later requests are unaffected.
+/// cancelled) and, on an ordered link where its notification was posted
+/// right behind its pieces, still notifies, once; one dropped after a poll
+/// saw its pieces placed still notifies, once; later requests are
+/// unaffected.
 pub async fn dropped_transfers_leave_the_agent_consistent() {
     const B: usize = 1 << 20;
     let (decode, prefill, cache, region) = pair(64 * B);
@@ -337,6 +374,7 @@ pub async fn dropped_transfers_leave_the_agent_consistent() {
     }
     drop(t);
     prefill.transfer(Op::Write, "decode", &one, Some(b"after")).unwrap().await.unwrap();
+    assert_eq!(next_notification(&decode).await.message, b"dropped early");
     assert_eq!(next_notification(&decode).await.message, b"dropped late");
     assert_eq!(next_notification(&decode).await.message, b"after");
     no_more_notifications(&decode).await;
