@@ -42,6 +42,20 @@ impl Sock<'_> {
         }
     }
 
+    /// Whether bytes can be read without waiting (a peek; an error or EOF
+    /// counts as readable: the next read reports it).
+    pub(crate) fn readable_now(&self) -> bool {
+        let fd = match self {
+            Sock::Tcp(s) => s.as_raw_fd(),
+            Sock::Unix(s) => s.as_raw_fd(),
+        };
+        let mut b = 0u8;
+        // SAFETY: fd is the live socket's descriptor; b is a live one-byte
+        // buffer; MSG_PEEK leaves the byte in the socket.
+        let n = unsafe { libc::recv(fd, (&mut b as *mut u8).cast(), 1, libc::MSG_PEEK | libc::MSG_DONTWAIT) };
+        n != -1 || std::io::Error::last_os_error().kind() != io::ErrorKind::WouldBlock
+    }
+
     /// Runs `op` on the descriptor until it does something other than
     /// `WouldBlock`, waiting for `interest` in between.
     fn poll_io<R>(

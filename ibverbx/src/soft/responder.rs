@@ -26,6 +26,46 @@ enum Outcome {
     Close,
 }
 
+/// ACKs not sent yet. Consecutive WRITE, notify and SEND requests are
+/// answered by one cumulative ACK of the last one's PSN (as RC's ACKs are
+/// cumulative) while more requests already wait in the socket: one write
+/// and one wake-up of the requester's reader per batch instead of per
+/// request. A batch is sent when nothing more is readable (so a lone
+/// request is answered at once), after [`ACK_BATCH`] requests or
+/// [`ACK_BATCH_BYTES`] of payload (so the requester's window keeps moving),
+/// and before any other answer (NAK, RNR wait, READ or atomic response),
+/// which must not overtake it.
+#[derive(Default)]
+struct Acks {
+    psn: Option<u32>,
+    count: u32,
+    bytes: u64,
+}
+
+const ACK_BATCH: u32 = 16;
+const ACK_BATCH_BYTES: u64 = 256 << 10;
+
+impl Acks {
+    fn add(&mut self, psn: u32, len: u32) {
+        self.psn = Some(psn);
+        self.count += 1;
+        self.bytes += u64::from(len);
+    }
+
+    fn full(&self) -> bool {
+        self.count >= ACK_BATCH || self.bytes >= ACK_BATCH_BYTES
+    }
+
+    async fn flush<S: AsyncWrite + Unpin>(&mut self, s: &mut S) -> std::io::Result<()> {
+        if let Some(psn) = self.psn.take() {
+            self.count = 0;
+            self.bytes = 0;
+            s.write_all(&Frame::Ack { psn }.encode()).await?;
+        }
+        Ok(())
+    }
+}
+
 /// Serves one connection until it closes, the QP leaves service, or a
 /// request fails.
 pub(crate) async fn run<S>(qp: Arc<SoftQp>, mut s: S, hello: Hello, peer: String)
@@ -36,7 +76,13 @@ where
     let epoch = qp.epoch();
     let max_msg = qp.ctx.config.max_msg_size;
     let mut checked_peer = false;
+    let mut acks = Acks::default();
     loop {
+        if acks.psn.is_some() && (acks.full() || !s.sock().readable_now()) {
+            if let Err(e) = acks.flush(&mut s).await {
+                return tracing::debug!("soft QP {:#x}: connection to {peer} lost: {e}", qp.qpn);
+            }
+        }
         let mut hdr = [0u8; HEADER_LEN];
         tokio::select! {
             r = s.read_exact(&mut hdr) => {
@@ -79,7 +125,7 @@ where
             }
             checked_peer = true;
         }
-        match serve(&qp, &mut s, f, epoch, hello.rnr_retry, &mut state_rx).await {
+        match serve(&qp, &mut s, &mut acks, f, epoch, hello.rnr_retry, &mut state_rx).await {
             Ok(Outcome::Continue) => {}
             Ok(Outcome::Close) => return linger(&mut s).await,
             Err(e) => return tracing::debug!("soft QP {:#x}: connection to {peer} lost: {e}", qp.qpn),
@@ -156,11 +202,13 @@ fn check(qp: &SoftQp, rkey: u32, raddr: u64, len: u64, need: AccessFlags) -> Opt
 async fn nak<S: AsyncWrite + Unpin>(
     qp: &SoftQp,
     s: &mut S,
+    acks: &mut Acks,
     psn: u32,
     syndrome: Syndrome,
     why: &str,
 ) -> std::io::Result<Outcome> {
     tracing::debug!("soft QP {:#x}: NAK {syndrome:?} for PSN {psn}: {why}", qp.qpn);
+    acks.flush(s).await?;
     s.write_all(&Frame::Nak { psn, syndrome }.encode()).await?;
     Ok(Outcome::Close)
 }
@@ -169,6 +217,7 @@ async fn nak<S: AsyncWrite + Unpin>(
 async fn take_recv<S: AsyncWrite + Unpin>(
     qp: &SoftQp,
     s: &mut S,
+    acks: &mut Acks,
     psn: u32,
     epoch: u64,
     rnr_retry: u8,
@@ -202,6 +251,7 @@ async fn take_recv<S: AsyncWrite + Unpin>(
                     return Ok(None);
                 }
                 waits += 1;
+                acks.flush(s).await?;
                 s.write_all(&Frame::RnrWait { psn }.encode()).await?;
             }
             _ = dead(qp, epoch, state_rx) => return Ok(None),
@@ -223,6 +273,7 @@ fn recv_wc(
 async fn serve<S>(
     qp: &SoftQp,
     s: &mut S,
+    acks: &mut Acks,
     f: Frame,
     epoch: u64,
     rnr_retry: u8,
@@ -235,35 +286,40 @@ where
         Frame::Write { psn, raddr, rkey, len, imm } => {
             if len > 0 {
                 let Some((_mr, p)) = check(qp, rkey, raddr, len as u64, AccessFlags::REMOTE_WRITE) else {
-                    return nak(qp, s, psn, Syndrome::RemoteAccess, "RDMA WRITE outside a writable region").await;
+                    return nak(qp, s, acks, psn, Syndrome::RemoteAccess, "RDMA WRITE outside a writable region").await;
                 };
+                // A long payload takes a while: what it follows is
+                // answered first.
+                if u64::from(len) >= ACK_BATCH_BYTES {
+                    acks.flush(s).await?;
+                }
                 // SAFETY: p..p+len was checked against a live MR, held by
                 // _mr until the read is done.
                 unsafe { recv_exact(s, p, len as usize).await? };
             }
             if let Some(imm) = imm {
-                let Some(r) = take_recv(qp, s, psn, epoch, rnr_retry, state_rx).await? else {
+                let Some(r) = take_recv(qp, s, acks, psn, epoch, rnr_retry, state_rx).await? else {
                     return Ok(Outcome::Close);
                 };
                 qp.push_recv_wc(recv_wc(qp, &r, WcStatus::Success, WcOpcode::RecvRdmaWithImm, len, Some(imm)));
             }
-            s.write_all(&Frame::Ack { psn }.encode()).await?;
+            acks.add(psn, len);
         }
         Frame::Notify { psn, len, imm } => {
-            let Some(r) = take_recv(qp, s, psn, epoch, rnr_retry, state_rx).await? else {
+            let Some(r) = take_recv(qp, s, acks, psn, epoch, rnr_retry, state_rx).await? else {
                 return Ok(Outcome::Close);
             };
             qp.push_recv_wc(recv_wc(qp, &r, WcStatus::Success, WcOpcode::RecvRdmaWithImm, len, Some(imm)));
-            s.write_all(&Frame::Ack { psn }.encode()).await?;
+            acks.add(psn, 0);
         }
         Frame::Send { psn, len, imm } => {
-            let Some(r) = take_recv(qp, s, psn, epoch, rnr_retry, state_rx).await? else {
+            let Some(r) = take_recv(qp, s, acks, psn, epoch, rnr_retry, state_rx).await? else {
                 return Ok(Outcome::Close);
             };
             if (len as u64) > r.capacity() {
                 qp.push_recv_wc(recv_wc(qp, &r, WcStatus::LocLenErr, WcOpcode::Recv, 0, None));
                 qp.set_error("receive too small for an incoming SEND");
-                return nak(qp, s, psn, Syndrome::InvalidRequest, "SEND longer than the posted receive").await;
+                return nak(qp, s, acks, psn, Syndrome::InvalidRequest, "SEND longer than the posted receive").await;
             }
             let mut left = len as usize;
             let mut pieces = Vec::with_capacity(r.segs.len());
@@ -280,7 +336,7 @@ where
                     Err(st) => {
                         qp.push_recv_wc(recv_wc(qp, &r, st, WcOpcode::Recv, 0, None));
                         qp.set_error("receive buffer failed its key check");
-                        return nak(qp, s, psn, Syndrome::RemoteOp, "receive buffer is not a valid local region").await;
+                        return nak(qp, s, acks, psn, Syndrome::RemoteOp, "receive buffer is not a valid local region").await;
                     }
                 }
             }
@@ -290,28 +346,29 @@ where
             }
             let opcode = WcOpcode::Recv;
             qp.push_recv_wc(recv_wc(qp, &r, WcStatus::Success, opcode, len, imm));
-            s.write_all(&Frame::Ack { psn }.encode()).await?;
+            acks.add(psn, len);
         }
         Frame::ReadReq { psn, raddr, rkey, len } => {
             let mut keep = None;
             let mut src = 0usize;
             if len > 0 {
                 let Some((mr, p)) = check(qp, rkey, raddr, len as u64, AccessFlags::REMOTE_READ) else {
-                    return nak(qp, s, psn, Syndrome::RemoteAccess, "RDMA READ outside a readable region").await;
+                    return nak(qp, s, acks, psn, Syndrome::RemoteAccess, "RDMA READ outside a readable region").await;
                 };
                 keep = Some(mr);
                 src = p;
             }
             let payload = [(src, len as usize)];
+            acks.flush(s).await?;
             send_frame(s, &Frame::ReadResp { psn, len }, if len > 0 { &payload } else { &[] }).await?;
             drop(keep);
         }
         Frame::Atomic { psn, raddr, rkey, cmp_swap, a, b } => {
             if raddr % 8 != 0 {
-                return nak(qp, s, psn, Syndrome::InvalidRequest, "misaligned atomic").await;
+                return nak(qp, s, acks, psn, Syndrome::InvalidRequest, "misaligned atomic").await;
             }
             let Some((_mr, p)) = check(qp, rkey, raddr, 8, AccessFlags::REMOTE_ATOMIC) else {
-                return nak(qp, s, psn, Syndrome::RemoteAccess, "atomic outside an atomic-enabled region").await;
+                return nak(qp, s, acks, psn, Syndrome::RemoteAccess, "atomic outside an atomic-enabled region").await;
             };
             // SAFETY: p is 8-byte aligned, inside a live MR; every soft atomic
             // on this address (from any process) goes through an AtomicU64.
@@ -323,6 +380,7 @@ where
             } else {
                 cell.fetch_add(a, Ordering::AcqRel)
             };
+            acks.flush(s).await?;
             s.write_all(&Frame::AtomicResp { psn, orig }.encode()).await?;
         }
         _ => return Ok(Outcome::Close),

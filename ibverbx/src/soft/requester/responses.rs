@@ -57,6 +57,12 @@ pub(super) async fn read_responses(sh: Arc<Shared>, mut r: Reader, rnr_retry: u8
             (psn, expect, segs)
         };
         if f.psn() != psn {
+            // A cumulative ACK (the responder batches them) also answers
+            // every request ahead of its PSN, all of which must be ones an
+            // ACK answers.
+            if matches!(f, Frame::Ack { .. }) && ack_covers(&sh, f.psn()) {
+                continue;
+            }
             return sh
                 .fail_link(WcStatus::BadRespErr, &format!("response for PSN {} while {psn} is outstanding", f.psn()));
         }
@@ -126,5 +132,62 @@ pub(super) async fn read_responses(sh: Arc<Shared>, mut r: Reader, rnr_retry: u8
             sh.flush();
             return;
         }
+    }
+}
+
+/// Whether `psn` lies ahead of the oldest outstanding request within
+/// half the 24-bit PSN space.
+fn psn_ahead(oldest: u32, psn: u32) -> bool {
+    let d = psn.wrapping_sub(oldest) & 0x00ff_ffff;
+    d != 0 && d < 0x0080_0000
+}
+
+/// Completes, as a cumulative ACK of `psn` does, every outstanding request
+/// from the oldest up to `psn`, when they all await an ACK and `psn` is
+/// one of them; false (nothing completed) otherwise.
+fn ack_covers(sh: &Shared, psn: u32) -> bool {
+    let mut q = sh.lock();
+    let mut oldest = None;
+    let mut found = false;
+    for x in q.inflight.iter().filter(|x| x.awaiting.is_some() && x.status.is_none()) {
+        let (p, expect) = x.awaiting.expect("filtered");
+        let first = *oldest.get_or_insert(p);
+        if !matches!(expect, Expect::Ack) || (p != psn && !psn_ahead(p, psn)) || (p != first && !psn_ahead(first, p)) {
+            return false;
+        }
+        if p == psn {
+            found = true;
+            break;
+        }
+    }
+    if !found {
+        return false;
+    }
+    for x in q.inflight.iter_mut().filter(|x| x.awaiting.is_some() && x.status.is_none()) {
+        let (p, _) = x.awaiting.expect("filtered");
+        x.status = Some(WcStatus::Success);
+        x.awaiting = None;
+        if p == psn {
+            break;
+        }
+    }
+    sh.emit(&mut q);
+    drop(q);
+    sh.progress.notify_waiters();
+    true
+}
+
+#[cfg(test)]
+mod tests {
+    use super::psn_ahead;
+
+    #[test]
+    fn psns_ahead_wrap_around_the_24_bit_space() {
+        assert!(psn_ahead(5, 6));
+        assert!(psn_ahead(5, 5 + 0x7f_ffff));
+        assert!(!psn_ahead(5, 5));
+        assert!(!psn_ahead(6, 5));
+        assert!(psn_ahead(0xff_fffe, 1));
+        assert!(!psn_ahead(1, 0xff_fffe));
     }
 }
