@@ -10,15 +10,16 @@
 //! array or tensor viewing registered memory — a slice, a reshaped view —
 //! is a valid local block.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use futures::StreamExt;
-use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyTuple};
+use pyo3::types::{PyBytes, PyCFunction, PyDict, PyTuple};
 use rmacomm_agent::{AgentConfig, Op, RemoteBlock, TransferAgent};
 use rmacomm_transport::{TransportConfig, View};
 
@@ -75,6 +76,15 @@ pub(crate) struct PyTransferAgent {
     agent: Entered,
     /// Sorted by start address.
     regions: Mutex<Vec<Region>>,
+    /// Notifications taken off the agent's queue for an asyncio wait that
+    /// was cancelled before they arrived: the next taker gets them first.
+    stash: Stash,
+}
+
+type Stash = Arc<Mutex<VecDeque<(String, Vec<u8>)>>>;
+
+fn lock_stash(s: &Stash) -> std::sync::MutexGuard<'_, VecDeque<(String, Vec<u8>)>> {
+    s.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 fn parse_op(op: &Bound<'_, PyAny>) -> PyResult<(Op, &'static str)> {
@@ -98,6 +108,10 @@ fn text(obj: &Bound<'_, PyAny>, arg: &str) -> PyResult<String> {
 impl PyTransferAgent {
     fn agent(&self) -> &TransferAgent {
         self.agent.0.as_ref().expect("taken only on drop")
+    }
+
+    fn unstash(&self) -> Option<(String, Vec<u8>)> {
+        lock_stash(&self.stash).pop_front()
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Region>> {
@@ -183,7 +197,7 @@ impl PyTransferAgent {
         }
         let _g = rt().enter();
         let agent = TransferAgent::new(name, cfg).map_err(py_err)?;
-        Ok(PyTransferAgent { agent: Entered(Some(agent)), regions: Mutex::new(Vec::new()) })
+        Ok(PyTransferAgent { agent: Entered(Some(agent)), regions: Mutex::new(Vec::new()), stash: Stash::default() })
     }
 
     /// The agent's name.
@@ -416,7 +430,9 @@ impl PyTransferAgent {
     /// Takes every notification received and not yet taken, without
     /// waiting: a list of (peer name, message bytes), in arrival order.
     fn get_notifications<'py>(&self, py: Python<'py>) -> Vec<(String, Bound<'py, PyBytes>)> {
-        self.agent().try_notifications().into_iter().map(|n| (n.peer, PyBytes::new(py, &n.message))).collect()
+        let mut out: Vec<(String, Vec<u8>)> = lock_stash(&self.stash).drain(..).collect();
+        out.extend(self.agent().try_notifications().into_iter().map(|n| (n.peer, n.message)));
+        out.into_iter().map(|(p, m)| (p, PyBytes::new(py, &m))).collect()
     }
 
     /// Waits for the next notification (the GIL released, Ctrl-C
@@ -429,6 +445,9 @@ impl PyTransferAgent {
         timeout: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<(String, Bound<'py, PyBytes>)> {
         let limit = timeout::duration(timeout, "timeout")?;
+        if let Some((peer, msg)) = self.unstash() {
+            return Ok((peer, PyBytes::new(py, &msg)));
+        }
         let deadline = limit.map(|t| Instant::now() + t);
         let mut stream = self.agent().notifications();
         let r = wait::sliced(py, deadline, |slice| {
@@ -445,22 +464,63 @@ impl PyTransferAgent {
         }
     }
 
-    /// `wait_notification` for asyncio (no timeout: wrap it in
-    /// `asyncio.wait_for`; a notification taken by a cancelled wait is
-    /// not lost only if the wait had not completed).
+    /// `wait_notification` for asyncio (no timeout of its own: wrap it in
+    /// `asyncio.wait_for`). A notification that arrives for a wait that
+    /// was cancelled meanwhile is not lost: the next call that takes
+    /// notifications gets it first (an async wait started before it
+    /// arrived waits for the one after).
     fn wait_notification_async<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let lp = py.import(intern!(py, "asyncio"))?.call_method0(intern!(py, "get_running_loop")).map_err(|_| {
+            PyRuntimeError::new_err("wait_notification_async must be awaited inside a running asyncio loop")
+        })?;
+        let fut = lp.call_method0(intern!(py, "create_future"))?;
+        if let Some((peer, msg)) = self.unstash() {
+            fut.call_method1(intern!(py, "set_result"), ((peer, PyBytes::new(py, &msg)),))?;
+            return Ok(fut);
+        }
         let mut stream = self.agent().notifications();
-        crate::transport::spawn(py, async move {
-            match stream.next().await {
-                Some(n) => Ok((n.peer, n.message)),
-                None => Err(Failure::new(ErrKind::Comm, "wait_notification_async: the agent is closed")),
-            }
-        })
+        let stash = self.stash.clone();
+        let (lp, pf) = (lp.unbind(), fut.clone().unbind());
+        rt().spawn(async move {
+            let n = stream.next().await.map(|n| (n.peer, n.message));
+            Python::attach(|py| {
+                let (keep, got) = (stash.clone(), n.clone());
+                // Runs on the loop's thread, where the future's state is
+                // final: a cancelled wait's notification goes to the stash.
+                let settle = move |args: &Bound<'_, PyTuple>, _: Option<&Bound<'_, PyDict>>| -> PyResult<()> {
+                    let py = args.py();
+                    let f = pf.bind(py);
+                    let done = f.call_method0(intern!(py, "done"))?.is_truthy()?;
+                    match (&got, done) {
+                        (Some(n), true) => lock_stash(&keep).push_back(n.clone()),
+                        (Some((peer, msg)), false) => {
+                            f.call_method1(intern!(py, "set_result"), ((peer, PyBytes::new(py, msg)),))?;
+                        }
+                        (None, false) => {
+                            let e = PyErr::from(Failure::new(
+                                ErrKind::Comm,
+                                "wait_notification_async: the agent is closed",
+                            ));
+                            f.call_method1(intern!(py, "set_exception"), (e.into_value(py),))?;
+                        }
+                        (None, true) => {}
+                    }
+                    Ok(())
+                };
+                let posted = PyCFunction::new_closure(py, None, None, settle)
+                    .and_then(|cb| lp.bind(py).call_method1(intern!(py, "call_soon_threadsafe"), (cb,)));
+                if let (Err(_), Some(n)) = (posted, n) {
+                    // The loop is closed: nobody will take it there.
+                    lock_stash(&stash).push_back(n);
+                }
+            });
+        });
+        Ok(fut)
     }
 
     /// Notifications received and not yet taken.
     fn pending_notifications(&self) -> usize {
-        self.agent().pending_notifications()
+        lock_stash(&self.stash).len() + self.agent().pending_notifications()
     }
 
     /// Counters: transfers, pieces, ops_posted (after coalescing), bytes,

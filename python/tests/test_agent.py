@@ -91,6 +91,20 @@ def test_in_process_forms_and_errors() -> None:
         return t.status(), await b.wait_notification_async()
 
     assert asyncio.run(go()) == ("DONE", ("a", b"async"))
+
+    async def cancelled() -> list:
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(b.wait_notification_async(), 0.05)
+        a.notify("b", b"late").wait(timeout=10)
+        end = time.monotonic() + 10
+        got: list = []
+        while not got and time.monotonic() < end:
+            await asyncio.sleep(0.01)
+            got = b.get_notifications()
+        return got
+
+    # The cancelled wait's task took it: kept for the next taker.
+    assert asyncio.run(cancelled()) == [("a", b"late")]
     assert (dst[4096:] == src[:4096]).all() and not dst[:4096].any()
     assert b.get_notifications() == [] and b.pending_notifications() == 0
 
