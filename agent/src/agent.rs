@@ -203,11 +203,12 @@ impl TransferAgent {
         matches!(self.sh.lock().peers.get(name).map(|e| &e.link), Some(Link::Ready(c)) if c.usable())
     }
 
-    /// The regions peer `name` published, by id.
+    /// The regions peer `name` published (id, address in the peer, length), by id.
     pub fn peer_regions(&self, name: &str) -> Result<Vec<PeerRegion>, AgentError> {
         let st = self.sh.lock();
         let e = st.peers.get(name).ok_or_else(|| AgentError::UnknownPeer { name: name.into() })?;
-        let mut v: Vec<PeerRegion> = e.meta.regions.iter().map(|r| PeerRegion { id: r.id, len: r.len }).collect();
+        let mut v: Vec<PeerRegion> =
+            e.meta.regions.iter().map(|r| PeerRegion { id: r.id, addr: r.addr, len: r.len }).collect();
         v.sort_by_key(|r| r.id);
         Ok(v)
     }

@@ -47,6 +47,9 @@ impl Region {
 pub struct PeerRegion {
     /// The id a [`RemoteBlock`](crate::RemoteBlock) names it by.
     pub id: u32,
+    /// Its start address in the peer's process (for facades whose requests
+    /// name remote memory by address, as NIXL's descriptors do).
+    pub addr: u64,
     /// Its length in bytes.
     pub len: u64,
 }

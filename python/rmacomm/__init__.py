@@ -41,6 +41,11 @@ Contents:
 - ``empty(shape, dtype, like=None)``: shared memory to register in windows.
 - Transport: ``RdmaTransport``, ``RdmaMemory``, ``RdmaView``,
   ``RdmaRemoteBuffer`` (picklable); blocking and ``*_async`` methods.
+- Transfer agent (KV-cache style: one agent per process, many peers):
+  ``TransferAgent`` (``register``, ``metadata``/``add_peer``,
+  ``transfer("WRITE"|"READ", peer, pieces, notify)`` -> ``AgentTransfer``,
+  ``get_notifications``, ``wait_notification``), and ``rmacomm.nixl``, a
+  NIXL-compatible facade over it (``nixl_agent``).
 - Stores: ``TcpStore``, or any object with ``set``/``get``/``wait``.
 - Errors: ``CommError`` and its subclasses ``TimeoutError`` (also
   ``builtins.TimeoutError``), ``ArgumentError`` (also ``ValueError``),
@@ -52,6 +57,7 @@ The full reference is docs/python.md in the repository.
 """
 
 from ._rmacomm import (
+    AgentTransfer,
     ArgumentError,
     BatchSendRecv,
     Comm,
@@ -68,6 +74,7 @@ from ._rmacomm import (
     SignalOp,
     TcpStore,
     TimeoutError,
+    TransferAgent,
     UnavailableError,
     WinAccessType,
     Window,
@@ -79,6 +86,7 @@ from ._rmacomm import (
 )
 
 __all__ = [
+    "AgentTransfer",
     "ArgumentError",
     "BatchSendRecv",
     "Comm",
@@ -95,6 +103,7 @@ __all__ = [
     "SignalOp",
     "TcpStore",
     "TimeoutError",
+    "TransferAgent",
     "UnavailableError",
     "WinAccessType",
     "Window",

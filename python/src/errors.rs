@@ -220,6 +220,25 @@ impl From<rmacomm_collectives::Error> for Failure {
     }
 }
 
+impl From<rmacomm_agent::AgentError> for Failure {
+    fn from(e: rmacomm_agent::AgentError) -> Self {
+        use rmacomm_agent::AgentError as A;
+        let kind = match &e {
+            A::InvalidArgument { .. }
+            | A::UnknownPeer { .. }
+            | A::UnknownRegion { .. }
+            | A::OutOfBounds { .. }
+            | A::BadMetadata { .. } => ErrKind::Argument,
+            A::Unreachable { .. } | A::PeerLost { .. } | A::PeerRemoved { .. } => ErrKind::Peer,
+            A::Timeout { .. } => ErrKind::Timeout,
+            A::Transport { source, .. } | A::Device(source) => transport_kind(source),
+            A::Store(source) => window_kind(source),
+            _ => ErrKind::Comm,
+        };
+        Failure { kind, msg: e.to_string() }
+    }
+}
+
 /// Converts an error of the Rust crates straight into a Python exception.
 pub(crate) fn py_err(e: impl Into<Failure>) -> PyErr {
     e.into().into()

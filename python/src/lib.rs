@@ -28,7 +28,9 @@
 //!   (torchcomms' form) and `ctran_window` (ctran's form), `store` (a
 //!   Python object as the bootstrap store; `TcpStore`), `transport`
 //!   (`RdmaTransport`, `RdmaMemory`, views, remote buffers; blocking and
-//!   asyncio forms) and its tokio runtime in `runtime`.
+//!   asyncio forms) and its tokio runtime in `runtime`, `agent`
+//!   (`TransferAgent`: the transfer agent of `rmacomm-agent`) and
+//!   `agent_transfer` (a request's handle, and the task that drives it).
 //!
 //! # Thread safety
 //!
@@ -49,6 +51,8 @@
 //! while an async operation on it is pending) are the same as torch's, and
 //! `docs/python.md` states them.
 
+mod agent;
+mod agent_transfer;
 mod array;
 mod buffer;
 mod collectives;
@@ -93,6 +97,8 @@ fn _rmacomm(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<transport::PyRdmaMemory>()?;
     m.add_class::<transport::PyView>()?;
     m.add_class::<transport::PyRemoteBuffer>()?;
+    m.add_class::<agent::PyTransferAgent>()?;
+    m.add_class::<agent_transfer::PyAgentTransfer>()?;
     m.add_function(wrap_pyfunction!(comm::new_comm, m)?)?;
     m.add_function(wrap_pyfunction!(array::empty, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

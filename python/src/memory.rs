@@ -92,6 +92,10 @@ pub(crate) enum Owner {
     Py(#[allow(dead_code)] Py<PyAny>),
     /// An rmacomm allocation (registered again, e.g. by a window).
     Mem(#[allow(dead_code)] Arc<Registered>),
+    /// Nothing: memory named by its address, which the caller promised to
+    /// keep allocated until the registration is dropped (NIXL's
+    /// registration of raw addresses, `TransferAgent.register_address`).
+    Caller,
 }
 
 /// Memory owned elsewhere (a Python tensor or an rmacomm allocation),

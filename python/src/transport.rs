@@ -53,12 +53,13 @@ fn complete(fut: &Bound<'_, PyAny>, ok: bool, value: &Bound<'_, PyAny>) -> PyRes
 }
 
 /// An asyncio future completed by `fut`, run on the runtime.
-fn spawn<'py, T>(
+pub(crate) fn spawn<'py, T, E>(
     py: Python<'py>,
-    fut: impl Future<Output = Result<T, TransportError>> + Send + 'static,
+    fut: impl Future<Output = Result<T, E>> + Send + 'static,
 ) -> PyResult<Bound<'py, PyAny>>
 where
     T: for<'a> IntoPyObject<'a> + Send + 'static,
+    E: Into<Failure> + Send + 'static,
 {
     let lp = py
         .import(intern!(py, "asyncio"))?
@@ -75,7 +76,7 @@ where
                     Ok(o) => (true, o),
                     Err(e) => (false, e.into_value(py).into_any()),
                 },
-                Err(e) => (false, PyErr::from(Failure::from(e)).into_value(py).into_any()),
+                Err(e) => (false, PyErr::from(e.into()).into_value(py).into_any()),
             };
             // A closed loop has nobody to tell.
             let _ = lp.bind(py).call_method1(intern!(py, "call_soon_threadsafe"), (cb, pf, ok, v));
@@ -89,7 +90,7 @@ where
 /// resize it). Peers read and write it through its remote buffer.
 #[pyclass(frozen, module = "rmacomm", name = "RdmaMemory")]
 pub(crate) struct PyRdmaMemory {
-    reg: Arc<Registered>,
+    pub(crate) reg: Arc<Registered>,
     tensor: Py<PyAny>,
 }
 

@@ -534,7 +534,8 @@ pub async fn metadata_through_a_store() {
     .unwrap();
     let prefill = TransferAgent::new("prefill", config()).unwrap();
     assert_eq!(prefill.add_peer(&meta).unwrap(), "decode");
-    assert_eq!(prefill.peer_regions("decode").unwrap(), [rmacomm_agent::PeerRegion { id: region, len: 4096 }]);
+    let published = rmacomm_agent::PeerRegion { id: region, addr: cache.as_ptr() as u64, len: 4096 };
+    assert_eq!(prefill.peer_regions("decode").unwrap(), [published]);
     let src = prefill.alloc(4096).unwrap();
     prefill.register(&src).unwrap();
     src.write_from(0, b"via store").unwrap();

@@ -1,0 +1,120 @@
+"""rmacomm.nixl: a NIXL connector-style program (nixl_connector.py, NIXL's
+API only) in two processes; and in one process the descriptor shapes and
+the errors."""
+
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import rmacomm
+from rmacomm.nixl import nixl_agent, nixl_agent_config, nixlRegDList, nixlXferDList
+
+from conftest import requires_torch
+
+SCRIPT = Path(__file__).resolve().with_name("nixl_connector.py")
+
+
+def test_connector_script_unchanged(tmp_path: Path) -> None:
+    procs = [subprocess.Popen([sys.executable, str(SCRIPT), role, str(tmp_path)], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT) for role in ("target", "initiator")]
+    outs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            out, _ = p.communicate()
+            pytest.fail(f"{p.args} did not finish:\n{out.decode(errors='replace')}")
+        outs.append(out.decode(errors="replace"))
+        assert p.returncode == 0, f"{p.args} exited with {p.returncode}:\n{outs[-1]}"
+    assert "TARGET OK" in outs[0] and "INITIATOR OK" in outs[1], outs
+
+
+def test_descriptors_and_errors() -> None:
+    conf = nixl_agent_config(backends=["UCX"], timeout=10)
+    a, b = nixl_agent("na", conf), nixl_agent("nb", nixl_agent_config())
+    assert a.get_plugin_list()[0] == "UCX" and a.get_backend_mem_types("UCX") == ["DRAM"]
+    src = np.arange(1 << 16, dtype=np.uint8)
+    dst = np.zeros(1 << 16, np.uint8)
+    reg_a = a.register_memory(src)  # an array: registered zero-copy, kept alive
+    assert isinstance(reg_a, nixlRegDList) and reg_a.descCount() == 1
+    reg_b = b.register_memory([(dst.ctypes.data, dst.nbytes, 0, "")], "DRAM")
+    name = a.add_remote_agent(b.get_agent_metadata())
+    assert name == b"nb" and a.check_remote_metadata("nb") and not a.check_remote_metadata("nobody")
+
+    # Descriptor shapes: tuples, an (N, 3) array, an array as memory.
+    d1 = a.get_xfer_descs([(src.ctypes.data, 16, 0)], "DRAM")
+    d2 = a.get_xfer_descs(np.array([[src.ctypes.data, 16, 0]], dtype=np.uint64), "DRAM")
+    d3 = a.get_xfer_descs([src[:16]])
+    assert d1 == d2 == d3 and isinstance(d1, nixlXferDList) and len(d1) == 1
+    assert pickle.loads(a.get_serialized_descs(d1)) == d1
+    assert a.check_remote_metadata(name, [(dst.ctypes.data, 16, 0)])
+    assert not a.check_remote_metadata(name, [(dst.ctypes.data + dst.nbytes, 16, 0)])
+
+    # A remote descriptor outside the peer's regions: refused, naming it.
+    with pytest.raises(rmacomm.ArgumentError, match="no region agent 'nb' published"):
+        a.initialize_xfer("WRITE", d1, [(dst.ctypes.data - 16, 16, 0)], name)
+    with pytest.raises(rmacomm.ArgumentError, match="no memory registered with agent 'na'"):
+        a.initialize_xfer("WRITE", [(dst.ctypes.data, 16, 0)], [(dst.ctypes.data, 16, 0)], name)
+    with pytest.raises(rmacomm.ArgumentError, match="pair one to one"):
+        a.initialize_xfer("WRITE", d1, [], name)
+    with pytest.raises(rmacomm.UnavailableError, match="host memory only"):
+        a.prep_xfer_dlist(name, [(1, 1, 0)], "VRAM")
+    with pytest.raises(rmacomm.UnavailableError, match="host memory only"):
+        a.register_memory([(1, 1, 0, "")], "VRAM")
+    with pytest.raises(ValueError, match="mem_type"):
+        a.get_xfer_descs([(1, 1, 0)])
+
+    # A write with its notification, the notification replaced per post.
+    h = a.initialize_xfer("WRITE", [(src.ctypes.data + 100, 64, 0)], [(dst.ctypes.data + 1000, 64, 0)], name, b"n1")
+    with pytest.raises(rmacomm.ArgumentError, match="not posted"):
+        a.check_xfer_state(h)
+    for tag in (b"", b"n2"):
+        state = a.transfer(h, tag)
+        end = time.monotonic() + 20
+        while state == "PROC" and time.monotonic() < end:
+            state = a.check_xfer_state(h)
+        assert state == "DONE" and a.get_xfer_error(h) is None
+    assert (dst[1000:1064] == src[100:164]).all()
+    end = time.monotonic() + 10
+    got: dict = {}
+    while sum(len(v) for v in got.values()) < 2 and time.monotonic() < end:
+        for k, v in b.get_new_notifs().items():
+            got.setdefault(k, []).extend(v)
+    assert got == {"na": [b"n1", b"n2"]}
+    a.release_xfer_handle(h)
+
+    a.deregister_memory(reg_a)
+    with pytest.raises(rmacomm.ArgumentError, match="not registered"):
+        a.deregister_memory(reg_a)
+    b.deregister_memory(reg_b)
+    for f in (a.send_local_metadata, a.invalidate_local_metadata):
+        with pytest.raises(rmacomm.UnavailableError):
+            f()
+    a.remove_remote_agent(name)
+    assert not a.check_remote_metadata(name)
+
+
+@requires_torch
+def test_torch_tensors_as_memory() -> None:
+    import torch
+
+    a, b = nixl_agent("ta"), nixl_agent("tb")
+    src = torch.arange(256, dtype=torch.int32)
+    dst = torch.zeros(256, dtype=torch.int32)
+    a.register_memory([src])
+    b.register_memory(dst)
+    name = a.add_remote_agent(b.get_agent_metadata())
+    h = a.initialize_xfer("WRITE", a.get_xfer_descs([src]), b.get_xfer_descs(dst), name, b"t")
+    state = a.transfer(h)
+    while state == "PROC":
+        state = a.check_xfer_state(h)
+    assert state == "DONE" and torch.equal(src, dst)
