@@ -22,8 +22,13 @@ SCRIPT = Path(__file__).resolve().with_name("nixl_connector.py")
 
 
 def test_connector_script_unchanged(tmp_path: Path) -> None:
-    procs = [subprocess.Popen([sys.executable, str(SCRIPT), role, str(tmp_path)], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT) for role in ("target", "initiator")]
+    run_connector(tmp_path, [[], []], [None, None])
+
+
+def run_connector(tmp_path: Path, prefixes: list[list[str]], envs: list[dict[str, str] | None]) -> None:
+    procs = [subprocess.Popen([*pre, sys.executable, str(SCRIPT), role, str(tmp_path)], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, env=env)
+             for role, pre, env in zip(("target", "initiator"), prefixes, envs)]
     outs = []
     for p in procs:
         try:
@@ -36,6 +41,42 @@ def test_connector_script_unchanged(tmp_path: Path) -> None:
         outs.append(out.decode(errors="replace"))
         assert p.returncode == 0, f"{p.args} exited with {p.returncode}:\n{outs[-1]}"
     assert "TARGET OK" in outs[0] and "INITIATOR OK" in outs[1], outs
+
+
+def ip(*args: str) -> None:
+    r = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(args)}: {r.stderr.strip()}")
+
+
+def test_connector_script_across_two_network_namespaces(tmp_path: Path) -> None:
+    """The same script, target and initiator in two network namespaces
+    joined by a veth pair (as two hosts): metadata through a file, the data
+    and notifications over the soft provider's TCP link."""
+    import os
+    import shutil
+
+    if os.geteuid() != 0:
+        pytest.skip("not root: cannot create network namespaces")
+    if shutil.which("ip") is None:
+        pytest.skip("the `ip` command (iproute2) is not installed")
+    n = os.getpid() % 10000
+    ns, dev = [f"rmp{n}a", f"rmp{n}b"], [f"rmpv{n}a", f"rmpv{n}b"]
+    net = n % 250 + 1
+    try:
+        for x in ns:
+            ip("netns", "add", x)
+        ip("link", "add", dev[0], "type", "veth", "peer", "name", dev[1])
+        for i in (0, 1):
+            ip("link", "set", dev[i], "netns", ns[i])
+            ip("-n", ns[i], "addr", "add", f"10.214.{net}.{i + 1}/24", "dev", dev[i])
+            ip("-n", ns[i], "link", "set", dev[i], "up")
+            ip("-n", ns[i], "link", "set", "lo", "up")
+        envs = [dict(os.environ, RMACOMM_PROVIDER="soft", RMACOMM_SOCKET_IFNAME=f"={d}") for d in dev]
+        run_connector(tmp_path, [["ip", "netns", "exec", x] for x in ns], list(envs))
+    finally:
+        for x in ns:
+            subprocess.run(["ip", "netns", "del", x], capture_output=True)
 
 
 def test_descriptors_and_errors() -> None:
