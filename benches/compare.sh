@@ -17,10 +17,26 @@
 # back to back after a warm-up, averaged over the ranks), interleaved per
 # operation and repeated --reps times; the table gives medians and time
 # ratios rmacomm / peer (< 1: rmacomm is faster).
-# Usage: benches/compare.sh [--quick] [--json FILE] [--only p2p|coll]
+# KV-cache transfer (rdma_bench kv: the transfer agent, a prefill process
+# writing one request of N blocks into shuffled, never adjacent slots of a
+# decode process's cache with one notification; time: the request's call to
+# the notification seen at decode) beside NIXL (nixl-cu12, UCX backend,
+# DRAM) and Mooncake's Transfer Engine (P2PHANDSHAKE, tcp) running the same
+# workload through their Python APIs (benches/peers/nixl_kv.py,
+# mooncake_kv.py over kv_peer.py) for 256 x 16 KiB, 64 x 1 MiB and
+# 1024 x 4 KiB: on one host (rmacomm over shm, NIXL with UCX_TLS=all, with
+# NIXL's default peer error handling and without it, see below) and
+# over tcp (rmacomm --link tcp, NIXL UCX_TLS=tcp, Mooncake tcp), interleaved
+# per shape, --reps times; ratios are rmacomm GB/s / peer GB/s (> 1:
+# rmacomm is faster). The peers go into a virtual environment
+# ($RMACOMM_KV_VENV when set, else one under the work directory; pip
+# install nixl-cu12 pulls torch, a few GB); a peer that will not install is
+# skipped with a message.
+# Usage: benches/compare.sh [--quick] [--json FILE] [--only p2p|coll|kv]
 #                           [--reps N] [--nranks N] [--plot FILE.svg]
 #                           [--bind-to none|core]
-#   --reps N      interleaved repetitions of the collective rows (default 1)
+#   --reps N      interleaved repetitions of the collective and kv rows
+#                 (default 1)
 #   --nranks N    ranks of the collective rows (default 2)
 #   --plot F.svg  all_reduce time against size: rmacomm, Open MPI, gloo
 #                 (medians over the repetitions)
@@ -41,7 +57,7 @@ reps=1
 nranks=2
 plot_out=""
 bind=none
-usage="usage: $0 [--quick] [--json FILE] [--only p2p|coll] [--reps N] [--nranks N] [--plot FILE.svg] [--bind-to none|core]"
+usage="usage: $0 [--quick] [--json FILE] [--only p2p|coll|kv] [--reps N] [--nranks N] [--plot FILE.svg] [--bind-to none|core]"
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) quick=1 ;;
@@ -55,7 +71,7 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
-case "$only" in ""|p2p|coll) ;; *) echo "$usage" >&2; exit 2 ;; esac
+case "$only" in ""|p2p|coll|kv) ;; *) echo "$usage" >&2; exit 2 ;; esac
 case "$bind" in none|core) ;; *) echo "$usage" >&2; exit 2 ;; esac
 case "$reps$nranks" in *[!0-9]*) echo "$usage" >&2; exit 2 ;; esac
 [ -n "$plot_out" ] && plot_out=$(realpath -m "$plot_out")
@@ -67,16 +83,21 @@ coll_res="$work/collectives.jsonl"
 : >"$res"
 : >"$coll_res"
 log() { echo "# $*" >&2; }
-p2p() { [ "$only" != coll ]; }
-coll() { [ "$only" != p2p ]; }
+p2p() { [ -z "$only" ] || [ "$only" = p2p ]; }
+coll() { [ -z "$only" ] || [ "$only" = coll ]; }
+kv() { [ -z "$only" ] || [ "$only" = kv ]; }
+kv_res="$work/kv.jsonl"
+: >"$kv_res"
 
 # --- peers ---------------------------------------------------------------
 need=()
+if p2p || coll; then
 command -v cc >/dev/null || need+=(gcc)
 command -v iperf3 >/dev/null || need+=(iperf3)
 command -v ucx_perftest >/dev/null || need+=(ucx-utils)
 command -v mpicc >/dev/null || need+=(openmpi-bin libopenmpi-dev)
 command -v ib_write_bw >/dev/null || need+=(perftest)
+fi
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     log "installing ${need[*]}"
@@ -138,6 +159,61 @@ if coll; then
           >"$work/peer.out" 2>"$work/peer.err" || { log "gloo $op failed:"; tail -5 "$work/peer.err" >&2; }
         tag "$rep" <"$work/peer.out" >>"$coll_res"
       fi
+    done
+  done
+fi
+
+# --- KV-cache transfer: rmacomm's agent, NIXL, Mooncake, interleaved ------
+if kv; then
+  kv_shapes="256:16384 64:1048576 1024:4096"
+  kvenv=${RMACOMM_KV_VENV:-$work/kv-venv}
+  kvpy="$kvenv/bin/python"
+  if [ ! -x "$kvpy" ]; then
+    python3 -m venv "$kvenv" >"$work/kv-pip.log" 2>&1 || log "cannot make a virtual environment in $kvenv"
+  fi
+  nixl_ok=0; mooncake_ok=0
+  if [ -x "$kvpy" ]; then
+    if ! "$kvpy" -c 'import nixl_cu12, numpy' 2>/dev/null; then
+      log "installing nixl-cu12 into $kvenv (it pulls torch: minutes, a few GB)"
+      "$kvenv/bin/pip" install -q nixl-cu12 numpy >>"$work/kv-pip.log" 2>&1 \
+        || { log "pip install nixl-cu12 failed:"; tail -3 "$work/kv-pip.log" >&2; }
+    fi
+    "$kvpy" -c 'import nixl_cu12._api, numpy' 2>/dev/null && nixl_ok=1 || log "skipped NIXL: nixl-cu12 does not import"
+    if ! "$kvpy" -c 'import mooncake.engine, numpy' 2>/dev/null; then
+      log "installing mooncake-transfer-engine-non-cuda into $kvenv"
+      "$kvenv/bin/pip" install -q mooncake-transfer-engine-non-cuda numpy >>"$work/kv-pip.log" 2>&1 \
+        || { log "pip install mooncake-transfer-engine-non-cuda failed:"; tail -3 "$work/kv-pip.log" >&2; }
+    fi
+    "$kvpy" -c 'import mooncake.engine, numpy' 2>/dev/null && mooncake_ok=1 \
+      || log "skipped Mooncake: mooncake-transfer-engine-non-cuda does not import"
+  fi
+  ktag() { sed "s/^{/{\"rep\":$1,/" | grep '^{'; }
+  peer_kv() { # rep label-for-errors env driver link shape
+    local rep=$1 what=$2 envv=$3 drv=$4 link=$5 shape=$6
+    env $envv timeout 600 "$kvpy" "benches/peers/$drv" --link "$link" "$shape" >"$work/kvpeer.out" 2>"$work/kvpeer.err" \
+      || { log "$what $shape over $link failed:"; grep -v ' INFO ' "$work/kvpeer.err" | tail -5 >&2; }
+    ktag "$rep" <"$work/kvpeer.out" >>"$kv_res"
+  }
+  for rep in $(seq 1 "$reps"); do
+    for link in shm tcp; do
+      for shape in $kv_shapes; do
+        log "kv, repetition $rep/$reps: $shape over $link (rmacomm, NIXL$([ $link = tcp ] && echo ', Mooncake'))"
+        "$rb" kv --blocks "${shape%%:*}" --block-size "${shape##*:}" --link $link --json >"$work/kv.out" 2>>"$work/kv.err" \
+          || { log "rdma_bench kv failed:"; tail -5 "$work/kv.err" >&2; exit 1; }
+        ktag "$rep" <"$work/kv.out" >>"$kv_res"
+        if [ $nixl_ok = 1 ] && [ $link = shm ]; then
+          peer_kv "$rep" NIXL "UCX_TLS=all" nixl_kv.py shm "$shape"
+          # NIXL asks UCX for peer failure handling, which its shared-memory
+          # transports lack (so the row above runs over loopback tcp); this
+          # one turns it off, letting UCX use shared memory.
+          peer_kv "$rep" NIXL "UCX_TLS=all NIXL_KV_ERR_MODE=none" nixl_kv.py shm "$shape"
+        elif [ $nixl_ok = 1 ]; then
+          peer_kv "$rep" NIXL "UCX_TLS=tcp" nixl_kv.py tcp "$shape"
+        fi
+        if [ $link = tcp ] && [ $mooncake_ok = 1 ]; then
+          peer_kv "$rep" Mooncake "" mooncake_kv.py tcp "$shape"
+        fi
+      done
     done
   done
 fi
@@ -245,7 +321,7 @@ else
   log "skipped perftest ib_write_bw/ib_write_lat: no RDMA device here"
 fi
 
-[ -n "$json_out" ] && cat "$res" "$coll_res" >"$json_out"
+[ -n "$json_out" ] && cat "$res" "$coll_res" "$kv_res" >"$json_out"
 
 # --- one table of ratios ---------------------------------------------------
 p2p && python3 - "$res" <<'PY'
@@ -371,3 +447,57 @@ if coll && [ -n "$plot_out" ]; then
   grep '"op": *"all_reduce"' "$work/coll_medians.jsonl" >"$work/all_reduce.jsonl" \
     && "$rb" plot -o "$plot_out" "$work/all_reduce.jsonl"
 fi
+
+# --- KV-cache transfer: medians over the repetitions, GB/s ratios ---------
+kv && { p2p || coll; } && echo
+kv && python3 - "$kv_res" <<'PY'
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
+def who(r):
+    return r.get("peer") or "rmacomm (agent, qps 1)"
+def size_name(n):
+    for u, s in ((1 << 20, "MiB"), (1 << 10, "KiB")):
+        if n >= u:
+            return "%d %s" % (n // u, s)
+    return "%d B" % n
+def num(x):
+    for lim, f in ((100, "%.0f"), (10, "%.1f"), (1, "%.2f"), (0, "%.3f")):
+        if abs(x) >= lim:
+            return f % x
+    return "%.3g" % x
+# (link, blocks, block_bytes, who) -> {rep: record}
+by = {}
+for r in rows:
+    by.setdefault((r["link"], r["blocks"], r["block_bytes"], who(r)), {})[r.get("rep", 1)] = r
+med = statistics.median
+def fig(recs, n, b):
+    # median ms (GB/s; the repetitions' GB/s min–max when more than one)
+    ms = med([r["t_median_us"] for r in recs]) / 1e3
+    g = [r["GBps"] for r in recs]
+    spread = "" if len(g) < 2 else ", %s–%s" % (num(min(g)), num(max(g)))
+    return "%s (%s%s)" % (num(ms), num(n * b / ms / 1e6), spread)
+print("| link | request | rmacomm median ms (GB/s) | peer | peer median ms (GB/s) | ratio (rmacomm GB/s / peer GB/s) |")
+print("|---|---|---|---|---|---|")
+for link in ("shm", "tcp"):
+    for (n, b) in [(256, 16384), (64, 1 << 20), (1024, 4096)]:
+        mine = by.get((link, n, b, "rmacomm (agent, qps 1)"), {})
+        if not mine:
+            continue
+        peers = sorted(w for (l, nn, bb, w) in by if (l, nn, bb) == (link, n, b) and w.startswith(("nixl", "mooncake")))
+        if not peers:
+            print("| %s | %d x %s | %s | — | — | — |" % (link, n, size_name(b), fig(list(mine.values()), n, b)))
+        for p in peers:
+            theirs = by[(link, n, b, p)]
+            common = sorted(set(mine) & set(theirs))
+            if not common:
+                continue
+            ratios = [theirs[k]["t_median_us"] / mine[k]["t_median_us"] for k in common]
+            print("| %s | %d x %s | %s | %s | %s | %s |" % (
+                link, n, size_name(b), fig([mine[k] for k in common], n, b), p, fig([theirs[k] for k in common], n, b),
+                num(med(ratios)) + ("" if len(ratios) < 2 else " (%s–%s)" % (num(min(ratios)), num(max(ratios))))))
+print()
+print("time: one request of N blocks into shuffled slots, from the call that makes it to decode seeing its")
+print("notification (CLOCK_MONOTONIC of this host in both processes); median over the requests of a run, then")
+print("the median over %d repetition(s) (GB/s: of that median; min–max: the repetitions'); GB = 10^9 B." % max([r.get("rep", 1) for r in rows] or [1]))
+print("ratio: the median of the repetitions' ratios (min–max); > 1: rmacomm is faster.")
+PY

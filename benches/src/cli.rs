@@ -8,6 +8,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use rmacomm_collectives::{DType, ReduceOp};
 
 use crate::coll::{parse_dtype, parse_redop};
+use crate::kv::KvOp;
 use crate::size::size_arg;
 
 /// perftest-style bandwidth and latency of rmacomm's layers.
@@ -82,6 +83,12 @@ pub enum Command {
     /// RDMA READ bandwidth on the raw VirtualQp.
     #[command(name = "verbs_read")]
     VerbsRead(BenchArgs),
+    /// KV-cache transfer through the transfer agent (`rmacomm_agent`): a
+    /// prefill process sends one request of N blocks into N shuffled slots
+    /// of a decode process's cache, with one notification; the time runs
+    /// from `transfer` to the notification's arrival at decode.
+    #[command(name = "kv")]
+    Kv(KvArgs),
     /// Draws JSON-lines results (from `--json` or `--out-json`) of one or
     /// more runs into one SVG.
     #[command(name = "plot")]
@@ -333,4 +340,88 @@ pub struct CollArgs {
     /// Draw time and bus bandwidth against size into this SVG.
     #[arg(long, value_name = "FILE.svg")]
     pub plot: Option<PathBuf>,
+}
+
+/// Options of `rdma_bench kv`.
+///
+/// This process is prefill (the client); decode is the server: started as
+/// a second process on this host by default (`--local`), or on another
+/// host with `--server` there and `--client HOST` here.
+#[derive(Debug, Clone, Args)]
+pub struct KvArgs {
+    /// Both ends on this host, in two processes (the default when no peer
+    /// is given): this process spawns `rdma_bench kv --server` as decode.
+    #[arg(long, conflicts_with_all = ["server", "client"])]
+    pub local: bool,
+    /// Be the decode side of a two-host run: print the port, serve one
+    /// prefill, exit. Everything else comes from the client.
+    #[arg(long, conflicts_with = "client")]
+    pub server: bool,
+    /// Be the prefill side of a two-host run: the decode side's
+    /// `HOST[:PORT]`.
+    #[arg(long, value_name = "HOST[:PORT]")]
+    pub client: Option<String>,
+    /// Bootstrap TCP port (server: where to listen, 0 = any; client: the
+    /// default when HOST has none).
+    #[arg(short = 'p', long, default_value_t = 18515)]
+    pub port: u16,
+    /// Blocks a request (N) [default: sweep 64, 256, 1024].
+    #[arg(long, value_name = "N")]
+    pub blocks: Option<u64>,
+    /// Bytes a block (B; K, M suffixes) [default: sweep 4K, 16K, 256K, 1M;
+    /// a sweep leaves out requests over 64 MiB].
+    #[arg(long, value_name = "B", value_parser = size_arg)]
+    pub block_size: Option<u64>,
+    /// Slots 0 .. N in order (the agent coalesces the request into one
+    /// operation) instead of shuffled slots that never touch.
+    #[arg(long)]
+    pub contiguous: bool,
+    /// No notification: the time runs until the transfer completes at
+    /// prefill.
+    #[arg(long)]
+    pub no_notify: bool,
+    /// Prefill writes into decode's slots, or reads them (time: until the
+    /// read completes at prefill; a notification still goes to decode).
+    #[arg(long, value_enum, default_value_t = KvOp::Write)]
+    pub op: KvOp,
+    /// Measured requests a shape (default: about 1 GiB a shape, 20 ..= 500).
+    #[arg(short = 'n', long)]
+    pub iters: Option<u64>,
+    /// Requests before measuring (default: a tenth of -n, 2 ..= 50).
+    #[arg(long)]
+    pub warmup: Option<u64>,
+    /// Check every request's bytes at the destination and that no other
+    /// slot changed (default: the last request's only).
+    #[arg(long)]
+    pub check: bool,
+    /// Physical QPs per connection.
+    #[arg(short = 'q', long, default_value_t = 1)]
+    pub qps: u32,
+    /// Load balancing over several QPs.
+    #[arg(long, value_enum, default_value_t = LbArg::Dqplb)]
+    pub lb: LbArg,
+    /// Fragment size: longer operations are cut into pieces of this size.
+    #[arg(long, value_parser = size_arg, default_value = "1M")]
+    pub frag_size: u64,
+    /// Provider [default: `RMACOMM_PROVIDER`, else auto].
+    #[arg(long, value_enum)]
+    pub provider: Option<ProviderArg>,
+    /// Soft provider link.
+    #[arg(long, value_enum, default_value_t = LinkArg::Auto)]
+    pub link: LinkArg,
+    /// Device name (`mlx5_0`, `soft0`); default: the first the provider
+    /// lists.
+    #[arg(short = 'd', long)]
+    pub ib_dev: Option<String>,
+    /// Busy-poll for completions for up to this many microseconds before
+    /// sleeping [default: 0].
+    #[arg(long, value_name = "USEC")]
+    pub busy_poll_us: Option<u64>,
+    /// One JSON object per shape on stdout instead of the table (the header
+    /// goes to stderr).
+    #[arg(long)]
+    pub json: bool,
+    /// Also write the JSON lines to this file.
+    #[arg(long, value_name = "FILE")]
+    pub out_json: Option<PathBuf>,
 }

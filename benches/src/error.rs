@@ -72,6 +72,12 @@ impl From<rmacomm_window::Error> for BenchError {
     }
 }
 
+impl From<rmacomm_agent::AgentError> for BenchError {
+    fn from(e: rmacomm_agent::AgentError) -> Self {
+        BenchError::Run(format!("agent: {e}"))
+    }
+}
+
 impl From<std::io::Error> for BenchError {
     fn from(e: std::io::Error) -> Self {
         BenchError::Run(format!("bootstrap connection: {e}"))

@@ -14,7 +14,9 @@
 //! Collectives (`all_reduce`, `all_gather`, `reduce_scatter`,
 //! `all_to_all`, `broadcast`: `rmacomm_collectives::Comm` over N rank
 //! processes, nccl-tests' columns and bus bandwidth, every size checked
-//! against a reference), operations of the window (`put`, `put_lat`, `get`: two ranks of an
+//! against a reference), a KV-cache transfer through the transfer agent
+//! (`kv`: one request of N blocks into shuffled slots of another process,
+//! one notification), operations of the window (`put`, `put_lat`, `get`: two ranks of an
 //! `rmacomm_window::Group`, the server rank 0 hosting its `TcpStore`),
 //! through the transport (`write`, `read`, `write_lat`, `read_lat`) and on
 //! the raw virtual QP (`verbs_write`, `verbs_write_lat`, `verbs_read`)
@@ -46,8 +48,10 @@
 //! bandwidth figures), `checksum`, `plan` (iterations), `report` (tables,
 //! JSON), `plot` (SVG), `coll` (collectives' sizes, counts, bus factors),
 //! `coll_check` (the collectives' reference results), `coll_report`
-//! (their table and JSON). `coll_run` runs the ranks and the `--nproc`
-//! launcher. I/O: `cli`, `device` (provider and device
+//! (their table and JSON), `kv` (the KV-cache benchmark's shapes, slots,
+//! blocks and records). `coll_run` runs the ranks and the `--nproc`
+//! launcher; `kv_run` the KV-cache benchmark's prefill and decode
+//! processes over `rmacomm_agent`. I/O: `cli`, `device` (provider and device
 //! choice), `bootstrap` (the TCP control connection), `engine` with
 //! `window_engine`, `transport_engine` and `verbs_engine` (the three
 //! measured layers), `run` (client, server, `--local`).
@@ -65,6 +69,8 @@ mod device;
 mod engine;
 mod error;
 mod host;
+mod kv;
+mod kv_run;
 mod plan;
 mod plot;
 mod report;
@@ -77,7 +83,7 @@ mod window_engine;
 
 pub use bootstrap::{parse_peer, Control, Hello, Region, Reply, Request, SideInfo, PROTOCOL_VERSION};
 pub use checksum::{pattern_chunk, Checksum};
-pub use cli::{AlgoArg, BenchArgs, BindArg, Cli, CollArgs, Command, LbArg, LinkArg, PlotArgs, ProviderArg};
+pub use cli::{AlgoArg, BenchArgs, BindArg, Cli, CollArgs, Command, KvArgs, LbArg, LinkArg, PlotArgs, ProviderArg};
 pub use coll::{default_iters, default_warmup, parse_dtype, parse_redop, redop_name, sweep, Coll};
 pub use coll_check::{
     check_output, decode, encode, expected, fill_input, reduce_ref, same, value, CheckResult, CheckSpec, Num,
@@ -87,6 +93,11 @@ pub use coll_run::run_coll;
 pub use device::{link_used, resolve, Resolved};
 pub use error::{BenchError, Result};
 pub use host::HostInfo;
+pub use kv::{
+    fill_block, iterations as kv_iterations, kv_table_header, kv_table_row, shapes as kv_shapes, slots as kv_slots,
+    KvOp, KvRecord, KvRunInfo, KV_BUDGET, SWEEP_BLOCKS, SWEEP_BLOCK_SIZES, SWEEP_MAX_BYTES, UNTOUCHED,
+};
+pub use kv_run::run_kv;
 pub use plan::{plan, Measure, Plan, BW_BUDGET, LAT_BUDGET};
 pub use plot::{series_name, write_coll_svg, write_svg};
 pub use report::{table_header, table_row, Kind, Record, RunInfo, RULE};
@@ -115,6 +126,7 @@ pub fn main_with(cli: Cli) -> i32 {
         Command::VerbsWrite(a) => run_op(Op::VerbsWrite, &a),
         Command::VerbsWriteLat(a) => run_op(Op::VerbsWriteLat, &a),
         Command::VerbsRead(a) => run_op(Op::VerbsRead, &a),
+        Command::Kv(a) => run_kv(&a),
         Command::Plot(p) => plot_files(&p),
     };
     match r {

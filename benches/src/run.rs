@@ -103,7 +103,7 @@ impl Op {
     }
 }
 
-fn provider_name(p: ProviderArg) -> &'static str {
+pub(crate) fn provider_name(p: ProviderArg) -> &'static str {
     match p {
         ProviderArg::Auto => "auto",
         ProviderArg::Verbs => "verbs",
@@ -111,7 +111,7 @@ fn provider_name(p: ProviderArg) -> &'static str {
     }
 }
 
-fn link_name(l: LinkArg) -> &'static str {
+pub(crate) fn link_name(l: LinkArg) -> &'static str {
     match l {
         LinkArg::Auto => "auto",
         LinkArg::Shm => "shm",
@@ -119,7 +119,7 @@ fn link_name(l: LinkArg) -> &'static str {
     }
 }
 
-fn lb_name(l: LbArg) -> &'static str {
+pub(crate) fn lb_name(l: LbArg) -> &'static str {
     match l {
         LbArg::Dqplb => "dqplb",
         LbArg::Spray => "spray",
@@ -190,11 +190,11 @@ const CLIENT_SEED: u64 = 0xc11e;
 const SERVER_SEED: u64 = 0x5e4e;
 
 /// Set in the environment of a `--local` server process.
-const LOCAL_ENV: &str = "RDMA_BENCH_LOCAL_SERVER";
+pub(crate) const LOCAL_ENV: &str = "RDMA_BENCH_LOCAL_SERVER";
 
 /// Waits for the client; a `--local` server gives up after a minute, so
 /// that it never outlives a client that died before connecting.
-fn accept(listener: &TcpListener) -> Result<TcpStream> {
+pub(crate) fn accept(listener: &TcpListener) -> Result<TcpStream> {
     if std::env::var_os(LOCAL_ENV).is_none() {
         return Ok(listener.accept()?.0);
     }
@@ -298,16 +298,16 @@ fn serve_session(op: Op, a: &BenchArgs, ctl: &mut Control) -> Result<()> {
 }
 
 /// The server started by `--local`.
-struct LocalServer {
+pub(crate) struct LocalServer {
     child: Child,
 }
 
 impl LocalServer {
-    fn spawn(op: Op, a: &BenchArgs) -> Result<(LocalServer, u16)> {
+    pub(crate) fn spawn(op: &str, ib_dev: Option<&str>) -> Result<(LocalServer, u16)> {
         let exe = std::env::current_exe()?;
         let mut cmd = Command::new(exe);
-        cmd.arg(op.name()).args(["--server", "--port", "0"]);
-        if let Some(d) = &a.ib_dev {
+        cmd.arg(op).args(["--server", "--port", "0"]);
+        if let Some(d) = ib_dev {
             cmd.args(["-d", d]);
         }
         cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::inherit());
@@ -326,7 +326,7 @@ impl LocalServer {
         Ok((srv, port))
     }
 
-    fn finish(mut self) -> Result<()> {
+    pub(crate) fn finish(mut self) -> Result<()> {
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
             if let Some(st) = self.child.try_wait()? {
@@ -353,7 +353,7 @@ impl Drop for LocalServer {
     }
 }
 
-fn connect_with_retry(host: &str, port: u16) -> Result<TcpStream> {
+pub(crate) fn connect_with_retry(host: &str, port: u16) -> Result<TcpStream> {
     let deadline = Instant::now() + Duration::from_secs(15);
     loop {
         match TcpStream::connect((host, port)) {
@@ -439,7 +439,7 @@ fn client(op: Op, a: &BenchArgs) -> Result<()> {
             (None, h, p)
         }
         None => {
-            let (srv, port) = LocalServer::spawn(op, a)?;
+            let (srv, port) = LocalServer::spawn(op.name(), a.ib_dev.as_deref())?;
             (Some(srv), "127.0.0.1".to_owned(), port)
         }
     };
