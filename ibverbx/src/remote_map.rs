@@ -84,33 +84,60 @@ impl RemoteMapping {
     /// Copies `src` into the region at `offset` (a store by this thread).
     pub fn write(&self, offset: usize, src: &[u8]) -> Result<()> {
         // SAFETY: src is a live slice of src.len() bytes.
-        unsafe { self.region.copy_in("write to a mapped peer region", offset, src.as_ptr(), src.len()) }
+        unsafe { self.region.copy_in("write to a mapped peer region", offset, src.as_ptr(), src.len(), false) }
     }
 
     /// Copies `len` bytes at `src_offset` of the local region `src` into the
     /// peer's region at `offset`.
     pub fn write_from(&self, offset: usize, src: &MemoryRegion, src_offset: usize, len: usize) -> Result<()> {
+        self.write_from_with(offset, src, src_offset, len, false)
+    }
+
+    /// [`write_from`](Self::write_from), with non-temporal (cache-bypassing)
+    /// stores when `stream`: for data sets larger than the cache, whose
+    /// destination lines are not worth reading for ownership first.
+    pub fn write_from_with(
+        &self,
+        offset: usize,
+        src: &MemoryRegion,
+        src_offset: usize,
+        len: usize,
+        stream: bool,
+    ) -> Result<()> {
         const OP: &str = "write to a mapped peer region";
         let p = local_span(OP, src, src_offset, len)?;
         // SAFETY: p..p+len lies in `src`, a live registration borrowed for
         // the call.
-        unsafe { self.region.copy_in(OP, offset, p, len) }
+        unsafe { self.region.copy_in(OP, offset, p, len, stream) }
     }
 
     /// Copies from the region at `offset` into `dst`.
     pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
         // SAFETY: dst is a live, exclusive slice of dst.len() bytes.
-        unsafe { self.region.copy_out("read from a mapped peer region", offset, dst.as_mut_ptr(), dst.len()) }
+        unsafe { self.region.copy_out("read from a mapped peer region", offset, dst.as_mut_ptr(), dst.len(), false) }
     }
 
     /// Copies `len` bytes from the region at `offset` into the local region
     /// `dst` at `dst_offset`.
     pub fn read_into(&self, offset: usize, dst: &MemoryRegion, dst_offset: usize, len: usize) -> Result<()> {
+        self.read_into_with(offset, dst, dst_offset, len, false)
+    }
+
+    /// [`read_into`](Self::read_into), with non-temporal stores when
+    /// `stream` (see [`write_from_with`](Self::write_from_with)).
+    pub fn read_into_with(
+        &self,
+        offset: usize,
+        dst: &MemoryRegion,
+        dst_offset: usize,
+        len: usize,
+        stream: bool,
+    ) -> Result<()> {
         const OP: &str = "read from a mapped peer region";
         let p = local_span(OP, dst, dst_offset, len)?;
         // SAFETY: p..p+len lies in `dst`, a live registration borrowed for
         // the call (shared memory: written through raw pointers only).
-        unsafe { self.region.copy_out(OP, offset, p as *mut u8, len) }
+        unsafe { self.region.copy_out(OP, offset, p as *mut u8, len, stream) }
     }
 
     /// The 64-bit word at `offset` (8-byte aligned), for atomics shared with

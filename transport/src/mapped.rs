@@ -78,6 +78,20 @@ impl MappedBuffer {
         self.map.read_into(offset, dst.mem.mr(), dst.offset, dst.len).map_err(err)
     }
 
+    /// [`put`](Self::put) with non-temporal (cache-bypassing) stores: for
+    /// data sets larger than the cache (a request of many MiB), where
+    /// reading each destination line for ownership first costs more than
+    /// keeping it cached saves.
+    pub fn put_streaming(&self, src: View<'_>, offset: usize) -> Result<(), TransportError> {
+        self.map.write_from_with(offset, src.mem.mr(), src.offset, src.len, true).map_err(err)
+    }
+
+    /// [`get`](Self::get) with non-temporal stores (see
+    /// [`put_streaming`](Self::put_streaming)).
+    pub fn get_streaming(&self, dst: ViewMut<'_>, offset: usize) -> Result<(), TransportError> {
+        self.map.read_into_with(offset, dst.mem.mr(), dst.offset, dst.len, true).map_err(err)
+    }
+
     /// Copies plain bytes (any memory) into the peer's buffer at `offset`.
     pub fn write_from(&self, offset: usize, src: &[u8]) -> Result<(), TransportError> {
         self.map.write(offset, src).map_err(err)

@@ -126,11 +126,18 @@ impl PeerRegion {
     ///
     /// # Safety
     /// `src..src+n` must be readable for the call.
-    pub(crate) unsafe fn copy_in(&self, op: &'static str, offset: usize, src: *const u8, n: usize) -> Result<()> {
+    pub(crate) unsafe fn copy_in(
+        &self,
+        op: &'static str,
+        offset: usize,
+        src: *const u8,
+        n: usize,
+        stream: bool,
+    ) -> Result<()> {
         let (p, _held) = self.check(op, offset, n, AccessFlags::REMOTE_WRITE)?;
         // SAFETY: p..p+n was checked against the peer's live key and lies in
         // our mapping (held); src is the caller's.
-        unsafe { super::copy::copy(p as *mut u8, src, n, false) };
+        unsafe { super::copy::copy(p as *mut u8, src, n, stream) };
         Ok(())
     }
 
@@ -138,10 +145,17 @@ impl PeerRegion {
     ///
     /// # Safety
     /// `dst..dst+n` must be writable for the call and not borrowed.
-    pub(crate) unsafe fn copy_out(&self, op: &'static str, offset: usize, dst: *mut u8, n: usize) -> Result<()> {
+    pub(crate) unsafe fn copy_out(
+        &self,
+        op: &'static str,
+        offset: usize,
+        dst: *mut u8,
+        n: usize,
+        stream: bool,
+    ) -> Result<()> {
         let (p, _held) = self.check(op, offset, n, AccessFlags::REMOTE_READ)?;
         // SAFETY: as in copy_in, directions swapped.
-        unsafe { super::copy::copy(dst, p as *const u8, n, false) };
+        unsafe { super::copy::copy(dst, p as *const u8, n, stream) };
         Ok(())
     }
 

@@ -336,7 +336,8 @@ where
                     Err(st) => {
                         qp.push_recv_wc(recv_wc(qp, &r, st, WcOpcode::Recv, 0, None));
                         qp.set_error("receive buffer failed its key check");
-                        return nak(qp, s, acks, psn, Syndrome::RemoteOp, "receive buffer is not a valid local region").await;
+                        return nak(qp, s, acks, psn, Syndrome::RemoteOp, "receive buffer is not a valid local region")
+                            .await;
                     }
                 }
             }
