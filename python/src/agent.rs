@@ -223,20 +223,7 @@ impl PyTransferAgent {
             return self.add_region(m.get().reg.clone(), Some(memory.clone().unbind()));
         }
         let t = Tensor::new(memory, "memory", false)?;
-        let raw = t.raw();
-        if raw.len == 0 {
-            return Err(PyValueError::new_err("memory: an empty tensor cannot be registered"));
-        }
-        let owner = match memory::find(raw.ptr, raw.len) {
-            Some(r) => Owner::Mem(r),
-            None => Owner::Py(t.keep()),
-        };
-        // SAFETY: a numpy array or torch tensor (checked by Tensor::new),
-        // or an rmacomm allocation, keeps its memory at one address while
-        // the owner lives; the registration holds the owner.
-        let b = unsafe { Borrowed::new(raw.ptr, raw.len, owner) };
-        let reg = py.detach(|| Registered::register(b)).map_err(py_err)?;
-        reg.publish();
+        let reg = crate::transport::register_tensor(py, &t, "memory")?;
         self.add_region(reg, Some(t.keep()))
     }
 

@@ -94,25 +94,33 @@ pub(crate) struct PyRdmaMemory {
     tensor: Py<PyAny>,
 }
 
+/// Registers a checked tensor's memory zero-copy (published to same-host
+/// peers), the registration holding the tensor, or the rmacomm allocation
+/// it lies in; `what` names the argument in errors.
+pub(crate) fn register_tensor(py: Python<'_>, t: &Tensor<'_>, what: &str) -> PyResult<Arc<Registered>> {
+    let raw = t.raw();
+    if raw.len == 0 {
+        return Err(PyValueError::new_err(format!("{what}: an empty tensor cannot be registered")));
+    }
+    let owner = match memory::find(raw.ptr, raw.len) {
+        Some(r) => Owner::Mem(r),
+        None => Owner::Py(t.keep()),
+    };
+    // SAFETY: a numpy array or torch tensor (checked by Tensor::new), or an
+    // rmacomm allocation, keeps its memory at one address while the owner
+    // lives; the registration holds the owner.
+    let b = unsafe { Borrowed::new(raw.ptr, raw.len, owner) };
+    let reg = py.detach(|| Registered::register(b)).map_err(py_err)?;
+    reg.publish();
+    Ok(reg)
+}
+
 #[pymethods]
 impl PyRdmaMemory {
     #[new]
     fn new(py: Python<'_>, tensor: &Bound<'_, PyAny>) -> PyResult<Self> {
         let t = Tensor::new(tensor, "tensor", false)?;
-        let raw = t.raw();
-        if raw.len == 0 {
-            return Err(PyValueError::new_err("tensor: an empty tensor cannot be registered"));
-        }
-        let owner = match memory::find(raw.ptr, raw.len) {
-            Some(r) => Owner::Mem(r),
-            None => Owner::Py(t.keep()),
-        };
-        // SAFETY: a numpy array or torch tensor (checked by Tensor::new),
-        // or an rmacomm allocation, keeps its memory at one address while
-        // the owner lives; the registration holds the owner.
-        let b = unsafe { Borrowed::new(raw.ptr, raw.len, owner) };
-        let reg = py.detach(|| Registered::register(b)).map_err(py_err)?;
-        reg.publish();
+        let reg = register_tensor(py, &t, "tensor")?;
         Ok(PyRdmaMemory { reg, tensor: t.keep() })
     }
 
