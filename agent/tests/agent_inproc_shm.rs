@@ -28,3 +28,4 @@ t!(removed_and_restarted_peers, common::removed_and_restarted_peers());
 t!(metadata_through_a_store, common::metadata_through_a_store());
 t!(same_host_peers_take_the_mapped_path, common::same_host_path(true));
 t!(tokens_never_show, common::tokens_never_show());
+t!(a_dropped_peer_region_fails_the_request, common::a_dropped_peer_region_fails_the_request());

@@ -28,3 +28,4 @@ t!(removed_and_restarted_peers, common::removed_and_restarted_peers());
 t!(metadata_through_a_store, common::metadata_through_a_store());
 t!(tcp_peers_are_not_mapped, common::same_host_path(false));
 t!(tokens_never_show, common::tokens_never_show());
+t!(a_dropped_peer_region_fails_the_request, common::a_dropped_peer_region_fails_the_request());

@@ -565,3 +565,37 @@ pub async fn tokens_never_show() {
     let e = prefill.add_peer(&bad).unwrap_err();
     assert!(!e.to_string().contains(payload), "{e}");
 }
+
+/// A region the peer dropped: a request into it fails naming the peer (on
+/// the same host the caller's copy through the mapped region finds its key
+/// revoked and copies nothing; over tcp the peer refuses the write), and
+/// requests into the peer's other regions still work.
+pub async fn a_dropped_peer_region_fails_the_request() {
+    const B: usize = 64 << 10;
+    let (decode, prefill, cache, region) = pair(4 * B);
+    let other = decode.alloc(4 * B).unwrap();
+    let other_id = decode.register(&other).unwrap();
+    prefill.add_peer(&decode.metadata()).unwrap();
+    let kv = prefill.alloc(B).unwrap();
+    prefill.register(&kv).unwrap();
+    kv.write_from(0, &pattern(B, 9)).unwrap();
+    let piece = |r: u32| [(kv.view(0, B).unwrap(), RemoteBlock::new(r, 0, B as u64))];
+    // The first requests map the region (in the background) on the same host.
+    for _ in 0..3 {
+        prefill.transfer(Op::Write, "decode", &piece(region), None).unwrap().await.unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(decode.deregister(&cache));
+    drop(cache);
+    let r = match prefill.transfer(Op::Write, "decode", &piece(region), Some(b"never")) {
+        Ok(t) => tokio::time::timeout(Duration::from_secs(20), t).await.expect("the request ends"),
+        Err(e) => Err(e),
+    };
+    let e = r.expect_err("a write into a dropped region fails");
+    eprintln!("request into a dropped region: {e}");
+    assert_eq!(e.peer(), Some("decode"), "{e}");
+    prefill.transfer(Op::Write, "decode", &piece(other_id), Some(b"other")).unwrap().await.unwrap();
+    assert_eq!(next_notification(&decode).await.message, b"other");
+    no_more_notifications(&decode).await;
+    assert!(contents(&other, 0, B) == pattern(B, 9));
+}
