@@ -245,15 +245,23 @@ impl Comm {
         }
     }
 
-    /// A new one-sided window over this communicator's ranks (collective).
+    /// The window settings of [`CommOptions::window`] (default: the
+    /// environment's), with the communicator's timeout.
+    fn window_options(&self) -> WindowOptions {
+        self.opts.window.clone().unwrap_or_default().timeout(self.timeout)
+    }
+
+    /// A new one-sided window over this communicator's ranks (collective),
+    /// with the settings of [`CommOptions::window`].
     pub fn new_window(&self) -> Result<Window> {
-        Window::new(&self.group, WindowOptions::new().timeout(self.timeout)).map_err(Error::window("new_window"))
+        Window::new(&self.group, self.window_options()).map_err(Error::window("new_window"))
     }
 
     /// The window of the ctran form (collective): `size_bytes` of memory
-    /// and `signal_slots` value-signal slots per rank.
+    /// and `signal_slots` value-signal slots per rank, with the settings of
+    /// [`CommOptions::window`].
     pub fn window_allocate(&self, size_bytes: usize, signal_slots: usize) -> Result<Window> {
-        Window::allocate(&self.group, size_bytes, signal_slots, WindowOptions::new().timeout(self.timeout))
+        Window::allocate(&self.group, size_bytes, signal_slots, self.window_options())
             .map_err(Error::window("window_allocate"))
     }
 
