@@ -450,7 +450,8 @@ fi
 
 # --- KV-cache transfer: medians over the repetitions, GB/s ratios ---------
 kv && { p2p || coll; } && echo
-kv && python3 - "$kv_res" <<'PY'
+if kv; then
+python3 - "$kv_res" <<'PY'
 import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
 def who(r):
@@ -501,3 +502,4 @@ print("notification (CLOCK_MONOTONIC of this host in both processes); median ove
 print("the median over %d repetition(s) (GB/s: of that median; min–max: the repetitions'); GB = 10^9 B." % max([r.get("rep", 1) for r in rows] or [1]))
 print("ratio: the median of the repetitions' ratios (min–max); > 1: rmacomm is faster.")
 PY
+fi
