@@ -13,7 +13,7 @@ use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 use tokio::task::AbortHandle;
 
-use crate::block::LocalBlock;
+use crate::block::{LocalBlock, LocalMem};
 use crate::dial::connection;
 use crate::listener::{bind_listeners, serve, MAX_HANDSHAKES};
 use crate::metadata::{check_name, new_token, Metadata, PeerRegion, Region, MAX_REGIONS};
@@ -264,12 +264,13 @@ impl TransferAgent {
         }
         let st = self.sh.lock();
         let entry = st.peers.get(peer).ok_or_else(|| AgentError::UnknownPeer { name: peer.into() })?;
-        let mut locals: Vec<&'a RdmaMemory> = Vec::new();
+        let mut locals: Vec<LocalMem<'a>> = Vec::new();
         let mut index: HashMap<usize, usize> = HashMap::new();
         let mut ins = Vec::with_capacity(pieces.len());
         let mut bytes = 0u64;
         for (i, (l, r)) in pieces.iter().enumerate() {
-            let (mem, off, len) = l.parts();
+            let (local_mem, off, len) = l.parts();
+            let mem = local_mem.get();
             let at = mem as *const RdmaMemory as usize;
             let local = match index.get(&at) {
                 Some(&k) => k,
@@ -283,7 +284,7 @@ impl TransferAgent {
                             ),
                         ));
                     }
-                    locals.push(mem);
+                    locals.push(local_mem.clone());
                     index.insert(at, locals.len() - 1);
                     locals.len() - 1
                 }

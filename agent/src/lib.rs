@@ -116,7 +116,7 @@ mod store;
 mod transfer;
 
 pub use agent::TransferAgent;
-pub use block::{LocalBlock, Op, RemoteBlock};
+pub use block::{LocalBlock, LocalMem, Op, OwnedBlock, RemoteBlock};
 pub use config::{AgentConfig, DEFAULT_NOTIFICATION_SLOTS};
 pub use error::AgentError;
 pub use metadata::{PeerRegion, MAX_NAME_LEN, MAX_REGIONS};

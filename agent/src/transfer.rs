@@ -12,9 +12,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use futures::future::BoxFuture;
 use futures::stream::FuturesUnordered;
 use futures::{FutureExt, StreamExt};
-use rmacomm_transport::{RdmaMemory, RdmaRemoteBuffer};
+use rmacomm_transport::{RdmaRemoteBuffer, TransportError};
 use tokio::sync::oneshot;
 
+use crate::block::LocalMem;
 use crate::connection::Conn;
 use crate::plan::PlannedOp;
 use crate::stats::Counters;
@@ -63,7 +64,7 @@ pub(crate) struct Posting<'a> {
     pub(crate) op: Op,
     pub(crate) plan: Vec<PlannedOp>,
     /// The distinct local memories the plan's `local` indices name.
-    pub(crate) locals: Vec<&'a RdmaMemory>,
+    pub(crate) locals: Vec<LocalMem<'a>>,
     /// The peer's regions the plan names, from its metadata.
     pub(crate) remotes: Vec<(u32, RdmaRemoteBuffer)>,
     pub(crate) notify: Option<Vec<u8>>,
@@ -182,7 +183,7 @@ fn post<'a>(peer: &str, conn: &Arc<Conn>, p: Posting<'a>) -> Result<Stage<'a>, A
     if let Some(e) = conn.transport.error() {
         return Err(AgentError::from_transport(peer, e));
     }
-    if p.locals.iter().any(|m| !m.is_usable_with(&conn.transport)) {
+    if p.locals.iter().any(|m| !m.get().is_usable_with(&conn.transport)) {
         return Err(AgentError::invalid(
             "transfer",
             "a local memory is on another device than the agent's transports (allocate it with TransferAgent::alloc)",
@@ -206,22 +207,21 @@ fn post<'a>(peer: &str, conn: &Arc<Conn>, p: Posting<'a>) -> Result<Stage<'a>, A
         region.slice(o.remote_off, o.len as u64).expect("the planner checked the bounds")
     };
     let piece = |o: &PlannedOp| -> Piece<'a> {
-        let mem = p.locals[o.local];
         let remote = remote_of(o);
         let name = peer.to_owned();
-        // The views lie inside views the caller made of `mem` (coalescing
-        // only joins adjacent ones, up to MAX_OP_LEN): they cannot fail.
-        match p.op {
-            Op::Write => conn
-                .transport
-                .write(mem.view(o.local_off, o.len).expect("inside a view"), &remote, false)
-                .map(move |r| r.map_err(|e| AgentError::from_transport(&name, e)))
-                .boxed(),
-            Op::Read => conn
-                .transport
-                .read(mem.view_mut(o.local_off, o.len).expect("inside a view"), &remote)
-                .map(move |r| r.map_err(|e| AgentError::from_transport(&name, e)))
-                .boxed(),
+        let (off, len, t) = (o.local_off, o.len, &conn.transport);
+        // The views lie inside views the caller made of the memory
+        // (coalescing only joins adjacent ones, up to MAX_OP_LEN): they
+        // cannot fail.
+        match (&p.locals[o.local], p.op) {
+            (LocalMem::Borrowed(mem), Op::Write) => {
+                named(name, t.write(mem.view(off, len).expect("inside a view"), &remote, false))
+            }
+            (LocalMem::Borrowed(mem), Op::Read) => {
+                named(name, t.read(mem.view_mut(off, len).expect("inside a view"), &remote))
+            }
+            (LocalMem::Owned(mem), Op::Write) => named(name, t.write_owned(mem.clone(), off, len, &remote, false)),
+            (LocalMem::Owned(mem), Op::Read) => named(name, t.read_owned(mem.clone(), off, len, &remote)),
         }
     };
     let pieces = FuturesUnordered::new();
@@ -249,6 +249,11 @@ fn post<'a>(peer: &str, conn: &Arc<Conn>, p: Posting<'a>) -> Result<Stage<'a>, A
     Ok(notify_after(conn, pieces, p.notify, overflow))
 }
 
+/// A piece's future, its error naming the peer.
+fn named<'a>(peer: String, f: impl Future<Output = Result<(), TransportError>> + Send + 'a) -> Piece<'a> {
+    f.map(move |r| r.map_err(|e| AgentError::from_transport(&peer, e))).boxed()
+}
+
 /// The stage of pieces in flight whose notification (if any) is sent once
 /// they are placed.
 fn notify_after<'a>(
@@ -274,7 +279,7 @@ fn copy_mapped(peer: &str, p: &Posting<'_>, maps: &[Arc<rmacomm_transport::Mappe
     let run = || -> Result<(), AgentError> {
         for o in &p.plan {
             let k = p.remotes.iter().position(|(id, _)| *id == o.region).expect("the planner checked the region");
-            let mem = p.locals[o.local];
+            let mem = p.locals[o.local].get();
             let at = o.remote_off as usize;
             let stream = stream_all && o.len >= STREAM_PIECE;
             let r = match (p.op, stream) {

@@ -29,3 +29,4 @@ t!(metadata_through_a_store, common::metadata_through_a_store());
 t!(same_host_peers_take_the_mapped_path, common::same_host_path(true));
 t!(tokens_never_show, common::tokens_never_show());
 t!(a_dropped_peer_region_fails_the_request, common::a_dropped_peer_region_fails_the_request());
+t!(owned_transfers_are_static, common::owned_transfers_are_static());

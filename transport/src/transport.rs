@@ -472,6 +472,21 @@ impl RdmaTransport {
         self.inner.clone().complete(started, "read", timeout, local)
     }
 
+    /// [`read`](Self::read) into memory the future owns (an `Arc`), so that
+    /// the future is `'static` (see [`write_owned`](Self::write_owned)).
+    pub fn read_owned(
+        &self,
+        local: Arc<crate::RdmaMemory>,
+        offset: usize,
+        len: usize,
+        remote: &RdmaRemoteBuffer,
+    ) -> impl Future<Output = Result<(), TransportError>> + Send + 'static {
+        let op = SendOp::RdmaRead { remote_addr: remote.addr, rkey: remote.key };
+        let prepared = local.view_mut(offset, len).and_then(|_| self.prepare("read", &local, offset, len, remote, op));
+        let started = self.start(prepared);
+        self.inner.clone().complete(started, "read", self.inner.config.timeout, local)
+    }
+
     /// Adds `add` to the 64-bit word at `remote` (8 bytes, 8-byte aligned)
     /// in the peer's memory, atomically with respect to the peer's other
     /// atomics, and stores the old value in `local` (8 bytes): an RDMA

@@ -599,3 +599,38 @@ pub async fn a_dropped_peer_region_fails_the_request() {
     no_more_notifications(&decode).await;
     assert!(contents(&other, 0, B) == pattern(B, 9));
 }
+
+/// Requests on memory held by an `Arc` ([`rmacomm_agent::OwnedBlock`]) are
+/// `Transfer<'static>`: spawned onto other tasks, outliving the caller's
+/// handles on the memory, writes and reads land.
+pub async fn owned_transfers_are_static() {
+    use std::sync::Arc;
+
+    use rmacomm_agent::OwnedBlock;
+    const B: usize = 16 << 10;
+    let (decode, prefill, cache, region) = pair(16 * B);
+    let kv = Arc::new(prefill.alloc(16 * B).unwrap());
+    prefill.register(&kv).unwrap();
+    kv.write_from(0, &pattern(16 * B, 11)).unwrap();
+    let remote = |b: usize| RemoteBlock::new(region, ((15 - b) * B) as u64, B as u64);
+    let pieces: Vec<_> = (0..16).map(|b| (OwnedBlock::new(kv.clone(), b * B, B).unwrap(), remote(b))).collect();
+    let t: rmacomm_agent::Transfer<'static> = prefill.transfer(Op::Write, "decode", &pieces, Some(b"owned")).unwrap();
+    drop(pieces);
+    tokio::spawn(t).await.unwrap().unwrap();
+    assert_eq!(next_notification(&decode).await.message, b"owned");
+    let want = pattern(16 * B, 11);
+    for b in 0..16 {
+        assert!(contents(&cache, (15 - b) * B, B) == want[b * B..(b + 1) * B], "block {b}");
+    }
+    // A read into owned memory; the pieces (and their Arcs) dropped before
+    // it runs.
+    let back = Arc::new(prefill.alloc(16 * B).unwrap());
+    prefill.register(&back).unwrap();
+    let pieces: Vec<_> = (0..16).map(|b| (OwnedBlock::new(back.clone(), b * B, B).unwrap(), remote(b))).collect();
+    let t = prefill.transfer(Op::Read, "decode", &pieces, None).unwrap();
+    drop(pieces);
+    tokio::spawn(t).await.unwrap().unwrap();
+    assert!(contents(&back, 0, 16 * B) == want);
+    // Bounds are checked when the block is made.
+    assert!(OwnedBlock::new(back.clone(), 16 * B - 8, 16).is_err());
+}
