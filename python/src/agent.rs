@@ -20,10 +20,10 @@ use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyCFunction, PyDict, PyTuple};
-use rmacomm_agent::{AgentConfig, Op, RemoteBlock, TransferAgent};
-use rmacomm_transport::{TransportConfig, View};
+use rmacomm_agent::{AgentConfig, Op, OwnedBlock, RemoteBlock, TransferAgent};
+use rmacomm_transport::TransportConfig;
 
-use crate::agent_transfer::{extend, failure, PyAgentTransfer};
+use crate::agent_transfer::{failure, PyAgentTransfer};
 use crate::errors::{py_err, ErrKind, Failure};
 use crate::memory::{self, Borrowed, Owner, Registered};
 use crate::runtime::rt;
@@ -385,21 +385,17 @@ impl PyTransferAgent {
                 planned.push((s, ptr - reg.start, len, RemoteBlock::new(region, offset, length)));
             }
         }
-        // SAFETY: every reference is used by the transfer below only, which
-        // goes to `drive` together with `keep` (or is dropped here, before
-        // `keep`, when it fails).
-        let mems: Vec<_> = keep.iter().map(|r| unsafe { extend(r) }).collect();
-        let views = planned
+        let pieces = planned
             .iter()
-            .map(|&(s, off, len, rb)| mems[s].view(off, len).map(|v| (v, rb)))
-            .collect::<Result<Vec<(View<'static>, RemoteBlock)>, _>>()
-            .map_err(py_err)?;
+            .map(|&(s, off, len, rb)| OwnedBlock::new(keep[s].mem.clone(), off, len).map(|b| (b, rb)))
+            .collect::<Result<Vec<(OwnedBlock, RemoteBlock)>, _>>()
+            .map_err(|e| PyErr::from(failure(opname, &peer, e)))?;
         let agent = self.agent();
         let t = py.detach(|| {
             let _g = rt().enter();
-            agent.transfer(op, &peer, &views, notify)
+            agent.transfer(op, &peer, &pieces, notify)
         });
-        drop(views);
+        drop(pieces);
         let t = t.map_err(|e| PyErr::from(failure(opname, &peer, e)))?;
         Ok(PyAgentTransfer::drive(t, keep, opname))
     }

@@ -12,12 +12,12 @@
 //! The cost is one task spawn per request and the runtime thread's
 //! wake-up, small beside a request's round trips.
 //!
-//! # The task owns what the request borrows
+//! # The task owns what the request uses
 //!
-//! `Transfer<'a>` borrows the registered memory of its pieces. The task
-//! owns it as `Transfer<'static>` together with the `Arc`s of those
-//! registrations ([`Owned`]), and drops the transfer first: see
-//! [`extend`].
+//! Requests are made of `OwnedBlock`s (the registrations' memory is in an
+//! `Arc`), so a request is a `Transfer<'static>` that holds its memory
+//! until its pieces are done; the task also keeps the registrations
+//! themselves ([`Owned`]) until the request ends.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -25,7 +25,6 @@ use std::time::{Duration, Instant};
 use pyo3::intern;
 use pyo3::prelude::*;
 use rmacomm_agent::{AgentError, Transfer};
-use rmacomm_transport::RdmaMemory;
 use tokio::sync::watch;
 
 use crate::errors::{ErrKind, Failure};
@@ -35,24 +34,8 @@ use crate::timeout;
 use crate::transport::spawn;
 use crate::wait;
 
-/// `mem`'s memory with its lifetime extended to `'static`.
-///
-/// # Safety
-/// The reference must only be used by a transfer handed to
-/// [`PyAgentTransfer::drive`] together with `mem` (or a clone of the
-/// `Arc`): the task drops the transfer before the registrations, and the
-/// `Arc` keeps the `Registered` at one heap address until then.
-pub(crate) unsafe fn extend(mem: &Arc<Registered>) -> &'static RdmaMemory {
-    let p: *const RdmaMemory = &mem.mem;
-    // SAFETY: `p` points into the Arc's allocation, alive while any clone
-    // of the Arc is; the caller hands one to `drive`, which outlives every
-    // use of the reference (the contract above).
-    unsafe { &*p }
-}
-
-/// A request with the registrations its pieces borrow.
+/// A request with the registrations its pieces use.
 struct Owned {
-    // Declared first: dropped before the registrations it borrows.
     transfer: Transfer<'static>,
     _regs: Vec<Arc<Registered>>,
 }
@@ -88,7 +71,7 @@ pub(crate) struct PyAgentTransfer {
 
 impl PyAgentTransfer {
     /// Hands `transfer` to a task on the runtime, which keeps `regs` (the
-    /// registrations its pieces borrow, see [`extend`]) until it ends.
+    /// registrations its pieces use) until it ends.
     pub(crate) fn drive(transfer: Transfer<'static>, regs: Vec<Arc<Registered>>, op: &'static str) -> Self {
         let (peer, ops) = (transfer.peer().to_owned(), transfer.ops());
         let (tx, rx) = watch::channel(None);

@@ -19,7 +19,9 @@ use rmacomm_transport::{RdmaMemory, TransportError};
 /// Registered memory, listed in the table while alive (when published).
 #[derive(Debug)]
 pub(crate) struct Registered {
-    pub(crate) mem: RdmaMemory,
+    /// In an `Arc`: agent requests hold it (`OwnedBlock`) until their
+    /// pieces are done.
+    pub(crate) mem: Arc<RdmaMemory>,
     id: u64,
 }
 
@@ -34,7 +36,7 @@ fn table() -> std::sync::MutexGuard<'static, Table> {
 
 impl Registered {
     fn wrap(mem: RdmaMemory) -> Arc<Registered> {
-        Arc::new(Registered { mem, id: NEXT_ID.fetch_add(1, Ordering::Relaxed) })
+        Arc::new(Registered { mem: Arc::new(mem), id: NEXT_ID.fetch_add(1, Ordering::Relaxed) })
     }
 
     /// `len` zeroed bytes of shared memory (a memfd segment that same-host

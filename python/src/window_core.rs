@@ -506,7 +506,7 @@ impl WinCore {
 fn local_mem<'w>(w: &'w Window, local: &'w Local) -> (&'w RdmaMemory, Option<Arc<Registered>>) {
     match local {
         Local::Window(_) => (w.local_tensor().expect("located in it"), None),
-        Local::Reg(r, _) => (&r.mem, Some(r.clone())),
+        Local::Reg(r, _) => (&*r.mem, Some(r.clone())),
     }
 }
 
