@@ -109,13 +109,11 @@ def _is_desc_array(obj: Any, width: int) -> bool:
     return _is_numpy(obj) and obj.ndim == 2 and obj.shape[1] == width and obj.dtype.kind in "iu"
 
 
-class nixlXferDList:
-    """A transfer descriptor list: a memory type and (addr, len, devId) tuples."""
+class _DList:
+    """What both descriptor lists offer: a memory type and a list of tuples."""
 
-    def __init__(self, mem_type: str, descs: Iterable[tuple[int, int, int]] = (), is_sorted: bool = False) -> None:
-        self.mem_type = mem_type
-        self.descs: list[tuple[int, int, int]] = [(int(a), int(n), int(d)) for a, n, d in descs]
-        self.is_sorted = is_sorted
+    mem_type: str
+    descs: list[Any]
 
     def getType(self) -> str:
         """The memory type."""
@@ -132,20 +130,29 @@ class nixlXferDList:
     def __len__(self) -> int:
         return len(self.descs)
 
-    def __getitem__(self, i: int) -> tuple[int, int, int]:
-        return self.descs[i]
-
     def __iter__(self) -> Any:
         return iter(self.descs)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.mem_type!r}, {len(self.descs)} descriptors)"
+
+
+class nixlXferDList(_DList):
+    """A transfer descriptor list: a memory type and (addr, len, devId) tuples."""
+
+    def __init__(self, mem_type: str, descs: Iterable[tuple[int, int, int]] = (), is_sorted: bool = False) -> None:
+        self.mem_type = mem_type
+        self.descs: list[tuple[int, int, int]] = [(int(a), int(n), int(d)) for a, n, d in descs]
+        self.is_sorted = is_sorted
+
+    def __getitem__(self, i: int) -> tuple[int, int, int]:
+        return self.descs[i]
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, nixlXferDList) and (self.mem_type, self.descs) == (other.mem_type, other.descs)
 
-    def __repr__(self) -> str:
-        return f"nixlXferDList({self.mem_type!r}, {len(self.descs)} descriptors)"
 
-
-class nixlRegDList:
+class nixlRegDList(_DList):
     """A registration descriptor list: a memory type and (addr, len, devId,
     meta) tuples, with the arrays or tensors they came from (registered
     zero-copy and kept alive while registered)."""
@@ -164,37 +171,16 @@ class nixlRegDList:
         self.is_sorted = is_sorted
         self.objects = objects
 
-    def getType(self) -> str:
-        """The memory type."""
-        return self.mem_type
-
-    def descCount(self) -> int:
-        """How many descriptors."""
-        return len(self.descs)
-
-    def isEmpty(self) -> bool:
-        """Whether there are none."""
-        return not self.descs
-
     def trim(self) -> nixlXferDList:
         """The transfer descriptors of the same memory."""
         return nixlXferDList(self.mem_type, [(a, n, d) for a, n, d, _ in self.descs], self.is_sorted)
 
-    def __len__(self) -> int:
-        return len(self.descs)
-
     def __getitem__(self, i: int) -> tuple[int, int, int, str]:
         return self.descs[i]
-
-    def __iter__(self) -> Any:
-        return iter(self.descs)
 
     def __getstate__(self) -> dict[str, Any]:
         # The arrays stay in this process.
         return {"mem_type": self.mem_type, "descs": self.descs, "is_sorted": self.is_sorted, "objects": None}
-
-    def __repr__(self) -> str:
-        return f"nixlRegDList({self.mem_type!r}, {len(self.descs)} descriptors)"
 
 
 class nixl_agent_config:
