@@ -66,6 +66,15 @@ pub struct TransportConfig {
     /// all are taken waits for one to free (backpressure) instead of
     /// queueing without bound. At least 1.
     pub max_in_flight: usize,
+    /// Same-host peers (soft provider, shared segments): a `write` without
+    /// `notify` or a `read` of at most this many bytes, made while nothing
+    /// else is in flight on the transport, is copied by the calling thread
+    /// through a mapping of the peer's region (checked against the peer's
+    /// live key, like [`MappedBuffer`](crate::MappedBuffer)) and its future
+    /// is ready at once: no work request, completion or wake-up. Zero turns
+    /// this off. Default 1 MiB (the soft provider's inline-copy budget), or
+    /// `RMACOMM_DIRECT_COPY_MAX` (bytes).
+    pub direct_copy_max: usize,
     /// Soft-provider settings (link, addresses, ...) when the soft provider
     /// is used; `None` takes them from the environment (`RMACOMM_SOFT_*`).
     /// Transports with different settings use different soft contexts.
@@ -91,6 +100,10 @@ impl Default for TransportConfig {
             timeout,
             busy_poll: Duration::ZERO,
             max_in_flight: 4096,
+            direct_copy_max: std::env::var("RMACOMM_DIRECT_COPY_MAX")
+                .ok()
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or(1 << 20),
             soft: None,
         }
     }
@@ -161,6 +174,12 @@ impl TransportConfig {
     /// Sets [`max_in_flight`](Self::max_in_flight).
     pub fn with_max_in_flight(mut self, max_in_flight: usize) -> Self {
         self.max_in_flight = max_in_flight;
+        self
+    }
+
+    /// Sets [`direct_copy_max`](Self::direct_copy_max) (0: off).
+    pub fn with_direct_copy_max(mut self, direct_copy_max: usize) -> Self {
+        self.direct_copy_max = direct_copy_max;
         self
     }
 

@@ -68,6 +68,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 mod config;
+mod direct;
 mod domain;
 mod error;
 mod mapped;

@@ -43,6 +43,10 @@ impl MappedBuffer {
         MappedBuffer { map, remote }
     }
 
+    pub(crate) fn map(&self) -> &RemoteMapping {
+        &self.map
+    }
+
     /// Length in bytes.
     pub fn len(&self) -> usize {
         self.map.len()

@@ -15,6 +15,7 @@ use ibverbx::{
 use tokio::io::unix::AsyncFd;
 use tokio::sync::{oneshot, Notify, OwnedSemaphorePermit, Semaphore, TryAcquireError};
 
+use crate::direct::DirectMaps;
 use crate::domain::{domain, Domain};
 use crate::memory::{View, ViewMut};
 use crate::{url, RdmaRemoteBuffer, TransportConfig, TransportError};
@@ -149,6 +150,8 @@ struct Inner {
     /// Set (after `broken`) once the transport is broken: `error()` reads
     /// it without the lock (UNIFIED window operations ask on every call).
     broken_flag: std::sync::atomic::AtomicBool,
+    /// The peer's regions mapped here, for same-host copies by the caller.
+    direct: Arc<DirectMaps>,
 }
 
 /// An RDMA connection to one peer (make one transport per peer).
@@ -248,6 +251,7 @@ impl RdmaTransport {
                 shutdown: Notify::new(),
                 posting: std::sync::atomic::AtomicUsize::new(0),
                 broken_flag: std::sync::atomic::AtomicBool::new(false),
+                direct: Arc::default(),
             }),
         })
     }
@@ -315,11 +319,17 @@ impl RdmaTransport {
             what: "connect: no in-flight slot is free on a fresh transport".into(),
         })?;
         let rx = self.inner.post(
-            Op { name: "connect", op: SendOp::RdmaWrite { remote_addr: 0, rkey: 0 }, sge: None, mem: None },
+            Op {
+                name: "connect",
+                op: SendOp::RdmaWrite { remote_addr: 0, rkey: 0 },
+                sge: None,
+                mem: None,
+                local_off: 0,
+            },
             slot,
         )?;
         let t = self.inner.config.timeout.unwrap_or(Duration::from_secs(30));
-        match self.inner.finish(rx, "connect", Some((t, tokio::time::Instant::now() + t))).await {
+        match self.inner.finish(rx, "connect", Deadline::After(t)).await {
             Ok(()) => {
                 claim.succeeded();
                 Ok(())
@@ -600,6 +610,12 @@ impl RdmaTransport {
         }
     }
 
+    /// Regions of the peer mapped here for same-host copies by the calling
+    /// thread (see [`TransportConfig::direct_copy_max`]). A diagnostic.
+    pub fn direct_mappings(&self) -> usize {
+        self.inner.direct.mapped()
+    }
+
     /// Operations posted (or being posted) and not yet completed, those
     /// whose callers timed out or dropped their futures included: never
     /// more than [`TransportConfig::max_in_flight`]. A diagnostic.
@@ -634,13 +650,17 @@ impl RdmaTransport {
     ) -> Result<Op, TransportError> {
         self.check(name, mem, len, remote)?;
         let sge = mem.mr().sge(offset, len)?;
-        Ok(Op { name, op, sge: (len > 0).then_some(sge), mem: Some(mem.mr().clone()) })
+        Ok(Op { name, op, sge: (len > 0).then_some(sge), mem: Some(mem.mr().clone()), local_off: offset })
     }
 
-    /// Posts a validated operation now if a slot is free; else the caller's
-    /// future waits for one.
+    /// Copies a validated operation here when it can (see
+    /// [`TransportConfig::direct_copy_max`]), else posts it now if a slot is
+    /// free; else the caller's future waits for one.
     fn start(&self, op: Result<Op, TransportError>) -> Result<Start, TransportError> {
         let op = op?;
+        if self.inner.try_direct(&op) {
+            return Ok(Start::Done);
+        }
         match self.inner.slots.clone().try_acquire_owned() {
             Ok(slot) => self.inner.post(op, slot).map(Start::Posted),
             Err(TryAcquireError::NoPermits) => Ok(Start::Waiting(op)),
@@ -655,8 +675,11 @@ impl RdmaTransport {
         len: usize,
         remote: &RdmaRemoteBuffer,
     ) -> Result<(), TransportError> {
-        if let Some(e) = &self.inner.lock().broken {
-            return Err(e.clone());
+        // `broken_flag` follows `broken`; `post` checks again under the lock.
+        if self.inner.broken_flag.load(Ordering::Acquire) {
+            if let Some(e) = &self.inner.lock().broken {
+                return Err(e.clone());
+            }
         }
         if !self.inner.is_connected() {
             return Err(TransportError::invalid(op, "not connected; call connect first"));
@@ -684,6 +707,43 @@ impl Inner {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         self.st.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Copies `op` through a mapping of the peer's region, when the peer is
+    /// on this host, the operation is a plain write or a read of at most
+    /// `direct_copy_max` bytes and nothing is in flight (which it would
+    /// overtake). True when copied; false leaves `op` to the QP (a key not
+    /// mapped yet, or one whose copy failed: the QP then reports it).
+    fn try_direct(&self, op: &Op) -> bool {
+        let Some(sge) = op.sge.as_ref() else { return false };
+        let len = sge.length as usize;
+        if len > self.config.direct_copy_max || self.domain.provider != "soft" {
+            return false;
+        }
+        let (addr, key, write) = match op.op {
+            SendOp::RdmaWrite { remote_addr, rkey } => (remote_addr, rkey, true),
+            SendOp::RdmaRead { remote_addr, rkey } => (remote_addr, rkey, false),
+            _ => return false,
+        };
+        if self.slots.available_permits() != self.config.max_in_flight || self.broken_flag.load(Ordering::Acquire) {
+            return false;
+        }
+        let Some(mem) = op.mem.as_deref() else { return false };
+        let want = RdmaRemoteBuffer { addr, len: len as u64, key };
+        let map = |hull: RdmaRemoteBuffer| {
+            let f = self.qp.map_remote(hull.key, hull.addr, hull.len);
+            async move { f.await.ok().flatten().map(|m| crate::MappedBuffer::new(m, hull)) }
+        };
+        let Some((m, off)) = self.direct.lookup(&want, map) else { return false };
+        let copied = if write {
+            m.map().write_from(off, mem, op.local_off, len)
+        } else {
+            m.map().read_into(off, mem, op.local_off, len)
+        };
+        if copied.is_err() {
+            self.direct.give_up(key);
+        }
+        copied.is_ok()
     }
 
     /// Records and posts one WR holding `slot`; returns its completion
@@ -729,20 +789,22 @@ impl Inner {
         _keep: K,
     ) -> Result<(), TransportError> {
         let _keep = _keep;
-        let deadline = timeout.map(|t| (t, tokio::time::Instant::now() + t));
-        let rx = match started? {
-            Start::Posted(rx) => rx,
+        let (rx, deadline) = match started? {
+            Start::Done => return Ok(()),
+            // The clock is read only if the operation must wait.
+            Start::Posted(rx) => (rx, timeout.map_or(Deadline::Never, Deadline::After)),
             Start::Waiting(o) => {
+                let deadline = timeout.map_or(Deadline::Never, |t| Deadline::At(t, tokio::time::Instant::now() + t));
                 let acquire = self.slots.clone().acquire_owned();
                 let slot = match deadline {
-                    None => acquire.await,
-                    Some((after, at)) => match tokio::time::timeout_at(at, acquire).await {
+                    Deadline::At(after, at) => match tokio::time::timeout_at(at, acquire).await {
                         Ok(r) => r,
                         Err(_) => return Err(TransportError::Timeout { op, after }),
                     },
+                    _ => acquire.await,
                 };
                 let slot = slot.map_err(|_| self.closed_error(op))?;
-                self.post(o, slot)?
+                (self.post(o, slot)?, deadline)
             }
         };
         self.finish(rx, op, deadline).await
@@ -792,19 +854,18 @@ impl Inner {
         None
     }
 
-    /// Waits for the completion of WR `id` until `deadline` (how long it
-    /// allowed, and when it ends).
-    async fn finish(
-        &self,
-        mut rx: ReplyRx,
-        op: &'static str,
-        deadline: Option<(Duration, tokio::time::Instant)>,
-    ) -> Result<(), TransportError> {
+    /// Waits for the completion of WR `id` until `deadline`.
+    async fn finish(&self, mut rx: ReplyRx, op: &'static str, deadline: Deadline) -> Result<(), TransportError> {
         // Reap here first (and, with busy_poll, keep reaping for a while):
         // no wake-up of the driver task is needed for what is found.
         if let Some(r) = self.reap_until(&mut rx) {
             return r;
         }
+        let deadline = match deadline {
+            Deadline::Never => None,
+            Deadline::After(t) => Some((t, tokio::time::Instant::now() + t)),
+            Deadline::At(t, at) => Some((t, at)),
+        };
         let r = match deadline {
             None => (&mut rx).await,
             Some((after, at)) => match tokio::time::timeout_at(at, &mut rx).await {
@@ -988,10 +1049,25 @@ struct Op {
     sge: Option<Sge>,
     /// The registration `sge` names (moved into the pending entry).
     mem: Option<Arc<MemoryRegion>>,
+    /// Where `sge` starts in `mem`.
+    local_off: usize,
+}
+
+/// When a pending operation gives up waiting.
+#[derive(Clone, Copy)]
+enum Deadline {
+    Never,
+    /// This long from when it first has to wait (no clock read for an
+    /// operation that completed while being posted).
+    After(Duration),
+    /// Allowed this long, ending then.
+    At(Duration, tokio::time::Instant),
 }
 
 /// How an operation left its call.
 enum Start {
+    /// Copied by the calling thread (same host): nothing to wait for.
+    Done,
     Posted(ReplyRx),
     /// No slot was free: the future posts once it gets one.
     Waiting(Op),

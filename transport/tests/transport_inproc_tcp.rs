@@ -78,3 +78,16 @@ async fn views_name_their_memory_and_the_transport_its_tcp_addresses() {
     assert!(addrs.iter().any(|a| a.ip().is_loopback()), "{addrs:?}");
     assert!(addrs.iter().all(|a| a.port() != 0), "{addrs:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_direct_copies_over_tcp() {
+    common::link(LINK);
+    let (a, b) = common::pair().await;
+    let dst = rmacomm_transport::RdmaMemory::alloc_for(&b, 8192).unwrap();
+    let src = rmacomm_transport::RdmaMemory::alloc_for(&a, 8192).unwrap();
+    for _ in 0..20 {
+        a.write(src.view(0, 8192).unwrap(), &dst.remote_buffer(), false).await.unwrap();
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
+    assert_eq!(a.direct_mappings(), 0, "a TCP peer is never mapped");
+}

@@ -66,3 +66,129 @@ async fn unregistered_keys_fail_and_private_memory_is_not_mapped() {
     let private = RdmaMemory::register_for(&b, vec![0u8; 8192]).unwrap();
     assert!(a.map_remote(&private.remote_buffer()).await.unwrap().is_none());
 }
+
+/// Waits (at most 10 s) until `t` holds `n` mappings for direct copies.
+async fn direct_mappings(t: &rmacomm_transport::RdmaTransport, n: usize) {
+    let end = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while t.direct_mappings() != n {
+        assert!(std::time::Instant::now() < end, "{} direct mappings, not {n}", t.direct_mappings());
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
+}
+
+/// `write` and `read` to a same-host peer: the first operation on a key
+/// goes through the QP and maps the region; later ones are copied by the
+/// calling thread when called (nothing in flight, the data already there
+/// before the future is awaited); a slice beyond the mapping grows it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn same_host_writes_and_reads_are_copied_when_called() {
+    common::link("shm");
+    let (a, b) = common::pair().await;
+    let dst = RdmaMemory::alloc_for(&b, 1 << 20).unwrap();
+    let src = RdmaMemory::alloc_for(&a, 1 << 20).unwrap();
+    let rb = dst.remote_buffer();
+    let head = rb.slice(0, 4096).unwrap();
+    assert_eq!(a.direct_mappings(), 0);
+    a.write(src.view(0, 4096).unwrap(), &head, false).await.unwrap();
+    direct_mappings(&a, 1).await;
+
+    src.write_from(0, &pattern(4096, 1)).unwrap();
+    let f = a.write(src.view(0, 4096).unwrap(), &head, false);
+    assert_eq!(a.in_flight(), 0, "copied, not posted");
+    assert_eq!(contents(&dst, 0, 4096), pattern(4096, 1), "copied when called");
+    f.await.unwrap();
+
+    // Beyond the mapping: through the QP until the mapping has grown to
+    // cover both slices (still one per key), then copied.
+    let tail = rb.slice((1 << 20) - 100, 100).unwrap();
+    let mut tries = 0;
+    loop {
+        src.write_from(0, &pattern(100, tries)).unwrap();
+        let f = a.write(src.view(0, 100).unwrap(), &tail, false);
+        let direct = a.in_flight() == 0;
+        f.await.unwrap();
+        assert_eq!(contents(&dst, (1 << 20) - 100, 100), pattern(100, tries));
+        if direct {
+            break;
+        }
+        tries += 1;
+        assert!(tries < 10_000, "the grown mapping never came");
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
+    assert_eq!(a.direct_mappings(), 1);
+
+    // Reads the same way (b maps a's region).
+    let back = RdmaMemory::alloc_for(&b, 4096).unwrap();
+    let ra = src.remote_buffer().slice(0, 100).unwrap();
+    b.read(back.view_mut(0, 100).unwrap(), &ra).await.unwrap();
+    direct_mappings(&b, 1).await;
+    src.write_from(0, &pattern(100, 99)).unwrap();
+    let f = b.read(back.view_mut(0, 100).unwrap(), &ra);
+    assert_eq!(b.in_flight(), 0);
+    f.await.unwrap();
+    assert_eq!(contents(&back, 0, 100), pattern(100, 99));
+
+    // A notifying write still reaches the peer's wait_for_write, behind the
+    // copies made before it.
+    src.write_from(0, &pattern(4096, 5)).unwrap();
+    a.write(src.view(0, 4096).unwrap(), &head, false).await.unwrap();
+    a.write(src.view(0, 8).unwrap(), &rb.slice(8192, 8).unwrap(), true).await.unwrap();
+    b.wait_for_write().await.unwrap();
+    assert_eq!(contents(&dst, 0, 4096), pattern(4096, 5));
+
+    // Over the limit (and with the limit at zero) operations take the QP.
+    let big = RdmaMemory::alloc_for(&a, 2 << 20).unwrap();
+    let dst2 = RdmaMemory::alloc_for(&b, 2 << 20).unwrap();
+    for _ in 0..3 {
+        a.write(big.view(0, 2 << 20).unwrap(), &dst2.remote_buffer(), false).await.unwrap();
+    }
+    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    assert_eq!(a.direct_mappings(), 1, "a write over direct_copy_max maps nothing");
+}
+
+/// A small write behind a large one still in flight (one 8 MiB fragment,
+/// over the soft provider's inline-copy budget, so copied by its threads
+/// after the post returns) is not copied ahead of it: the later write lands
+/// last.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_never_overtakes_an_operation_in_flight() {
+    common::link("shm");
+    let one_fragment = common::config().with_frag_size(8 << 20);
+    let (a, b) = common::pair_with(one_fragment.clone(), one_fragment).await;
+    let n = 8 << 20;
+    let dst = RdmaMemory::alloc_for(&b, n).unwrap();
+    let big = RdmaMemory::alloc_for(&a, n).unwrap();
+    let small = RdmaMemory::alloc_for(&a, 4096).unwrap();
+    let head = dst.remote_buffer().slice(0, 4096).unwrap();
+    a.write(small.view(0, 4096).unwrap(), &head, false).await.unwrap();
+    direct_mappings(&a, 1).await;
+    big.write_from(0, &vec![0xAA; n]).unwrap();
+    for round in 0..20u8 {
+        small.write_from(0, &[round; 4096]).unwrap();
+        let f1 = a.write(big.view(0, n).unwrap(), &dst.remote_buffer(), false);
+        let f2 = a.write(small.view(0, 4096).unwrap(), &head, false);
+        assert!(a.in_flight() >= 1);
+        f1.await.unwrap();
+        f2.await.unwrap();
+        assert_eq!(contents(&dst, 0, 4096), vec![round; 4096], "round {round}: the later write must land last");
+    }
+}
+
+/// The peer deregisters a region mapped for direct copies: the next write
+/// moves nothing and fails as through the QP (a remote access error, then
+/// the transport is broken), naming the operation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deregistered_mapped_region_fails_like_the_qp() {
+    common::link("shm");
+    let (a, b) = common::pair().await;
+    let dst = RdmaMemory::alloc_for(&b, 8192).unwrap();
+    let src = RdmaMemory::alloc_for(&a, 8192).unwrap();
+    let rb = dst.remote_buffer();
+    a.write(src.view(0, 64).unwrap(), &rb.slice(0, 64).unwrap(), false).await.unwrap();
+    direct_mappings(&a, 1).await;
+    drop(dst);
+    let e = a.write(src.view(0, 64).unwrap(), &rb.slice(0, 64).unwrap(), false).await.unwrap_err();
+    assert!(matches!(e, rmacomm_transport::TransportError::RemoteAccess { op: "write" }), "{e}");
+    assert_eq!(a.direct_mappings(), 0, "the key is given up");
+    assert!(!a.connected());
+}

@@ -1,0 +1,112 @@
+//! Same-host copies by the calling thread (see
+//! [`TransportConfig::direct_copy_max`](crate::TransportConfig::direct_copy_max)).
+//!
+//! The peer's regions are mapped here lazily, one mapping per key: the first
+//! operation on a key goes through the QP while a task maps the bytes it
+//! touched; later operations inside the mapping are plain copies. An
+//! operation outside it grows the mapping to the hull of both (a key covers
+//! one contiguous region, so the hull of two slices it registers is
+//! registered too). A key that cannot be mapped (another host, memory
+//! outside a shared segment) or whose copy failed (the peer deregistered
+//! it) is never tried again: its operations take the QP, which reports what
+//! went wrong the way it always does.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+use crate::{MappedBuffer, RdmaRemoteBuffer};
+
+/// Keys tracked at most; operations on further keys take the QP.
+const MAX_KEYS: usize = 4096;
+
+/// How long a mapping may take before its key is given up.
+const MAP_TIMEOUT: Duration = Duration::from_secs(30);
+
+enum Slot {
+    /// A mapping is being made; `have` is the one it replaces, still used
+    /// for what it covers.
+    Mapping {
+        have: Option<Arc<MappedBuffer>>,
+    },
+    Mapped(Arc<MappedBuffer>),
+    Never,
+}
+
+/// The peer's regions mapped here, by key.
+#[derive(Default)]
+pub(crate) struct DirectMaps {
+    by_key: Mutex<HashMap<u32, Slot>>,
+}
+
+/// Where `want` lies in `m`: its offset there, when `m` covers all of it.
+fn offset_in(m: &MappedBuffer, want: &RdmaRemoteBuffer) -> Option<usize> {
+    let r = m.remote_buffer();
+    let end = want.addr.checked_add(want.len)?;
+    (want.addr >= r.addr && end <= r.addr + r.len).then(|| (want.addr - r.addr) as usize)
+}
+
+impl DirectMaps {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u32, Slot>> {
+        self.by_key.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The mapping holding all of `want` and `want`'s offset in it; else
+    /// `None`, after starting (through `map`, on the current tokio runtime)
+    /// a mapping that will hold it, when none is under way.
+    pub(crate) fn lookup<F>(
+        self: &Arc<Self>,
+        want: &RdmaRemoteBuffer,
+        map: impl FnOnce(RdmaRemoteBuffer) -> F,
+    ) -> Option<(Arc<MappedBuffer>, usize)>
+    where
+        F: std::future::Future<Output = Option<MappedBuffer>> + Send + 'static,
+    {
+        let mut keys = self.lock();
+        let hull = match keys.get(&want.key) {
+            Some(Slot::Mapped(m)) => match offset_in(m, want) {
+                Some(off) => return Some((m.clone(), off)),
+                None => {
+                    let r = m.remote_buffer();
+                    let start = r.addr.min(want.addr);
+                    let end = (r.addr + r.len).max(want.addr.saturating_add(want.len));
+                    RdmaRemoteBuffer { addr: start, len: end - start, key: want.key }
+                }
+            },
+            Some(Slot::Mapping { have: Some(m) }) => return offset_in(m, want).map(|off| (m.clone(), off)),
+            Some(Slot::Mapping { have: None } | Slot::Never) => return None,
+            None if keys.len() >= MAX_KEYS => return None,
+            None => *want,
+        };
+        let rt = tokio::runtime::Handle::try_current().ok()?;
+        let have = match keys.remove(&want.key) {
+            Some(Slot::Mapped(m)) => Some(m),
+            _ => None,
+        };
+        keys.insert(want.key, Slot::Mapping { have });
+        drop(keys);
+        let fut = map(hull);
+        let this: Weak<Self> = Arc::downgrade(self);
+        rt.spawn(async move {
+            let slot = match tokio::time::timeout(MAP_TIMEOUT, fut).await {
+                Ok(Some(m)) => Slot::Mapped(Arc::new(m)),
+                _ => Slot::Never,
+            };
+            if let Some(this) = this.upgrade() {
+                this.lock().insert(hull.key, slot);
+            }
+        });
+        None
+    }
+
+    /// A copy through `key`'s mapping failed (the peer no longer registers
+    /// it): the key takes the QP from now on.
+    pub(crate) fn give_up(&self, key: u32) {
+        self.lock().insert(key, Slot::Never);
+    }
+
+    /// Keys mapped now (a diagnostic for tests).
+    pub(crate) fn mapped(&self) -> usize {
+        self.lock().values().filter(|s| matches!(s, Slot::Mapped(_))).count()
+    }
+}
