@@ -225,7 +225,11 @@ max=$(echo $bw_sizes | tr ' ' '\n' | tail -1)
 p2p && for link in shm tcp; do
   for op in write verbs_write put get; do
     log "rdma_bench $op over $link"
-    "$rb" $op -a --min 64K --max "$max" --link $link --json >>"$res" || { log "rdma_bench $op failed"; exit 1; }
+    # Same host, the transport against the raw virtual QP from 8 KiB (where
+    # per-operation costs show).
+    min=64K
+    case $link/$op in shm/write | shm/verbs_write) min=8K ;; esac
+    "$rb" $op -a --min $min --max "$max" --link $link --json >>"$res" || { log "rdma_bench $op failed"; exit 1; }
   done
   "$rb" write_lat -s 8 -n "$lat_n" --link $link --json >>"$res" || exit 1
   "$rb" verbs_write_lat -s 8 -n "$lat_n" --link $link --json >>"$res" || exit 1
@@ -380,6 +384,16 @@ print("rmacomm latency: median half round trip of a notifying write ping-pong (p
 print("answered by wait_signal + put + signal); MPI put+flush latency: one put completed by a flush (a full")
 print("round trip); UCX put_lat: half round trip. put bandwidth includes a signal the peer answers at the")
 print("end of each batch; get and MPI get+flush read the peer's buffer; UCX ucp_get likewise.")
+# The transport against the raw virtual QP it drives, same run.
+layers = sorted({(r["link"], r["bytes"]) for r in ours if r["op"] == "write" and r.get("bw_avg_MBps")})
+if layers:
+    print()
+    print("| link | size | `write` (transport) GB/s | `verbs_write` (raw virtual QP) GB/s | write / verbs_write |")
+    print("|---|---|---|---|---|")
+    for link, size in layers:
+        w, v = mine("write", link, size, "bw_avg_MBps"), mine("verbs_write", link, size, "bw_avg_MBps")
+        if w and v:
+            print("| %s | %s | %.3g | %.3g | %.2f |" % (link, size_name(size), w * GB, v * GB, w / v))
 PY
 
 # --- collectives: medians over the repetitions, time ratios ---------------
