@@ -192,3 +192,31 @@ async fn a_deregistered_mapped_region_fails_like_the_qp() {
     assert_eq!(a.direct_mappings(), 0, "the key is given up");
     assert!(!a.connected());
 }
+
+/// Direct copies stay right across many transports and domains made and
+/// dropped in one process (each round opens a new soft context, with new
+/// key tables and segments): every write lands where it was aimed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn direct_copies_stay_right_across_recreated_domains() {
+    common::link("shm");
+    let mut direct = 0;
+    for round in 0..40u64 {
+        let (a, b) = common::pair().await;
+        let dst = RdmaMemory::alloc_for(&b, 1 << 16).unwrap();
+        let src = RdmaMemory::alloc_for(&a, 4096).unwrap();
+        let rb = dst.remote_buffer();
+        for k in 0..40u64 {
+            let data = pattern(4096, round * 1000 + k);
+            src.write_from(0, &data).unwrap();
+            let off = (k * 4096) % (1 << 16);
+            let f = a.write(src.view(0, 4096).unwrap(), &rb.slice(off, 4096).unwrap(), false);
+            direct += usize::from(a.in_flight() == 0);
+            f.await.unwrap();
+            assert_eq!(contents(&dst, off as usize, 4096), data, "round {round}, write {k}");
+            if k % 8 == 0 {
+                tokio::time::sleep(std::time::Duration::from_micros(200)).await;
+            }
+        }
+    }
+    assert!(direct > 400, "only {direct} of 1600 writes were direct copies");
+}
