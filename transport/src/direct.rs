@@ -52,11 +52,12 @@ impl DirectMaps {
     }
 
     /// The mapping holding all of `want` and `want`'s offset in it; else
-    /// `None`, after starting (through `map`, on the current tokio runtime)
-    /// a mapping that will hold it, when none is under way.
+    /// `None`, after starting (through `map`, on `rt`) a mapping that will
+    /// hold it, when none is under way.
     pub(crate) fn lookup<F>(
         self: &Arc<Self>,
         want: &RdmaRemoteBuffer,
+        rt: &tokio::runtime::Handle,
         map: impl FnOnce(RdmaRemoteBuffer) -> F,
     ) -> Option<(Arc<MappedBuffer>, usize)>
     where
@@ -78,7 +79,6 @@ impl DirectMaps {
             None if keys.len() >= MAX_KEYS => return None,
             None => *want,
         };
-        let rt = tokio::runtime::Handle::try_current().ok()?;
         let have = match keys.remove(&want.key) {
             Some(Slot::Mapped(m)) => Some(m),
             _ => None,

@@ -152,6 +152,9 @@ struct Inner {
     broken_flag: std::sync::atomic::AtomicBool,
     /// The peer's regions mapped here, for same-host copies by the caller.
     direct: Arc<DirectMaps>,
+    /// The runtime `connect` ran on (the driver's): mappings are made there,
+    /// whatever thread posts.
+    rt: OnceLock<tokio::runtime::Handle>,
 }
 
 /// An RDMA connection to one peer (make one transport per peer).
@@ -252,6 +255,7 @@ impl RdmaTransport {
                 posting: std::sync::atomic::AtomicUsize::new(0),
                 broken_flag: std::sync::atomic::AtomicBool::new(false),
                 direct: Arc::default(),
+                rt: OnceLock::new(),
             }),
         })
     }
@@ -313,6 +317,7 @@ impl RdmaTransport {
             (0..self.inner.config.recv_depth as u64).map(|i| RecvWr { wr_id: RECV_BIT | i, sg_list: &[] }).collect();
         self.inner.qp.post_recv(&recvs)?;
         rt.spawn(drive(self.inner.clone()));
+        let _ = self.inner.rt.set(rt);
         // A zero-byte write proves the peer accepted this side's connection
         // (a wrong token or a dead peer fails it).
         let slot = self.inner.slots.clone().try_acquire_owned().map_err(|_| TransportError::ResourceExhausted {
@@ -728,13 +733,13 @@ impl Inner {
         if self.slots.available_permits() != self.config.max_in_flight || self.broken_flag.load(Ordering::Acquire) {
             return false;
         }
-        let Some(mem) = op.mem.as_deref() else { return false };
+        let (Some(mem), Some(rt)) = (op.mem.as_deref(), self.rt.get()) else { return false };
         let want = RdmaRemoteBuffer { addr, len: len as u64, key };
         let map = |hull: RdmaRemoteBuffer| {
             let f = self.qp.map_remote(hull.key, hull.addr, hull.len);
             async move { f.await.ok().flatten().map(|m| crate::MappedBuffer::new(m, hull)) }
         };
-        let Some((m, off)) = self.direct.lookup(&want, map) else { return false };
+        let Some((m, off)) = self.direct.lookup(&want, rt, map) else { return false };
         let copied = if write {
             m.map().write_from(off, mem, op.local_off, len)
         } else {

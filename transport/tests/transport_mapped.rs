@@ -220,3 +220,35 @@ async fn direct_copies_stay_right_across_recreated_domains() {
     }
     assert!(direct > 400, "only {direct} of 1600 writes were direct copies");
 }
+
+/// Calls made outside any runtime (a plain thread blocking on each future,
+/// as the Python binding does) get direct copies too: the mapping is made on
+/// the runtime `connect` ran on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_from_plain_threads_are_copied_too() {
+    common::link("shm");
+    let (a, b) = common::pair().await;
+    let dst = RdmaMemory::alloc_for(&b, 8192).unwrap();
+    let src = RdmaMemory::alloc_for(&a, 8192).unwrap();
+    let rb = dst.remote_buffer().slice(0, 4096).unwrap();
+    let rt = tokio::runtime::Handle::current();
+    let plain = std::thread::spawn(move || {
+        assert!(tokio::runtime::Handle::try_current().is_err(), "a plain thread");
+        for i in 0..10_000 {
+            src.write_from(0, &pattern(4096, i)).unwrap();
+            let f = a.write(src.view(0, 4096).unwrap(), &rb, false);
+            let direct = a.in_flight() == 0;
+            rt.block_on(f).unwrap();
+            if direct {
+                return Some(i);
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        None
+    });
+    while !plain.is_finished() {
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
+    let i = plain.join().unwrap().expect("no write from the plain thread was a direct copy");
+    assert_eq!(contents(&dst, 0, 4096), pattern(4096, i));
+}
