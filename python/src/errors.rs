@@ -186,7 +186,7 @@ fn window_kind(e: &rmacomm_window::Error) -> ErrKind {
         W::Timeout { .. } => ErrKind::Timeout,
         W::InvalidArgument { .. } | W::Bounds { .. } | W::Env { .. } | W::NoLaunchEnv => ErrKind::Argument,
         W::Mismatch { .. } => ErrKind::Mismatch,
-        W::Connect { .. } | W::Disconnected { .. } | W::Closed { .. } => ErrKind::Peer,
+        W::Connect { .. } | W::Disconnected { .. } | W::Closed { .. } | W::PeerFailed { .. } => ErrKind::Peer,
         W::Unsupported { .. } => ErrKind::Unavailable,
         W::Rma { source, .. } | W::Transport { source, .. } => transport_kind(source),
         _ => ErrKind::Comm,

@@ -137,6 +137,17 @@ pub enum Error {
         /// Why, and what to use instead.
         reason: String,
     },
+    /// Another rank failed its part of a collective window operation (so
+    /// this rank fails it too, rather than go on with a peer that did not).
+    #[error("{op}: rank {peer} failed its part: {reason}")]
+    PeerFailed {
+        /// The operation.
+        op: &'static str,
+        /// The rank that failed.
+        peer: usize,
+        /// Its error.
+        reason: String,
+    },
     /// The store was shut down while the call was pending.
     #[error("the store was shut down while {op} was pending; keep the store host alive until every rank is done")]
     Closed {

@@ -388,17 +388,30 @@ impl Window {
             peers.push(parsed.ok_or_else(|| Error::Protocol(format!("{OP}: rank {p} sent a malformed descriptor")))?);
         }
         // UNIFIED peers' tensors, mapped here when they are shared segments.
-        let mut maps = Vec::with_capacity(peers.len());
-        for (p, (rb, _)) in peers.iter().enumerate() {
-            let m = match self.signal_maps[p] {
+        let maps: Result<Vec<_>> = peers
+            .iter()
+            .enumerate()
+            .map(|(p, (rb, _))| match self.signal_maps[p] {
                 Some(_) => self.rt.block_on(self.links[p].out.map_remote(rb)).map_err(|source| Error::Rma {
                     op: OP,
                     peer: p,
                     source,
-                })?,
-                None => None,
-            };
-            maps.push(m);
+                }),
+                None => Ok(None),
+            })
+            .collect();
+        // Every rank says how its mapping went before any returns: no rank
+        // leaves (and may drop its window, deregistering its memory) while
+        // a peer is still mapping that memory, and a rank's failure fails
+        // the registration everywhere, naming it.
+        let verdict = match &maps {
+            Ok(_) => String::new(),
+            Err(e) => e.to_string(),
+        };
+        let all = self.group.exchange("tensor_register/mapped", verdict.as_bytes())?;
+        let maps = maps?;
+        if let Some((p, why)) = all.iter().enumerate().find(|(_, v)| !v.is_empty()) {
+            return Err(Error::PeerFailed { op: OP, peer: p, reason: String::from_utf8_lossy(why).into_owned() });
         }
         self.reg = Some(Registration { mem, peers, maps });
         Ok(())
