@@ -860,7 +860,12 @@ impl Inner {
     }
 
     /// Waits for the completion of WR `id` until `deadline`.
-    async fn finish(&self, mut rx: ReplyRx, op: &'static str, deadline: Deadline) -> Result<(), TransportError> {
+    async fn finish(&self, mut rx: ReplyRx, op: &'static str, mut deadline: Deadline) -> Result<(), TransportError> {
+        // A caller that busy-polls reads the clock anyway: its time spinning
+        // counts against its timeout.
+        if let (Deadline::After(t), false) = (deadline, self.config.busy_poll.is_zero()) {
+            deadline = Deadline::At(t, tokio::time::Instant::now() + t);
+        }
         // Reap here first (and, with busy_poll, keep reaping for a while):
         // no wake-up of the driver task is needed for what is found.
         if let Some(r) = self.reap_until(&mut rx) {
