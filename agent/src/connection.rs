@@ -4,7 +4,6 @@
 //! and in order, and the drainer, which takes the peer's notifications off
 //! this side's ring as they land.
 
-use std::collections::HashMap;
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
@@ -100,7 +99,6 @@ impl Prepared {
             ordered: self.ordered,
             overflowing: Arc::new(AtomicUsize::new(0)),
             same_host,
-            maps: Mutex::new(HashMap::new()),
             timeout: self.timeout,
             counters: counters.clone(),
         });
@@ -147,8 +145,6 @@ pub(crate) struct Conn {
     pub(crate) overflowing: Arc<AtomicUsize>,
     /// The peer's memory maps here (same host, shared segments).
     pub(crate) same_host: bool,
-    /// The peer's regions mapped here, by (address, key).
-    maps: Mutex<HashMap<(u64, u32), MapState>>,
     timeout: Option<Duration>,
     counters: Arc<Counters>,
 }
@@ -159,14 +155,6 @@ pub(crate) struct Lane {
     /// Notifications handed to the notifier and not yet posted: while there
     /// are any, later ones queue behind them.
     queued: usize,
-}
-
-/// Where the mapping of one of the peer's regions stands.
-#[derive(Clone)]
-enum MapState {
-    Mapping,
-    Mapped(Arc<MappedBuffer>),
-    Unmappable,
 }
 
 impl fmt::Debug for Conn {
@@ -190,40 +178,18 @@ impl Conn {
         self.lane.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The mappings of `regions` when every one of them is mapped here;
-    /// else `None`, after starting to map those never tried (on the
-    /// current tokio runtime, if any): a later request may find them.
-    pub(crate) fn mapped(self: &Arc<Self>, regions: &[(u32, RdmaRemoteBuffer)]) -> Option<Vec<Arc<MappedBuffer>>> {
+    /// The mappings holding `regions` (each with the region's offset in
+    /// it) when every one of them is mapped here; else `None`, after the
+    /// transport started mapping those not mapped yet: a later request may
+    /// find them (see [`RdmaTransport::cached_mapping`], whose mappings the
+    /// transport's own same-host copies share).
+    pub(crate) fn mapped(&self, regions: &[(u32, RdmaRemoteBuffer)]) -> Option<Vec<(Arc<MappedBuffer>, usize)>> {
         if !self.same_host {
             return None;
         }
-        let mut maps = self.maps.lock().unwrap_or_else(|e| e.into_inner());
-        let mut out = Vec::with_capacity(regions.len());
-        let mut all = true;
-        for (_, r) in regions {
-            match maps.get(&(r.addr, r.key)) {
-                Some(MapState::Mapped(m)) if m.remote_buffer() == *r => out.push(m.clone()),
-                Some(MapState::Mapping | MapState::Unmappable) => all = false,
-                Some(MapState::Mapped(_)) | None => {
-                    all = false;
-                    let Ok(rt) = tokio::runtime::Handle::try_current() else { continue };
-                    maps.insert((r.addr, r.key), MapState::Mapping);
-                    let map = self.transport.map_remote(r);
-                    let this = Arc::downgrade(self);
-                    let key = (r.addr, r.key);
-                    rt.spawn(async move {
-                        let state = match map.await {
-                            Ok(Some(m)) => MapState::Mapped(Arc::new(m)),
-                            _ => MapState::Unmappable,
-                        };
-                        if let Some(c) = this.upgrade() {
-                            c.maps.lock().unwrap_or_else(|e| e.into_inner()).insert(key, state);
-                        }
-                    });
-                }
-            }
-        }
-        all.then_some(out)
+        // Every region is asked for, so that all of them start mapping.
+        let maps: Vec<_> = regions.iter().map(|(_, r)| self.transport.cached_mapping(r)).collect();
+        maps.into_iter().collect()
     }
 
     /// Posts `message` as this side's next notification now, behind what

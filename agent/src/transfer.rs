@@ -268,7 +268,11 @@ fn notify_after<'a>(
 /// Copies every piece through the peer's mapped regions, in the calling
 /// thread. A copy that fails (the peer deregistered a region) fails the
 /// request; the pieces before it have landed.
-fn copy_mapped(peer: &str, p: &Posting<'_>, maps: &[Arc<rmacomm_transport::MappedBuffer>]) -> Result<(), AgentError> {
+fn copy_mapped(
+    peer: &str,
+    p: &Posting<'_>,
+    maps: &[(Arc<rmacomm_transport::MappedBuffer>, usize)],
+) -> Result<(), AgentError> {
     let bytes: usize = p.plan.iter().map(|o| o.len).sum();
     // A request larger than the cache is copied with non-temporal stores
     // (its pieces of 64 KiB or more): their destination lines would be
@@ -280,13 +284,14 @@ fn copy_mapped(peer: &str, p: &Posting<'_>, maps: &[Arc<rmacomm_transport::Mappe
         for o in &p.plan {
             let k = p.remotes.iter().position(|(id, _)| *id == o.region).expect("the planner checked the region");
             let mem = p.locals[o.local].get();
-            let at = o.remote_off as usize;
+            let (m, base) = &maps[k];
+            let at = base + o.remote_off as usize;
             let stream = stream_all && o.len >= STREAM_PIECE;
             let r = match (p.op, stream) {
-                (Op::Write, false) => maps[k].put(mem.view(o.local_off, o.len).expect("inside a view"), at),
-                (Op::Write, true) => maps[k].put_streaming(mem.view(o.local_off, o.len).expect("inside a view"), at),
-                (Op::Read, false) => maps[k].get(mem.view_mut(o.local_off, o.len).expect("inside a view"), at),
-                (Op::Read, true) => maps[k].get_streaming(mem.view_mut(o.local_off, o.len).expect("inside a view"), at),
+                (Op::Write, false) => m.put(mem.view(o.local_off, o.len).expect("inside a view"), at),
+                (Op::Write, true) => m.put_streaming(mem.view(o.local_off, o.len).expect("inside a view"), at),
+                (Op::Read, false) => m.get(mem.view_mut(o.local_off, o.len).expect("inside a view"), at),
+                (Op::Read, true) => m.get_streaming(mem.view_mut(o.local_off, o.len).expect("inside a view"), at),
             };
             r.map_err(|e| AgentError::from_transport(peer, e))?;
         }

@@ -4,7 +4,11 @@
 //!
 //! One [`RdmaTransport`] connects to one peer over one virtual QP (several
 //! physical QPs, DQPLB or spray striping) on the verbs provider where an HCA
-//! exists and on the soft provider (shared memory / TCP) elsewhere.
+//! exists and on the soft provider (shared memory / TCP) elsewhere. To a
+//! peer on the same host, small plain writes and reads are copied by the
+//! calling thread through a cached, key-checked mapping of the peer's memory
+//! (see [`TransportConfig::direct_copy_max`] and
+//! [`RdmaTransport::cached_mapping`]).
 //!
 //! # Quick start
 //! ```

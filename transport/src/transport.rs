@@ -615,8 +615,21 @@ impl RdmaTransport {
         }
     }
 
+    /// The mapping of the peer's memory that holds all of `remote`, and the
+    /// offset of `remote` in it: for copies by the calling thread to a
+    /// same-host peer (the transport's own direct copies, see
+    /// [`TransportConfig::direct_copy_max`], use the same mappings). `None`
+    /// while the mapping is being made (this call starts it, on the runtime
+    /// `connect` ran on; a later call finds it), and for good when the peer
+    /// is on another host, `remote` is not in a shared segment or a copy
+    /// through its key failed. One mapping per key, grown to the hull of the
+    /// slices asked for. Every copy through it checks the peer's live key.
+    pub fn cached_mapping(&self, remote: &RdmaRemoteBuffer) -> Option<(Arc<crate::MappedBuffer>, usize)> {
+        self.inner.cached_mapping(remote)
+    }
+
     /// Regions of the peer mapped here for same-host copies by the calling
-    /// thread (see [`TransportConfig::direct_copy_max`]). A diagnostic.
+    /// thread (see [`cached_mapping`](Self::cached_mapping)). A diagnostic.
     pub fn direct_mappings(&self) -> usize {
         self.inner.direct.mapped()
     }
@@ -722,7 +735,7 @@ impl Inner {
     fn try_direct(&self, op: &Op) -> bool {
         let Some(sge) = op.sge.as_ref() else { return false };
         let len = sge.length as usize;
-        if len > self.config.direct_copy_max || self.domain.provider != "soft" {
+        if len > self.config.direct_copy_max {
             return false;
         }
         let (addr, key, write) = match op.op {
@@ -733,13 +746,10 @@ impl Inner {
         if self.slots.available_permits() != self.config.max_in_flight || self.broken_flag.load(Ordering::Acquire) {
             return false;
         }
-        let (Some(mem), Some(rt)) = (op.mem.as_deref(), self.rt.get()) else { return false };
-        let want = RdmaRemoteBuffer { addr, len: len as u64, key };
-        let map = |hull: RdmaRemoteBuffer| {
-            let f = self.qp.map_remote(hull.key, hull.addr, hull.len);
-            async move { f.await.ok().flatten().map(|m| crate::MappedBuffer::new(m, hull)) }
+        let Some(mem) = op.mem.as_deref() else { return false };
+        let Some((m, off)) = self.cached_mapping(&RdmaRemoteBuffer { addr, len: len as u64, key }) else {
+            return false;
         };
-        let Some((m, off)) = self.direct.lookup(&want, rt, map) else { return false };
         let copied = if write {
             m.map().write_from(off, mem, op.local_off, len)
         } else {
@@ -749,6 +759,19 @@ impl Inner {
             self.direct.give_up(key);
         }
         copied.is_ok()
+    }
+
+    /// See [`RdmaTransport::cached_mapping`].
+    fn cached_mapping(&self, want: &RdmaRemoteBuffer) -> Option<(Arc<crate::MappedBuffer>, usize)> {
+        if self.domain.provider != "soft" {
+            return None;
+        }
+        let rt = self.rt.get()?;
+        let map = |hull: RdmaRemoteBuffer| {
+            let f = self.qp.map_remote(hull.key, hull.addr, hull.len);
+            async move { f.await.ok().flatten().map(|m| crate::MappedBuffer::new(m, hull)) }
+        };
+        self.direct.lookup(want, rt, map)
     }
 
     /// Records and posts one WR holding `slot`; returns its completion

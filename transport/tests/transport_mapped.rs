@@ -116,6 +116,12 @@ async fn same_host_writes_and_reads_are_copied_when_called() {
         tokio::time::sleep(std::time::Duration::from_millis(1)).await;
     }
     assert_eq!(a.direct_mappings(), 1);
+    // The same mapping is there for callers' own copies, with each slice's
+    // offset in it.
+    let (m, off) = a.cached_mapping(&tail).expect("mapped");
+    assert_eq!((m.remote_buffer().addr, off), (rb.addr, (1 << 20) - 100));
+    m.write_from(off, b"mine").unwrap();
+    assert_eq!(contents(&dst, (1 << 20) - 100, 4), b"mine");
 
     // Reads the same way (b maps a's region).
     let back = RdmaMemory::alloc_for(&b, 4096).unwrap();
