@@ -66,14 +66,17 @@ pub struct TransportConfig {
     /// all are taken waits for one to free (backpressure) instead of
     /// queueing without bound. At least 1.
     pub max_in_flight: usize,
-    /// Same-host peers (soft provider, shared segments): a `write` without
-    /// `notify` or a `read` of at most this many bytes, made while nothing
+    /// Same-host peers (soft provider, shared segments): a `write` or a
+    /// `read` of at most this many bytes, made while nothing
     /// else is in flight on the transport, is copied by the calling thread
     /// through a mapping of the peer's region (checked against the peer's
     /// live key, like [`MappedBuffer`](crate::MappedBuffer)) and its future
-    /// is ready at once: no work request, completion or wake-up. Zero turns
-    /// this off. Default 1 MiB (the soft provider's inline-copy budget), or
-    /// `RMACOMM_DIRECT_COPY_MAX` (bytes).
+    /// is ready at once: no work request, completion or wake-up. A `write`
+    /// with `notify` is copied the same way and counted into a page of the
+    /// peer's that its `wait_for_write` polls (no work request either; a
+    /// peer whose wait sleeps rather than spins is woken by a zero-byte
+    /// work request). Zero turns this off. Default 1 MiB (the soft
+    /// provider's inline-copy budget), or `RMACOMM_DIRECT_COPY_MAX` (bytes).
     pub direct_copy_max: usize,
     /// Soft-provider settings (link, addresses, ...) when the soft provider
     /// is used; `None` takes them from the environment (`RMACOMM_SOFT_*`).

@@ -5,9 +5,10 @@
 //! One [`RdmaTransport`] connects to one peer over one virtual QP (several
 //! physical QPs, DQPLB or spray striping) on the verbs provider where an HCA
 //! exists and on the soft provider (shared memory / TCP) elsewhere. To a
-//! peer on the same host, small plain writes and reads are copied by the
-//! calling thread through a cached, key-checked mapping of the peer's memory
-//! (see [`TransportConfig::direct_copy_max`] and
+//! peer on the same host, small writes and reads are copied by the calling
+//! thread through a cached, key-checked mapping of the peer's memory, and
+//! notifications are counted in a page the peer polls (see
+//! [`TransportConfig::direct_copy_max`] and
 //! [`RdmaTransport::cached_mapping`]).
 //!
 //! # Quick start
@@ -65,7 +66,8 @@
 //! of them.
 //!
 //! # Organization
-//! `transport` (the connection and its completion driver), `memory`
+//! `transport` (the connection and its completion driver), `direct` and
+//! `notes` (same-host copies and notifications), `memory`
 //! (registrations and views), `remote` (peers' buffers), `url`, `config`,
 //! `error`, `domain` (devices shared by every transport in the process).
 
@@ -77,6 +79,7 @@ mod domain;
 mod error;
 mod mapped;
 mod memory;
+mod notes;
 mod remote;
 mod transport;
 mod url;

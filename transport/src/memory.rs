@@ -59,7 +59,7 @@ impl RdmaMemory {
         Self::alloc_in(transport.domain().clone(), len)
     }
 
-    fn alloc_in(d: Arc<Domain>, len: usize) -> Result<RdmaMemory, TransportError> {
+    pub(crate) fn alloc_in(d: Arc<Domain>, len: usize) -> Result<RdmaMemory, TransportError> {
         if len == 0 {
             return Err(TransportError::invalid("RdmaMemory::alloc", "length 0"));
         }

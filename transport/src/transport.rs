@@ -4,7 +4,7 @@ use std::collections::VecDeque;
 use std::fmt;
 use std::future::Future;
 use std::os::fd::{AsRawFd, RawFd};
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
@@ -18,6 +18,7 @@ use tokio::sync::{oneshot, Notify, OwnedSemaphorePermit, Semaphore, TryAcquireEr
 use crate::direct::DirectMaps;
 use crate::domain::{domain, Domain};
 use crate::memory::{View, ViewMut};
+use crate::notes::{self, Notes};
 use crate::{url, RdmaRemoteBuffer, TransportConfig, TransportError};
 
 type Reply = oneshot::Sender<Result<(), TransportError>>;
@@ -95,7 +96,6 @@ struct State {
     broken_guessed: bool,
     /// The transport was dropped: calls still pending end with `Aborted`.
     dropped: bool,
-    banked: u64,
     waiters: VecDeque<Reply>,
     /// Waits that timed out or were dropped since the last prune; their
     /// closed senders are still in `waiters`.
@@ -104,14 +104,14 @@ struct State {
 
 impl State {
     /// Hands one notification to the oldest live waiter, or banks it.
-    fn deliver_notification(&mut self) {
+    fn deliver_notification(&mut self, banked: &AtomicU64) {
         while let Some(w) = self.waiters.pop_front() {
             if w.send(Ok(())).is_ok() {
                 return;
             }
             self.abandoned = self.abandoned.saturating_sub(1);
         }
-        self.banked += 1;
+        banked.fetch_add(1, Ordering::Release);
     }
 
     /// Counts one abandoned wait; once they are half the table, removes
@@ -155,6 +155,11 @@ struct Inner {
     /// The runtime `connect` ran on (the driver's): mappings are made there,
     /// whatever thread posts.
     rt: OnceLock<tokio::runtime::Handle>,
+    /// Notifications counted in shared memory, both ways (same host).
+    notes: Notes,
+    /// Notifications nobody waited for yet, kept for later waits. Changed
+    /// only under `st`'s lock; read without it by spinning waits.
+    banked: AtomicU64,
 }
 
 /// An RDMA connection to one peer (make one transport per peer).
@@ -256,6 +261,8 @@ impl RdmaTransport {
                 broken_flag: std::sync::atomic::AtomicBool::new(false),
                 direct: Arc::default(),
                 rt: OnceLock::new(),
+                notes: Notes::default(),
+                banked: AtomicU64::new(0),
             }),
         })
     }
@@ -273,7 +280,12 @@ impl RdmaTransport {
     /// The URL to give the peer: printable, and carrying an unguessable
     /// token without which a connection is refused.
     pub fn bind(&self) -> Result<String, TransportError> {
-        Ok(url::encode(self.inner.domain.provider, &self.inner.qp.endpoint()?))
+        let ep = self.inner.qp.endpoint()?;
+        let d = &self.inner.domain;
+        let page = (d.provider == "soft")
+            .then(|| self.inner.notes.own_page(|| crate::RdmaMemory::alloc_in(d.clone(), notes::PAGE).ok()))
+            .flatten();
+        Ok(url::encode(d.provider, &ep, page))
     }
 
     /// Connects to the peer's URL. Must be called inside a tokio runtime
@@ -294,7 +306,7 @@ impl RdmaTransport {
     /// Errors never contain the URL or its tokens.
     pub async fn connect(&self, peer_url: &str) -> Result<(), TransportError> {
         let mut claim = self.claim_connect()?;
-        let (provider, ep) = url::decode(peer_url)?;
+        let (provider, ep, notes) = url::decode(peer_url)?;
         if provider != self.inner.domain.provider {
             return Err(TransportError::invalid(
                 "connect",
@@ -305,6 +317,9 @@ impl RdmaTransport {
             .map_err(|_| TransportError::Unsupported("connect must be called inside a tokio runtime".into()))?;
         let peer = url::describe(&provider, &ep);
         let _ = self.inner.peer.set(peer.clone());
+        if let Some(page) = notes {
+            let _ = self.inner.notes.peer.set(page);
+        }
         claim.qp_touched = true;
         self.inner.qp.connect(&ep).map_err(|e| match TransportError::from(e) {
             TransportError::InvalidArgument { op, reason } => {
@@ -557,7 +572,11 @@ impl RdmaTransport {
 
     /// Waits for one notifying write from the peer. A counting semaphore:
     /// each write with `notify` satisfies exactly one wait, and
-    /// notifications that arrive first are kept for later waits.
+    /// notifications that arrive first are kept for later waits. Waits are
+    /// served oldest first, except that with
+    /// [`busy_poll`](TransportConfig::busy_poll) a wait made while no other
+    /// waits spins before it joins the queue (a wait made during its spin
+    /// may be served first).
     pub fn wait_for_write(&self) -> impl Future<Output = Result<(), TransportError>> + Send + 'static {
         self.wait_for_write_with_timeout(self.inner.config.timeout)
     }
@@ -568,50 +587,81 @@ impl RdmaTransport {
         timeout: Option<Duration>,
     ) -> impl Future<Output = Result<(), TransportError>> + Send + 'static {
         const OP: &str = "wait_for_write";
+        self.inner.reap_notes();
         let early = {
             let mut st = self.inner.lock();
-            if st.banked > 0 {
-                st.banked -= 1;
+            if self.inner.take_banked(&st) {
                 Err(Ok(()))
             } else if let Some(e) = &st.broken {
                 Err(Err(e.clone()))
             } else if !self.inner.is_connected() {
                 Err(Err(TransportError::invalid(OP, "not connected")))
+            } else if !self.inner.config.busy_poll.is_zero() && st.waiters.is_empty() {
+                // Nobody waits ahead of this call: it spins first (when
+                // polled), taking a notification as one comes, and joins
+                // the table only if none did.
+                Ok(None)
             } else {
                 let (tx, rx) = oneshot::channel();
                 st.waiters.push_back(tx);
-                Ok(rx)
+                Ok(Some(rx))
             }
         };
         // The guard exists from here on, so that a future dropped before
         // its first poll is counted as abandoned too.
-        let waiter = early.map(|rx| Waiter { inner: self.inner.clone(), rx: Some(rx) });
+        let waiter = early.map(|rx| Waiter { inner: self.inner.clone(), rx });
         async move {
             let mut w = match waiter {
                 Ok(w) => w,
                 Err(r) => return r,
             };
+            let spun = w.rx.is_none();
+            if spun {
+                if let Some(r) = w.inner.spin_for_note() {
+                    return r;
+                }
+                let mut st = w.inner.lock();
+                if w.inner.take_banked(&st) {
+                    return Ok(());
+                } else if let Some(e) = &st.broken {
+                    return Err(e.clone());
+                }
+                let (tx, rx) = oneshot::channel();
+                st.waiters.push_back(tx);
+                w.rx = Some(rx);
+            }
             let inner = &w.inner;
             let rx = w.rx.as_mut().expect("set above");
             // Reap pending notifications here first (see `finish`).
-            let res = match inner.reap_until(rx) {
-                Some(r) => Ok(r),
-                None => match timeout {
-                    None => rx.await,
-                    Some(t) => match tokio::time::timeout(t, &mut *rx).await {
+            let aborted = || Err(TransportError::Aborted { op: OP });
+            let res = match inner.reap_until(rx, !spun) {
+                Some(r) => r,
+                None => {
+                    // Asleep from here: a same-host writer wakes it through
+                    // the QP. Marked first, then the counter read again
+                    // (see `notes`).
+                    let _parked = Parked::new(inner.clone());
+                    match rx.try_recv() {
                         Ok(r) => r,
-                        // A notification that raced the timeout is taken;
-                        // one that comes later is handed on by the
-                        // Waiter's drop.
-                        Err(_) => match rx.try_recv() {
-                            Ok(r) => Ok(r),
-                            Err(_) => return Err(TransportError::Timeout { op: OP, after: t }),
+                        Err(oneshot::error::TryRecvError::Closed) => aborted(),
+                        Err(oneshot::error::TryRecvError::Empty) => match timeout {
+                            None => (&mut *rx).await.unwrap_or_else(|_| aborted()),
+                            Some(t) => match tokio::time::timeout(t, &mut *rx).await {
+                                Ok(r) => r.unwrap_or_else(|_| aborted()),
+                                // A notification that raced the timeout is
+                                // taken; one that comes later is handed on by
+                                // the Waiter's drop.
+                                Err(_) => match rx.try_recv() {
+                                    Ok(r) => r,
+                                    Err(_) => return Err(TransportError::Timeout { op: OP, after: t }),
+                                },
+                            },
                         },
-                    },
-                },
+                    }
+                }
             };
             w.rx = None;
-            res.unwrap_or(Err(TransportError::Aborted { op: OP }))
+            res
         }
     }
 
@@ -632,6 +682,14 @@ impl RdmaTransport {
     /// thread (see [`cached_mapping`](Self::cached_mapping)). A diagnostic.
     pub fn direct_mappings(&self) -> usize {
         self.inner.direct.mapped()
+    }
+
+    /// Notifications from the peer taken from shared memory (a same-host
+    /// peer's direct notifying writes, see
+    /// [`TransportConfig::direct_copy_max`]) rather than through the QP.
+    /// A diagnostic.
+    pub fn direct_notifications(&self) -> u64 {
+        self.inner.notes.seen.load(Ordering::Acquire)
     }
 
     /// Operations posted (or being posted) and not yet completed, those
@@ -675,9 +733,21 @@ impl RdmaTransport {
     /// [`TransportConfig::direct_copy_max`]), else posts it now if a slot is
     /// free; else the caller's future waits for one.
     fn start(&self, op: Result<Op, TransportError>) -> Result<Start, TransportError> {
-        let op = op?;
-        if self.inner.try_direct(&op) {
-            return Ok(Start::Done);
+        let mut op = op?;
+        match self.inner.try_direct(&op) {
+            Direct::Done => return Ok(Start::Done),
+            // Copied and counted in; a zero-byte wake-up goes through the
+            // QP, and the operation completes with it.
+            Direct::Wake => {
+                op = Op {
+                    name: op.name,
+                    op: SendOp::RdmaWriteWithImm { remote_addr: 0, rkey: 0, imm: notes::WAKE_IMM },
+                    sge: None,
+                    mem: None,
+                    local_off: 0,
+                }
+            }
+            Direct::No => {}
         }
         match self.inner.slots.clone().try_acquire_owned() {
             Ok(slot) => self.inner.post(op, slot).map(Start::Posted),
@@ -728,37 +798,92 @@ impl Inner {
     }
 
     /// Copies `op` through a mapping of the peer's region, when the peer is
-    /// on this host, the operation is a plain write or a read of at most
+    /// on this host, the operation is a write or a read of at most
     /// `direct_copy_max` bytes and nothing is in flight (which it would
-    /// overtake). True when copied; false leaves `op` to the QP (a key not
-    /// mapped yet, or one whose copy failed: the QP then reports it).
-    fn try_direct(&self, op: &Op) -> bool {
-        let Some(sge) = op.sge.as_ref() else { return false };
-        let len = sge.length as usize;
-        if len > self.config.direct_copy_max {
-            return false;
+    /// overtake); a notifying write is then counted into the peer's
+    /// notification page (see `notes`). `No` leaves `op` to the QP (a key
+    /// not mapped yet, or one whose copy failed: the QP then reports it).
+    fn try_direct(&self, op: &Op) -> Direct {
+        let len = op.sge.as_ref().map_or(0, |s| s.length as usize);
+        if len > self.config.direct_copy_max || self.config.direct_copy_max == 0 {
+            return Direct::No;
         }
-        let (addr, key, write) = match op.op {
-            SendOp::RdmaWrite { remote_addr, rkey } => (remote_addr, rkey, true),
-            SendOp::RdmaRead { remote_addr, rkey } => (remote_addr, rkey, false),
-            _ => return false,
+        let (addr, key, write, notify) = match op.op {
+            SendOp::RdmaWrite { remote_addr, rkey } => (remote_addr, rkey, true, false),
+            SendOp::RdmaWriteWithImm { remote_addr, rkey, imm: 0 } => (remote_addr, rkey, true, true),
+            SendOp::RdmaRead { remote_addr, rkey } => (remote_addr, rkey, false, false),
+            _ => return Direct::No,
         };
-        if self.slots.available_permits() != self.config.max_in_flight || self.broken_flag.load(Ordering::Acquire) {
-            return false;
+        // A zero-byte plain write (connect's probe) proves something only
+        // through the QP.
+        if (len == 0 && !notify)
+            || self.slots.available_permits() != self.config.max_in_flight
+            || self.broken_flag.load(Ordering::Acquire)
+        {
+            return Direct::No;
         }
-        let Some(mem) = op.mem.as_deref() else { return false };
-        let Some((m, off)) = self.cached_mapping(&RdmaRemoteBuffer { addr, len: len as u64, key }) else {
-            return false;
-        };
-        let copied = if write {
-            m.map().write_from(off, mem, op.local_off, len)
+        let page = if notify {
+            let Some(page) = self.notes.peer_page(|p| self.cached_mapping(p).map(|(m, _)| m)) else {
+                return Direct::No;
+            };
+            // The peer's transport is gone: the QP says so.
+            if !page.is_registered() {
+                return Direct::No;
+            }
+            Some(page)
         } else {
-            m.map().read_into(off, mem, op.local_off, len)
+            None
         };
-        if copied.is_err() {
-            self.direct.give_up(key);
+        if len > 0 {
+            let Some(mem) = op.mem.as_deref() else { return Direct::No };
+            let Some((m, off)) = self.cached_mapping(&RdmaRemoteBuffer { addr, len: len as u64, key }) else {
+                return Direct::No;
+            };
+            let copied = if write {
+                m.map().write_from(off, mem, op.local_off, len)
+            } else {
+                m.map().read_into(off, mem, op.local_off, len)
+            };
+            if copied.is_err() {
+                self.direct.give_up(key);
+                return Direct::No;
+            }
         }
-        copied.is_ok()
+        match page.map(notes::count_in) {
+            // Counted in, and a waiter of the peer sleeps: wake it.
+            Some(Some(true)) => Direct::Wake,
+            // Copied, so the QP would copy it again: harmless, and it
+            // notifies. (Not reached: the page's words were checked.)
+            Some(None) => Direct::No,
+            _ => Direct::Done,
+        }
+    }
+
+    /// Takes the notifications the peer counted into this side's page and
+    /// hands them to waiters (or banks them).
+    /// Takes one banked notification, if there is one (`_st`: under the
+    /// state lock).
+    fn take_banked(&self, _st: &State) -> bool {
+        let b = self.banked.load(Ordering::Acquire);
+        if b > 0 {
+            self.banked.store(b - 1, Ordering::Release);
+        }
+        b > 0
+    }
+
+    /// True when it found some.
+    fn reap_notes(&self) -> bool {
+        let Some(count) = self.notes.counted() else { return false };
+        if count == self.notes.seen.load(Ordering::Relaxed) {
+            return false;
+        }
+        let mut st = self.lock();
+        let seen = self.notes.seen.load(Ordering::Relaxed);
+        for _ in seen..count {
+            st.deliver_notification(&self.banked);
+        }
+        self.notes.seen.store(count.max(seen), Ordering::Release);
+        true
     }
 
     /// See [`RdmaTransport::cached_mapping`].
@@ -841,25 +966,63 @@ impl Inner {
     /// Polls the CQ once from the calling task and resolves what it finds:
     /// an operation that completed while being posted (the soft provider's
     /// same-host copies) then needs no wake-up of the driver task at all.
-    fn progress(&self) {
+    /// True when it found something.
+    fn progress(&self) -> bool {
+        let mut found = self.reap_notes();
         let mut wcs = [WorkCompletion::empty(); 16];
         loop {
             let n = match self.cq.poll(&mut wcs) {
                 Ok(n) => n,
-                Err(e) => return self.break_with(e.into()),
+                Err(e) => {
+                    self.break_with(e.into());
+                    return true;
+                }
             };
             for wc in &wcs[..n] {
                 self.dispatch(wc);
             }
+            found |= n > 0;
             if n < wcs.len() {
-                return;
+                return found;
             }
         }
     }
 
+    /// The spin of a `wait_for_write` with nobody ahead of it: polls (see
+    /// `reap_until`) for up to `busy_poll` and takes the first notification
+    /// banked meanwhile; `None` when none came (or another caller's wait
+    /// took it).
+    fn spin_for_note(&self) -> Option<Result<(), TransportError>> {
+        let spin_until = std::time::Instant::now() + self.config.busy_poll;
+        for round in 1u32.. {
+            std::hint::spin_loop();
+            let found = if round % 4 == 0 { self.progress() } else { self.reap_notes() };
+            // Banked here or by the driver task.
+            if found
+                || self.banked.load(Ordering::Acquire) > 0
+                || (round % 64 == 0 && self.broken_flag.load(Ordering::Acquire))
+            {
+                let st = self.lock();
+                if self.take_banked(&st) {
+                    return Some(Ok(()));
+                } else if let Some(e) = &st.broken {
+                    return Some(Err(e.clone()));
+                }
+            }
+            if round % 64 == 0 && std::time::Instant::now() >= spin_until {
+                break;
+            }
+        }
+        None
+    }
+
     /// Polls the CQ from the calling task until `rx` has its result or
     /// `busy_poll` has passed (one poll when it is zero: no clock read).
-    fn reap_until(&self, rx: &mut oneshot::Receiver<Result<(), TransportError>>) -> Option<Result<(), TransportError>> {
+    fn reap_until(
+        &self,
+        rx: &mut oneshot::Receiver<Result<(), TransportError>>,
+        spin: bool,
+    ) -> Option<Result<(), TransportError>> {
         // An earlier caller's poll may have resolved this one already.
         if let Ok(r) = rx.try_recv() {
             return Some(r);
@@ -868,15 +1031,26 @@ impl Inner {
         if let Ok(r) = rx.try_recv() {
             return Some(r);
         }
-        if self.config.busy_poll.is_zero() {
+        if self.config.busy_poll.is_zero() || !spin {
             return None;
         }
         let spin_until = std::time::Instant::now() + self.config.busy_poll;
-        while std::time::Instant::now() < spin_until {
+        // The clock is read every 64 rounds: a read costs as much as a
+        // round, and would delay seeing what arrives.
+        for round in 1u32.. {
             std::hint::spin_loop();
-            self.progress();
+            // Notifications counted in shared memory are looked for every
+            // round, the CQ every fourth (a poll costs several rounds).
+            if round % 4 == 0 {
+                self.progress();
+            } else {
+                self.reap_notes();
+            }
             if let Ok(r) = rx.try_recv() {
                 return Some(r);
+            }
+            if round % 64 == 0 && std::time::Instant::now() >= spin_until {
+                break;
             }
         }
         None
@@ -891,7 +1065,7 @@ impl Inner {
         }
         // Reap here first (and, with busy_poll, keep reaping for a while):
         // no wake-up of the driver task is needed for what is found.
-        if let Some(r) = self.reap_until(&mut rx) {
+        if let Some(r) = self.reap_until(&mut rx, true) {
             return r;
         }
         let deadline = match deadline {
@@ -982,7 +1156,12 @@ impl Inner {
                 return;
             }
             let _ = self.qp.post_recv(&[RecvWr { wr_id: wc.wr_id, sg_list: &[] }]);
-            self.lock().deliver_notification();
+            if wc.imm_data == Some(notes::WAKE_IMM) {
+                // Counts nothing itself: the notification is in the page.
+                self.reap_notes();
+            } else {
+                self.lock().deliver_notification(&self.banked);
+            }
             return;
         }
         // The entry goes only now, with the WR's (virtual) completion: its
@@ -1097,6 +1276,17 @@ enum Deadline {
     At(Duration, tokio::time::Instant),
 }
 
+/// What [`Inner::try_direct`] did.
+enum Direct {
+    /// Nothing: the operation takes the QP.
+    No,
+    /// Copied (and counted in, when notifying): nothing to wait for.
+    Done,
+    /// Copied and counted in; the peer has a waiter asleep, to be woken
+    /// through the QP.
+    Wake,
+}
+
 /// How an operation left its call.
 enum Start {
     /// Copied by the calling thread (same host): nothing to wait for.
@@ -1122,10 +1312,28 @@ impl Drop for Waiter {
         let raced = matches!(rx.try_recv(), Ok(Ok(())));
         let mut st = self.inner.lock();
         if raced {
-            st.deliver_notification();
+            st.deliver_notification(&self.inner.banked);
         } else {
             st.abandon_waiter();
         }
+    }
+}
+
+/// A `wait_for_write` asleep (see `notes`): marked in this side's page
+/// while it lives, the counter read once more after marking.
+struct Parked(Arc<Inner>);
+
+impl Parked {
+    fn new(inner: Arc<Inner>) -> Parked {
+        inner.notes.park(true);
+        inner.reap_notes();
+        Parked(inner)
+    }
+}
+
+impl Drop for Parked {
+    fn drop(&mut self) {
+        self.0.notes.park(false);
     }
 }
 

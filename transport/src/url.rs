@@ -15,7 +15,7 @@ use base64::Engine;
 use ibverbx::VirtualQpEndpoint;
 use serde::{Deserialize, Serialize};
 
-use crate::TransportError;
+use crate::{RdmaRemoteBuffer, TransportError};
 
 const SCHEME: &str = "rmacomm://";
 const VERSION: u32 = 1;
@@ -24,14 +24,21 @@ const VERSION: u32 = 1;
 struct Body {
     v: u32,
     ep: VirtualQpEndpoint,
+    /// The page where a same-host peer counts its notifications (see
+    /// `notes`); absent where there is none (another provider).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    n: Option<RdmaRemoteBuffer>,
 }
 
-pub(crate) fn encode(provider: &str, ep: &VirtualQpEndpoint) -> String {
-    let body = serde_json::to_vec(&Body { v: VERSION, ep: ep.clone() }).expect("endpoint serialises");
+pub(crate) fn encode(provider: &str, ep: &VirtualQpEndpoint, notes: Option<RdmaRemoteBuffer>) -> String {
+    let body = serde_json::to_vec(&Body { v: VERSION, ep: ep.clone(), n: notes }).expect("endpoint serialises");
     format!("{SCHEME}{provider}/{}", URL_SAFE_NO_PAD.encode(body))
 }
 
-pub(crate) fn decode(url: &str) -> Result<(String, VirtualQpEndpoint), TransportError> {
+/// A peer's URL, read: its provider, endpoint and notification page.
+pub(crate) type Decoded = (String, VirtualQpEndpoint, Option<RdmaRemoteBuffer>);
+
+pub(crate) fn decode(url: &str) -> Result<Decoded, TransportError> {
     let bad = |why: &str| TransportError::invalid("connect", format!("not an rmacomm URL ({why})"));
     let rest = url.trim().strip_prefix(SCHEME).ok_or_else(|| bad("it must start with rmacomm://"))?;
     let (provider, payload) = rest.split_once('/').ok_or_else(|| bad("missing provider"))?;
@@ -40,7 +47,7 @@ pub(crate) fn decode(url: &str) -> Result<(String, VirtualQpEndpoint), Transport
     if body.v != VERSION {
         return Err(bad(&format!("version {} is not supported (this build speaks {VERSION})", body.v)));
     }
-    Ok((provider.to_owned(), body.ep))
+    Ok((provider.to_owned(), body.ep, body.n))
 }
 
 /// `url` with its payload (the endpoint and its tokens) replaced by

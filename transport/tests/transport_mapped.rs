@@ -4,7 +4,8 @@
 
 mod common;
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 use common::{contents, pattern};
 use rmacomm_transport::{RdmaMemory, RdmaRemoteBuffer};
@@ -141,6 +142,8 @@ async fn same_host_writes_and_reads_are_copied_when_called() {
     a.write(src.view(0, 8).unwrap(), &rb.slice(8192, 8).unwrap(), true).await.unwrap();
     b.wait_for_write().await.unwrap();
     assert_eq!(contents(&dst, 0, 4096), pattern(4096, 5));
+    // That write mapped the page where b counts a's notifications.
+    direct_mappings(&a, 2).await;
 
     // Over the limit (and with the limit at zero) operations take the QP.
     let big = RdmaMemory::alloc_for(&a, 2 << 20).unwrap();
@@ -149,7 +152,7 @@ async fn same_host_writes_and_reads_are_copied_when_called() {
         a.write(big.view(0, 2 << 20).unwrap(), &dst2.remote_buffer(), false).await.unwrap();
     }
     tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    assert_eq!(a.direct_mappings(), 1, "a write over direct_copy_max maps nothing");
+    assert_eq!(a.direct_mappings(), 2, "a write over direct_copy_max maps nothing");
 }
 
 /// A small write behind a large one still in flight (one 8 MiB fragment,
@@ -257,4 +260,157 @@ async fn calls_from_plain_threads_are_copied_too() {
     }
     let i = plain.join().unwrap().expect("no write from the plain thread was a direct copy");
     assert_eq!(contents(&dst, 0, 4096), pattern(4096, i));
+}
+
+/// Notifying writes to a same-host peer: copied by the caller and counted
+/// into the peer's notification page (no work request). The peer's waits
+/// see the data; every notification satisfies exactly one wait, whether it
+/// came through the page or the QP, and whether the waiter spun, slept
+/// (woken through the QP) or came later (banked).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn same_host_notifications_are_counted_in_shared_memory() {
+    common::link("shm");
+    let spin = common::config().with_busy_poll(std::time::Duration::from_millis(50));
+    let (a, b) = common::pair_with(spin.clone(), spin).await;
+    let dst = RdmaMemory::alloc_for(&b, 1 << 16).unwrap();
+    let src = RdmaMemory::alloc_for(&a, 1 << 16).unwrap();
+    let rb = dst.remote_buffer();
+    // Until the page and the region are mapped, notifications take the QP.
+    let mut k = 0u64;
+    while b.direct_notifications() == 0 {
+        src.write_from(0, &pattern(64, k)).unwrap();
+        a.write(src.view(0, 64).unwrap(), &rb, true).await.unwrap();
+        b.wait_for_write().await.unwrap();
+        assert_eq!(contents(&dst, 0, 64), pattern(64, k));
+        k += 1;
+        assert!(k < 10_000, "no notification ever came through the page");
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
+
+    // Ping-pong with a spinning waiter on the other side: the data is there
+    // when the wait returns, and the notifications came through the page.
+    let before = b.direct_notifications();
+    let b2 = b.clone();
+    let dst2 = RdmaMemory::alloc_for(&b, 64).unwrap();
+    let echo_to = RdmaMemory::alloc_for(&a, 64).unwrap();
+    let back = echo_to.remote_buffer();
+    let echo = tokio::spawn(async move {
+        for i in 0..2000u64 {
+            b2.wait_for_write().await.unwrap();
+            dst2.write_from(0, &i.to_le_bytes()).unwrap();
+            b2.write(dst2.view(0, 8).unwrap(), &back, true).await.unwrap();
+        }
+        dst2
+    });
+    for i in 0..2000u64 {
+        src.write_from(0, &pattern(256, i)).unwrap();
+        a.write(src.view(0, 256).unwrap(), &rb, true).await.unwrap();
+        a.wait_for_write().await.unwrap();
+        assert_eq!(contents(&echo_to, 0, 8), i.to_le_bytes(), "echo {i}");
+        assert_eq!(contents(&dst, 0, 256), pattern(256, i), "ping {i}");
+    }
+    echo.await.unwrap();
+    assert!(b.direct_notifications() - before > 1000, "{} of 2000 through the page", b.direct_notifications() - before);
+    assert_eq!(a.in_flight() + b.in_flight(), 0);
+
+    // Banked: notifications with nobody waiting are kept, one per wait.
+    let n0 = b.direct_notifications();
+    for _ in 0..10 {
+        a.write(src.view(0, 0).unwrap(), &rb, true).await.unwrap();
+    }
+    for _ in 0..10 {
+        b.wait_for_write_with_timeout(Some(std::time::Duration::from_secs(5))).await.unwrap();
+    }
+    assert_eq!(b.direct_notifications() - n0, 10, "zero-byte notifications through the page too");
+    let e = b.wait_for_write_with_timeout(Some(std::time::Duration::from_millis(50))).await.unwrap_err();
+    assert!(e.to_string().contains("wait_for_write"), "{e}");
+}
+
+/// A waiter asleep (no busy-polling) is woken by a same-host notifying
+/// write: the writer counts it into the page and, seeing the waiter parked,
+/// wakes it through the QP. Raced many times, a notification is never lost
+/// (a lost one times the wait out) nor counted twice (an extra one satisfies
+/// the final wait).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sleeping_waiters_are_woken_and_nothing_is_lost() {
+    common::link("shm");
+    let (a, b) = common::pair().await;
+    let dst = RdmaMemory::alloc_for(&b, 4096).unwrap();
+    let src = RdmaMemory::alloc_for(&a, 4096).unwrap();
+    let rb = dst.remote_buffer();
+    let mut k = 0;
+    while b.direct_notifications() == 0 {
+        a.write(src.view(0, 8).unwrap(), &rb, true).await.unwrap();
+        b.wait_for_write().await.unwrap();
+        k += 1;
+        assert!(k < 10_000, "no notification ever came through the page");
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
+    let before = b.direct_notifications();
+    const N: u64 = 20_000;
+    let b2 = b.clone();
+    let done = Arc::new(AtomicU64::new(0));
+    let done2 = done.clone();
+    let waits = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        for i in 0..N {
+            rt.block_on(b2.wait_for_write_with_timeout(Some(std::time::Duration::from_secs(10))))
+                .unwrap_or_else(|e| panic!("wait {i}: {e}"));
+            done2.store(i + 1, Ordering::Release);
+        }
+    });
+    // Each write aimed at the moment the waiter goes to sleep: once the
+    // previous wait returned and the next one is in the table, a little
+    // later each time. A notification lost there is never made up for by a
+    // later write.
+    for i in 0..N {
+        let end = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while done.load(Ordering::Acquire) < i || b.waiters() == 0 {
+            assert!(std::time::Instant::now() < end, "wait {} never returned", i.saturating_sub(1));
+            std::hint::spin_loop();
+        }
+        for _ in 0..(i % 97) * 4 {
+            std::hint::spin_loop();
+        }
+        src.write_from(0, &i.to_le_bytes()).unwrap();
+        a.write(src.view(0, 8).unwrap(), &rb, true).await.unwrap();
+    }
+    while !waits.is_finished() {
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
+    waits.join().unwrap();
+    assert!(b.direct_notifications() - before > N / 2, "{} of {N} through the page", b.direct_notifications() - before);
+    let e = b.wait_for_write_with_timeout(Some(std::time::Duration::from_millis(50))).await.unwrap_err();
+    assert!(e.to_string().contains("wait_for_write"), "an extra notification: {e}");
+    assert_eq!(b.waiters(), 0);
+}
+
+/// Once the peer's transport is gone, a notifying write is not counted into
+/// its (dead) page: it fails the way the QP reports the peer's end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_notifying_write_to_a_dropped_peer_fails() {
+    common::link("shm");
+    let (a, b) = common::pair().await;
+    let dst = RdmaMemory::alloc_for(&b, 4096).unwrap();
+    let src = RdmaMemory::alloc_for(&a, 4096).unwrap();
+    let rb = dst.remote_buffer();
+    let mut k = 0;
+    while b.direct_notifications() == 0 {
+        a.write(src.view(0, 0).unwrap(), &rb, true).await.unwrap();
+        b.wait_for_write().await.unwrap();
+        k += 1;
+        assert!(k < 10_000, "no notification ever came through the page");
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
+    drop(b);
+    let mut failed = None;
+    for _ in 0..100 {
+        if let Err(e) = a.write(src.view(0, 0).unwrap(), &rb, true).await {
+            failed = Some(e);
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    let e = failed.expect("notifying writes to a dropped peer kept succeeding");
+    assert!(!a.connected(), "{e}");
 }
