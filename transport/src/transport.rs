@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
+use futures::future::Either;
 use ibverbx::{
     MemoryRegion, ProviderKind, RecvWr, SendFlags, SendOp, SendWr, Sge, VirtualCq, VirtualQp, WcOpcode, WcStatus,
     WorkCompletion,
@@ -453,7 +454,7 @@ impl RdmaTransport {
             SendOp::RdmaWrite { remote_addr: remote.addr, rkey: remote.key }
         };
         let started = self.start(self.prepare("write", local.mem, local.offset, local.len, remote, op));
-        self.inner.clone().complete(started, "write", timeout, local)
+        self.run(started, "write", timeout, local)
     }
 
     /// [`write`](Self::write) from memory the future owns (an `Arc`), so
@@ -476,7 +477,7 @@ impl RdmaTransport {
         };
         let prepared = local.view(offset, len).and_then(|_| self.prepare("write", &local, offset, len, remote, op));
         let started = self.start(prepared);
-        self.inner.clone().complete(started, "write", self.inner.config.timeout, local)
+        self.run(started, "write", self.inner.config.timeout, local)
     }
 
     /// Reads the peer's `remote` buffer into `local` (zero-copy). Posted when
@@ -499,7 +500,7 @@ impl RdmaTransport {
     ) -> impl Future<Output = Result<(), TransportError>> + Send + 'a {
         let op = SendOp::RdmaRead { remote_addr: remote.addr, rkey: remote.key };
         let started = self.start(self.prepare("read", local.mem, local.offset, local.len, remote, op));
-        self.inner.clone().complete(started, "read", timeout, local)
+        self.run(started, "read", timeout, local)
     }
 
     /// [`read`](Self::read) into memory the future owns (an `Arc`), so that
@@ -514,7 +515,7 @@ impl RdmaTransport {
         let op = SendOp::RdmaRead { remote_addr: remote.addr, rkey: remote.key };
         let prepared = local.view_mut(offset, len).and_then(|_| self.prepare("read", &local, offset, len, remote, op));
         let started = self.start(prepared);
-        self.inner.clone().complete(started, "read", self.inner.config.timeout, local)
+        self.run(started, "read", self.inner.config.timeout, local)
     }
 
     /// Adds `add` to the 64-bit word at `remote` (8 bytes, 8-byte aligned)
@@ -536,7 +537,7 @@ impl RdmaTransport {
             self.prepare("fetch_add", local.mem, local.offset, local.len, remote, op)
         };
         let started = self.start(prepared);
-        self.inner.clone().complete(started, "fetch_add", timeout, local)
+        self.run(started, "fetch_add", timeout, local)
     }
 
     /// Maps the peer's `remote` buffer into this process when the peer is on
@@ -715,26 +716,42 @@ impl RdmaTransport {
     }
 
     /// Validates an operation (nothing is posted yet).
-    fn prepare(
+    fn prepare<'m>(
         &self,
         name: &'static str,
-        mem: &crate::RdmaMemory,
+        mem: &'m crate::RdmaMemory,
         offset: usize,
         len: usize,
         remote: &RdmaRemoteBuffer,
         op: SendOp,
-    ) -> Result<Op, TransportError> {
+    ) -> Result<Prepared<'m>, TransportError> {
         self.check(name, mem, len, remote)?;
         let sge = mem.mr().sge(offset, len)?;
-        Ok(Op { name, op, sge: (len > 0).then_some(sge), mem: Some(mem.mr().clone()), local_off: offset })
+        // The registration is held (an Arc) only by an operation posted.
+        Ok((Op { name, op, sge: (len > 0).then_some(sge), mem: None, local_off: offset }, mem.mr()))
+    }
+
+    /// The future of a started operation: ready at once when it was copied
+    /// here (no transport reference, no state), else [`Inner::complete`].
+    fn run<'a, K: Send + 'a>(
+        &self,
+        started: Result<Start, TransportError>,
+        name: &'static str,
+        timeout: Option<Duration>,
+        keep: K,
+    ) -> impl Future<Output = Result<(), TransportError>> + Send + 'a {
+        match started {
+            Ok(Start::Done) => Either::Left(std::future::ready(Ok(()))),
+            started => Either::Right(self.inner.clone().complete(started, name, timeout, keep)),
+        }
     }
 
     /// Copies a validated operation here when it can (see
     /// [`TransportConfig::direct_copy_max`]), else posts it now if a slot is
     /// free; else the caller's future waits for one.
-    fn start(&self, op: Result<Op, TransportError>) -> Result<Start, TransportError> {
-        let mut op = op?;
-        match self.inner.try_direct(&op) {
+    fn start(&self, prepared: Result<Prepared<'_>, TransportError>) -> Result<Start, TransportError> {
+        let (mut op, mr) = prepared?;
+        match self.inner.try_direct(&op, mr) {
             Direct::Done => return Ok(Start::Done),
             // Copied and counted in; a zero-byte wake-up goes through the
             // QP, and the operation completes with it.
@@ -747,7 +764,7 @@ impl RdmaTransport {
                     local_off: 0,
                 }
             }
-            Direct::No => {}
+            Direct::No => op.mem = Some(mr.clone()),
         }
         match self.inner.slots.clone().try_acquire_owned() {
             Ok(slot) => self.inner.post(op, slot).map(Start::Posted),
@@ -803,7 +820,7 @@ impl Inner {
     /// overtake); a notifying write is then counted into the peer's
     /// notification page (see `notes`). `No` leaves `op` to the QP (a key
     /// not mapped yet, or one whose copy failed: the QP then reports it).
-    fn try_direct(&self, op: &Op) -> Direct {
+    fn try_direct(&self, op: &Op, mem: &MemoryRegion) -> Direct {
         let len = op.sge.as_ref().map_or(0, |s| s.length as usize);
         if len > self.config.direct_copy_max || self.config.direct_copy_max == 0 {
             return Direct::No;
@@ -835,7 +852,6 @@ impl Inner {
             None
         };
         if len > 0 {
-            let Some(mem) = op.mem.as_deref() else { return Direct::No };
             let Some((m, off)) = self.cached_mapping(&RdmaRemoteBuffer { addr, len: len as u64, key }) else {
                 return Direct::No;
             };
@@ -874,16 +890,34 @@ impl Inner {
     /// True when it found some.
     fn reap_notes(&self) -> bool {
         let Some(count) = self.notes.counted() else { return false };
-        if count == self.notes.seen.load(Ordering::Relaxed) {
+        if count == self.notes.seen.load(Ordering::Acquire) {
             return false;
         }
         let mut st = self.lock();
-        let seen = self.notes.seen.load(Ordering::Relaxed);
+        // `seen` also moves without the lock, by one (`take_note`).
+        let mut seen = self.notes.seen.load(Ordering::Acquire);
+        let count = loop {
+            let count = self.notes.counted().unwrap_or(seen);
+            if count <= seen {
+                return true;
+            }
+            match self.notes.seen.compare_exchange(seen, count, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => break count,
+                Err(now) => seen = now,
+            }
+        };
         for _ in seen..count {
             st.deliver_notification(&self.banked);
         }
-        self.notes.seen.store(count.max(seen), Ordering::Release);
         true
+    }
+
+    /// Takes one notification straight from this side's page, without the
+    /// state lock (a spinning wait with nobody ahead of it).
+    fn take_note(&self) -> bool {
+        let Some(count) = self.notes.counted() else { return false };
+        let seen = self.notes.seen.load(Ordering::Acquire);
+        count > seen && self.notes.seen.compare_exchange(seen, seen + 1, Ordering::AcqRel, Ordering::Relaxed).is_ok()
     }
 
     /// See [`RdmaTransport::cached_mapping`].
@@ -994,9 +1028,13 @@ impl Inner {
     /// took it).
     fn spin_for_note(&self) -> Option<Result<(), TransportError>> {
         let spin_until = std::time::Instant::now() + self.config.busy_poll;
+        let every = self.cq_poll_every();
         for round in 1u32.. {
             std::hint::spin_loop();
-            let found = if round % 4 == 0 { self.progress() } else { self.reap_notes() };
+            if self.take_note() {
+                return Some(Ok(()));
+            }
+            let found = round % every == 0 && self.progress();
             // Banked here or by the driver task.
             if found
                 || self.banked.load(Ordering::Acquire) > 0
@@ -1014,6 +1052,19 @@ impl Inner {
             }
         }
         None
+    }
+
+    /// How many spin rounds per CQ poll: every round, unless the peer
+    /// notifies through this side's page (it did so once: a same-host peer
+    /// with direct copies), whose word is read every round while the CQ,
+    /// whose poll costs as much as dozens of such reads, is polled every
+    /// 32nd (QP completions then are a fallback, or writes to other memory).
+    fn cq_poll_every(&self) -> u32 {
+        if self.notes.seen.load(Ordering::Relaxed) > 0 {
+            32
+        } else {
+            1
+        }
     }
 
     /// Polls the CQ from the calling task until `rx` has its result or
@@ -1035,13 +1086,14 @@ impl Inner {
             return None;
         }
         let spin_until = std::time::Instant::now() + self.config.busy_poll;
+        let every = self.cq_poll_every();
         // The clock is read every 64 rounds: a read costs as much as a
         // round, and would delay seeing what arrives.
         for round in 1u32.. {
             std::hint::spin_loop();
             // Notifications counted in shared memory are looked for every
-            // round, the CQ every fourth (a poll costs several rounds).
-            if round % 4 == 0 {
+            // round, the CQ less often (see `cq_poll_every`).
+            if round % every == 0 {
                 self.progress();
             } else {
                 self.reap_notes();
@@ -1252,6 +1304,9 @@ async fn drive(inner: Arc<Inner>) {
         }
     }
 }
+
+/// A validated operation and the registration it names.
+type Prepared<'m> = (Op, &'m Arc<MemoryRegion>);
 
 /// A validated operation, waiting for its slot or being posted.
 struct Op {
