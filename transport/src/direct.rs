@@ -33,10 +33,35 @@ enum Slot {
     Never,
 }
 
+/// Hashes a key by one multiplication (Fibonacci hashing). Keys are the
+/// peer's, at most [`MAX_KEYS`] of them, and looked up on every direct copy:
+/// SipHash's resistance to chosen keys is not needed here and cost a third
+/// of a small copy's bookkeeping.
+#[derive(Default)]
+struct KeyHasher(u64);
+
+impl std::hash::Hasher for KeyHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(*b)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        }
+    }
+
+    fn write_u32(&mut self, k: u32) {
+        self.0 = u64::from(k).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+}
+
+type Keys = HashMap<u32, Slot, std::hash::BuildHasherDefault<KeyHasher>>;
+
 /// The peer's regions mapped here, by key.
 #[derive(Default)]
 pub(crate) struct DirectMaps {
-    by_key: Mutex<HashMap<u32, Slot>>,
+    by_key: Mutex<Keys>,
 }
 
 /// Where `want` lies in `m`: its offset there, when `m` covers all of it.
@@ -47,7 +72,7 @@ fn offset_in(m: &MappedBuffer, want: &RdmaRemoteBuffer) -> Option<usize> {
 }
 
 impl DirectMaps {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u32, Slot>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Keys> {
         self.by_key.lock().unwrap_or_else(|e| e.into_inner())
     }
 
