@@ -87,6 +87,18 @@ if [ "${RMACOMM_PYTHON:-1}" != 0 ]; then
     # From the repository root, so that `import rmacomm` is the installed
     # package, not the source directory.
     "$py_venv/bin/python" -m pytest -q -rs -p no:cacheprovider python/tests
+    # The GPU libraries' probes and the CUDA kernels' compilation, for real:
+    # torch's CUDA wheels bring NVRTC and NCCL (no GPU is needed for either).
+    # Where they were installed, a missing library fails these tests.
+    expect=()
+    for lib in nvrtc:cu13/lib/libnvrtc.so.13 nccl:nccl/lib/libnccl.so.2; do
+      if compgen -G "$py_venv/lib/python3*/site-packages/nvidia/${lib#*:}" >/dev/null; then
+        expect+=("RMACOMM_EXPECT_$(echo "${lib%%:*}" | tr a-z A-Z)=1")
+      fi
+    done
+    echo "# GPU library probes and NVRTC compilation against $py_venv (${expect[*]:-no CUDA wheels found: they skip})"
+    env VIRTUAL_ENV="$(cd "$py_venv" && pwd)" "${expect[@]}" \
+      cargo nextest run --release -p rmacomm-cuda -p rmacomm-kernels -E 'binary(probes) | binary(cuda_kernels)' --no-capture
   fi
 fi
 

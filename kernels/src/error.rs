@@ -54,10 +54,15 @@ pub enum Error {
     /// The device has no reduction backend in this build.
     #[error(
         "reductions on {device} are not available in this build of rmacomm-kernels (only the CPU backend \
-         exists); reduce on Device::Cpu, staging device buffers through host memory"
+         runs; the CUDA kernels compile with NVRTC, see rmacomm_kernels::cuda, but launching them is not \
+         built yet); reduce on Device::Cpu, staging device buffers through host memory"
     )]
     DeviceUnavailable {
         /// The device asked for.
         device: Device,
     },
+    /// A GPU library (NVRTC, the CUDA driver) is missing or failed; the
+    /// message names it.
+    #[error(transparent)]
+    Cuda(#[from] rmacomm_cuda::CudaError),
 }

@@ -1,0 +1,37 @@
+//! rmacomm's GPU libraries, loaded at run time: the CUDA driver, NVRTC and
+//! NCCL/RCCL. Nothing here is linked: a build, and a machine, without CUDA
+//! are unaffected, and a missing library, symbol or device is an error that
+//! names it (never a panic, as `cudarc`'s loaders give).
+//!
+//! Where each library is looked for, in order:
+//! 1. the file its variable names (`RMACOMM_CUDA_LIB`, `RMACOMM_NVRTC_LIB`,
+//!    `RMACOMM_NCCL_LIB`, `RMACOMM_RCCL_LIB`): that file or an error;
+//! 2. its sonames through the dynamic loader (`LD_LIBRARY_PATH`, the ld.so
+//!    cache);
+//! 3. the directories `RMACOMM_CUDA_LIB_DIRS` lists (`:`-separated), then
+//!    the PyPI wheels' `site-packages/nvidia/{cu13,cuda_nvrtc,nccl,cu12}/lib`
+//!    of the active virtual environment (`VIRTUAL_ENV`), conda prefix, the
+//!    user's and the system's Python: where `pip install torch` puts them.
+//!
+//! ```
+//! // On a machine without an NVIDIA driver this is an error naming libcuda.
+//! match rmacomm_cuda::driver::probe() {
+//!     Ok(d) => println!("CUDA {}.{}, {} device(s)", d.version.0, d.version.1, d.devices),
+//!     Err(e) => println!("no CUDA here: {e}"),
+//! }
+//! ```
+//!
+//! # Organization
+//! `driver` (libcuda: version and devices), `nvrtc` (CUDA C to PTX or
+//! cubin, no GPU needed), `nccl` (NCCL/RCCL version probes for the fallback
+//! backends), `loader` (the search above), `error`.
+
+#![deny(unsafe_op_in_unsafe_fn)]
+
+pub mod driver;
+mod error;
+mod loader;
+pub mod nccl;
+pub mod nvrtc;
+
+pub use error::{CudaError, Result};

@@ -1,0 +1,120 @@
+//! The run-time probes: a missing library, symbol or device is an error that
+//! names it, never a panic; where a library is present (the test command
+//! points at PyTorch's wheels) its version is read for real.
+
+use std::process::Command;
+
+use rmacomm_cuda::nccl::{Flavor, Library, Version, WINDOW_API};
+use rmacomm_cuda::nvrtc::Nvrtc;
+use rmacomm_cuda::{driver, CudaError};
+
+/// Set in a child: the test runs its child part.
+const CHILD: &str = "RMACOMM_PROBES_CHILD";
+
+/// Runs this test binary's `name` test again in a child with `env` set (the
+/// variables are read by the loaders; a child keeps them out of this
+/// process's other tests), and returns its output.
+fn child(name: &str, env: &[(&str, &str)]) -> String {
+    let mut c = Command::new(std::env::current_exe().unwrap());
+    c.args(["--exact", name, "--nocapture"]).env(CHILD, "1");
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    let out = c.output().unwrap();
+    let s = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{name} failed:\n{s}");
+    s
+}
+
+fn child_named_files() {
+    for (e, lib) in [
+        (Nvrtc::load().unwrap_err(), "NVRTC"),
+        (Library::load(Flavor::Nccl).unwrap_err(), "NCCL"),
+        (Library::load(Flavor::Rccl).unwrap_err(), "RCCL"),
+        (driver::probe().unwrap_err(), "libcuda.so.1"),
+    ] {
+        let s = e.to_string();
+        println!("{s}");
+        assert!(matches!(e, CudaError::NotFound { .. }), "{e:?}");
+        assert!(s.contains(lib) && s.contains("/nonexistent/lib.so"), "{s}");
+    }
+}
+
+#[test]
+fn a_named_file_that_is_missing_is_an_error_naming_it() {
+    if std::env::var_os(CHILD).is_some() {
+        return child_named_files();
+    }
+    let bad = "/nonexistent/lib.so";
+    let vars = ["RMACOMM_NVRTC_LIB", "RMACOMM_NCCL_LIB", "RMACOMM_RCCL_LIB", "RMACOMM_CUDA_LIB"];
+    let env: Vec<(&str, &str)> = vars.iter().map(|v| (*v, bad)).collect();
+    let out = child("a_named_file_that_is_missing_is_an_error_naming_it", &env);
+    // The variable is in the message, so the user sees what to fix.
+    for v in vars {
+        assert!(out.contains(&format!("{v}={bad}")), "{v}: {out}");
+    }
+}
+
+fn child_wrong_file() {
+    let e = Library::load(Flavor::Nccl).unwrap_err();
+    println!("{e}");
+    assert!(matches!(e, CudaError::MissingSymbol { symbol: "ncclGetVersion", .. }), "{e:?}");
+}
+
+#[test]
+fn a_file_that_is_not_the_library_is_an_error_naming_the_symbol() {
+    if std::env::var_os(CHILD).is_some() {
+        return child_wrong_file();
+    }
+    // libc is a shared library without ncclGetVersion.
+    let libc = ["/lib/x86_64-linux-gnu/libc.so.6", "/usr/lib/x86_64-linux-gnu/libc.so.6", "/lib64/libc.so.6"]
+        .into_iter()
+        .find(|p| std::path::Path::new(p).exists());
+    let Some(libc) = libc else {
+        println!("skipped: no libc.so.6 at the usual paths");
+        return;
+    };
+    let out = child("a_file_that_is_not_the_library_is_an_error_naming_the_symbol", &[("RMACOMM_NCCL_LIB", libc)]);
+    assert!(out.contains("has no symbol ncclGetVersion") && out.contains(libc), "{out}");
+}
+
+#[test]
+fn the_driver_probe_reports_the_machine() {
+    match driver::probe() {
+        Ok(d) => {
+            println!("CUDA driver {}.{} at {}, {} device(s)", d.version.0, d.version.1, d.path.display(), d.devices);
+            assert!(d.version.0 >= 10, "{d:?}");
+        }
+        Err(e) => {
+            println!("no CUDA driver here: {e}");
+            let s = e.to_string();
+            assert!(s.contains("libcuda.so.1") || s.contains("cuInit"), "{s}");
+        }
+    }
+}
+
+#[test]
+fn nccl_versions_decode_and_gate_the_window_api() {
+    assert_eq!(Version::from_code(22809), Version { major: 2, minor: 28, patch: 9 });
+    assert_eq!(Version::from_code(23007).to_string(), "2.30.7");
+    assert_eq!(Version::from_code(2708), Version { major: 2, minor: 7, patch: 8 });
+    assert!(Version::from_code(22809) < WINDOW_API && Version::from_code(22900) >= WINDOW_API);
+    match Library::load(Flavor::Nccl) {
+        // The test command sets this where it installed the library.
+        Err(e) if std::env::var("RMACOMM_EXPECT_NCCL").is_ok_and(|v| v == "1") => panic!("{e}"),
+        Err(e) => println!("skipped the loaded-library part: {e}"),
+        Ok(l) => {
+            println!("NCCL {} at {}", l.version(), l.path().display());
+            assert!(l.version().major == 2 && l.version().minor >= 18, "{}", l.version());
+            match l.require(WINDOW_API, "the NCCL backend's windows") {
+                Ok(()) => assert!(l.version() >= WINDOW_API),
+                Err(e) => {
+                    let s = e.to_string();
+                    assert!(s.contains("too old") && s.contains("2.29.0") && s.contains("windows"), "{s}");
+                }
+            }
+            let e = l.require(Version { major: 9, minor: 0, patch: 0 }, "a test").unwrap_err().to_string();
+            assert!(e.contains(&l.version().to_string()) && e.contains("9.0.0"), "{e}");
+        }
+    }
+}

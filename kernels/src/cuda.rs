@@ -1,0 +1,177 @@
+//! The CUDA kernels: CUDA C compiled at run time with NVRTC (through
+//! `rmacomm-cuda`, which loads it dynamically), cached per architecture.
+//!
+//! One program holds every kernel:
+//! - `rmacomm_<op>_<dtype>(out, a, b, n)`: `out[i] = op(a[i], b[i])`, for
+//!   every op and dtype [`ReduceOp::check`] accepts (`sum`, `product`,
+//!   `min`, `max`, and `band` / `bor` / `bxor` on integers). `out` may be
+//!   `a` (a combine in place) or a third buffer: the fused copy + reduce of
+//!   a ring step.
+//! - `rmacomm_<op>_n_<dtype>(out, inputs, k, n)`: the op over `k` inputs in
+//!   one pass (the same-host all_reduce over IPC-mapped peers).
+//! - `rmacomm_scale_<dtype>(buf, factor, n)` and
+//!   `rmacomm_div_<dtype>(buf, count, n)`: `PremulSum`'s prepare and
+//!   `Avg`'s finish, so that those ops run as `sum` between them, as on the
+//!   CPU ([`Reducer::prepare`](crate::Reducer::prepare),
+//!   [`Reducer::finish`](crate::Reducer::finish)).
+//! - `rmacomm_signal_add(word, add)` and `rmacomm_wait_geq(word, value)`:
+//!   a system-scope signal and the spin-wait used where the driver has no
+//!   stream memory operations.
+//!
+//! Semantics are the CPU kernels': integers wrap, float `min`/`max` are IEEE
+//! 754-2019 `minimum`/`maximum` (NaN propagates, −0 < +0), `f16`/`bf16`
+//! compute in `f32` and round once to nearest even.
+//!
+//! Compiling needs NVRTC, not a GPU: [`compile`] works wherever the library
+//! is (PyTorch's CUDA wheels bring it). Launching the kernels needs a device
+//! and is not built yet: [`Reducer::on`](crate::Reducer::on) with
+//! [`Device::Cuda`](crate::Device::Cuda) still says so.
+
+use std::collections::HashMap;
+use std::fmt::Write as _;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use rmacomm_cuda::nvrtc::{Nvrtc, Output};
+
+use crate::{DType, ReduceOp, Result};
+
+const PRELUDE: &str = include_str!("cuda/prelude.cu");
+
+/// The binary ops with a kernel of their own (`Avg` and `PremulSum` run as
+/// `Sum` between their maps).
+const OPS: [(ReduceOp, &str, &str); 7] = [
+    (ReduceOp::Sum, "sum", "Sum"),
+    (ReduceOp::Product, "product", "Prod"),
+    (ReduceOp::Min, "min", "Min"),
+    (ReduceOp::Max, "max", "Max"),
+    (ReduceOp::Band, "band", "Band"),
+    (ReduceOp::Bor, "bor", "Bor"),
+    (ReduceOp::Bxor, "bxor", "Bxor"),
+];
+
+/// The CUDA C element type of `d`.
+fn ctype(d: DType) -> &'static str {
+    match d {
+        DType::F32 => "float",
+        DType::F64 => "double",
+        DType::F16 => "f16",
+        DType::BF16 => "bf16",
+        DType::I8 => "i8",
+        DType::U8 => "u8",
+        DType::I32 => "i32",
+        DType::I64 => "i64",
+    }
+}
+
+/// The combining op a reduction runs as on the device (`Avg` and
+/// `PremulSum` combine as `Sum`).
+fn base_op(op: ReduceOp) -> &'static str {
+    match op {
+        ReduceOp::Sum | ReduceOp::Avg | ReduceOp::PremulSum(_) => "sum",
+        ReduceOp::Product => "product",
+        ReduceOp::Min => "min",
+        ReduceOp::Max => "max",
+        ReduceOp::Band => "band",
+        ReduceOp::Bor => "bor",
+        ReduceOp::Bxor => "bxor",
+    }
+}
+
+/// The kernels a reduction of `op` on `dtype` uses, by entry point name:
+/// the two-input combine, the `k`-input combine, and the prepare / finish
+/// maps where the op has them. An op the dtype cannot do is the CPU
+/// kernels' error.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Entries {
+    /// `rmacomm_<op>_<dtype>`.
+    pub binary: String,
+    /// `rmacomm_<op>_n_<dtype>`.
+    pub nary: String,
+    /// `rmacomm_scale_<dtype>` for `PremulSum`.
+    pub prepare: Option<String>,
+    /// `rmacomm_div_<dtype>` for `Avg`.
+    pub finish: Option<String>,
+}
+
+/// The entry points for `op` on `dtype`.
+pub fn entries(op: ReduceOp, dtype: DType) -> Result<Entries> {
+    op.check(dtype)?;
+    let (o, t) = (base_op(op), dtype.name());
+    Ok(Entries {
+        binary: format!("rmacomm_{o}_{t}"),
+        nary: format!("rmacomm_{o}_n_{t}"),
+        prepare: matches!(op, ReduceOp::PremulSum(_)).then(|| format!("rmacomm_scale_{t}")),
+        finish: matches!(op, ReduceOp::Avg).then(|| format!("rmacomm_div_{t}")),
+    })
+}
+
+/// Every entry point the program defines.
+pub fn entry_points() -> Vec<String> {
+    let mut v = vec!["rmacomm_signal_add".to_owned(), "rmacomm_wait_geq".to_owned()];
+    for d in DType::ALL {
+        for (op, name, _) in OPS {
+            if op.check(d).is_ok() {
+                v.push(format!("rmacomm_{name}_{}", d.name()));
+                v.push(format!("rmacomm_{name}_n_{}", d.name()));
+            }
+        }
+        v.push(format!("rmacomm_scale_{}", d.name()));
+        v.push(format!("rmacomm_div_{}", d.name()));
+    }
+    v
+}
+
+/// The program's CUDA C source.
+pub fn source() -> &'static str {
+    static SRC: OnceLock<String> = OnceLock::new();
+    SRC.get_or_init(|| {
+        let mut s = String::from(PRELUDE);
+        s.push_str("\n// Entry points, one per (op, dtype).\n");
+        for d in DType::ALL {
+            let (t, c) = (d.name(), ctype(d));
+            for (op, name, ty) in OPS {
+                if op.check(d).is_err() {
+                    continue;
+                }
+                let _ = writeln!(
+                    s,
+                    "extern \"C\" __global__ void rmacomm_{name}_{t}({c}* out, const {c}* a, const {c}* b, u64 n) \
+                     {{ binary<{c}, {ty}>(out, a, b, n); }}"
+                );
+                let _ = writeln!(
+                    s,
+                    "extern \"C\" __global__ void rmacomm_{name}_n_{t}({c}* out, const {c}* const* in, u32 k, u64 n) \
+                     {{ nary<{c}, {ty}>(out, in, k, n); }}"
+                );
+            }
+            let _ = writeln!(
+                s,
+                "extern \"C\" __global__ void rmacomm_scale_{t}({c}* buf, double f, u64 n) {{ scale<{c}>(buf, f, n); }}"
+            );
+            let _ = writeln!(
+                s,
+                "extern \"C\" __global__ void rmacomm_div_{t}({c}* buf, u64 count, u64 n) \
+                 {{ divide<{c}>(buf, count, n); }}"
+            );
+        }
+        s
+    })
+}
+
+/// Options every compilation gets.
+const OPTIONS: &[&str] = &["-std=c++17", "-lineinfo"];
+
+/// The program compiled for `arch` (`sm_90`: a cubin for that architecture,
+/// loadable by any CUDA 13 driver without JIT; `compute_90`: PTX). Compiled
+/// once per architecture and process; later calls return the cached result.
+pub fn compile(arch: &str) -> Result<Arc<Output>> {
+    static CACHE: OnceLock<Mutex<HashMap<String, Arc<Output>>>> = OnceLock::new();
+    let cache = CACHE.get_or_init(Default::default);
+    if let Some(o) = cache.lock().unwrap_or_else(|e| e.into_inner()).get(arch) {
+        return Ok(o.clone());
+    }
+    let nvrtc = Nvrtc::get()?;
+    let out = Arc::new(nvrtc.compile(source(), "rmacomm_kernels.cu", arch, OPTIONS)?);
+    cache.lock().unwrap_or_else(|e| e.into_inner()).insert(arch.to_owned(), out.clone());
+    Ok(out)
+}
