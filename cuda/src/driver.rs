@@ -80,3 +80,360 @@ pub fn probe() -> Result<DriverInfo> {
     };
     Ok(DriverInfo { version: (v / 1000, (v % 1000) / 10), devices, path: lib.path.clone() })
 }
+
+type CuResult = c_int;
+type CuDevice = c_int;
+type CuContext = *mut std::ffi::c_void;
+type CuModule = *mut std::ffi::c_void;
+type CuFunction = *mut std::ffi::c_void;
+type CuStream = *mut std::ffi::c_void;
+/// A device address (`CUdeviceptr`).
+pub type DevicePtr = u64;
+
+/// `CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR` / `_MINOR`.
+const CC_MAJOR: c_int = 75;
+const CC_MINOR: c_int = 76;
+
+/// The driver functions a [`Context`] uses, resolved once.
+#[derive(Debug, Clone, Copy)]
+struct Api {
+    init: unsafe extern "C" fn(u32) -> CuResult,
+    err_name: unsafe extern "C" fn(CuResult, *mut *const c_char) -> CuResult,
+    device_get: unsafe extern "C" fn(*mut CuDevice, c_int) -> CuResult,
+    device_attr: unsafe extern "C" fn(*mut c_int, c_int, CuDevice) -> CuResult,
+    device_name: unsafe extern "C" fn(*mut c_char, c_int, CuDevice) -> CuResult,
+    ctx_retain: unsafe extern "C" fn(*mut CuContext, CuDevice) -> CuResult,
+    ctx_release: unsafe extern "C" fn(CuDevice) -> CuResult,
+    ctx_set: unsafe extern "C" fn(CuContext) -> CuResult,
+    ctx_sync: unsafe extern "C" fn() -> CuResult,
+    mem_alloc: unsafe extern "C" fn(*mut DevicePtr, usize) -> CuResult,
+    mem_free: unsafe extern "C" fn(DevicePtr) -> CuResult,
+    htod: unsafe extern "C" fn(DevicePtr, *const std::ffi::c_void, usize) -> CuResult,
+    dtoh: unsafe extern "C" fn(*mut std::ffi::c_void, DevicePtr, usize) -> CuResult,
+    dtod: unsafe extern "C" fn(DevicePtr, DevicePtr, usize) -> CuResult,
+    module_load: unsafe extern "C" fn(*mut CuModule, *const std::ffi::c_void) -> CuResult,
+    module_unload: unsafe extern "C" fn(CuModule) -> CuResult,
+    module_fn: unsafe extern "C" fn(*mut CuFunction, CuModule, *const c_char) -> CuResult,
+    launch: unsafe extern "C" fn(
+        CuFunction,
+        u32,
+        u32,
+        u32,
+        u32,
+        u32,
+        u32,
+        u32,
+        CuStream,
+        *mut *mut std::ffi::c_void,
+        *mut *mut std::ffi::c_void,
+    ) -> CuResult,
+}
+
+/// One device's primary context, current on the threads that use it
+/// ([`Context::bind`]): device memory, modules and launches. Synchronous
+/// (the default stream, a synchronize after each launch): the building block
+/// of tests and of the kernels' checks against the CPU, not of the fast
+/// path.
+#[derive(Debug)]
+pub struct Context {
+    api: Api,
+    dev: CuDevice,
+    ctx: CuContext,
+    name: String,
+    cc: (i32, i32),
+    _lib: loader::Opened,
+}
+
+// SAFETY: a CUDA context may be used from any thread that makes it current
+// (every call below binds it first); the handle is an opaque pointer.
+unsafe impl Send for Context {}
+// SAFETY: as above; the driver API is thread-safe.
+unsafe impl Sync for Context {}
+
+impl Context {
+    /// Opens device `ordinal`'s primary context.
+    pub fn open(ordinal: u32) -> Result<Context> {
+        let lib = loader::open(&SPEC)?;
+        // SAFETY: each type is the C signature in cuda.h (the `_v2` symbols
+        // are what the header's unsuffixed names map to).
+        let api = unsafe {
+            Api {
+                init: lib.get("cuInit\0")?,
+                err_name: lib.get("cuGetErrorName\0")?,
+                device_get: lib.get("cuDeviceGet\0")?,
+                device_attr: lib.get("cuDeviceGetAttribute\0")?,
+                device_name: lib.get("cuDeviceGetName\0")?,
+                ctx_retain: lib.get("cuDevicePrimaryCtxRetain\0")?,
+                ctx_release: lib.get("cuDevicePrimaryCtxRelease_v2\0")?,
+                ctx_set: lib.get("cuCtxSetCurrent\0")?,
+                ctx_sync: lib.get("cuCtxSynchronize\0")?,
+                mem_alloc: lib.get("cuMemAlloc_v2\0")?,
+                mem_free: lib.get("cuMemFree_v2\0")?,
+                htod: lib.get("cuMemcpyHtoD_v2\0")?,
+                dtoh: lib.get("cuMemcpyDtoH_v2\0")?,
+                dtod: lib.get("cuMemcpyDtoD_v2\0")?,
+                module_load: lib.get("cuModuleLoadData\0")?,
+                module_unload: lib.get("cuModuleUnload\0")?,
+                module_fn: lib.get("cuModuleGetFunction\0")?,
+                launch: lib.get("cuLaunchKernel\0")?,
+            }
+        };
+        let mut c = Context { api, dev: 0, ctx: std::ptr::null_mut(), name: String::new(), cc: (0, 0), _lib: lib };
+        // SAFETY: flags 0.
+        c.check("cuInit", unsafe { (api.init)(0) })?;
+        let ord = c_int::try_from(ordinal).map_err(|_| CudaError::Call {
+            lib: SPEC.lib,
+            call: "cuDeviceGet",
+            code: 101,
+            name: format!("device ordinal {ordinal} is out of range"),
+        })?;
+        // SAFETY: valid out-pointers throughout.
+        unsafe {
+            let mut dev = 0;
+            c.check("cuDeviceGet", (api.device_get)(&mut dev, ord))?;
+            c.dev = dev;
+            let (mut maj, mut min) = (0, 0);
+            c.check("cuDeviceGetAttribute", (api.device_attr)(&mut maj, CC_MAJOR, c.dev))?;
+            c.check("cuDeviceGetAttribute", (api.device_attr)(&mut min, CC_MINOR, c.dev))?;
+            c.cc = (maj, min);
+            let mut buf = [0 as c_char; 256];
+            c.check("cuDeviceGetName", (api.device_name)(buf.as_mut_ptr(), 255, c.dev))?;
+            c.name = CStr::from_ptr(buf.as_ptr()).to_string_lossy().into_owned();
+            let mut ctx = std::ptr::null_mut();
+            c.check("cuDevicePrimaryCtxRetain", (api.ctx_retain)(&mut ctx, c.dev))?;
+            c.ctx = ctx;
+        }
+        c.bind()?;
+        Ok(c)
+    }
+
+    fn check(&self, call: &'static str, st: CuResult) -> Result<()> {
+        if st == 0 {
+            return Ok(());
+        }
+        let mut p: *const c_char = std::ptr::null();
+        // SAFETY: a valid out-pointer; the string, when set, is static.
+        let name = if unsafe { (self.api.err_name)(st, &mut p) } == 0 && !p.is_null() {
+            // SAFETY: non-null, NUL-terminated, static.
+            unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+        } else {
+            "unknown".to_owned()
+        };
+        Err(CudaError::Call { lib: SPEC.lib, call, code: st, name })
+    }
+
+    /// Makes the context current on the calling thread.
+    pub fn bind(&self) -> Result<()> {
+        // SAFETY: a context retained by `open`.
+        self.check("cuCtxSetCurrent", unsafe { (self.api.ctx_set)(self.ctx) })
+    }
+
+    /// The device's name ("NVIDIA H100 80GB HBM3").
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The device's compute capability, (major, minor): (9, 0) on an H100.
+    pub fn compute_capability(&self) -> (i32, i32) {
+        self.cc
+    }
+
+    /// The `sm_XY` architecture to compile cubins for.
+    pub fn arch(&self) -> String {
+        format!("sm_{}{}", self.cc.0, self.cc.1)
+    }
+
+    /// `len` bytes of device memory (uninitialised).
+    pub fn alloc(&self, len: usize) -> Result<DeviceBuffer<'_>> {
+        self.bind()?;
+        let mut ptr = 0;
+        // SAFETY: a valid out-pointer; the context is current.
+        self.check("cuMemAlloc", unsafe { (self.api.mem_alloc)(&mut ptr, len.max(1)) })?;
+        Ok(DeviceBuffer { ctx: self, ptr, len })
+    }
+
+    /// Waits for everything launched on the context.
+    pub fn synchronize(&self) -> Result<()> {
+        self.bind()?;
+        // SAFETY: no arguments; the context is current.
+        self.check("cuCtxSynchronize", unsafe { (self.api.ctx_sync)() })
+    }
+
+    /// Loads a module from a cubin or NUL-terminated PTX image.
+    pub fn load_module(&self, image: &[u8]) -> Result<Module<'_>> {
+        self.bind()?;
+        let mut m: CuModule = std::ptr::null_mut();
+        // SAFETY: `image` outlives the call (the driver copies it).
+        self.check("cuModuleLoadData", unsafe { (self.api.module_load)(&mut m, image.as_ptr().cast()) })?;
+        Ok(Module { ctx: self, m })
+    }
+
+    /// Copies `len` bytes between device buffers (the copy engine).
+    pub fn copy(&self, dst: &DeviceBuffer<'_>, src: &DeviceBuffer<'_>, len: usize) -> Result<()> {
+        if len > dst.len || len > src.len {
+            return Err(CudaError::Call {
+                lib: SPEC.lib,
+                call: "cuMemcpyDtoD",
+                code: 1,
+                name: format!("{len} bytes do not fit buffers of {} and {}", dst.len, src.len),
+            });
+        }
+        self.bind()?;
+        // SAFETY: both ranges are inside live allocations of this context.
+        self.check("cuMemcpyDtoD", unsafe { (self.api.dtod)(dst.ptr, src.ptr, len) })
+    }
+}
+
+impl Drop for Context {
+    fn drop(&mut self) {
+        if !self.ctx.is_null() {
+            // SAFETY: retained once by `open`, released once here.
+            unsafe { (self.api.ctx_release)(self.dev) };
+        }
+    }
+}
+
+/// Device memory of a [`Context`], freed on drop.
+#[derive(Debug)]
+pub struct DeviceBuffer<'c> {
+    ctx: &'c Context,
+    ptr: DevicePtr,
+    len: usize,
+}
+
+impl DeviceBuffer<'_> {
+    /// The device address.
+    pub fn ptr(&self) -> DevicePtr {
+        self.ptr
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True when empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Copies `src` to the start of the buffer.
+    pub fn upload(&self, src: &[u8]) -> Result<()> {
+        self.fits("cuMemcpyHtoD", src.len())?;
+        self.ctx.bind()?;
+        // SAFETY: `src` is valid for its length, which fits the buffer.
+        self.ctx.check("cuMemcpyHtoD", unsafe { (self.ctx.api.htod)(self.ptr, src.as_ptr().cast(), src.len()) })
+    }
+
+    /// Copies the start of the buffer into `dst`.
+    pub fn download(&self, dst: &mut [u8]) -> Result<()> {
+        self.fits("cuMemcpyDtoH", dst.len())?;
+        self.ctx.bind()?;
+        // SAFETY: `dst` is valid for writes of its length, which fits.
+        self.ctx.check("cuMemcpyDtoH", unsafe { (self.ctx.api.dtoh)(dst.as_mut_ptr().cast(), self.ptr, dst.len()) })
+    }
+
+    fn fits(&self, call: &'static str, n: usize) -> Result<()> {
+        if n <= self.len {
+            return Ok(());
+        }
+        Err(CudaError::Call {
+            lib: SPEC.lib,
+            call,
+            code: 1,
+            name: format!("{n} bytes do not fit a buffer of {}", self.len),
+        })
+    }
+}
+
+impl Drop for DeviceBuffer<'_> {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind();
+        // SAFETY: allocated by cuMemAlloc, freed once.
+        unsafe { (self.ctx.api.mem_free)(self.ptr) };
+    }
+}
+
+/// A kernel argument, passed by value.
+#[derive(Debug, Clone, Copy)]
+pub enum Arg {
+    /// A device pointer (or any 64-bit word).
+    U64(u64),
+    /// A 32-bit unsigned integer.
+    U32(u32),
+    /// A double.
+    F64(f64),
+}
+
+/// A loaded module, unloaded on drop.
+#[derive(Debug)]
+pub struct Module<'c> {
+    ctx: &'c Context,
+    m: CuModule,
+}
+
+impl Module<'_> {
+    /// Launches `name` on `grid` blocks of `block` threads with `args` (in
+    /// the kernel's parameter order and types), then waits for it.
+    pub fn launch(&self, name: &str, grid: u32, block: u32, args: &[Arg]) -> Result<()> {
+        let c_name = std::ffi::CString::new(name).map_err(|_| CudaError::Call {
+            lib: SPEC.lib,
+            call: "cuModuleGetFunction",
+            code: 1,
+            name: "the kernel name contains a NUL byte".into(),
+        })?;
+        self.ctx.bind()?;
+        let mut f: CuFunction = std::ptr::null_mut();
+        // SAFETY: a valid out-pointer, module and C string.
+        let st = unsafe { (self.ctx.api.module_fn)(&mut f, self.m, c_name.as_ptr()) };
+        if st != 0 {
+            return Err(CudaError::Call {
+                lib: SPEC.lib,
+                call: "cuModuleGetFunction",
+                code: st,
+                name: format!("no kernel {name} in the module"),
+            });
+        }
+        let mut vals: Vec<[u8; 8]> = args
+            .iter()
+            .map(|a| match *a {
+                Arg::U64(v) => v.to_ne_bytes(),
+                Arg::F64(v) => v.to_ne_bytes(),
+                Arg::U32(v) => {
+                    let mut b = [0u8; 8];
+                    b[..4].copy_from_slice(&v.to_ne_bytes());
+                    b
+                }
+            })
+            .collect();
+        let mut ptrs: Vec<*mut std::ffi::c_void> = vals.iter_mut().map(|v| v.as_mut_ptr().cast()).collect();
+        // SAFETY: `ptrs` holds one pointer per parameter, each to a value
+        // of the parameter's size (8 or 4 bytes, at the start of its slot);
+        // the caller passes the kernel's parameter list.
+        let st = unsafe {
+            (self.ctx.api.launch)(
+                f,
+                grid.max(1),
+                1,
+                1,
+                block.max(1),
+                1,
+                1,
+                0,
+                std::ptr::null_mut(),
+                ptrs.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        };
+        self.ctx.check("cuLaunchKernel", st)?;
+        self.ctx.synchronize()
+    }
+}
+
+impl Drop for Module<'_> {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind();
+        // SAFETY: loaded by cuModuleLoadData, unloaded once.
+        unsafe { (self.ctx.api.module_unload)(self.m) };
+    }
+}

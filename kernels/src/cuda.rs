@@ -9,6 +9,9 @@
 //!   a ring step.
 //! - `rmacomm_<op>_n_<dtype>(out, inputs, k, n)`: the op over `k` inputs in
 //!   one pass (the same-host all_reduce over IPC-mapped peers).
+//! - `rmacomm_sum_full_<dtype>(out, inputs, k, n, factor, count)`: `Avg`
+//!   and `PremulSum` over raw contributions in one pass, rounded once
+//!   ([`Reducer::reduce_full`](crate::Reducer::reduce_full)).
 //! - `rmacomm_scale_<dtype>(buf, factor, n)` and
 //!   `rmacomm_div_<dtype>(buf, count, n)`: `PremulSum`'s prepare and
 //!   `Avg`'s finish, so that those ops run as `sum` between them, as on the
@@ -87,6 +90,10 @@ pub struct Entries {
     pub binary: String,
     /// `rmacomm_<op>_n_<dtype>`.
     pub nary: String,
+    /// `rmacomm_sum_full_<dtype>(out, inputs, k, n, factor, count)` for
+    /// `Avg` and `PremulSum`: the whole reduction of raw contributions in
+    /// one pass, rounded once, as [`Reducer::reduce_full`](crate::Reducer::reduce_full).
+    pub full: Option<String>,
     /// `rmacomm_scale_<dtype>` for `PremulSum`.
     pub prepare: Option<String>,
     /// `rmacomm_div_<dtype>` for `Avg`.
@@ -100,6 +107,7 @@ pub fn entries(op: ReduceOp, dtype: DType) -> Result<Entries> {
     Ok(Entries {
         binary: format!("rmacomm_{o}_{t}"),
         nary: format!("rmacomm_{o}_n_{t}"),
+        full: matches!(op, ReduceOp::Avg | ReduceOp::PremulSum(_)).then(|| format!("rmacomm_sum_full_{t}")),
         prepare: matches!(op, ReduceOp::PremulSum(_)).then(|| format!("rmacomm_scale_{t}")),
         finish: matches!(op, ReduceOp::Avg).then(|| format!("rmacomm_div_{t}")),
     })
@@ -115,6 +123,7 @@ pub fn entry_points() -> Vec<String> {
                 v.push(format!("rmacomm_{name}_n_{}", d.name()));
             }
         }
+        v.push(format!("rmacomm_sum_full_{}", d.name()));
         v.push(format!("rmacomm_scale_{}", d.name()));
         v.push(format!("rmacomm_div_{}", d.name()));
     }
@@ -144,6 +153,11 @@ pub fn source() -> &'static str {
                      {{ nary<{c}, {ty}>(out, in, k, n); }}"
                 );
             }
+            let _ = writeln!(
+                s,
+                "extern \"C\" __global__ void rmacomm_sum_full_{t}({c}* out, const {c}* const* in, u32 k, u64 n, \
+                 double factor, u64 count) {{ full<{c}>(out, in, k, n, factor, count); }}"
+            );
             let _ = writeln!(
                 s,
                 "extern \"C\" __global__ void rmacomm_scale_{t}({c}* buf, double f, u64 n) {{ scale<{c}>(buf, f, n); }}"

@@ -79,3 +79,195 @@ fn a_compile_error_returns_nvrtcs_log() {
     let s = e.to_string();
     assert!(s.contains("broken.cu") && s.contains("undefined_thing") && s.contains("compute_90"), "{s}");
 }
+
+/// Device 0, or `None` after saying why the GPU tests skip. With
+/// `RMACOMM_EXPECT_GPU=1` (the GPU suite sets it) no GPU fails instead.
+fn gpu() -> Option<rmacomm_cuda::driver::Context> {
+    let expect = std::env::var("RMACOMM_EXPECT_GPU").is_ok_and(|v| v == "1");
+    let why = match rmacomm_cuda::driver::probe() {
+        Ok(d) if d.devices > 0 => match rmacomm_cuda::driver::Context::open(0) {
+            Ok(c) => {
+                println!(
+                    "GPU: {} (sm_{}{}), driver {}.{}",
+                    c.name(),
+                    c.compute_capability().0,
+                    c.compute_capability().1,
+                    d.version.0,
+                    d.version.1
+                );
+                return Some(c);
+            }
+            Err(e) => e.to_string(),
+        },
+        Ok(d) => format!("the CUDA driver {}.{} sees no device", d.version.0, d.version.1),
+        Err(e) => e.to_string(),
+    };
+    assert!(!expect, "RMACOMM_EXPECT_GPU=1 but: {why}");
+    println!("skipped (no GPU): {why}");
+    None
+}
+
+/// Deterministic bytes of `n` elements of `d`, floats with the special
+/// values (NaN, ±inf, ±0, subnormals) mixed in.
+fn data(d: DType, n: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    let mut next = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    let mut out = Vec::with_capacity(n * d.size());
+    for i in 0..n {
+        let r = next();
+        let special = i % 17 == 0;
+        match d {
+            DType::F32 => {
+                let specials = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 0.0, -0.0, 1e-40, -3e-39];
+                let v = if special { specials[(r % 7) as usize] } else { ((r % 20001) as f32 - 10000.0) / 97.0 };
+                out.extend_from_slice(&v.to_ne_bytes());
+            }
+            DType::F64 => {
+                let specials = [f64::NAN, f64::INFINITY, f64::NEG_INFINITY, 0.0, -0.0, 1e-310, -4e-320];
+                let v = if special { specials[(r % 7) as usize] } else { ((r % 2_000_001) as f64 - 1e6) / 977.0 };
+                out.extend_from_slice(&v.to_ne_bytes());
+            }
+            DType::F16 | DType::BF16 => {
+                // Any 16-bit pattern: NaNs, infinities, zeros and subnormals
+                // included.
+                out.extend_from_slice(&((r >> 16) as u16).to_ne_bytes());
+            }
+            _ => out.extend_from_slice(&r.to_ne_bytes()[..d.size()]),
+        }
+    }
+    out
+}
+
+/// Equal bytes, or both NaN (the GPU's NaN payloads are canonical, the
+/// CPU's keep an operand's).
+fn same(d: DType, gpu: &[u8], cpu: &[u8]) -> Result<(), String> {
+    let w = d.size();
+    for (i, (g, c)) in gpu.chunks(w).zip(cpu.chunks(w)).enumerate() {
+        if g == c {
+            continue;
+        }
+        let nan = |b: &[u8]| match d {
+            DType::F32 => f32::from_ne_bytes(b.try_into().unwrap()).is_nan(),
+            DType::F64 => f64::from_ne_bytes(b.try_into().unwrap()).is_nan(),
+            DType::F16 => half::f16::from_ne_bytes(b.try_into().unwrap()).is_nan(),
+            DType::BF16 => half::bf16::from_ne_bytes(b.try_into().unwrap()).is_nan(),
+            _ => false,
+        };
+        if !(nan(g) && nan(c)) {
+            return Err(format!("element {i}: gpu {g:02x?}, cpu {c:02x?}"));
+        }
+    }
+    Ok(())
+}
+
+/// Every kernel on a GPU against the CPU kernels: the two-input combine
+/// (into a third buffer: the fused copy + reduce), the three-input combine
+/// with `PremulSum`'s prepare and `Avg`'s finish, the signal and the wait.
+#[test]
+fn gpu_kernels_match_the_cpu_kernels() {
+    let Some(ctx) = gpu() else { return };
+    let image = match &*cuda::compile(&ctx.arch()).unwrap() {
+        Output::Cubin(b) => b.clone(),
+        Output::Ptx(p) => format!("{p}\0").into_bytes(),
+    };
+    let module = ctx.load_module(&image).unwrap();
+    const N: usize = 100_003;
+    let (grid, block) = (N.div_ceil(256) as u32, 256);
+    let ops = [
+        ReduceOp::Sum,
+        ReduceOp::Product,
+        ReduceOp::Min,
+        ReduceOp::Max,
+        ReduceOp::Band,
+        ReduceOp::Bor,
+        ReduceOp::Bxor,
+        ReduceOp::Avg,
+        ReduceOp::PremulSum(3.0),
+    ];
+    use rmacomm_cuda::driver::Arg;
+    let mut checked = 0;
+    for d in DType::ALL {
+        let bytes = N * d.size();
+        let inputs: Vec<Vec<u8>> = (0..3).map(|k| data(d, N, k + 1 + d.size() as u64)).collect();
+        for op in ops {
+            let Ok(e) = cuda::entries(op, d) else { continue };
+            let cpu = rmacomm_kernels::Reducer::new(d, op).unwrap();
+            let bufs: Vec<_> = inputs
+                .iter()
+                .map(|v| {
+                    let b = ctx.alloc(bytes).unwrap();
+                    b.upload(v).unwrap();
+                    b
+                })
+                .collect();
+            let out = ctx.alloc(bytes).unwrap();
+            let mut got = vec![0u8; bytes];
+
+            // Two inputs, a third output buffer.
+            module
+                .launch(
+                    &e.binary,
+                    grid,
+                    block,
+                    &[Arg::U64(out.ptr()), Arg::U64(bufs[0].ptr()), Arg::U64(bufs[1].ptr()), Arg::U64(N as u64)],
+                )
+                .unwrap();
+            out.download(&mut got).unwrap();
+            let mut want = vec![0u8; bytes];
+            cpu.reduce(&mut want, &inputs[0], &inputs[1]).unwrap();
+            same(d, &got, &want).unwrap_or_else(|m| panic!("{} ({op} {d}): {m}", e.binary));
+
+            // Three raw contributions, the whole reduction (prepare and
+            // finish fused where the op has them).
+            let table: Vec<u8> = bufs.iter().flat_map(|b| b.ptr().to_ne_bytes()).collect();
+            let tbuf = ctx.alloc(table.len()).unwrap();
+            tbuf.upload(&table).unwrap();
+            let (ptr, tab, n) = (Arg::U64(out.ptr()), Arg::U64(tbuf.ptr()), Arg::U64(N as u64));
+            match &e.full {
+                Some(full) => {
+                    let f = if let ReduceOp::PremulSum(f) = op { f } else { 1.0 };
+                    let count = if op == ReduceOp::Avg { 3 } else { 1 };
+                    module.launch(full, grid, block, &[ptr, tab, Arg::U32(3), n, Arg::F64(f), Arg::U64(count)]).unwrap()
+                }
+                None => module.launch(&e.nary, grid, block, &[ptr, tab, Arg::U32(3), n]).unwrap(),
+            }
+            out.download(&mut got).unwrap();
+            let refs: Vec<&[u8]> = inputs.iter().map(Vec::as_slice).collect();
+            cpu.reduce_full(&mut want, &refs).unwrap();
+            same(d, &got, &want).unwrap_or_else(|m| panic!("{op} {d}, 3 inputs: {m}"));
+
+            // The separate maps (ring steps apply them on their own).
+            if let (Some(p), ReduceOp::PremulSum(f)) = (&e.prepare, op) {
+                module.launch(p, grid, block, &[Arg::U64(bufs[2].ptr()), Arg::F64(f), n]).unwrap();
+                bufs[2].download(&mut got).unwrap();
+                want.copy_from_slice(&inputs[2]);
+                cpu.prepare(&mut want).unwrap();
+                same(d, &got, &want).unwrap_or_else(|m| panic!("{p}: {m}"));
+            }
+            if let Some(fin) = &e.finish {
+                module.launch(fin, grid, block, &[Arg::U64(bufs[1].ptr()), Arg::U64(3), n]).unwrap();
+                bufs[1].download(&mut got).unwrap();
+                want.copy_from_slice(&inputs[1]);
+                cpu.finish(&mut want, 3).unwrap();
+                same(d, &got, &want).unwrap_or_else(|m| panic!("{fin}: {m}"));
+            }
+            checked += 1;
+        }
+    }
+    assert_eq!(checked, 4 * 6 + 4 * 9, "every valid (op, dtype)");
+
+    // The signal adds at system scope; the wait returns once the word is
+    // at least the value.
+    let word = ctx.alloc(8).unwrap();
+    word.upload(&5u64.to_ne_bytes()).unwrap();
+    module.launch("rmacomm_signal_add", 1, 1, &[Arg::U64(word.ptr()), Arg::U64(7)]).unwrap();
+    let mut w = [0u8; 8];
+    word.download(&mut w).unwrap();
+    assert_eq!(u64::from_ne_bytes(w), 12);
+    module.launch("rmacomm_wait_geq", 1, 1, &[Arg::U64(word.ptr()), Arg::U64(12)]).unwrap();
+}

@@ -135,6 +135,18 @@ static __device__ __forceinline__ void divide(T* buf, u64 count, u64 n) {
     GRID_LOOP(n) buf[i] = Tr<T>::store(div_(Tr<T>::load(buf[i]), count));
 }
 
+// The whole reduction of raw contributions, as the CPU's reduce_full: each
+// input times `factor` (PremulSum; 1 otherwise), summed in the compute type,
+// divided by `count` (Avg; 1 otherwise), rounded once.
+template <class T>
+static __device__ __forceinline__ void full(T* out, const T* const* in, u32 k, u64 n, double factor, u64 count) {
+    GRID_LOOP(n) {
+        typename Tr<T>::C acc = scale_(Tr<T>::load(in[0][i]), factor);
+        for (u32 j = 1; j < k; ++j) acc = add_(acc, scale_(Tr<T>::load(in[j][i]), factor));
+        out[i] = Tr<T>::store(div_(acc, count));
+    }
+}
+
 // A signal: adds to a word another process or the host watches (system
 // scope: visible to the CPU and to peers mapping the memory).
 extern "C" __global__ void rmacomm_signal_add(u64* word, u64 add) {

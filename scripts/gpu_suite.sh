@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# The GPU suite (issue 13): the CUDA kernels against the CPU kernels on a
+# real device, the GPU libraries' probes, and the copy-engine ceiling.
+#
+#   bash scripts/gpu_suite.sh          build, then run (a machine with Rust and a GPU)
+#   bash scripts/gpu_suite.sh build    build into target/gpu-suite (no GPU needed)
+#   bash scripts/gpu_suite.sh run      run what target/gpu-suite holds (no Rust needed:
+#                                      carry target/gpu-suite to the GPU machine)
+#
+# Running, a missing GPU, NVRTC or NCCL fails the suite instead of skipping
+# (RMACOMM_EXPECT_GPU / _NVRTC / _NCCL). NVRTC and NCCL are found where
+# PyTorch's CUDA wheels put them (the python3 on PATH is asked), or through
+# RMACOMM_NVRTC_LIB / RMACOMM_NCCL_LIB / RMACOMM_CUDA_LIB_DIRS. Results go to
+# $OUT when it is set (the device tool's output folder), else to
+# target/gpu-suite/results.
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+if [ -d "$here/bin" ]; then
+  suite=$here # a carried suite: the script sits beside its bin/
+else
+  cd "$here/.."
+  suite=target/gpu-suite
+fi
+what=${1:-all}
+
+build() {
+  rm -rf "$suite" && mkdir -p "$suite/bin"
+  cargo build --release -q -p rmacomm-cuda --example copy_ceiling
+  cp target/release/examples/copy_ceiling "$suite/bin/"
+  cargo test --release --no-run -q -p rmacomm-cuda -p rmacomm-kernels --message-format=json 2>/dev/null |
+    python3 -c '
+import json, sys, shutil
+for line in sys.stdin:
+    m = json.loads(line)
+    exe = m.get("executable")
+    if m.get("reason") == "compiler-artifact" and exe and m["target"]["name"] in ("probes", "cuda_kernels"):
+        shutil.copy(exe, sys.argv[1] + "/bin/" + m["target"]["name"])
+' "$suite"
+  for b in "$suite"/bin/*; do strip --strip-debug "$b" 2>/dev/null || true; done
+  cp scripts/gpu_suite.sh "$suite/"
+  ls -la "$suite/bin"
+}
+
+run() {
+  local bin=$suite/bin
+  local out=${OUT:-$suite/results}
+  mkdir -p "$out"
+  if [ -z "${RMACOMM_CUDA_LIB_DIRS:-}" ] && command -v python3 >/dev/null; then
+    RMACOMM_CUDA_LIB_DIRS=$(python3 - <<'PY' 2>/dev/null || true
+import glob, os, site, sys
+roots = site.getsitepackages() + [site.getusersitepackages()]
+print(":".join(d for r in roots for d in sorted(glob.glob(os.path.join(r, "nvidia", "*", "lib")))))
+PY
+)
+    export RMACOMM_CUDA_LIB_DIRS
+  fi
+  export RMACOMM_EXPECT_GPU=1 RMACOMM_EXPECT_NVRTC=1 RMACOMM_EXPECT_NCCL=1
+  { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null || echo "nvidia-smi: none"
+    echo "RMACOMM_CUDA_LIB_DIRS=$RMACOMM_CUDA_LIB_DIRS"; } | tee "$out/machine.txt"
+  local rc=0
+  for t in probes cuda_kernels; do
+    echo "# $t"
+    "$bin/$t" --nocapture --test-threads 1 2>&1 | tee "$out/$t.log" || rc=1
+  done
+  echo "# copy_ceiling"
+  "$bin/copy_ceiling" --json 2>&1 | tee "$out/copy_ceiling.jsonl" || rc=1
+  return $rc
+}
+
+case $what in
+  build) build ;;
+  run) run ;;
+  all) build && run ;;
+  *) echo "usage: $0 [build|run]" >&2; exit 2 ;;
+esac
