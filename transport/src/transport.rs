@@ -115,6 +115,16 @@ impl State {
         banked.fetch_add(1, Ordering::Release);
     }
 
+    /// What a `wait_for_write` that finds the transport broken returns: the
+    /// cause, or `Aborted` once the transport was dropped (as the waits in
+    /// the table get).
+    fn wait_error(&self) -> Option<TransportError> {
+        match &self.broken {
+            Some(_) if self.dropped => Some(TransportError::Aborted { op: "wait_for_write" }),
+            e => e.clone(),
+        }
+    }
+
     /// Counts one abandoned wait; once they are half the table, removes
     /// them all (amortised O(1) a wait, and the table stays within twice
     /// the live waits).
@@ -624,8 +634,8 @@ impl RdmaTransport {
                 let mut st = w.inner.lock();
                 if w.inner.take_banked(&st) {
                     return Ok(());
-                } else if let Some(e) = &st.broken {
-                    return Err(e.clone());
+                } else if let Some(e) = st.wait_error() {
+                    return Err(e);
                 }
                 let (tx, rx) = oneshot::channel();
                 st.waiters.push_back(tx);
@@ -1043,8 +1053,8 @@ impl Inner {
                 let st = self.lock();
                 if self.take_banked(&st) {
                     return Some(Ok(()));
-                } else if let Some(e) = &st.broken {
-                    return Some(Err(e.clone()));
+                } else if let Some(e) = st.wait_error() {
+                    return Some(Err(e));
                 }
             }
             if round % 64 == 0 && std::time::Instant::now() >= spin_until {

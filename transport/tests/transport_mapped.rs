@@ -414,3 +414,22 @@ async fn a_notifying_write_to_a_dropped_peer_fails() {
     let e = failed.expect("notifying writes to a dropped peer kept succeeding");
     assert!(!a.connected(), "{e}");
 }
+
+/// A busy-polling wait spins before it joins the waiter table; dropping the
+/// transport meanwhile ends it with `Aborted`, as it ends the waits in the
+/// table, well before its spin would have ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_spinning_wait_ends_aborted_when_the_transport_is_dropped() {
+    common::link("shm");
+    let spin = common::config().with_busy_poll(std::time::Duration::from_secs(20));
+    let (a, b) = common::pair_with(spin.clone(), spin).await;
+    let w = a.wait_for_write();
+    let t = std::time::Instant::now();
+    let waiting = std::thread::spawn(move || futures::executor::block_on(w));
+    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    drop(a);
+    let r = waiting.join().unwrap();
+    assert!(matches!(r, Err(rmacomm_transport::TransportError::Aborted { op: "wait_for_write" })), "{r:?}");
+    assert!(t.elapsed() < std::time::Duration::from_secs(10), "it spun on for {:?}", t.elapsed());
+    drop(b);
+}
