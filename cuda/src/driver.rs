@@ -16,6 +16,13 @@ const SPEC: Spec = Spec {
            (RMACOMM_CUDA_LIB names the file where it is not on the loader's path)",
 };
 
+/// libcuda, opened once and never closed: the driver starts threads at
+/// `cuInit` and is not made to be unloaded.
+fn driver_lib() -> Result<&'static loader::Opened> {
+    static LIB: std::sync::OnceLock<Result<loader::Opened>> = std::sync::OnceLock::new();
+    LIB.get_or_init(|| loader::open(&SPEC)).as_ref().map_err(Clone::clone)
+}
+
 /// `CUDA_ERROR_NO_DEVICE`.
 const NO_DEVICE: c_int = 100;
 
@@ -35,7 +42,7 @@ pub struct DriverInfo {
 /// no NVIDIA driver gets [`CudaError::NotFound`] naming `libcuda.so.1`; a
 /// driver with no device, `DriverInfo { devices: 0, .. }`.
 pub fn probe() -> Result<DriverInfo> {
-    let lib = loader::open(&SPEC)?;
+    let lib = driver_lib()?;
     // SAFETY: the types are the C signatures in cuda.h (CUresult is an int
     // enum; cuGetErrorName writes a static string's address).
     let (init, version, count, err_name) = unsafe {
@@ -141,7 +148,6 @@ pub struct Context {
     ctx: CuContext,
     name: String,
     cc: (i32, i32),
-    _lib: loader::Opened,
 }
 
 // SAFETY: a CUDA context may be used from any thread that makes it current
@@ -153,7 +159,7 @@ unsafe impl Sync for Context {}
 impl Context {
     /// Opens device `ordinal`'s primary context.
     pub fn open(ordinal: u32) -> Result<Context> {
-        let lib = loader::open(&SPEC)?;
+        let lib = driver_lib()?;
         // SAFETY: each type is the C signature in cuda.h (the `_v2` symbols
         // are what the header's unsuffixed names map to).
         let api = unsafe {
@@ -178,7 +184,7 @@ impl Context {
                 launch: lib.get("cuLaunchKernel\0")?,
             }
         };
-        let mut c = Context { api, dev: 0, ctx: std::ptr::null_mut(), name: String::new(), cc: (0, 0), _lib: lib };
+        let mut c = Context { api, dev: 0, ctx: std::ptr::null_mut(), name: String::new(), cc: (0, 0) };
         // SAFETY: flags 0.
         c.check("cuInit", unsafe { (api.init)(0) })?;
         let ord = c_int::try_from(ordinal).map_err(|_| CudaError::Call {
@@ -259,8 +265,17 @@ impl Context {
         self.check("cuCtxSynchronize", unsafe { (self.api.ctx_sync)() })
     }
 
-    /// Loads a module from a cubin or NUL-terminated PTX image.
+    /// Loads a module from a cubin (an ELF image) or NUL-terminated PTX;
+    /// anything else is refused before the driver reads it.
     pub fn load_module(&self, image: &[u8]) -> Result<Module<'_>> {
+        if !(image.starts_with(b"\x7fELF") || (image.last() == Some(&0) && !image.is_empty())) {
+            return Err(CudaError::Call {
+                lib: SPEC.lib,
+                call: "cuModuleLoadData",
+                code: 1,
+                name: "the image is neither a cubin (ELF) nor NUL-terminated PTX".into(),
+            });
+        }
         self.bind()?;
         let mut m: CuModule = std::ptr::null_mut();
         // SAFETY: `image` outlives the call (the driver copies it).
@@ -373,9 +388,15 @@ pub struct Module<'c> {
 }
 
 impl Module<'_> {
-    /// Launches `name` on `grid` blocks of `block` threads with `args` (in
-    /// the kernel's parameter order and types), then waits for it.
-    pub fn launch(&self, name: &str, grid: u32, block: u32, args: &[Arg]) -> Result<()> {
+    /// Launches `name` on `grid` blocks of `block` threads with `args`,
+    /// then waits for it.
+    ///
+    /// # Safety
+    /// `args` must be the kernel's parameters, in order, each of its type
+    /// (the driver reads one value per parameter the kernel declares), and
+    /// every pointer among them must be device memory the kernel may
+    /// access for the ranges it uses.
+    pub unsafe fn launch(&self, name: &str, grid: u32, block: u32, args: &[Arg]) -> Result<()> {
         let c_name = std::ffi::CString::new(name).map_err(|_| CudaError::Call {
             lib: SPEC.lib,
             call: "cuModuleGetFunction",
@@ -394,22 +415,24 @@ impl Module<'_> {
                 name: format!("no kernel {name} in the module"),
             });
         }
-        let mut vals: Vec<[u8; 8]> = args
+        // One 8-byte-aligned slot per argument; a 4-byte value sits in the
+        // slot's first bytes (its address is the value's).
+        let mut vals: Vec<u64> = args
             .iter()
             .map(|a| match *a {
-                Arg::U64(v) => v.to_ne_bytes(),
-                Arg::F64(v) => v.to_ne_bytes(),
+                Arg::U64(v) => v,
+                Arg::F64(v) => v.to_bits(),
                 Arg::U32(v) => {
                     let mut b = [0u8; 8];
                     b[..4].copy_from_slice(&v.to_ne_bytes());
-                    b
+                    u64::from_ne_bytes(b)
                 }
             })
             .collect();
-        let mut ptrs: Vec<*mut std::ffi::c_void> = vals.iter_mut().map(|v| v.as_mut_ptr().cast()).collect();
-        // SAFETY: `ptrs` holds one pointer per parameter, each to a value
-        // of the parameter's size (8 or 4 bytes, at the start of its slot);
-        // the caller passes the kernel's parameter list.
+        let mut ptrs: Vec<*mut std::ffi::c_void> = vals.iter_mut().map(|v| std::ptr::from_mut(v).cast()).collect();
+        // SAFETY: `ptrs` holds one pointer per argument, each to a value of
+        // the argument's size; that these are the kernel's parameters is
+        // the caller's contract.
         let st = unsafe {
             (self.ctx.api.launch)(
                 f,

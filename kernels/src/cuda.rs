@@ -172,8 +172,10 @@ pub fn source() -> &'static str {
     })
 }
 
-/// Options every compilation gets.
-const OPTIONS: &[&str] = &["-std=c++17", "-lineinfo"];
+/// Options every compilation gets. `--fmad=false`: no multiply-add
+/// contraction, so that `PremulSum`'s `acc + x * f` rounds the product and
+/// the sum separately, as the CPU kernels do.
+const OPTIONS: &[&str] = &["-std=c++17", "-lineinfo", "--fmad=false"];
 
 /// The program compiled for `arch` (`sm_90`: a cubin for that architecture,
 /// loadable by any CUDA 13 driver without JIT; `compute_90`: PTX). Compiled

@@ -23,8 +23,10 @@
 //! counter. A busy-polling waiter is not parked, so its notifications cost
 //! no work request at all.
 //!
-//! A page whose owner deregistered it (the peer's transport was dropped) is
-//! never counted in: the write takes the QP, which reports the peer's end.
+//! A transport that is dropped marks its page parked for good, so the peer's
+//! notifying writes post their wake-ups through the QP, which fails; a page
+//! whose owner deregistered it is never counted in (the write takes the QP).
+//! Either way the write reports the peer's end, as the QP path does.
 
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -121,6 +123,15 @@ impl Notes {
             } else {
                 p.parked().fetch_sub(1, Ordering::SeqCst);
             }
+        }
+    }
+
+    /// Marks this side gone (the transport was dropped): the parked count
+    /// stays above zero for good, so a same-host peer's notifying write
+    /// always posts its wake-up through the QP, which fails now.
+    pub(crate) fn poison(&self) {
+        if let Some(p) = self.own.get() {
+            p.parked().fetch_add(1 << 32, Ordering::SeqCst);
         }
     }
 

@@ -766,13 +766,25 @@ impl RdmaTransport {
             // Copied and counted in; a zero-byte wake-up goes through the
             // QP, and the operation completes with it.
             Direct::Wake => {
-                op = Op {
+                let wake = Op {
                     name: op.name,
                     op: SendOp::RdmaWriteWithImm { remote_addr: 0, rkey: 0, imm: notes::WAKE_IMM },
                     sge: None,
                     mem: None,
                     local_off: 0,
-                }
+                };
+                return match self.inner.slots.clone().try_acquire_owned() {
+                    Ok(slot) => self.inner.post(wake, slot).map(Start::Posted),
+                    // Another thread took the last slot since the in-flight
+                    // check: the wake-up must not depend on this call's
+                    // future being polled (the notification is counted), so
+                    // a task posts it once a slot frees. The write is done.
+                    Err(TryAcquireError::NoPermits) => {
+                        self.inner.clone().wake_later(wake);
+                        Ok(Start::Done)
+                    }
+                    Err(TryAcquireError::Closed) => Err(self.inner.closed_error(op.name)),
+                };
             }
             Direct::No => op.mem = Some(mr.clone()),
         }
@@ -922,6 +934,19 @@ impl Inner {
         true
     }
 
+    /// Posts the wake-up `wake` from a task on the driver's runtime once a
+    /// slot frees (nothing to do once the transport is closed).
+    fn wake_later(self: Arc<Self>, wake: Op) {
+        let Some(rt) = self.rt.get().cloned() else { return };
+        rt.spawn(async move {
+            if let Ok(slot) = self.slots.clone().acquire_owned().await {
+                if let Ok(rx) = self.post(wake, slot) {
+                    let _ = rx.await;
+                }
+            }
+        });
+    }
+
     /// Takes one notification straight from this side's page, without the
     /// state lock (a spinning wait with nobody ahead of it).
     fn take_note(&self) -> bool {
@@ -1039,16 +1064,18 @@ impl Inner {
     fn spin_for_note(&self) -> Option<Result<(), TransportError>> {
         let spin_until = std::time::Instant::now() + self.config.busy_poll;
         let every = self.cq_poll_every();
-        for round in 1u32.. {
+        let mut round = 0u32;
+        loop {
+            round = round.wrapping_add(1);
             std::hint::spin_loop();
             if self.take_note() {
                 return Some(Ok(()));
             }
-            let found = round % every == 0 && self.progress();
+            let found = round.is_multiple_of(every) && self.progress();
             // Banked here or by the driver task.
             if found
                 || self.banked.load(Ordering::Acquire) > 0
-                || (round % 64 == 0 && self.broken_flag.load(Ordering::Acquire))
+                || (round.is_multiple_of(64) && self.broken_flag.load(Ordering::Acquire))
             {
                 let st = self.lock();
                 if self.take_banked(&st) {
@@ -1057,7 +1084,7 @@ impl Inner {
                     return Some(Err(e));
                 }
             }
-            if round % 64 == 0 && std::time::Instant::now() >= spin_until {
+            if round.is_multiple_of(64) && std::time::Instant::now() >= spin_until {
                 break;
             }
         }
@@ -1099,11 +1126,13 @@ impl Inner {
         let every = self.cq_poll_every();
         // The clock is read every 64 rounds: a read costs as much as a
         // round, and would delay seeing what arrives.
-        for round in 1u32.. {
+        let mut round = 0u32;
+        loop {
+            round = round.wrapping_add(1);
             std::hint::spin_loop();
             // Notifications counted in shared memory are looked for every
             // round, the CQ less often (see `cq_poll_every`).
-            if round % every == 0 {
+            if round.is_multiple_of(every) {
                 self.progress();
             } else {
                 self.reap_notes();
@@ -1111,7 +1140,7 @@ impl Inner {
             if let Ok(r) = rx.try_recv() {
                 return Some(r);
             }
-            if round % 64 == 0 && std::time::Instant::now() >= spin_until {
+            if round.is_multiple_of(64) && std::time::Instant::now() >= spin_until {
                 break;
             }
         }
@@ -1416,6 +1445,9 @@ impl Drop for RdmaTransport {
         }
         drop(st);
         self.inner.slots.close();
+        // Same-host peers wake this side through the QP from now on, and
+        // so learn that it is gone.
+        self.inner.notes.poison();
         // Stop the QP and the driver.
         self.inner.qp.fail();
         self.inner.shutdown.notify_one();

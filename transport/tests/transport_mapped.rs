@@ -402,7 +402,14 @@ async fn a_notifying_write_to_a_dropped_peer_fails() {
         assert!(k < 10_000, "no notification ever came through the page");
         tokio::time::sleep(std::time::Duration::from_millis(1)).await;
     }
+    // A future of b's outlives b and keeps its state (and notification
+    // page) alive: the writes must fail all the same.
+    let kept = b.wait_for_write();
     drop(b);
+    // At once, before this side's driver has seen the connection go: the
+    // dropped side's page says so (its wake-ups go through the QP).
+    let first = a.write(src.view(0, 0).unwrap(), &rb, true).await;
+    assert!(first.is_err(), "the first notifying write after the drop succeeded");
     let mut failed = None;
     for _ in 0..100 {
         if let Err(e) = a.write(src.view(0, 0).unwrap(), &rb, true).await {
@@ -413,6 +420,7 @@ async fn a_notifying_write_to_a_dropped_peer_fails() {
     }
     let e = failed.expect("notifying writes to a dropped peer kept succeeding");
     assert!(!a.connected(), "{e}");
+    drop(kept);
 }
 
 /// A busy-polling wait spins before it joins the waiter table; dropping the

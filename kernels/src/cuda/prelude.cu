@@ -51,7 +51,18 @@ template <> struct Tr<bf16> {
     static __device__ __forceinline__ float load(bf16 x) { return __uint_as_float(((u32)x.bits) << 16); }
     static __device__ __forceinline__ bf16 store(float f) {
         bf16 r;
+#if __CUDA_ARCH__ >= 800
         asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r.bits) : "f"(f));
+#else
+        // Before sm_80 there is no bf16 conversion: round to nearest even
+        // by hand (NaN stays a quiet NaN).
+        u32 u = __float_as_uint(f);
+        if ((u & 0x7fffffffu) > 0x7f800000u) {
+            r.bits = (u16)((u >> 16) | 0x40u);
+        } else {
+            r.bits = (u16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+        }
+#endif
         return r;
     }
 };
