@@ -6,6 +6,19 @@
 use rmacomm_cuda::nvrtc::{Nvrtc, Output};
 use rmacomm_kernels::{cuda, DType, ReduceOp};
 
+/// Every op (PremulSum with a factor integers accept too).
+const OPS: [ReduceOp; 9] = [
+    ReduceOp::Sum,
+    ReduceOp::Product,
+    ReduceOp::Min,
+    ReduceOp::Max,
+    ReduceOp::Band,
+    ReduceOp::Bor,
+    ReduceOp::Bxor,
+    ReduceOp::Avg,
+    ReduceOp::PremulSum(3.0),
+];
+
 /// NVRTC, or `None` after saying why the test skips. With
 /// `RMACOMM_EXPECT_NVRTC=1` (the test command sets it where it installed
 /// the library) a missing NVRTC fails the test instead.
@@ -45,17 +58,7 @@ fn every_kernel_compiles_to_ptx_and_a_cubin() {
 fn every_valid_op_and_dtype_has_its_kernels_and_no_other() {
     let names = cuda::entry_points();
     for d in DType::ALL {
-        for op in [
-            ReduceOp::Sum,
-            ReduceOp::Product,
-            ReduceOp::Min,
-            ReduceOp::Max,
-            ReduceOp::Band,
-            ReduceOp::Bor,
-            ReduceOp::Bxor,
-            ReduceOp::Avg,
-            ReduceOp::PremulSum(2.0),
-        ] {
+        for op in OPS {
             match cuda::entries(op, d) {
                 Ok(e) => {
                     for k in
@@ -187,23 +190,12 @@ fn gpu_kernels_match_the_cpu_kernels() {
     };
     const N: usize = 100_003;
     let (grid, block) = (N.div_ceil(256) as u32, 256);
-    let ops = [
-        ReduceOp::Sum,
-        ReduceOp::Product,
-        ReduceOp::Min,
-        ReduceOp::Max,
-        ReduceOp::Band,
-        ReduceOp::Bor,
-        ReduceOp::Bxor,
-        ReduceOp::Avg,
-        ReduceOp::PremulSum(3.0),
-    ];
     use rmacomm_cuda::driver::Arg;
     let mut checked = 0;
     for d in DType::ALL {
         let bytes = N * d.size();
         let inputs: Vec<Vec<u8>> = (0..3).map(|k| data(d, N, k + 1 + d.size() as u64)).collect();
-        for op in ops {
+        for op in OPS {
             let Ok(e) = cuda::entries(op, d) else { continue };
             let cpu = rmacomm_kernels::Reducer::new(d, op).unwrap();
             let bufs: Vec<_> = inputs

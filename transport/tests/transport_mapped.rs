@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use common::{contents, pattern};
-use rmacomm_transport::{RdmaMemory, RdmaRemoteBuffer};
+use rmacomm_transport::{RdmaMemory, RdmaRemoteBuffer, RdmaTransport};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_same_host_peers_buffer_is_mapped_and_checked_on_every_copy() {
@@ -262,6 +262,20 @@ async fn calls_from_plain_threads_are_copied_too() {
     assert_eq!(contents(&dst, 0, 4096), pattern(4096, i));
 }
 
+/// Notifies `b` through `a` (zero-byte writes to `rb`) until one came
+/// through `b`'s notification page: the page and the region are mapped
+/// lazily, so the first notifications take the QP.
+async fn until_notes_flow(a: &RdmaTransport, b: &RdmaTransport, src: &RdmaMemory, rb: &RdmaRemoteBuffer) {
+    let mut k = 0;
+    while b.direct_notifications() == 0 {
+        a.write(src.view(0, 0).unwrap(), rb, true).await.unwrap();
+        b.wait_for_write().await.unwrap();
+        k += 1;
+        assert!(k < 10_000, "no notification ever came through the page");
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
+}
+
 /// Notifying writes to a same-host peer: copied by the caller and counted
 /// into the peer's notification page (no work request). The peer's waits
 /// see the data; every notification satisfies exactly one wait, whether it
@@ -338,14 +352,7 @@ async fn sleeping_waiters_are_woken_and_nothing_is_lost() {
     let dst = RdmaMemory::alloc_for(&b, 4096).unwrap();
     let src = RdmaMemory::alloc_for(&a, 4096).unwrap();
     let rb = dst.remote_buffer();
-    let mut k = 0;
-    while b.direct_notifications() == 0 {
-        a.write(src.view(0, 8).unwrap(), &rb, true).await.unwrap();
-        b.wait_for_write().await.unwrap();
-        k += 1;
-        assert!(k < 10_000, "no notification ever came through the page");
-        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
-    }
+    until_notes_flow(&a, &b, &src, &rb).await;
     let before = b.direct_notifications();
     const N: u64 = 20_000;
     let b2 = b.clone();
@@ -394,14 +401,7 @@ async fn a_notifying_write_to_a_dropped_peer_fails() {
     let dst = RdmaMemory::alloc_for(&b, 4096).unwrap();
     let src = RdmaMemory::alloc_for(&a, 4096).unwrap();
     let rb = dst.remote_buffer();
-    let mut k = 0;
-    while b.direct_notifications() == 0 {
-        a.write(src.view(0, 0).unwrap(), &rb, true).await.unwrap();
-        b.wait_for_write().await.unwrap();
-        k += 1;
-        assert!(k < 10_000, "no notification ever came through the page");
-        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
-    }
+    until_notes_flow(&a, &b, &src, &rb).await;
     // A future of b's outlives b and keeps its state (and notification
     // page) alive: the writes must fail all the same.
     let kept = b.wait_for_write();
