@@ -35,11 +35,19 @@ enum Outcome {
 /// [`ACK_BATCH_BYTES`] of payload (so the requester's window keeps moving),
 /// and before any other answer (NAK, RNR wait, READ or atomic response),
 /// which must not overtake it.
+///
+/// The receive completions of the requests an ACK covers are made visible
+/// only once that ACK is written (as an HCA acknowledges at placement,
+/// before the receiver's CQ shows anything): a receiver that exits as soon
+/// as it sees a notification still leaves the requester its ACK, so the
+/// requester never reports a delivered message as lost.
 #[derive(Default)]
 struct Acks {
     psn: Option<u32>,
     count: u32,
     bytes: u64,
+    /// Receive completions waiting for the ACK that covers them.
+    wcs: Vec<WorkCompletion>,
 }
 
 const ACK_BATCH: u32 = 16;
@@ -56,30 +64,66 @@ impl Acks {
         self.count >= ACK_BATCH || self.bytes >= ACK_BATCH_BYTES
     }
 
-    async fn flush<S: AsyncWrite + Unpin>(&mut self, s: &mut S) -> std::io::Result<()> {
-        if let Some(psn) = self.psn.take() {
-            self.count = 0;
-            self.bytes = 0;
-            s.write_all(&Frame::Ack { psn }.encode()).await?;
+    /// Holds `wc` until the ACK of the request it completes is written.
+    fn defer(&mut self, wc: WorkCompletion) {
+        self.wcs.push(wc);
+    }
+
+    async fn flush<S: AsyncWrite + Unpin>(&mut self, s: &mut S, qp: &SoftQp) -> std::io::Result<()> {
+        let sent = match self.psn.take() {
+            Some(psn) => {
+                self.count = 0;
+                self.bytes = 0;
+                s.write_all(&Frame::Ack { psn }.encode()).await
+            }
+            None => Ok(()),
+        };
+        // The data is placed either way: a lost connection does not take
+        // the receiver's completions with it.
+        self.release(qp);
+        sent
+    }
+
+    /// Makes the held completions visible (the connection ends).
+    fn release(&mut self, qp: &SoftQp) {
+        for wc in self.wcs.drain(..) {
+            qp.push_recv_wc(wc);
         }
-        Ok(())
     }
 }
 
 /// Serves one connection until it closes, the QP leaves service, or a
 /// request fails.
-pub(crate) async fn run<S>(qp: Arc<SoftQp>, mut s: S, hello: Hello, peer: String)
+pub(crate) async fn run<S>(qp: Arc<SoftQp>, s: S, hello: Hello, peer: String)
 where
     S: AsyncRead + AsyncWrite + HasSock + Unpin + Send,
 {
     let mut state_rx = qp.state_tx.subscribe();
     let epoch = qp.epoch();
     let max_msg = qp.ctx.config.max_msg_size;
-    let mut checked_peer = false;
     let mut acks = Acks::default();
+    serve_conn(&qp, s, hello, peer, epoch, max_msg, &mut state_rx, &mut acks).await;
+    acks.release(&qp);
+}
+
+/// `run`'s loop; every way out leaves `acks`' held completions to `run`.
+#[allow(clippy::too_many_arguments)]
+async fn serve_conn<S>(
+    qp: &Arc<SoftQp>,
+    mut s: S,
+    hello: Hello,
+    peer: String,
+    epoch: u64,
+    max_msg: u32,
+    state_rx: &mut watch::Receiver<QpState>,
+    acks: &mut Acks,
+) where
+    S: AsyncRead + AsyncWrite + HasSock + Unpin + Send,
+{
+    let mut checked_peer = false;
     loop {
         if acks.psn.is_some() && (acks.full() || !s.sock().readable_now()) {
-            if let Err(e) = acks.flush(&mut s).await {
+            if let Err(e) = acks.flush(&mut s, qp).await {
                 return tracing::debug!("soft QP {:#x}: connection to {peer} lost: {e}", qp.qpn);
             }
         }
@@ -90,7 +134,7 @@ where
                     return;
                 }
             }
-            _ = dead(&qp, epoch, &mut state_rx) => return,
+            _ = dead(qp, epoch, state_rx) => return,
         }
         let f = match Frame::decode(&hdr, max_msg) {
             Ok(f) if f.is_request() => f,
@@ -110,7 +154,7 @@ where
             }
         };
         qp.ctx.touch();
-        if !ready(&qp, epoch, &mut state_rx).await {
+        if !ready(qp, epoch, state_rx).await {
             return;
         }
         // A connection admitted before RTR must come from the remote QP
@@ -125,7 +169,7 @@ where
             }
             checked_peer = true;
         }
-        match serve(&qp, &mut s, &mut acks, f, epoch, hello.rnr_retry, &mut state_rx).await {
+        match serve(qp, &mut s, acks, f, epoch, hello.rnr_retry, state_rx).await {
             Ok(Outcome::Continue) => {}
             Ok(Outcome::Close) => return linger(&mut s).await,
             Err(e) => return tracing::debug!("soft QP {:#x}: connection to {peer} lost: {e}", qp.qpn),
@@ -208,7 +252,7 @@ async fn nak<S: AsyncWrite + Unpin>(
     why: &str,
 ) -> std::io::Result<Outcome> {
     tracing::debug!("soft QP {:#x}: NAK {syndrome:?} for PSN {psn}: {why}", qp.qpn);
-    acks.flush(s).await?;
+    acks.flush(s, qp).await?;
     s.write_all(&Frame::Nak { psn, syndrome }.encode()).await?;
     Ok(Outcome::Close)
 }
@@ -251,7 +295,7 @@ async fn take_recv<S: AsyncWrite + Unpin>(
                     return Ok(None);
                 }
                 waits += 1;
-                acks.flush(s).await?;
+                acks.flush(s, qp).await?;
                 s.write_all(&Frame::RnrWait { psn }.encode()).await?;
             }
             _ = dead(qp, epoch, state_rx) => return Ok(None),
@@ -291,7 +335,7 @@ where
                 // A long payload takes a while: what it follows is
                 // answered first.
                 if u64::from(len) >= ACK_BATCH_BYTES {
-                    acks.flush(s).await?;
+                    acks.flush(s, qp).await?;
                 }
                 // SAFETY: p..p+len was checked against a live MR, held by
                 // _mr until the read is done.
@@ -301,7 +345,7 @@ where
                 let Some(r) = take_recv(qp, s, acks, psn, epoch, rnr_retry, state_rx).await? else {
                     return Ok(Outcome::Close);
                 };
-                qp.push_recv_wc(recv_wc(qp, &r, WcStatus::Success, WcOpcode::RecvRdmaWithImm, len, Some(imm)));
+                acks.defer(recv_wc(qp, &r, WcStatus::Success, WcOpcode::RecvRdmaWithImm, len, Some(imm)));
             }
             acks.add(psn, len);
         }
@@ -309,7 +353,7 @@ where
             let Some(r) = take_recv(qp, s, acks, psn, epoch, rnr_retry, state_rx).await? else {
                 return Ok(Outcome::Close);
             };
-            qp.push_recv_wc(recv_wc(qp, &r, WcStatus::Success, WcOpcode::RecvRdmaWithImm, len, Some(imm)));
+            acks.defer(recv_wc(qp, &r, WcStatus::Success, WcOpcode::RecvRdmaWithImm, len, Some(imm)));
             acks.add(psn, 0);
         }
         Frame::Send { psn, len, imm } => {
@@ -317,6 +361,7 @@ where
                 return Ok(Outcome::Close);
             };
             if (len as u64) > r.capacity() {
+                acks.flush(s, qp).await?;
                 qp.push_recv_wc(recv_wc(qp, &r, WcStatus::LocLenErr, WcOpcode::Recv, 0, None));
                 qp.set_error("receive too small for an incoming SEND");
                 return nak(qp, s, acks, psn, Syndrome::InvalidRequest, "SEND longer than the posted receive").await;
@@ -334,6 +379,7 @@ where
                         left -= n;
                     }
                     Err(st) => {
+                        acks.flush(s, qp).await?;
                         qp.push_recv_wc(recv_wc(qp, &r, st, WcOpcode::Recv, 0, None));
                         qp.set_error("receive buffer failed its key check");
                         return nak(qp, s, acks, psn, Syndrome::RemoteOp, "receive buffer is not a valid local region")
@@ -346,7 +392,7 @@ where
                 unsafe { recv_exact(s, p, n).await? };
             }
             let opcode = WcOpcode::Recv;
-            qp.push_recv_wc(recv_wc(qp, &r, WcStatus::Success, opcode, len, imm));
+            acks.defer(recv_wc(qp, &r, WcStatus::Success, opcode, len, imm));
             acks.add(psn, len);
         }
         Frame::ReadReq { psn, raddr, rkey, len } => {
@@ -360,7 +406,7 @@ where
                 src = p;
             }
             let payload = [(src, len as usize)];
-            acks.flush(s).await?;
+            acks.flush(s, qp).await?;
             send_frame(s, &Frame::ReadResp { psn, len }, if len > 0 { &payload } else { &[] }).await?;
             drop(keep);
         }
@@ -381,7 +427,7 @@ where
             } else {
                 cell.fetch_add(a, Ordering::AcqRel)
             };
-            acks.flush(s).await?;
+            acks.flush(s, qp).await?;
             s.write_all(&Frame::AtomicResp { psn, orig }.encode()).await?;
         }
         _ => return Ok(Outcome::Close),
