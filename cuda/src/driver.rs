@@ -23,6 +23,22 @@ fn driver_lib() -> Result<&'static loader::Opened> {
     LIB.get_or_init(|| loader::open(&SPEC)).as_ref().map_err(Clone::clone)
 }
 
+/// `cuGetErrorName`.
+type ErrNameFn = unsafe extern "C" fn(c_int, *mut *const c_char) -> c_int;
+
+/// The error of a failed driver call, named by the driver.
+fn call_error(err_name: ErrNameFn, call: &'static str, code: c_int) -> CudaError {
+    let mut p: *const c_char = std::ptr::null();
+    // SAFETY: a valid out-pointer; the string, when set, is static.
+    let name = if unsafe { err_name(code, &mut p) } == 0 && !p.is_null() {
+        // SAFETY: non-null, NUL-terminated, static.
+        unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+    } else {
+        "unknown".to_owned()
+    };
+    CudaError::Call { lib: SPEC.lib, call, code, name }
+}
+
 /// `CUDA_ERROR_NO_DEVICE`.
 const NO_DEVICE: c_int = 100;
 
@@ -50,20 +66,10 @@ pub fn probe() -> Result<DriverInfo> {
             lib.get::<unsafe extern "C" fn(u32) -> c_int>("cuInit\0")?,
             lib.get::<unsafe extern "C" fn(*mut c_int) -> c_int>("cuDriverGetVersion\0")?,
             lib.get::<unsafe extern "C" fn(*mut c_int) -> c_int>("cuDeviceGetCount\0")?,
-            lib.get::<unsafe extern "C" fn(c_int, *mut *const c_char) -> c_int>("cuGetErrorName\0")?,
+            lib.get::<ErrNameFn>("cuGetErrorName\0")?,
         )
     };
-    let fail = |call: &'static str, code: c_int| {
-        let mut p: *const c_char = std::ptr::null();
-        // SAFETY: a valid out-pointer; the string, when set, is static.
-        let name = if unsafe { err_name(code, &mut p) } == 0 && !p.is_null() {
-            // SAFETY: non-null, NUL-terminated, static.
-            unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
-        } else {
-            "unknown".to_owned()
-        };
-        CudaError::Call { lib: SPEC.lib, call, code, name }
-    };
+    let fail = |call: &'static str, code: c_int| call_error(err_name, call, code);
     let mut v = 0;
     // SAFETY: a valid out-pointer (callable before cuInit).
     let st = unsafe { version(&mut v) };
@@ -105,7 +111,7 @@ const CC_MINOR: c_int = 76;
 #[derive(Debug, Clone, Copy)]
 struct Api {
     init: unsafe extern "C" fn(u32) -> CuResult,
-    err_name: unsafe extern "C" fn(CuResult, *mut *const c_char) -> CuResult,
+    err_name: ErrNameFn,
     device_get: unsafe extern "C" fn(*mut CuDevice, c_int) -> CuResult,
     device_attr: unsafe extern "C" fn(*mut c_int, c_int, CuDevice) -> CuResult,
     device_name: unsafe extern "C" fn(*mut c_char, c_int, CuDevice) -> CuResult,
@@ -217,15 +223,7 @@ impl Context {
         if st == 0 {
             return Ok(());
         }
-        let mut p: *const c_char = std::ptr::null();
-        // SAFETY: a valid out-pointer; the string, when set, is static.
-        let name = if unsafe { (self.api.err_name)(st, &mut p) } == 0 && !p.is_null() {
-            // SAFETY: non-null, NUL-terminated, static.
-            unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
-        } else {
-            "unknown".to_owned()
-        };
-        Err(CudaError::Call { lib: SPEC.lib, call, code: st, name })
+        Err(call_error(self.api.err_name, call, st))
     }
 
     /// Makes the context current on the calling thread.
@@ -266,8 +264,13 @@ impl Context {
     }
 
     /// Loads a module from a cubin (an ELF image) or NUL-terminated PTX;
-    /// anything else is refused before the driver reads it.
-    pub fn load_module(&self, image: &[u8]) -> Result<Module<'_>> {
+    /// an image that is neither is refused before the driver reads it.
+    ///
+    /// # Safety
+    /// A cubin must be well-formed (as NVRTC writes them): the driver
+    /// follows the offsets and sizes in its ELF headers, which are not
+    /// checked here against `image`'s length.
+    pub unsafe fn load_module(&self, image: &[u8]) -> Result<Module<'_>> {
         if !(image.starts_with(b"\x7fELF") || (image.last() == Some(&0) && !image.is_empty())) {
             return Err(CudaError::Call {
                 lib: SPEC.lib,
@@ -278,7 +281,8 @@ impl Context {
         }
         self.bind()?;
         let mut m: CuModule = std::ptr::null_mut();
-        // SAFETY: `image` outlives the call (the driver copies it).
+        // SAFETY: `image` outlives the call (the driver copies it); a cubin
+        // is well-formed by the caller's contract, PTX ends in NUL (checked).
         self.check("cuModuleLoadData", unsafe { (self.api.module_load)(&mut m, image.as_ptr().cast()) })?;
         Ok(Module { ctx: self, m })
     }

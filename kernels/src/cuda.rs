@@ -41,42 +41,16 @@ use crate::{DType, ReduceOp, Result};
 const PRELUDE: &str = include_str!("cuda/prelude.cu");
 
 /// The binary ops with a kernel of their own (`Avg` and `PremulSum` run as
-/// `Sum` between their maps).
-const OPS: [(ReduceOp, &str, &str); 7] = [
-    (ReduceOp::Sum, "sum", "Sum"),
-    (ReduceOp::Product, "product", "Prod"),
-    (ReduceOp::Min, "min", "Min"),
-    (ReduceOp::Max, "max", "Max"),
-    (ReduceOp::Band, "band", "Band"),
-    (ReduceOp::Bor, "bor", "Bor"),
-    (ReduceOp::Bxor, "bxor", "Bxor"),
-];
+/// `Sum` between their maps). Each is the C++ type `op_<name>` in the
+/// program; element types are named as [`DType::name`] says.
+const OPS: [ReduceOp; 7] =
+    [ReduceOp::Sum, ReduceOp::Product, ReduceOp::Min, ReduceOp::Max, ReduceOp::Band, ReduceOp::Bor, ReduceOp::Bxor];
 
-/// The CUDA C element type of `d`.
-fn ctype(d: DType) -> &'static str {
-    match d {
-        DType::F32 => "float",
-        DType::F64 => "double",
-        DType::F16 => "f16",
-        DType::BF16 => "bf16",
-        DType::I8 => "i8",
-        DType::U8 => "u8",
-        DType::I32 => "i32",
-        DType::I64 => "i64",
-    }
-}
-
-/// The combining op a reduction runs as on the device (`Avg` and
-/// `PremulSum` combine as `Sum`).
+/// The combining op a reduction runs as on the device.
 fn base_op(op: ReduceOp) -> &'static str {
     match op {
-        ReduceOp::Sum | ReduceOp::Avg | ReduceOp::PremulSum(_) => "sum",
-        ReduceOp::Product => "product",
-        ReduceOp::Min => "min",
-        ReduceOp::Max => "max",
-        ReduceOp::Band => "band",
-        ReduceOp::Bor => "bor",
-        ReduceOp::Bxor => "bxor",
+        ReduceOp::Avg | ReduceOp::PremulSum(_) => "sum",
+        op => op.name(),
     }
 }
 
@@ -117,11 +91,9 @@ pub fn entries(op: ReduceOp, dtype: DType) -> Result<Entries> {
 pub fn entry_points() -> Vec<String> {
     let mut v = vec!["rmacomm_signal_add".to_owned(), "rmacomm_wait_geq".to_owned()];
     for d in DType::ALL {
-        for (op, name, _) in OPS {
-            if op.check(d).is_ok() {
-                v.push(format!("rmacomm_{name}_{}", d.name()));
-                v.push(format!("rmacomm_{name}_n_{}", d.name()));
-            }
+        for op in OPS.into_iter().filter(|op| op.check(d).is_ok()) {
+            v.push(format!("rmacomm_{}_{}", op.name(), d.name()));
+            v.push(format!("rmacomm_{}_n_{}", op.name(), d.name()));
         }
         v.push(format!("rmacomm_sum_full_{}", d.name()));
         v.push(format!("rmacomm_scale_{}", d.name()));
@@ -137,35 +109,33 @@ pub fn source() -> &'static str {
         let mut s = String::from(PRELUDE);
         s.push_str("\n// Entry points, one per (op, dtype).\n");
         for d in DType::ALL {
-            let (t, c) = (d.name(), ctype(d));
-            for (op, name, ty) in OPS {
-                if op.check(d).is_err() {
-                    continue;
-                }
+            let t = d.name();
+            for op in OPS.into_iter().filter(|op| op.check(d).is_ok()) {
+                let name = op.name();
                 let _ = writeln!(
                     s,
-                    "extern \"C\" __global__ void rmacomm_{name}_{t}({c}* out, const {c}* a, const {c}* b, u64 n) \
-                     {{ binary<{c}, {ty}>(out, a, b, n); }}"
+                    "extern \"C\" __global__ void rmacomm_{name}_{t}({t}* out, const {t}* a, const {t}* b, u64 n) \
+                     {{ binary<{t}, op_{name}>(out, a, b, n); }}"
                 );
                 let _ = writeln!(
                     s,
-                    "extern \"C\" __global__ void rmacomm_{name}_n_{t}({c}* out, const {c}* const* in, u32 k, u64 n) \
-                     {{ nary<{c}, {ty}>(out, in, k, n); }}"
+                    "extern \"C\" __global__ void rmacomm_{name}_n_{t}({t}* out, const {t}* const* in, u32 k, u64 n) \
+                     {{ nary<{t}, op_{name}>(out, in, k, n); }}"
                 );
             }
             let _ = writeln!(
                 s,
-                "extern \"C\" __global__ void rmacomm_sum_full_{t}({c}* out, const {c}* const* in, u32 k, u64 n, \
-                 double factor, u64 count) {{ full<{c}>(out, in, k, n, factor, count); }}"
+                "extern \"C\" __global__ void rmacomm_sum_full_{t}({t}* out, const {t}* const* in, u32 k, u64 n, \
+                 double factor, u64 count) {{ full<{t}>(out, in, k, n, factor, count); }}"
             );
             let _ = writeln!(
                 s,
-                "extern \"C\" __global__ void rmacomm_scale_{t}({c}* buf, double f, u64 n) {{ scale<{c}>(buf, f, n); }}"
+                "extern \"C\" __global__ void rmacomm_scale_{t}({t}* buf, double f, u64 n) {{ scale<{t}>(buf, f, n); }}"
             );
             let _ = writeln!(
                 s,
-                "extern \"C\" __global__ void rmacomm_div_{t}({c}* buf, u64 count, u64 n) \
-                 {{ divide<{c}>(buf, count, n); }}"
+                "extern \"C\" __global__ void rmacomm_div_{t}({t}* buf, u64 count, u64 n) \
+                 {{ divide<{t}>(buf, count, n); }}"
             );
         }
         s

@@ -172,6 +172,8 @@
 //!   split over helper threads.
 //! - `dtype.rs`, `op.rs`, `device.rs`, `element.rs`, `error.rs`: the public
 //!   vocabulary.
+//! - `cuda.rs` and `cuda/prelude.cu`: the CUDA kernels' source, compiled at
+//!   run time with NVRTC ([`cuda`]).
 
 mod arith;
 pub mod cuda;

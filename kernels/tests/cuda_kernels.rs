@@ -181,7 +181,8 @@ fn gpu_kernels_match_the_cpu_kernels() {
         Output::Cubin(b) => b.clone(),
         Output::Ptx(p) => format!("{p}\0").into_bytes(),
     };
-    let module = ctx.load_module(&image).unwrap();
+    // SAFETY: NVRTC's own output.
+    let module = unsafe { ctx.load_module(&image) }.unwrap();
     let launch = |name: &str, grid: u32, block: u32, args: &[rmacomm_cuda::driver::Arg]| {
         // SAFETY: every call below passes its kernel's parameters (see the
         // signatures in kernels/src/cuda.rs) and device buffers of at least

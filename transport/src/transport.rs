@@ -1057,38 +1057,49 @@ impl Inner {
         }
     }
 
-    /// The spin of a `wait_for_write` with nobody ahead of it: polls (see
-    /// `reap_until`) for up to `busy_poll` and takes the first notification
-    /// banked meanwhile; `None` when none came (or another caller's wait
-    /// took it).
-    fn spin_for_note(&self) -> Option<Result<(), TransportError>> {
+    /// Spins for up to `busy_poll`, calling `round(poll_cq, every_64th)`
+    /// until it returns something: `poll_cq` says whether this round polls
+    /// the CQ (see `cq_poll_every`; other rounds look only at the
+    /// notification page). The clock is read every 64 rounds: a read costs
+    /// as much as a round, and would delay seeing what arrives.
+    fn spin<R>(&self, mut round: impl FnMut(bool, bool) -> Option<R>) -> Option<R> {
         let spin_until = std::time::Instant::now() + self.config.busy_poll;
         let every = self.cq_poll_every();
-        let mut round = 0u32;
+        let mut n = 0u32;
         loop {
-            round = round.wrapping_add(1);
+            n = n.wrapping_add(1);
             std::hint::spin_loop();
+            if let Some(r) = round(n.is_multiple_of(every), n.is_multiple_of(64)) {
+                return Some(r);
+            }
+            if n.is_multiple_of(64) && std::time::Instant::now() >= spin_until {
+                return None;
+            }
+        }
+    }
+
+    /// The spin of a `wait_for_write` with nobody ahead of it: takes a
+    /// notification from the page as it comes, or the first one banked
+    /// meanwhile (here or by the driver task); `None` when none came (or
+    /// another caller's wait took it).
+    fn spin_for_note(&self) -> Option<Result<(), TransportError>> {
+        self.spin(|poll_cq, every_64th| {
             if self.take_note() {
                 return Some(Ok(()));
             }
-            let found = round.is_multiple_of(every) && self.progress();
-            // Banked here or by the driver task.
+            let found = poll_cq && self.progress();
             if found
                 || self.banked.load(Ordering::Acquire) > 0
-                || (round.is_multiple_of(64) && self.broken_flag.load(Ordering::Acquire))
+                || (every_64th && self.broken_flag.load(Ordering::Acquire))
             {
                 let st = self.lock();
                 if self.take_banked(&st) {
                     return Some(Ok(()));
-                } else if let Some(e) = st.wait_error() {
-                    return Some(Err(e));
                 }
+                return st.wait_error().map(Err);
             }
-            if round.is_multiple_of(64) && std::time::Instant::now() >= spin_until {
-                break;
-            }
-        }
-        None
+            None
+        })
     }
 
     /// How many spin rounds per CQ poll: every round, unless the peer
@@ -1122,29 +1133,14 @@ impl Inner {
         if self.config.busy_poll.is_zero() || !spin {
             return None;
         }
-        let spin_until = std::time::Instant::now() + self.config.busy_poll;
-        let every = self.cq_poll_every();
-        // The clock is read every 64 rounds: a read costs as much as a
-        // round, and would delay seeing what arrives.
-        let mut round = 0u32;
-        loop {
-            round = round.wrapping_add(1);
-            std::hint::spin_loop();
-            // Notifications counted in shared memory are looked for every
-            // round, the CQ less often (see `cq_poll_every`).
-            if round.is_multiple_of(every) {
+        self.spin(|poll_cq, _| {
+            if poll_cq {
                 self.progress();
             } else {
                 self.reap_notes();
             }
-            if let Ok(r) = rx.try_recv() {
-                return Some(r);
-            }
-            if round.is_multiple_of(64) && std::time::Instant::now() >= spin_until {
-                break;
-            }
-        }
-        None
+            rx.try_recv().ok()
+        })
     }
 
     /// Waits for the completion of WR `id` until `deadline`.

@@ -262,18 +262,24 @@ async fn calls_from_plain_threads_are_copied_too() {
     assert_eq!(contents(&dst, 0, 4096), pattern(4096, i));
 }
 
-/// Notifies `b` through `a` (zero-byte writes to `rb`) until one came
-/// through `b`'s notification page: the page and the region are mapped
-/// lazily, so the first notifications take the QP.
-async fn until_notes_flow(a: &RdmaTransport, b: &RdmaTransport, src: &RdmaMemory, rb: &RdmaRemoteBuffer) {
+/// A same-host pair, `b`'s 4 KiB region `rb` and `a`'s source `src`, with
+/// notifications already flowing through `b`'s page: the page and the region
+/// are mapped lazily, so the first ones (zero-byte writes here) take the QP.
+async fn notes_pair() -> (Arc<RdmaTransport>, Arc<RdmaTransport>, RdmaMemory, RdmaMemory, RdmaRemoteBuffer) {
+    common::link("shm");
+    let (a, b) = common::pair().await;
+    let dst = RdmaMemory::alloc_for(&b, 4096).unwrap();
+    let src = RdmaMemory::alloc_for(&a, 4096).unwrap();
+    let rb = dst.remote_buffer();
     let mut k = 0;
     while b.direct_notifications() == 0 {
-        a.write(src.view(0, 0).unwrap(), rb, true).await.unwrap();
+        a.write(src.view(0, 0).unwrap(), &rb, true).await.unwrap();
         b.wait_for_write().await.unwrap();
         k += 1;
         assert!(k < 10_000, "no notification ever came through the page");
         tokio::time::sleep(std::time::Duration::from_millis(1)).await;
     }
+    (a, b, dst, src, rb)
 }
 
 /// Notifying writes to a same-host peer: copied by the caller and counted
@@ -347,12 +353,7 @@ async fn same_host_notifications_are_counted_in_shared_memory() {
 /// the final wait).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sleeping_waiters_are_woken_and_nothing_is_lost() {
-    common::link("shm");
-    let (a, b) = common::pair().await;
-    let dst = RdmaMemory::alloc_for(&b, 4096).unwrap();
-    let src = RdmaMemory::alloc_for(&a, 4096).unwrap();
-    let rb = dst.remote_buffer();
-    until_notes_flow(&a, &b, &src, &rb).await;
+    let (a, b, _dst, src, rb) = notes_pair().await;
     let before = b.direct_notifications();
     const N: u64 = 20_000;
     let b2 = b.clone();
@@ -396,12 +397,7 @@ async fn sleeping_waiters_are_woken_and_nothing_is_lost() {
 /// its (dead) page: it fails the way the QP reports the peer's end.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_notifying_write_to_a_dropped_peer_fails() {
-    common::link("shm");
-    let (a, b) = common::pair().await;
-    let dst = RdmaMemory::alloc_for(&b, 4096).unwrap();
-    let src = RdmaMemory::alloc_for(&a, 4096).unwrap();
-    let rb = dst.remote_buffer();
-    until_notes_flow(&a, &b, &src, &rb).await;
+    let (a, b, _dst, src, rb) = notes_pair().await;
     // A future of b's outlives b and keeps its state (and notification
     // page) alive: the writes must fail all the same.
     let kept = b.wait_for_write();

@@ -4,6 +4,9 @@
 // the PremulSum / Avg maps, and the signal / wait kernels. Compiled at run
 // time by NVRTC; no header is included (NVRTC needs none for this).
 
+// Element types by rmacomm's dtype names (f16 and bf16 are structs below).
+typedef float f32;
+typedef double f64;
 typedef unsigned long long u64;
 typedef long long i64;
 typedef unsigned int u32;
@@ -101,13 +104,13 @@ WRAP(i64, u64)
 FLOAT(float, u32, __float_as_uint, __uint_as_float)
 FLOAT(double, u64, (u64)__double_as_longlong, __longlong_as_double)
 
-struct Sum { template <class C> static __device__ __forceinline__ C ap(C a, C b) { return add_(a, b); } };
-struct Prod { template <class C> static __device__ __forceinline__ C ap(C a, C b) { return mul_(a, b); } };
-struct Min { template <class C> static __device__ __forceinline__ C ap(C a, C b) { return min_(a, b); } };
-struct Max { template <class C> static __device__ __forceinline__ C ap(C a, C b) { return max_(a, b); } };
-struct Band { template <class C> static __device__ __forceinline__ C ap(C a, C b) { return and_(a, b); } };
-struct Bor { template <class C> static __device__ __forceinline__ C ap(C a, C b) { return or_(a, b); } };
-struct Bxor { template <class C> static __device__ __forceinline__ C ap(C a, C b) { return xor_(a, b); } };
+struct op_sum { template <class C> static __device__ __forceinline__ C ap(C a, C b) { return add_(a, b); } };
+struct op_product { template <class C> static __device__ __forceinline__ C ap(C a, C b) { return mul_(a, b); } };
+struct op_min { template <class C> static __device__ __forceinline__ C ap(C a, C b) { return min_(a, b); } };
+struct op_max { template <class C> static __device__ __forceinline__ C ap(C a, C b) { return max_(a, b); } };
+struct op_band { template <class C> static __device__ __forceinline__ C ap(C a, C b) { return and_(a, b); } };
+struct op_bor { template <class C> static __device__ __forceinline__ C ap(C a, C b) { return or_(a, b); } };
+struct op_bxor { template <class C> static __device__ __forceinline__ C ap(C a, C b) { return xor_(a, b); } };
 
 // out = op(a, b), element-wise; out may be a (in place) or a third buffer
 // (the fused copy + reduce of a ring step).
