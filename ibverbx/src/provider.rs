@@ -193,6 +193,13 @@ pub trait QpOps: Send + Sync + Debug {
         let _ = (rkey, addr, len);
         Box::pin(std::future::ready(Ok(None)))
     }
+    /// [`map_remote`](Self::map_remote) of the whole region `rkey`
+    /// registers, found through `addr`, a byte in it (a holder of the key
+    /// may touch all of it anyway): one mapping serves every later slice.
+    fn map_remote_region(&self, rkey: u32, addr: u64) -> MapRemoteFuture {
+        let _ = (rkey, addr);
+        Box::pin(std::future::ready(Ok(None)))
+    }
 }
 
 /// What [`QpOps::map_remote`] returns.

@@ -99,6 +99,15 @@ impl QueuePair {
         self.ops.map_remote(rkey, addr, len)
     }
 
+    /// [`map_remote`](Self::map_remote) of the whole region the peer
+    /// registers under `rkey`, found through `addr` (a byte in it): the
+    /// mapping's [`remote_addr`](crate::RemoteMapping::remote_addr) and
+    /// [`len`](crate::RemoteMapping::len) say where it starts and how long
+    /// it is.
+    pub fn map_remote_region(&self, rkey: u32, addr: u64) -> crate::provider::MapRemoteFuture {
+        self.ops.map_remote_region(rkey, addr)
+    }
+
     /// The PD.
     pub fn pd(&self) -> &ProtectionDomain {
         &self.pd

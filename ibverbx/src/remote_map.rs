@@ -41,9 +41,10 @@ impl RemoteMapping {
         RemoteMapping { region }
     }
 
-    /// Maps `len` bytes at `addr` under `rkey` through `target`, or `None`
-    /// when the region is not in a segment the peer shares.
-    pub(crate) async fn map(target: Arc<MapTarget>, rkey: u32, addr: u64, len: u64) -> Result<Option<Self>> {
+    /// Maps `len` bytes at `addr` under `rkey` through `target` (with no
+    /// `len`: the whole region holding `addr`), or `None` when the region is
+    /// not in a segment the peer shares.
+    pub(crate) async fn map(target: Arc<MapTarget>, rkey: u32, addr: u64, len: Option<u64>) -> Result<Option<Self>> {
         Ok(PeerRegion::map(target, rkey, addr, len).await?.map(Self::new))
     }
 

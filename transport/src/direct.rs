@@ -2,11 +2,11 @@
 //! [`TransportConfig::direct_copy_max`](crate::TransportConfig::direct_copy_max)).
 //!
 //! The peer's regions are mapped here lazily, one mapping per key: the first
-//! operation on a key goes through the QP while a task maps the bytes it
-//! touched; later operations inside the mapping are plain copies. An
-//! operation outside it grows the mapping to the hull of both (a key covers
-//! one contiguous region, so the hull of two slices it registers is
-//! registered too). A key that cannot be mapped (another host, memory
+//! operation on a key goes through the QP while a task maps the whole
+//! region the key registers; later operations are plain copies. An
+//! operation outside a mapping (the key now names a larger region) grows it
+//! to the hull of both (a key covers one contiguous region, so the hull of
+//! two slices it registers is registered too). A key that cannot be mapped (another host, memory
 //! outside a shared segment) or whose copy failed (the peer deregistered
 //! it) is never tried again: its operations take the QP, which reports what
 //! went wrong the way it always does.

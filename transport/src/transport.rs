@@ -683,8 +683,8 @@ impl RdmaTransport {
     /// while the mapping is being made (this call starts it, on the runtime
     /// `connect` ran on; a later call finds it), and for good when the peer
     /// is on another host, `remote` is not in a shared segment or a copy
-    /// through its key failed. One mapping per key, grown to the hull of the
-    /// slices asked for. Every copy through it checks the peer's live key.
+    /// through its key failed. One mapping per key, of the whole region the
+    /// key registers. Every copy through it checks the peer's live key.
     pub fn cached_mapping(&self, remote: &RdmaRemoteBuffer) -> Option<(Arc<crate::MappedBuffer>, usize)> {
         self.inner.cached_mapping(remote)
     }
@@ -897,8 +897,6 @@ impl Inner {
         }
     }
 
-    /// Takes the notifications the peer counted into this side's page and
-    /// hands them to waiters (or banks them).
     /// Takes one banked notification, if there is one (`_st`: under the
     /// state lock).
     fn take_banked(&self, _st: &State) -> bool {
@@ -909,7 +907,8 @@ impl Inner {
         b > 0
     }
 
-    /// True when it found some.
+    /// Takes the notifications the peer counted into this side's page and
+    /// hands them to waiters (or banks them). True when it found some.
     fn reap_notes(&self) -> bool {
         let Some(count) = self.notes.counted() else { return false };
         if count == self.notes.seen.load(Ordering::Acquire) {
@@ -961,9 +960,19 @@ impl Inner {
             return None;
         }
         let rt = self.rt.get()?;
+        // The whole region the key registers, so that one mapping serves
+        // every slice of it: a copy outside a partial mapping would take
+        // the QP until a larger one was made.
         let map = |hull: RdmaRemoteBuffer| {
-            let f = self.qp.map_remote(hull.key, hull.addr, hull.len);
-            async move { f.await.ok().flatten().map(|m| crate::MappedBuffer::new(m, hull)) }
+            let f = self.qp.map_remote_region(hull.key, hull.addr);
+            async move {
+                let m = f.await.ok().flatten()?;
+                let r = RdmaRemoteBuffer { addr: m.remote_addr(), len: m.len() as u64, key: hull.key };
+                // Not all of what was asked (it is not registered): the QP
+                // reports that.
+                let covers = r.addr <= hull.addr && hull.addr.saturating_add(hull.len) <= r.addr + r.len;
+                covers.then(|| crate::MappedBuffer::new(m, r))
+            }
         };
         self.direct.lookup(want, rt, map)
     }

@@ -289,6 +289,14 @@ impl PeerMap {
         Ok(Direct::Vm(raddr, Held { _map: None, _fence: Some(fence) }))
     }
 
+    /// Where the region `rkey` registers (in a QP's peer PD `pd`) starts and
+    /// how long it is, when `raddr` lies in it. Checked again by every
+    /// access: the owner may deregister it at any time.
+    pub(crate) fn key_extent(&self, pd: u32, rkey: u32, raddr: u64) -> Option<(u64, u64)> {
+        let d: SlotData = self.table.lookup(rkey)?;
+        (d.pd == pd && raddr >= d.addr && raddr - d.addr < d.len.max(1)).then_some((d.addr, d.len))
+    }
+
     /// The key check of [`resolve`](Self::resolve) alone, for a region
     /// already mapped: enters the key's fence, checks `rkey`, the PD, the
     /// access and the bounds, and returns the fence (held until the copy is

@@ -36,12 +36,30 @@ pub(crate) struct PeerRegion {
 }
 
 impl PeerRegion {
-    /// Maps the region (asking the peer for its segment when it is not
-    /// mapped here yet). `None`: the region is not in a shared segment, or
-    /// the peer would not share it.
-    pub(crate) async fn map(target: Arc<MapTarget>, rkey: u32, addr: u64, len: u64) -> Result<Option<PeerRegion>> {
+    /// Maps `len` bytes at `addr` (asking the peer for its segment when it
+    /// is not mapped here yet); with no `len`, all of the region `rkey`
+    /// registers, found through `addr`, a byte in it. `None`: the region is
+    /// not in a shared segment, or the peer would not share it.
+    pub(crate) async fn map(
+        target: Arc<MapTarget>,
+        rkey: u32,
+        addr: u64,
+        len: Option<u64>,
+    ) -> Result<Option<PeerRegion>> {
         const OP: &str = "map_remote";
         let need = AccessFlags::REMOTE_READ;
+        let (addr, len) = match len {
+            Some(len) => (addr, len),
+            None => target.peer.key_extent(target.remote_pd, rkey, addr).ok_or_else(|| {
+                Error::invalid(
+                    OP,
+                    format!(
+                        "the peer (pid {}) registers no region holding {addr:#x} under key {rkey:#x} in this QP's PD",
+                        target.peer.pid()
+                    ),
+                )
+            })?,
+        };
         let mut asked = false;
         loop {
             let d = target.peer.resolve(target.remote_pd, rkey, addr, len.max(1), need).map_err(|st| {

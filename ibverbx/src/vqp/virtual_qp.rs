@@ -348,6 +348,12 @@ impl VirtualQp {
         st.qps[0].map_remote(rkey, addr, len)
     }
 
+    /// [`QueuePair::map_remote_region`] on the first data QP.
+    pub fn map_remote_region(&self, rkey: u32, addr: u64) -> crate::provider::MapRemoteFuture {
+        let st = self.shared.lock();
+        st.qps[0].map_remote_region(rkey, addr)
+    }
+
     /// The first error, with what caused it, once the virtual QP failed.
     pub fn error(&self) -> Option<(WcStatus, String)> {
         self.shared.lock().error.clone()

@@ -101,12 +101,10 @@ impl SoftQp {
     }
 }
 
-impl QpOps for SoftQp {
-    fn qp_num(&self) -> u32 {
-        self.qpn
-    }
-
-    fn map_remote(&self, rkey: u32, addr: u64, len: u64) -> crate::provider::MapRemoteFuture {
+impl SoftQp {
+    /// `len` bytes at `addr` of the peer's region `rkey` mapped here, or
+    /// (`None`) the whole region holding `addr`; once connected.
+    fn map_peer(&self, rkey: u32, addr: u64, len: Option<u64>) -> crate::provider::MapRemoteFuture {
         let mut rx = self.map_target.subscribe();
         Box::pin(async move {
             let target = loop {
@@ -122,6 +120,20 @@ impl QpOps for SoftQp {
                 None => Ok(None),
             }
         })
+    }
+}
+
+impl QpOps for SoftQp {
+    fn qp_num(&self) -> u32 {
+        self.qpn
+    }
+
+    fn map_remote(&self, rkey: u32, addr: u64, len: u64) -> crate::provider::MapRemoteFuture {
+        self.map_peer(rkey, addr, Some(len))
+    }
+
+    fn map_remote_region(&self, rkey: u32, addr: u64) -> crate::provider::MapRemoteFuture {
+        self.map_peer(rkey, addr, None)
     }
 
     fn state(&self) -> QpState {
