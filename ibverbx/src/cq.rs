@@ -48,6 +48,21 @@ impl CompletionQueue {
         self.inner.ops.poll(out)
     }
 
+    /// Progress on the calling thread for a busy-poller (see
+    /// [`CqOps::drive`]): the soft provider over tcp receives here what is
+    /// waiting on this CQ's QPs' connections. True when it did something;
+    /// nothing to do on hardware.
+    pub fn drive(&self) -> bool {
+        self.inner.ops.drive()
+    }
+
+    /// Ends [`drive`](Self::drive)s before the caller sleeps: the
+    /// provider's threads take the connections back (otherwise they do
+    /// after a millisecond without drives).
+    pub fn drive_stop(&self) {
+        self.inner.ops.drive_stop()
+    }
+
     /// Arms the channel: the next completion makes the fd readable.
     pub fn req_notify(&self) -> Result<()> {
         self.inner.ops.req_notify(false)
@@ -66,6 +81,7 @@ impl CompletionQueue {
     pub fn wait(&self, out: &mut [WorkCompletion], timeout: Option<Duration>, busy_poll: Duration) -> Result<usize> {
         let start = Instant::now();
         let deadline = timeout.map(|t| start + t);
+        let mut spins = 0u32;
         loop {
             let n = self.poll(out)?;
             if n > 0 {
@@ -74,8 +90,13 @@ impl CompletionQueue {
             if start.elapsed() >= busy_poll {
                 break;
             }
+            spins = spins.wrapping_add(1);
+            if spins.is_multiple_of(8) && self.drive() {
+                continue;
+            }
             std::hint::spin_loop();
         }
+        self.drive_stop();
         loop {
             self.req_notify()?;
             let n = self.poll(out)?;

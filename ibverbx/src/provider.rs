@@ -165,6 +165,17 @@ pub trait CqOps: Send + Sync + Debug {
     fn take_event(&self) -> Result<bool>;
     /// For downcasting to the provider's own type.
     fn as_any(&self) -> &dyn Any;
+    /// Progress made by the calling thread, for busy-pollers: a provider
+    /// whose completions come from its own threads (the soft provider over
+    /// tcp) receives what is waiting on the connections of this CQ's QPs
+    /// here instead, saving those threads' wake-up. True when it did
+    /// something. Costs system calls: call it from a spin, not every poll.
+    fn drive(&self) -> bool {
+        false
+    }
+    /// The busy-poller that called [`drive`](Self::drive) stops polling
+    /// (to sleep): the provider's threads take its connections back.
+    fn drive_stop(&self) {}
 }
 
 /// An RC queue pair (`struct ibv_qp`).

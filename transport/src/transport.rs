@@ -158,6 +158,15 @@ struct Inner {
     /// rather than queue on that lock (the posting caller reaps its own
     /// completion when it awaits).
     posting: std::sync::atomic::AtomicUsize,
+    /// When a thread last spun driving the provider (µs since `born`;
+    /// 0: none is). While one does, the driver task does not arm the
+    /// completion channel: every completion would write it and wake the
+    /// task, on a core the spinner needs, for completions the spinner
+    /// takes anyway.
+    spun_at: AtomicU64,
+    /// A spinner stopped to sleep: the driver arms the channel again.
+    spin_quit: Notify,
+    born: std::time::Instant,
     /// Set (after `broken`) once the transport is broken: `error()` reads
     /// it without the lock (UNIFIED window operations ask on every call).
     broken_flag: std::sync::atomic::AtomicBool,
@@ -269,6 +278,9 @@ impl RdmaTransport {
                 conn: AtomicU8::new(CONN_IDLE),
                 shutdown: Notify::new(),
                 posting: std::sync::atomic::AtomicUsize::new(0),
+                spun_at: AtomicU64::new(0),
+                spin_quit: Notify::new(),
+                born: std::time::Instant::now(),
                 broken_flag: std::sync::atomic::AtomicBool::new(false),
                 direct: Arc::default(),
                 rt: OnceLock::new(),
@@ -1074,15 +1086,43 @@ impl Inner {
     fn spin<R>(&self, mut round: impl FnMut(bool, bool) -> Option<R>) -> Option<R> {
         let spin_until = std::time::Instant::now() + self.config.busy_poll;
         let every = self.cq_poll_every();
+        // What this thread waits for is delivered by the soft provider's
+        // progress threads (nothing comes through the page): let them have
+        // the core every 64 rounds (a few µs), or on a machine with fewer
+        // free cores than spinning threads they wait for the end of this
+        // one's time slice (milliseconds: the tail of tcp latencies).
+        let yields = every == 1 && self.domain.provider == "soft";
+        if yields {
+            self.spinning();
+        }
         let mut n = 0u32;
         loop {
             n = n.wrapping_add(1);
+            // Over tcp, receive what waits for this side on its own
+            // connections here (the provider's thread would need a
+            // wake-up); a no-op elsewhere.
+            if yields && n.is_multiple_of(8) {
+                self.cq.drive();
+            }
             std::hint::spin_loop();
             if let Some(r) = round(n.is_multiple_of(every), n.is_multiple_of(64)) {
                 return Some(r);
             }
-            if n.is_multiple_of(64) && std::time::Instant::now() >= spin_until {
-                return None;
+            if n.is_multiple_of(64) {
+                if std::time::Instant::now() >= spin_until {
+                    // About to sleep: the provider's threads and the
+                    // driver task take over.
+                    if yields {
+                        self.cq.drive_stop();
+                        self.spun_at.store(0, Ordering::Release);
+                        self.spin_quit.notify_one();
+                    }
+                    return None;
+                }
+                if yields {
+                    self.spinning();
+                    std::thread::yield_now();
+                }
             }
         }
     }
@@ -1109,6 +1149,21 @@ impl Inner {
             }
             None
         })
+    }
+
+    /// Notes that a thread spins driving the provider (see `spun_at`).
+    fn spinning(&self) {
+        self.spun_at.store((self.born.elapsed().as_micros() as u64).max(1), Ordering::Release);
+    }
+
+    /// How long the driver task should leave the completion channel
+    /// unarmed: a thread spun within the last millisecond (it may return to
+    /// its caller without sleeping; a spinner that sleeps says so at once).
+    fn spinner_recent(&self) -> Option<Duration> {
+        const RECENT: u64 = 1000;
+        let at = self.spun_at.load(Ordering::Acquire);
+        let ago = (self.born.elapsed().as_micros() as u64).saturating_sub(at);
+        (at > 0 && ago < RECENT).then(|| Duration::from_micros(RECENT - ago))
     }
 
     /// How many spin rounds per CQ poll: every round, unless the peer
@@ -1308,6 +1363,14 @@ async fn drive(inner: Arc<Inner>) {
     };
     let mut wcs = [WorkCompletion::empty(); 64];
     loop {
+        if let Some(d) = inner.spinner_recent() {
+            tokio::select! {
+                _ = tokio::time::sleep(d) => {}
+                _ = inner.spin_quit.notified() => {}
+                _ = inner.shutdown.notified() => return,
+            }
+            continue;
+        }
         if inner.posting.load(Ordering::Acquire) > 0 {
             tokio::select! {
                 _ = tokio::time::sleep(Duration::from_micros(100)) => continue,

@@ -67,6 +67,11 @@ pub struct SoftConfig {
     /// through both progress threads (see `soft/doorbell.rs`). On by
     /// default; `RMACOMM_SOFT_DOORBELL=0` turns it off.
     pub doorbell: bool,
+    /// Over tcp, a thread busy-polling a CQ receives what waits on its QPs'
+    /// connections itself (small WRITEs, notifies, ACKs), instead of
+    /// waiting for the progress thread's wake-up (see `soft/polled_rx.rs`).
+    /// On by default; `RMACOMM_SOFT_POLLED_RX=0` turns it off.
+    pub polled_rx: bool,
     /// How long the posting thread waits for socket room to finish a
     /// frame it began writing before it declares the peer dead (a peer
     /// that stops reading in the middle of a frame). 30 s by default;
@@ -86,6 +91,7 @@ impl Default for SoftConfig {
             inline_copy_max: 1 << 20,
             busy_poll: Duration::ZERO,
             doorbell: true,
+            polled_rx: true,
             partial_frame_limit: Duration::from_secs(30),
         }
     }
@@ -136,6 +142,13 @@ impl SoftConfig {
                 "0" | "off" | "false" => c.doorbell = false,
                 "1" | "on" | "true" => c.doorbell = true,
                 _ => tracing::warn!("RMACOMM_SOFT_DOORBELL={v:?} is not 0 or 1; ignoring it"),
+            }
+        }
+        if let Ok(v) = std::env::var("RMACOMM_SOFT_POLLED_RX") {
+            match v.trim() {
+                "0" | "off" | "false" => c.polled_rx = false,
+                "1" | "on" | "true" => c.polled_rx = true,
+                _ => tracing::warn!("RMACOMM_SOFT_POLLED_RX={v:?} is not 0 or 1; ignoring it"),
             }
         }
         if let Ok(v) = std::env::var("RMACOMM_SOFT_PARTIAL_FRAME_MS") {

@@ -27,6 +27,10 @@ pub(crate) struct SoftCq {
     /// polls pick up their records, arming arms them.
     db: RwLock<Vec<DbReg>>,
     db_n: AtomicUsize,
+    /// Connections of this CQ's QPs that a busy-poller may receive on
+    /// (`polled_rx.rs`).
+    rx: Mutex<Vec<Weak<dyn super::polled_rx::PolledRx>>>,
+    rx_n: AtomicUsize,
 }
 
 /// A QP whose doorbell work lands in this CQ. The slot and the pending
@@ -71,7 +75,18 @@ impl SoftCq {
             uid: rand::random(),
             db: RwLock::new(Vec::new()),
             db_n: AtomicUsize::new(0),
+            rx: Mutex::new(Vec::new()),
+            rx_n: AtomicUsize::new(0),
         })
+    }
+
+    /// Lets busy-pollers of this CQ receive on a connection (until `rx`
+    /// is dropped).
+    pub(crate) fn rx_register(&self, rx: Weak<dyn super::polled_rx::PolledRx>) {
+        let mut v = self.rx.lock().unwrap_or_else(|e| e.into_inner());
+        v.retain(|r| r.strong_count() > 0);
+        v.push(rx);
+        self.rx_n.store(v.len(), Ordering::Release);
     }
 
     /// Lets this CQ's polls and arming serve a QP's doorbells.
@@ -201,5 +216,35 @@ impl CqOps for SoftCq {
 
     fn as_any(&self) -> &dyn Any {
         self
+    }
+
+    fn drive(&self) -> bool {
+        if self.rx_n.load(Ordering::Acquire) == 0 {
+            return false;
+        }
+        // Another thread is driving: nothing to add.
+        let Ok(mut v) = self.rx.try_lock() else { return false };
+        let mut did = false;
+        let before = v.len();
+        v.retain(|r| match r.upgrade() {
+            Some(rx) => {
+                did |= rx.drive();
+                true
+            }
+            None => false,
+        });
+        if v.len() != before {
+            self.rx_n.store(v.len(), Ordering::Release);
+        }
+        did
+    }
+
+    fn drive_stop(&self) {
+        if self.rx_n.load(Ordering::Acquire) == 0 {
+            return;
+        }
+        for rx in self.rx.lock().unwrap_or_else(|e| e.into_inner()).iter().filter_map(Weak::upgrade) {
+            rx.release();
+        }
     }
 }

@@ -50,6 +50,7 @@ pub(crate) mod inline_budget;
 mod keytable;
 mod mr;
 mod peer;
+mod polled_rx;
 mod qp;
 mod raw_io;
 pub(crate) mod remote;

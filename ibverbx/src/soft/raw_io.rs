@@ -56,6 +56,40 @@ impl Sock<'_> {
         n != -1 || std::io::Error::last_os_error().kind() != io::ErrorKind::WouldBlock
     }
 
+    /// Waits until the socket is readable (or has an error or EOF to
+    /// report).
+    pub(crate) async fn readable(&self) -> io::Result<()> {
+        std::future::poll_fn(|cx| self.poll_ready(cx, Interest::READABLE)).await
+    }
+
+    /// Reads what is there into `buf` without waiting (`WouldBlock` when
+    /// nothing is, which clears the readiness [`readable`](Self::readable)
+    /// waits for); 0 at EOF.
+    pub(crate) fn try_recv(&self, buf: &mut [u8]) -> io::Result<usize> {
+        let mut op = |fd: RawFd| {
+            // SAFETY: buf is a live, exclusive slice of buf.len() bytes.
+            byte_count(unsafe { libc::recv(fd, buf.as_mut_ptr().cast(), buf.len(), 0) })
+        };
+        match self {
+            Sock::Tcp(s) => s.try_io(Interest::READABLE, || op(s.as_raw_fd())),
+            Sock::Unix(s) => s.try_io(Interest::READABLE, || op(s.as_raw_fd())),
+        }
+    }
+
+    /// The socket's descriptor.
+    pub(crate) fn fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        use std::os::fd::AsFd;
+        match self {
+            Sock::Tcp(s) => s.as_fd(),
+            Sock::Unix(s) => s.as_fd(),
+        }
+    }
+
+    /// A tcp connection's socket (not a unix one).
+    pub(crate) fn is_tcp(&self) -> bool {
+        matches!(self, Sock::Tcp(_))
+    }
+
     /// Runs `op` on the descriptor until it does something other than
     /// `WouldBlock`, waiting for `interest` in between.
     fn poll_io<R>(

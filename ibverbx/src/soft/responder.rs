@@ -7,16 +7,18 @@
 //! pointers, `raw_io`).
 
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::watch;
 
 use super::mr::SoftMr;
+use super::polled_rx::{PolledRx, RxFd, POLLED_MAX};
 use super::qp::{RecvEntry, SoftQp};
 use super::raw_io::send_frame;
 use super::raw_io::{recv_exact, HasSock};
 use super::wire::{Frame, Hello, Syndrome, HEADER_LEN};
+use crate::provider::QpOps;
 use crate::qp_attr::QpState;
 use crate::wc::{WcOpcode, WcStatus, WorkCompletion};
 use crate::AccessFlags;
@@ -84,12 +86,48 @@ impl Acks {
         sent
     }
 
+    /// [`flush`](Self::flush) by a busy-poller, on its own descriptor.
+    fn flush_now(&mut self, fd: &RxFd, qp: &SoftQp) {
+        if let Some(psn) = self.psn.take() {
+            self.count = 0;
+            self.bytes = 0;
+            if let Err(e) = fd.send_all(&Frame::Ack { psn }.encode()) {
+                // The connection's thread sees the connection end.
+                tracing::debug!("soft QP {:#x}: ACK not sent: {e}", qp.qpn);
+                fd.shut();
+            }
+        }
+        self.release(qp);
+    }
+
     /// Makes the held completions visible (the connection ends).
     fn release(&mut self, qp: &SoftQp) {
         for wc in self.wcs.drain(..) {
             qp.push_recv_wc(wc);
         }
     }
+}
+
+/// A connection's gate (see `polled_rx.rs`): held by whoever reads the
+/// connection, for a whole frame; the pending ACKs and held receive
+/// completions live under it.
+struct Gate {
+    st: tokio::sync::Mutex<GateState>,
+    /// Busy-pollers' descriptor of the socket (tcp only, when enabled).
+    fd: Option<RxFd>,
+    qp: Weak<SoftQp>,
+    epoch: u64,
+    max_msg: u32,
+}
+
+#[derive(Default)]
+struct GateState {
+    acks: Acks,
+    /// The connection came from the remote QP that RTR named (checked by
+    /// the connection's thread on its first request).
+    checked_peer: bool,
+    /// The connection's thread is done with it (or it failed).
+    closed: bool,
 }
 
 /// Serves one connection until it closes, the QP leaves service, or a
@@ -101,40 +139,85 @@ where
     let mut state_rx = qp.state_tx.subscribe();
     let epoch = qp.epoch();
     let max_msg = qp.ctx.config.max_msg_size;
-    let mut acks = Acks::default();
-    serve_conn(&qp, s, hello, peer, epoch, max_msg, &mut state_rx, &mut acks).await;
-    acks.release(&qp);
+    let polled = qp.ctx.config.polled_rx && s.sock().is_tcp();
+    let gate = Arc::new(Gate {
+        st: Default::default(),
+        fd: if polled { RxFd::dup(s.sock().fd()).ok() } else { None },
+        qp: Arc::downgrade(&qp),
+        epoch,
+        max_msg,
+    });
+    if gate.fd.is_some() {
+        let weak: Weak<Gate> = Arc::downgrade(&gate);
+        qp.rx_register(false, weak);
+    }
+    serve_conn(&qp, s, hello, peer, &mut state_rx, &gate).await;
+    let mut g = gate.st.lock().await;
+    g.closed = true;
+    g.acks.release(&qp);
 }
 
-/// `run`'s loop; every way out leaves `acks`' held completions to `run`.
-#[allow(clippy::too_many_arguments)]
+/// `run`'s loop; every way out leaves the held completions to `run`.
 async fn serve_conn<S>(
     qp: &Arc<SoftQp>,
     mut s: S,
     hello: Hello,
     peer: String,
-    epoch: u64,
-    max_msg: u32,
     state_rx: &mut watch::Receiver<QpState>,
-    acks: &mut Acks,
+    gate: &Gate,
 ) where
     S: AsyncRead + AsyncWrite + HasSock + Unpin + Send,
 {
-    let mut checked_peer = false;
+    let (epoch, max_msg) = (gate.epoch, gate.max_msg);
     loop {
-        if acks.psn.is_some() && (acks.full() || !s.sock().readable_now()) {
-            if let Err(e) = acks.flush(&mut s, qp).await {
-                return tracing::debug!("soft QP {:#x}: connection to {peer} lost: {e}", qp.qpn);
+        {
+            let mut g = gate.st.lock().await;
+            // Pollers went on to other work: take the connection back.
+            if let Some(fd) = gate.fd.as_ref().filter(|fd| fd.stale()) {
+                fd.lower();
+            }
+            let acks = &mut g.acks;
+            if acks.psn.is_some() && (acks.full() || !s.sock().readable_now()) {
+                if let Err(e) = acks.flush(&mut s, qp).await {
+                    g.closed = true;
+                    return tracing::debug!("soft QP {:#x}: connection to {peer} lost: {e}", qp.qpn);
+                }
             }
         }
-        let mut hdr = [0u8; HEADER_LEN];
+        let sock = s.sock();
+        let watch = async {
+            match &gate.fd {
+                Some(fd) => fd.watch().await,
+                None => std::future::pending().await,
+            }
+        };
         tokio::select! {
-            r = s.read_exact(&mut hdr) => {
+            r = sock.readable() => {
                 if r.is_err() {
                     return;
                 }
             }
             _ = dead(qp, epoch, state_rx) => return,
+            _ = watch => continue,
+        }
+        // Whoever holds the gate reads whole frames: a busy-poller may have
+        // taken what made the socket readable. This thread reads at the
+        // normal mark.
+        let mut g = gate.st.lock().await;
+        if let Some(fd) = &gate.fd {
+            fd.lower();
+        }
+        let mut hdr = [0u8; HEADER_LEN];
+        match s.sock().try_recv(&mut hdr) {
+            Ok(0) => return,
+            Ok(n) if n < HEADER_LEN => {
+                if s.read_exact(&mut hdr[n..]).await.is_err() {
+                    return;
+                }
+            }
+            Ok(_) => {}
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted) => continue,
+            Err(_) => return,
         }
         let f = match Frame::decode(&hdr, max_msg) {
             Ok(f) if f.is_request() => f,
@@ -159,20 +242,128 @@ async fn serve_conn<S>(
         }
         // A connection admitted before RTR must come from the remote QP
         // that RTR then named.
-        if !checked_peer {
+        if !g.checked_peer {
             if qp.rtr_remote_qpn().is_some_and(|q| q != hello.src_qpn) {
+                g.closed = true;
                 return tracing::warn!(
                     "soft QP {:#x}: connection from {peer} is QP {:#x}, not the one set at RTR; closing it",
                     qp.qpn,
                     hello.src_qpn
                 );
             }
-            checked_peer = true;
+            g.checked_peer = true;
         }
-        match serve(qp, &mut s, acks, f, epoch, hello.rnr_retry, state_rx).await {
+        match serve(qp, &mut s, &mut g.acks, f, epoch, hello.rnr_retry, state_rx).await {
             Ok(Outcome::Continue) => {}
-            Ok(Outcome::Close) => return linger(&mut s).await,
-            Err(e) => return tracing::debug!("soft QP {:#x}: connection to {peer} lost: {e}", qp.qpn),
+            Ok(Outcome::Close) => {
+                g.closed = true;
+                return linger(&mut s).await;
+            }
+            Err(e) => {
+                g.closed = true;
+                return tracing::debug!("soft QP {:#x}: connection to {peer} lost: {e}", qp.qpn);
+            }
+        }
+    }
+}
+
+impl PolledRx for Gate {
+    /// Receives the small WRITEs and notifies already waiting whole in the
+    /// socket, in order, while the QP may receive and (with an immediate)
+    /// a receive is posted; then sends their ACK. Anything else is left in
+    /// the socket for the connection's thread.
+    fn drive(&self) -> bool {
+        let Some(fd) = &self.fd else { return false };
+        let Ok(mut g) = self.st.try_lock() else { return false };
+        if g.closed || !g.checked_peer {
+            return false;
+        }
+        let Some(qp) = self.qp.upgrade() else { return false };
+        fd.begin();
+        let mut served = 0;
+        // Whether it stopped at a frame it leaves to the thread (rather
+        // than at one not all there yet, or at none).
+        let declined = loop {
+            if served == ACK_BATCH {
+                break false;
+            }
+            if qp.epoch() != self.epoch
+                || !matches!(qp.state(), QpState::Rtr | QpState::Rts | QpState::Sqd | QpState::Sqe)
+            {
+                break true;
+            }
+            // The next frame, and whether all of it is there, in one look.
+            let mut look = [0u8; HEADER_LEN + POLLED_MAX as usize];
+            let there = fd.peek(&mut look);
+            if there < HEADER_LEN {
+                break false;
+            }
+            let mut hdr = [0u8; HEADER_LEN];
+            hdr.copy_from_slice(&look[..HEADER_LEN]);
+            let (psn, payload, wc_len, imm, dest) = match Frame::decode(&hdr, self.max_msg) {
+                Ok(Frame::Write { psn, raddr, rkey, len, imm }) if len <= POLLED_MAX => {
+                    let dest = if len > 0 {
+                        match check(&qp, rkey, raddr, len as u64, AccessFlags::REMOTE_WRITE) {
+                            Some(d) => Some(d),
+                            None => break true,
+                        }
+                    } else {
+                        None
+                    };
+                    (psn, len, len, imm, dest)
+                }
+                Ok(Frame::Notify { psn, len, imm }) => (psn, 0, len, Some(imm), None),
+                _ => break true,
+            };
+            if there < HEADER_LEN + payload as usize {
+                break false;
+            }
+            let recv = match imm {
+                Some(_) => {
+                    qp.db_claim();
+                    let mut rq = qp.rq.lock().unwrap_or_else(|e| e.into_inner());
+                    let Some(r) = rq.pop_front() else { break true };
+                    qp.db_note_rq(rq.len());
+                    Some(r)
+                }
+                None => None,
+            };
+            // SAFETY: hdr is a live local; dest..+payload was checked
+            // against a live MR, held by `dest` until the read is done. Both
+            // are waiting in the socket (peeked).
+            let taken = unsafe {
+                let to = dest.as_ref().map_or(0, |(_mr, p)| *p);
+                fd.take(&[(hdr.as_mut_ptr() as usize, HEADER_LEN), (to, payload as usize)])
+            };
+            if let Err(e) = taken {
+                // Not reached (the bytes were peeked): end the connection,
+                // as a read error there would.
+                tracing::debug!("soft QP {:#x}: polled receive failed: {e}", qp.qpn);
+                if let Some(r) = recv {
+                    qp.rq.lock().unwrap_or_else(|e| e.into_inner()).push_front(r);
+                }
+                fd.shut();
+                break true;
+            }
+            qp.ctx.touch();
+            if let (Some(r), Some(imm)) = (recv, imm) {
+                g.acks.defer(recv_wc(&qp, &r, WcStatus::Success, WcOpcode::RecvRdmaWithImm, wc_len, Some(imm)));
+            }
+            g.acks.add(psn, payload);
+            served += 1;
+        };
+        if served > 0 {
+            g.acks.flush_now(fd, &qp);
+        }
+        if declined {
+            fd.lower();
+        }
+        served > 0
+    }
+
+    fn release(&self) {
+        if let (Some(fd), Ok(_g)) = (&self.fd, self.st.try_lock()) {
+            fd.lower();
         }
     }
 }

@@ -189,13 +189,19 @@ impl VirtualCq {
             return Ok(routed);
         }
         let start = Instant::now();
+        let mut spins = 0u32;
         while start.elapsed() < busy.min(timeout) {
             let n = self.drain_once()?;
             if n > 0 {
                 return Ok(n);
             }
+            spins = spins.wrapping_add(1);
+            if spins.is_multiple_of(8) && self.inner.cq.drive() {
+                continue;
+            }
             std::hint::spin_loop();
         }
+        self.inner.cq.drive_stop();
         self.inner.cq.req_notify()?;
         let n = self.drain_once()?;
         if n > 0 {
@@ -246,6 +252,17 @@ impl VirtualCq {
         // Route what the physical CQ holds, then collect once.
         self.progress_inner(None)?;
         Ok(self.collect(out))
+    }
+
+    /// [`CompletionQueue::drive`] on the physical CQ: progress by the
+    /// calling thread, for busy-pollers.
+    pub fn drive(&self) -> bool {
+        self.inner.cq.drive()
+    }
+
+    /// [`CompletionQueue::drive_stop`] on the physical CQ.
+    pub fn drive_stop(&self) {
+        self.inner.cq.drive_stop()
     }
 
     /// Waits until a virtual completion is available or `timeout` passes

@@ -253,6 +253,12 @@ impl SoftQp {
         self.st.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Lets busy-pollers of the send CQ (`send`: ACKs) or the receive CQ
+    /// (requests) receive on one of this QP's connections.
+    pub(crate) fn rx_register(&self, send: bool, rx: std::sync::Weak<dyn super::polled_rx::PolledRx>) {
+        soft_cq(if send { &self.send_cq } else { &self.recv_cq }).rx_register(rx);
+    }
+
     pub(crate) fn push_send_wc(&self, wc: WorkCompletion) {
         soft_cq(&self.send_cq).push(wc);
     }

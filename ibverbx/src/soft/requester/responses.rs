@@ -1,7 +1,8 @@
 //! The response reader: reads the peer's answers (ACK, NAK, RNR wait,
 //! READ and atomic responses) and completes the WRs they answer.
 
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Weak};
 use std::time::Instant;
 
 use tokio::io::AsyncReadExt;
@@ -10,17 +11,166 @@ use super::execute::write_u64;
 use super::inflight::Expect;
 use super::{Reader, Shared};
 use crate::qp_attr::QpState;
-use crate::soft::raw_io::recv_exact;
+use crate::soft::polled_rx::{PolledRx, RxFd};
+use crate::soft::raw_io::{recv_exact, HasSock};
 use crate::soft::wire::{Frame, Syndrome, HEADER_LEN};
 use crate::wc::WcStatus;
 use crate::AccessFlags;
 
+/// The response connection's gate (see `polled_rx.rs`): held by whoever
+/// reads it, for a whole frame.
+struct Gate {
+    lock: tokio::sync::Mutex<()>,
+    /// The reader is gone: a busy-poller leaves the connection alone.
+    closed: AtomicBool,
+    /// Busy-pollers' descriptor of the socket (tcp only, when enabled).
+    fd: Option<RxFd>,
+    sh: Weak<Shared>,
+}
+
+/// Marks the gate closed however the reader ends (aborted by the watchdog
+/// too).
+struct Closing(Arc<Gate>);
+
+impl Drop for Closing {
+    fn drop(&mut self) {
+        self.0.closed.store(true, Ordering::Release);
+    }
+}
+
+impl PolledRx for Gate {
+    /// Takes the ACKs already waiting in the socket that answer what is
+    /// outstanding; anything else is left to the reader (which fails the
+    /// link on what does not match).
+    fn drive(&self) -> bool {
+        let Some(fd) = &self.fd else { return false };
+        let Ok(_g) = self.lock.try_lock() else { return false };
+        if self.closed.load(Ordering::Acquire) {
+            return false;
+        }
+        let Some(sh) = self.sh.upgrade() else { return false };
+        fd.begin();
+        // Nothing is answered when nothing was asked (a lock is cheaper
+        // than the look into the socket).
+        if !sh.lock().inflight.iter().any(|x| x.awaiting.is_some()) {
+            return false;
+        }
+        let max_msg = sh.qp.ctx.config.max_msg_size;
+        let mut n = 0;
+        // Whether it stopped at a frame it leaves to the reader.
+        let declined = loop {
+            if n == 16 {
+                break false;
+            }
+            let mut hdr = [0u8; HEADER_LEN];
+            if fd.peek(&mut hdr) < HEADER_LEN {
+                break false;
+            }
+            let Ok(Frame::Ack { psn }) = Frame::decode(&hdr, max_msg) else { break true };
+            if !complete_ack(&sh, psn) {
+                break true;
+            }
+            // SAFETY: hdr is a live local; its bytes were peeked.
+            if let Err(e) = unsafe { fd.take(&[(hdr.as_mut_ptr() as usize, HEADER_LEN)]) } {
+                // Not reached: end the connection, as a read error would.
+                tracing::debug!("soft QP {:#x}: polled ACK read failed: {e}", sh.qp.qpn);
+                fd.shut();
+                break true;
+            }
+            sh.touch();
+            sh.qp.ctx.touch();
+            n += 1;
+        };
+        if declined {
+            fd.lower();
+        }
+        n > 0
+    }
+
+    fn release(&self) {
+        if let (Some(fd), Ok(_g)) = (&self.fd, self.lock.try_lock()) {
+            fd.lower();
+        }
+    }
+}
+
+/// An ACK of `psn`: completes the oldest outstanding request when it is
+/// that one and awaits an ACK, or every request it covers cumulatively;
+/// false (nothing done) when it answers nothing outstanding.
+fn complete_ack(sh: &Shared, psn: u32) -> bool {
+    let mut q = sh.lock();
+    let Some(x) = q.inflight.iter_mut().find(|x| x.awaiting.is_some() && x.status.is_none()) else {
+        return false;
+    };
+    match x.awaiting {
+        Some((p, Expect::Ack)) if p == psn => {
+            x.status = Some(WcStatus::Success);
+            x.awaiting = None;
+            sh.emit(&mut q);
+            drop(q);
+            sh.progress.notify_waiters();
+            true
+        }
+        Some((p, _)) if p != psn => {
+            drop(q);
+            ack_covers(sh, psn)
+        }
+        _ => false,
+    }
+}
+
 /// Reads responses, completes the WRs they answer.
 pub(super) async fn read_responses(sh: Arc<Shared>, mut r: Reader, rnr_retry: u8) {
     let max_msg = sh.qp.ctx.config.max_msg_size;
+    let polled = sh.qp.ctx.config.polled_rx && r.sock().is_tcp();
+    let gate = Arc::new(Gate {
+        lock: Default::default(),
+        closed: AtomicBool::new(false),
+        fd: if polled { RxFd::dup(r.sock().fd()).ok() } else { None },
+        sh: Arc::downgrade(&sh),
+    });
+    if gate.fd.is_some() {
+        let weak: Weak<Gate> = Arc::downgrade(&gate);
+        sh.qp.rx_register(true, weak);
+    }
+    let _closing = Closing(gate.clone());
     loop {
         let mut hdr = [0u8; HEADER_LEN];
-        if let Err(e) = r.read_exact(&mut hdr).await {
+        let sock = r.sock();
+        let watch = async {
+            match &gate.fd {
+                Some(fd) => fd.watch().await,
+                None => std::future::pending().await,
+            }
+        };
+        let ready = tokio::select! {
+            r = sock.readable() => r,
+            _ = watch => {
+                // Pollers went on to other work: take the connection back.
+                if let Some(fd) = gate.fd.as_ref().filter(|fd| fd.stale()) {
+                    let _g = gate.lock.lock().await;
+                    fd.lower();
+                }
+                continue;
+            }
+        };
+        // Whoever holds the gate reads whole frames: a busy-poller may have
+        // taken what made the socket readable. This thread reads at the
+        // normal mark.
+        let _g = gate.lock.lock().await;
+        if let Some(fd) = &gate.fd {
+            fd.lower();
+        }
+        let got = ready.and_then(|()| match r.sock().try_recv(&mut hdr) {
+            Ok(0) => Err(std::io::ErrorKind::UnexpectedEof.into()),
+            r => r,
+        });
+        let got = match got {
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted) => continue,
+            Ok(n) if n < HEADER_LEN => r.read_exact(&mut hdr[n..]).await.map(|_| ()),
+            r => r.map(|_| ()),
+        };
+        if let Err(e) = got {
             let awaiting = sh.lock().inflight.iter().any(|f| f.awaiting.is_some());
             let why = if e.kind() == std::io::ErrorKind::UnexpectedEof {
                 "the peer closed the connection".to_string()
