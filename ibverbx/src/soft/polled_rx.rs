@@ -77,8 +77,10 @@ pub(crate) struct RxFd {
     fd: OwnedFd,
     /// `SO_RCVLOWAT` is [`LOWAT`] (changed under the gate only).
     raised: AtomicBool,
-    /// When a poller last drove the connection (µs, [`now_us`]).
+    /// When a poller last drove the connection (µs, [`now_us`]; read
+    /// from the clock every 32nd pass).
     last: AtomicU64,
+    passes: std::sync::atomic::AtomicU32,
     /// Wakes the connection's thread when the mark is raised, so that it
     /// watches for pollers that are gone.
     pub(crate) kick: tokio::sync::Notify,
@@ -97,6 +99,7 @@ impl RxFd {
             fd: fd.try_clone_to_owned()?,
             raised: AtomicBool::new(false),
             last: AtomicU64::new(0),
+            passes: Default::default(),
             kick: tokio::sync::Notify::new(),
         })
     }
@@ -118,7 +121,9 @@ impl RxFd {
     /// A poller begins a pass (under the gate): raises the mark if it is
     /// not raised yet, and wakes the thread to watch it.
     pub(crate) fn begin(&self) {
-        self.last.store(now_us(), Ordering::Relaxed);
+        if self.passes.fetch_add(1, Ordering::Relaxed).is_multiple_of(32) || !self.raised() {
+            self.last.store(now_us(), Ordering::Relaxed);
+        }
         if !self.raised.load(Ordering::Relaxed) && self.set_lowat(LOWAT) {
             self.raised.store(true, Ordering::Release);
             self.kick.notify_one();

@@ -292,14 +292,20 @@ impl PolledRx for Gate {
             {
                 break true;
             }
-            // The next frame, and whether all of it is there, in one look.
-            let mut look = [0u8; HEADER_LEN + POLLED_MAX as usize];
-            let there = fd.peek(&mut look);
+            // The next frame, and whether all of it is there, in one look
+            // (a second, longer one for payloads over 256 bytes).
+            let mut look = [0u8; HEADER_LEN + 256];
+            let mut there = fd.peek(&mut look);
             if there < HEADER_LEN {
                 break false;
             }
             let mut hdr = [0u8; HEADER_LEN];
             hdr.copy_from_slice(&look[..HEADER_LEN]);
+            if let Ok(Frame::Write { len, .. }) = Frame::decode(&hdr, self.max_msg) {
+                if len > 256 && len <= POLLED_MAX {
+                    there = fd.peek(&mut [0u8; HEADER_LEN + POLLED_MAX as usize]);
+                }
+            }
             let (psn, payload, wc_len, imm, dest) = match Frame::decode(&hdr, self.max_msg) {
                 Ok(Frame::Write { psn, raddr, rkey, len, imm }) if len <= POLLED_MAX => {
                     let dest = if len > 0 {
