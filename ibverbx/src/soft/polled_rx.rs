@@ -181,20 +181,7 @@ impl RxFd {
         let mut done = 0;
         while done < len {
             let mut iov = [libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }; 2];
-            let mut k = 0;
-            let mut skip = done;
-            for &(a, l) in pieces {
-                if skip >= l {
-                    skip -= l;
-                    continue;
-                }
-                if k == iov.len() {
-                    break;
-                }
-                iov[k] = libc::iovec { iov_base: (a + skip) as *mut libc::c_void, iov_len: l - skip };
-                skip = 0;
-                k += 1;
-            }
+            let k = super::raw_io::fill_iov(pieces.iter().copied(), done, &mut iov);
             // SAFETY: all-zero is a valid msghdr (no name, no control).
             let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
             msg.msg_iov = iov.as_mut_ptr();

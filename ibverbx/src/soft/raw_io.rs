@@ -226,20 +226,8 @@ pub(crate) async unsafe fn send_all<W: HasSock + ?Sized>(
         while sent < total {
             let n = ready!(sock.poll_io(cx, Interest::WRITABLE, |fd| {
                 let mut iov = [libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }; MAX_IOV];
-                let mut k = 0;
-                let mut skip = sent;
-                for (a, l) in std::iter::once((head.as_ptr() as usize, head.len())).chain(pieces.iter().copied()) {
-                    if skip >= l {
-                        skip -= l;
-                        continue;
-                    }
-                    if k == MAX_IOV {
-                        break;
-                    }
-                    iov[k] = libc::iovec { iov_base: (a + skip) as *mut libc::c_void, iov_len: l - skip };
-                    skip = 0;
-                    k += 1;
-                }
+                let all = std::iter::once((head.as_ptr() as usize, head.len())).chain(pieces.iter().copied());
+                let k = fill_iov(all, sent, &mut iov);
                 // SAFETY: all-zero is a valid msghdr (no name, no control).
                 let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
                 msg.msg_iov = iov.as_mut_ptr();
@@ -258,6 +246,29 @@ pub(crate) async unsafe fn send_all<W: HasSock + ?Sized>(
         Poll::Ready(Ok(()))
     })
     .await
+}
+
+/// Fills `iov` with the pieces `(addr, len)` past their first `skip`
+/// bytes, as many as fit; returns how many it filled.
+pub(crate) fn fill_iov(
+    pieces: impl IntoIterator<Item = (usize, usize)>,
+    mut skip: usize,
+    iov: &mut [libc::iovec],
+) -> usize {
+    let mut k = 0;
+    for (a, l) in pieces {
+        if skip >= l {
+            skip -= l;
+            continue;
+        }
+        if k == iov.len() {
+            break;
+        }
+        iov[k] = libc::iovec { iov_base: (a + skip) as *mut libc::c_void, iov_len: l - skip };
+        skip = 0;
+        k += 1;
+    }
+    k
 }
 
 /// Appends the raw pieces `(addr, len)` to `buf`, copied through raw
