@@ -62,10 +62,14 @@ impl PolledRx for Gate {
             if n == 16 {
                 break false;
             }
-            let mut hdr = [0u8; HEADER_LEN];
-            if fd.peek(&mut hdr) < HEADER_LEN {
+            // One ACK, and whether anything follows it.
+            let mut look = [0u8; HEADER_LEN + 1];
+            let there = fd.peek(&mut look);
+            if there < HEADER_LEN {
                 break false;
             }
+            let mut hdr = [0u8; HEADER_LEN];
+            hdr.copy_from_slice(&look[..HEADER_LEN]);
             let Ok(Frame::Ack { psn }) = Frame::decode(&hdr, max_msg) else { break true };
             if !complete_ack(&sh, psn) {
                 break true;
@@ -80,6 +84,10 @@ impl PolledRx for Gate {
             sh.touch();
             sh.qp.ctx.touch();
             n += 1;
+            // Nothing followed it: the next pass looks again.
+            if there == HEADER_LEN {
+                break false;
+            }
         };
         if declined {
             fd.lower();
