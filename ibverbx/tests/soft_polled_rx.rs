@@ -86,10 +86,11 @@ fn a_busy_poller_takes_small_writes_and_their_acks_itself() {
     }
     // Once the pollers hold the connections, the kernel wakes nobody else
     // for small frames: all of them come through the pollers.
-    // (A few may still reach a thread: a poller descheduled for over a
-    // millisecond has handed its connection back.)
-    assert!(by_poller as u64 >= n - 8, "{by_poller} of {n} requests received by the poller");
-    assert!(acks_by_poller as u64 >= n - 8, "{acks_by_poller} of {n} ACKs received by the poller");
+    // (Some may still reach a thread: a poller descheduled for over a
+    // millisecond has handed its connection back, a few in a hundred on a
+    // loaded 2-core machine. Without the raised mark the threads take most.)
+    assert!(by_poller as u64 >= n * 9 / 10, "{by_poller} of {n} requests received by the poller");
+    assert!(acks_by_poller as u64 >= n * 9 / 10, "{acks_by_poller} of {n} ACKs received by the poller");
 }
 
 #[test]
@@ -148,4 +149,54 @@ fn a_poller_that_stops_hands_the_connections_back() {
     check_recv(wc[0], &dst, 8, 21);
     assert_eq!(p.a.scq.wait(&mut wc, Some(LIMIT), Duration::ZERO).unwrap(), 1);
     assert_eq!(wc[0].status, WcStatus::Success);
+}
+
+/// A put and its signal (a small WRITE, then a WRITE_WITH_IMM posted while
+/// the WRITE awaits its ACK) are both written by the posting thread: no
+/// hand-off to the progress thread, whose wake-up would cost more than
+/// the round trip. A deeper pipeline goes through the progress thread.
+#[test]
+fn a_small_request_behind_an_outstanding_one_is_sent_by_the_poster() {
+    let p = pair();
+    let dst = mr(&p.b.pd, Mem::Heap, 8192, AccessFlags::all_remote());
+    let src = mr(&p.a.pd, Mem::Heap, 8192, AccessFlags::LOCAL_WRITE);
+    warm(&p, &src, &dst);
+    let stats = || ibverbx::soft::stats(&p.a.ctx).unwrap();
+    let before = stats();
+    for round in 0..20u64 {
+        let seed = 100 + 2 * round;
+        src.write(0, &pattern(64, seed)).unwrap();
+        let put = SendOp::RdmaWrite { remote_addr: dst.addr() + 64, rkey: dst.rkey() };
+        post(&p.a.qp, seed, put, &[src.sge(0, 64).unwrap()], true);
+        recv(&p.b.qp, seed + 1, &[]);
+        write_imm(&p, &src, &dst, 8, seed + 1);
+        // The signal lands after the put: both are placed when it is seen.
+        let (wc, _) = next(&p.b.rcq, true);
+        check_recv(wc, &dst, 8, seed + 1);
+        assert_eq!(contents(&dst, 64, 64), pattern(64, seed), "round {round}");
+        for want in [seed, seed + 1] {
+            let (wc, _) = next(&p.a.scq, true);
+            assert_eq!((wc.wr_id, wc.status), (want, WcStatus::Success), "{wc:?}");
+        }
+    }
+    let after = stats();
+    assert_eq!(after.requests_by_posters - before.requests_by_posters, 40, "{before:?} -> {after:?}");
+    assert_eq!(after.requests_by_engine, before.requests_by_engine, "{before:?} -> {after:?}");
+
+    // Sixteen posted at once: the first few by the poster, the rest (with
+    // more than a few outstanding) by the progress thread.
+    let before = stats();
+    for k in 0..16u64 {
+        let op = SendOp::RdmaWrite { remote_addr: dst.addr() + 8 * k, rkey: dst.rkey() };
+        post(&p.a.qp, 1000 + k, op, &[src.sge(0, 8).unwrap()], true);
+    }
+    for k in 0..16u64 {
+        let (wc, _) = next(&p.a.scq, true);
+        assert_eq!((wc.wr_id, wc.status), (1000 + k, WcStatus::Success), "{wc:?}");
+    }
+    let after = stats();
+    let (posters, engine) =
+        (after.requests_by_posters - before.requests_by_posters, after.requests_by_engine - before.requests_by_engine);
+    assert_eq!(posters + engine, 16);
+    assert!(engine > 0, "{posters} by posters, {engine} by the engine");
 }

@@ -54,6 +54,10 @@ pub(crate) struct CtxShared {
     pub(crate) segs_unmapped: std::sync::atomic::AtomicU64,
     /// Bytes the posting threads copied themselves (WRITE/READ on an idle QP).
     pub(crate) inline_copied: std::sync::atomic::AtomicU64,
+    /// Request frames written by posting threads themselves.
+    pub(crate) poster_frames: std::sync::atomic::AtomicU64,
+    /// Request frames written by the progress thread.
+    pub(crate) engine_frames: std::sync::atomic::AtomicU64,
     pub(crate) attach_refused: std::sync::atomic::AtomicU64,
     /// Unauthenticated connections closed to stay under the cap.
     pub(crate) handshakes_evicted: std::sync::atomic::AtomicU64,
@@ -134,6 +138,8 @@ impl CtxShared {
             segs_mapped: std::sync::atomic::AtomicU64::new(0),
             segs_unmapped: std::sync::atomic::AtomicU64::new(0),
             inline_copied: std::sync::atomic::AtomicU64::new(0),
+            poster_frames: std::sync::atomic::AtomicU64::new(0),
+            engine_frames: std::sync::atomic::AtomicU64::new(0),
             attach_refused: std::sync::atomic::AtomicU64::new(0),
             handshakes_evicted: std::sync::atomic::AtomicU64::new(0),
             wakers: Default::default(),

@@ -84,6 +84,12 @@ pub struct SoftStats {
     /// Bytes of same-host WRITEs and READs copied by the posting threads
     /// themselves (not the progress thread).
     pub inline_copied_bytes: u64,
+    /// Request frames (WRITE, notify, SEND, READ, atomic) that posting
+    /// threads wrote on their QPs' connections themselves: small requests
+    /// on an idle QP, and over tcp behind a few outstanding ones.
+    pub requests_by_posters: u64,
+    /// Request frames the progress thread wrote.
+    pub requests_by_engine: u64,
     /// Attach requests this context refused (unknown QP, wrong token,
     /// malformed request, another user).
     pub attach_refused: u64,
@@ -104,6 +110,8 @@ pub fn stats(ctx: &crate::Context) -> Option<SoftStats> {
         peer_segments_mapped: s.segs_mapped.load(Relaxed),
         peer_segments_unmapped: s.segs_unmapped.load(Relaxed),
         inline_copied_bytes: s.inline_copied.load(Relaxed),
+        requests_by_posters: s.poster_frames.load(Relaxed),
+        requests_by_engine: s.engine_frames.load(Relaxed),
         attach_refused: s.attach_refused.load(Relaxed),
         handshakes_evicted: s.handshakes_evicted.load(Relaxed),
     })

@@ -121,7 +121,12 @@ impl SoftQp {
     /// small WRITEs and WRITE_WITH_IMMs with their payload; on both, small
     /// SENDs. False when the WR must go through the engine (nothing has
     /// been sent then; a direct copy already made is simply made again).
-    pub(super) fn try_fast_notify(&self, wr: &SendWr<'_>, len: u64) -> bool {
+    ///
+    /// Not `idle` (earlier WRs await their responses, all of them on the
+    /// wire): only requests that carry their payload in the frame (so that
+    /// they are placed after the earlier ones, in wire order), never a
+    /// direct copy.
+    pub(super) fn try_fast_notify(&self, wr: &SendWr<'_>, len: u64, idle: bool) -> bool {
         use crate::soft::requester::FastWr;
         use crate::soft::wire::Frame;
         if self.ctx.config.chaos_seed.is_some() || wr.flags.fence {
@@ -146,7 +151,8 @@ impl SoftQp {
                 (Frame::Write { psn: 0, raddr: remote_addr, rkey, len: len as u32, imm }, local)
             }
             SendOp::RdmaWriteWithImm { remote_addr, rkey, imm } => {
-                if len as usize > self.ctx.config.inline_copy_max
+                if !idle
+                    || len as usize > self.ctx.config.inline_copy_max
                     || !copy_direct(&fast, local, remote_addr, rkey, len, &self.stream)
                 {
                     return false;

@@ -61,6 +61,10 @@ struct QpSt {
     access: AccessFlags,
     rtr: Option<RtrAttr>,
     sq_tx: Option<mpsc::UnboundedSender<SqEntry>>,
+    /// WRs handed to this life's requester task and not yet executed by it
+    /// (shared with the task): while it is 0 every posted WR is on the wire
+    /// or finished, so the posting thread may write the next frame itself.
+    sq_backlog: Arc<AtomicU32>,
     /// The connection admitted in this life of the QP: (epoch, remote QP).
     accepted: Option<(u64, u32)>,
 }
@@ -158,6 +162,7 @@ impl SoftQp {
                 access: AccessFlags::empty(),
                 rtr: None,
                 sq_tx: None,
+                sq_backlog: Arc::default(),
                 accepted: None,
             }),
             state_tx,

@@ -3,6 +3,7 @@
 //! posting makes before a WR is queued.
 
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 
 use tokio::sync::mpsc;
 
@@ -196,11 +197,13 @@ impl QpOps for SoftQp {
                     let rtr = st.rtr.clone().expect("RTR precedes RTS");
                     let (tx, rx) = mpsc::unbounded_channel();
                     st.sq_tx = Some(tx);
+                    st.sq_backlog = Arc::default();
+                    let backlog = st.sq_backlog.clone();
                     let me =
                         self.ctx.qps.lock().unwrap_or_else(|e| e.into_inner()).get(&self.qpn).and_then(|w| w.upgrade());
                     let me = me.ok_or_else(|| Error::state("modify_qp(RTS)", "QP is being destroyed"))?;
                     let rts: RtsAttr = *a;
-                    self.ctx.rt.spawn(crate::soft::requester::run(me, rx, rtr, rts));
+                    self.ctx.rt.spawn(crate::soft::requester::run(me, rx, backlog, rtr, rts));
                 }
             }
             QpTransition::Err => {
@@ -238,6 +241,10 @@ impl QpOps for SoftQp {
     }
 
     fn post_send(&self, wrs: &[SendWr<'_>]) -> Result<()> {
+        /// Outstanding WRs behind which the posting thread still writes a
+        /// small request itself (a put, then its signal); deeper pipelines
+        /// go through the engine, which sends while the poster posts.
+        const FAST_BEHIND: u32 = 4;
         let mut lens = Vec::with_capacity(wrs.len());
         for wr in wrs {
             lens.push(self.check_send_wr(wr)?);
@@ -250,6 +257,7 @@ impl QpOps for SoftQp {
                 return Err(Error::state("post_send", format!("QP {:#x} is in {s:?}; it must be in RTS", self.qpn)))
             }
         };
+        let backlog = st.sq_backlog.clone();
         drop(st);
         let n = wrs.len() as u32;
         // A doorbell WR the peer has claimed but nobody has polled for yet
@@ -263,11 +271,24 @@ impl QpOps for SoftQp {
             }
             // Claim the only slot, then try to send the notification here.
             if self.sq_outstanding.compare_exchange(0, 1, Ordering::AcqRel, Ordering::Acquire).is_ok() {
-                if self.try_doorbell(&wrs[0], lens[0]) || self.try_fast_notify(&wrs[0], lens[0]) {
+                if self.try_doorbell(&wrs[0], lens[0]) || self.try_fast_notify(&wrs[0], lens[0], true) {
                     return Ok(());
                 }
                 self.sq_outstanding.fetch_sub(1, Ordering::AcqRel);
             }
+        } else if n == 1
+            && st_is_rts
+            && self.sq_outstanding.load(Ordering::Acquire) < FAST_BEHIND
+            && backlog.load(Ordering::Acquire) == 0
+        {
+            // The few earlier WRs are all on the wire (awaiting their
+            // responses): over tcp the next small request may follow them
+            // from here.
+            let before = self.sq_outstanding.fetch_add(1, Ordering::AcqRel);
+            if before < self.caps.max_send_wr && self.try_fast_notify(&wrs[0], lens[0], false) {
+                return Ok(());
+            }
+            self.sq_outstanding.fetch_sub(1, Ordering::AcqRel);
         }
         let before = self.sq_outstanding.fetch_add(n, Ordering::AcqRel);
         if before + n > self.caps.max_send_wr {
@@ -303,8 +324,10 @@ impl QpOps for SoftQp {
             });
         }
         for e in entries {
+            backlog.fetch_add(1, Ordering::AcqRel);
             if let Err(mpsc::error::SendError(e)) = tx.send(e) {
                 // The engine is gone (context shutting down): flush.
+                backlog.fetch_sub(1, Ordering::AcqRel);
                 self.sq_outstanding.fetch_sub(1, Ordering::AcqRel);
                 self.push_send_wc(self.flush_wc(e.wr_id, e.op.wc_opcode()));
             }

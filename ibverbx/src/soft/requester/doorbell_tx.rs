@@ -234,6 +234,7 @@ pub(super) async fn settle_db_held(sh: &Arc<Shared>, link: &mut Option<Link>) {
         };
         sh.next_psn.store((psn + 1) & 0x00ff_ffff, Ordering::Relaxed);
         let frame = Frame::Notify { psn, len, imm };
+        sh.qp.ctx.engine_frames.fetch_add(1, Ordering::Relaxed);
         let sent = match link.as_mut() {
             Some(l) => send_frame(&mut l.writer, &frame, &[]).await,
             None => Err(std::io::Error::new(std::io::ErrorKind::NotConnected, "no connection")),

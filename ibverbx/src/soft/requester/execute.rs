@@ -282,6 +282,7 @@ pub(super) async fn execute(sh: &Arc<Shared>, link: &mut Option<Link>, e: SqEntr
         q.inflight.push_back(inf);
     }
     let payload: &[(usize, usize)] = if frame.payload_len() > 0 { &local } else { &[] };
+    sh.qp.ctx.engine_frames.fetch_add(1, Ordering::Relaxed);
     let sent = send_frame(&mut l.writer, &frame, payload).await;
     sh.wire_busy.store(false, Ordering::Release);
     if let Err(err) = sent {

@@ -76,6 +76,7 @@ impl FastNotify {
             return false;
         }
         sh.next_psn.store((psn + 1) & 0x00ff_ffff, Ordering::Relaxed);
+        sh.qp.ctx.poster_frames.fetch_add(1, Ordering::Relaxed);
         // A partial write: the frame must be finished before anyone else
         // writes; wait for room (briefly: a socket drains fast). A peer
         // that stops reading for the configured limit is treated as dead,

@@ -98,7 +98,13 @@ struct Link {
 }
 
 /// The requester task of one QP; ends when the QP is reset or destroyed.
-pub(crate) async fn run(qp: Arc<SoftQp>, mut rx: mpsc::UnboundedReceiver<SqEntry>, rtr: RtrAttr, rts: RtsAttr) {
+pub(crate) async fn run(
+    qp: Arc<SoftQp>,
+    mut rx: mpsc::UnboundedReceiver<SqEntry>,
+    backlog: Arc<AtomicU32>,
+    rtr: RtrAttr,
+    rts: RtsAttr,
+) {
     let remote = rtr.remote.soft.clone().expect("checked at RTR");
     let ack_timeout = ack_timeout_duration(rts.timeout).map(|d| d * (rts.retry_cnt as u32 + 1));
     let sh = Arc::new(Shared {
@@ -188,6 +194,9 @@ pub(crate) async fn run(qp: Arc<SoftQp>, mut rx: mpsc::UnboundedReceiver<SqEntry
                 }
                 qp.ctx.touch();
                 execute(&sh, &mut link, e).await;
+                // On the wire (or finished): the posting thread may write
+                // the next request once nothing else waits here.
+                backlog.fetch_sub(1, Ordering::AcqRel);
             }
         }
     }
