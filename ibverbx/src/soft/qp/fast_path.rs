@@ -123,9 +123,9 @@ impl SoftQp {
     /// been sent then; a direct copy already made is simply made again).
     ///
     /// Not `idle` (earlier WRs await their responses, all of them on the
-    /// wire): only requests that carry their payload in the frame (so that
-    /// they are placed after the earlier ones, in wire order), never a
-    /// direct copy.
+    /// wire): over tcp only, and only requests that carry their payload in
+    /// the frame (so that they are placed after the earlier ones, in wire
+    /// order), never a direct copy.
     pub(super) fn try_fast_notify(&self, wr: &SendWr<'_>, len: u64, idle: bool) -> bool {
         use crate::soft::requester::FastWr;
         use crate::soft::wire::Frame;
@@ -133,6 +133,11 @@ impl SoftQp {
             return false;
         }
         let Some(fast) = self.fast.read().unwrap_or_else(|e| e.into_inner()).clone() else { return false };
+        // Same host, earlier WRs may be direct copies or doorbell records
+        // still to settle, which a frame written here would overtake.
+        if !idle && fast.peer.is_some() {
+            return false;
+        }
         let Some(notify) = fast.notify.clone() else { return false };
         let mut local: [(usize, usize); 16] = [(0, 0); 16];
         let mut _keep: [Option<Arc<crate::soft::mr::SoftMr>>; 16] = Default::default();
