@@ -200,3 +200,82 @@ fn a_small_request_behind_an_outstanding_one_is_sent_by_the_poster() {
     assert_eq!(posters + engine, 16);
     assert!(engine > 0, "{posters} by posters, {engine} by the engine");
 }
+
+/// Several threads post on one tcp QP at once, each a large write (which
+/// the progress thread writes) and then a small one (which the posting
+/// thread may write itself) on the same bytes: every WR completes once,
+/// successfully, and when a small write completes its large one is placed
+/// under it (a small write that overtook would be covered by the large
+/// one's bytes).
+#[test]
+fn concurrent_posters_keep_each_threads_order_across_both_paths() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    const THREADS: usize = 4;
+    const ITERS: usize = 400;
+    /// Source slots per thread (a thread keeps at most this many WRs in
+    /// flight) and destination areas (one per pair of WRs in flight).
+    const SLOTS: usize = 8;
+    const AREAS: usize = SLOTS / 2;
+    const BIG: usize = 64 << 10;
+    let p = pair();
+    let dst = mr(&p.b.pd, Mem::Heap, THREADS * AREAS * BIG, AccessFlags::all_remote());
+    let src = mr(&p.a.pd, Mem::Heap, THREADS * SLOTS * BIG, AccessFlags::LOCAL_WRITE);
+    let done: Vec<AtomicBool> = (0..THREADS * ITERS).map(|_| AtomicBool::new(false)).collect();
+    // WR i of a thread: even ones large, odd ones small, pair i / 2 in
+    // destination area (i / 2) % AREAS.
+    let len = |i: usize| if i % 2 == 0 { BIG } else { 8 + (i * 37) % 4088 };
+    let seed = |t: usize, i: usize| (t * ITERS + i) as u64;
+    let area = |t: usize, i: usize| (t * AREAS + (i / 2) % AREAS) * BIG;
+    let before = ibverbx::soft::stats(&p.a.ctx).unwrap();
+    std::thread::scope(|s| {
+        for t in 0..THREADS {
+            let (p, src, dst, done) = (&p, &src, &dst, &done);
+            s.spawn(move || {
+                for i in 0..ITERS {
+                    // The slot's last WR, and the area's last pair, are done.
+                    let wait = if i % 2 == 0 { SLOTS - 1 } else { SLOTS };
+                    if i >= wait {
+                        let end = Instant::now() + LIMIT;
+                        while !done[t * ITERS + i - wait].load(Ordering::Acquire) {
+                            assert!(Instant::now() < end, "thread {t}: WR {} not completed", i - wait);
+                            std::thread::yield_now();
+                        }
+                    }
+                    let slot = (t * SLOTS + i % SLOTS) * BIG;
+                    src.write(slot, &pattern(len(i), seed(t, i))).unwrap();
+                    let op = SendOp::RdmaWrite { remote_addr: dst.addr() + area(t, i) as u64, rkey: dst.rkey() };
+                    post(&p.a.qp, (t * ITERS + i) as u64, op, &[src.sge(slot, len(i)).unwrap()], true);
+                }
+            });
+        }
+        let end = Instant::now() + LIMIT;
+        let mut wc = [WorkCompletion::empty(); 16];
+        let mut got = 0;
+        while got < THREADS * ITERS {
+            assert!(Instant::now() < end, "{got} of {} completions", THREADS * ITERS);
+            p.a.scq.drive();
+            let n = p.a.scq.poll(&mut wc).unwrap();
+            for w in &wc[..n] {
+                assert_eq!(w.status, WcStatus::Success, "{w:?}");
+                let (t, i) = (w.wr_id as usize / ITERS, w.wr_id as usize % ITERS);
+                if i % 2 == 1 {
+                    // Nothing else writes the area until this is marked done.
+                    let at = area(t, i);
+                    let small = contents(&dst, at, len(i)) == pattern(len(i), seed(t, i));
+                    let big = contents(&dst, at + len(i), BIG - len(i)) == pattern(BIG, seed(t, i - 1))[len(i)..];
+                    assert!(
+                        small && big,
+                        "thread {t}, WRs {} and {i}: small placed {small}, large placed {big}",
+                        i - 1
+                    );
+                }
+                let first = !done[w.wr_id as usize].swap(true, Ordering::AcqRel);
+                assert!(first, "WR {} completed twice", w.wr_id);
+                got += 1;
+            }
+        }
+    });
+    let after = ibverbx::soft::stats(&p.a.ctx).unwrap();
+    assert!(after.requests_by_posters > before.requests_by_posters, "{before:?} -> {after:?}");
+    assert!(after.requests_by_engine > before.requests_by_engine, "{before:?} -> {after:?}");
+}
