@@ -223,7 +223,7 @@ fn concurrent_posters_keep_each_threads_order_across_both_paths() {
     let done: Vec<AtomicBool> = (0..THREADS * ITERS).map(|_| AtomicBool::new(false)).collect();
     // WR i of a thread: even ones large, odd ones small, pair i / 2 in
     // destination area (i / 2) % AREAS.
-    let len = |i: usize| if i % 2 == 0 { BIG } else { 8 + (i * 37) % 4088 };
+    let len = |i: usize| if i.is_multiple_of(2) { BIG } else { 8 + (i * 37) % 4088 };
     let seed = |t: usize, i: usize| (t * ITERS + i) as u64;
     let area = |t: usize, i: usize| (t * AREAS + (i / 2) % AREAS) * BIG;
     let before = ibverbx::soft::stats(&p.a.ctx).unwrap();
