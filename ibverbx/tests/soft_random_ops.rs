@@ -64,7 +64,11 @@ fn op() -> impl Strategy<Value = Op> {
 }
 
 fn run(link: SoftLink, ops: &[Op], inline_copy_max: usize) {
-    let dev = SoftProvider::new(SoftConfig { link, inline_copy_max, ..SoftConfig::default() }).device();
+    run_with(SoftConfig { link, inline_copy_max, ..SoftConfig::default() }, ops)
+}
+
+fn run_with(config: SoftConfig, ops: &[Op]) {
+    let dev = SoftProvider::new(config).device();
     let (ca, cb) = (dev.open().unwrap(), dev.open().unwrap());
     let (pa, pb) = (ca.alloc_pd().unwrap(), cb.alloc_pd().unwrap());
     let (qa, ra) = (ca.create_cq(4096).unwrap(), ca.create_cq(4096).unwrap());
@@ -302,5 +306,18 @@ proptest! {
     #[test]
     fn random_ops_tcp(ops in proptest::collection::vec(op(), 1..120)) {
         run(SoftLink::Tcp, &ops, 1 << 20);
+    }
+
+    /// With a two-thread progress engine the response reader and the
+    /// requester run at once: a WR behind an error must still be flushed,
+    /// and the error WR keep its own status.
+    #[test]
+    fn random_ops_tcp_two_progress_threads(ops in proptest::collection::vec(op(), 1..120)) {
+        run_with(SoftConfig { link: SoftLink::Tcp, progress_threads: 2, ..SoftConfig::default() }, &ops);
+    }
+
+    #[test]
+    fn random_ops_shm_engine_path_two_progress_threads(ops in proptest::collection::vec(op(), 1..120)) {
+        run_with(SoftConfig { link: SoftLink::Shm, inline_copy_max: 0, progress_threads: 2, ..SoftConfig::default() }, &ops);
     }
 }

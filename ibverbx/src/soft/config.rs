@@ -77,6 +77,13 @@ pub struct SoftConfig {
     /// that stops reading in the middle of a frame). 30 s by default;
     /// `RMACOMM_SOFT_PARTIAL_FRAME_MS`.
     pub partial_frame_limit: Duration,
+    /// Threads of the context's progress engine (`RMACOMM_SOFT_PROGRESS_THREADS`,
+    /// 1 by default). With one, every QP of the context is driven by one
+    /// thread, which bounds a context's tcp bandwidth at what one core copies
+    /// through the kernel; with more, the QPs' connections are driven in
+    /// parallel (a virtual QP striped over several QPs sends from several
+    /// cores). Each QP's own work stays in order either way.
+    pub progress_threads: usize,
 }
 
 impl Default for SoftConfig {
@@ -93,6 +100,7 @@ impl Default for SoftConfig {
             doorbell: true,
             polled_rx: true,
             partial_frame_limit: Duration::from_secs(30),
+            progress_threads: 1,
         }
     }
 }
@@ -156,6 +164,14 @@ impl SoftConfig {
                 Ok(ms) if ms > 0 => c.partial_frame_limit = Duration::from_millis(ms),
                 _ => tracing::warn!(
                     "RMACOMM_SOFT_PARTIAL_FRAME_MS={v:?} is not a positive number of milliseconds; ignoring it"
+                ),
+            }
+        }
+        if let Ok(v) = std::env::var("RMACOMM_SOFT_PROGRESS_THREADS") {
+            match v.trim().parse::<usize>() {
+                Ok(n) if (1..=64).contains(&n) => c.progress_threads = n,
+                _ => tracing::warn!(
+                    "RMACOMM_SOFT_PROGRESS_THREADS={v:?} is not a thread count from 1 to 64; ignoring it"
                 ),
             }
         }

@@ -100,11 +100,18 @@ impl CtxShared {
         unix.set_nonblocking(true).map_err(|e| Error::os("bind(unix)", e))?;
         let attach_listener = super::attach::bind(&unix_name).map_err(|e| Error::os("bind(unix attach)", e))?;
 
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .thread_name("rmacomm-soft")
-            .build()
-            .map_err(|e| Error::os("soft progress engine", e))?;
+        let rt = match config.progress_threads {
+            0 | 1 => tokio::runtime::Builder::new_current_thread(),
+            n => {
+                let mut b = tokio::runtime::Builder::new_multi_thread();
+                b.worker_threads(n);
+                b
+            }
+        }
+        .enable_all()
+        .thread_name("rmacomm-soft")
+        .build()
+        .map_err(|e| Error::os("soft progress engine", e))?;
         let handle = rt.handle().clone();
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
         std::thread::Builder::new()

@@ -160,7 +160,12 @@ pub(super) async fn execute(sh: &Arc<Shared>, link: &mut Option<Link>, e: SqEntr
     };
     let broken = sh.lock().broken;
     let Some(l) = link.as_mut().filter(|_| broken.is_none()) else {
-        return finish(sh, inf, broken.unwrap_or(WcStatus::RetryExcErr)).await;
+        // Never connected: this WR finds out (RETRY_EXC_ERR) and takes the
+        // QP to ERR. Broken later: an earlier WR carries the error, and
+        // this one is flushed, as behind the QP's ERR (which may be a
+        // moment away, set by the response reader on another thread).
+        let st = if link.is_none() { broken.unwrap_or(WcStatus::RetryExcErr) } else { WcStatus::WrFlushErr };
+        return finish(sh, inf, st).await;
     };
     if e.fence {
         loop {

@@ -274,19 +274,25 @@ pub(super) async fn read_responses(sh: Arc<Shared>, mut r: Reader, rnr_retry: u8
                 return sh.fail_link(WcStatus::BadRespErr, &format!("response {other:?} does not match the request"));
             }
         };
-        if status != WcStatus::Success {
-            sh.qp.set_error(&format!("peer answered {status}"));
-        }
         let mut q = sh.lock();
         if let Some(f) = q.inflight.iter_mut().find(|x| x.awaiting.is_some_and(|a| a.0 == psn)) {
             f.status = Some(status);
             f.awaiting = None;
         }
+        if status != WcStatus::Success {
+            // The WR has its status before the QP goes to ERR: the state
+            // change wakes the requester task, which flushes whatever has
+            // none yet (on another thread of the engine, or a poster's,
+            // at once). The error completion is seen only after ERR.
+            q.broken.get_or_insert(status);
+            drop(q);
+            sh.qp.set_error(&format!("peer answered {status}"));
+            q = sh.lock();
+        }
         sh.emit(&mut q);
         drop(q);
         sh.progress.notify_waiters();
         if status != WcStatus::Success {
-            sh.lock().broken.get_or_insert(status);
             sh.flush();
             return;
         }
