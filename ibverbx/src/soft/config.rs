@@ -82,7 +82,7 @@ pub struct SoftConfig {
     /// thread, which bounds a context's tcp bandwidth at what one core copies
     /// through the kernel; with more, the QPs' connections are driven in
     /// parallel (a virtual QP striped over several QPs sends from several
-    /// cores). Each QP's own work stays in order either way.
+    /// cores). Each QP's own work stays in order either way. 0 counts as 1.
     pub progress_threads: usize,
 }
 

@@ -56,7 +56,7 @@ pub(crate) struct CtxShared {
     pub(crate) inline_copied: std::sync::atomic::AtomicU64,
     /// Request frames written by posting threads themselves.
     pub(crate) poster_frames: std::sync::atomic::AtomicU64,
-    /// Request frames written by the progress thread.
+    /// Request frames written by the progress engine.
     pub(crate) engine_frames: std::sync::atomic::AtomicU64,
     pub(crate) attach_refused: std::sync::atomic::AtomicU64,
     /// Unauthenticated connections closed to stay under the cap.

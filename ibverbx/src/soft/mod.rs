@@ -88,7 +88,7 @@ pub struct SoftStats {
     /// threads wrote on their QPs' connections themselves: small requests
     /// on an idle QP, and over tcp behind a few outstanding ones.
     pub requests_by_posters: u64,
-    /// Request frames the progress thread wrote.
+    /// Request frames the progress engine's threads wrote.
     pub requests_by_engine: u64,
     /// Attach requests this context refused (unknown QP, wrong token,
     /// malformed request, another user).
