@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The GPU suite (issue 13): the CUDA kernels against the CPU kernels on a
-# real device, the GPU libraries' probes, and the copy-engine ceiling.
+# real device, the GPU libraries' probes, the copy-engine ceiling, and
+# windows on device memory between two processes (CUDA IPC: the ring with
+# host- and stream-ordered signals, a graph replay, put bandwidth).
 #
 #   bash scripts/gpu_suite.sh          build, then run (a machine with Rust and a GPU)
 #   bash scripts/gpu_suite.sh build    build into target/gpu-suite (no GPU needed)
@@ -26,7 +28,8 @@ what=${1:-all}
 build() {
   rm -rf "$suite" && mkdir -p "$suite/bin"
   cargo build --release -q -p rmacomm-cuda --example copy_ceiling
-  cp target/release/examples/copy_ceiling "$suite/bin/"
+  cargo build --release -q -p rmacomm-window --bin rmacomm-run --bin gpu-window-scenario
+  cp target/release/examples/copy_ceiling target/release/rmacomm-run target/release/gpu-window-scenario "$suite/bin/"
   cargo test --release --no-run -q -p rmacomm-cuda -p rmacomm-kernels --message-format=json 2>/dev/null |
     python3 -c '
 import json, sys, shutil
@@ -64,6 +67,13 @@ PY
   done
   echo "# copy_ceiling"
   "$bin/copy_ceiling" --json 2>&1 | tee "$out/copy_ceiling.jsonl" || rc=1
+  # Windows on device memory: two processes on one GPU through CUDA IPC.
+  for sc in ring bw; do
+    echo "# window on device memory: $sc"
+    timeout 300 "$bin/rmacomm-run" --nproc-per-node 2 "$bin/gpu-window-scenario" $sc 2>&1 |
+      tee "$out/window_device_$sc.log" || rc=1
+  done
+  grep -h '"window_device_put"' "$out/window_device_bw.log" | sed 's/^\[[0-9]*\] //' > "$out/window_device_bw.jsonl" || true
   return $rc
 }
 

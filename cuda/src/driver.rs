@@ -4,10 +4,11 @@
 
 use std::ffi::{c_char, c_int, CStr};
 
+use crate::device::IpcHandle;
 use crate::loader::{self, Spec};
 use crate::{CudaError, Result};
 
-const SPEC: Spec = Spec {
+pub(crate) const SPEC: Spec = Spec {
     lib: "the CUDA driver (libcuda.so.1)",
     env: "RMACOMM_CUDA_LIB",
     names: &["libcuda.so.1", "libcuda.so"],
@@ -27,7 +28,7 @@ fn driver_lib() -> Result<&'static loader::Opened> {
 type ErrNameFn = unsafe extern "C" fn(c_int, *mut *const c_char) -> c_int;
 
 /// The error of a failed driver call, named by the driver.
-fn call_error(err_name: ErrNameFn, call: &'static str, code: c_int) -> CudaError {
+pub(crate) fn call_error(err_name: ErrNameFn, call: &'static str, code: c_int) -> CudaError {
     let mut p: *const c_char = std::ptr::null();
     // SAFETY: a valid out-pointer; the string, when set, is static.
     let name = if unsafe { err_name(code, &mut p) } == 0 && !p.is_null() {
@@ -94,12 +95,14 @@ pub fn probe() -> Result<DriverInfo> {
     Ok(DriverInfo { version: (v / 1000, (v % 1000) / 10), devices, path: lib.path.clone() })
 }
 
-type CuResult = c_int;
+pub(crate) type CuResult = c_int;
 type CuDevice = c_int;
 type CuContext = *mut std::ffi::c_void;
 type CuModule = *mut std::ffi::c_void;
 type CuFunction = *mut std::ffi::c_void;
-type CuStream = *mut std::ffi::c_void;
+pub(crate) type CuStream = *mut std::ffi::c_void;
+pub(crate) type CuGraph = *mut std::ffi::c_void;
+pub(crate) type CuGraphExec = *mut std::ffi::c_void;
 /// A device address (`CUdeviceptr`).
 pub type DevicePtr = u64;
 
@@ -109,25 +112,45 @@ const CC_MINOR: c_int = 76;
 
 /// The driver functions a [`Context`] uses, resolved once.
 #[derive(Debug, Clone, Copy)]
-struct Api {
-    init: unsafe extern "C" fn(u32) -> CuResult,
-    err_name: ErrNameFn,
-    device_get: unsafe extern "C" fn(*mut CuDevice, c_int) -> CuResult,
-    device_attr: unsafe extern "C" fn(*mut c_int, c_int, CuDevice) -> CuResult,
-    device_name: unsafe extern "C" fn(*mut c_char, c_int, CuDevice) -> CuResult,
-    ctx_retain: unsafe extern "C" fn(*mut CuContext, CuDevice) -> CuResult,
-    ctx_release: unsafe extern "C" fn(CuDevice) -> CuResult,
-    ctx_set: unsafe extern "C" fn(CuContext) -> CuResult,
-    ctx_sync: unsafe extern "C" fn() -> CuResult,
-    mem_alloc: unsafe extern "C" fn(*mut DevicePtr, usize) -> CuResult,
-    mem_free: unsafe extern "C" fn(DevicePtr) -> CuResult,
-    htod: unsafe extern "C" fn(DevicePtr, *const std::ffi::c_void, usize) -> CuResult,
-    dtoh: unsafe extern "C" fn(*mut std::ffi::c_void, DevicePtr, usize) -> CuResult,
-    dtod: unsafe extern "C" fn(DevicePtr, DevicePtr, usize) -> CuResult,
-    module_load: unsafe extern "C" fn(*mut CuModule, *const std::ffi::c_void) -> CuResult,
-    module_unload: unsafe extern "C" fn(CuModule) -> CuResult,
-    module_fn: unsafe extern "C" fn(*mut CuFunction, CuModule, *const c_char) -> CuResult,
-    launch: unsafe extern "C" fn(
+pub(crate) struct Api {
+    pub(crate) init: unsafe extern "C" fn(u32) -> CuResult,
+    pub(crate) err_name: ErrNameFn,
+    pub(crate) device_get: unsafe extern "C" fn(*mut CuDevice, c_int) -> CuResult,
+    pub(crate) device_attr: unsafe extern "C" fn(*mut c_int, c_int, CuDevice) -> CuResult,
+    pub(crate) device_name: unsafe extern "C" fn(*mut c_char, c_int, CuDevice) -> CuResult,
+    pub(crate) ctx_retain: unsafe extern "C" fn(*mut CuContext, CuDevice) -> CuResult,
+    pub(crate) ctx_release: unsafe extern "C" fn(CuDevice) -> CuResult,
+    pub(crate) ctx_set: unsafe extern "C" fn(CuContext) -> CuResult,
+    pub(crate) ctx_sync: unsafe extern "C" fn() -> CuResult,
+    pub(crate) mem_alloc: unsafe extern "C" fn(*mut DevicePtr, usize) -> CuResult,
+    pub(crate) mem_free: unsafe extern "C" fn(DevicePtr) -> CuResult,
+    pub(crate) htod: unsafe extern "C" fn(DevicePtr, *const std::ffi::c_void, usize) -> CuResult,
+    pub(crate) dtoh: unsafe extern "C" fn(*mut std::ffi::c_void, DevicePtr, usize) -> CuResult,
+    pub(crate) dtod: unsafe extern "C" fn(DevicePtr, DevicePtr, usize) -> CuResult,
+    pub(crate) module_load: unsafe extern "C" fn(*mut CuModule, *const std::ffi::c_void) -> CuResult,
+    pub(crate) module_unload: unsafe extern "C" fn(CuModule) -> CuResult,
+    pub(crate) module_fn: unsafe extern "C" fn(*mut CuFunction, CuModule, *const c_char) -> CuResult,
+    pub(crate) ptr_attr: unsafe extern "C" fn(*mut std::ffi::c_void, c_int, DevicePtr) -> CuResult,
+    pub(crate) ipc_get: unsafe extern "C" fn(*mut IpcHandle, DevicePtr) -> CuResult,
+    pub(crate) ipc_open: unsafe extern "C" fn(*mut DevicePtr, IpcHandle, u32) -> CuResult,
+    pub(crate) ipc_close: unsafe extern "C" fn(DevicePtr) -> CuResult,
+    pub(crate) host_register: unsafe extern "C" fn(*mut std::ffi::c_void, usize, u32) -> CuResult,
+    pub(crate) host_unregister: unsafe extern "C" fn(*mut std::ffi::c_void) -> CuResult,
+    pub(crate) host_dev_ptr: unsafe extern "C" fn(*mut DevicePtr, *mut std::ffi::c_void, u32) -> CuResult,
+    pub(crate) memset_d8: unsafe extern "C" fn(DevicePtr, u8, usize) -> CuResult,
+    pub(crate) stream_create: unsafe extern "C" fn(*mut CuStream, u32) -> CuResult,
+    pub(crate) stream_destroy: unsafe extern "C" fn(CuStream) -> CuResult,
+    pub(crate) stream_sync: unsafe extern "C" fn(CuStream) -> CuResult,
+    pub(crate) dtod_async: unsafe extern "C" fn(DevicePtr, DevicePtr, usize, CuStream) -> CuResult,
+    pub(crate) write_value64: unsafe extern "C" fn(CuStream, DevicePtr, u64, u32) -> CuResult,
+    pub(crate) wait_value64: unsafe extern "C" fn(CuStream, DevicePtr, u64, u32) -> CuResult,
+    pub(crate) begin_capture: unsafe extern "C" fn(CuStream, c_int) -> CuResult,
+    pub(crate) end_capture: unsafe extern "C" fn(CuStream, *mut CuGraph) -> CuResult,
+    pub(crate) graph_instantiate: unsafe extern "C" fn(*mut CuGraphExec, CuGraph, u64) -> CuResult,
+    pub(crate) graph_launch: unsafe extern "C" fn(CuGraphExec, CuStream) -> CuResult,
+    pub(crate) graph_exec_destroy: unsafe extern "C" fn(CuGraphExec) -> CuResult,
+    pub(crate) graph_destroy: unsafe extern "C" fn(CuGraph) -> CuResult,
+    pub(crate) launch: unsafe extern "C" fn(
         CuFunction,
         u32,
         u32,
@@ -149,8 +172,8 @@ struct Api {
 /// path.
 #[derive(Debug)]
 pub struct Context {
-    api: Api,
-    dev: CuDevice,
+    pub(crate) api: Api,
+    pub(crate) dev: CuDevice,
     ctx: CuContext,
     name: String,
     cc: (i32, i32),
@@ -188,6 +211,26 @@ impl Context {
                 module_unload: lib.get("cuModuleUnload\0")?,
                 module_fn: lib.get("cuModuleGetFunction\0")?,
                 launch: lib.get("cuLaunchKernel\0")?,
+                ptr_attr: lib.get("cuPointerGetAttribute\0")?,
+                ipc_get: lib.get("cuIpcGetMemHandle\0")?,
+                ipc_open: lib.get("cuIpcOpenMemHandle_v2\0")?,
+                ipc_close: lib.get("cuIpcCloseMemHandle\0")?,
+                host_register: lib.get("cuMemHostRegister_v2\0")?,
+                host_unregister: lib.get("cuMemHostUnregister\0")?,
+                host_dev_ptr: lib.get("cuMemHostGetDevicePointer_v2\0")?,
+                memset_d8: lib.get("cuMemsetD8_v2\0")?,
+                stream_create: lib.get("cuStreamCreate\0")?,
+                stream_destroy: lib.get("cuStreamDestroy_v2\0")?,
+                stream_sync: lib.get("cuStreamSynchronize\0")?,
+                dtod_async: lib.get("cuMemcpyDtoDAsync_v2\0")?,
+                write_value64: lib.get("cuStreamWriteValue64_v2\0")?,
+                wait_value64: lib.get("cuStreamWaitValue64_v2\0")?,
+                begin_capture: lib.get("cuStreamBeginCapture_v2\0")?,
+                end_capture: lib.get("cuStreamEndCapture\0")?,
+                graph_instantiate: lib.get("cuGraphInstantiateWithFlags\0")?,
+                graph_launch: lib.get("cuGraphLaunch\0")?,
+                graph_exec_destroy: lib.get("cuGraphExecDestroy\0")?,
+                graph_destroy: lib.get("cuGraphDestroy\0")?,
             }
         };
         let mut c = Context { api, dev: 0, ctx: std::ptr::null_mut(), name: String::new(), cc: (0, 0) };
@@ -219,7 +262,7 @@ impl Context {
         Ok(c)
     }
 
-    fn check(&self, call: &'static str, st: CuResult) -> Result<()> {
+    pub(crate) fn check(&self, call: &'static str, st: CuResult) -> Result<()> {
         if st == 0 {
             return Ok(());
         }

@@ -22,12 +22,15 @@
 //! ```
 //!
 //! # Organization
-//! `driver` (libcuda: version and devices), `nvrtc` (CUDA C to PTX or
+//! `driver` (libcuda: version and devices, a context, kernels), `device`
+//! (memory that outlives a borrow, CUDA IPC, registered host memory,
+//! streams with value writes and waits, graph capture), `nvrtc` (CUDA C to PTX or
 //! cubin, no GPU needed), `nccl` (NCCL/RCCL version probes for the fallback
 //! backends), `loader` (the search above), `error`.
 
 #![deny(unsafe_op_in_unsafe_fn)]
 
+pub mod device;
 pub mod driver;
 mod error;
 mod loader;

@@ -148,6 +148,16 @@ pub enum Error {
         /// Its error.
         reason: String,
     },
+    /// A CUDA driver call of a window on device memory failed (or there is
+    /// no driver): the message names the call and the driver's error.
+    #[error("{op}: {source}")]
+    Cuda {
+        /// The window operation.
+        op: &'static str,
+        /// What the driver (or its loader) said.
+        #[source]
+        source: rmacomm_cuda::CudaError,
+    },
     /// The store was shut down while the call was pending.
     #[error("the store was shut down while {op} was pending; keep the store host alive until every rank is done")]
     Closed {

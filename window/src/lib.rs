@@ -143,7 +143,10 @@
 //! window drops its transports (peers' later operations to this rank fail
 //! with "the peer closed the connection") and then its runtime.
 
-#![forbid(unsafe_code)]
+// Unsafe code only in `window/device.rs` (raw device addresses: CUDA
+// IPC, stream value writes and waits); everything else is safe Rust.
+#![deny(unsafe_code)]
+#![deny(unsafe_op_in_unsafe_fn)]
 
 mod error;
 mod file_store;
@@ -176,3 +179,7 @@ pub use window::{
     AccessType, Cmp, MappedTensor, SignalOp, Window, WindowAttr, WindowOptions, BOUNCE_CHUNK, DEFAULT_SPIN,
 };
 pub use work::Work;
+
+/// The CUDA driver, loaded at run time (device memory, streams) for
+/// windows on device memory: `rmacomm_cuda`, re-exported.
+pub use rmacomm_cuda as cuda;

@@ -16,6 +16,8 @@ use crate::group::Group;
 use crate::unified::{Slot, SLOT};
 
 mod ctran;
+#[allow(unsafe_code)]
+mod device;
 use crate::work::Work;
 pub use ctran::{Cmp, SignalOp};
 
@@ -180,6 +182,8 @@ pub struct Window {
     // Field order is drop order: the registration and the transports go
     // before the runtime that drives them.
     reg: Option<Registration>,
+    /// A registration of device memory (instead of `reg`).
+    dev: Option<device::DeviceRegistration>,
     links: Vec<Link>,
     /// The 8 bytes every signal writes (their content is not read).
     signal_src: Arc<RdmaMemory>,
@@ -192,6 +196,9 @@ pub struct Window {
     signal_maps: Vec<Option<MappedBuffer>>,
     /// Per source: signals taken by `wait_signal` on UNIFIED pairs.
     consumed: Vec<AtomicU64>,
+    /// Per destination: signals sent on UNIFIED pairs (the value a
+    /// stream-ordered signal writes).
+    sent: Vec<AtomicU64>,
     /// Per peer: its whole signal buffer (counting slots, then value slots).
     signal_bufs: Vec<RdmaRemoteBuffer>,
     /// Value-signal slots per rank (the ctran form).
@@ -304,12 +311,14 @@ impl Window {
         let signal_maps = unify(&group, &rt, &links, &signal_bufs, opts.unified)?;
         Ok(Window {
             reg: None,
+            dev: None,
             links,
             signal_src,
             signal_dst,
             signal_slots,
             signal_maps,
             consumed: (0..n).map(|_| AtomicU64::new(0)).collect(),
+            sent: (0..n).map(|_| AtomicU64::new(0)).collect(),
             signal_bufs,
             value_slots: opts.signal_slots,
             spin: opts.spin,
@@ -364,7 +373,7 @@ impl Window {
     /// beyond them fail with [`Error::Bounds`].
     pub fn tensor_register_len(&mut self, mem: RdmaMemory, len: usize, elem_size: usize) -> Result<()> {
         const OP: &str = "tensor_register";
-        if self.reg.is_some() {
+        if self.reg.is_some() || self.dev.is_some() {
             return Err(Error::invalid(OP, "a tensor is registered already; call tensor_deregister first"));
         }
         if len == 0 || len.checked_rem(elem_size) != Some(0) || len > mem.len() {
@@ -617,7 +626,10 @@ impl Window {
             let r = self
                 .peer_alive(dst_rank)
                 .and_then(|()| Slot::at(off, |o| m.atomic_u64(o), |o| m.atomic_u32(o)))
-                .map(|slot| slot.add(1));
+                .map(|slot| {
+                    self.sent[dst_rank].fetch_add(1, Ordering::AcqRel);
+                    slot.add(1)
+                });
             return self.done(OP, dst_rank, r, async_op);
         }
         if self.in_order {
@@ -667,9 +679,10 @@ impl Window {
     pub fn get_attr(&self, rank: usize) -> Result<WindowAttr> {
         self.check_rank("get_attr", rank)?;
         let unified = rank == self.rank()
-            || match &self.reg {
-                Some(reg) => reg.maps[rank].is_some(),
-                None => self.signal_maps[rank].is_some(),
+            || match (&self.reg, &self.dev) {
+                (Some(reg), _) => reg.maps[rank].is_some(),
+                (None, Some(_)) => true,
+                (None, None) => self.signal_maps[rank].is_some(),
             };
         Ok(WindowAttr { access_type: if unified { AccessType::Unified } else { AccessType::Separate } })
     }
@@ -755,7 +768,10 @@ impl Window {
             None => Ok(()),
         };
         let deadline = Instant::now() + timeout;
-        if slot.wait(self.spin, crate::unified::SLICE, deadline, take, alive)? {
+        // A stream-ordered signal (device memory registered) writes the
+        // slot without waking sleepers: they look again often.
+        let slice = if self.dev.is_some() { ctran::SEPARATE_SLICE } else { crate::unified::SLICE };
+        if slot.wait(self.spin, slice, deadline, take, alive)? {
             return Ok(());
         }
         Err(rma(TransportError::Timeout { op: OP, after: timeout }))

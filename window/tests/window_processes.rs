@@ -122,3 +122,30 @@ fn a_peer_leaving_fails_the_writer_cleanly() {
         assert!(t0.elapsed().as_secs() < 30, "{path}: {:?}", t0.elapsed());
     }
 }
+
+/// Windows on CUDA device memory between two processes on one GPU (CUDA
+/// IPC; host- and stream-ordered signals, get, bounds, a CUDA graph
+/// replay): the full check on a machine with an NVIDIA GPU (the GPU suite
+/// runs it with RMACOMM_EXPECT_GPU=1, where a missing GPU fails). Without
+/// one, every rank says why it skipped.
+#[test]
+fn device_memory_ring_over_cuda_ipc() {
+    let out = Command::new(env!("CARGO_BIN_EXE_rmacomm-run"))
+        .args(["--nproc-per-node", "2", env!("CARGO_BIN_EXE_gpu-window-scenario"), "ring"])
+        .env_remove("MASTER_ADDR")
+        .env_remove("MASTER_PORT")
+        .env("RMACOMM_TIMEOUT_SECONDS", "60")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{:?}:\n{stdout}\n{stderr}", out.status);
+    for r in 0..2 {
+        let ok = stdout.contains(&format!("[{r}] rank {r} ok"));
+        let skipped = stdout.lines().find(|l| l.contains(&format!("[{r}] rank {r} skipped (no GPU")));
+        assert!(ok || skipped.is_some(), "rank {r} neither ran nor said why it skipped:\n{stdout}\n{stderr}");
+        if let Some(line) = skipped {
+            eprintln!("skipped: {line}");
+        }
+    }
+}

@@ -59,7 +59,7 @@ impl Cmp {
 /// How long a waiter sleeps at most between looks when a writer may be
 /// SEPARATE: an RDMA write from another host changes the slot without
 /// waking anyone.
-const SEPARATE_SLICE: Duration = Duration::from_micros(200);
+pub(super) const SEPARATE_SLICE: Duration = Duration::from_micros(200);
 
 impl Window {
     /// ctran's `window_allocate`: a window over `group` that owns a zeroed
@@ -76,13 +76,21 @@ impl Window {
 
     /// Bytes this rank registered (ctran's `get_size`); 0 when nothing is.
     pub fn get_size(&self) -> usize {
-        self.reg.as_ref().map_or(0, |r| r.peers[self.rank()].0.len as usize)
+        match (&self.reg, &self.dev) {
+            (Some(r), _) => r.peers[self.rank()].0.len as usize,
+            (None, Some(d)) => d.registered_len(self.rank()),
+            (None, None) => 0,
+        }
     }
 
-    /// Where the window's memory lives (ctran's `get_device`): `"cpu"`, the
-    /// only kind this version registers.
+    /// Where the window's memory lives (ctran's `get_device`): `"cuda"`
+    /// while device memory is registered, else `"cpu"`.
     pub fn get_device(&self) -> &'static str {
-        "cpu"
+        if self.dev.is_some() {
+            "cuda"
+        } else {
+            "cpu"
+        }
     }
 
     /// Value-signal slots per rank.

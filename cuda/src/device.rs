@@ -1,0 +1,559 @@
+//! Device memory that outlives a borrow: what windows and transports keep
+//! (an `Arc<Context>` inside), CUDA IPC between processes, host memory
+//! made visible to the device, streams with their memory operations
+//! (`cuStreamWriteValue64` / `cuStreamWaitValue64`) and graph capture.
+//!
+//! Every call binds the context first, so any thread may use these.
+
+use std::ffi::{c_int, c_void};
+use std::fmt;
+use std::sync::Arc;
+
+use crate::driver::{call_error, Context, CuGraph, CuGraphExec, CuStream, DevicePtr, SPEC};
+use crate::{CudaError, Result};
+
+/// `CU_POINTER_ATTRIBUTE_MEMORY_TYPE`, `_DEVICE_ORDINAL`,
+/// `_RANGE_START_ADDR`, `_RANGE_SIZE`.
+const PA_MEMORY_TYPE: c_int = 2;
+const PA_DEVICE_ORDINAL: c_int = 9;
+const PA_RANGE_START: c_int = 11;
+const PA_RANGE_SIZE: c_int = 12;
+/// `CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP`.
+const HOST_REGISTER_FLAGS: u32 = 1 | 2;
+/// `CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS`.
+const IPC_LAZY_PEER: u32 = 1;
+/// `CU_STREAM_NON_BLOCKING`.
+const STREAM_NON_BLOCKING: u32 = 1;
+/// `CU_STREAM_WAIT_VALUE_GEQ`, `CU_STREAM_WRITE_VALUE_DEFAULT` (a write
+/// preceded by a system-wide memory fence).
+const WAIT_GEQ: u32 = 0;
+const WRITE_DEFAULT: u32 = 0;
+/// `CU_STREAM_CAPTURE_MODE_RELAXED`.
+const CAPTURE_RELAXED: c_int = 2;
+/// `CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS` (the CUDA 12 value).
+const ATTR_64_BIT_MEM_OPS: c_int = 122;
+/// `CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED`.
+const ALREADY_REGISTERED: c_int = 712;
+
+/// What kind of memory a pointer is (`CUmemorytype`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum MemoryType {
+    /// Host memory (pinned or registered).
+    Host,
+    /// Device memory.
+    Device,
+    /// A CUDA array.
+    Array,
+    /// Managed (unified) memory.
+    Unified,
+    /// A value this crate does not know.
+    Other(u32),
+}
+
+/// What the driver knows of a device pointer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PointerInfo {
+    /// The kind of memory.
+    pub memory_type: MemoryType,
+    /// The device it lives on.
+    pub device: i32,
+    /// The start of the allocation that holds it (what IPC exports).
+    pub base: DevicePtr,
+    /// The allocation's size.
+    pub size: usize,
+}
+
+/// A CUDA IPC handle (`CUipcMemHandle`): 64 opaque bytes another process on
+/// the host opens with [`Context::open_ipc`].
+#[repr(C)]
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct IpcHandle(pub [u8; 64]);
+
+impl fmt::Debug for IpcHandle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "IpcHandle({})", self.to_hex())
+    }
+}
+
+impl IpcHandle {
+    /// The handle as 128 lowercase hex digits.
+    pub fn to_hex(&self) -> String {
+        self.0.iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    /// Parses [`to_hex`](Self::to_hex)'s text; `None` for anything else.
+    pub fn from_hex(s: &str) -> Option<IpcHandle> {
+        let b = s.as_bytes();
+        if b.len() != 128 {
+            return None;
+        }
+        let mut out = [0u8; 64];
+        for (i, o) in out.iter_mut().enumerate() {
+            *o = u8::from_str_radix(std::str::from_utf8(&b[2 * i..2 * i + 2]).ok()?, 16).ok()?;
+        }
+        Some(IpcHandle(out))
+    }
+}
+
+fn invalid(call: &'static str, why: String) -> CudaError {
+    CudaError::Call { lib: SPEC.lib, call, code: 1, name: why }
+}
+
+impl Context {
+    /// Opens device `ordinal`'s primary context, shared: what
+    /// [`DeviceMemory`], [`Stream`] and mappings keep alive.
+    pub fn open_shared(ordinal: u32) -> Result<Arc<Context>> {
+        Context::open(ordinal).map(Arc::new)
+    }
+
+    /// The device's ordinal.
+    pub fn ordinal(&self) -> i32 {
+        self.dev
+    }
+
+    /// Whether streams of this device can wait on and write 64-bit values
+    /// (`cuStreamWaitValue64` / `cuStreamWriteValue64`).
+    pub fn stream_mem_ops(&self) -> Result<bool> {
+        let mut v = 0;
+        // SAFETY: a valid out-pointer and device.
+        self.check("cuDeviceGetAttribute", unsafe { (self.api.device_attr)(&mut v, ATTR_64_BIT_MEM_OPS, self.dev) })?;
+        Ok(v != 0)
+    }
+
+    /// `len` zeroed bytes of device memory, freed when the last user drops
+    /// it.
+    pub fn alloc_shared(self: &Arc<Self>, len: usize) -> Result<DeviceMemory> {
+        self.bind()?;
+        let mut ptr = 0;
+        // SAFETY: a valid out-pointer; the context is current.
+        self.check("cuMemAlloc", unsafe { (self.api.mem_alloc)(&mut ptr, len.max(1)) })?;
+        let mem = DeviceMemory { ctx: self.clone(), ptr, len };
+        // SAFETY: the allocation just made, of at least `len` bytes.
+        self.check("cuMemsetD8", unsafe { (self.api.memset_d8)(ptr, 0, len) })?;
+        self.synchronize()?;
+        Ok(mem)
+    }
+
+    /// What the driver knows of `ptr`: an error for an address no CUDA
+    /// allocation holds.
+    pub fn pointer_info(&self, ptr: DevicePtr) -> Result<PointerInfo> {
+        self.bind()?;
+        let (mut mt, mut dev, mut base, mut size) = (0u32, 0 as c_int, 0 as DevicePtr, 0usize);
+        // SAFETY: each out-pointer has the attribute's type (unsigned int,
+        // int, CUdeviceptr, size_t).
+        unsafe {
+            self.check("cuPointerGetAttribute", (self.api.ptr_attr)((&raw mut mt).cast(), PA_MEMORY_TYPE, ptr))?;
+            self.check("cuPointerGetAttribute", (self.api.ptr_attr)((&raw mut dev).cast(), PA_DEVICE_ORDINAL, ptr))?;
+            self.check("cuPointerGetAttribute", (self.api.ptr_attr)((&raw mut base).cast(), PA_RANGE_START, ptr))?;
+            self.check("cuPointerGetAttribute", (self.api.ptr_attr)((&raw mut size).cast(), PA_RANGE_SIZE, ptr))?;
+        }
+        let memory_type = match mt {
+            1 => MemoryType::Host,
+            2 => MemoryType::Device,
+            3 => MemoryType::Array,
+            4 => MemoryType::Unified,
+            o => MemoryType::Other(o),
+        };
+        Ok(PointerInfo { memory_type, device: dev, base, size })
+    }
+
+    /// The IPC handle of the allocation that starts at `base` (device
+    /// memory from `cuMemAlloc`; not managed or VMM memory).
+    pub fn ipc_handle(&self, base: DevicePtr) -> Result<IpcHandle> {
+        self.bind()?;
+        let mut h = IpcHandle([0; 64]);
+        // SAFETY: a valid out-pointer of the handle's layout.
+        self.check("cuIpcGetMemHandle", unsafe { (self.api.ipc_get)(&mut h, base) })?;
+        Ok(h)
+    }
+
+    /// Maps another process's allocation (its [`IpcHandle`]) into this
+    /// one, until the mapping drops. The handle of an allocation of this
+    /// process is refused by the driver.
+    pub fn open_ipc(self: &Arc<Self>, handle: &IpcHandle) -> Result<IpcMapping> {
+        self.bind()?;
+        let mut ptr = 0;
+        // SAFETY: a valid out-pointer; the handle is passed by value.
+        self.check("cuIpcOpenMemHandle", unsafe { (self.api.ipc_open)(&mut ptr, *handle, IPC_LAZY_PEER) })?;
+        Ok(IpcMapping { ctx: self.clone(), ptr })
+    }
+
+    /// Page-locks `len` bytes of host memory at `ptr` (widened to whole
+    /// pages) and maps them for the device, until the registration drops.
+    /// Memory this process registered already is used as it is.
+    ///
+    /// # Safety
+    /// The range must stay mapped while the registration lives.
+    pub unsafe fn register_host(self: &Arc<Self>, ptr: *mut u8, len: usize) -> Result<HostRegistration> {
+        self.bind()?;
+        let page = 4096usize;
+        let start = (ptr as usize) & !(page - 1);
+        let end = (ptr as usize + len.max(1)).div_ceil(page) * page;
+        let base = start as *mut c_void;
+        // SAFETY: the caller's range, widened to the pages that hold it
+        // (mapped too: mappings are whole pages).
+        let st = unsafe { (self.api.host_register)(base, end - start, HOST_REGISTER_FLAGS) };
+        let owned = match st {
+            0 => true,
+            ALREADY_REGISTERED => false,
+            st => return Err(call_error(self.api.err_name, "cuMemHostRegister", st)),
+        };
+        // Unregistered on drop, also when the next call fails.
+        let mut reg = HostRegistration { ctx: self.clone(), base, owned, dev: 0, offset: ptr as usize - start };
+        // SAFETY: a registered host address (ours or an earlier one).
+        self.check("cuMemHostGetDevicePointer", unsafe { (self.api.host_dev_ptr)(&mut reg.dev, base, 0) })?;
+        Ok(reg)
+    }
+
+    /// A new non-blocking stream of this context.
+    pub fn stream(self: &Arc<Self>) -> Result<Stream> {
+        self.bind()?;
+        let mut s: CuStream = std::ptr::null_mut();
+        // SAFETY: a valid out-pointer.
+        self.check("cuStreamCreate", unsafe { (self.api.stream_create)(&mut s, STREAM_NON_BLOCKING) })?;
+        Ok(Stream { ctx: self.clone(), s, owned: true })
+    }
+}
+
+/// Device memory of a shared [`Context`], zeroed when allocated, freed on
+/// drop.
+pub struct DeviceMemory {
+    ctx: Arc<Context>,
+    ptr: DevicePtr,
+    len: usize,
+}
+
+impl fmt::Debug for DeviceMemory {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "DeviceMemory({:#x}, {} B, {})", self.ptr, self.len, self.ctx.name())
+    }
+}
+
+impl DeviceMemory {
+    /// The device address.
+    pub fn ptr(&self) -> DevicePtr {
+        self.ptr
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True when empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The context it belongs to.
+    pub fn context(&self) -> &Arc<Context> {
+        &self.ctx
+    }
+
+    /// The `len` bytes at `offset`, or `None` when they do not fit.
+    pub fn view(&self, offset: usize, len: usize) -> Option<DeviceView<'_>> {
+        let end = offset.checked_add(len)?;
+        (end <= self.len).then_some(DeviceView { mem: self, offset, len })
+    }
+
+    /// All of it.
+    pub fn all(&self) -> DeviceView<'_> {
+        DeviceView { mem: self, offset: 0, len: self.len }
+    }
+
+    /// Copies `src` to byte `offset`; complete when this returns, for
+    /// every stream (a pageable copy may return before its DMA ends: the
+    /// context is synchronized after it).
+    pub fn write_from(&self, offset: usize, src: &[u8]) -> Result<()> {
+        let v = self.view(offset, src.len()).ok_or_else(|| self.outside("cuMemcpyHtoD", offset, src.len()))?;
+        self.ctx.bind()?;
+        // SAFETY: `src` is valid for its length, which fits the memory.
+        self.ctx.check("cuMemcpyHtoD", unsafe { (self.ctx.api.htod)(v.ptr(), src.as_ptr().cast(), src.len()) })?;
+        self.ctx.synchronize()
+    }
+
+    /// Copies from byte `offset` into `dst` (synchronous; on the legacy
+    /// default stream, so work queued on other non-blocking streams is not
+    /// waited for).
+    pub fn read_into(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
+        let v = self.view(offset, dst.len()).ok_or_else(|| self.outside("cuMemcpyDtoH", offset, dst.len()))?;
+        self.ctx.bind()?;
+        // SAFETY: `dst` is valid for writes of its length, which fits.
+        self.ctx.check("cuMemcpyDtoH", unsafe { (self.ctx.api.dtoh)(dst.as_mut_ptr().cast(), v.ptr(), dst.len()) })
+    }
+
+    fn outside(&self, call: &'static str, offset: usize, n: usize) -> CudaError {
+        invalid(call, format!("{n} bytes at offset {offset} do not fit device memory of {} bytes", self.len))
+    }
+}
+
+impl Drop for DeviceMemory {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind();
+        // SAFETY: allocated by cuMemAlloc, freed once.
+        unsafe { (self.ctx.api.mem_free)(self.ptr) };
+    }
+}
+
+/// A range of a [`DeviceMemory`].
+#[derive(Debug, Clone, Copy)]
+pub struct DeviceView<'a> {
+    mem: &'a DeviceMemory,
+    offset: usize,
+    len: usize,
+}
+
+impl DeviceView<'_> {
+    /// The device address of its first byte.
+    pub fn ptr(&self) -> DevicePtr {
+        self.mem.ptr + self.offset as u64
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True when empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The memory it is part of.
+    pub fn memory(&self) -> &DeviceMemory {
+        self.mem
+    }
+}
+
+/// Another process's allocation mapped here ([`Context::open_ipc`]);
+/// unmapped on drop.
+#[derive(Debug)]
+pub struct IpcMapping {
+    ctx: Arc<Context>,
+    ptr: DevicePtr,
+}
+
+impl IpcMapping {
+    /// Where the allocation is mapped (its first byte).
+    pub fn ptr(&self) -> DevicePtr {
+        self.ptr
+    }
+}
+
+impl Drop for IpcMapping {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind();
+        // SAFETY: opened by cuIpcOpenMemHandle, closed once.
+        unsafe { (self.ctx.api.ipc_close)(self.ptr) };
+    }
+}
+
+/// Host memory the device can reach ([`Context::register_host`]).
+#[derive(Debug)]
+pub struct HostRegistration {
+    ctx: Arc<Context>,
+    base: *mut c_void,
+    /// Registered by this value (unregistered on drop), not earlier.
+    owned: bool,
+    dev: DevicePtr,
+    offset: usize,
+}
+
+// SAFETY: the base address is only passed back to the driver on drop.
+unsafe impl Send for HostRegistration {}
+// SAFETY: as above; nothing is read through it.
+unsafe impl Sync for HostRegistration {}
+
+impl HostRegistration {
+    /// The device address of the registered pointer's first byte.
+    pub fn device_ptr(&self) -> DevicePtr {
+        self.dev + self.offset as u64
+    }
+}
+
+impl Drop for HostRegistration {
+    fn drop(&mut self) {
+        if self.owned {
+            let _ = self.ctx.bind();
+            // SAFETY: registered by this value, unregistered once.
+            unsafe { (self.ctx.api.host_unregister)(self.base) };
+        }
+    }
+}
+
+/// A CUDA stream: asynchronous copies, 64-bit value writes and waits, and
+/// graph capture. Made by [`Context::stream`] (destroyed on drop) or
+/// adopted with [`Stream::from_raw`] (a stream of PyTorch's, left alone).
+pub struct Stream {
+    ctx: Arc<Context>,
+    s: CuStream,
+    owned: bool,
+}
+
+impl fmt::Debug for Stream {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Stream({:p}{})", self.s, if self.owned { "" } else { ", adopted" })
+    }
+}
+
+// SAFETY: a stream handle may be used from any thread whose current context
+// is the stream's (every call binds it first).
+unsafe impl Send for Stream {}
+// SAFETY: as above; the driver API is thread-safe.
+unsafe impl Sync for Stream {}
+
+impl Stream {
+    /// Adopts `raw`, a `CUstream` of `ctx` made elsewhere (0: the legacy
+    /// default stream); not destroyed on drop.
+    ///
+    /// # Safety
+    /// `raw` must be a stream of `ctx` (or 0) that outlives this value.
+    pub unsafe fn from_raw(ctx: Arc<Context>, raw: usize) -> Stream {
+        Stream { ctx, s: raw as CuStream, owned: false }
+    }
+
+    /// The `CUstream` handle.
+    pub fn raw(&self) -> usize {
+        self.s as usize
+    }
+
+    /// The stream's context.
+    pub fn context(&self) -> &Arc<Context> {
+        &self.ctx
+    }
+
+    /// Waits for everything queued on the stream.
+    pub fn synchronize(&self) -> Result<()> {
+        self.ctx.bind()?;
+        // SAFETY: a live stream of the current context.
+        self.ctx.check("cuStreamSynchronize", unsafe { (self.ctx.api.stream_sync)(self.s) })
+    }
+
+    /// Queues a copy of `len` bytes from `src` to `dst`.
+    ///
+    /// # Safety
+    /// Both ranges must be device memory (or device-mapped memory) that
+    /// stays valid until the copy has run.
+    pub unsafe fn copy_async(&self, dst: DevicePtr, src: DevicePtr, len: usize) -> Result<()> {
+        self.ctx.bind()?;
+        // SAFETY: the caller's contract.
+        self.ctx.check("cuMemcpyDtoDAsync", unsafe { (self.ctx.api.dtod_async)(dst, src, len, self.s) })
+    }
+
+    /// Queues a write of `value` to the 8-byte-aligned `addr`, after a
+    /// system-wide memory fence (what the stream did before is visible
+    /// to whoever sees the value).
+    ///
+    /// # Safety
+    /// `addr` must be device memory or registered host memory that stays
+    /// valid until the write has run.
+    pub unsafe fn write_value64(&self, addr: DevicePtr, value: u64) -> Result<()> {
+        self.ctx.bind()?;
+        // SAFETY: the caller's contract.
+        self.ctx
+            .check("cuStreamWriteValue64", unsafe { (self.ctx.api.write_value64)(self.s, addr, value, WRITE_DEFAULT) })
+    }
+
+    /// Queues a wait: the stream goes on once the 64-bit word at `addr` is
+    /// at least `value` (unsigned).
+    ///
+    /// # Safety
+    /// As for [`write_value64`](Self::write_value64).
+    pub unsafe fn wait_value64_geq(&self, addr: DevicePtr, value: u64) -> Result<()> {
+        self.ctx.bind()?;
+        // SAFETY: the caller's contract.
+        self.ctx.check("cuStreamWaitValue64", unsafe { (self.ctx.api.wait_value64)(self.s, addr, value, WAIT_GEQ) })
+    }
+
+    /// Starts capturing the stream's work into a graph (relaxed mode).
+    pub fn begin_capture(&self) -> Result<()> {
+        self.ctx.bind()?;
+        // SAFETY: a live stream.
+        self.ctx.check("cuStreamBeginCapture", unsafe { (self.ctx.api.begin_capture)(self.s, CAPTURE_RELAXED) })
+    }
+
+    /// Ends the capture and instantiates what was captured.
+    pub fn end_capture(&self) -> Result<Graph> {
+        self.ctx.bind()?;
+        let mut g: CuGraph = std::ptr::null_mut();
+        // SAFETY: a valid out-pointer; a stream in capture.
+        self.ctx.check("cuStreamEndCapture", unsafe { (self.ctx.api.end_capture)(self.s, &mut g) })?;
+        let mut e: CuGraphExec = std::ptr::null_mut();
+        // SAFETY: a valid out-pointer and graph.
+        let st = unsafe { (self.ctx.api.graph_instantiate)(&mut e, g, 0) };
+        if st != 0 {
+            // SAFETY: made by the capture, destroyed once.
+            unsafe { (self.ctx.api.graph_destroy)(g) };
+            return Err(call_error(self.ctx.api.err_name, "cuGraphInstantiate", st));
+        }
+        Ok(Graph { ctx: self.ctx.clone(), g, e })
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        if self.owned {
+            let _ = self.ctx.bind();
+            // SAFETY: created by cuStreamCreate, destroyed once.
+            unsafe { (self.ctx.api.stream_destroy)(self.s) };
+        }
+    }
+}
+
+/// A captured, instantiated CUDA graph.
+pub struct Graph {
+    ctx: Arc<Context>,
+    g: CuGraph,
+    e: CuGraphExec,
+}
+
+impl fmt::Debug for Graph {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Graph({:p})", self.e)
+    }
+}
+
+// SAFETY: graph handles may be used from any thread (bound first).
+unsafe impl Send for Graph {}
+// SAFETY: as above.
+unsafe impl Sync for Graph {}
+
+impl Graph {
+    /// Queues one replay on `stream`.
+    pub fn launch(&self, stream: &Stream) -> Result<()> {
+        self.ctx.bind()?;
+        // SAFETY: a live executable graph and stream.
+        self.ctx.check("cuGraphLaunch", unsafe { (self.ctx.api.graph_launch)(self.e, stream.s) })
+    }
+}
+
+impl Drop for Graph {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind();
+        // SAFETY: each made once above, destroyed once.
+        unsafe {
+            (self.ctx.api.graph_exec_destroy)(self.e);
+            (self.ctx.api.graph_destroy)(self.g);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ipc_handles_round_trip_through_hex_and_bad_text_is_refused() {
+        let mut h = IpcHandle([0; 64]);
+        for (i, b) in h.0.iter_mut().enumerate() {
+            *b = (i * 37 + 5) as u8;
+        }
+        let s = h.to_hex();
+        assert_eq!(s.len(), 128);
+        assert_eq!(IpcHandle::from_hex(&s), Some(h));
+        assert_eq!(IpcHandle::from_hex(&s[..126]), None);
+        assert_eq!(IpcHandle::from_hex(&format!("{}zz", &s[..126])), None);
+        assert_eq!(IpcHandle::from_hex(&"é".repeat(64)), None);
+    }
+}

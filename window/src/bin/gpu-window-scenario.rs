@@ -1,0 +1,246 @@
+//! Test helper, not a tool: windows on CUDA device memory across processes
+//! of one host (CUDA IPC), run under `rmacomm-run` by
+//! `tests/window_processes.rs` and by the GPU suite (`scripts/gpu_suite.sh`).
+//!
+//! `gpu-window-scenario SCENARIO`, scenarios:
+//! - `ring`: torchcomms' window ring on device memory, with host-ordered
+//!   signals (synchronous `device_put`, `signal`, `wait_signal`) and
+//!   stream-ordered ones (`device_put` on a stream, `signal_on_stream`,
+//!   `wait_signal_on_stream`), for 1, 1000 and 1 Mi f32 elements; then
+//!   `device_get`, out-of-bounds puts and gets, `map_remote_device`, and a
+//!   put captured in a CUDA graph and replayed 10 times.
+//! - `bw`: rank 0's `device_put` bandwidth into rank 1 from 64 KiB to
+//!   256 MiB, synchronous and queued on a stream, beside the same copies
+//!   into rank 0's own memory (no IPC: the copy-engine ceiling) in the same
+//!   run; JSON lines on stdout.
+//!
+//! Without a GPU each rank prints why and succeeds, unless
+//! `RMACOMM_EXPECT_GPU=1` (the GPU suite), where that is a failure.
+
+#![forbid(unsafe_code)]
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rmacomm_window::cuda::device::{DeviceMemory, Stream};
+use rmacomm_window::cuda::driver::Context;
+use rmacomm_window::{Error, Group, GroupOptions, Window, WindowOptions};
+
+type R = Result<(), String>;
+
+fn ensure(cond: bool, msg: impl FnOnce() -> String) -> R {
+    if cond {
+        Ok(())
+    } else {
+        Err(msg())
+    }
+}
+
+fn s<E: std::fmt::Display>(e: E) -> String {
+    e.to_string()
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let rank: usize = std::env::var("RANK").ok().and_then(|v| v.parse().ok()).expect("launched by rmacomm-run");
+    let result = match Context::open_shared(0) {
+        Err(e) if std::env::var("RMACOMM_EXPECT_GPU").is_ok_and(|v| v == "1") => Err(format!("no GPU: {e}")),
+        Err(e) => {
+            println!("rank {rank} skipped (no GPU: {e})");
+            return;
+        }
+        Ok(ctx) => setup().and_then(|(g, w)| match args.first().map(String::as_str) {
+            Some("ring") => ring(&g, w, &ctx),
+            Some("bw") => bw(&g, w, &ctx),
+            other => Err(format!("unknown scenario {other:?}")),
+        }),
+    };
+    match result {
+        Ok(()) => println!("rank {rank} ok"),
+        Err(e) => {
+            eprintln!("rank {rank} FAILED: {e}");
+            std::process::exit(1);
+        }
+    }
+}
+
+fn setup() -> Result<(Group, Window), String> {
+    let g = Group::from_env_with(GroupOptions::new().timeout(Duration::from_secs(60))).map_err(s)?;
+    let w = Window::new(&g, WindowOptions::new().timeout(Duration::from_secs(30))).map_err(s)?;
+    Ok((g, w))
+}
+
+fn f32s(value: usize, count: usize) -> Vec<u8> {
+    (value as f32).to_le_bytes().repeat(count)
+}
+
+/// Checks that rank `from`'s `count` elements at element `from * count` of
+/// this rank's registered memory are `value`.
+fn check(w: &Window, from: usize, count: usize, value: usize, what: &dyn Fn() -> String) -> R {
+    let own = w.local_device_tensor().ok_or("no local device tensor")?;
+    let mut got = vec![0u8; count * 4];
+    own.read_into(from * count * 4, &mut got).map_err(s)?;
+    let want = f32s(value, count);
+    if got != want {
+        let bad = got.chunks(4).zip(want.chunks(4)).position(|(a, b)| a != b).unwrap();
+        return Err(format!("{}: element {bad} from rank {from} is {:?}, want {value}", what(), &got[bad * 4..][..4]));
+    }
+    Ok(())
+}
+
+fn ring(g: &Group, mut w: Window, ctx: &Arc<Context>) -> R {
+    let (rank, size) = (g.rank(), g.size());
+    let (right, left) = ((rank + 1) % size, (rank + size - 1) % size);
+    let stream = ctx.stream().map_err(s)?;
+    let start = Instant::now();
+    for count in [1usize, 1000, 1 << 20] {
+        w.tensor_register_device(ctx.alloc_shared(size * count * 4).map_err(s)?, 4).map_err(s)?;
+        ensure(w.get_device() == "cuda" && w.get_size() == size * count * 4, || "get_device / get_size".into())?;
+        let src = ctx.alloc_shared(count * 4).map_err(s)?;
+        for it in 0..5 {
+            for on_stream in [false, true] {
+                let value = |r: usize| r * 1000 + it * 10 + usize::from(on_stream) + 1;
+                let what = || format!("count {count} iteration {it} on stream {on_stream}");
+                src.write_from(0, &f32s(value(rank), count)).map_err(s)?;
+                if on_stream {
+                    w.device_put(src.all(), right, rank * count, Some(&stream))
+                        .map_err(|e| format!("{}: {e}", what()))?;
+                    w.signal_on_stream(right, &stream).map_err(|e| format!("{}: {e}", what()))?;
+                    w.wait_signal_on_stream(left, &stream).map_err(|e| format!("{}: {e}", what()))?;
+                    wait_stream(&stream, &what)?;
+                } else {
+                    w.device_put(src.all(), right, rank * count, None).map_err(|e| format!("{}: {e}", what()))?;
+                    w.signal(right, false).map_err(|e| format!("{}: {e}", what()))?;
+                    w.wait_signal(left, None).map_err(|e| format!("{}: {e}", what()))?;
+                }
+                check(&w, left, count, value(left), &what)?;
+                // Nobody overwrites a region before its owner checked it.
+                g.barrier(None).map_err(s)?;
+            }
+        }
+        // device_get: what this rank put into `right` comes back.
+        let back = ctx.alloc_shared(count * 4).map_err(s)?;
+        w.device_get(back.all(), right, rank * count, None).map_err(s)?;
+        let mut got = vec![0u8; count * 4];
+        back.read_into(0, &mut got).map_err(s)?;
+        ensure(got == f32s(rank * 1000 + 40 + 2, count), || format!("device_get of count {count}"))?;
+        // Out of bounds: an error naming the peer, nothing moved.
+        for (op, r) in [
+            ("device_put", w.device_put(src.all(), right, size * count, None)),
+            ("device_get", w.device_get(back.all(), right, size * count - count / 2, None)),
+        ] {
+            match r {
+                Err(e @ Error::Bounds { .. }) => {
+                    let m = e.to_string();
+                    ensure(m.contains(op) && m.contains(&format!("rank {right}")), || m.clone())?;
+                }
+                other => return Err(format!("{op} out of bounds, count {count}: {other:?}")),
+            }
+        }
+        let (_, len) = w.map_remote_device(right).map_err(s)?;
+        ensure(len == size * count * 4, || format!("map_remote_device length {len}"))?;
+        g.barrier(None).map_err(s)?;
+        let mem = w.tensor_deregister_device().map_err(s)?;
+        ensure(mem.is_some_and(|m| m.len() == size * count * 4), || "deregister gives the memory back".into())?;
+    }
+    graph(g, &mut w, ctx, &stream)?;
+    eprintln!("device ring: {:?}", start.elapsed());
+    Ok(())
+}
+
+/// Synchronizes the stream, or fails after 30 s (a stream-ordered wait
+/// whose signal never comes would block forever).
+fn wait_stream(stream: &Stream, what: &dyn Fn() -> String) -> R {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::scope(|sc| {
+        sc.spawn(move || {
+            let _ = tx.send(stream.synchronize());
+        });
+        match rx.recv_timeout(Duration::from_secs(30)) {
+            Ok(r) => r.map_err(|e| format!("{}: {e}", what())),
+            Err(_) => {
+                eprintln!("{}: the stream did not finish in 30 s (a signal never came)", what());
+                std::process::exit(1);
+            }
+        }
+    })
+}
+
+/// A put captured in a CUDA graph, replayed 10 times with new data each
+/// time; host-ordered signals between replays.
+fn graph(g: &Group, w: &mut Window, ctx: &Arc<Context>, stream: &Stream) -> R {
+    let (rank, size) = (g.rank(), g.size());
+    let (right, left) = ((rank + 1) % size, (rank + size - 1) % size);
+    const COUNT: usize = 4096;
+    w.tensor_register_device(ctx.alloc_shared(size * COUNT * 4).map_err(s)?, 4).map_err(s)?;
+    let src = ctx.alloc_shared(COUNT * 4).map_err(s)?;
+    stream.begin_capture().map_err(s)?;
+    let put = w.device_put(src.all(), right, rank * COUNT, Some(stream));
+    let graph = stream.end_capture().map_err(s)?;
+    put.map_err(|e| format!("device_put under capture: {e}"))?;
+    for i in 0..10 {
+        let what = || format!("graph replay {i}");
+        let value = |r: usize| 7000 + r * 100 + i;
+        src.write_from(0, &f32s(value(rank), COUNT)).map_err(s)?;
+        graph.launch(stream).map_err(s)?;
+        wait_stream(stream, &what)?;
+        w.signal(right, false).map_err(s)?;
+        w.wait_signal(left, None).map_err(s)?;
+        check(w, left, COUNT, value(left), &what)?;
+        g.barrier(None).map_err(s)?;
+    }
+    drop(graph);
+    w.tensor_deregister_device().map_err(s)?;
+    Ok(())
+}
+
+/// Seconds for `iters` runs of `f` and then `finish` (waiting for what was
+/// queued), after two warm-up runs.
+fn timed(iters: usize, mut f: impl FnMut() -> R, finish: impl Fn() -> R) -> Result<f64, String> {
+    f()?;
+    f()?;
+    finish()?;
+    let t = Instant::now();
+    for _ in 0..iters {
+        f()?;
+    }
+    finish()?;
+    Ok(t.elapsed().as_secs_f64())
+}
+
+fn bw(g: &Group, mut w: Window, ctx: &Arc<Context>) -> R {
+    let rank = g.rank();
+    ensure(g.size() == 2, || "bw runs on 2 ranks".into())?;
+    const MAX: usize = 256 << 20;
+    w.tensor_register_device(ctx.alloc_shared(MAX).map_err(s)?, 1).map_err(s)?;
+    g.barrier(None).map_err(s)?;
+    if rank == 0 {
+        let src: DeviceMemory = ctx.alloc_shared(MAX).map_err(s)?;
+        let stream = ctx.stream().map_err(s)?;
+        let mut size = 64usize << 10;
+        while size <= MAX {
+            let iters = ((8usize << 30) / size).clamp(10, 2000);
+            let v = src.view(0, size).expect("fits");
+            let done = || stream.synchronize().map_err(s);
+            let sync = timed(iters, || w.device_put(v, 1, 0, None).map_err(s), done)?;
+            let queued = timed(iters, || w.device_put(v, 1, 0, Some(&stream)).map_err(s), done)?;
+            // The ceiling in the same run: the same copies into this rank's
+            // own registered memory (a plain cuMemcpyDtoDAsync, no IPC).
+            let ceiling = timed(iters, || w.device_put(v, 0, 0, Some(&stream)).map_err(s), done)?;
+            let gbps = |t: f64| (size * iters) as f64 / t / 1e9;
+            println!(
+                "{{\"test\":\"window_device_put\",\"bytes\":{size},\"sync_GBps\":{:.2},\"stream_GBps\":{:.2},\
+                 \"local_GBps\":{:.2},\"stream_ratio\":{:.3},\"device\":\"{}\"}}",
+                gbps(sync),
+                gbps(queued),
+                gbps(ceiling),
+                gbps(queued) / gbps(ceiling),
+                ctx.name()
+            );
+            size *= 4;
+        }
+    }
+    g.barrier(None).map_err(s)?;
+    w.tensor_deregister_device().map_err(s)?;
+    Ok(())
+}

@@ -1,0 +1,454 @@
+//! Windows on CUDA device memory (issue 13): every rank registers device
+//! memory, same-host peers map each other's through CUDA IPC, and puts and
+//! gets are device-to-device copies by the copy engine — on the window's
+//! own stream (complete when the call returns), or queued on the caller's
+//! stream. Signals stay the window's: host-ordered ([`Window::signal`]
+//! after a synchronous put), or stream-ordered
+//! ([`Window::signal_on_stream`] / [`Window::wait_signal_on_stream`]:
+//! `cuStreamWriteValue64` / `cuStreamWaitValue64` on the same 64-bit slots
+//! of host shared memory, registered with the device).
+//!
+//! Peers on other hosts are not reached: device memory across hosts needs
+//! staging through pinned buffers (or DMA-BUF on a verbs device), which is
+//! not built; registering fails there with an error naming the peer.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use rmacomm_cuda::device::{DeviceMemory, DeviceView, HostRegistration, IpcHandle, IpcMapping, MemoryType, Stream};
+use rmacomm_cuda::driver::{Context, DevicePtr};
+
+use super::Window;
+use crate::error::{Error, Result};
+use crate::unified::SLOT;
+
+/// The memory a device registration holds.
+#[derive(Debug)]
+enum Tensor {
+    /// Given to the window; given back by `tensor_deregister_device`.
+    Owned(DeviceMemory),
+    /// The caller's (a PyTorch tensor): only its address and length.
+    Borrowed,
+}
+
+/// Every rank's registered device memory, as this rank reaches it.
+pub(super) struct DeviceRegistration {
+    tensor: Tensor,
+    ctx: Arc<Context>,
+    /// Per rank: its registered bytes and element size.
+    peers: Vec<(usize, usize)>,
+    /// Per rank: where its registered memory is in this process.
+    ptrs: Vec<DevicePtr>,
+    /// The peers' allocations opened here (closed on drop).
+    _ipc: Vec<IpcMapping>,
+    /// Synchronous puts and gets run here.
+    stream: Stream,
+    /// Per rank: the device address of this rank's slot in its signal
+    /// buffer (where `signal_on_stream` writes), and of its slot in this
+    /// rank's own signal buffer (where `wait_signal_on_stream` waits); or
+    /// why stream-ordered signals cannot be had.
+    slots: std::result::Result<Vec<(DevicePtr, DevicePtr)>, String>,
+    _host: Vec<HostRegistration>,
+}
+
+impl DeviceRegistration {
+    /// `rank`'s registered bytes.
+    pub(super) fn registered_len(&self, rank: usize) -> usize {
+        self.peers[rank].0
+    }
+}
+
+impl std::fmt::Debug for DeviceRegistration {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceRegistration").field("peers", &self.peers).field("tensor", &self.tensor).finish()
+    }
+}
+
+fn cuda(op: &'static str) -> impl Fn(rmacomm_cuda::CudaError) -> Error {
+    move |source| Error::Cuda { op, source }
+}
+
+impl Window {
+    /// Registers device memory as this rank's tensor of elements of
+    /// `elem_size` bytes (all of `mem`, whole elements). Collective, like
+    /// [`tensor_register`](Self::tensor_register): every rank registers
+    /// device memory, sizes may differ. Every peer must be UNIFIED (same
+    /// host, shared-memory signals): its memory is mapped here through CUDA
+    /// IPC. Fails on every rank, naming the rank at fault, when any rank
+    /// cannot register or map.
+    pub fn tensor_register_device(&mut self, mem: DeviceMemory, elem_size: usize) -> Result<()> {
+        let len = mem.len().checked_div(elem_size).map_or(0, |n| n * elem_size);
+        let (ctx, ptr) = (mem.context().clone(), mem.ptr());
+        self.register_device(ctx, ptr, len, elem_size, Tensor::Owned(mem))
+    }
+
+    /// [`tensor_register_device`](Self::tensor_register_device) of memory
+    /// the window does not own: `len` bytes at device address `ptr` of
+    /// `ctx`'s device (a PyTorch tensor's `data_ptr()`); it may be part of a
+    /// larger allocation (the allocation is what IPC exports).
+    ///
+    /// # Safety
+    /// The memory must stay allocated until
+    /// [`tensor_deregister_device`](Self::tensor_deregister_device) has
+    /// returned (on every rank: peers write it until then).
+    pub unsafe fn tensor_register_device_ptr(
+        &mut self,
+        ctx: Arc<Context>,
+        ptr: DevicePtr,
+        len: usize,
+        elem_size: usize,
+    ) -> Result<()> {
+        self.register_device(ctx, ptr, len, elem_size, Tensor::Borrowed)
+    }
+
+    fn register_device(
+        &mut self,
+        ctx: Arc<Context>,
+        ptr: DevicePtr,
+        len: usize,
+        elem_size: usize,
+        tensor: Tensor,
+    ) -> Result<()> {
+        const OP: &str = "tensor_register_device";
+        if self.reg.is_some() || self.dev.is_some() {
+            return Err(Error::invalid(OP, "a tensor is registered already; deregister it first"));
+        }
+        let (me, n) = (self.rank(), self.size());
+        // What this rank offers, or why it cannot: every rank says one or
+        // the other in the same exchange, so a failure never leaves a peer
+        // waiting.
+        let offer = || -> std::result::Result<String, String> {
+            if len == 0 || len.checked_rem(elem_size) != Some(0) {
+                return Err(format!(
+                    "{len} bytes of elements of {elem_size} bytes: both must be positive, the length a multiple of \
+                     the element size"
+                ));
+            }
+            if let Some(p) = (0..n).find(|&p| p != me && self.signal_maps[p].is_none()) {
+                return Err(format!(
+                    "rank {p} is not a same-host (UNIFIED) peer; device memory reaches peers through CUDA IPC \
+                     only (staging across hosts is not built)"
+                ));
+            }
+            let info = ctx.pointer_info(ptr).map_err(|e| e.to_string())?;
+            if info.memory_type != MemoryType::Device {
+                return Err(format!("{ptr:#x} is {:?} memory, not device memory from cuMemAlloc", info.memory_type));
+            }
+            let offset = ptr - info.base;
+            if offset as usize + len > info.size {
+                return Err(format!("{len} bytes at {ptr:#x} run past its allocation of {} bytes", info.size));
+            }
+            let handle = ctx.ipc_handle(info.base).map_err(|e| e.to_string())?;
+            Ok(format!("ok {} {offset} {len} {elem_size} {} {ptr}", handle.to_hex(), std::process::id()))
+        };
+        let blob = offer().unwrap_or_else(|why| format!("err {why}"));
+        let all = self.group.exchange(OP, blob.as_bytes())?;
+        let mut offers = Vec::with_capacity(n);
+        for (p, v) in all.iter().enumerate() {
+            let text = String::from_utf8_lossy(v);
+            if let Some(why) = text.strip_prefix("err ") {
+                return Err(Error::PeerFailed { op: OP, peer: p, reason: why.to_string() });
+            }
+            let f: Vec<&str> = text.split(' ').collect();
+            let parsed = (f.len() == 7 && f[0] == "ok")
+                .then(|| {
+                    Some((
+                        IpcHandle::from_hex(f[1])?,
+                        f[2].parse::<u64>().ok()?,
+                        f[3].parse::<usize>().ok()?,
+                        f[4].parse::<usize>().ok()?,
+                        f[5].parse::<u32>().ok()?,
+                        f[6].parse::<u64>().ok()?,
+                    ))
+                })
+                .flatten();
+            offers.push(parsed.ok_or_else(|| Error::Protocol(format!("{OP}: rank {p} sent a malformed descriptor")))?);
+        }
+        // Map every peer's memory; the same process (ranks as threads)
+        // shares the address space, so its pointer is used as it is.
+        let mapped = || -> Result<(Vec<DevicePtr>, Vec<IpcMapping>)> {
+            let (mut ptrs, mut ipc) = (Vec::with_capacity(n), Vec::new());
+            for (p, &(handle, offset, _, _, pid, their_ptr)) in offers.iter().enumerate() {
+                if p == me || pid == std::process::id() {
+                    ptrs.push(their_ptr);
+                    continue;
+                }
+                let m = ctx.open_ipc(&handle).map_err(|source| Error::PeerFailed {
+                    op: OP,
+                    peer: p,
+                    reason: format!("cannot map its memory here: {source}"),
+                })?;
+                ptrs.push(m.ptr() + offset);
+                ipc.push(m);
+            }
+            Ok((ptrs, ipc))
+        };
+        let mapped = mapped();
+        let verdict = match &mapped {
+            Ok(_) => String::new(),
+            Err(e) => e.to_string(),
+        };
+        let all = self.group.exchange("tensor_register_device/mapped", verdict.as_bytes())?;
+        let (ptrs, ipc) = mapped?;
+        if let Some((p, why)) = all.iter().enumerate().find(|(_, v)| !v.is_empty()) {
+            return Err(Error::PeerFailed { op: OP, peer: p, reason: String::from_utf8_lossy(why).into_owned() });
+        }
+        let stream = ctx.stream().map_err(cuda(OP))?;
+        let (slots, host) = match self.device_slots(&ctx) {
+            Ok((s, h)) => (Ok(s), h),
+            Err(why) => (Err(why), Vec::new()),
+        };
+        let peers = offers.iter().map(|o| (o.2, o.3)).collect();
+        self.dev = Some(DeviceRegistration { tensor, ctx, peers, ptrs, _ipc: ipc, stream, slots, _host: host });
+        Ok(())
+    }
+
+    /// Registers the signal buffers with the device: this rank's own and
+    /// each peer's mapped here, for stream-ordered signals.
+    #[allow(clippy::type_complexity)]
+    fn device_slots(
+        &self,
+        ctx: &Arc<Context>,
+    ) -> std::result::Result<(Vec<(DevicePtr, DevicePtr)>, Vec<HostRegistration>), String> {
+        if !ctx.stream_mem_ops().map_err(|e| e.to_string())? {
+            return Err(format!(
+                "{} cannot wait on or write 64-bit values from a stream (CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_\
+                 MEM_OPS is 0)",
+                ctx.name()
+            ));
+        }
+        let me = self.rank();
+        // SAFETY: the signal buffers are mapped as long as the window lives,
+        // and the registrations are dropped with the device registration,
+        // before the window.
+        let own = unsafe { ctx.register_host(self.signal_dst.as_ptr(), self.signal_dst.len()) }
+            .map_err(|e| format!("registering this rank's signal buffer: {e}"))?;
+        let mut host = Vec::new();
+        let mut slots = Vec::with_capacity(self.size());
+        for p in 0..self.size() {
+            let wait_at = own.device_ptr() + (SLOT * p) as u64;
+            let signal_at = if p == me {
+                own.device_ptr() + (SLOT * me) as u64
+            } else {
+                let m = self.signal_maps[p].as_ref().ok_or_else(|| format!("rank {p}'s signals are not mapped"))?;
+                // SAFETY: as above.
+                let r = unsafe { ctx.register_host(m.as_ptr(), m.len()) }
+                    .map_err(|e| format!("registering rank {p}'s signal buffer: {e}"))?;
+                let at = r.device_ptr() + (SLOT * me) as u64;
+                host.push(r);
+                at
+            };
+            slots.push((signal_at, wait_at));
+        }
+        host.push(own);
+        Ok((slots, host))
+    }
+
+    /// Ends a device registration. Collective: waits for the device to
+    /// finish everything queued in the context (puts queued on the caller's
+    /// streams included), then for every rank (a barrier), so no peer still
+    /// reaches the memory. Gives back memory given to
+    /// [`tensor_register_device`](Self::tensor_register_device) (`None`
+    /// for [`tensor_register_device_ptr`](Self::tensor_register_device_ptr)).
+    pub fn tensor_deregister_device(&mut self) -> Result<Option<DeviceMemory>> {
+        const OP: &str = "tensor_deregister_device";
+        let reg = self.dev.as_ref().ok_or_else(|| Error::invalid(OP, "no device tensor is registered"))?;
+        reg.ctx.synchronize().map_err(cuda(OP))?;
+        self.group.barrier(None)?;
+        let reg = self.dev.take().expect("checked above");
+        Ok(match reg.tensor {
+            Tensor::Owned(m) => Some(m),
+            Tensor::Borrowed => None,
+        })
+    }
+
+    /// This rank's registered device memory, when it was given to the
+    /// window.
+    pub fn local_device_tensor(&self) -> Option<&DeviceMemory> {
+        match &self.dev.as_ref()?.tensor {
+            Tensor::Owned(m) => Some(m),
+            Tensor::Borrowed => None,
+        }
+    }
+
+    /// Where `rank`'s registered device memory is mapped in this process
+    /// and its length (the device form of
+    /// [`map_remote_tensor`](Self::map_remote_tensor): kernels may load and
+    /// store there).
+    pub fn map_remote_device(&self, rank: usize) -> Result<(DevicePtr, usize)> {
+        const OP: &str = "map_remote_device";
+        self.check_rank(OP, rank)?;
+        let reg = self.device_reg(OP)?;
+        Ok((reg.ptrs[rank], reg.peers[rank].0))
+    }
+
+    fn device_reg(&self, op: &'static str) -> Result<&DeviceRegistration> {
+        self.dev.as_ref().ok_or_else(|| {
+            Error::invalid(op, "no device tensor is registered; call tensor_register_device (collective) first")
+        })
+    }
+
+    /// The device address in `rank`'s memory of `len` bytes at element
+    /// `offset`, or the error saying why they do not fit.
+    fn device_target(&self, op: &'static str, rank: usize, offset: usize, len: usize) -> Result<DevicePtr> {
+        self.check_rank(op, rank)?;
+        let reg = self.device_reg(op)?;
+        let (size, es) = reg.peers[rank];
+        let start = offset.checked_mul(es).filter(|s| s.checked_add(len).is_some_and(|e| e <= size));
+        let start = start.ok_or_else(|| Error::Bounds {
+            op,
+            peer: rank,
+            reason: format!(
+                "{len} bytes at element offset {offset} ({es} B elements) end past rank {rank}'s registered \
+                 device buffer of {size} bytes ({} elements)",
+                size / es
+            ),
+        })?;
+        self.peer_alive(rank).map_err(|source| Error::Rma { op, peer: rank, source })?;
+        Ok(reg.ptrs[rank] + start as u64)
+    }
+
+    /// A copy of `len` bytes on `stream` (queued), or on the window's
+    /// stream (complete when this returns).
+    ///
+    /// # Safety
+    /// Both ranges are device memory valid until the copy has run.
+    unsafe fn device_copy(
+        &self,
+        op: &'static str,
+        dst: DevicePtr,
+        src: DevicePtr,
+        len: usize,
+        stream: Option<&Stream>,
+    ) -> Result<()> {
+        let reg = self.device_reg(op)?;
+        if len == 0 {
+            return Ok(());
+        }
+        let s = stream.unwrap_or(&reg.stream);
+        // SAFETY: the caller's contract.
+        unsafe { s.copy_async(dst, src, len) }.map_err(cuda(op))?;
+        if stream.is_none() {
+            reg.stream.synchronize().map_err(cuda(op))?;
+        }
+        Ok(())
+    }
+
+    /// Copies `src` (device memory) into `dst_rank`'s registered device
+    /// memory at element `target_offset_nelems` of `dst_rank`'s element
+    /// size. Bounds are checked first ([`Error::Bounds`], nothing moved).
+    /// Without a stream the data is placed when this returns, so a
+    /// [`signal`](Self::signal) after it follows it; with a stream the copy
+    /// is queued there, and [`signal_on_stream`](Self::signal_on_stream)
+    /// on the same stream follows it.
+    pub fn device_put(
+        &self,
+        src: DeviceView<'_>,
+        dst_rank: usize,
+        target_offset_nelems: usize,
+        stream: Option<&Stream>,
+    ) -> Result<()> {
+        // SAFETY: a view of live device memory; a queued copy that outlives
+        // it is waited for by cuMemFree, which synchronizes.
+        unsafe { self.device_put_ptr(src.ptr(), src.len(), dst_rank, target_offset_nelems, stream) }
+    }
+
+    /// [`device_put`](Self::device_put) from a raw device address.
+    ///
+    /// # Safety
+    /// `len` bytes at `src` must be device memory of the window's device (or
+    /// one with peer access) valid until the copy has run.
+    pub unsafe fn device_put_ptr(
+        &self,
+        src: DevicePtr,
+        len: usize,
+        dst_rank: usize,
+        target_offset_nelems: usize,
+        stream: Option<&Stream>,
+    ) -> Result<()> {
+        const OP: &str = "device_put";
+        let dst = self.device_target(OP, dst_rank, target_offset_nelems, len)?;
+        // SAFETY: `dst` is inside the peer's registered memory (checked);
+        // `src` is the caller's contract.
+        unsafe { self.device_copy(OP, dst, src, len, stream) }
+    }
+
+    /// Copies from `src_rank`'s registered device memory at element
+    /// `source_offset_nelems` into `dst` (device memory); bounds checked
+    /// first. Synchronous without a stream, queued on it with one.
+    pub fn device_get(
+        &self,
+        dst: DeviceView<'_>,
+        src_rank: usize,
+        source_offset_nelems: usize,
+        stream: Option<&Stream>,
+    ) -> Result<()> {
+        // SAFETY: as for device_put.
+        unsafe { self.device_get_ptr(dst.ptr(), dst.len(), src_rank, source_offset_nelems, stream) }
+    }
+
+    /// [`device_get`](Self::device_get) into a raw device address.
+    ///
+    /// # Safety
+    /// As for [`device_put_ptr`](Self::device_put_ptr), for `dst`.
+    pub unsafe fn device_get_ptr(
+        &self,
+        dst: DevicePtr,
+        len: usize,
+        src_rank: usize,
+        source_offset_nelems: usize,
+        stream: Option<&Stream>,
+    ) -> Result<()> {
+        const OP: &str = "device_get";
+        let src = self.device_target(OP, src_rank, source_offset_nelems, len)?;
+        // SAFETY: `src` is inside the peer's registered memory (checked);
+        // `dst` is the caller's contract.
+        unsafe { self.device_copy(OP, dst, src, len, stream) }
+    }
+
+    fn stream_slots(&self, op: &'static str, rank: usize, stream: &Stream) -> Result<(DevicePtr, DevicePtr)> {
+        self.check_rank(op, rank)?;
+        let reg = self.device_reg(op)?;
+        if !Arc::ptr_eq(stream.context(), &reg.ctx) && stream.context().ordinal() != reg.ctx.ordinal() {
+            return Err(Error::invalid(op, "the stream belongs to another device than the registered memory"));
+        }
+        let slots = reg.slots.as_ref().map_err(|why| Error::Unsupported { op, reason: why.clone() })?;
+        self.peer_alive(rank).map_err(|source| Error::Rma { op, peer: rank, source })?;
+        Ok(slots[rank])
+    }
+
+    /// Queues a signal to `dst_rank` on `stream`: it is delivered after
+    /// everything queued there before (puts included), and satisfies one
+    /// [`wait_signal`](Self::wait_signal) or
+    /// [`wait_signal_on_stream`](Self::wait_signal_on_stream) there. The
+    /// slot is written with the count of signals this rank sent to
+    /// `dst_rank` (`cuStreamWriteValue64`), so host signals and stream
+    /// signals to one peer must not overlap: synchronize the stream before
+    /// a host [`signal`](Self::signal) to the same peer.
+    pub fn signal_on_stream(&self, dst_rank: usize, stream: &Stream) -> Result<()> {
+        const OP: &str = "signal_on_stream";
+        let (at, _) = self.stream_slots(OP, dst_rank, stream)?;
+        let count = self.sent[dst_rank].fetch_add(1, Ordering::AcqRel) + 1;
+        // SAFETY: a slot of a registered signal buffer, mapped while the
+        // window lives (deregistration synchronizes the context first).
+        unsafe { stream.write_value64(at, count) }.map_err(|e| {
+            self.sent[dst_rank].fetch_sub(1, Ordering::AcqRel);
+            Error::Cuda { op: OP, source: e }
+        })
+    }
+
+    /// Queues a wait for the next signal from `peer_rank` on `stream`: work
+    /// queued there after this runs once the signal has arrived (the n-th
+    /// wait, host or stream, takes the n-th signal). The stream waits
+    /// without a timeout; a peer that never signals leaves it waiting.
+    pub fn wait_signal_on_stream(&self, peer_rank: usize, stream: &Stream) -> Result<()> {
+        const OP: &str = "wait_signal_on_stream";
+        let (_, at) = self.stream_slots(OP, peer_rank, stream)?;
+        let want = self.consumed[peer_rank].fetch_add(1, Ordering::AcqRel) + 1;
+        // SAFETY: as for signal_on_stream.
+        unsafe { stream.wait_value64_geq(at, want) }.map_err(|e| {
+            self.consumed[peer_rank].fetch_sub(1, Ordering::AcqRel);
+            Error::Cuda { op: OP, source: e }
+        })
+    }
+}
