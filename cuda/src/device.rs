@@ -129,9 +129,13 @@ impl Context {
         // SAFETY: a valid out-pointer; the context is current.
         self.check("cuMemAlloc", unsafe { (self.api.mem_alloc)(&mut ptr, len.max(1)) })?;
         let mem = DeviceMemory { ctx: self.clone(), ptr, len };
+        // Zeroed on a stream of its own, not the context: a context-wide
+        // synchronize would wait for other threads' streams too (ranks as
+        // threads: one that waits for this thread's signal).
+        let s = self.stream()?;
         // SAFETY: the allocation just made, of at least `len` bytes.
-        self.check("cuMemsetD8", unsafe { (self.api.memset_d8)(ptr, 0, len) })?;
-        self.synchronize()?;
+        self.check("cuMemsetD8Async", unsafe { (self.api.memset_d8)(ptr, 0, len, s.s) })?;
+        s.synchronize()?;
         Ok(mem)
     }
 
@@ -262,25 +266,30 @@ impl DeviceMemory {
         DeviceView { mem: self, offset: 0, len: self.len }
     }
 
-    /// Copies `src` to byte `offset`; complete when this returns, for
-    /// every stream (a pageable copy may return before its DMA ends: the
-    /// context is synchronized after it).
+    /// Copies `src` to byte `offset`; complete when this returns, for every
+    /// stream (on a stream of its own, synchronized: a pageable copy on the
+    /// legacy stream may return before its DMA ends).
     pub fn write_from(&self, offset: usize, src: &[u8]) -> Result<()> {
         let v = self.view(offset, src.len()).ok_or_else(|| self.outside("cuMemcpyHtoD", offset, src.len()))?;
-        self.ctx.bind()?;
-        // SAFETY: `src` is valid for its length, which fits the memory.
-        self.ctx.check("cuMemcpyHtoD", unsafe { (self.ctx.api.htod)(v.ptr(), src.as_ptr().cast(), src.len()) })?;
-        self.ctx.synchronize()
+        let s = self.ctx.stream()?;
+        // SAFETY: `src` is valid for its length, which fits the memory, and
+        // outlives the copy (synchronized below).
+        let st = unsafe { (self.ctx.api.htod_async)(v.ptr(), src.as_ptr().cast(), src.len(), s.s) };
+        self.ctx.check("cuMemcpyHtoDAsync", st)?;
+        s.synchronize()
     }
 
-    /// Copies from byte `offset` into `dst` (synchronous; on the legacy
-    /// default stream, so work queued on other non-blocking streams is not
-    /// waited for).
+    /// Copies from byte `offset` into `dst` (complete when this returns; on
+    /// a stream of its own, so work queued on other streams is not waited
+    /// for).
     pub fn read_into(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
         let v = self.view(offset, dst.len()).ok_or_else(|| self.outside("cuMemcpyDtoH", offset, dst.len()))?;
-        self.ctx.bind()?;
-        // SAFETY: `dst` is valid for writes of its length, which fits.
-        self.ctx.check("cuMemcpyDtoH", unsafe { (self.ctx.api.dtoh)(dst.as_mut_ptr().cast(), v.ptr(), dst.len()) })
+        let s = self.ctx.stream()?;
+        // SAFETY: `dst` is valid for writes of its length, which fits, and
+        // outlives the copy (synchronized below).
+        let st = unsafe { (self.ctx.api.dtoh_async)(dst.as_mut_ptr().cast(), v.ptr(), dst.len(), s.s) };
+        self.ctx.check("cuMemcpyDtoHAsync", st)?;
+        s.synchronize()
     }
 
     fn outside(&self, call: &'static str, offset: usize, n: usize) -> CudaError {

@@ -9,8 +9,8 @@
 //!   `wait_signal_on_stream`), for 1, 1000 and 1 Mi f32 elements; then
 //!   `device_get`, out-of-bounds puts and gets, `map_remote_device`, and a
 //!   put captured in a CUDA graph and replayed 10 times.
-//! - `bw`: rank 0's `device_put` bandwidth into rank 1 from 64 KiB to
-//!   256 MiB, synchronous and queued on a stream, beside the same copies
+//! - `bw [MAX_BYTES]`: rank 0's `device_put` bandwidth into rank 1 from
+//!   64 KiB to MAX_BYTES (256 MiB), synchronous and queued on a stream, beside the same copies
 //!   into rank 0's own memory (no IPC: the copy-engine ceiling) in the same
 //!   run; JSON lines on stdout.
 //!
@@ -51,7 +51,7 @@ fn main() {
         }
         Ok(ctx) => setup().and_then(|(g, w)| match args.first().map(String::as_str) {
             Some("ring") => ring(&g, w, &ctx),
-            Some("bw") => bw(&g, w, &ctx),
+            Some("bw") => bw(&g, w, &ctx, args.get(1).map_or(Ok(256 << 20), |m| m.parse().map_err(s))),
             other => Err(format!("unknown scenario {other:?}")),
         }),
     };
@@ -208,18 +208,21 @@ fn timed(iters: usize, mut f: impl FnMut() -> R, finish: impl Fn() -> R) -> Resu
     Ok(t.elapsed().as_secs_f64())
 }
 
-fn bw(g: &Group, mut w: Window, ctx: &Arc<Context>) -> R {
+fn bw(g: &Group, mut w: Window, ctx: &Arc<Context>, max: Result<usize, String>) -> R {
     let rank = g.rank();
     ensure(g.size() == 2, || "bw runs on 2 ranks".into())?;
-    const MAX: usize = 256 << 20;
-    w.tensor_register_device(ctx.alloc_shared(MAX).map_err(s)?, 1).map_err(s)?;
+    let max = max?;
+    ensure(max >= 64 << 10, || "MAX_BYTES is at least 64 KiB".into())?;
+    // Bytes moved per point: 8 GiB at the default, less for a small MAX.
+    let budget = (8usize << 30).min(max * 64);
+    w.tensor_register_device(ctx.alloc_shared(max).map_err(s)?, 1).map_err(s)?;
     g.barrier(None).map_err(s)?;
     if rank == 0 {
-        let src: DeviceMemory = ctx.alloc_shared(MAX).map_err(s)?;
+        let src: DeviceMemory = ctx.alloc_shared(max).map_err(s)?;
         let stream = ctx.stream().map_err(s)?;
         let mut size = 64usize << 10;
-        while size <= MAX {
-            let iters = ((8usize << 30) / size).clamp(10, 2000);
+        while size <= max {
+            let iters = (budget / size).clamp(10, 2000);
             let v = src.view(0, size).expect("fits");
             let done = || stream.synchronize().map_err(s);
             let sync = timed(iters, || w.device_put(v, 1, 0, None).map_err(s), done)?;

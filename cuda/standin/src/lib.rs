@@ -1,0 +1,678 @@
+//! A stand-in for `libcuda.so.1` on machines without a GPU, loaded through
+//! `RMACOMM_CUDA_LIB` by tests only. It implements the driver calls
+//! rmacomm's device-memory windows make, on the host:
+//!
+//! - device memory is POSIX shared memory (`/dev/shm/rmacomm-standin-*`)
+//!   mapped at its "device address" (the host address: unified addressing);
+//!   an IPC handle names the segment, and another process maps it;
+//! - a stream is a thread running its queue in order (copies, 64-bit value
+//!   writes, waits that poll until the value is reached); the legacy default
+//!   stream (0) runs work in the caller; capture records a stream's work
+//!   into a graph that launches replay;
+//! - host registration maps host memory at its own address.
+//!
+//! So rmacomm's logic around the driver — handle exchange, offsets, bounds,
+//! signal counts, stream order — runs in CI on every commit. CUDA itself
+//! (the copy engine, PCIe visibility of value writes, real IPC) is not
+//! exercised: the GPU suite (`scripts/gpu_suite.sh`) does that. Kernels
+//! (modules, launches) are not supported: `CUDA_ERROR_NOT_SUPPORTED`.
+
+use std::collections::BTreeMap;
+use std::ffi::{c_char, c_int, c_uint, c_void, CStr, CString};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{channel, Sender};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+type CuResult = c_int;
+const OK: CuResult = 0;
+const INVALID_VALUE: CuResult = 1;
+const OUT_OF_MEMORY: CuResult = 2;
+const INVALID_HANDLE: CuResult = 400;
+const ALREADY_REGISTERED: CuResult = 712;
+const NOT_SUPPORTED: CuResult = 801;
+const STREAM_CAPTURE_UNSUPPORTED: CuResult = 900;
+
+/// A `CUipcMemHandle`: the segment's name, NUL-padded.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct IpcHandle([u8; 64]);
+
+/// One unit of stream work.
+#[derive(Clone, Copy, Debug)]
+enum Op {
+    Copy { dst: u64, src: u64, len: usize },
+    Set { dst: u64, value: u8, len: usize },
+    Write { addr: u64, value: u64 },
+    WaitGeq { addr: u64, value: u64 },
+}
+
+impl Op {
+    fn run(self) {
+        match self {
+            // SAFETY: the caller of the enqueuing function promised both
+            // ranges are live "device" (host) memory; memmove semantics.
+            Op::Copy { dst, src, len } => unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, len) },
+            // SAFETY: as for copies.
+            Op::Set { dst, value, len } => unsafe { std::ptr::write_bytes(dst as *mut u8, value, len) },
+            Op::Write { addr, value } => word(addr).store(value, Ordering::SeqCst),
+            Op::WaitGeq { addr, value } => {
+                while word(addr).load(Ordering::SeqCst) < value {
+                    std::thread::sleep(Duration::from_micros(20));
+                }
+            }
+        }
+    }
+}
+
+fn word(addr: u64) -> &'static AtomicU64 {
+    // SAFETY: an 8-byte-aligned word of live memory (the driver contract of
+    // the value write and wait calls); AtomicU64 has u64's layout.
+    unsafe { AtomicU64::from_ptr(addr as *mut u64) }
+}
+
+enum Msg {
+    Op(Op),
+    Fence(Sender<()>),
+}
+
+/// A stream: its thread's queue, and the graph being captured.
+#[derive(Debug)]
+struct Stream {
+    tx: Mutex<Sender<Msg>>,
+    capture: Mutex<Option<Vec<Op>>>,
+}
+
+impl std::fmt::Debug for Msg {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Msg::Op(o) => write!(f, "{o:?}"),
+            Msg::Fence(_) => write!(f, "Fence"),
+        }
+    }
+}
+
+impl Stream {
+    fn new() -> Stream {
+        let (tx, rx) = channel::<Msg>();
+        std::thread::spawn(move || {
+            for m in rx {
+                match m {
+                    Msg::Op(op) => op.run(),
+                    Msg::Fence(done) => {
+                        let _ = done.send(());
+                    }
+                }
+            }
+        });
+        Stream { tx: Mutex::new(tx), capture: Mutex::new(None) }
+    }
+
+    fn push(&self, op: Op) {
+        if let Some(g) = self.capture.lock().unwrap().as_mut() {
+            g.push(op);
+            return;
+        }
+        let _ = self.tx.lock().unwrap().send(Msg::Op(op));
+    }
+
+    fn sync(&self) {
+        let (tx, rx) = channel();
+        if self.tx.lock().unwrap().send(Msg::Fence(tx)).is_ok() {
+            let _ = rx.recv();
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Alloc {
+    len: usize,
+    name: CString,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    /// Allocations of this process by base address.
+    allocs: BTreeMap<u64, Alloc>,
+    /// Opened IPC mappings: base → length.
+    opened: BTreeMap<u64, usize>,
+    /// Registered host ranges: base → length.
+    registered: BTreeMap<u64, usize>,
+    streams: Vec<Arc<Stream>>,
+    next: u64,
+}
+
+static STATE: Mutex<Option<State>> = Mutex::new(None);
+
+fn with<T>(f: impl FnOnce(&mut State) -> T) -> T {
+    let mut g = STATE.lock().unwrap_or_else(|e| e.into_inner());
+    f(g.get_or_insert_with(State::default))
+}
+
+/// Resolves a `CUstream`: `None` for the legacy default stream (0).
+fn stream(s: *mut c_void) -> Option<Arc<Stream>> {
+    if s.is_null() {
+        return None;
+    }
+    with(|st| st.streams.iter().find(|x| Arc::as_ptr(x) as *mut c_void == s).cloned())
+}
+
+fn enqueue(s: *mut c_void, op: Op) -> CuResult {
+    match stream(s) {
+        Some(st) => st.push(op),
+        None => op.run(),
+    }
+    OK
+}
+
+fn map_segment(name: &CStr, len: usize, create: bool) -> Option<u64> {
+    let flags = if create { libc::O_RDWR | libc::O_CREAT | libc::O_EXCL } else { libc::O_RDWR };
+    // SAFETY: a NUL-terminated name; the fd is closed below.
+    let fd = unsafe { libc::shm_open(name.as_ptr(), flags, 0o600) };
+    if fd < 0 {
+        return None;
+    }
+    let mut len = len;
+    // SAFETY: a valid fd; stat is written by fstat.
+    unsafe {
+        if create {
+            if libc::ftruncate(fd, len as libc::off_t) != 0 {
+                libc::close(fd);
+                return None;
+            }
+        } else {
+            let mut stat: libc::stat = std::mem::zeroed();
+            if libc::fstat(fd, &mut stat) != 0 {
+                libc::close(fd);
+                return None;
+            }
+            len = stat.st_size as usize;
+        }
+    }
+    // SAFETY: a fresh shared mapping of the whole segment.
+    let p = unsafe {
+        libc::mmap(std::ptr::null_mut(), len.max(1), libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0)
+    };
+    // SAFETY: our fd, closed once (the mapping stays).
+    unsafe { libc::close(fd) };
+    (p != libc::MAP_FAILED).then_some(p as u64)
+}
+
+/// `cuInit`.
+#[no_mangle]
+pub extern "C" fn cuInit(_flags: c_uint) -> CuResult {
+    OK
+}
+
+/// `cuDriverGetVersion`: 13.0.
+///
+/// # Safety
+/// `v` is a valid out-pointer.
+#[no_mangle]
+pub unsafe extern "C" fn cuDriverGetVersion(v: *mut c_int) -> CuResult {
+    // SAFETY: the caller's out-pointer.
+    unsafe { *v = 13000 };
+    OK
+}
+
+/// `cuDeviceGetCount`: one device.
+///
+/// # Safety
+/// `n` is a valid out-pointer.
+#[no_mangle]
+pub unsafe extern "C" fn cuDeviceGetCount(n: *mut c_int) -> CuResult {
+    // SAFETY: the caller's out-pointer.
+    unsafe { *n = 1 };
+    OK
+}
+
+/// `cuGetErrorName`.
+///
+/// # Safety
+/// `p` is a valid out-pointer.
+#[no_mangle]
+pub unsafe extern "C" fn cuGetErrorName(code: CuResult, p: *mut *const c_char) -> CuResult {
+    let name: &'static CStr = match code {
+        OK => c"CUDA_SUCCESS",
+        INVALID_VALUE => c"CUDA_ERROR_INVALID_VALUE",
+        OUT_OF_MEMORY => c"CUDA_ERROR_OUT_OF_MEMORY",
+        INVALID_HANDLE => c"CUDA_ERROR_INVALID_HANDLE",
+        ALREADY_REGISTERED => c"CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED",
+        NOT_SUPPORTED => c"CUDA_ERROR_NOT_SUPPORTED (rmacomm's CUDA stand-in runs no kernels)",
+        STREAM_CAPTURE_UNSUPPORTED => c"CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED",
+        _ => return INVALID_VALUE,
+    };
+    // SAFETY: the caller's out-pointer; the string is static.
+    unsafe { *p = name.as_ptr() };
+    OK
+}
+
+/// `cuDeviceGet`.
+///
+/// # Safety
+/// `d` is a valid out-pointer.
+#[no_mangle]
+pub unsafe extern "C" fn cuDeviceGet(d: *mut c_int, ordinal: c_int) -> CuResult {
+    if ordinal != 0 {
+        return INVALID_VALUE;
+    }
+    // SAFETY: the caller's out-pointer.
+    unsafe { *d = 0 };
+    OK
+}
+
+/// `cuDeviceGetAttribute`: compute capability 9.0, 64-bit stream memory
+/// operations, nothing else.
+///
+/// # Safety
+/// `v` is a valid out-pointer.
+#[no_mangle]
+pub unsafe extern "C" fn cuDeviceGetAttribute(v: *mut c_int, attr: c_int, _dev: c_int) -> CuResult {
+    let value = match attr {
+        75 => 9,
+        122 => 1,
+        _ => 0,
+    };
+    // SAFETY: the caller's out-pointer.
+    unsafe { *v = value };
+    OK
+}
+
+/// `cuDeviceGetName`.
+///
+/// # Safety
+/// `buf` holds `len` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn cuDeviceGetName(buf: *mut c_char, len: c_int, _dev: c_int) -> CuResult {
+    let name = c"rmacomm CUDA stand-in (host memory, no GPU)".to_bytes_with_nul();
+    let n = name.len().min(len.max(1) as usize);
+    // SAFETY: `n` bytes fit the caller's buffer; the last is made NUL.
+    unsafe {
+        std::ptr::copy_nonoverlapping(name.as_ptr().cast(), buf, n);
+        *buf.add(n - 1) = 0;
+    }
+    OK
+}
+
+/// `cuDevicePrimaryCtxRetain`: one context, any non-null value.
+///
+/// # Safety
+/// `ctx` is a valid out-pointer.
+#[no_mangle]
+pub unsafe extern "C" fn cuDevicePrimaryCtxRetain(ctx: *mut *mut c_void, _dev: c_int) -> CuResult {
+    // SAFETY: the caller's out-pointer.
+    unsafe { *ctx = std::ptr::dangling_mut::<u64>().cast() };
+    OK
+}
+
+/// `cuDevicePrimaryCtxRelease_v2`.
+#[no_mangle]
+pub extern "C" fn cuDevicePrimaryCtxRelease_v2(_dev: c_int) -> CuResult {
+    OK
+}
+
+/// `cuCtxSetCurrent`.
+#[no_mangle]
+pub extern "C" fn cuCtxSetCurrent(_ctx: *mut c_void) -> CuResult {
+    OK
+}
+
+/// `cuCtxSynchronize`: every stream of the process drained.
+#[no_mangle]
+pub extern "C" fn cuCtxSynchronize() -> CuResult {
+    let streams = with(|st| st.streams.clone());
+    for s in streams {
+        s.sync();
+    }
+    OK
+}
+
+/// `cuMemAlloc_v2`: a shared memory segment mapped at its address.
+///
+/// # Safety
+/// `p` is a valid out-pointer.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemAlloc_v2(p: *mut u64, len: usize) -> CuResult {
+    let n = with(|st| {
+        st.next += 1;
+        st.next
+    });
+    let name = CString::new(format!("/rmacomm-standin-{}-{n}", std::process::id())).expect("no NUL");
+    let Some(base) = map_segment(&name, len, true) else { return OUT_OF_MEMORY };
+    with(|st| st.allocs.insert(base, Alloc { len, name }));
+    // SAFETY: the caller's out-pointer.
+    unsafe { *p = base };
+    OK
+}
+
+/// `cuMemFree_v2`.
+#[no_mangle]
+pub extern "C" fn cuMemFree_v2(p: u64) -> CuResult {
+    cuCtxSynchronize();
+    let Some(a) = with(|st| st.allocs.remove(&p)) else { return INVALID_VALUE };
+    // SAFETY: our mapping of `a.len` bytes at `p`, unmapped once; the name
+    // is ours to unlink.
+    unsafe {
+        libc::munmap(p as *mut c_void, a.len.max(1));
+        libc::shm_unlink(a.name.as_ptr());
+    }
+    OK
+}
+
+/// `cuMemsetD8Async`.
+#[no_mangle]
+pub extern "C" fn cuMemsetD8Async(p: u64, v: u8, len: usize, s: *mut c_void) -> CuResult {
+    enqueue(s, Op::Set { dst: p, value: v, len })
+}
+
+/// `cuMemcpyHtoDAsync_v2`.
+#[no_mangle]
+pub extern "C" fn cuMemcpyHtoDAsync_v2(dst: u64, src: *const c_void, len: usize, s: *mut c_void) -> CuResult {
+    enqueue(s, Op::Copy { dst, src: src as u64, len })
+}
+
+/// `cuMemcpyDtoHAsync_v2`.
+#[no_mangle]
+pub extern "C" fn cuMemcpyDtoHAsync_v2(dst: *mut c_void, src: u64, len: usize, s: *mut c_void) -> CuResult {
+    enqueue(s, Op::Copy { dst: dst as u64, src, len })
+}
+
+/// `cuMemcpyHtoD_v2`.
+#[no_mangle]
+pub extern "C" fn cuMemcpyHtoD_v2(dst: u64, src: *const c_void, len: usize) -> CuResult {
+    Op::Copy { dst, src: src as u64, len }.run();
+    OK
+}
+
+/// `cuMemcpyDtoH_v2`.
+#[no_mangle]
+pub extern "C" fn cuMemcpyDtoH_v2(dst: *mut c_void, src: u64, len: usize) -> CuResult {
+    Op::Copy { dst: dst as u64, src, len }.run();
+    OK
+}
+
+/// `cuMemcpyDtoD_v2`.
+#[no_mangle]
+pub extern "C" fn cuMemcpyDtoD_v2(dst: u64, src: u64, len: usize) -> CuResult {
+    Op::Copy { dst, src, len }.run();
+    OK
+}
+
+/// `cuMemcpyDtoDAsync_v2`.
+#[no_mangle]
+pub extern "C" fn cuMemcpyDtoDAsync_v2(dst: u64, src: u64, len: usize, s: *mut c_void) -> CuResult {
+    enqueue(s, Op::Copy { dst, src, len })
+}
+
+/// `cuModuleLoadData`: kernels are not supported.
+#[no_mangle]
+pub extern "C" fn cuModuleLoadData(_m: *mut *mut c_void, _image: *const c_void) -> CuResult {
+    NOT_SUPPORTED
+}
+
+/// `cuModuleUnload`.
+#[no_mangle]
+pub extern "C" fn cuModuleUnload(_m: *mut c_void) -> CuResult {
+    NOT_SUPPORTED
+}
+
+/// `cuModuleGetFunction`.
+#[no_mangle]
+pub extern "C" fn cuModuleGetFunction(_f: *mut *mut c_void, _m: *mut c_void, _n: *const c_char) -> CuResult {
+    NOT_SUPPORTED
+}
+
+/// `cuLaunchKernel`.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub extern "C" fn cuLaunchKernel(
+    _f: *mut c_void,
+    _gx: c_uint,
+    _gy: c_uint,
+    _gz: c_uint,
+    _bx: c_uint,
+    _by: c_uint,
+    _bz: c_uint,
+    _shared: c_uint,
+    _s: *mut c_void,
+    _params: *mut *mut c_void,
+    _extra: *mut *mut c_void,
+) -> CuResult {
+    NOT_SUPPORTED
+}
+
+/// `cuPointerGetAttribute`: memory type (device), ordinal (0), range start
+/// and size, for addresses inside an allocation of this process.
+///
+/// # Safety
+/// `out` is a valid out-pointer of the attribute's type.
+#[no_mangle]
+pub unsafe extern "C" fn cuPointerGetAttribute(out: *mut c_void, attr: c_int, p: u64) -> CuResult {
+    let found = with(|st| st.allocs.range(..=p).next_back().map(|(b, a)| (*b, a.len)));
+    let Some((base, len)) = found.filter(|(b, l)| p < b + (*l).max(1) as u64) else { return INVALID_VALUE };
+    // SAFETY: the caller's out-pointer, of the attribute's type.
+    unsafe {
+        match attr {
+            2 => *out.cast::<c_uint>() = 2,
+            9 => *out.cast::<c_int>() = 0,
+            11 => *out.cast::<u64>() = base,
+            12 => *out.cast::<usize>() = len,
+            _ => return INVALID_VALUE,
+        }
+    }
+    OK
+}
+
+/// `cuIpcGetMemHandle`: the segment's name.
+///
+/// # Safety
+/// `h` is a valid out-pointer.
+#[no_mangle]
+pub unsafe extern "C" fn cuIpcGetMemHandle(h: *mut IpcHandle, p: u64) -> CuResult {
+    let Some(name) = with(|st| st.allocs.get(&p).map(|a| a.name.clone())) else { return INVALID_VALUE };
+    let mut out = [0u8; 64];
+    out[..name.as_bytes().len()].copy_from_slice(name.as_bytes());
+    // SAFETY: the caller's out-pointer.
+    unsafe { *h = IpcHandle(out) };
+    OK
+}
+
+/// `cuIpcOpenMemHandle_v2`: maps the named segment (refused for this
+/// process's own memory, as the driver does).
+///
+/// # Safety
+/// `p` is a valid out-pointer.
+#[no_mangle]
+pub unsafe extern "C" fn cuIpcOpenMemHandle_v2(p: *mut u64, h: IpcHandle, _flags: c_uint) -> CuResult {
+    let end = h.0.iter().position(|b| *b == 0).unwrap_or(64);
+    let Ok(name) = CString::new(&h.0[..end]) else { return INVALID_VALUE };
+    if with(|st| st.allocs.values().any(|a| a.name == name)) {
+        return INVALID_VALUE;
+    }
+    let Some(base) = map_segment(&name, 0, false) else { return INVALID_HANDLE };
+    let mut stat_len = 0usize;
+    let c = name.clone();
+    // SAFETY: a NUL-terminated name; the fd is closed at once.
+    unsafe {
+        let fd = libc::shm_open(c.as_ptr(), libc::O_RDONLY, 0);
+        if fd >= 0 {
+            let mut stat: libc::stat = std::mem::zeroed();
+            if libc::fstat(fd, &mut stat) == 0 {
+                stat_len = stat.st_size as usize;
+            }
+            libc::close(fd);
+        }
+    }
+    with(|st| st.opened.insert(base, stat_len));
+    // SAFETY: the caller's out-pointer.
+    unsafe { *p = base };
+    OK
+}
+
+/// `cuIpcCloseMemHandle`.
+#[no_mangle]
+pub extern "C" fn cuIpcCloseMemHandle(p: u64) -> CuResult {
+    cuCtxSynchronize();
+    let Some(len) = with(|st| st.opened.remove(&p)) else { return INVALID_VALUE };
+    // SAFETY: our mapping, unmapped once.
+    unsafe { libc::munmap(p as *mut c_void, len.max(1)) };
+    OK
+}
+
+/// `cuMemHostRegister_v2`: the range is its own device address; an
+/// overlapping registration is refused as the driver does.
+#[no_mangle]
+pub extern "C" fn cuMemHostRegister_v2(p: *mut c_void, len: usize, _flags: c_uint) -> CuResult {
+    let (start, end) = (p as u64, p as u64 + len as u64);
+    with(|st| {
+        if st.registered.iter().any(|(b, l)| *b < end && start < b + *l as u64) {
+            return ALREADY_REGISTERED;
+        }
+        st.registered.insert(start, len);
+        OK
+    })
+}
+
+/// `cuMemHostUnregister`.
+#[no_mangle]
+pub extern "C" fn cuMemHostUnregister(p: *mut c_void) -> CuResult {
+    match with(|st| st.registered.remove(&(p as u64))) {
+        Some(_) => OK,
+        None => INVALID_VALUE,
+    }
+}
+
+/// `cuMemHostGetDevicePointer_v2`: the host address.
+///
+/// # Safety
+/// `d` is a valid out-pointer.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemHostGetDevicePointer_v2(d: *mut u64, p: *mut c_void, _flags: c_uint) -> CuResult {
+    let a = p as u64;
+    if !with(|st| st.registered.iter().any(|(b, l)| *b <= a && a < b + *l as u64)) {
+        return INVALID_VALUE;
+    }
+    // SAFETY: the caller's out-pointer.
+    unsafe { *d = a };
+    OK
+}
+
+/// `cuStreamCreate`: a thread with a queue.
+///
+/// # Safety
+/// `s` is a valid out-pointer.
+#[no_mangle]
+pub unsafe extern "C" fn cuStreamCreate(s: *mut *mut c_void, _flags: c_uint) -> CuResult {
+    let st = Arc::new(Stream::new());
+    let p = Arc::as_ptr(&st) as *mut c_void;
+    with(|state| state.streams.push(st));
+    // SAFETY: the caller's out-pointer.
+    unsafe { *s = p };
+    OK
+}
+
+/// `cuStreamDestroy_v2`: drains the stream, then ends its thread.
+#[no_mangle]
+pub extern "C" fn cuStreamDestroy_v2(s: *mut c_void) -> CuResult {
+    let Some(st) = stream(s) else { return INVALID_HANDLE };
+    st.sync();
+    with(|state| state.streams.retain(|x| !Arc::ptr_eq(x, &st)));
+    OK
+}
+
+/// `cuStreamSynchronize`.
+#[no_mangle]
+pub extern "C" fn cuStreamSynchronize(s: *mut c_void) -> CuResult {
+    if let Some(st) = stream(s) {
+        st.sync();
+    }
+    OK
+}
+
+/// `cuStreamWriteValue64_v2`.
+#[no_mangle]
+pub extern "C" fn cuStreamWriteValue64_v2(s: *mut c_void, addr: u64, value: u64, _flags: c_uint) -> CuResult {
+    if !addr.is_multiple_of(8) {
+        return INVALID_VALUE;
+    }
+    enqueue(s, Op::Write { addr, value })
+}
+
+/// `cuStreamWaitValue64_v2` (only `CU_STREAM_WAIT_VALUE_GEQ`).
+#[no_mangle]
+pub extern "C" fn cuStreamWaitValue64_v2(s: *mut c_void, addr: u64, value: u64, flags: c_uint) -> CuResult {
+    if !addr.is_multiple_of(8) || flags & 0xf != 0 {
+        return INVALID_VALUE;
+    }
+    enqueue(s, Op::WaitGeq { addr, value })
+}
+
+/// `cuStreamBeginCapture_v2`.
+#[no_mangle]
+pub extern "C" fn cuStreamBeginCapture_v2(s: *mut c_void, _mode: c_int) -> CuResult {
+    let Some(st) = stream(s) else { return STREAM_CAPTURE_UNSUPPORTED };
+    *st.capture.lock().unwrap() = Some(Vec::new());
+    OK
+}
+
+/// `cuStreamEndCapture`: the captured work, as a graph.
+///
+/// # Safety
+/// `g` is a valid out-pointer.
+#[no_mangle]
+pub unsafe extern "C" fn cuStreamEndCapture(s: *mut c_void, g: *mut *mut c_void) -> CuResult {
+    let Some(st) = stream(s) else { return INVALID_HANDLE };
+    let Some(ops) = st.capture.lock().unwrap().take() else { return INVALID_VALUE };
+    // SAFETY: the caller's out-pointer; the graph is freed by cuGraphDestroy.
+    unsafe { *g = Box::into_raw(Box::new(ops)).cast() };
+    OK
+}
+
+/// `cuGraphInstantiateWithFlags`: the executable graph is a copy.
+///
+/// # Safety
+/// `e` is a valid out-pointer, `g` a graph of `cuStreamEndCapture`.
+#[no_mangle]
+pub unsafe extern "C" fn cuGraphInstantiateWithFlags(e: *mut *mut c_void, g: *mut c_void, _flags: u64) -> CuResult {
+    // SAFETY: a live graph made by cuStreamEndCapture.
+    let ops = unsafe { &*g.cast::<Vec<Op>>() }.clone();
+    // SAFETY: the caller's out-pointer.
+    unsafe { *e = Box::into_raw(Box::new(ops)).cast() };
+    OK
+}
+
+/// `cuGraphLaunch`: queues the recorded work.
+///
+/// # Safety
+/// `e` is an executable graph of `cuGraphInstantiateWithFlags`.
+#[no_mangle]
+pub unsafe extern "C" fn cuGraphLaunch(e: *mut c_void, s: *mut c_void) -> CuResult {
+    // SAFETY: a live executable graph.
+    let ops = unsafe { &*e.cast::<Vec<Op>>() }.clone();
+    for op in ops {
+        enqueue(s, op);
+    }
+    OK
+}
+
+/// `cuGraphExecDestroy`.
+///
+/// # Safety
+/// `e` is an executable graph, destroyed once.
+#[no_mangle]
+pub unsafe extern "C" fn cuGraphExecDestroy(e: *mut c_void) -> CuResult {
+    // SAFETY: made by Box::into_raw in cuGraphInstantiateWithFlags.
+    drop(unsafe { Box::from_raw(e.cast::<Vec<Op>>()) });
+    OK
+}
+
+/// `cuGraphDestroy`.
+///
+/// # Safety
+/// `g` is a graph, destroyed once.
+#[no_mangle]
+pub unsafe extern "C" fn cuGraphDestroy(g: *mut c_void) -> CuResult {
+    // SAFETY: made by Box::into_raw in cuStreamEndCapture.
+    drop(unsafe { Box::from_raw(g.cast::<Vec<Op>>()) });
+    OK
+}

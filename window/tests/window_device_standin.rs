@@ -1,0 +1,174 @@
+//! Device-memory windows whose ranks are threads of this process, against
+//! rmacomm's CUDA stand-in (`cuda/standin`, loaded through
+//! `RMACOMM_CUDA_LIB`): the same-process path (no IPC: the pointer is used
+//! as it is), stream-ordered signals, and every misuse refused with an
+//! error naming the operation and the rank. What CUDA does on a GPU is the
+//! GPU suite's to check (`scripts/gpu_suite.sh`).
+
+use std::sync::{Arc, Once};
+use std::time::Duration;
+
+use rmacomm_window::cuda::driver::Context;
+use rmacomm_window::{Error, Group, GroupOptions, HashStore, Store, Window, WindowOptions};
+
+/// Points the driver loader at the stand-in; false (with the reason
+/// printed) where it is not built.
+fn use_standin() -> bool {
+    static SET: Once = Once::new();
+    let exe = std::env::current_exe().unwrap();
+    let lib = exe.parent().unwrap().parent().unwrap().join("librmacomm_cuda_standin.so");
+    if !lib.exists() {
+        assert!(
+            std::env::var("RMACOMM_EXPECT_STANDIN").map_or(true, |v| v != "1"),
+            "RMACOMM_EXPECT_STANDIN=1 but {} is not built",
+            lib.display()
+        );
+        eprintln!("skipped: the CUDA stand-in is not built (cargo build -p rmacomm-cuda-standin)");
+        return false;
+    }
+    // Before any thread loads the driver; this binary's tests all use it.
+    SET.call_once(|| std::env::set_var("RMACOMM_CUDA_LIB", &lib));
+    true
+}
+
+fn ranks<F>(n: usize, f: F)
+where
+    F: Fn(usize, Group) + Send + Sync + 'static,
+{
+    let store: Arc<dyn Store> = Arc::new(HashStore::new());
+    let f = Arc::new(f);
+    let handles: Vec<_> = (0..n)
+        .map(|rank| {
+            let (store, f) = (store.clone(), f.clone());
+            std::thread::spawn(move || {
+                let g =
+                    Group::with_options(rank, n, store, GroupOptions::new().timeout(Duration::from_secs(30))).unwrap();
+                f(rank, g)
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+}
+
+fn window(g: &Group) -> Window {
+    Window::new(g, WindowOptions::new().timeout(Duration::from_secs(30))).unwrap()
+}
+
+/// Three thread ranks: puts on a stream followed by stream signals, waits
+/// on a stream, host signals in between; get; the data checked each round.
+#[test]
+fn a_device_ring_of_threads_with_stream_ordered_signals() {
+    if !use_standin() {
+        return;
+    }
+    ranks(3, |rank, g| {
+        let (size, right, left) = (3, (rank + 1) % 3, (rank + 2) % 3);
+        let ctx = Context::open_shared(0).unwrap();
+        let mut w = window(&g);
+        const COUNT: usize = 1000;
+        w.tensor_register_device(ctx.alloc_shared(size * COUNT * 8).unwrap(), 8).unwrap();
+        let src = ctx.alloc_shared(COUNT * 8).unwrap();
+        let stream = ctx.stream().unwrap();
+        for it in 0..20u64 {
+            let value = |r: usize| (r as u64) << 32 | it;
+            src.write_from(0, &value(rank).to_le_bytes().repeat(COUNT)).unwrap();
+            if it % 3 == 0 {
+                w.device_put(src.all(), right, rank * COUNT, None).unwrap();
+                w.signal(right, false).unwrap();
+                w.wait_signal(left, None).unwrap();
+            } else {
+                w.device_put(src.all(), right, rank * COUNT, Some(&stream)).unwrap();
+                w.signal_on_stream(right, &stream).unwrap();
+                if it % 3 == 1 {
+                    w.wait_signal_on_stream(left, &stream).unwrap();
+                    stream.synchronize().unwrap();
+                } else {
+                    // A host wait takes a stream signal too.
+                    w.wait_signal(left, None).unwrap();
+                    stream.synchronize().unwrap();
+                }
+            }
+            let mut got = vec![0u8; COUNT * 8];
+            w.local_device_tensor().unwrap().read_into(left * COUNT * 8, &mut got).unwrap();
+            assert_eq!(got, value(left).to_le_bytes().repeat(COUNT), "rank {rank} iteration {it}");
+            g.barrier(None).unwrap();
+        }
+        let back = ctx.alloc_shared(COUNT * 8).unwrap();
+        w.device_get(back.all(), right, rank * COUNT, None).unwrap();
+        let mut got = vec![0u8; COUNT * 8];
+        back.read_into(0, &mut got).unwrap();
+        assert_eq!(got, ((rank as u64) << 32 | 19).to_le_bytes().repeat(COUNT));
+        assert_eq!(w.get_device(), "cuda");
+        assert_eq!(w.map_remote_device(right).unwrap().1, size * COUNT * 8);
+        g.barrier(None).unwrap();
+        assert!(w.tensor_deregister_device().unwrap().is_some());
+        assert_eq!(w.get_device(), "cpu");
+    });
+}
+
+/// Misuse: operations before registration, registering twice or host
+/// memory on top, out of bounds, a rank whose pointer is not device memory
+/// (every rank fails, naming it), a window whose peers are not UNIFIED.
+#[test]
+fn device_window_misuse_is_refused_naming_the_operation_and_the_rank() {
+    if !use_standin() {
+        return;
+    }
+    ranks(2, |rank, g| {
+        let ctx = Context::open_shared(0).unwrap();
+        let mut w = window(&g);
+        let src = ctx.alloc_shared(64).unwrap();
+        let stream = ctx.stream().unwrap();
+        for e in [
+            w.device_put(src.all(), 1 - rank, 0, None).unwrap_err(),
+            w.device_get(src.all(), 1 - rank, 0, None).unwrap_err(),
+            w.signal_on_stream(1 - rank, &stream).unwrap_err(),
+            w.wait_signal_on_stream(1 - rank, &stream).unwrap_err(),
+            w.map_remote_device(0).unwrap_err(),
+        ] {
+            assert!(
+                matches!(e, Error::InvalidArgument { .. }) && e.to_string().contains("tensor_register_device"),
+                "{e}"
+            );
+        }
+        // Rank 1 offers an address no allocation holds: both ranks fail,
+        // naming rank 1, and nothing is registered.
+        let r = if rank == 1 {
+            // SAFETY: refused before anything is mapped or written.
+            #[allow(unsafe_code)]
+            unsafe {
+                w.tensor_register_device_ptr(ctx.clone(), 0x1000, 64, 4)
+            }
+        } else {
+            w.tensor_register_device(ctx.alloc_shared(64).unwrap(), 4)
+        };
+        match r {
+            Err(e @ Error::PeerFailed { peer: 1, .. }) => {
+                assert!(e.to_string().contains("tensor_register_device"), "{e}")
+            }
+            other => panic!("rank {rank}: {other:?}"),
+        }
+        assert!(w.local_device_tensor().is_none());
+        // Registered: a second registration of either kind is refused;
+        // out of bounds moves nothing.
+        w.tensor_register_device(ctx.alloc_shared(256).unwrap(), 4).unwrap();
+        let e = w.tensor_register_device(ctx.alloc_shared(64).unwrap(), 4).unwrap_err();
+        assert!(e.to_string().contains("registered already"), "{e}");
+        let e = w.tensor_register(w.alloc(64).unwrap(), 4).unwrap_err();
+        assert!(e.to_string().contains("registered already"), "{e}");
+        for (off, len) in [(64, 4), (63, 8), (usize::MAX / 2, 4)] {
+            let e = w.device_put(src.view(0, len).unwrap(), 1 - rank, off, None).unwrap_err();
+            let m = e.to_string();
+            assert!(matches!(e, Error::Bounds { .. }) && m.contains(&format!("rank {}", 1 - rank)), "{m}");
+        }
+        w.device_put(src.view(0, 8).unwrap(), 1 - rank, 62, None).unwrap();
+        g.barrier(None).unwrap();
+        w.tensor_deregister_device().unwrap();
+        // Peers that are not UNIFIED cannot be reached with device memory.
+        let mut sep = Window::new(&g, WindowOptions::new().timeout(Duration::from_secs(30)).unified(false)).unwrap();
+        let e = sep.tensor_register_device(ctx.alloc_shared(64).unwrap(), 4).unwrap_err();
+        assert!(e.to_string().contains("not a same-host (UNIFIED) peer"), "{e}");
+    });
+}
