@@ -40,8 +40,18 @@ for line in sys.stdin:
         shutil.copy(exe, sys.argv[1] + "/bin/" + m["target"]["name"])
 ' "$suite"
   for b in "$suite"/bin/*; do strip --strip-debug "$b" 2>/dev/null || true; done
+  # The Python package (an abi3 wheel: any Python >= 3.9) and the CUDA
+  # scenarios, which need only rmacomm and torch.
+  local maturin
+  maturin=$(command -v maturin || echo target/python-venv/bin/maturin)
+  if [ -x "$maturin" ]; then
+    "$maturin" build --release -q -m python/Cargo.toml -o "$suite/wheels" >/dev/null
+    mkdir -p "$suite/python" && cp python/tests/cuda_scenarios.py "$suite/python/"
+  else
+    echo "# no maturin (pip install maturin): the suite carries no Python wheel"
+  fi
   cp scripts/gpu_suite.sh "$suite/"
-  ls -la "$suite/bin"
+  ls -la "$suite/bin" "$suite/wheels" 2>/dev/null
 }
 
 run() {
@@ -74,6 +84,19 @@ PY
       tee "$out/window_device_$sc.log" || rc=1
   done
   grep -h '"window_device_put"' "$out/window_device_bw.log" | sed 's/^\[[0-9]*\] //' > "$out/window_device_bw.jsonl" || true
+  # Python: the window ring on CUDA torch tensors, two processes.
+  if [ -d "$suite/wheels" ] && python3 -c 'import torch' 2>/dev/null; then
+    local venv
+    venv=$(mktemp -d)/venv
+    python3 -m venv --system-site-packages "$venv"
+    "$venv/bin/python" -m pip install -q --no-deps --no-index "$suite"/wheels/*.whl
+    echo "# python: window ring on CUDA tensors"
+    timeout 300 "$venv/bin/python" -m rmacomm.run --nproc-per-node 2 "$suite/python/cuda_scenarios.py" window_ring_cuda 2>&1 |
+      tee "$out/python_window_ring_cuda.log" || rc=1
+  else
+    echo "# python: FAILED: no wheel in the suite or no torch on this machine" | tee "$out/python_window_ring_cuda.log"
+    rc=1
+  fi
   return $rc
 }
 

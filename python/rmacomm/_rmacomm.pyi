@@ -16,6 +16,8 @@ _DTypeLike = Any
 # A datetime.timedelta or a number of seconds.
 _Timeout = Union[timedelta, float, None]
 _Hints = Optional[Mapping[str, str]]
+# A torch.cuda.Stream or a raw CUstream handle; None: torch's current stream.
+_Stream = Any
 
 __version__: str
 
@@ -259,10 +261,23 @@ class Window:
         async_op: bool = False,
         hints: _Hints = None,
         timeout: _Timeout = None,
+        stream: _Stream = None,
     ) -> Work: ...
-    def signal(self, dst_rank: int, async_op: bool = False, hints: _Hints = None, timeout: _Timeout = None) -> Work: ...
+    def signal(
+        self,
+        dst_rank: int,
+        async_op: bool = False,
+        hints: _Hints = None,
+        timeout: _Timeout = None,
+        stream: _Stream = None,
+    ) -> Work: ...
     def wait_signal(
-        self, peer_rank: int, async_op: bool = False, hints: _Hints = None, timeout: _Timeout = None
+        self,
+        peer_rank: int,
+        async_op: bool = False,
+        hints: _Hints = None,
+        timeout: _Timeout = None,
+        stream: _Stream = None,
     ) -> Work: ...
     def get(
         self,
@@ -272,6 +287,7 @@ class Window:
         async_op: bool = False,
         hints: _Hints = None,
         timeout: _Timeout = None,
+        stream: _Stream = None,
     ) -> Work: ...
     def map_remote_tensor(self, rank: int) -> Any: ...
     def get_attr(self, rank: int) -> WindowAttr: ...

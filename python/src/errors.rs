@@ -188,6 +188,13 @@ fn window_kind(e: &rmacomm_window::Error) -> ErrKind {
         W::Mismatch { .. } => ErrKind::Mismatch,
         W::Connect { .. } | W::Disconnected { .. } | W::Closed { .. } | W::PeerFailed { .. } => ErrKind::Peer,
         W::Unsupported { .. } => ErrKind::Unavailable,
+        W::Cuda {
+            source:
+                rmacomm_window::cuda::CudaError::NotFound { .. }
+                | rmacomm_window::cuda::CudaError::MissingSymbol { .. }
+                | rmacomm_window::cuda::CudaError::TooOld { .. },
+            ..
+        } => ErrKind::Unavailable,
         W::Rma { source, .. } | W::Transport { source, .. } => transport_kind(source),
         _ => ErrKind::Comm,
     }

@@ -58,6 +58,7 @@ mod buffer;
 mod collectives;
 mod comm;
 mod ctran_window;
+mod cuda_tensor;
 mod elem;
 mod enums;
 mod errors;
@@ -72,6 +73,7 @@ mod transport;
 mod wait;
 mod window;
 mod window_core;
+mod window_cuda;
 mod work;
 mod worker;
 

@@ -9,6 +9,7 @@ use pyo3::prelude::*;
 use rmacomm_window::{Window, WindowOptions};
 
 use crate::comm::CommShared;
+use crate::cuda_tensor;
 use crate::enums::PyWindowAttr;
 use crate::errors::py_err;
 use crate::tensor::Tensor;
@@ -52,13 +53,43 @@ impl PyWindow {
     }
 }
 
+impl PyWindow {
+    /// `stream=` belongs to windows of CUDA tensors, and so do operations
+    /// without a CUDA tensor to a window of CUDA tensors.
+    fn host_only(&self, op: &str, stream: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+        if matches!(op, "put" | "get") && self.core.device().is_some() {
+            return Err(crate::errors::Failure::new(
+                crate::errors::ErrKind::Argument,
+                format!("{op}: this window holds CUDA tensors; pass a CUDA tensor (host memory is not staged)"),
+            )
+            .into());
+        }
+        if stream.is_some_and(|s| !s.is_none()) {
+            return Err(crate::errors::Failure::new(
+                crate::errors::ErrKind::Argument,
+                format!("{op}: stream= orders operations on CUDA tensors; this window holds host memory"),
+            )
+            .into());
+        }
+        Ok(())
+    }
+}
+
 #[pymethods]
 impl PyWindow {
     /// Registers `tensor` as this rank's window memory (collective: every
     /// rank calls it; sizes and dtypes may differ per rank). Same-host peers
     /// map it when it lives in shared memory (`comm.empty`); other memory is
     /// reached through the transport only.
+    ///
+    /// A CUDA torch tensor (every rank registers one; every peer on this
+    /// host): peers map it through CUDA IPC, and puts, gets, signals and
+    /// waits are queued on a CUDA stream (`stream=`, default torch's
+    /// current stream).
     fn tensor_register(&self, py: Python<'_>, tensor: &Bound<'_, PyAny>) -> PyResult<()> {
+        if let Some(t) = cuda_tensor::of(tensor, "tensor")? {
+            return self.core.register_cuda(py, t);
+        }
         let mut t = Tensor::new(tensor, "tensor", true)?;
         self.core.register(py, &mut t)
     }
@@ -72,7 +103,11 @@ impl PyWindow {
     /// Writes `tensor` into `dst_rank`'s tensor at element
     /// `target_offset_nelems` (of `dst_rank`'s dtype). Without `async_op`
     /// it returns once the data is placed. Does not signal.
-    #[pyo3(signature = (tensor, dst_rank, target_offset_nelems, async_op=false, hints=None, timeout=None))]
+    ///
+    /// A CUDA tensor (into a window of CUDA tensors) is copied device to
+    /// device, queued on `stream` (default: torch's current stream); without
+    /// `async_op` the stream is synchronized before this returns.
+    #[pyo3(signature = (tensor, dst_rank, target_offset_nelems, async_op=false, hints=None, timeout=None, stream=None))]
     #[allow(clippy::too_many_arguments)]
     fn put(
         &self,
@@ -83,8 +118,14 @@ impl PyWindow {
         async_op: bool,
         hints: Option<HashMap<String, String>>,
         timeout: Option<&Bound<'_, PyAny>>,
+        stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyWork> {
         let _ = (hints, timeout::duration(timeout, "timeout")?);
+        if let Some(t) = cuda_tensor::of(tensor, "tensor")? {
+            let st = self.core.put_cuda(py, &t, dst_rank, target_offset_nelems, async_op, stream)?;
+            return Ok(self.core.handle(st));
+        }
+        self.host_only("put", stream)?;
         let t = Tensor::new(tensor, "tensor", false)?;
         let st = self.core.put(py, &t, dst_rank, target_offset_nelems, async_op)?;
         Ok(self.core.handle(st))
@@ -92,7 +133,10 @@ impl PyWindow {
 
     /// Signals `dst_rank`: satisfies one `wait_signal` for this rank there,
     /// once every put this rank issued to `dst_rank` before it is placed.
-    #[pyo3(signature = (dst_rank, async_op=false, hints=None, timeout=None))]
+    /// On a window of CUDA tensors the signal is queued on `stream`
+    /// (default: torch's current stream), after the puts queued there.
+    #[pyo3(signature = (dst_rank, async_op=false, hints=None, timeout=None, stream=None))]
+    #[allow(clippy::too_many_arguments)]
     fn signal(
         &self,
         py: Python<'_>,
@@ -100,8 +144,14 @@ impl PyWindow {
         async_op: bool,
         hints: Option<HashMap<String, String>>,
         timeout: Option<&Bound<'_, PyAny>>,
+        stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyWork> {
         let _ = (hints, timeout::duration(timeout, "timeout")?);
+        if self.core.device().is_some() {
+            let st = self.core.signal_cuda(py, dst_rank, stream)?;
+            return Ok(self.core.handle(st));
+        }
+        self.host_only("signal", stream)?;
         let blocking = !async_op && !self.core.unified(py, dst_rank);
         let core = self.core.clone();
         let st = self
@@ -116,7 +166,12 @@ impl PyWindow {
     /// the communicator's). When it returns, what the peer put before that
     /// signal is in this rank's tensor. With `async_op`, returns a Work
     /// that takes the signal when waited for (or polled).
-    #[pyo3(signature = (peer_rank, async_op=false, hints=None, timeout=None))]
+    ///
+    /// On a window of CUDA tensors the wait is queued on `stream` (default:
+    /// torch's current stream) and this returns at once: work queued there
+    /// afterwards sees the peer's data. The stream waits without a timeout.
+    #[pyo3(signature = (peer_rank, async_op=false, hints=None, timeout=None, stream=None))]
+    #[allow(clippy::too_many_arguments)]
     fn wait_signal(
         &self,
         py: Python<'_>,
@@ -124,8 +179,14 @@ impl PyWindow {
         async_op: bool,
         hints: Option<HashMap<String, String>>,
         timeout: Option<&Bound<'_, PyAny>>,
+        stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyWork> {
         let _ = hints;
+        if self.core.device().is_some() {
+            let st = self.core.wait_signal_cuda(py, peer_rank, stream)?;
+            return Ok(self.core.handle(st));
+        }
+        self.host_only("wait_signal", stream)?;
         if peer_rank >= self.core.size {
             return Err(crate::errors::Failure::new(
                 crate::errors::ErrKind::Argument,
@@ -144,7 +205,8 @@ impl PyWindow {
 
     /// Reads `src_rank`'s tensor at element `source_offset_nelems` (of its
     /// dtype) into `tensor`.
-    #[pyo3(signature = (tensor, src_rank, source_offset_nelems, async_op=false, hints=None, timeout=None))]
+    /// A CUDA tensor is filled device to device, queued on `stream`.
+    #[pyo3(signature = (tensor, src_rank, source_offset_nelems, async_op=false, hints=None, timeout=None, stream=None))]
     #[allow(clippy::too_many_arguments)]
     fn get(
         &self,
@@ -155,8 +217,14 @@ impl PyWindow {
         async_op: bool,
         hints: Option<HashMap<String, String>>,
         timeout: Option<&Bound<'_, PyAny>>,
+        stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyWork> {
         let _ = (hints, timeout::duration(timeout, "timeout")?);
+        if let Some(t) = cuda_tensor::of(tensor, "tensor")? {
+            let st = self.core.get_cuda(py, &t, src_rank, source_offset_nelems, async_op, stream)?;
+            return Ok(self.core.handle(st));
+        }
+        self.host_only("get", stream)?;
         let t = Tensor::new(tensor, "tensor", true)?;
         let st = self.core.get(py, &t, src_rank, source_offset_nelems, async_op)?;
         Ok(self.core.handle(st))
@@ -183,9 +251,13 @@ impl PyWindow {
         self.core.with(py, false, |w| w.get_size())
     }
 
-    /// "cpu".
+    /// "cuda" while a CUDA tensor is registered, else "cpu".
     fn get_device(&self) -> &'static str {
-        "cpu"
+        if self.core.device().is_some() {
+            "cuda"
+        } else {
+            "cpu"
+        }
     }
 
     /// The registered tensor (None when nothing is registered).

@@ -58,6 +58,8 @@ pub(crate) struct Reg {
     pub(crate) tensor: Py<PyAny>,
     pub(crate) kind: Kind,
     pub(crate) peers: Vec<PeerMeta>,
+    /// The CUDA device of a registered CUDA tensor (`None`: host memory).
+    pub(crate) device: Option<u32>,
 }
 
 /// A window and what the Python classes keep beside it.
@@ -432,21 +434,55 @@ impl WinCore {
         // the owner lives; the registration holds the owner.
         let b = unsafe { Borrowed::new(raw.ptr, raw.len, owner) };
         let mem = py.detach(|| RdmaMemory::register(b)).map_err(py_err)?;
-        let blob = format!("{}\n{}", t.elem.name, shape.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(","));
-        let all = py.detach(|| self.meta.exchange("tensor_register", blob.as_bytes())).map_err(py_err)?;
-        let peers = all
-            .iter()
-            .enumerate()
-            .map(|(r, v)| parse_meta(v).ok_or_else(|| PyValueError::new_err(format!("rank {r} sent a bad descriptor"))))
-            .collect::<PyResult<Vec<_>>>()?;
+        let peers = self.exchange_meta(py, t.elem, &shape, false)?;
         let (elem_size, len) = (t.elem.size, raw.len);
         self.exclusive(py, move |w| w.tensor_register_len(mem, len, elem_size))?.map_err(py_err)?;
-        *self.reg.lock().unwrap_or_else(|e| e.into_inner()) = Some(Reg { tensor: t.keep(), kind: t.kind, peers });
+        *self.reg.lock().unwrap_or_else(|e| e.into_inner()) =
+            Some(Reg { tensor: t.keep(), kind: t.kind, peers, device: None });
         Ok(())
+    }
+
+    /// Every rank's element type and shape (one exchange); every rank must
+    /// register the same kind of memory (host or CUDA), else a mismatch
+    /// naming them.
+    pub(crate) fn exchange_meta(
+        &self,
+        py: Python<'_>,
+        elem: &'static Elem,
+        shape: &[usize],
+        cuda: bool,
+    ) -> PyResult<Vec<PeerMeta>> {
+        let dims = shape.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(",");
+        let blob = format!("{}\n{dims}\n{}", elem.name, if cuda { "cuda" } else { "cpu" });
+        let all = py.detach(|| self.meta.exchange("tensor_register", blob.as_bytes())).map_err(py_err)?;
+        let mut peers = Vec::with_capacity(all.len());
+        let mut kinds = Vec::with_capacity(all.len());
+        for (r, v) in all.iter().enumerate() {
+            let (m, k) =
+                parse_meta(v).ok_or_else(|| PyValueError::new_err(format!("rank {r} sent a bad descriptor")))?;
+            peers.push(m);
+            kinds.push(k);
+        }
+        if kinds.iter().any(|k| *k != kinds[0]) {
+            let detail = kinds.iter().enumerate().map(|(r, k)| format!("rank {r}: {k}")).collect::<Vec<_>>().join(", ");
+            return Err(Failure::new(
+                ErrKind::Mismatch,
+                format!("tensor_register: ranks register different kinds of memory ({detail}); all CUDA or all CPU"),
+            )
+            .into());
+        }
+        Ok(peers)
     }
 
     /// Ends the registration (collective).
     pub(crate) fn deregister(&self, py: Python<'_>) -> PyResult<()> {
+        if self.device().is_some() {
+            self.exclusive(py, |w| w.tensor_deregister_device().map(drop))?.map_err(py_err)?;
+            // The tensor is let go only now: peers reached it until the
+            // deregistration's barrier.
+            drop(self.reg.lock().unwrap_or_else(|e| e.into_inner()).take());
+            return Ok(());
+        }
         let mem = self.exclusive(py, |w| w.tensor_deregister())?.map_err(py_err)?;
         let reg = self.reg.lock().unwrap_or_else(|e| e.into_inner()).take();
         // The memory region, and with it the reference to the tensor, goes
@@ -471,6 +507,9 @@ impl WinCore {
         };
         if let Some(t) = own {
             return Ok(t.into_bound(py));
+        }
+        if self.device().is_some() {
+            return self.map_remote_cuda(py, rank, &meta);
         }
         let nbytes = meta.shape.iter().product::<usize>() * meta.elem.size;
         let (map, ptr) = self.dup(py, |w| w.map_remote_tensor(rank).map(|m| (m.as_ptr() as usize, m.len())), nbytes)?;
@@ -524,13 +563,14 @@ fn is_timeout(e: &rmacomm_window::Error) -> bool {
     )
 }
 
-fn parse_meta(v: &[u8]) -> Option<PeerMeta> {
+fn parse_meta(v: &[u8]) -> Option<(PeerMeta, String)> {
     let text = std::str::from_utf8(v).ok()?;
-    let (name, dims) = text.split_once('\n')?;
+    let (name, rest) = text.split_once('\n')?;
+    let (dims, kind) = rest.split_once('\n')?;
     let shape = if dims.is_empty() {
         Vec::new()
     } else {
         dims.split(',').map(|d| d.parse().ok()).collect::<Option<Vec<usize>>>()?
     };
-    Some(PeerMeta { elem: elem::by_name(name)?, shape })
+    Some((PeerMeta { elem: elem::by_name(name)?, shape }, kind.to_string()))
 }

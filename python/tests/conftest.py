@@ -33,10 +33,12 @@ def launch(
     timeout: float = 240,
     env: Optional[dict] = None,
     expect_rc: int = 0,
+    script: Path = SCENARIOS,
 ) -> str:
-    """Runs `scenario` on `n` ranks; returns their output (stdout + stderr,
-    each line prefixed with [rank]); fails the test on another exit code."""
-    cmd: List[str] = [sys.executable, "-m", "rmacomm.run", "--nproc-per-node", str(n), str(SCENARIOS), scenario, arg]
+    """Runs `scenario` of `script` (scenarios.py) on `n` ranks; returns their
+    output (stdout + stderr, each line prefixed with [rank]); fails the test
+    on another exit code."""
+    cmd: List[str] = [sys.executable, "-m", "rmacomm.run", "--nproc-per-node", str(n), str(script), scenario, arg]
     e = dict(os.environ)
     e.pop("MASTER_PORT", None)
     e.update(env or {})

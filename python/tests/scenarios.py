@@ -186,6 +186,7 @@ def window_ring(arg: str) -> None:
     log(f"window_ring {arg} ok")
 
 
+
 # --- collectives -----------------------------------------------------------
 
 def collectives(kind_name: str) -> None:

@@ -1,0 +1,155 @@
+//! Windows on CUDA torch tensors (issue 13): same-host peers' tensors
+//! mapped through CUDA IPC, puts and gets as device-to-device copies, and
+//! signals and waits ordered on a CUDA stream (`stream=`, default torch's
+//! current stream of the tensor's device), as torch orders GPU work.
+
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyTuple};
+
+use crate::cuda_tensor::{self, CudaTensor};
+use crate::errors::{py_err, ErrKind, Failure};
+use crate::tensor::{torch_dtype, Kind};
+use crate::window_core::{PeerMeta, Reg, WinCore};
+use crate::work::State;
+
+impl WinCore {
+    /// The CUDA device of the registered tensor, when it is a CUDA tensor.
+    pub(crate) fn device(&self) -> Option<u32> {
+        self.reg.lock().unwrap_or_else(|e| e.into_inner()).as_ref().and_then(|r| r.device)
+    }
+
+    fn need_device(&self, op: &str) -> Result<u32, Failure> {
+        self.device().ok_or_else(|| {
+            Failure::new(
+                ErrKind::Argument,
+                format!("{op}: a CUDA tensor needs a CUDA tensor registered (tensor_register of a CUDA tensor)"),
+            )
+        })
+    }
+
+    /// Registers a CUDA tensor (collective): every rank a CUDA tensor, every
+    /// peer on this host (CUDA IPC).
+    pub(crate) fn register_cuda(&self, py: Python<'_>, t: CudaTensor) -> PyResult<()> {
+        if self.reg.lock().unwrap_or_else(|e| e.into_inner()).is_some() {
+            return Err(Failure::new(
+                ErrKind::Argument,
+                "a tensor is registered already; call tensor_deregister first",
+            )
+            .into());
+        }
+        if t.nbytes == 0 {
+            return Err(Failure::new(ErrKind::Argument, "tensor: an empty tensor cannot be registered").into());
+        }
+        let ctx = cuda_tensor::context(t.device)?;
+        let peers = self.exchange_meta(py, t.elem, &t.shape, true)?;
+        let (ptr, len, es) = (t.ptr, t.nbytes, t.elem.size);
+        // SAFETY: the tensor's memory stays allocated while `Reg` holds the
+        // tensor, which `deregister` lets go only after the window's
+        // deregistration (a barrier: no peer reaches it any more).
+        self.exclusive(py, move |w| unsafe { w.tensor_register_device_ptr(ctx, ptr, len, es) })?.map_err(py_err)?;
+        *self.reg.lock().unwrap_or_else(|e| e.into_inner()) =
+            Some(Reg { tensor: t.obj, kind: Kind::Torch, peers, device: Some(t.device) });
+        Ok(())
+    }
+
+    /// A put of a CUDA tensor, queued on `stream`; with `async_op` false the
+    /// stream is synchronized before this returns (the data is placed).
+    pub(crate) fn put_cuda(
+        &self,
+        py: Python<'_>,
+        t: &CudaTensor,
+        dst: usize,
+        offset: usize,
+        async_op: bool,
+        stream: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<State> {
+        let dev = self.need_device("put")?;
+        let s = cuda_tensor::stream(py, stream, dev)?;
+        let (ptr, len) = (t.ptr, t.nbytes);
+        // SAFETY: the tensor is alive for the call; queued work on the
+        // stream that made (or uses) it is ordered before torch reuses its
+        // memory, as for torch's own collectives.
+        self.with(py, false, |w| unsafe { w.device_put_ptr(ptr, len, dst, offset, Some(&s)) }).map_err(py_err)?;
+        if !async_op {
+            py.detach(|| s.synchronize())
+                .map_err(|e| Failure::new(ErrKind::Comm, format!("put with rank {dst}: {e}")))?;
+        }
+        Ok(State::Done(Ok(())))
+    }
+
+    /// A get into a CUDA tensor, queued on `stream` (synchronized without
+    /// `async_op`).
+    pub(crate) fn get_cuda(
+        &self,
+        py: Python<'_>,
+        t: &CudaTensor,
+        src: usize,
+        offset: usize,
+        async_op: bool,
+        stream: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<State> {
+        let dev = self.need_device("get")?;
+        let s = cuda_tensor::stream(py, stream, dev)?;
+        let (ptr, len) = (t.ptr, t.nbytes);
+        // SAFETY: as for put_cuda, for the destination tensor.
+        self.with(py, false, |w| unsafe { w.device_get_ptr(ptr, len, src, offset, Some(&s)) }).map_err(py_err)?;
+        if !async_op {
+            py.detach(|| s.synchronize())
+                .map_err(|e| Failure::new(ErrKind::Comm, format!("get with rank {src}: {e}")))?;
+        }
+        Ok(State::Done(Ok(())))
+    }
+
+    /// A signal queued on `stream` (after the puts queued there before).
+    pub(crate) fn signal_cuda(&self, py: Python<'_>, dst: usize, stream: Option<&Bound<'_, PyAny>>) -> PyResult<State> {
+        let dev = self.need_device("signal")?;
+        let s = cuda_tensor::stream(py, stream, dev)?;
+        self.with(py, false, |w| w.signal_on_stream(dst, &s)).map_err(py_err)?;
+        Ok(State::Done(Ok(())))
+    }
+
+    /// A wait for the next signal from `peer`, queued on `stream`: work
+    /// queued there afterwards sees the peer's data.
+    pub(crate) fn wait_signal_cuda(
+        &self,
+        py: Python<'_>,
+        peer: usize,
+        stream: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<State> {
+        let dev = self.need_device("wait_signal")?;
+        let s = cuda_tensor::stream(py, stream, dev)?;
+        self.with(py, false, |w| w.wait_signal_on_stream(peer, &s)).map_err(py_err)?;
+        Ok(State::Done(Ok(())))
+    }
+
+    /// A peer's registered CUDA tensor, mapped here (CUDA IPC), as a torch
+    /// tensor of the dtype and shape it registered; valid until this
+    /// window's `tensor_deregister`.
+    pub(crate) fn map_remote_cuda<'py>(
+        &self,
+        py: Python<'py>,
+        rank: usize,
+        meta: &PeerMeta,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let dev = self.need_device("map_remote_tensor")?;
+        let (ptr, len) = self.with(py, false, |w| w.map_remote_device(rank)).map_err(py_err)?;
+        let torch = crate::tensor::torch_module(py)?.ok_or_else(|| Failure::new(ErrKind::Unavailable, "no torch"))?;
+        // Bytes first (every dtype, bfloat16 included, views them), through
+        // the CUDA array interface, which torch maps without a copy.
+        let iface = PyDict::new(py);
+        iface.set_item("shape", PyTuple::new(py, [len])?)?;
+        iface.set_item("typestr", "|u1")?;
+        iface.set_item("data", (ptr, false))?;
+        iface.set_item("version", 3)?;
+        iface.set_item("strides", py.None())?;
+        let holder = py.import(intern!(py, "types"))?.getattr(intern!(py, "SimpleNamespace"))?.call0()?;
+        holder.setattr("__cuda_array_interface__", iface)?;
+        let kw = PyDict::new(py);
+        kw.set_item("device", format!("cuda:{dev}"))?;
+        let bytes = torch.call_method("as_tensor", (holder,), Some(&kw))?;
+        let dtype = torch_dtype(py, meta.elem)?;
+        let shape = PyTuple::new(py, &meta.shape)?;
+        bytes.call_method1(intern!(py, "view"), (dtype,))?.call_method1(intern!(py, "reshape"), (shape,))
+    }
+}

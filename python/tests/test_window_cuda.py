@@ -1,0 +1,40 @@
+"""The window ring on CUDA tensors, two processes on one GPU (CUDA IPC):
+runs where torch sees a CUDA device (the GPU suite, `scripts/gpu_suite.sh`,
+with RMACOMM_EXPECT_GPU=1, where a missing GPU fails); skips elsewhere,
+saying why."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+from typing import Optional
+
+import pytest
+
+from conftest import HERE, launch, torch_available
+
+
+def _no_cuda() -> Optional[str]:
+    """Why CUDA tensors cannot be had here; None when they can."""
+    if not torch_available():
+        return "torch is not installed"
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return "no NVIDIA driver (libcuda.so.1) on this machine"
+    probe = "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"
+    if subprocess.run([sys.executable, "-c", probe], check=False).returncode != 0:
+        return "torch sees no CUDA device"
+    return None
+
+
+def test_window_ring_on_cuda_tensors() -> None:
+    why = _no_cuda()
+    if why is not None:
+        if os.environ.get("RMACOMM_EXPECT_GPU") == "1":
+            pytest.fail(f"RMACOMM_EXPECT_GPU=1 but {why}")
+        pytest.skip(f"{why}: the CUDA window ring runs on a GPU machine (scripts/gpu_suite.sh)")
+    out = launch(2, "window_ring_cuda", "", timeout=600, script=HERE / "cuda_scenarios.py")
+    assert out.count("window_ring_cuda ok") == 2
