@@ -93,6 +93,10 @@ PY
     echo "# python: window ring on CUDA tensors"
     timeout 300 "$venv/bin/python" -m rmacomm.run --nproc-per-node 2 "$suite/python/cuda_scenarios.py" window_ring_cuda 2>&1 |
       tee "$out/python_window_ring_cuda.log" || rc=1
+    # The NCCL backend: one rank (NCCL refuses two ranks on one GPU).
+    echo "# python: the nccl backend's collectives"
+    timeout 300 "$venv/bin/python" -m rmacomm.run --nproc-per-node 1 "$suite/python/cuda_scenarios.py" nccl_collectives 2>&1 |
+      tee "$out/python_nccl_collectives.log" || rc=1
   else
     echo "# python: FAILED: no wheel in the suite or no torch on this machine" | tee "$out/python_window_ring_cuda.log"
     rc=1

@@ -148,8 +148,8 @@ fn check_backend(backend: &str) -> Result<()> {
         "rdma" | "rmacomm" => Ok(()),
         "nccl" | "rccl" | "ncclx" => Err(Error::Unavailable {
             backend: backend.into(),
-            reason: "GPU collective backends are not part of this build (no CUDA/ROCm support compiled in); use \
-                     backend \"rdma\" for CPU tensors"
+            reason: "this Rust Comm moves host memory; the nccl and rccl backends are the Python package's \
+                     (rmacomm.new_comm(\"nccl\"), over rmacomm_cuda::nccl_comm); use backend \"rdma\" here"
                 .into(),
         }),
         other => Err(Error::Unavailable {

@@ -35,6 +35,7 @@ pub mod driver;
 mod error;
 mod loader;
 pub mod nccl;
+pub mod nccl_comm;
 pub mod nvrtc;
 
 pub use error::{CudaError, Result};

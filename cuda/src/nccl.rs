@@ -74,7 +74,7 @@ pub struct Library {
     flavor: Flavor,
     version: Version,
     path: std::path::PathBuf,
-    _lib: libloading::Library,
+    pub(crate) lib: loader::Opened,
 }
 
 impl Library {
@@ -99,7 +99,7 @@ impl Library {
                 name: format!("ncclResult {st}"),
             });
         }
-        Ok(Library { flavor, version: Version::from_code(code), path: lib.path.clone(), _lib: lib.lib })
+        Ok(Library { flavor, version: Version::from_code(code), path: lib.path.clone(), lib })
     }
 
     /// Which library this is.

@@ -119,3 +119,50 @@ fn nccl_versions_decode_and_gate_the_window_api() {
         }
     }
 }
+
+/// The NCCL communicator's symbols resolve and a unique id is made (no GPU
+/// needed); on a GPU a one-rank communicator runs every collective.
+#[test]
+fn nccl_unique_ids_need_no_gpu_and_a_one_rank_comm_runs_on_one() {
+    use rmacomm_cuda::nccl_comm::{self, DataType, NcclComm, RedOp};
+    let lib = match Library::load(Flavor::Nccl) {
+        Err(e) if std::env::var("RMACOMM_EXPECT_NCCL").is_ok_and(|v| v == "1") => panic!("{e}"),
+        Err(e) => return println!("skipped: {e}"),
+        Ok(l) => std::sync::Arc::new(l),
+    };
+    let (a, b) = (nccl_comm::unique_id(&lib).unwrap(), nccl_comm::unique_id(&lib).unwrap());
+    assert!(a.0.iter().any(|x| *x != 0) && a.0 != b.0, "two unique ids are distinct and not blank");
+    let ctx = match driver::Context::open_shared(0) {
+        Err(e) if std::env::var("RMACOMM_EXPECT_GPU").is_ok_and(|v| v == "1") => panic!("{e}"),
+        Err(e) => return println!("skipped the one-rank communicator: {e}"),
+        Ok(c) => c,
+    };
+    let mut comm = NcclComm::init(lib, ctx.clone(), &a, 0, 1).unwrap();
+    println!("{comm:?}");
+    let stream = ctx.stream().unwrap();
+    let n = 1000;
+    let (x, y) = (ctx.alloc_shared(n * 4).unwrap(), ctx.alloc_shared(n * 4).unwrap());
+    let vals: Vec<u8> = (0..n).flat_map(|i| (i as f32).to_le_bytes()).collect();
+    x.write_from(0, &vals).unwrap();
+    let read = |m: &rmacomm_cuda::device::DeviceMemory| {
+        stream.synchronize().unwrap();
+        let mut out = vec![0u8; n * 4];
+        m.read_into(0, &mut out).unwrap();
+        out
+    };
+    // One rank: every collective is a copy of its input.
+    // SAFETY: both buffers hold n f32 and outlive the synchronizations.
+    unsafe {
+        comm.all_reduce(x.ptr(), y.ptr(), n, DataType::F32, RedOp::Sum, &stream).unwrap();
+        assert_eq!(read(&y), vals, "all_reduce");
+        y.write_from(0, &vec![0; n * 4]).unwrap();
+        comm.broadcast(x.ptr(), y.ptr(), n, DataType::F32, 0, &stream).unwrap();
+        assert_eq!(read(&y), vals, "broadcast");
+        y.write_from(0, &vec![0; n * 4]).unwrap();
+        comm.all_gather(x.ptr(), y.ptr(), n, DataType::F32, &stream).unwrap();
+        assert_eq!(read(&y), vals, "all_gather");
+        y.write_from(0, &vec![0; n * 4]).unwrap();
+        comm.send_recv(&[(x.ptr(), n, 0)], &[(y.ptr(), n, 0)], DataType::F32, &stream).unwrap();
+        assert_eq!(read(&y), vals, "send/recv to self");
+    }
+}

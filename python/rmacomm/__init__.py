@@ -53,8 +53,33 @@ Contents:
 - ``python -m rmacomm.run --nproc-per-node N prog.py`` (or ``rmacomm-run``):
   a one-host launcher with torchrun's variables.
 
+CUDA (loaded at run time; docs/gpu.md): windows take CUDA torch tensors
+(same-host peers through CUDA IPC; ``stream=`` orders operations), and
+``new_comm("nccl")`` adds an NCCL communicator for CUDA tensors.
+
 The full reference is docs/python.md in the repository.
 """
+
+import glob as _glob
+import os as _os
+import sys as _sys
+
+
+def _wheel_lib_dirs() -> str:
+    """The PyPI wheels' library directories (site-packages/nvidia/*/lib) of
+    this interpreter's path: where torch's CUDA wheels put NCCL and NVRTC,
+    for rmacomm's run-time loader."""
+    dirs = []
+    for p in _sys.path:
+        if p and _os.path.isdir(_os.path.join(p, "nvidia")):
+            dirs.extend(sorted(_glob.glob(_os.path.join(p, "nvidia", "*", "lib"))))
+    return ":".join(dirs)
+
+
+if "RMACOMM_CUDA_LIB_DIRS" not in _os.environ:
+    _dirs = _wheel_lib_dirs()
+    if _dirs:
+        _os.environ["RMACOMM_CUDA_LIB_DIRS"] = _dirs
 
 from ._rmacomm import (
     AgentTransfer,

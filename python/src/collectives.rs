@@ -18,6 +18,7 @@ use rmacomm_collectives::{Comm, DType};
 use crate::array;
 use crate::comm::{CommShared, PyComm};
 use crate::ctran_window::PyCtranWindow;
+use crate::cuda_tensor;
 use crate::errors::py_err;
 use crate::reduce_op::PyReduceOp;
 use crate::tensor::{self, Raw, Tensor};
@@ -108,14 +109,16 @@ impl PyComm {
         self.shared.name.clone()
     }
 
-    /// "rdma".
+    /// "rdma", or "nccl" / "rccl" for a communicator made with that
+    /// backend.
     fn get_backend(&self) -> &'static str {
-        "rdma"
+        self.shared.nccl.get().map_or("rdma", |n| n.backend)
     }
 
-    /// "cpu": the device whose memory it moves.
-    fn get_device(&self) -> &'static str {
-        "cpu"
+    /// "cpu", or "cuda:N" for an NCCL communicator: the device whose memory
+    /// its collectives move.
+    fn get_device(&self) -> String {
+        self.shared.nccl.get().map_or_else(|| "cpu".to_string(), |n| format!("cuda:{}", n.device))
     }
 
     /// The timeout of every operation, as a timedelta.
@@ -208,6 +211,10 @@ impl PyComm {
         timeout: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyWork> {
         let _ = hints;
+        if let Some(t) = cuda_tensor::of(tensor, "tensor")? {
+            self.gpu("send", &[&t])?.send(py, &t, dst)?;
+            return Ok(PyWork::done());
+        }
         let t = Tensor::new(tensor, "tensor", false)?;
         let r = t.raw();
         self.shared.run(py, "send", async_op, timeout::duration(timeout, "timeout")?, &[&t], move |c| {
@@ -229,6 +236,10 @@ impl PyComm {
         timeout: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyWork> {
         let _ = hints;
+        if let Some(t) = cuda_tensor::of(tensor, "tensor")? {
+            self.gpu("recv", &[&t])?.recv(py, &t, src)?;
+            return Ok(PyWork::done());
+        }
         let t = Tensor::new(tensor, "tensor", true)?;
         let r = t.raw();
         self.shared.run(py, "recv", async_op, timeout::duration(timeout, "timeout")?, &[&t], move |c| {
@@ -249,6 +260,10 @@ impl PyComm {
         timeout: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyWork> {
         let _ = hints;
+        if let Some(t) = cuda_tensor::of(tensor, "tensor")? {
+            self.gpu("broadcast", &[&t])?.broadcast(py, &t, root)?;
+            return Ok(PyWork::done());
+        }
         let t = Tensor::new(tensor, "tensor", true)?;
         let r = t.raw();
         self.shared.run(py, "broadcast", async_op, timeout::duration(timeout, "timeout")?, &[&t], move |c| {
@@ -269,6 +284,10 @@ impl PyComm {
         timeout: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyWork> {
         let _ = hints;
+        if let Some(t) = cuda_tensor::of(tensor, "tensor")? {
+            self.gpu("all_reduce", &[&t])?.all_reduce(py, &t, op.op)?;
+            return Ok(PyWork::done());
+        }
         let t = Tensor::new(tensor, "tensor", true)?;
         let (r, dt, op) = (t.raw(), reduction(&t, "tensor")?, op.op);
         self.shared.run(py, "all_reduce", async_op, timeout::duration(timeout, "timeout")?, &[&t], move |c| {
@@ -291,6 +310,10 @@ impl PyComm {
         timeout: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyWork> {
         let _ = hints;
+        if let Some(t) = cuda_tensor::of(tensor, "tensor")? {
+            self.gpu("reduce", &[&t])?.reduce(py, &t, op.op, root)?;
+            return Ok(PyWork::done());
+        }
         let t = Tensor::new(tensor, "tensor", true)?;
         let (r, dt, op) = (t.raw(), reduction(&t, "tensor")?, op.op);
         self.shared.run(py, "reduce", async_op, timeout::duration(timeout, "timeout")?, &[&t], move |c| {
@@ -341,6 +364,10 @@ impl PyComm {
         timeout: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyWork> {
         let _ = hints;
+        if let (Some(o), Some(i)) = (cuda_tensor::of(output, "output")?, cuda_tensor::of(input, "input")?) {
+            self.gpu("all_gather_single", &[&o, &i])?.all_gather_single(py, &o, &i, self.shared.size)?;
+            return Ok(PyWork::done());
+        }
         let o = Tensor::new(output, "output", true)?;
         let i = Tensor::new(input, "input", false)?;
         tensor::same_elem(&o, "output", i.elem, "input")?;
@@ -405,6 +432,11 @@ impl PyComm {
         timeout: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyWork> {
         let _ = hints;
+        if let (Some(o), Some(i)) = (cuda_tensor::of(output, "output")?, cuda_tensor::of(input, "input")?) {
+            let call = self.gpu("reduce_scatter_single", &[&o, &i])?;
+            call.reduce_scatter_single(py, &o, &i, op.op, self.shared.size)?;
+            return Ok(PyWork::done());
+        }
         let o = Tensor::new(output, "output", true)?;
         let i = Tensor::new(input, "input", false)?;
         tensor::same_elem(&i, "input", o.elem, "output")?;
@@ -435,6 +467,10 @@ impl PyComm {
         timeout: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyWork> {
         let _ = hints;
+        if let (Some(o), Some(i)) = (cuda_tensor::of(output, "output")?, cuda_tensor::of(input, "input")?) {
+            self.gpu("all_to_all_single", &[&o, &i])?.all_to_all_single(py, &o, &i, self.shared.size)?;
+            return Ok(PyWork::done());
+        }
         let o = Tensor::new(output, "output", true)?;
         let i = Tensor::new(input, "input", false)?;
         tensor::same_elem(&o, "output", i.elem, "input")?;
@@ -630,6 +666,21 @@ impl PyComm {
 }
 
 impl PyComm {
+    /// The NCCL side, for a collective on CUDA tensors.
+    fn gpu(&self, op: &'static str, ts: &[&crate::cuda_tensor::CudaTensor]) -> PyResult<crate::nccl_backend::Call<'_>> {
+        match self.shared.nccl.get() {
+            Some(st) => st.call(op, ts),
+            None => Err(crate::errors::Failure::new(
+                crate::errors::ErrKind::Unavailable,
+                format!(
+                    "{op}: CUDA tensors need a communicator made with new_comm(\"nccl\") (this one is rdma: CPU \
+                     tensors; windows take CUDA tensors on any communicator)"
+                ),
+            )
+            .into()),
+        }
+    }
+
     #[allow(clippy::too_many_arguments)]
     fn gather_list(
         &self,

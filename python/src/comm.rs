@@ -30,6 +30,8 @@ pub(crate) struct CommShared {
     pub(crate) name: String,
     pub(crate) timeout: Duration,
     pub(crate) worker: Worker,
+    /// The NCCL / RCCL side of a `new_comm("nccl")` communicator.
+    pub(crate) nccl: std::sync::OnceLock<crate::nccl_backend::NcclState>,
 }
 
 /// A communicator (torchcomms' `TorchComm`): every collective over the
@@ -58,6 +60,7 @@ impl PyComm {
                 comm: Arc::new(Mutex::new(comm)),
                 meta,
                 worker: Worker::default(),
+                nccl: std::sync::OnceLock::new(),
             }),
         })
     }
@@ -144,9 +147,14 @@ fn rank_and_size(rank: Option<usize>, size: Option<usize>) -> PyResult<(usize, u
 /// `new_comm`.
 ///
 /// Args:
-///     backend: "rdma" (also "rmacomm"). "nccl", "rccl", "ncclx" are GPU
-///         backends not in this build: `rmacomm.UnavailableError`.
-///     device: "cpu" (a string or a torch.device).
+///     backend: "rdma" (also "rmacomm"), or "nccl" / "rccl": the rdma
+///         communicator plus an NCCL (RCCL) one, loaded at run time, for
+///         CUDA tensors in all_reduce, reduce, broadcast, all_gather_single,
+///         reduce_scatter_single, all_to_all_single, send and recv (queued
+///         on torch's current stream). A missing library, driver or device
+///         on any rank: `rmacomm.UnavailableError` naming it.
+///     device: "cpu" (a string or a torch.device); for "nccl", "cuda:N"
+///         (default: torch's current CUDA device).
 ///     store: the bootstrap store: `rmacomm.TcpStore`, a
 ///         torch.distributed store, or any object with set/get/wait (and
 ///         add, check, delete_key when it has them). Default: bootstrap
@@ -181,12 +189,18 @@ pub(crate) fn new_comm(
     rank: Option<usize>,
     world_size: Option<usize>,
 ) -> PyResult<PyComm> {
+    let gpu = matches!(backend, "nccl" | "rccl");
+    let mut ordinal = None;
     if let Some(d) = device.filter(|d| !d.is_none()) {
         let d = d.str()?.to_string();
-        if d != "cpu" && !d.starts_with("cpu:") {
+        if gpu {
+            ordinal = Some(cuda_ordinal(&d)?);
+        } else if d != "cpu" && !d.starts_with("cpu:") {
             return Err(Failure::new(
                 ErrKind::Unavailable,
-                format!("device {d:?}: the rdma backend moves CPU memory only; use device=\"cpu\""),
+                format!(
+                    "device {d:?}: the rdma backend moves CPU memory only (CUDA tensors: windows, or                      backend=\"nccl\"); use device=\"cpu\""
+                ),
             )
             .into());
         }
@@ -204,7 +218,10 @@ pub(crate) fn new_comm(
     if let Some(a) = abort_process_on_timeout_or_error {
         opts = opts.abort_process_on_timeout_or_error(a);
     }
-    let backend = backend.to_string();
+    let requested = backend.to_string();
+    // The NCCL backends ride on the rdma communicator (bootstrap, CPU
+    // tensors, windows).
+    let backend = if gpu { "rdma".to_string() } else { requested.clone() };
     let comm = match store.filter(|s| !s.is_none()) {
         None => {
             if rank.is_some() || world_size.is_some() {
@@ -224,5 +241,39 @@ pub(crate) fn new_comm(
             py.detach(|| Comm::new(&group, opts)).map_err(py_err)?
         }
     };
-    PyComm::from_comm(py, comm)
+    let c = PyComm::from_comm(py, comm)?;
+    if gpu {
+        let ordinal = match ordinal {
+            Some(o) => o,
+            None => current_cuda_device(py)?,
+        };
+        let st = crate::nccl_backend::setup(py, &requested, ordinal, &c.shared.meta)?;
+        let _ = c.shared.nccl.set(st);
+    }
+    Ok(c)
+}
+
+/// The ordinal of a device named "cuda", "cuda:N" (or a torch.device).
+fn cuda_ordinal(d: &str) -> PyResult<u32> {
+    match d.strip_prefix("cuda") {
+        Some("") => Ok(0),
+        Some(rest) => rest.strip_prefix(':').and_then(|n| n.parse().ok()).ok_or_else(|| {
+            Failure::new(ErrKind::Argument, format!("device {d:?}: expected \"cuda\" or \"cuda:N\"")).into()
+        }),
+        None => Err(Failure::new(
+            ErrKind::Argument,
+            format!("device {d:?}: the nccl backend moves CUDA tensors; use device=\"cuda:N\""),
+        )
+        .into()),
+    }
+}
+
+/// torch's current CUDA device when torch is imported and has CUDA, else 0.
+fn current_cuda_device(py: Python<'_>) -> PyResult<u32> {
+    let Some(torch) = crate::tensor::torch_module(py)? else { return Ok(0) };
+    let cuda = torch.getattr("cuda")?;
+    if !cuda.call_method0("is_available")?.is_truthy()? {
+        return Ok(0);
+    }
+    cuda.call_method0("current_device")?.extract()
 }

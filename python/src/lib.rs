@@ -64,6 +64,7 @@ mod enums;
 mod errors;
 mod mapping;
 mod memory;
+mod nccl_backend;
 mod reduce_op;
 mod runtime;
 mod store;

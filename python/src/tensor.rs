@@ -152,8 +152,12 @@ impl<'py> Tensor<'py> {
     /// read-only numpy array is refused).
     pub(crate) fn new(obj: &Bound<'py, PyAny>, arg: &str, writable: bool) -> PyResult<Tensor<'py>> {
         let py = obj.py();
-        if obj.is_instance(ndarray(py)?.as_any())? {
-            return Self::numpy(obj, arg, writable);
+        // A program without numpy (torch alone) is fine: nothing is an
+        // ndarray then.
+        if let Ok(nd) = ndarray(py) {
+            if obj.is_instance(nd.as_any())? {
+                return Self::numpy(obj, arg, writable);
+            }
         }
         if let Some(t) = torch(py)? {
             if obj.is_instance(t.tensor.bind(py).as_any())? {

@@ -83,7 +83,73 @@ def window_ring_cuda(_: str) -> None:
 
 
 
-SCENARIOS: Dict[str, Callable[[str], None]] = {"window_ring_cuda": window_ring_cuda}
+
+def nccl_collectives(_: str) -> None:
+    """new_comm("nccl") on the ranks given (one per GPU: NCCL refuses two
+    ranks on one GPU): every collective it routes to NCCL on CUDA tensors,
+    checked; CPU tensors still go through rmacomm; an op NCCL lacks raises
+    UnavailableError naming it."""
+    import torch
+
+    comm = rmacomm.new_comm("nccl", timeout=60)
+    r, n = comm.get_rank(), comm.get_size()
+    expect(comm.get_backend() == "nccl" and comm.get_device().startswith("cuda:"), comm.get_device())
+    dev = comm.get_device()
+    for dt in (torch.float32, torch.bfloat16, torch.int32, torch.float64):
+        x = torch.full((1000,), r + 1, dtype=dt, device=dev)
+        comm.all_reduce(x, rmacomm.ReduceOp.SUM)
+        expect(torch.equal(x, torch.full_like(x, n * (n + 1) // 2)), f"all_reduce {dt}")
+        x = torch.full((1000,), r + 1, dtype=dt, device=dev)
+        comm.all_reduce(x, rmacomm.ReduceOp.MAX)
+        expect(torch.equal(x, torch.full_like(x, n)), f"all_reduce max {dt}")
+        x = torch.full((1000,), r + 1, dtype=dt, device=dev)
+        comm.reduce(x, 0, rmacomm.ReduceOp.SUM)
+        if r == 0:
+            expect(torch.equal(x, torch.full_like(x, n * (n + 1) // 2)), f"reduce {dt}")
+        x = torch.full((1000,), r + 7, dtype=dt, device=dev)
+        comm.broadcast(x, 0)
+        expect(torch.equal(x, torch.full_like(x, 7)), f"broadcast {dt}")
+        inp = torch.full((100,), r, dtype=dt, device=dev)
+        out = torch.zeros(100 * n, dtype=dt, device=dev)
+        comm.all_gather_single(out, inp)
+        want = torch.cat([torch.full((100,), p, dtype=dt, device=dev) for p in range(n)])
+        expect(torch.equal(out, want), f"all_gather_single {dt}")
+        # Small integers: exact in every dtype (bf16 up to 256).
+        inp = (torch.arange(100 * n, device=dev) % 16).to(dt)
+        out = torch.zeros(100, dtype=dt, device=dev)
+        comm.reduce_scatter_single(out, inp, rmacomm.ReduceOp.SUM)
+        want = ((torch.arange(100 * r, 100 * (r + 1), device=dev) % 16) * n).to(dt)
+        expect(torch.equal(out, want), f"reduce_scatter_single {dt}")
+        inp = torch.full((10 * n,), r, dtype=dt, device=dev)
+        out = torch.zeros(10 * n, dtype=dt, device=dev)
+        comm.all_to_all_single(out, inp)
+        want = torch.cat([torch.full((10,), p, dtype=dt, device=dev) for p in range(n)])
+        expect(torch.equal(out, want), f"all_to_all_single {dt}")
+    if n > 1:
+        t = torch.full((64,), r, dtype=torch.float32, device=dev)
+        if r == 0:
+            comm.send(t, 1)
+        elif r == 1:
+            comm.recv(t, 0)
+            expect(torch.equal(t, torch.zeros_like(t)), "recv")
+    # CPU tensors on an nccl communicator: rmacomm's own collectives.
+    c = torch.full((10,), float(r + 1))
+    comm.all_reduce(c, rmacomm.ReduceOp.SUM)
+    expect(torch.equal(c, torch.full((10,), float(n * (n + 1) // 2))), "CPU all_reduce on an nccl comm")
+    try:
+        comm.all_reduce(torch.ones(4, dtype=torch.int32, device=dev), rmacomm.ReduceOp.BAND)
+        raise AssertionError("BAND on NCCL must fail")
+    except rmacomm.UnavailableError as e:
+        expect("NCCL" in str(e) and "all_reduce" in str(e), str(e))
+    torch.cuda.synchronize()
+    comm.finalize()
+    log(f"nccl_collectives ok ({n} rank(s))")
+
+
+SCENARIOS: Dict[str, Callable[[str], None]] = {
+    "window_ring_cuda": window_ring_cuda,
+    "nccl_collectives": nccl_collectives,
+}
 
 if __name__ == "__main__":
     SCENARIOS[sys.argv[1]](sys.argv[2] if len(sys.argv) > 2 else "")

@@ -83,8 +83,12 @@ def test_window_errors(comm) -> None:
 
 def test_unavailable_backend_and_device() -> None:
     store = rmacomm.TcpStore("127.0.0.1", 0, 1, True)
-    with pytest.raises(rmacomm.UnavailableError, match="GPU collective backends"):
+    # Here NCCL (from torch's wheels) or the CUDA driver is missing: the
+    # error names the backend, the rank and what is not available.
+    with pytest.raises(rmacomm.UnavailableError, match=r'new_comm\("nccl"\): rank 0 cannot use it: .*not available'):
         rmacomm.new_comm("nccl", store=store, rank=0, world_size=1)
+    with pytest.raises(rmacomm.ArgumentError, match="cuda:N"):
+        rmacomm.new_comm("nccl", "cpu", store=store, rank=0, world_size=1)
     with pytest.raises(rmacomm.UnavailableError, match="CPU memory only"):
         rmacomm.new_comm("rdma", "cuda", store=store, rank=0, world_size=1)
 

@@ -1,4 +1,5 @@
-"""The window ring on CUDA tensors, two processes on one GPU (CUDA IPC):
+"""The window ring on CUDA tensors, two processes on one GPU (CUDA IPC), and
+the NCCL backend's collectives on one rank:
 runs where torch sees a CUDA device (the GPU suite, `scripts/gpu_suite.sh`,
 with RMACOMM_EXPECT_GPU=1, where a missing GPU fails); skips elsewhere,
 saying why."""
@@ -38,3 +39,14 @@ def test_window_ring_on_cuda_tensors() -> None:
         pytest.skip(f"{why}: the CUDA window ring runs on a GPU machine (scripts/gpu_suite.sh)")
     out = launch(2, "window_ring_cuda", "", timeout=600, script=HERE / "cuda_scenarios.py")
     assert out.count("window_ring_cuda ok") == 2
+
+
+def test_nccl_backend_collectives_on_one_gpu() -> None:
+    why = _no_cuda()
+    if why is not None:
+        if os.environ.get("RMACOMM_EXPECT_GPU") == "1":
+            pytest.fail(f"RMACOMM_EXPECT_GPU=1 but {why}")
+        pytest.skip(f"{why}: the NCCL backend runs on a GPU machine (scripts/gpu_suite.sh)")
+    # One rank: NCCL refuses two ranks on one GPU ("Duplicate GPU detected").
+    out = launch(1, "nccl_collectives", "", timeout=600, script=HERE / "cuda_scenarios.py")
+    assert "nccl_collectives ok" in out
