@@ -67,8 +67,15 @@ pub struct PointerInfo {
 /// A CUDA IPC handle (`CUipcMemHandle`): 64 opaque bytes another process on
 /// the host opens with [`Context::open_ipc`].
 #[repr(C)]
-#[derive(Clone, Copy, PartialEq, Eq)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct IpcHandle(pub [u8; 64]);
+
+/// The allocations this process has opened, with how many mappings use
+/// each: the driver refuses (or may refuse) a second `cuIpcOpenMemHandle`
+/// of one allocation in a process, which two windows over tensors of one
+/// PyTorch segment would need.
+static OPENED: std::sync::Mutex<Option<std::collections::HashMap<(i32, IpcHandle), (DevicePtr, usize)>>> =
+    std::sync::Mutex::new(None);
 
 impl fmt::Debug for IpcHandle {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -173,14 +180,23 @@ impl Context {
     }
 
     /// Maps another process's allocation (its [`IpcHandle`]) into this
-    /// one, until the mapping drops. The handle of an allocation of this
+    /// one, until the last mapping of it drops (an allocation opened twice
+    /// is mapped once, counted). The handle of an allocation of this
     /// process is refused by the driver.
     pub fn open_ipc(self: &Arc<Self>, handle: &IpcHandle) -> Result<IpcMapping> {
+        let key = (self.dev, *handle);
+        let mut opened = OPENED.lock().unwrap_or_else(|e| e.into_inner());
+        let opened = opened.get_or_insert_with(Default::default);
+        if let Some((ptr, refs)) = opened.get_mut(&key) {
+            *refs += 1;
+            return Ok(IpcMapping { ctx: self.clone(), ptr: *ptr, key });
+        }
         self.bind()?;
         let mut ptr = 0;
         // SAFETY: a valid out-pointer; the handle is passed by value.
         self.check("cuIpcOpenMemHandle", unsafe { (self.api.ipc_open)(&mut ptr, *handle, IPC_LAZY_PEER) })?;
-        Ok(IpcMapping { ctx: self.clone(), ptr })
+        opened.insert(key, (ptr, 1));
+        Ok(IpcMapping { ctx: self.clone(), ptr, key })
     }
 
     /// Page-locks `len` bytes of host memory at `ptr` (widened to whole
@@ -341,6 +357,7 @@ impl DeviceView<'_> {
 pub struct IpcMapping {
     ctx: Arc<Context>,
     ptr: DevicePtr,
+    key: (i32, IpcHandle),
 }
 
 impl IpcMapping {
@@ -352,9 +369,22 @@ impl IpcMapping {
 
 impl Drop for IpcMapping {
     fn drop(&mut self) {
-        let _ = self.ctx.bind();
-        // SAFETY: opened by cuIpcOpenMemHandle, closed once.
-        unsafe { (self.ctx.api.ipc_close)(self.ptr) };
+        let mut opened = OPENED.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(map) = opened.as_mut() else { return };
+        let last = match map.get_mut(&self.key) {
+            Some((_, refs)) if *refs > 1 => {
+                *refs -= 1;
+                false
+            }
+            _ => true,
+        };
+        if last {
+            map.remove(&self.key);
+            let _ = self.ctx.bind();
+            // SAFETY: opened by cuIpcOpenMemHandle, closed once, by the
+            // last mapping that used it.
+            unsafe { (self.ctx.api.ipc_close)(self.ptr) };
+        }
     }
 }
 

@@ -28,6 +28,7 @@ type CuResult = c_int;
 const OK: CuResult = 0;
 const INVALID_VALUE: CuResult = 1;
 const OUT_OF_MEMORY: CuResult = 2;
+const ALREADY_MAPPED: CuResult = 208;
 const INVALID_HANDLE: CuResult = 400;
 const ALREADY_REGISTERED: CuResult = 712;
 const NOT_SUPPORTED: CuResult = 801;
@@ -134,8 +135,10 @@ struct Alloc {
 struct State {
     /// Allocations of this process by base address.
     allocs: BTreeMap<u64, Alloc>,
-    /// Opened IPC mappings: base → length.
+    /// Opened IPC mappings: base → length, base → segment, segments.
     opened: BTreeMap<u64, usize>,
+    opened_by_base: BTreeMap<u64, CString>,
+    opened_names: std::collections::BTreeSet<CString>,
     /// Registered host ranges: base → length.
     registered: BTreeMap<u64, usize>,
     streams: Vec<Arc<Stream>>,
@@ -236,6 +239,7 @@ pub unsafe extern "C" fn cuGetErrorName(code: CuResult, p: *mut *const c_char) -
         OK => c"CUDA_SUCCESS",
         INVALID_VALUE => c"CUDA_ERROR_INVALID_VALUE",
         OUT_OF_MEMORY => c"CUDA_ERROR_OUT_OF_MEMORY",
+        ALREADY_MAPPED => c"CUDA_ERROR_ALREADY_MAPPED",
         INVALID_HANDLE => c"CUDA_ERROR_INVALID_HANDLE",
         ALREADY_REGISTERED => c"CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED",
         NOT_SUPPORTED => c"CUDA_ERROR_NOT_SUPPORTED (rmacomm's CUDA stand-in runs no kernels)",
@@ -489,6 +493,10 @@ pub unsafe extern "C" fn cuIpcOpenMemHandle_v2(p: *mut u64, h: IpcHandle, _flags
     if with(|st| st.allocs.values().any(|a| a.name == name)) {
         return INVALID_VALUE;
     }
+    // Strict, as a driver may be: one open of an allocation per process.
+    if with(|st| st.opened_names.contains(&name)) {
+        return ALREADY_MAPPED;
+    }
     let Some(base) = map_segment(&name, 0, false) else { return INVALID_HANDLE };
     let mut stat_len = 0usize;
     let c = name.clone();
@@ -503,7 +511,11 @@ pub unsafe extern "C" fn cuIpcOpenMemHandle_v2(p: *mut u64, h: IpcHandle, _flags
             libc::close(fd);
         }
     }
-    with(|st| st.opened.insert(base, stat_len));
+    with(|st| {
+        st.opened.insert(base, stat_len);
+        st.opened_by_base.insert(base, name.clone());
+        st.opened_names.insert(name);
+    });
     // SAFETY: the caller's out-pointer.
     unsafe { *p = base };
     OK
@@ -513,7 +525,14 @@ pub unsafe extern "C" fn cuIpcOpenMemHandle_v2(p: *mut u64, h: IpcHandle, _flags
 #[no_mangle]
 pub extern "C" fn cuIpcCloseMemHandle(p: u64) -> CuResult {
     cuCtxSynchronize();
-    let Some(len) = with(|st| st.opened.remove(&p)) else { return INVALID_VALUE };
+    let Some(len) = with(|st| {
+        if let Some(n) = st.opened_by_base.remove(&p) {
+            st.opened_names.remove(&n);
+        }
+        st.opened.remove(&p)
+    }) else {
+        return INVALID_VALUE;
+    };
     // SAFETY: our mapping, unmapped once.
     unsafe { libc::munmap(p as *mut c_void, len.max(1)) };
     OK

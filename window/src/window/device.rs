@@ -173,10 +173,9 @@ impl Window {
                     ptrs.push(their_ptr);
                     continue;
                 }
-                let m = ctx.open_ipc(&handle).map_err(|source| Error::PeerFailed {
+                let m = ctx.open_ipc(&handle).map_err(|source| Error::Unsupported {
                     op: OP,
-                    peer: p,
-                    reason: format!("cannot map its memory here: {source}"),
+                    reason: format!("rank {p}'s memory cannot be mapped here (CUDA IPC): {source}"),
                 })?;
                 ptrs.push(m.ptr() + offset);
                 ipc.push(m);
