@@ -74,8 +74,10 @@ pub struct IpcHandle(pub [u8; 64]);
 /// each: the driver refuses (or may refuse) a second `cuIpcOpenMemHandle`
 /// of one allocation in a process, which two windows over tensors of one
 /// PyTorch segment would need.
-static OPENED: std::sync::Mutex<Option<std::collections::HashMap<(i32, IpcHandle), (DevicePtr, usize)>>> =
-    std::sync::Mutex::new(None);
+static OPENED: std::sync::Mutex<Option<OpenedMap>> = std::sync::Mutex::new(None);
+
+/// (device, handle) → (where it is mapped, mappings using it).
+type OpenedMap = std::collections::HashMap<(i32, IpcHandle), (DevicePtr, usize)>;
 
 impl fmt::Debug for IpcHandle {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
