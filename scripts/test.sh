@@ -100,8 +100,11 @@ if [ "${RMACOMM_PYTHON:-1}" != 0 ]; then
       fi
     done
     echo "# GPU library probes and NVRTC compilation against $py_venv (${expect[*]:-no CUDA wheels found: they skip})"
-    env VIRTUAL_ENV="$(cd "$py_venv" && pwd)" "${expect[@]}" \
-      cargo nextest run --release -p rmacomm-cuda -p rmacomm-kernels -E 'binary(probes) | binary(cuda_kernels)' --no-capture
+    # With NVRTC there, the native GPU all_reduce compiles the real kernels
+    # and runs against the CUDA stand-in (gpu_standin).
+    env VIRTUAL_ENV="$(cd "$py_venv" && pwd)" RMACOMM_EXPECT_STANDIN=1 "${expect[@]}" \
+      cargo nextest run --release -p rmacomm-cuda -p rmacomm-kernels -p rmacomm-collectives \
+      -E 'binary(probes) | binary(cuda_kernels) | binary(gpu_standin)' --no-capture
   fi
 fi
 

@@ -542,6 +542,81 @@ impl Drop for Stream {
     }
 }
 
+impl Stream {
+    /// Queues a copy of `bytes` (host memory, staged by the driver before
+    /// this returns) to `dst`.
+    ///
+    /// # Safety
+    /// `dst` must be device memory of `bytes.len()` bytes valid until the
+    /// copy has run.
+    pub unsafe fn upload_async(&self, dst: DevicePtr, bytes: &[u8]) -> Result<()> {
+        self.ctx.bind()?;
+        // SAFETY: `bytes` is valid for its length during the call (a pageable
+        // source is staged before the call returns); `dst` is the caller's.
+        self.ctx.check("cuMemcpyHtoDAsync", unsafe {
+            (self.ctx.api.htod_async)(dst, bytes.as_ptr().cast(), bytes.len(), self.s)
+        })
+    }
+}
+
+/// A module loaded in a shared [`Context`] (unloaded on drop), whose
+/// kernels launch on a [`Stream`] without waiting.
+pub struct SharedModule {
+    ctx: Arc<Context>,
+    m: *mut c_void,
+}
+
+impl fmt::Debug for SharedModule {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "SharedModule({:p})", self.m)
+    }
+}
+
+// SAFETY: a module handle may be used from any thread (bound first).
+unsafe impl Send for SharedModule {}
+// SAFETY: as above; launches are thread-safe.
+unsafe impl Sync for SharedModule {}
+
+impl SharedModule {
+    /// Loads a cubin or NUL-terminated PTX.
+    ///
+    /// # Safety
+    /// As [`Context::load_module`]: a cubin must be well-formed.
+    pub unsafe fn load(ctx: &Arc<Context>, image: &[u8]) -> Result<SharedModule> {
+        // SAFETY: forwarded.
+        let m = unsafe { ctx.load_module(image)? };
+        let raw = m.raw();
+        std::mem::forget(m);
+        Ok(SharedModule { ctx: ctx.clone(), m: raw })
+    }
+
+    /// Queues `name` on `grid` blocks of `block` threads with `args` on
+    /// `stream`.
+    ///
+    /// # Safety
+    /// As [`crate::driver::Module::launch`]; the memory the kernel uses must
+    /// stay valid until the stream has run it.
+    pub unsafe fn launch_on(
+        &self,
+        stream: &Stream,
+        name: &str,
+        grid: u32,
+        block: u32,
+        args: &[crate::driver::Arg],
+    ) -> Result<()> {
+        // SAFETY: forwarded.
+        unsafe { crate::driver::launch_raw(&self.ctx, self.m, name, grid, block, args, stream.s) }
+    }
+}
+
+impl Drop for SharedModule {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind();
+        // SAFETY: loaded once, unloaded once.
+        unsafe { (self.ctx.api.module_unload)(self.m) };
+    }
+}
+
 /// A captured, instantiated CUDA graph.
 pub struct Graph {
     ctx: Arc<Context>,

@@ -448,60 +448,70 @@ impl Module<'_> {
     /// every pointer among them must be device memory the kernel may
     /// access for the ranges it uses.
     pub unsafe fn launch(&self, name: &str, grid: u32, block: u32, args: &[Arg]) -> Result<()> {
-        let c_name = std::ffi::CString::new(name).map_err(|_| CudaError::Call {
-            lib: SPEC.lib,
-            call: "cuModuleGetFunction",
-            code: 1,
-            name: "the kernel name contains a NUL byte".into(),
-        })?;
-        self.ctx.bind()?;
-        let mut f: CuFunction = std::ptr::null_mut();
-        // SAFETY: a valid out-pointer, module and C string.
-        let st = unsafe { (self.ctx.api.module_fn)(&mut f, self.m, c_name.as_ptr()) };
-        if st != 0 {
-            return Err(CudaError::Call {
-                lib: SPEC.lib,
-                call: "cuModuleGetFunction",
-                code: st,
-                name: format!("no kernel {name} in the module"),
-            });
-        }
-        // One 8-byte-aligned slot per argument; a 4-byte value sits in the
-        // slot's first bytes (its address is the value's).
-        let mut vals: Vec<u64> = args
-            .iter()
-            .map(|a| match *a {
-                Arg::U64(v) => v,
-                Arg::F64(v) => v.to_bits(),
-                Arg::U32(v) => {
-                    let mut b = [0u8; 8];
-                    b[..4].copy_from_slice(&v.to_ne_bytes());
-                    u64::from_ne_bytes(b)
-                }
-            })
-            .collect();
-        let mut ptrs: Vec<*mut std::ffi::c_void> = vals.iter_mut().map(|v| std::ptr::from_mut(v).cast()).collect();
-        // SAFETY: `ptrs` holds one pointer per argument, each to a value of
-        // the argument's size; that these are the kernel's parameters is
-        // the caller's contract.
-        let st = unsafe {
-            (self.ctx.api.launch)(
-                f,
-                grid.max(1),
-                1,
-                1,
-                block.max(1),
-                1,
-                1,
-                0,
-                std::ptr::null_mut(),
-                ptrs.as_mut_ptr(),
-                std::ptr::null_mut(),
-            )
-        };
-        self.ctx.check("cuLaunchKernel", st)?;
+        // SAFETY: forwarded; the default stream, waited for below.
+        unsafe { launch_raw(self.ctx, self.m, name, grid, block, args, std::ptr::null_mut())? };
         self.ctx.synchronize()
     }
+
+    /// The `CUmodule` handle (for [`crate::device::SharedModule`]).
+    pub(crate) fn raw(&self) -> CuModule {
+        self.m
+    }
+}
+
+/// Queues kernel `name` of module `m` on `stream`.
+///
+/// # Safety
+/// As [`Module::launch`].
+pub(crate) unsafe fn launch_raw(
+    ctx: &Context,
+    m: CuModule,
+    name: &str,
+    grid: u32,
+    block: u32,
+    args: &[Arg],
+    stream: CuStream,
+) -> Result<()> {
+    let c_name = std::ffi::CString::new(name).map_err(|_| CudaError::Call {
+        lib: SPEC.lib,
+        call: "cuModuleGetFunction",
+        code: 1,
+        name: "the kernel name contains a NUL byte".into(),
+    })?;
+    ctx.bind()?;
+    let mut f: CuFunction = std::ptr::null_mut();
+    // SAFETY: a valid out-pointer, module and C string.
+    let st = unsafe { (ctx.api.module_fn)(&mut f, m, c_name.as_ptr()) };
+    if st != 0 {
+        return Err(CudaError::Call {
+            lib: SPEC.lib,
+            call: "cuModuleGetFunction",
+            code: st,
+            name: format!("no kernel {name} in the module"),
+        });
+    }
+    // One 8-byte-aligned slot per argument; a 4-byte value sits in the
+    // slot's first bytes (its address is the value's).
+    let mut vals: Vec<u64> = args
+        .iter()
+        .map(|a| match *a {
+            Arg::U64(v) => v,
+            Arg::F64(v) => v.to_bits(),
+            Arg::U32(v) => {
+                let mut b = [0u8; 8];
+                b[..4].copy_from_slice(&v.to_ne_bytes());
+                u64::from_ne_bytes(b)
+            }
+        })
+        .collect();
+    let mut ptrs: Vec<*mut std::ffi::c_void> = vals.iter_mut().map(|v| std::ptr::from_mut(v).cast()).collect();
+    // SAFETY: `ptrs` holds one pointer per argument, each to a value of the
+    // argument's size (the driver copies them at the call); that these are
+    // the kernel's parameters is the caller's contract.
+    let st = unsafe {
+        (ctx.api.launch)(f, grid.max(1), 1, 1, block.max(1), 1, 1, 0, stream, ptrs.as_mut_ptr(), std::ptr::null_mut())
+    };
+    ctx.check("cuLaunchKernel", st)
 }
 
 impl Drop for Module<'_> {

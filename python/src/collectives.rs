@@ -285,7 +285,11 @@ impl PyComm {
     ) -> PyResult<PyWork> {
         let _ = hints;
         if let Some(t) = cuda_tensor::of(tensor, "tensor")? {
-            self.gpu("all_reduce", &[&t])?.all_reduce(py, &t, op.op)?;
+            if self.shared.nccl.get().is_none() {
+                self.native_all_reduce(py, &t, op.op)?;
+            } else {
+                self.gpu("all_reduce", &[&t])?.all_reduce(py, &t, op.op)?;
+            }
             return Ok(PyWork::done());
         }
         let t = Tensor::new(tensor, "tensor", true)?;
@@ -666,6 +670,49 @@ impl PyComm {
 }
 
 impl PyComm {
+    /// all_reduce of a CUDA tensor with the native backend: same-host ranks
+    /// through CUDA IPC, the NVRTC kernels, queued on torch's current
+    /// stream (docs/gpu.md).
+    fn native_all_reduce(
+        &self,
+        py: Python<'_>,
+        t: &crate::cuda_tensor::CudaTensor,
+        op: rmacomm_collectives::ReduceOp,
+    ) -> PyResult<()> {
+        let dt = t.elem.dtype.ok_or_else(|| {
+            crate::errors::Failure::new(
+                crate::errors::ErrKind::Argument,
+                format!("all_reduce: {} tensors cannot be reduced", t.elem.name),
+            )
+        })?;
+        let stream = cuda_tensor::stream(py, None, t.device)?;
+        let ctx = cuda_tensor::context(t.device)?;
+        let s = &self.shared;
+        let (ptr, len) = (t.ptr, t.nbytes);
+        py.detach(|| -> Result<(), rmacomm_collectives::Error> {
+            let mut g = s.gpu.lock().unwrap_or_else(|e| e.into_inner());
+            if g.is_none() {
+                *g = Some(rmacomm_collectives::GpuComm::new(&s.meta, ctx, None, s.timeout)?);
+            }
+            let c = g.as_mut().expect("set above");
+            if c.context().ordinal() != t.device as i32 {
+                return Err(rmacomm_collectives::Error::InvalidArgument {
+                    op: "all_reduce",
+                    reason: format!(
+                        "the tensor is on cuda:{}, this communicator's GPU collectives on cuda:{}",
+                        t.device,
+                        c.context().ordinal()
+                    ),
+                });
+            }
+            // SAFETY: the tensor is alive for the call, and the work is
+            // queued on torch's current stream, which orders the reuse of
+            // its memory.
+            unsafe { c.all_reduce(ptr, len, dt, op, &stream) }
+        })
+        .map_err(py_err)
+    }
+
     /// The NCCL side, for a collective on CUDA tensors.
     fn gpu(&self, op: &'static str, ts: &[&crate::cuda_tensor::CudaTensor]) -> PyResult<crate::nccl_backend::Call<'_>> {
         match self.shared.nccl.get() {

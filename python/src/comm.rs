@@ -32,6 +32,9 @@ pub(crate) struct CommShared {
     pub(crate) worker: Worker,
     /// The NCCL / RCCL side of a `new_comm("nccl")` communicator.
     pub(crate) nccl: std::sync::OnceLock<crate::nccl_backend::NcclState>,
+    /// The native backend's GPU collectives (made by the first collective
+    /// on CUDA tensors: every rank reaches it at the same call).
+    pub(crate) gpu: Mutex<Option<rmacomm_collectives::GpuComm>>,
 }
 
 /// A communicator (torchcomms' `TorchComm`): every collective over the
@@ -61,6 +64,7 @@ impl PyComm {
                 meta,
                 worker: Worker::default(),
                 nccl: std::sync::OnceLock::new(),
+                gpu: Mutex::new(None),
             }),
         })
     }

@@ -50,3 +50,13 @@ def test_nccl_backend_collectives_on_one_gpu() -> None:
     # One rank: NCCL refuses two ranks on one GPU ("Duplicate GPU detected").
     out = launch(1, "nccl_collectives", "", timeout=600, script=HERE / "cuda_scenarios.py")
     assert "nccl_collectives ok" in out
+
+
+def test_native_all_reduce_on_cuda_tensors() -> None:
+    why = _no_cuda()
+    if why is not None:
+        if os.environ.get("RMACOMM_EXPECT_GPU") == "1":
+            pytest.fail(f"RMACOMM_EXPECT_GPU=1 but {why}")
+        pytest.skip(f"{why}: the native GPU all_reduce runs on a GPU machine (scripts/gpu_suite.sh)")
+    out = launch(2, "native_all_reduce", "", timeout=600, script=HERE / "cuda_scenarios.py")
+    assert out.count("native_all_reduce ok") == 2

@@ -40,17 +40,24 @@ const STREAM_CAPTURE_UNSUPPORTED: CuResult = 900;
 pub struct IpcHandle([u8; 64]);
 
 /// One unit of stream work.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 enum Op {
     Copy { dst: u64, src: u64, len: usize },
     Set { dst: u64, value: u8, len: usize },
     Write { addr: u64, value: u64 },
     WaitGeq { addr: u64, value: u64 },
+    Kernel(Box<Kernel>),
+    Upload { dst: u64, bytes: Vec<u8> },
 }
 
 impl Op {
     fn run(self) {
         match self {
+            Op::Kernel(k) => k.run(),
+            // SAFETY: `dst` holds the bytes (the driver contract).
+            Op::Upload { dst, bytes } => unsafe {
+                std::ptr::copy_nonoverlapping(bytes.as_ptr(), dst as *mut u8, bytes.len())
+            },
             // SAFETY: the caller of the enqueuing function promised both
             // ranges are live "device" (host) memory; memmove semantics.
             Op::Copy { dst, src, len } => unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, len) },
@@ -369,10 +376,14 @@ pub extern "C" fn cuMemsetD8Async(p: u64, v: u8, len: usize, s: *mut c_void) -> 
     enqueue(s, Op::Set { dst: p, value: v, len })
 }
 
-/// `cuMemcpyHtoDAsync_v2`.
+/// `cuMemcpyHtoDAsync_v2`: the source is copied before this returns, as
+/// the driver stages pageable memory (the caller may free it at once).
 #[no_mangle]
 pub extern "C" fn cuMemcpyHtoDAsync_v2(dst: u64, src: *const c_void, len: usize, s: *mut c_void) -> CuResult {
-    enqueue(s, Op::Copy { dst, src: src as u64, len })
+    let mut bytes = vec![0u8; len];
+    // SAFETY: the caller's `len` readable bytes at `src`.
+    unsafe { std::ptr::copy_nonoverlapping(src.cast::<u8>(), bytes.as_mut_ptr(), len) };
+    enqueue(s, Op::Upload { dst, bytes })
 }
 
 /// `cuMemcpyDtoHAsync_v2`.
@@ -408,29 +419,60 @@ pub extern "C" fn cuMemcpyDtoDAsync_v2(dst: u64, src: u64, len: usize, s: *mut c
     enqueue(s, Op::Copy { dst, src, len })
 }
 
-/// `cuModuleLoadData`: kernels are not supported.
+/// `cuModuleLoadData`: any image; kernels are emulated by name.
+///
+/// # Safety
+/// `m` is a valid out-pointer.
 #[no_mangle]
-pub extern "C" fn cuModuleLoadData(_m: *mut *mut c_void, _image: *const c_void) -> CuResult {
-    NOT_SUPPORTED
+pub unsafe extern "C" fn cuModuleLoadData(m: *mut *mut c_void, _image: *const c_void) -> CuResult {
+    // SAFETY: the caller's out-pointer.
+    unsafe { *m = std::ptr::dangling_mut::<u64>().cast() };
+    OK
 }
 
 /// `cuModuleUnload`.
 #[no_mangle]
 pub extern "C" fn cuModuleUnload(_m: *mut c_void) -> CuResult {
-    NOT_SUPPORTED
+    OK
 }
 
-/// `cuModuleGetFunction`.
+/// Kernel names handed out as `CUfunction`s (interned, never freed).
+static NAMES: Mutex<Vec<&'static CStr>> = Mutex::new(Vec::new());
+
+/// `cuModuleGetFunction`: the function is its interned name.
+///
+/// # Safety
+/// `f` is a valid out-pointer, `name` a NUL-terminated string.
 #[no_mangle]
-pub extern "C" fn cuModuleGetFunction(_f: *mut *mut c_void, _m: *mut c_void, _n: *const c_char) -> CuResult {
-    NOT_SUPPORTED
+pub unsafe extern "C" fn cuModuleGetFunction(f: *mut *mut c_void, _m: *mut c_void, name: *const c_char) -> CuResult {
+    // SAFETY: the caller's NUL-terminated string.
+    let name = unsafe { CStr::from_ptr(name) };
+    let mut names = NAMES.lock().unwrap_or_else(|e| e.into_inner());
+    let interned = match names.iter().find(|n| **n == name) {
+        Some(n) => *n,
+        None => {
+            let n: &'static CStr = Box::leak(name.to_owned().into_boxed_c_str());
+            names.push(n);
+            n
+        }
+    };
+    // SAFETY: the caller's out-pointer.
+    unsafe { *f = interned.as_ptr() as *mut c_void };
+    OK
 }
 
-/// `cuLaunchKernel`.
+/// `cuLaunchKernel`: rmacomm's k-input reductions (`rmacomm_<op>_n_<t>`),
+/// `rmacomm_sum_full_<t>` and the signal kernels, on f32, f64, i32, i64,
+/// i8 and u8, run on the host in stream order; anything else is
+/// `CUDA_ERROR_NOT_SUPPORTED`.
+///
+/// # Safety
+/// `f` comes from `cuModuleGetFunction`; `params` holds one pointer per
+/// kernel parameter, each to a value of the parameter's type.
 #[no_mangle]
 #[allow(clippy::too_many_arguments)]
-pub extern "C" fn cuLaunchKernel(
-    _f: *mut c_void,
+pub unsafe extern "C" fn cuLaunchKernel(
+    f: *mut c_void,
     _gx: c_uint,
     _gy: c_uint,
     _gz: c_uint,
@@ -438,11 +480,163 @@ pub extern "C" fn cuLaunchKernel(
     _by: c_uint,
     _bz: c_uint,
     _shared: c_uint,
-    _s: *mut c_void,
-    _params: *mut *mut c_void,
+    s: *mut c_void,
+    params: *mut *mut c_void,
     _extra: *mut *mut c_void,
 ) -> CuResult {
-    NOT_SUPPORTED
+    // SAFETY: an interned name (cuModuleGetFunction).
+    let name = unsafe { CStr::from_ptr(f as *const c_char) }.to_str().unwrap_or("");
+    // SAFETY: the caller's parameter array, read per the kernel's signature.
+    let arg = |i: usize| unsafe { *params.add(i) };
+    // SAFETY: as above: 8-byte and 4-byte parameters.
+    let (u64_at, u32_at) = (|i: usize| unsafe { *arg(i).cast::<u64>() }, |i: usize| unsafe { *arg(i).cast::<u32>() });
+    let k = if let Some(rest) = name.strip_prefix("rmacomm_sum_full_") {
+        // SAFETY: the f64 parameter.
+        let factor = unsafe { *arg(4).cast::<f64>() };
+        Kernel {
+            op: "full",
+            t: rest.to_string(),
+            out: u64_at(0),
+            inp: u64_at(1),
+            k: u32_at(2),
+            n: u64_at(3),
+            factor,
+            count: u64_at(5),
+        }
+    } else if name == "rmacomm_signal_add" || name == "rmacomm_wait_geq" {
+        Kernel {
+            op: if name.ends_with("add") { "add" } else { "wait" },
+            t: String::new(),
+            out: u64_at(0),
+            inp: 0,
+            k: 0,
+            n: u64_at(1),
+            factor: 0.0,
+            count: 0,
+        }
+    } else if let Some((op, t)) = name.strip_prefix("rmacomm_").and_then(|r| r.split_once("_n_")) {
+        let op = match op {
+            "sum" => "sum",
+            "product" => "product",
+            "min" => "min",
+            "max" => "max",
+            "band" => "band",
+            "bor" => "bor",
+            "bxor" => "bxor",
+            _ => return NOT_SUPPORTED,
+        };
+        Kernel {
+            op,
+            t: t.to_string(),
+            out: u64_at(0),
+            inp: u64_at(1),
+            k: u32_at(2),
+            n: u64_at(3),
+            factor: 1.0,
+            count: 1,
+        }
+    } else {
+        return NOT_SUPPORTED;
+    };
+    if !matches!(k.t.as_str(), "" | "f32" | "f64" | "i32" | "i64" | "i8" | "u8") {
+        return NOT_SUPPORTED;
+    }
+    enqueue(s, Op::Kernel(Box::new(k)))
+}
+
+/// An emulated kernel launch.
+#[derive(Clone, Debug)]
+struct Kernel {
+    op: &'static str,
+    t: String,
+    out: u64,
+    inp: u64,
+    k: u32,
+    n: u64,
+    factor: f64,
+    count: u64,
+}
+
+/// One element type's arithmetic for the emulated kernels.
+trait Elem: Copy {
+    fn from_f64(v: f64) -> Self;
+    fn to_f64(self) -> f64;
+    fn ap(op: &str, a: Self, b: Self) -> Self;
+}
+
+macro_rules! int_elem {
+    ($($t:ty),*) => {$(
+        impl Elem for $t {
+            fn from_f64(v: f64) -> Self { v as $t }
+            fn to_f64(self) -> f64 { self as f64 }
+            fn ap(op: &str, a: Self, b: Self) -> Self {
+                match op {
+                    "sum" => a.wrapping_add(b),
+                    "product" => a.wrapping_mul(b),
+                    "min" => a.min(b),
+                    "max" => a.max(b),
+                    "band" => a & b,
+                    "bor" => a | b,
+                    _ => a ^ b,
+                }
+            }
+        }
+    )*};
+}
+int_elem!(i32, i64, i8, u8);
+
+macro_rules! float_elem {
+    ($($t:ty),*) => {$(
+        impl Elem for $t {
+            fn from_f64(v: f64) -> Self { v as $t }
+            fn to_f64(self) -> f64 { self as f64 }
+            fn ap(op: &str, a: Self, b: Self) -> Self {
+                match op {
+                    "sum" => a + b,
+                    "product" => a * b,
+                    "min" => if a.is_nan() || b.is_nan() { <$t>::NAN } else { a.min(b) },
+                    _ => if a.is_nan() || b.is_nan() { <$t>::NAN } else { a.max(b) },
+                }
+            }
+        }
+    )*};
+}
+float_elem!(f32, f64);
+
+fn run_kernel<T: Elem>(k: &Kernel) {
+    let n = k.n as usize;
+    let inputs: Vec<*const T> =
+        // SAFETY: the pointer table: k device (host) pointers.
+        (0..k.k as usize).map(|j| unsafe { *(k.inp as *const u64).add(j) } as *const T).collect();
+    for i in 0..n {
+        // SAFETY: every input holds n elements (the kernel's contract).
+        let at = |j: usize| unsafe { inputs[j].add(i).read_unaligned() };
+        let v = if k.op == "full" {
+            let acc: f64 = (0..inputs.len()).map(|j| at(j).to_f64() * k.factor).sum();
+            T::from_f64(acc / k.count as f64)
+        } else {
+            (1..inputs.len()).fold(at(0), |acc, j| T::ap(k.op, acc, at(j)))
+        };
+        // SAFETY: `out` holds n elements.
+        unsafe { (k.out as *mut T).add(i).write_unaligned(v) };
+    }
+}
+
+impl Kernel {
+    fn run(&self) {
+        match (self.op, self.t.as_str()) {
+            ("add", _) => {
+                word(self.out).fetch_add(self.n, Ordering::SeqCst);
+            }
+            ("wait", _) => Op::WaitGeq { addr: self.out, value: self.n }.run(),
+            (_, "f32") => run_kernel::<f32>(self),
+            (_, "f64") => run_kernel::<f64>(self),
+            (_, "i32") => run_kernel::<i32>(self),
+            (_, "i64") => run_kernel::<i64>(self),
+            (_, "i8") => run_kernel::<i8>(self),
+            _ => run_kernel::<u8>(self),
+        }
+    }
 }
 
 /// `cuPointerGetAttribute`: memory type (device), ordinal (0), range start

@@ -1,0 +1,194 @@
+//! Collectives on CUDA device memory with the native backend (issue 13):
+//! same-host ranks (one GPU or several) over a window of device memory
+//! whose peers are mapped through CUDA IPC, reductions by the NVRTC
+//! kernels, everything queued on the caller's stream (signals and waits
+//! are stream memory operations), so nothing waits on the host.
+//!
+//! `all_reduce` of a buffer, per chunk of at most the slot size:
+//! 1. the chunk is copied into this rank's input slot;
+//! 2. every rank signals every peer and waits for every peer (inputs ready);
+//! 3. each rank reduces its share (1/n of the chunk's elements) of all
+//!    ranks' input slots, read in place through IPC, into its result slot
+//!    (one k-input kernel: `rmacomm_<op>_n_<dtype>`, or
+//!    `rmacomm_sum_full_<dtype>` for AVG and PREMUL_SUM);
+//! 4. signal / wait again (results ready);
+//! 5. each rank copies every share from its owner's result slot into the
+//!    buffer;
+//! 6. signal / wait again: the slots are free for the next chunk.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use rmacomm_kernels::{DType, ReduceOp};
+use rmacomm_window::cuda::device::{DeviceMemory, SharedModule, Stream};
+use rmacomm_window::cuda::driver::{Arg, Context, DevicePtr};
+use rmacomm_window::cuda::nvrtc::Output;
+use rmacomm_window::{Group, Window, WindowOptions};
+
+use crate::error::{Error, Result};
+
+/// Bytes per slot region (input and result) per rank, unless
+/// `RMACOMM_GPU_SLOT_BYTES` says otherwise.
+pub const DEFAULT_GPU_SLOT_BYTES: usize = 64 << 20;
+
+/// Same-host collectives on device memory (module docs).
+pub struct GpuComm {
+    win: Window,
+    ctx: Arc<Context>,
+    module: SharedModule,
+    /// Every rank's slot memory (input region, then result region), as
+    /// mapped here.
+    slots: Vec<DevicePtr>,
+    slot: usize,
+    /// Device memory for the k-input kernel's pointer table.
+    table: DeviceMemory,
+    rank: usize,
+    size: usize,
+}
+
+impl std::fmt::Debug for GpuComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "GpuComm(rank {} of {}, {} B slots, {})", self.rank, self.size, self.slot, self.ctx.name())
+    }
+}
+
+fn cuda(op: &'static str) -> impl Fn(rmacomm_window::cuda::CudaError) -> Error {
+    move |source| Error::Window { op, source: rmacomm_window::Error::Cuda { op, source } }
+}
+
+impl GpuComm {
+    /// The GPU communicator of `group`'s ranks on `ctx`'s device
+    /// (collective): a device window of two slot regions per rank, and the
+    /// kernels compiled for the device (NVRTC, cached per architecture).
+    pub fn new(group: &Group, ctx: Arc<Context>, slot_bytes: Option<usize>, timeout: Duration) -> Result<GpuComm> {
+        const OP: &str = "GpuComm::new";
+        let slot = slot_bytes
+            .or_else(|| std::env::var("RMACOMM_GPU_SLOT_BYTES").ok().and_then(|v| v.parse().ok()))
+            .unwrap_or(DEFAULT_GPU_SLOT_BYTES)
+            .max(4096)
+            / 64
+            * 64;
+        let mut win = Window::new(group, WindowOptions::new().timeout(timeout)).map_err(Error::window(OP))?;
+        let mem = ctx.alloc_shared(2 * slot).map_err(cuda(OP))?;
+        win.tensor_register_device(mem, 1).map_err(Error::window(OP))?;
+        let (rank, size) = (win.rank(), win.size());
+        let slots = (0..size).map(|p| win.map_remote_device(p).map(|m| m.0)).collect::<Result<Vec<_>, _>>();
+        let slots = slots.map_err(Error::window(OP))?;
+        let out = rmacomm_kernels::cuda::compile(&ctx.arch()).map_err(|source| Error::Kernel { op: OP, source })?;
+        let image = match &*out {
+            Output::Cubin(b) => b.clone(),
+            Output::Ptx(p) => format!("{p}\0").into_bytes(),
+        };
+        // SAFETY: a cubin NVRTC just wrote for this device's architecture.
+        let module = unsafe { SharedModule::load(&ctx, &image) }.map_err(cuda(OP))?;
+        let table = ctx.alloc_shared(8 * size).map_err(cuda(OP))?;
+        Ok(GpuComm { win, ctx, module, slots, slot, table, rank, size })
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Ranks.
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    /// The device's context.
+    pub fn context(&self) -> &Arc<Context> {
+        &self.ctx
+    }
+
+    /// Every peer signals every other; then the stream waits for all.
+    fn exchange(&self, op: &'static str, stream: &Stream) -> Result<()> {
+        for p in (0..self.size).filter(|p| *p != self.rank) {
+            self.win.signal_on_stream(p, stream).map_err(Error::window(op))?;
+        }
+        for p in (0..self.size).filter(|p| *p != self.rank) {
+            self.win.wait_signal_on_stream(p, stream).map_err(Error::window(op))?;
+        }
+        Ok(())
+    }
+
+    /// The elements of a chunk of `elems` that rank `r` reduces.
+    fn share(&self, r: usize, elems: usize) -> (usize, usize) {
+        (r * elems / self.size, (r + 1) * elems / self.size)
+    }
+
+    /// Reduces every rank's `len` bytes at `buf` (elements of `dtype`) with
+    /// `op`, in place on every rank, queued on `stream` (collective: every
+    /// rank calls it with the same length, type and op).
+    ///
+    /// # Safety
+    /// `len` bytes at `buf` must be device memory of this device valid until
+    /// the stream has run the operation, not used by other work meanwhile.
+    pub unsafe fn all_reduce(
+        &mut self,
+        buf: DevicePtr,
+        len: usize,
+        dtype: DType,
+        op: ReduceOp,
+        stream: &Stream,
+    ) -> Result<()> {
+        const OP: &str = "all_reduce";
+        op.check(dtype).map_err(|source| Error::Kernel { op: OP, source })?;
+        let es = dtype.size();
+        if !len.is_multiple_of(es) {
+            return Err(Error::invalid(OP, format!("{len} bytes are not whole {dtype} elements")));
+        }
+        let e = rmacomm_kernels::cuda::entries(op, dtype).map_err(|source| Error::Kernel { op: OP, source })?;
+        let chunk = self.slot / es * es;
+        let (me, n) = (self.rank, self.size);
+        let mut off = 0;
+        while off < len {
+            let clen = chunk.min(len - off);
+            let elems = clen / es;
+            // 1. My input.
+            // SAFETY: inside the caller's buffer and my input region.
+            unsafe { stream.copy_async(self.slots[me], buf + off as u64, clen) }.map_err(cuda(OP))?;
+            // 2. Everyone's inputs are in place.
+            self.exchange(OP, stream)?;
+            // 3. My share of every input, reduced into my result region.
+            let (s0, s1) = self.share(me, elems);
+            if s1 > s0 {
+                let at = (s0 * es) as u64;
+                let table: Vec<u8> = self.slots.iter().flat_map(|p| (p + at).to_ne_bytes()).collect();
+                // SAFETY: the table holds n pointers; the stream orders this
+                // upload after the kernel that read the previous table.
+                unsafe { stream.upload_async(self.table.ptr(), &table) }.map_err(cuda(OP))?;
+                let out = self.slots[me] + self.slot as u64 + at;
+                let count = (s1 - s0) as u64;
+                let grid = (s1 - s0).div_ceil(256).min(4096) as u32;
+                let (tab, k) = (Arg::U64(self.table.ptr()), Arg::U32(n as u32));
+                let launch = match (&e.full, op) {
+                    (Some(full), ReduceOp::PremulSum(f)) => {
+                        (full, vec![Arg::U64(out), tab, k, Arg::U64(count), Arg::F64(f), Arg::U64(1)])
+                    }
+                    (Some(full), _) => {
+                        (full, vec![Arg::U64(out), tab, k, Arg::U64(count), Arg::F64(1.0), Arg::U64(n as u64)])
+                    }
+                    (None, _) => (&e.nary, vec![Arg::U64(out), tab, k, Arg::U64(count)]),
+                };
+                // SAFETY: the entry point's parameters, in order; every
+                // pointer is inside a rank's slot memory, mapped here.
+                unsafe { self.module.launch_on(stream, launch.0, grid, 256, &launch.1) }.map_err(cuda(OP))?;
+            }
+            // 4. Everyone's results are in place.
+            self.exchange(OP, stream)?;
+            // 5. Every share into my buffer.
+            for p in 0..n {
+                let (a, b) = self.share(p, elems);
+                if b > a {
+                    let src = self.slots[p] + (self.slot + a * es) as u64;
+                    // SAFETY: inside rank p's result region and my buffer.
+                    unsafe { stream.copy_async(buf + (off + a * es) as u64, src, (b - a) * es) }.map_err(cuda(OP))?;
+                }
+            }
+            // 6. The slots are free again.
+            self.exchange(OP, stream)?;
+            off += clen;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,129 @@
+//! The native backend's GPU all_reduce (`GpuComm`) with ranks as threads,
+//! against rmacomm's CUDA stand-in (`cuda/standin`: device memory is host
+//! memory, streams are threads, the reduction kernels are emulated on the
+//! host by name) and the real NVRTC compiling the real kernels: rmacomm's
+//! side of it — chunking through the slots, the share split, the pointer
+//! tables, the stream-ordered signal rounds, AVG and PREMUL_SUM through the
+//! full kernel — checked against the host's result on every CI run. What
+//! the kernels compute on a GPU is `kernels/tests/cuda_kernels.rs`'s (on a
+//! GPU); the collective on a GPU is the GPU suite's.
+
+use std::sync::{Arc, Once};
+use std::time::Duration;
+
+use rmacomm_collectives::{DType, GpuComm, ReduceOp};
+use rmacomm_window::cuda::driver::Context;
+use rmacomm_window::{Group, GroupOptions, HashStore, Store};
+
+/// The stand-in and NVRTC, or the reason (printed) they are not here.
+fn ready() -> bool {
+    static SET: Once = Once::new();
+    let exe = std::env::current_exe().unwrap();
+    let lib = exe.parent().unwrap().parent().unwrap().join("librmacomm_cuda_standin.so");
+    let expect = |var: &str| std::env::var(var).is_ok_and(|v| v == "1");
+    if !lib.exists() {
+        assert!(!expect("RMACOMM_EXPECT_STANDIN"), "RMACOMM_EXPECT_STANDIN=1 but {} is not built", lib.display());
+        eprintln!("skipped: the CUDA stand-in is not built (cargo build -p rmacomm-cuda-standin)");
+        return false;
+    }
+    if let Err(e) = rmacomm_window::cuda::nvrtc::Nvrtc::get() {
+        assert!(!expect("RMACOMM_EXPECT_NVRTC"), "RMACOMM_EXPECT_NVRTC=1 but {e}");
+        eprintln!("skipped: no NVRTC to compile the kernels ({e})");
+        return false;
+    }
+    SET.call_once(|| std::env::set_var("RMACOMM_CUDA_LIB", &lib));
+    true
+}
+
+/// The host's reduction of one element's contributions.
+type Host = fn(&[f32]) -> f32;
+
+fn as_bytes<T: Copy>(v: &[T]) -> Vec<u8> {
+    let n = std::mem::size_of_val(v);
+    let mut out = vec![0u8; n];
+    // SAFETY: plain numbers, copied byte for byte.
+    unsafe { std::ptr::copy_nonoverlapping(v.as_ptr().cast::<u8>(), out.as_mut_ptr(), n) };
+    out
+}
+
+/// Three thread ranks, 64 KiB slots (a 200 KB buffer is four chunks):
+/// element counts 1, 1000 and 50,000 × (f32: SUM, MAX, AVG, PREMUL_SUM;
+/// i32: SUM, BAND), every rank's result checked.
+#[test]
+fn gpu_all_reduce_through_the_slots_matches_the_host() {
+    if !ready() {
+        return;
+    }
+    let store: Arc<dyn Store> = Arc::new(HashStore::new());
+    let n = 3;
+    let handles: Vec<_> = (0..n)
+        .map(|rank| {
+            let store = store.clone();
+            std::thread::spawn(move || {
+                let g =
+                    Group::with_options(rank, n, store, GroupOptions::new().timeout(Duration::from_secs(60))).unwrap();
+                let ctx = Context::open_shared(0).unwrap();
+                let mut c = GpuComm::new(&g, ctx.clone(), Some(64 << 10), Duration::from_secs(60)).unwrap();
+                let stream = ctx.stream().unwrap();
+                // Allocated up front and freed after a barrier: a free
+                // synchronizes the whole device (the driver's, and the
+                // stand-in's), and with ranks as threads of one process
+                // another rank's stream may be waiting for this rank's next
+                // signal.
+                let bufs: Vec<_> = [1usize, 1000, 50_000].iter().map(|e| ctx.alloc_shared(e * 4).unwrap()).collect();
+                for (elems, buf) in [1usize, 1000, 50_000].into_iter().zip(&bufs) {
+                    let f = |r: usize, i: usize| ((r + 1) * 10 + i % 7) as f32;
+                    let cases: [(ReduceOp, Host); 4] = [
+                        (ReduceOp::Sum, |v| v.iter().sum()),
+                        (ReduceOp::Max, |v| v.iter().copied().fold(f32::MIN, f32::max)),
+                        (ReduceOp::Avg, |v| v.iter().sum::<f32>() / v.len() as f32),
+                        (ReduceOp::PremulSum(0.5), |v| v.iter().map(|x| x * 0.5).sum()),
+                    ];
+                    for (op, want) in cases {
+                        let x: Vec<f32> = (0..elems).map(|i| f(rank, i)).collect();
+                        buf.write_from(0, &as_bytes(&x)).unwrap();
+                        // SAFETY: buf holds elems f32 and outlives the synchronize.
+                        unsafe { c.all_reduce(buf.ptr(), elems * 4, DType::F32, op, &stream) }.unwrap();
+                        stream.synchronize().unwrap();
+                        let mut got = vec![0u8; elems * 4];
+                        buf.read_into(0, &mut got).unwrap();
+                        let expect: Vec<f32> =
+                            (0..elems).map(|i| want(&(0..n).map(|r| f(r, i)).collect::<Vec<_>>())).collect();
+                        assert_eq!(got, as_bytes(&expect), "rank {rank}: f32 {op:?} of {elems}");
+                    }
+                    let y = |r: usize, i: usize| ((r + 1) as i32 * 1000 + i as i32) | 0x100;
+                    for (op, want) in [(ReduceOp::Sum, 0), (ReduceOp::Band, 1)] {
+                        let x: Vec<i32> = (0..elems).map(|i| y(rank, i)).collect();
+                        buf.write_from(0, &as_bytes(&x)).unwrap();
+                        // SAFETY: as above.
+                        unsafe { c.all_reduce(buf.ptr(), elems * 4, DType::I32, op, &stream) }.unwrap();
+                        stream.synchronize().unwrap();
+                        let mut got = vec![0u8; elems * 4];
+                        buf.read_into(0, &mut got).unwrap();
+                        let expect: Vec<i32> = (0..elems)
+                            .map(|i| {
+                                let v = (0..n).map(|r| y(r, i));
+                                if want == 0 {
+                                    v.fold(0i32, i32::wrapping_add)
+                                } else {
+                                    v.fold(-1i32, |a, b| a & b)
+                                }
+                            })
+                            .collect();
+                        assert_eq!(got, as_bytes(&expect), "rank {rank}: i32 {op:?} of {elems}");
+                    }
+                }
+                // A length that is not whole elements is refused.
+                // SAFETY: refused before anything is queued.
+                let e = unsafe { c.all_reduce(bufs[1].ptr(), 6, DType::F32, ReduceOp::Sum, &stream) }.unwrap_err();
+                assert!(e.to_string().contains("not whole"), "{e}");
+                g.barrier(None).unwrap();
+                drop(bufs);
+                drop(c);
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+}
