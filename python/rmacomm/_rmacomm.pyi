@@ -138,7 +138,14 @@ class Comm:
     def window_allocate(
         self, window_size: int, cpu_buf: bool = True, signal_size: int = 64, *, unified: bool = True
     ) -> CtranWindow: ...
-    def empty(self, shape: Union[int, Sequence[int]], dtype: _DTypeLike = None, *, like: Optional[_Tensor] = None) -> Any: ...
+    def empty(
+        self,
+        shape: Union[int, Sequence[int]],
+        dtype: _DTypeLike = None,
+        *,
+        like: Optional[_Tensor] = None,
+        device: Any = None,
+    ) -> Any: ...
     def send(
         self, tensor: _Tensor, dst: int, async_op: bool = False, hints: _Hints = None, timeout: _Timeout = None
     ) -> Work: ...
@@ -488,8 +495,10 @@ class TransferAgent:
     def pending_notifications(self) -> int: ...
     def stats(self) -> dict[str, int]: ...
 
-def empty(shape: Union[int, Sequence[int]], dtype: _DTypeLike = None, *, like: Optional[_Tensor] = None) -> Any:
-    """A zero-filled array or tensor in shared memory."""
+def empty(
+    shape: Union[int, Sequence[int]], dtype: _DTypeLike = None, *, like: Optional[_Tensor] = None, device: Any = None
+) -> Any:
+    """A zero-filled array or tensor in shared memory (device="cuda[:N]": a CUDA torch tensor)."""
 
 def new_comm(
     backend: str = "rdma",

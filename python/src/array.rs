@@ -168,13 +168,57 @@ pub(crate) fn alloc<'py>(
 ///         ("float32", "bfloat16", "torch.int64"); default float32.
 ///     like: a numpy array or torch tensor: return the same kind. Default:
 ///         a torch tensor for a torch dtype, else a numpy array.
+///     device: None or "cpu" (shared memory, as above), or "cuda" /
+///         "cuda:N" / a torch.device: a zero-filled torch tensor from
+///         torch's caching allocator on that GPU (cudaMalloc'd memory,
+///         which CUDA IPC exports: what windows of CUDA tensors register).
 #[pyfunction]
-#[pyo3(signature = (shape, dtype=None, *, like=None))]
+#[pyo3(signature = (shape, dtype=None, *, like=None, device=None))]
 pub(crate) fn empty<'py>(
     py: Python<'py>,
     shape: &Bound<'py, PyAny>,
     dtype: Option<&Bound<'py, PyAny>>,
     like: Option<&Bound<'py, PyAny>>,
+    device: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyAny>> {
+    if let Some(d) = device.filter(|d| !d.is_none()) {
+        let name = d.str()?.to_string();
+        if name.starts_with("cuda") {
+            return cuda_empty(py, shape, dtype, d);
+        }
+        if name != "cpu" && !name.starts_with("cpu:") {
+            return Err(PyValueError::new_err(format!("empty: device {name:?}: \"cpu\" or \"cuda[:N]\"")));
+        }
+    }
     alloc(py, shape, dtype, like)
+}
+
+/// `torch.zeros(shape, dtype, device)` on a CUDA device.
+fn cuda_empty<'py>(
+    py: Python<'py>,
+    shape: &Bound<'py, PyAny>,
+    dtype: Option<&Bound<'py, PyAny>>,
+    device: &Bound<'py, PyAny>,
+) -> PyResult<Bound<'py, PyAny>> {
+    let torch = py.import("torch").map_err(|e| {
+        crate::errors::Failure::new(
+            crate::errors::ErrKind::Unavailable,
+            format!(
+                "empty(device={}): CUDA tensors need torch: {e}",
+                device.str().map(|s| s.to_string()).unwrap_or_default()
+            ),
+        )
+    })?;
+    let e = match dtype.filter(|d| !d.is_none()) {
+        Some(d) => parse_dtype(d)?.0,
+        None => elem::by_name("float32").expect("in the table"),
+    };
+    let kw = PyDict::new(py);
+    kw.set_item("dtype", crate::tensor::torch_dtype(py, e)?)?;
+    kw.set_item("device", device)?;
+    let shape: Vec<usize> = match shape.extract::<usize>() {
+        Ok(n) => vec![n],
+        Err(_) => shape.extract()?,
+    };
+    torch.call_method("zeros", (shape,), Some(&kw))
 }

@@ -187,16 +187,18 @@ impl PyComm {
     }
 
     /// A zero-filled array in shared memory (same as `rmacomm.empty`):
-    /// what to register in windows and send from.
-    #[pyo3(signature = (shape, dtype=None, *, like=None))]
+    /// what to register in windows and send from; `device="cuda[:N]"`: a
+    /// zero-filled CUDA torch tensor (IPC-able, for windows of CUDA tensors).
+    #[pyo3(signature = (shape, dtype=None, *, like=None, device=None))]
     fn empty<'py>(
         &self,
         py: Python<'py>,
         shape: &Bound<'py, PyAny>,
         dtype: Option<&Bound<'py, PyAny>>,
         like: Option<&Bound<'py, PyAny>>,
+        device: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        array::empty(py, shape, dtype, like)
+        array::empty(py, shape, dtype, like, device)
     }
 
     /// Sends `tensor` to rank `dst` (matched, in order, by its `recv`).

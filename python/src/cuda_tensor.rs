@@ -16,7 +16,7 @@ use rmacomm_window::cuda::driver::{Context, DevicePtr};
 
 use crate::elem::Elem;
 use crate::errors::{ErrKind, Failure};
-use crate::tensor::{elem_of_torch_dtype, torch_module};
+use crate::tensor::{elem_of_torch_dtype, is_torch_tensor, torch_module};
 
 /// A contiguous CUDA torch tensor.
 pub(crate) struct CudaTensor {
@@ -32,11 +32,7 @@ pub(crate) struct CudaTensor {
 /// `None` for anything else (CPU tensors, numpy arrays: the host path).
 pub(crate) fn of(obj: &Bound<'_, PyAny>, arg: &str) -> PyResult<Option<CudaTensor>> {
     let py = obj.py();
-    let Some(torch) = torch_module(py)? else { return Ok(None) };
-    if !obj.is_instance(&torch.getattr(intern!(py, "Tensor"))?)? {
-        return Ok(None);
-    }
-    if !obj.getattr(intern!(py, "is_cuda"))?.is_truthy()? {
+    if !is_torch_tensor(obj)? || !obj.getattr(intern!(py, "is_cuda"))?.is_truthy()? {
         return Ok(None);
     }
     let dtype = obj.getattr(intern!(py, "dtype"))?;

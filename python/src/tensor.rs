@@ -126,6 +126,15 @@ fn torch(py: Python<'_>) -> PyResult<Option<&TorchTypes>> {
     Ok(TORCH.get(py))
 }
 
+/// Whether `obj` is a torch tensor (torch's cached type; false when the
+/// program never imported torch).
+pub(crate) fn is_torch_tensor(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
+    match torch(obj.py())? {
+        Some(t) => obj.is_instance(t.tensor.bind(obj.py()).as_any()),
+        None => Ok(false),
+    }
+}
+
 /// The torch module, if the program imported it.
 pub(crate) fn torch_module(py: Python<'_>) -> PyResult<Option<Bound<'_, PyModule>>> {
     Ok(torch(py)?.map(|t| t.module.bind(py).clone()))

@@ -36,7 +36,8 @@ def window_ring_cuda(_: str) -> None:
     side = torch.cuda.Stream()
     for dt in (torch.float32, torch.bfloat16, torch.int32):
         for count in (1, 1000, 1 << 20):
-            buf = torch.zeros(n * count, dtype=dt, device="cuda")
+            buf = comm.empty(n * count, dt, device="cuda")
+            expect(buf.is_cuda and buf.dtype == dt and not buf.any(), "comm.empty(device=cuda)")
             win = comm.new_window()
             win.tensor_register(buf)
             expect(win.get_device() == "cuda", "get_device of a CUDA window")

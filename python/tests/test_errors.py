@@ -93,6 +93,12 @@ def test_unavailable_backend_and_device() -> None:
         rmacomm.new_comm("rdma", "cuda", store=store, rank=0, world_size=1)
 
 
+def test_empty_on_a_device() -> None:
+    assert rmacomm.empty(3, device="cpu").shape == (3,)
+    with pytest.raises(ValueError, match="cpu.*cuda"):
+        rmacomm.empty(3, device="tpu")
+
+
 def test_store_objects_need_set_get_wait() -> None:
     with pytest.raises(TypeError, match="has no get, wait method"):
         rmacomm.new_comm(store=type("S", (), {"set": lambda *a: None})(), rank=0, world_size=1)

@@ -31,32 +31,30 @@ def _no_cuda() -> Optional[str]:
     return None
 
 
-def test_window_ring_on_cuda_tensors() -> None:
+def _require_cuda(what: str) -> None:
+    """Skips (saying why) where CUDA tensors cannot be had; fails instead
+    under RMACOMM_EXPECT_GPU=1 (the GPU suite)."""
     why = _no_cuda()
     if why is not None:
         if os.environ.get("RMACOMM_EXPECT_GPU") == "1":
             pytest.fail(f"RMACOMM_EXPECT_GPU=1 but {why}")
-        pytest.skip(f"{why}: the CUDA window ring runs on a GPU machine (scripts/gpu_suite.sh)")
+        pytest.skip(f"{why}: {what} runs on a GPU machine (scripts/gpu_suite.sh)")
+
+
+def test_window_ring_on_cuda_tensors() -> None:
+    _require_cuda("the CUDA window ring")
     out = launch(2, "window_ring_cuda", "", timeout=600, script=HERE / "cuda_scenarios.py")
     assert out.count("window_ring_cuda ok") == 2
 
 
 def test_nccl_backend_collectives_on_one_gpu() -> None:
-    why = _no_cuda()
-    if why is not None:
-        if os.environ.get("RMACOMM_EXPECT_GPU") == "1":
-            pytest.fail(f"RMACOMM_EXPECT_GPU=1 but {why}")
-        pytest.skip(f"{why}: the NCCL backend runs on a GPU machine (scripts/gpu_suite.sh)")
+    _require_cuda("the NCCL backend")
     # One rank: NCCL refuses two ranks on one GPU ("Duplicate GPU detected").
     out = launch(1, "nccl_collectives", "", timeout=600, script=HERE / "cuda_scenarios.py")
     assert "nccl_collectives ok" in out
 
 
 def test_native_all_reduce_on_cuda_tensors() -> None:
-    why = _no_cuda()
-    if why is not None:
-        if os.environ.get("RMACOMM_EXPECT_GPU") == "1":
-            pytest.fail(f"RMACOMM_EXPECT_GPU=1 but {why}")
-        pytest.skip(f"{why}: the native GPU all_reduce runs on a GPU machine (scripts/gpu_suite.sh)")
+    _require_cuda("the native GPU all_reduce")
     out = launch(2, "native_all_reduce", "", timeout=600, script=HERE / "cuda_scenarios.py")
     assert out.count("native_all_reduce ok") == 2
