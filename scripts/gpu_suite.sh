@@ -93,12 +93,12 @@ PY
     echo "# python: window ring on CUDA tensors"
     timeout 300 "$venv/bin/python" -m rmacomm.run --nproc-per-node 2 "$suite/python/cuda_scenarios.py" window_ring_cuda 2>&1 |
       tee "$out/python_window_ring_cuda.log" || rc=1
-    # The native backend's all_reduce on CUDA tensors (two processes, IPC),
-    # checked, then its bandwidth.
-    echo "# python: native all_reduce on CUDA tensors"
-    timeout 400 "$venv/bin/python" -m rmacomm.run --nproc-per-node 2 "$suite/python/cuda_scenarios.py" native_all_reduce bench 2>&1 |
-      tee "$out/python_native_all_reduce.log" || rc=1
-    grep -h '"native_all_reduce"' "$out/python_native_all_reduce.log" | sed 's/^\[[0-9]*\] //' > "$out/native_all_reduce.jsonl" || true
+    # The native backend's collectives on CUDA tensors (two processes, IPC),
+    # checked, then all_reduce's bandwidth.
+    echo "# python: native collectives on CUDA tensors"
+    timeout 400 "$venv/bin/python" -m rmacomm.run --nproc-per-node 2 "$suite/python/cuda_scenarios.py" native_collectives bench 2>&1 |
+      tee "$out/python_native_collectives.log" || rc=1
+    grep -h '"native_all_reduce"' "$out/python_native_collectives.log" | sed 's/^\[[0-9]*\] //' > "$out/native_all_reduce.jsonl" || true
     # The NCCL backend: one rank (NCCL refuses two ranks on one GPU).
     echo "# python: the nccl backend's collectives"
     timeout 300 "$venv/bin/python" -m rmacomm.run --nproc-per-node 1 "$suite/python/cuda_scenarios.py" nccl_collectives 2>&1 |

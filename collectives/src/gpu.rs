@@ -116,6 +116,172 @@ impl GpuComm {
         (r * elems / self.size, (r + 1) * elems / self.size)
     }
 
+    /// `out[i] = op(inputs[0][i], ..)` for `count` elements, queued: the
+    /// pointer table uploaded, then one k-input kernel.
+    #[allow(clippy::too_many_arguments)]
+    fn reduce(
+        &self,
+        what: &'static str,
+        e: &rmacomm_kernels::cuda::Entries,
+        op: ReduceOp,
+        out: DevicePtr,
+        inputs: &[DevicePtr],
+        count: usize,
+        stream: &Stream,
+    ) -> Result<()> {
+        let table: Vec<u8> = inputs.iter().flat_map(|p| p.to_ne_bytes()).collect();
+        // SAFETY: the table holds n pointers; the stream orders this upload
+        // after the kernel that read the previous table.
+        unsafe { stream.upload_async(self.table.ptr(), &table) }.map_err(cuda(what))?;
+        let grid = count.div_ceil(256).min(4096) as u32;
+        let (n, count) = (inputs.len(), count as u64);
+        let (tab, k) = (Arg::U64(self.table.ptr()), Arg::U32(n as u32));
+        let (name, args) = match (&e.full, op) {
+            (Some(full), ReduceOp::PremulSum(f)) => {
+                (full, vec![Arg::U64(out), tab, k, Arg::U64(count), Arg::F64(f), Arg::U64(1)])
+            }
+            (Some(full), _) => (full, vec![Arg::U64(out), tab, k, Arg::U64(count), Arg::F64(1.0), Arg::U64(n as u64)]),
+            (None, _) => (&e.nary, vec![Arg::U64(out), tab, k, Arg::U64(count)]),
+        };
+        // SAFETY: the entry point's parameters, in order; every pointer is
+        // inside a rank's slot memory mapped here, or the caller's buffer.
+        unsafe { self.module.launch_on(stream, name, grid, 256, &args) }.map_err(cuda(what))
+    }
+
+    fn copy(&self, what: &'static str, dst: DevicePtr, src: DevicePtr, len: usize, stream: &Stream) -> Result<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        // SAFETY: the callers pass ranges inside slot memory or the caller's
+        // buffers (their contract).
+        unsafe { stream.copy_async(dst, src, len) }.map_err(cuda(what))
+    }
+
+    /// Broadcasts `root`'s `len` bytes at `buf` into every rank's `buf`,
+    /// queued on `stream` (collective).
+    ///
+    /// # Safety
+    /// As for [`all_reduce`](Self::all_reduce).
+    pub unsafe fn broadcast(&mut self, buf: DevicePtr, len: usize, root: usize, stream: &Stream) -> Result<()> {
+        const OP: &str = "broadcast";
+        if root >= self.size {
+            return Err(Error::invalid(OP, format!("root {root} is not a rank of {}", self.size)));
+        }
+        let mut off = 0;
+        while off < len {
+            let clen = self.slot.min(len - off);
+            if self.rank == root {
+                self.copy(OP, self.slots[root], buf + off as u64, clen, stream)?;
+            }
+            self.exchange(OP, stream)?;
+            if self.rank != root {
+                self.copy(OP, buf + off as u64, self.slots[root], clen, stream)?;
+            }
+            self.exchange(OP, stream)?;
+            off += clen;
+        }
+        Ok(())
+    }
+
+    /// Gathers every rank's `len` bytes at `input` into `output` (size ×
+    /// `len`, rank order), queued on `stream` (collective).
+    ///
+    /// # Safety
+    /// As for [`all_reduce`](Self::all_reduce), for both buffers.
+    pub unsafe fn all_gather(
+        &mut self,
+        output: DevicePtr,
+        input: DevicePtr,
+        len: usize,
+        stream: &Stream,
+    ) -> Result<()> {
+        const OP: &str = "all_gather_single";
+        let mut off = 0;
+        while off < len {
+            let clen = self.slot.min(len - off);
+            self.copy(OP, self.slots[self.rank], input + off as u64, clen, stream)?;
+            self.exchange(OP, stream)?;
+            for p in 0..self.size {
+                self.copy(OP, output + (p * len + off) as u64, self.slots[p], clen, stream)?;
+            }
+            self.exchange(OP, stream)?;
+            off += clen;
+        }
+        Ok(())
+    }
+
+    /// Block j (of `size` blocks of `len` bytes) of every rank's `input`
+    /// goes to rank j, into block i (from rank i) of its `output`, queued
+    /// on `stream` (collective).
+    ///
+    /// # Safety
+    /// As for [`all_reduce`](Self::all_reduce); both buffers hold size ×
+    /// `len` bytes.
+    pub unsafe fn all_to_all(
+        &mut self,
+        output: DevicePtr,
+        input: DevicePtr,
+        len: usize,
+        stream: &Stream,
+    ) -> Result<()> {
+        const OP: &str = "all_to_all_single";
+        let (me, n) = (self.rank, self.size);
+        let step = (self.slot / n).max(1);
+        let mut off = 0;
+        while off < len {
+            let clen = step.min(len - off);
+            for p in 0..n {
+                self.copy(OP, self.slots[me] + (p * clen) as u64, input + (p * len + off) as u64, clen, stream)?;
+            }
+            self.exchange(OP, stream)?;
+            for p in 0..n {
+                self.copy(OP, output + (p * len + off) as u64, self.slots[p] + (me * clen) as u64, clen, stream)?;
+            }
+            self.exchange(OP, stream)?;
+            off += clen;
+        }
+        Ok(())
+    }
+
+    /// Reduces block j (of `size` blocks of `len` bytes) of every rank's
+    /// `input` with `op` into rank j's `output` (`len` bytes), queued on
+    /// `stream` (collective).
+    ///
+    /// # Safety
+    /// As for [`all_to_all`](Self::all_to_all); `output` holds `len` bytes.
+    pub unsafe fn reduce_scatter(
+        &mut self,
+        output: DevicePtr,
+        input: DevicePtr,
+        len: usize,
+        dtype: DType,
+        op: ReduceOp,
+        stream: &Stream,
+    ) -> Result<()> {
+        const OP: &str = "reduce_scatter_single";
+        op.check(dtype).map_err(|source| Error::Kernel { op: OP, source })?;
+        let es = dtype.size();
+        if !len.is_multiple_of(es) {
+            return Err(Error::invalid(OP, format!("{len} bytes are not whole {dtype} elements")));
+        }
+        let e = rmacomm_kernels::cuda::entries(op, dtype).map_err(|source| Error::Kernel { op: OP, source })?;
+        let (me, n) = (self.rank, self.size);
+        let step = (self.slot / n / es * es).max(es);
+        let mut off = 0;
+        while off < len {
+            let clen = step.min(len - off);
+            for p in 0..n {
+                self.copy(OP, self.slots[me] + (p * clen) as u64, input + (p * len + off) as u64, clen, stream)?;
+            }
+            self.exchange(OP, stream)?;
+            let inputs: Vec<DevicePtr> = self.slots.iter().map(|s| s + (me * clen) as u64).collect();
+            self.reduce(OP, &e, op, output + off as u64, &inputs, clen / es, stream)?;
+            self.exchange(OP, stream)?;
+            off += clen;
+        }
+        Ok(())
+    }
+
     /// Reduces every rank's `len` bytes at `buf` (elements of `dtype`) with
     /// `op`, in place on every rank, queued on `stream` (collective: every
     /// rank calls it with the same length, type and op).
@@ -153,26 +319,9 @@ impl GpuComm {
             let (s0, s1) = self.share(me, elems);
             if s1 > s0 {
                 let at = (s0 * es) as u64;
-                let table: Vec<u8> = self.slots.iter().flat_map(|p| (p + at).to_ne_bytes()).collect();
-                // SAFETY: the table holds n pointers; the stream orders this
-                // upload after the kernel that read the previous table.
-                unsafe { stream.upload_async(self.table.ptr(), &table) }.map_err(cuda(OP))?;
+                let inputs: Vec<DevicePtr> = self.slots.iter().map(|p| p + at).collect();
                 let out = self.slots[me] + self.slot as u64 + at;
-                let count = (s1 - s0) as u64;
-                let grid = (s1 - s0).div_ceil(256).min(4096) as u32;
-                let (tab, k) = (Arg::U64(self.table.ptr()), Arg::U32(n as u32));
-                let launch = match (&e.full, op) {
-                    (Some(full), ReduceOp::PremulSum(f)) => {
-                        (full, vec![Arg::U64(out), tab, k, Arg::U64(count), Arg::F64(f), Arg::U64(1)])
-                    }
-                    (Some(full), _) => {
-                        (full, vec![Arg::U64(out), tab, k, Arg::U64(count), Arg::F64(1.0), Arg::U64(n as u64)])
-                    }
-                    (None, _) => (&e.nary, vec![Arg::U64(out), tab, k, Arg::U64(count)]),
-                };
-                // SAFETY: the entry point's parameters, in order; every
-                // pointer is inside a rank's slot memory, mapped here.
-                unsafe { self.module.launch_on(stream, launch.0, grid, 256, &launch.1) }.map_err(cuda(OP))?;
+                self.reduce(OP, &e, op, out, &inputs, s1 - s0, stream)?;
             }
             // 4. Everyone's results are in place.
             self.exchange(OP, stream)?;

@@ -127,3 +127,67 @@ fn gpu_all_reduce_through_the_slots_matches_the_host() {
         h.join().unwrap();
     }
 }
+
+/// broadcast, all_gather_single, all_to_all_single and reduce_scatter_single
+/// of the native backend on three thread ranks through 64 KiB slots (blocks
+/// of 40,000 i32: several chunks each), every rank's result checked.
+#[test]
+fn gpu_broadcast_gather_all_to_all_and_reduce_scatter_match_the_host() {
+    if !ready() {
+        return;
+    }
+    let store: Arc<dyn Store> = Arc::new(HashStore::new());
+    let n = 3;
+    let handles: Vec<_> = (0..n)
+        .map(|rank| {
+            let store = store.clone();
+            std::thread::spawn(move || {
+                let g =
+                    Group::with_options(rank, n, store, GroupOptions::new().timeout(Duration::from_secs(60))).unwrap();
+                let ctx = Context::open_shared(0).unwrap();
+                let mut c = GpuComm::new(&g, ctx.clone(), Some(64 << 10), Duration::from_secs(60)).unwrap();
+                let stream = ctx.stream().unwrap();
+                let b = 40_000usize; // elements per block
+                let (small, big) = (ctx.alloc_shared(b * 4).unwrap(), ctx.alloc_shared(n * b * 4).unwrap());
+                let out_big = ctx.alloc_shared(n * b * 4).unwrap();
+                let val = |r: usize, i: usize| (r * 1_000_000 + i) as i32;
+                let read = |m: &rmacomm_window::cuda::device::DeviceMemory, len: usize| {
+                    stream.synchronize().unwrap();
+                    let mut v = vec![0u8; len];
+                    m.read_into(0, &mut v).unwrap();
+                    v
+                };
+                // broadcast from rank 1.
+                small.write_from(0, &as_bytes(&(0..b).map(|i| val(rank, i)).collect::<Vec<_>>())).unwrap();
+                // SAFETY: every buffer is large enough and outlives the synchronizations.
+                unsafe { c.broadcast(small.ptr(), b * 4, 1, &stream) }.unwrap();
+                assert_eq!(read(&small, b * 4), as_bytes(&(0..b).map(|i| val(1, i)).collect::<Vec<_>>()), "broadcast");
+                // all_gather_single.
+                small.write_from(0, &as_bytes(&(0..b).map(|i| val(rank, i)).collect::<Vec<_>>())).unwrap();
+                // SAFETY: as above.
+                unsafe { c.all_gather(out_big.ptr(), small.ptr(), b * 4, &stream) }.unwrap();
+                let want: Vec<i32> = (0..n).flat_map(|p| (0..b).map(move |i| val(p, i))).collect();
+                assert_eq!(read(&out_big, n * b * 4), as_bytes(&want), "rank {rank}: all_gather_single");
+                // all_to_all_single: block j of rank r holds val(r * 10 + j, i).
+                let inp: Vec<i32> = (0..n).flat_map(|j| (0..b).map(move |i| val(rank * 10 + j, i))).collect();
+                big.write_from(0, &as_bytes(&inp)).unwrap();
+                // SAFETY: as above.
+                unsafe { c.all_to_all(out_big.ptr(), big.ptr(), b * 4, &stream) }.unwrap();
+                let want: Vec<i32> = (0..n).flat_map(|p| (0..b).map(move |i| val(p * 10 + rank, i))).collect();
+                assert_eq!(read(&out_big, n * b * 4), as_bytes(&want), "rank {rank}: all_to_all_single");
+                // reduce_scatter_single (SUM): rank j gets sum over r of block j of rank r.
+                // SAFETY: as above.
+                unsafe { c.reduce_scatter(small.ptr(), big.ptr(), b * 4, DType::I32, ReduceOp::Sum, &stream) }.unwrap();
+                let want: Vec<i32> =
+                    (0..b).map(|i| (0..n).map(|r| val(r * 10 + rank, i)).fold(0i32, i32::wrapping_add)).collect();
+                assert_eq!(read(&small, b * 4), as_bytes(&want), "rank {rank}: reduce_scatter_single");
+                g.barrier(None).unwrap();
+                drop((small, big, out_big));
+                drop(c);
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+}

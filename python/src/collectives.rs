@@ -88,6 +88,17 @@ unsafe fn slices_mut<'a>(outs: &[Raw]) -> Vec<&'a mut [u8]> {
     outs.iter().map(|r| unsafe { r.slice_mut() }).collect()
 }
 
+/// The reduction type of a CUDA tensor's elements.
+fn native_dtype(op: &str, t: &crate::cuda_tensor::CudaTensor) -> PyResult<DType> {
+    t.elem.dtype.ok_or_else(|| {
+        crate::errors::Failure::new(
+            crate::errors::ErrKind::Argument,
+            format!("{op}: {} tensors cannot be reduced", t.elem.name),
+        )
+        .into()
+    })
+}
+
 fn raws(ts: &[Tensor<'_>]) -> Vec<Raw> {
     ts.iter().map(Tensor::raw).collect()
 }
@@ -263,7 +274,13 @@ impl PyComm {
     ) -> PyResult<PyWork> {
         let _ = hints;
         if let Some(t) = cuda_tensor::of(tensor, "tensor")? {
-            self.gpu("broadcast", &[&t])?.broadcast(py, &t, root)?;
+            if self.shared.nccl.get().is_some() {
+                self.gpu("broadcast", &[&t])?.broadcast(py, &t, root)?;
+            } else {
+                let (p, len) = (t.ptr, t.nbytes);
+                // SAFETY: as in native_all_reduce.
+                self.native(py, "broadcast", t.device, move |c, s| unsafe { c.broadcast(p, len, root, s) })?;
+            }
             return Ok(PyWork::done());
         }
         let t = Tensor::new(tensor, "tensor", true)?;
@@ -371,7 +388,12 @@ impl PyComm {
     ) -> PyResult<PyWork> {
         let _ = hints;
         if let (Some(o), Some(i)) = (cuda_tensor::of(output, "output")?, cuda_tensor::of(input, "input")?) {
-            self.gpu("all_gather_single", &[&o, &i])?.all_gather_single(py, &o, &i, self.shared.size)?;
+            if self.shared.nccl.get().is_some() {
+                self.gpu("all_gather_single", &[&o, &i])?.all_gather_single(py, &o, &i, self.shared.size)?;
+            } else {
+                let n = self.shared.size;
+                self.native_pair(py, "all_gather_single", &o, &i, i.nbytes, (n, 1), None)?;
+            }
             return Ok(PyWork::done());
         }
         let o = Tensor::new(output, "output", true)?;
@@ -439,8 +461,13 @@ impl PyComm {
     ) -> PyResult<PyWork> {
         let _ = hints;
         if let (Some(o), Some(i)) = (cuda_tensor::of(output, "output")?, cuda_tensor::of(input, "input")?) {
-            let call = self.gpu("reduce_scatter_single", &[&o, &i])?;
-            call.reduce_scatter_single(py, &o, &i, op.op, self.shared.size)?;
+            if self.shared.nccl.get().is_some() {
+                let call = self.gpu("reduce_scatter_single", &[&o, &i])?;
+                call.reduce_scatter_single(py, &o, &i, op.op, self.shared.size)?;
+            } else {
+                let n = self.shared.size;
+                self.native_pair(py, "reduce_scatter_single", &o, &i, o.nbytes, (1, n), Some(op.op))?;
+            }
             return Ok(PyWork::done());
         }
         let o = Tensor::new(output, "output", true)?;
@@ -474,7 +501,19 @@ impl PyComm {
     ) -> PyResult<PyWork> {
         let _ = hints;
         if let (Some(o), Some(i)) = (cuda_tensor::of(output, "output")?, cuda_tensor::of(input, "input")?) {
-            self.gpu("all_to_all_single", &[&o, &i])?.all_to_all_single(py, &o, &i, self.shared.size)?;
+            if self.shared.nccl.get().is_some() {
+                self.gpu("all_to_all_single", &[&o, &i])?.all_to_all_single(py, &o, &i, self.shared.size)?;
+            } else {
+                let n = self.shared.size;
+                if i.nbytes % n != 0 {
+                    return Err(crate::errors::Failure::new(
+                        crate::errors::ErrKind::Argument,
+                        format!("all_to_all_single: {} bytes do not split into {n} blocks", i.nbytes),
+                    )
+                    .into());
+                }
+                self.native_pair(py, "all_to_all_single", &o, &i, i.nbytes / n, (n, n), None)?;
+            }
             return Ok(PyWork::done());
         }
         let o = Tensor::new(output, "output", true)?;
@@ -672,47 +711,102 @@ impl PyComm {
 }
 
 impl PyComm {
-    /// all_reduce of a CUDA tensor with the native backend: same-host ranks
-    /// through CUDA IPC, the NVRTC kernels, queued on torch's current
-    /// stream (docs/gpu.md).
-    fn native_all_reduce(
-        &self,
-        py: Python<'_>,
-        t: &crate::cuda_tensor::CudaTensor,
-        op: rmacomm_collectives::ReduceOp,
-    ) -> PyResult<()> {
-        let dt = t.elem.dtype.ok_or_else(|| {
-            crate::errors::Failure::new(
-                crate::errors::ErrKind::Argument,
-                format!("all_reduce: {} tensors cannot be reduced", t.elem.name),
-            )
-        })?;
-        let stream = cuda_tensor::stream(py, None, t.device)?;
-        let ctx = cuda_tensor::context(t.device)?;
+    /// Runs `f` on the native backend's GPU communicator of device
+    /// `device` (made by the first collective on CUDA tensors: every rank
+    /// reaches it at the same call) with torch's current stream, the GIL
+    /// released.
+    fn native<F>(&self, py: Python<'_>, op: &'static str, device: u32, f: F) -> PyResult<()>
+    where
+        F: FnOnce(
+                &mut rmacomm_collectives::GpuComm,
+                &rmacomm_window::cuda::device::Stream,
+            ) -> Result<(), rmacomm_collectives::Error>
+            + Send,
+    {
+        let stream = cuda_tensor::stream(py, None, device)?;
+        let ctx = cuda_tensor::context(device)?;
         let s = &self.shared;
-        let (ptr, len) = (t.ptr, t.nbytes);
         py.detach(|| -> Result<(), rmacomm_collectives::Error> {
             let mut g = s.gpu.lock().unwrap_or_else(|e| e.into_inner());
             if g.is_none() {
                 *g = Some(rmacomm_collectives::GpuComm::new(&s.meta, ctx, None, s.timeout)?);
             }
             let c = g.as_mut().expect("set above");
-            if c.context().ordinal() != t.device as i32 {
+            if c.context().ordinal() != device as i32 {
                 return Err(rmacomm_collectives::Error::InvalidArgument {
-                    op: "all_reduce",
+                    op,
                     reason: format!(
-                        "the tensor is on cuda:{}, this communicator's GPU collectives on cuda:{}",
-                        t.device,
+                        "the tensor is on cuda:{device}, this communicator's GPU collectives on cuda:{}",
                         c.context().ordinal()
                     ),
                 });
             }
-            // SAFETY: the tensor is alive for the call, and the work is
-            // queued on torch's current stream, which orders the reuse of
-            // its memory.
-            unsafe { c.all_reduce(ptr, len, dt, op, &stream) }
+            f(c, &stream)
         })
         .map_err(py_err)
+    }
+
+    /// all_reduce of a CUDA tensor with the native backend (docs/gpu.md).
+    fn native_all_reduce(
+        &self,
+        py: Python<'_>,
+        t: &crate::cuda_tensor::CudaTensor,
+        op: rmacomm_collectives::ReduceOp,
+    ) -> PyResult<()> {
+        let dt = native_dtype("all_reduce", t)?;
+        let (ptr, len) = (t.ptr, t.nbytes);
+        // SAFETY: the tensor is alive for the call, and the work is queued
+        // on torch's current stream, which orders the reuse of its memory.
+        self.native(py, "all_reduce", t.device, move |c, s| unsafe { c.all_reduce(ptr, len, dt, op, s) })
+    }
+
+    /// The two-tensor collectives on CUDA tensors with the native backend:
+    /// same dtype, `output` `out_blocks` × and `input` `in_blocks` × a
+    /// block of `block` bytes.
+    #[allow(clippy::too_many_arguments)]
+    fn native_pair(
+        &self,
+        py: Python<'_>,
+        op: &'static str,
+        o: &crate::cuda_tensor::CudaTensor,
+        i: &crate::cuda_tensor::CudaTensor,
+        block: usize,
+        (out_blocks, in_blocks): (usize, usize),
+        red: Option<rmacomm_collectives::ReduceOp>,
+    ) -> PyResult<()> {
+        if o.elem.name != i.elem.name || o.nbytes != block * out_blocks || i.nbytes != block * in_blocks {
+            return Err(crate::errors::Failure::new(
+                crate::errors::ErrKind::Argument,
+                format!(
+                    "{op}: output ({} {} B) and input ({} {} B) do not fit: {out_blocks} and {in_blocks} blocks of \
+                     {block} B of one dtype",
+                    o.elem.name, o.nbytes, i.elem.name, i.nbytes
+                ),
+            )
+            .into());
+        }
+        if o.device != i.device {
+            return Err(crate::errors::Failure::new(
+                crate::errors::ErrKind::Argument,
+                format!("{op}: output and input are on different GPUs"),
+            )
+            .into());
+        }
+        let (op_, ip) = (o.ptr, i.ptr);
+        let dt = match red {
+            Some(_) => Some(native_dtype(op, o)?),
+            None => None,
+        };
+        // SAFETY: both tensors are alive for the call, their sizes checked,
+        // the work queued on torch's current stream.
+        self.native(py, op, o.device, move |c, s| unsafe {
+            match (op, red, dt) {
+                ("all_gather_single", _, _) => c.all_gather(op_, ip, block, s),
+                ("all_to_all_single", _, _) => c.all_to_all(op_, ip, block, s),
+                (_, Some(r), Some(d)) => c.reduce_scatter(op_, ip, block, d, r, s),
+                _ => unreachable!("the callers pass a reduction for reduce_scatter"),
+            }
+        })
     }
 
     /// The NCCL side, for a collective on CUDA tensors.

@@ -207,9 +207,9 @@ impl<'py> Tensor<'py> {
             })?;
         if !obj.getattr(intern!(py, "is_cpu"))?.is_truthy()? {
             return Err(PyValueError::new_err(format!(
-                "{arg} is on device {}; here rmacomm moves CPU tensors (CUDA tensors go to windows, all_reduce, and \
-                 with new_comm(\"nccl\") reduce, broadcast, all_gather_single, reduce_scatter_single, \
-                 all_to_all_single, send, recv)",
+                "{arg} is on device {}; here rmacomm moves CPU tensors (CUDA tensors go to windows, to all_reduce, \
+                 broadcast, all_gather_single, reduce_scatter_single, all_to_all_single, and with \
+                 new_comm(\"nccl\") also to reduce, send, recv)",
                 obj.getattr(intern!(py, "device"))?
             )));
         }

@@ -147,12 +147,13 @@ def nccl_collectives(_: str) -> None:
     log(f"nccl_collectives ok ({n} rank(s))")
 
 
-def native_all_reduce(arg: str) -> None:
-    """all_reduce of CUDA tensors on an rdma communicator: the native
+def native_collectives(arg: str) -> None:
+    """Collectives of CUDA tensors on an rdma communicator: the native
     backend (two processes on one GPU through CUDA IPC, the NVRTC kernels,
     stream-ordered signals). f32, bf16, i32 × counts 1, 1000, 1 Mi and 20 M
     (80 MB of f32: two chunks of the 64 MiB slots) × SUM, MAX, AVG,
-    PREMUL_SUM(2), checked against torch; then, with arg "bench", the
+    PREMUL_SUM(2), checked against torch; broadcast, all_gather_single,
+    all_to_all_single, reduce_scatter_single; then, with arg "bench", the
     bus bandwidth from 1 MiB to 256 MiB as JSON lines."""
     import json
     import time
@@ -182,6 +183,26 @@ def native_all_reduce(arg: str) -> None:
                 }[name].to(dt)
                 expect(torch.equal(x, want), f"native all_reduce {name} {dt} count {count}")
             comm.barrier()
+    # The other collectives the native backend runs on CUDA tensors.
+    for dt in (torch.float32, torch.int32):
+        b = 300_000
+        x = torch.full((b,), r + 5, dtype=dt, device="cuda")
+        comm.broadcast(x, n - 1)
+        expect(torch.equal(x, torch.full_like(x, n + 4)), f"native broadcast {dt}")
+        inp = torch.arange(b, device="cuda").to(dt) + r
+        out = torch.zeros(n * b, dtype=dt, device="cuda")
+        comm.all_gather_single(out, inp)
+        want = torch.cat([torch.arange(b, device="cuda").to(dt) + p for p in range(n)])
+        expect(torch.equal(out, want), f"native all_gather_single {dt}")
+        inp = torch.cat([torch.full((b,), 10 * r + j, dtype=dt, device="cuda") for j in range(n)])
+        out = torch.zeros(n * b, dtype=dt, device="cuda")
+        comm.all_to_all_single(out, inp)
+        want = torch.cat([torch.full((b,), 10 * p + r, dtype=dt, device="cuda") for p in range(n)])
+        expect(torch.equal(out, want), f"native all_to_all_single {dt}")
+        out = torch.zeros(b, dtype=dt, device="cuda")
+        comm.reduce_scatter_single(out, inp, R.SUM)
+        expect(torch.equal(out, torch.full_like(out, sum(10 * p + r for p in range(n)))), f"native reduce_scatter {dt}")
+        comm.barrier()
     if arg == "bench":
         size = 1 << 20
         while size <= 256 << 20:
@@ -202,11 +223,11 @@ def native_all_reduce(arg: str) -> None:
                                 "busbw_GBps": round(alg * 2 * (n - 1) / n, 2), "device": torch.cuda.get_device_name()}))
             size *= 4
     comm.finalize()
-    log("native_all_reduce ok")
+    log("native_collectives ok")
 
 
 SCENARIOS: Dict[str, Callable[[str], None]] = {
-    "native_all_reduce": native_all_reduce,
+    "native_collectives": native_collectives,
     "window_ring_cuda": window_ring_cuda,
     "nccl_collectives": nccl_collectives,
 }

@@ -54,7 +54,7 @@ def test_nccl_backend_collectives_on_one_gpu() -> None:
     assert "nccl_collectives ok" in out
 
 
-def test_native_all_reduce_on_cuda_tensors() -> None:
-    _require_cuda("the native GPU all_reduce")
-    out = launch(2, "native_all_reduce", "", timeout=600, script=HERE / "cuda_scenarios.py")
-    assert out.count("native_all_reduce ok") == 2
+def test_native_collectives_on_cuda_tensors() -> None:
+    _require_cuda("the native GPU collectives")
+    out = launch(2, "native_collectives", "", timeout=600, script=HERE / "cuda_scenarios.py")
+    assert out.count("native_collectives ok") == 2
