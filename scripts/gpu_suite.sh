@@ -86,22 +86,25 @@ PY
   grep -h '"window_device_put"' "$out/window_device_bw.log" | sed 's/^\[[0-9]*\] //' > "$out/window_device_bw.jsonl" || true
   # Python: the window ring on CUDA torch tensors, two processes.
   if [ -d "$suite/wheels" ] && python3 -c 'import torch' 2>/dev/null; then
-    local venv
-    venv=$(mktemp -d)/venv
-    python3 -m venv --system-site-packages "$venv"
-    "$venv/bin/python" -m pip install -q --no-deps --no-index "$suite"/wheels/*.whl
+    # The wheel into a directory of its own (no venv module or network
+    # needed), first on PYTHONPATH; torch is the machine's.
+    local pydir py
+    pydir=$(mktemp -d)/site
+    python3 -m pip install -q --no-deps --no-index --target "$pydir" "$suite"/wheels/*.whl
+    export PYTHONPATH="$pydir${PYTHONPATH:+:$PYTHONPATH}"
+    py=python3
     echo "# python: window ring on CUDA tensors"
-    timeout 300 "$venv/bin/python" -m rmacomm.run --nproc-per-node 2 "$suite/python/cuda_scenarios.py" window_ring_cuda 2>&1 |
+    timeout 300 "$py" -m rmacomm.run --nproc-per-node 2 "$suite/python/cuda_scenarios.py" window_ring_cuda 2>&1 |
       tee "$out/python_window_ring_cuda.log" || rc=1
     # The native backend's collectives on CUDA tensors (two processes, IPC),
     # checked, then all_reduce's bandwidth.
     echo "# python: native collectives on CUDA tensors"
-    timeout 400 "$venv/bin/python" -m rmacomm.run --nproc-per-node 2 "$suite/python/cuda_scenarios.py" native_collectives bench 2>&1 |
+    timeout 400 "$py" -m rmacomm.run --nproc-per-node 2 "$suite/python/cuda_scenarios.py" native_collectives bench 2>&1 |
       tee "$out/python_native_collectives.log" || rc=1
     grep -h '"native_all_reduce"' "$out/python_native_collectives.log" | sed 's/^\[[0-9]*\] //' > "$out/native_all_reduce.jsonl" || true
     # The NCCL backend: one rank (NCCL refuses two ranks on one GPU).
     echo "# python: the nccl backend's collectives"
-    timeout 300 "$venv/bin/python" -m rmacomm.run --nproc-per-node 1 "$suite/python/cuda_scenarios.py" nccl_collectives 2>&1 |
+    timeout 300 "$py" -m rmacomm.run --nproc-per-node 1 "$suite/python/cuda_scenarios.py" nccl_collectives 2>&1 |
       tee "$out/python_nccl_collectives.log" || rc=1
   else
     echo "# python: FAILED: no wheel in the suite or no torch on this machine" | tee "$out/python_window_ring_cuda.log"
