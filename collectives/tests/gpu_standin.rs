@@ -46,14 +46,11 @@ fn as_bytes<T: Copy>(v: &[T]) -> Vec<u8> {
     out
 }
 
-/// Three thread ranks, 64 KiB slots (a 200 KB buffer is four chunks):
-/// element counts 1, 1000 and 50,000 × (f32: SUM, MAX, AVG, PREMUL_SUM;
-/// i32: SUM, BAND), every rank's result checked.
-#[test]
-fn gpu_all_reduce_through_the_slots_matches_the_host() {
-    if !ready() {
-        return;
-    }
+/// Runs `f(rank, group, ctx, comm, stream)` on three thread ranks, each with
+/// a GpuComm of 64 KiB slots; drops the comm after a barrier (a free
+/// synchronizes the whole device: no rank may still be waiting; `f` frees
+/// its buffers after a barrier too).
+fn three_ranks(f: fn(usize, &Group, &Arc<Context>, &mut GpuComm, &rmacomm_window::cuda::device::Stream)) {
     let store: Arc<dyn Store> = Arc::new(HashStore::new());
     let n = 3;
     let handles: Vec<_> = (0..n)
@@ -65,60 +62,8 @@ fn gpu_all_reduce_through_the_slots_matches_the_host() {
                 let ctx = Context::open_shared(0).unwrap();
                 let mut c = GpuComm::new(&g, ctx.clone(), Some(64 << 10), Duration::from_secs(60)).unwrap();
                 let stream = ctx.stream().unwrap();
-                // Allocated up front and freed after a barrier: a free
-                // synchronizes the whole device (the driver's, and the
-                // stand-in's), and with ranks as threads of one process
-                // another rank's stream may be waiting for this rank's next
-                // signal.
-                let bufs: Vec<_> = [1usize, 1000, 50_000].iter().map(|e| ctx.alloc_shared(e * 4).unwrap()).collect();
-                for (elems, buf) in [1usize, 1000, 50_000].into_iter().zip(&bufs) {
-                    let f = |r: usize, i: usize| ((r + 1) * 10 + i % 7) as f32;
-                    let cases: [(ReduceOp, Host); 4] = [
-                        (ReduceOp::Sum, |v| v.iter().sum()),
-                        (ReduceOp::Max, |v| v.iter().copied().fold(f32::MIN, f32::max)),
-                        (ReduceOp::Avg, |v| v.iter().sum::<f32>() / v.len() as f32),
-                        (ReduceOp::PremulSum(0.5), |v| v.iter().map(|x| x * 0.5).sum()),
-                    ];
-                    for (op, want) in cases {
-                        let x: Vec<f32> = (0..elems).map(|i| f(rank, i)).collect();
-                        buf.write_from(0, &as_bytes(&x)).unwrap();
-                        // SAFETY: buf holds elems f32 and outlives the synchronize.
-                        unsafe { c.all_reduce(buf.ptr(), elems * 4, DType::F32, op, &stream) }.unwrap();
-                        stream.synchronize().unwrap();
-                        let mut got = vec![0u8; elems * 4];
-                        buf.read_into(0, &mut got).unwrap();
-                        let expect: Vec<f32> =
-                            (0..elems).map(|i| want(&(0..n).map(|r| f(r, i)).collect::<Vec<_>>())).collect();
-                        assert_eq!(got, as_bytes(&expect), "rank {rank}: f32 {op:?} of {elems}");
-                    }
-                    let y = |r: usize, i: usize| ((r + 1) as i32 * 1000 + i as i32) | 0x100;
-                    for (op, want) in [(ReduceOp::Sum, 0), (ReduceOp::Band, 1)] {
-                        let x: Vec<i32> = (0..elems).map(|i| y(rank, i)).collect();
-                        buf.write_from(0, &as_bytes(&x)).unwrap();
-                        // SAFETY: as above.
-                        unsafe { c.all_reduce(buf.ptr(), elems * 4, DType::I32, op, &stream) }.unwrap();
-                        stream.synchronize().unwrap();
-                        let mut got = vec![0u8; elems * 4];
-                        buf.read_into(0, &mut got).unwrap();
-                        let expect: Vec<i32> = (0..elems)
-                            .map(|i| {
-                                let v = (0..n).map(|r| y(r, i));
-                                if want == 0 {
-                                    v.fold(0i32, i32::wrapping_add)
-                                } else {
-                                    v.fold(-1i32, |a, b| a & b)
-                                }
-                            })
-                            .collect();
-                        assert_eq!(got, as_bytes(&expect), "rank {rank}: i32 {op:?} of {elems}");
-                    }
-                }
-                // A length that is not whole elements is refused.
-                // SAFETY: refused before anything is queued.
-                let e = unsafe { c.all_reduce(bufs[1].ptr(), 6, DType::F32, ReduceOp::Sum, &stream) }.unwrap_err();
-                assert!(e.to_string().contains("not whole"), "{e}");
+                f(rank, &g, &ctx, &mut c, &stream);
                 g.barrier(None).unwrap();
-                drop(bufs);
                 drop(c);
             })
         })
@@ -126,6 +71,72 @@ fn gpu_all_reduce_through_the_slots_matches_the_host() {
     for h in handles {
         h.join().unwrap();
     }
+}
+
+/// Three thread ranks, 64 KiB slots (a 200 KB buffer is four chunks):
+/// element counts 1, 1000 and 50,000 × (f32: SUM, MAX, AVG, PREMUL_SUM;
+/// i32: SUM, BAND), every rank's result checked.
+#[test]
+fn gpu_all_reduce_through_the_slots_matches_the_host() {
+    if !ready() {
+        return;
+    }
+    three_ranks(|rank, g, ctx, c, stream| {
+        let n = 3;
+        // Allocated up front and freed after a barrier: a free
+        // synchronizes the whole device (the driver's, and the
+        // stand-in's), and with ranks as threads of one process
+        // another rank's stream may be waiting for this rank's next
+        // signal.
+        let bufs: Vec<_> = [1usize, 1000, 50_000].iter().map(|e| ctx.alloc_shared(e * 4).unwrap()).collect();
+        for (elems, buf) in [1usize, 1000, 50_000].into_iter().zip(&bufs) {
+            let f = |r: usize, i: usize| ((r + 1) * 10 + i % 7) as f32;
+            let cases: [(ReduceOp, Host); 4] = [
+                (ReduceOp::Sum, |v| v.iter().sum()),
+                (ReduceOp::Max, |v| v.iter().copied().fold(f32::MIN, f32::max)),
+                (ReduceOp::Avg, |v| v.iter().sum::<f32>() / v.len() as f32),
+                (ReduceOp::PremulSum(0.5), |v| v.iter().map(|x| x * 0.5).sum()),
+            ];
+            for (op, want) in cases {
+                let x: Vec<f32> = (0..elems).map(|i| f(rank, i)).collect();
+                buf.write_from(0, &as_bytes(&x)).unwrap();
+                // SAFETY: buf holds elems f32 and outlives the synchronize.
+                unsafe { c.all_reduce(buf.ptr(), elems * 4, DType::F32, op, stream) }.unwrap();
+                stream.synchronize().unwrap();
+                let mut got = vec![0u8; elems * 4];
+                buf.read_into(0, &mut got).unwrap();
+                let expect: Vec<f32> = (0..elems).map(|i| want(&(0..n).map(|r| f(r, i)).collect::<Vec<_>>())).collect();
+                assert_eq!(got, as_bytes(&expect), "rank {rank}: f32 {op:?} of {elems}");
+            }
+            let y = |r: usize, i: usize| ((r + 1) as i32 * 1000 + i as i32) | 0x100;
+            for (op, want) in [(ReduceOp::Sum, 0), (ReduceOp::Band, 1)] {
+                let x: Vec<i32> = (0..elems).map(|i| y(rank, i)).collect();
+                buf.write_from(0, &as_bytes(&x)).unwrap();
+                // SAFETY: as above.
+                unsafe { c.all_reduce(buf.ptr(), elems * 4, DType::I32, op, stream) }.unwrap();
+                stream.synchronize().unwrap();
+                let mut got = vec![0u8; elems * 4];
+                buf.read_into(0, &mut got).unwrap();
+                let expect: Vec<i32> = (0..elems)
+                    .map(|i| {
+                        let v = (0..n).map(|r| y(r, i));
+                        if want == 0 {
+                            v.fold(0i32, i32::wrapping_add)
+                        } else {
+                            v.fold(-1i32, |a, b| a & b)
+                        }
+                    })
+                    .collect();
+                assert_eq!(got, as_bytes(&expect), "rank {rank}: i32 {op:?} of {elems}");
+            }
+        }
+        // A length that is not whole elements is refused.
+        // SAFETY: refused before anything is queued.
+        let e = unsafe { c.all_reduce(bufs[1].ptr(), 6, DType::F32, ReduceOp::Sum, stream) }.unwrap_err();
+        assert!(e.to_string().contains("not whole"), "{e}");
+        g.barrier(None).unwrap();
+        drop(bufs);
+    });
 }
 
 /// broadcast, all_gather_single, all_to_all_single and reduce_scatter_single
@@ -136,58 +147,43 @@ fn gpu_broadcast_gather_all_to_all_and_reduce_scatter_match_the_host() {
     if !ready() {
         return;
     }
-    let store: Arc<dyn Store> = Arc::new(HashStore::new());
-    let n = 3;
-    let handles: Vec<_> = (0..n)
-        .map(|rank| {
-            let store = store.clone();
-            std::thread::spawn(move || {
-                let g =
-                    Group::with_options(rank, n, store, GroupOptions::new().timeout(Duration::from_secs(60))).unwrap();
-                let ctx = Context::open_shared(0).unwrap();
-                let mut c = GpuComm::new(&g, ctx.clone(), Some(64 << 10), Duration::from_secs(60)).unwrap();
-                let stream = ctx.stream().unwrap();
-                let b = 40_000usize; // elements per block
-                let (small, big) = (ctx.alloc_shared(b * 4).unwrap(), ctx.alloc_shared(n * b * 4).unwrap());
-                let out_big = ctx.alloc_shared(n * b * 4).unwrap();
-                let val = |r: usize, i: usize| (r * 1_000_000 + i) as i32;
-                let read = |m: &rmacomm_window::cuda::device::DeviceMemory, len: usize| {
-                    stream.synchronize().unwrap();
-                    let mut v = vec![0u8; len];
-                    m.read_into(0, &mut v).unwrap();
-                    v
-                };
-                // broadcast from rank 1.
-                small.write_from(0, &as_bytes(&(0..b).map(|i| val(rank, i)).collect::<Vec<_>>())).unwrap();
-                // SAFETY: every buffer is large enough and outlives the synchronizations.
-                unsafe { c.broadcast(small.ptr(), b * 4, 1, &stream) }.unwrap();
-                assert_eq!(read(&small, b * 4), as_bytes(&(0..b).map(|i| val(1, i)).collect::<Vec<_>>()), "broadcast");
-                // all_gather_single.
-                small.write_from(0, &as_bytes(&(0..b).map(|i| val(rank, i)).collect::<Vec<_>>())).unwrap();
-                // SAFETY: as above.
-                unsafe { c.all_gather(out_big.ptr(), small.ptr(), b * 4, &stream) }.unwrap();
-                let want: Vec<i32> = (0..n).flat_map(|p| (0..b).map(move |i| val(p, i))).collect();
-                assert_eq!(read(&out_big, n * b * 4), as_bytes(&want), "rank {rank}: all_gather_single");
-                // all_to_all_single: block j of rank r holds val(r * 10 + j, i).
-                let inp: Vec<i32> = (0..n).flat_map(|j| (0..b).map(move |i| val(rank * 10 + j, i))).collect();
-                big.write_from(0, &as_bytes(&inp)).unwrap();
-                // SAFETY: as above.
-                unsafe { c.all_to_all(out_big.ptr(), big.ptr(), b * 4, &stream) }.unwrap();
-                let want: Vec<i32> = (0..n).flat_map(|p| (0..b).map(move |i| val(p * 10 + rank, i))).collect();
-                assert_eq!(read(&out_big, n * b * 4), as_bytes(&want), "rank {rank}: all_to_all_single");
-                // reduce_scatter_single (SUM): rank j gets sum over r of block j of rank r.
-                // SAFETY: as above.
-                unsafe { c.reduce_scatter(small.ptr(), big.ptr(), b * 4, DType::I32, ReduceOp::Sum, &stream) }.unwrap();
-                let want: Vec<i32> =
-                    (0..b).map(|i| (0..n).map(|r| val(r * 10 + rank, i)).fold(0i32, i32::wrapping_add)).collect();
-                assert_eq!(read(&small, b * 4), as_bytes(&want), "rank {rank}: reduce_scatter_single");
-                g.barrier(None).unwrap();
-                drop((small, big, out_big));
-                drop(c);
-            })
-        })
-        .collect();
-    for h in handles {
-        h.join().unwrap();
-    }
+    three_ranks(|rank, g, ctx, c, stream| {
+        let n = 3;
+        let b = 40_000usize; // elements per block
+        let (small, big) = (ctx.alloc_shared(b * 4).unwrap(), ctx.alloc_shared(n * b * 4).unwrap());
+        let out_big = ctx.alloc_shared(n * b * 4).unwrap();
+        let val = |r: usize, i: usize| (r * 1_000_000 + i) as i32;
+        let read = |m: &rmacomm_window::cuda::device::DeviceMemory, len: usize| {
+            stream.synchronize().unwrap();
+            let mut v = vec![0u8; len];
+            m.read_into(0, &mut v).unwrap();
+            v
+        };
+        // broadcast from rank 1.
+        small.write_from(0, &as_bytes(&(0..b).map(|i| val(rank, i)).collect::<Vec<_>>())).unwrap();
+        // SAFETY: every buffer is large enough and outlives the synchronizations.
+        unsafe { c.broadcast(small.ptr(), b * 4, 1, stream) }.unwrap();
+        assert_eq!(read(&small, b * 4), as_bytes(&(0..b).map(|i| val(1, i)).collect::<Vec<_>>()), "broadcast");
+        // all_gather_single.
+        small.write_from(0, &as_bytes(&(0..b).map(|i| val(rank, i)).collect::<Vec<_>>())).unwrap();
+        // SAFETY: as above.
+        unsafe { c.all_gather(out_big.ptr(), small.ptr(), b * 4, stream) }.unwrap();
+        let want: Vec<i32> = (0..n).flat_map(|p| (0..b).map(move |i| val(p, i))).collect();
+        assert_eq!(read(&out_big, n * b * 4), as_bytes(&want), "rank {rank}: all_gather_single");
+        // all_to_all_single: block j of rank r holds val(r * 10 + j, i).
+        let inp: Vec<i32> = (0..n).flat_map(|j| (0..b).map(move |i| val(rank * 10 + j, i))).collect();
+        big.write_from(0, &as_bytes(&inp)).unwrap();
+        // SAFETY: as above.
+        unsafe { c.all_to_all(out_big.ptr(), big.ptr(), b * 4, stream) }.unwrap();
+        let want: Vec<i32> = (0..n).flat_map(|p| (0..b).map(move |i| val(p * 10 + rank, i))).collect();
+        assert_eq!(read(&out_big, n * b * 4), as_bytes(&want), "rank {rank}: all_to_all_single");
+        // reduce_scatter_single (SUM): rank j gets sum over r of block j of rank r.
+        // SAFETY: as above.
+        unsafe { c.reduce_scatter(small.ptr(), big.ptr(), b * 4, DType::I32, ReduceOp::Sum, stream) }.unwrap();
+        let want: Vec<i32> =
+            (0..b).map(|i| (0..n).map(|r| val(r * 10 + rank, i)).fold(0i32, i32::wrapping_add)).collect();
+        assert_eq!(read(&small, b * 4), as_bytes(&want), "rank {rank}: reduce_scatter_single");
+        g.barrier(None).unwrap();
+        drop((small, big, out_big));
+    });
 }

@@ -637,9 +637,15 @@ unsafe impl Sync for Graph {}
 
 impl Graph {
     /// Queues one replay on `stream`.
-    pub fn launch(&self, stream: &Stream) -> Result<()> {
+    ///
+    /// # Safety
+    /// The captured work replays with the addresses it was captured with:
+    /// every buffer and mapping it uses must still be allocated (a replay
+    /// after a window's deregistration would write memory no longer its).
+    pub unsafe fn launch(&self, stream: &Stream) -> Result<()> {
         self.ctx.bind()?;
-        // SAFETY: a live executable graph and stream.
+        // SAFETY: a live executable graph and stream; the memory it uses is
+        // the caller's contract.
         self.ctx.check("cuGraphLaunch", unsafe { (self.ctx.api.graph_launch)(self.e, stream.s) })
     }
 }

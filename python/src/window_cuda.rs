@@ -13,6 +13,12 @@ use crate::tensor::{torch_dtype, Kind};
 use crate::window_core::{PeerMeta, Reg, WinCore};
 use crate::work::State;
 
+/// Keeps a peer's IPC mapping alive for a tensor viewing it.
+#[pyclass(frozen, name = "_CudaMappingHolder", module = "rmacomm._rmacomm")]
+struct MappingHolder {
+    _keep: Option<std::sync::Arc<rmacomm_window::cuda::device::IpcMapping>>,
+}
+
 impl WinCore {
     /// The CUDA device of the registered tensor, when it is a CUDA tensor.
     pub(crate) fn device(&self) -> Option<u32> {
@@ -124,8 +130,9 @@ impl WinCore {
     }
 
     /// A peer's registered CUDA tensor, mapped here (CUDA IPC), as a torch
-    /// tensor of the dtype and shape it registered; valid until this
-    /// window's `tensor_deregister`.
+    /// tensor of the dtype and shape it registered; the mapping lives as long
+    /// as the tensor (the peer's writes stop meaning anything once it
+    /// deregisters and frees its memory).
     pub(crate) fn map_remote_cuda<'py>(
         &self,
         py: Python<'py>,
@@ -133,7 +140,10 @@ impl WinCore {
         meta: &PeerMeta,
     ) -> PyResult<Bound<'py, PyAny>> {
         let dev = self.need_device("map_remote_tensor")?;
-        let (ptr, len) = self.with(py, false, |w| w.map_remote_device(rank)).map_err(py_err)?;
+        let (ptr, len, keep) = self
+            .with(py, false, |w| Ok::<_, rmacomm_window::Error>((w.map_remote_device(rank)?, w.device_mapping(rank)?)))
+            .map(|((p, l), k)| (p, l, k))
+            .map_err(py_err)?;
         let torch = crate::tensor::torch_module(py)?.ok_or_else(|| Failure::new(ErrKind::Unavailable, "no torch"))?;
         // Bytes first (every dtype, bfloat16 included, views them), through
         // the CUDA array interface, which torch maps without a copy.
@@ -145,6 +155,10 @@ impl WinCore {
         iface.set_item("strides", py.None())?;
         let holder = py.import(intern!(py, "types"))?.getattr(intern!(py, "SimpleNamespace"))?.call0()?;
         holder.setattr("__cuda_array_interface__", iface)?;
+        // The tensor keeps the holder, the holder the IPC mapping: the
+        // peer's memory stays mapped here as long as the tensor lives, past
+        // tensor_deregister.
+        holder.setattr("_mapping", Py::new(py, MappingHolder { _keep: keep })?)?;
         let kw = PyDict::new(py);
         kw.set_item("device", format!("cuda:{dev}"))?;
         let bytes = torch.call_method("as_tensor", (holder,), Some(&kw))?;

@@ -184,7 +184,10 @@ fn graph(g: &Group, w: &mut Window, ctx: &Arc<Context>, stream: &Stream) -> R {
         let what = || format!("graph replay {i}");
         let value = |r: usize| 7000 + r * 100 + i;
         src.write_from(0, &f32s(value(rank), COUNT)).map_err(s)?;
-        graph.launch(stream).map_err(s)?;
+        // SAFETY: `src` and the registration (the peer's mapped memory) live
+        // until after the last replay.
+        #[allow(unsafe_code)]
+        unsafe { graph.launch(stream) }.map_err(s)?;
         wait_stream(stream, &what)?;
         w.signal(right, false).map_err(s)?;
         w.wait_signal(left, None).map_err(s)?;

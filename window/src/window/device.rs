@@ -22,6 +22,10 @@ use super::Window;
 use crate::error::{Error, Result};
 use crate::unified::SLOT;
 
+/// A peer's allocation opened here, shared with views that outlive the
+/// registration; `None` for memory of this process.
+type Mapping = Option<Arc<IpcMapping>>;
+
 /// The memory a device registration holds.
 #[derive(Debug)]
 enum Tensor {
@@ -40,7 +44,8 @@ pub(super) struct DeviceRegistration {
     /// Per rank: where its registered memory is in this process.
     ptrs: Vec<DevicePtr>,
     /// The peers' allocations opened here (closed on drop).
-    _ipc: Vec<IpcMapping>,
+    /// Per rank: its allocation opened here (none for this process's own).
+    ipc: Vec<Mapping>,
     /// Synchronous puts and gets run here.
     stream: Stream,
     /// Per rank: the device address of this rank's slot in its signal
@@ -166,11 +171,12 @@ impl Window {
         }
         // Map every peer's memory; the same process (ranks as threads)
         // shares the address space, so its pointer is used as it is.
-        let mapped = || -> Result<(Vec<DevicePtr>, Vec<IpcMapping>)> {
+        let mapped = || -> Result<(Vec<DevicePtr>, Vec<Mapping>)> {
             let (mut ptrs, mut ipc) = (Vec::with_capacity(n), Vec::new());
             for (p, &(handle, offset, _, _, pid, their_ptr)) in offers.iter().enumerate() {
                 if p == me || pid == std::process::id() {
                     ptrs.push(their_ptr);
+                    ipc.push(None);
                     continue;
                 }
                 let m = ctx.open_ipc(&handle).map_err(|source| Error::Unsupported {
@@ -178,7 +184,7 @@ impl Window {
                     reason: format!("rank {p}'s memory cannot be mapped here (CUDA IPC): {source}"),
                 })?;
                 ptrs.push(m.ptr() + offset);
-                ipc.push(m);
+                ipc.push(Some(Arc::new(m)));
             }
             Ok((ptrs, ipc))
         };
@@ -198,7 +204,7 @@ impl Window {
             Err(why) => (Err(why), Vec::new()),
         };
         let peers = offers.iter().map(|o| (o.2, o.3)).collect();
-        self.dev = Some(DeviceRegistration { tensor, ctx, peers, ptrs, _ipc: ipc, stream, slots, _host: host });
+        self.dev = Some(DeviceRegistration { tensor, ctx, peers, ptrs, ipc, stream, slots, _host: host });
         Ok(())
     }
 
@@ -279,6 +285,16 @@ impl Window {
         self.check_rank(OP, rank)?;
         let reg = self.device_reg(OP)?;
         Ok((reg.ptrs[rank], reg.peers[rank].0))
+    }
+
+    /// The mapping of `rank`'s allocation in this process, to keep it
+    /// mapped past deregistration (a view handed to a user, e.g. a torch
+    /// tensor over the peer's memory, holds it); `None` for this process's
+    /// own memory.
+    pub fn device_mapping(&self, rank: usize) -> Result<Option<Arc<IpcMapping>>> {
+        const OP: &str = "map_remote_device";
+        self.check_rank(OP, rank)?;
+        Ok(self.device_reg(OP)?.ipc[rank].clone())
     }
 
     fn device_reg(&self, op: &'static str) -> Result<&DeviceRegistration> {
