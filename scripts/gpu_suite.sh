@@ -68,19 +68,25 @@ PY
     export RMACOMM_CUDA_LIB_DIRS
   fi
   export RMACOMM_EXPECT_GPU=1 RMACOMM_EXPECT_NVRTC=1 RMACOMM_EXPECT_NCCL=1
-  { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null || echo "nvidia-smi: none"
+  # Every stage has a time limit (RMACOMM_SUITE_STAGE_SCALE multiplies
+  # them), so one hang costs that stage, not the device session.
+  local scale=${RMACOMM_SUITE_STAGE_SCALE:-1}
+  lim() { echo $(($1 * scale)); }
+  { nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv,noheader 2>/dev/null || echo "nvidia-smi: none"
+    echo "cores: $(nproc)"
+    python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version())' 2>&1 | tail -1 || true
     echo "RMACOMM_CUDA_LIB_DIRS=$RMACOMM_CUDA_LIB_DIRS"; } | tee "$out/machine.txt"
   local rc=0
   for t in probes cuda_kernels; do
-    echo "# $t"
-    "$bin/$t" --nocapture --test-threads 1 2>&1 | tee "$out/$t.log" || rc=1
+    echo "# $t (at ${SECONDS}s)"
+    timeout "$(lim 150)" "$bin/$t" --nocapture --test-threads 1 2>&1 | tee "$out/$t.log" || rc=1
   done
-  echo "# copy_ceiling"
-  "$bin/copy_ceiling" --json 2>&1 | tee "$out/copy_ceiling.jsonl" || rc=1
+  echo "# copy_ceiling (at ${SECONDS}s)"
+  timeout "$(lim 60)" "$bin/copy_ceiling" --json 2>&1 | tee "$out/copy_ceiling.jsonl" || rc=1
   # Windows on device memory: two processes on one GPU through CUDA IPC.
   for sc in ring bw; do
-    echo "# window on device memory: $sc"
-    timeout 300 "$bin/rmacomm-run" --nproc-per-node 2 "$bin/gpu-window-scenario" $sc 2>&1 |
+    echo "# window on device memory: $sc (at ${SECONDS}s)"
+    timeout "$(lim 90)" "$bin/rmacomm-run" --nproc-per-node 2 "$bin/gpu-window-scenario" $sc 2>&1 |
       tee "$out/window_device_$sc.log" || rc=1
   done
   grep -h '"window_device_put"' "$out/window_device_bw.log" | sed 's/^\[[0-9]*\] //' > "$out/window_device_bw.jsonl" || true
@@ -93,23 +99,25 @@ PY
     python3 -m pip install -q --no-deps --no-index --target "$pydir" "$suite"/wheels/*.whl
     export PYTHONPATH="$pydir${PYTHONPATH:+:$PYTHONPATH}"
     py=python3
-    echo "# python: window ring on CUDA tensors"
-    timeout 300 "$py" -m rmacomm.run --nproc-per-node 2 "$suite/python/cuda_scenarios.py" window_ring_cuda 2>&1 |
+    echo "# python: window ring on CUDA tensors (at ${SECONDS}s)"
+    timeout "$(lim 90)" "$py" -m rmacomm.run --nproc-per-node 2 "$suite/python/cuda_scenarios.py" window_ring_cuda 2>&1 |
       tee "$out/python_window_ring_cuda.log" || rc=1
     # The native backend's collectives on CUDA tensors (two processes, IPC),
     # checked, then all_reduce's bandwidth.
-    echo "# python: native collectives on CUDA tensors"
-    timeout 400 "$py" -m rmacomm.run --nproc-per-node 2 "$suite/python/cuda_scenarios.py" native_collectives bench 2>&1 |
+    echo "# python: native collectives on CUDA tensors (at ${SECONDS}s)"
+    timeout "$(lim 150)" "$py" -m rmacomm.run --nproc-per-node 2 "$suite/python/cuda_scenarios.py" native_collectives bench 2>&1 |
       tee "$out/python_native_collectives.log" || rc=1
     grep -h '"native_all_reduce"' "$out/python_native_collectives.log" | sed 's/^\[[0-9]*\] //' > "$out/native_all_reduce.jsonl" || true
     # The NCCL backend: one rank (NCCL refuses two ranks on one GPU).
-    echo "# python: the nccl backend's collectives"
-    timeout 300 "$py" -m rmacomm.run --nproc-per-node 1 "$suite/python/cuda_scenarios.py" nccl_collectives 2>&1 |
+    echo "# python: the nccl backend's collectives, then all_reduce's bandwidth (at ${SECONDS}s)"
+    timeout "$(lim 90)" "$py" -m rmacomm.run --nproc-per-node 1 "$suite/python/cuda_scenarios.py" nccl_collectives bench 2>&1 |
       tee "$out/python_nccl_collectives.log" || rc=1
+    grep -h '"nccl_all_reduce"' "$out/python_nccl_collectives.log" | sed 's/^\[[0-9]*\] //' > "$out/nccl_all_reduce.jsonl" || true
   else
     echo "# python: FAILED: no wheel in the suite or no torch on this machine" | tee "$out/python_window_ring_cuda.log"
     rc=1
   fi
+  echo "# done at ${SECONDS}s, rc $rc"
   return $rc
 }
 

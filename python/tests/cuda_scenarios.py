@@ -85,11 +85,48 @@ def window_ring_cuda(_: str) -> None:
 
 
 
-def nccl_collectives(_: str) -> None:
+def bench_all_reduce(comm: Any, test: str) -> None:
+    """all_reduce's bandwidth of f32 CUDA tensors from 1 MiB to 256 MiB as
+    JSON lines (rank 0), nccl-tests' way: algbw = bytes / time, busbw =
+    algbw × 2(n-1)/n."""
+    import json
+    import time
+
+    import torch
+
+    r, n = comm.get_rank(), comm.get_size()
+    size = 1 << 20
+    while size <= 256 << 20:
+        x = torch.ones(size // 4, device=comm_device(comm))
+        iters = max(5, min(200, (4 << 30) // size))
+        for _ in range(3):
+            comm.all_reduce(x, rmacomm.ReduceOp.SUM)
+        torch.cuda.synchronize()
+        comm.barrier()
+        t = time.perf_counter()
+        for _ in range(iters):
+            comm.all_reduce(x, rmacomm.ReduceOp.SUM)
+        torch.cuda.synchronize()
+        dt_s = (time.perf_counter() - t) / iters
+        alg = size / dt_s / 1e9
+        if r == 0:
+            log(json.dumps({"test": test, "ranks": n, "bytes": size, "us": round(dt_s * 1e6, 1),
+                            "algbw_GBps": round(alg, 2), "busbw_GBps": round(alg * 2 * (n - 1) / n, 2),
+                            "device": torch.cuda.get_device_name()}))
+        size *= 4
+
+
+def comm_device(comm: Any) -> str:
+    d: str = comm.get_device()
+    return d if d.startswith("cuda") else "cuda"
+
+
+def nccl_collectives(arg: str) -> None:
     """new_comm("nccl") on the ranks given (one per GPU: NCCL refuses two
     ranks on one GPU): every collective it routes to NCCL on CUDA tensors,
     checked; CPU tensors still go through rmacomm; an op NCCL lacks raises
-    UnavailableError naming it."""
+    UnavailableError naming it. With arg "bench", NCCL's all_reduce
+    bandwidth (the peer of the native backend's)."""
     import torch
 
     comm = rmacomm.new_comm("nccl", timeout=60)
@@ -143,6 +180,8 @@ def nccl_collectives(_: str) -> None:
     except rmacomm.UnavailableError as e:
         expect("NCCL" in str(e) and "all_reduce" in str(e), str(e))
     torch.cuda.synchronize()
+    if arg == "bench":
+        bench_all_reduce(comm, "nccl_all_reduce")
     comm.finalize()
     log(f"nccl_collectives ok ({n} rank(s))")
 
@@ -155,9 +194,6 @@ def native_collectives(arg: str) -> None:
     PREMUL_SUM(2), checked against torch; broadcast, all_gather_single,
     all_to_all_single, reduce_scatter_single; then, with arg "bench", the
     bus bandwidth from 1 MiB to 256 MiB as JSON lines."""
-    import json
-    import time
-
     import torch
 
     comm = rmacomm.new_comm("rdma", timeout=120)
@@ -204,24 +240,7 @@ def native_collectives(arg: str) -> None:
         expect(torch.equal(out, torch.full_like(out, sum(10 * p + r for p in range(n)))), f"native reduce_scatter {dt}")
         comm.barrier()
     if arg == "bench":
-        size = 1 << 20
-        while size <= 256 << 20:
-            x = torch.ones(size // 4, device="cuda")
-            iters = max(5, min(200, (4 << 30) // size))
-            for _ in range(3):
-                comm.all_reduce(x, R.SUM)
-            torch.cuda.synchronize()
-            comm.barrier()
-            t = time.perf_counter()
-            for _ in range(iters):
-                comm.all_reduce(x, R.SUM)
-            torch.cuda.synchronize()
-            dt_s = (time.perf_counter() - t) / iters
-            alg = size / dt_s / 1e9
-            if r == 0:
-                log(json.dumps({"test": "native_all_reduce", "ranks": n, "bytes": size, "algbw_GBps": round(alg, 2),
-                                "busbw_GBps": round(alg * 2 * (n - 1) / n, 2), "device": torch.cuda.get_device_name()}))
-            size *= 4
+        bench_all_reduce(comm, "native_all_reduce")
     comm.finalize()
     log("native_collectives ok")
 
