@@ -84,12 +84,13 @@ PY
   echo "# copy_ceiling (at ${SECONDS}s)"
   timeout "$(lim 60)" "$bin/copy_ceiling" --json 2>&1 | tee "$out/copy_ceiling.jsonl" || rc=1
   # Windows on device memory: two processes on one GPU through CUDA IPC.
-  for sc in ring bw; do
+  for sc in ring bw lat; do
     echo "# window on device memory: $sc (at ${SECONDS}s)"
     timeout "$(lim 90)" "$bin/rmacomm-run" --nproc-per-node 2 "$bin/gpu-window-scenario" $sc 2>&1 |
       tee "$out/window_device_$sc.log" || rc=1
   done
   grep -h '"window_device_put"' "$out/window_device_bw.log" | sed 's/^\[[0-9]*\] //' > "$out/window_device_bw.jsonl" || true
+  grep -h '"window_device_signal_rtt"' "$out/window_device_lat.log" | sed 's/^\[[0-9]*\] //' > "$out/window_device_lat.jsonl" || true
   # Python: the window ring on CUDA torch tensors, two processes.
   if [ -d "$suite/wheels" ] && python3 -c 'import torch' 2>/dev/null; then
     # The wheel into a directory of its own (no venv module or network
@@ -108,6 +109,12 @@ PY
     timeout "$(lim 150)" "$py" -m rmacomm.run --nproc-per-node 2 "$suite/python/cuda_scenarios.py" native_collectives bench 2>&1 |
       tee "$out/python_native_collectives.log" || rc=1
     grep -h '"native_all_reduce"' "$out/python_native_collectives.log" | sed 's/^\[[0-9]*\] //' > "$out/native_all_reduce.jsonl" || true
+    # The same with the signals in registered host memory (the window's
+    # slots) instead of device memory.
+    echo "# python: native collectives, RMACOMM_GPU_FLAGS=host (at ${SECONDS}s)"
+    RMACOMM_GPU_FLAGS=host timeout "$(lim 150)" "$py" -m rmacomm.run --nproc-per-node 2 "$suite/python/cuda_scenarios.py" native_collectives bench 2>&1 |
+      tee "$out/python_native_collectives_hostflags.log" || rc=1
+    grep -h '"native_all_reduce"' "$out/python_native_collectives_hostflags.log" | sed 's/^\[[0-9]*\] //' > "$out/native_all_reduce_hostflags.jsonl" || true
     # The NCCL backend: one rank (NCCL refuses two ranks on one GPU).
     echo "# python: the nccl backend's collectives, then all_reduce's bandwidth (at ${SECONDS}s)"
     timeout "$(lim 90)" "$py" -m rmacomm.run --nproc-per-node 1 "$suite/python/cuda_scenarios.py" nccl_collectives bench 2>&1 |

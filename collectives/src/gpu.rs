@@ -4,17 +4,31 @@
 //! kernels, everything queued on the caller's stream (signals and waits
 //! are stream memory operations), so nothing waits on the host.
 //!
+//! Every rank has two slot regions, used in turn (one *use* per chunk of a
+//! collective): a use writes into this rank's region, then every rank
+//! signals every peer and waits for every peer (an *exchange*), then reads
+//! what it needs from every rank's region. No exchange closes a use: the
+//! region is written again two uses later, after the next use's exchange,
+//! which every peer signals only once it has queued everything of this use
+//! (its reads included) before it on its stream.
+//!
 //! `all_reduce` of a buffer, per chunk of at most the slot size:
-//! 1. the chunk is copied into this rank's input slot;
-//! 2. every rank signals every peer and waits for every peer (inputs ready);
+//! 1. the chunk is copied into this rank's region;
+//! 2. exchange (inputs ready);
 //! 3. each rank reduces its share (1/n of the chunk's elements) of all
-//!    ranks' input slots, read in place through IPC, into its result slot
-//!    (one k-input kernel: `rmacomm_<op>_n_<dtype>`, or
-//!    `rmacomm_sum_full_<dtype>` for AVG and PREMUL_SUM);
-//! 4. signal / wait again (results ready);
-//! 5. each rank copies every share from its owner's result slot into the
-//!    buffer;
-//! 6. signal / wait again: the slots are free for the next chunk.
+//!    ranks' regions, read in place through IPC, into its own share of its
+//!    region (one k-input kernel: `rmacomm_<op>_n_<dtype>`, or
+//!    `rmacomm_sum_full_<dtype>` for AVG and PREMUL_SUM; no other rank
+//!    reads that share before step 4);
+//! 4. exchange (results ready);
+//! 5. each rank copies every share from its owner's region into the
+//!    buffer.
+//!
+//! The signals are 64-bit counts written with `cuStreamWriteValue64` and
+//! waited for with `cuStreamWaitValue64` (≥): by default into a flag area
+//! after the slot regions, in device memory the peers write through their
+//! IPC mapping (`RMACOMM_GPU_FLAGS=host` uses the window's signal slots in
+//! registered host memory instead).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -27,8 +41,8 @@ use rmacomm_window::{Group, Window, WindowOptions};
 
 use crate::error::{Error, Result};
 
-/// Bytes per slot region (input and result) per rank, unless
-/// `RMACOMM_GPU_SLOT_BYTES` says otherwise.
+/// Bytes per slot region (two per rank), unless `RMACOMM_GPU_SLOT_BYTES`
+/// says otherwise.
 pub const DEFAULT_GPU_SLOT_BYTES: usize = 64 << 20;
 
 /// Same-host collectives on device memory (module docs).
@@ -36,10 +50,24 @@ pub struct GpuComm {
     win: Window,
     ctx: Arc<Context>,
     module: SharedModule,
-    /// Every rank's slot memory (input region, then result region), as
+    /// Every rank's slot memory (two regions, then the flag area), as
     /// mapped here.
     slots: Vec<DevicePtr>,
     slot: usize,
+    /// The region the next use writes (0 or 1), the same on every rank.
+    parity: usize,
+    /// Signals in device memory (the flag area) rather than the window's
+    /// host slots.
+    device_flags: bool,
+    /// Signals sent to / taken from each peer through the flag area.
+    sent: Vec<u64>,
+    taken: Vec<u64>,
+    /// Collective calls queued, each ending with a write of its number to
+    /// this rank's `done` word, and the stream of the last one: a call on
+    /// another stream first waits for that word (the regions' reuse rests
+    /// on stream order).
+    calls: u64,
+    last_stream: Option<usize>,
     /// Device memory for the k-input kernel's pointer table.
     table: DeviceMemory,
     rank: usize,
@@ -50,6 +78,12 @@ impl std::fmt::Debug for GpuComm {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "GpuComm(rank {} of {}, {} B slots, {})", self.rank, self.size, self.slot, self.ctx.name())
     }
+}
+
+/// The flag area after the two regions: one 8-byte word per rank, then
+/// this rank's `done` word; whole 256-byte lines.
+fn flag_bytes(ranks: usize) -> usize {
+    (8 * (ranks + 1)).div_ceil(256) * 256
 }
 
 fn cuda(op: &'static str) -> impl Fn(rmacomm_window::cuda::CudaError) -> Error {
@@ -69,7 +103,8 @@ impl GpuComm {
             / 64
             * 64;
         let mut win = Window::new(group, WindowOptions::new().timeout(timeout)).map_err(Error::window(OP))?;
-        let mem = ctx.alloc_shared(2 * slot).map_err(cuda(OP))?;
+        let device_flags = std::env::var("RMACOMM_GPU_FLAGS").map_or(true, |v| v != "host");
+        let mem = ctx.alloc_shared(2 * slot + flag_bytes(group.size())).map_err(cuda(OP))?;
         win.tensor_register_device(mem, 1).map_err(Error::window(OP))?;
         let (rank, size) = (win.rank(), win.size());
         let slots = (0..size).map(|p| win.map_remote_device(p).map(|m| m.0)).collect::<Result<Vec<_>, _>>();
@@ -82,7 +117,23 @@ impl GpuComm {
         // SAFETY: a cubin NVRTC just wrote for this device's architecture.
         let module = unsafe { SharedModule::load(&ctx, &image) }.map_err(cuda(OP))?;
         let table = ctx.alloc_shared(8 * size).map_err(cuda(OP))?;
-        Ok(GpuComm { win, ctx, module, slots, slot, table, rank, size })
+        let (sent, taken) = (vec![0; size], vec![0; size]);
+        Ok(GpuComm {
+            win,
+            ctx,
+            module,
+            slots,
+            slot,
+            parity: 0,
+            device_flags,
+            sent,
+            taken,
+            calls: 0,
+            last_stream: None,
+            table,
+            rank,
+            size,
+        })
     }
 
     /// This rank.
@@ -101,14 +152,62 @@ impl GpuComm {
     }
 
     /// Every peer signals every other; then the stream waits for all.
-    fn exchange(&self, op: &'static str, stream: &Stream) -> Result<()> {
-        for p in (0..self.size).filter(|p| *p != self.rank) {
-            self.win.signal_on_stream(p, stream).map_err(Error::window(op))?;
+    fn exchange(&mut self, op: &'static str, stream: &Stream) -> Result<()> {
+        let peers = (0..self.size).filter(|p| *p != self.rank);
+        if !self.device_flags {
+            for p in peers.clone() {
+                self.win.signal_on_stream(p, stream).map_err(Error::window(op))?;
+            }
+            for p in peers {
+                self.win.wait_signal_on_stream(p, stream).map_err(Error::window(op))?;
+            }
+            return Ok(());
         }
-        for p in (0..self.size).filter(|p| *p != self.rank) {
-            self.win.wait_signal_on_stream(p, stream).map_err(Error::window(op))?;
+        let flags = |r: usize| self.slots[r] + 2 * self.slot as u64;
+        for p in peers.clone() {
+            // SAFETY: this rank's word of the peer's flag area, mapped while
+            // the window lives (dropping it synchronizes the context first).
+            unsafe { stream.write_value64(flags(p) + 8 * self.rank as u64, self.sent[p] + 1) }.map_err(cuda(op))?;
+            self.sent[p] += 1;
+        }
+        for p in peers {
+            // SAFETY: as above, the peer's word of this rank's flag area.
+            unsafe { stream.wait_value64_geq(flags(self.rank) + 8 * p as u64, self.taken[p] + 1) }.map_err(cuda(op))?;
+            self.taken[p] += 1;
         }
         Ok(())
+    }
+
+    /// This rank's `done` word (last in its flag area).
+    fn done_word(&self) -> DevicePtr {
+        self.slots[self.rank] + (2 * self.slot + 8 * self.size) as u64
+    }
+
+    /// Before a call's work: on a stream other than the last call's, wait
+    /// for the last call to have run.
+    fn enter(&mut self, op: &'static str, stream: &Stream) -> Result<()> {
+        if self.last_stream.is_some_and(|s| s != stream.raw()) {
+            // SAFETY: this rank's own flag area, alive with the window.
+            unsafe { stream.wait_value64_geq(self.done_word(), self.calls) }.map_err(cuda(op))?;
+        }
+        Ok(())
+    }
+
+    /// After a call's work: its number into the `done` word.
+    fn leave(&mut self, op: &'static str, stream: &Stream) -> Result<()> {
+        // SAFETY: as in `enter`.
+        unsafe { stream.write_value64(self.done_word(), self.calls + 1) }.map_err(cuda(op))?;
+        self.calls += 1;
+        self.last_stream = Some(stream.raw());
+        Ok(())
+    }
+
+    /// The region the next use writes (the same on every rank): its offset
+    /// in each rank's slot memory.
+    fn next_region(&mut self) -> u64 {
+        let at = (self.parity * self.slot) as u64;
+        self.parity ^= 1;
+        at
     }
 
     /// The elements of a chunk of `elems` that rank `r` reduces.
@@ -167,20 +266,21 @@ impl GpuComm {
         if root >= self.size {
             return Err(Error::invalid(OP, format!("root {root} is not a rank of {}", self.size)));
         }
+        self.enter(OP, stream)?;
         let mut off = 0;
         while off < len {
             let clen = self.slot.min(len - off);
+            let at = self.next_region();
             if self.rank == root {
-                self.copy(OP, self.slots[root], buf + off as u64, clen, stream)?;
+                self.copy(OP, self.slots[root] + at, buf + off as u64, clen, stream)?;
             }
             self.exchange(OP, stream)?;
             if self.rank != root {
-                self.copy(OP, buf + off as u64, self.slots[root], clen, stream)?;
+                self.copy(OP, buf + off as u64, self.slots[root] + at, clen, stream)?;
             }
-            self.exchange(OP, stream)?;
             off += clen;
         }
-        Ok(())
+        self.leave(OP, stream)
     }
 
     /// Gathers every rank's `len` bytes at `input` into `output` (size ×
@@ -196,18 +296,19 @@ impl GpuComm {
         stream: &Stream,
     ) -> Result<()> {
         const OP: &str = "all_gather_single";
+        self.enter(OP, stream)?;
         let mut off = 0;
         while off < len {
             let clen = self.slot.min(len - off);
-            self.copy(OP, self.slots[self.rank], input + off as u64, clen, stream)?;
+            let at = self.next_region();
+            self.copy(OP, self.slots[self.rank] + at, input + off as u64, clen, stream)?;
             self.exchange(OP, stream)?;
             for p in 0..self.size {
-                self.copy(OP, output + (p * len + off) as u64, self.slots[p], clen, stream)?;
+                self.copy(OP, output + (p * len + off) as u64, self.slots[p] + at, clen, stream)?;
             }
-            self.exchange(OP, stream)?;
             off += clen;
         }
-        Ok(())
+        self.leave(OP, stream)
     }
 
     /// Block j (of `size` blocks of `len` bytes) of every rank's `input`
@@ -227,20 +328,23 @@ impl GpuComm {
         const OP: &str = "all_to_all_single";
         let (me, n) = (self.rank, self.size);
         let step = (self.slot / n).max(1);
+        self.enter(OP, stream)?;
         let mut off = 0;
         while off < len {
             let clen = step.min(len - off);
+            let at = self.next_region();
             for p in 0..n {
-                self.copy(OP, self.slots[me] + (p * clen) as u64, input + (p * len + off) as u64, clen, stream)?;
+                let dst = self.slots[me] + at + (p * clen) as u64;
+                self.copy(OP, dst, input + (p * len + off) as u64, clen, stream)?;
             }
             self.exchange(OP, stream)?;
             for p in 0..n {
-                self.copy(OP, output + (p * len + off) as u64, self.slots[p] + (me * clen) as u64, clen, stream)?;
+                let src = self.slots[p] + at + (me * clen) as u64;
+                self.copy(OP, output + (p * len + off) as u64, src, clen, stream)?;
             }
-            self.exchange(OP, stream)?;
             off += clen;
         }
-        Ok(())
+        self.leave(OP, stream)
     }
 
     /// Reduces block j (of `size` blocks of `len` bytes) of every rank's
@@ -267,19 +371,21 @@ impl GpuComm {
         let e = rmacomm_kernels::cuda::entries(op, dtype).map_err(|source| Error::Kernel { op: OP, source })?;
         let (me, n) = (self.rank, self.size);
         let step = (self.slot / n / es * es).max(es);
+        self.enter(OP, stream)?;
         let mut off = 0;
         while off < len {
             let clen = step.min(len - off);
+            let at = self.next_region();
             for p in 0..n {
-                self.copy(OP, self.slots[me] + (p * clen) as u64, input + (p * len + off) as u64, clen, stream)?;
+                let dst = self.slots[me] + at + (p * clen) as u64;
+                self.copy(OP, dst, input + (p * len + off) as u64, clen, stream)?;
             }
             self.exchange(OP, stream)?;
-            let inputs: Vec<DevicePtr> = self.slots.iter().map(|s| s + (me * clen) as u64).collect();
+            let inputs: Vec<DevicePtr> = self.slots.iter().map(|s| s + at + (me * clen) as u64).collect();
             self.reduce(OP, &e, op, output + off as u64, &inputs, clen / es, stream)?;
-            self.exchange(OP, stream)?;
             off += clen;
         }
-        Ok(())
+        self.leave(OP, stream)
     }
 
     /// Reduces every rank's `len` bytes at `buf` (elements of `dtype`) with
@@ -306,22 +412,24 @@ impl GpuComm {
         let e = rmacomm_kernels::cuda::entries(op, dtype).map_err(|source| Error::Kernel { op: OP, source })?;
         let chunk = self.slot / es * es;
         let (me, n) = (self.rank, self.size);
+        self.enter(OP, stream)?;
         let mut off = 0;
         while off < len {
             let clen = chunk.min(len - off);
             let elems = clen / es;
+            let at = self.next_region();
             // 1. My input.
-            // SAFETY: inside the caller's buffer and my input region.
-            unsafe { stream.copy_async(self.slots[me], buf + off as u64, clen) }.map_err(cuda(OP))?;
+            // SAFETY: inside the caller's buffer and my region.
+            unsafe { stream.copy_async(self.slots[me] + at, buf + off as u64, clen) }.map_err(cuda(OP))?;
             // 2. Everyone's inputs are in place.
             self.exchange(OP, stream)?;
-            // 3. My share of every input, reduced into my result region.
+            // 3. My share of every input, reduced in place into my share of
+            //    my region (elementwise: each element is read, then written).
             let (s0, s1) = self.share(me, elems);
             if s1 > s0 {
-                let at = (s0 * es) as u64;
-                let inputs: Vec<DevicePtr> = self.slots.iter().map(|p| p + at).collect();
-                let out = self.slots[me] + self.slot as u64 + at;
-                self.reduce(OP, &e, op, out, &inputs, s1 - s0, stream)?;
+                let share = at + (s0 * es) as u64;
+                let inputs: Vec<DevicePtr> = self.slots.iter().map(|p| p + share).collect();
+                self.reduce(OP, &e, op, self.slots[me] + share, &inputs, s1 - s0, stream)?;
             }
             // 4. Everyone's results are in place.
             self.exchange(OP, stream)?;
@@ -329,15 +437,13 @@ impl GpuComm {
             for p in 0..n {
                 let (a, b) = self.share(p, elems);
                 if b > a {
-                    let src = self.slots[p] + (self.slot + a * es) as u64;
-                    // SAFETY: inside rank p's result region and my buffer.
+                    let src = self.slots[p] + at + (a * es) as u64;
+                    // SAFETY: inside rank p's region and my buffer.
                     unsafe { stream.copy_async(buf + (off + a * es) as u64, src, (b - a) * es) }.map_err(cuda(OP))?;
                 }
             }
-            // 6. The slots are free again.
-            self.exchange(OP, stream)?;
             off += clen;
         }
-        Ok(())
+        self.leave(OP, stream)
     }
 }

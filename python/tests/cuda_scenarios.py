@@ -86,7 +86,7 @@ def window_ring_cuda(_: str) -> None:
 
 
 def bench_all_reduce(comm: Any, test: str) -> None:
-    """all_reduce's bandwidth of f32 CUDA tensors from 1 MiB to 256 MiB as
+    """all_reduce's time and bandwidth of f32 CUDA tensors from 64 KiB to 256 MiB as
     JSON lines (rank 0), nccl-tests' way: algbw = bytes / time, busbw =
     algbw × 2(n-1)/n."""
     import json
@@ -95,7 +95,7 @@ def bench_all_reduce(comm: Any, test: str) -> None:
     import torch
 
     r, n = comm.get_rank(), comm.get_size()
-    size = 1 << 20
+    size = 64 << 10
     while size <= 256 << 20:
         x = torch.ones(size // 4, device=comm_device(comm))
         iters = max(5, min(200, (4 << 30) // size))

@@ -158,7 +158,7 @@ fn standin() -> Option<std::path::PathBuf> {
     p.exists().then_some(p)
 }
 
-/// The device-memory ring, bandwidth scenario included, against the CUDA
+/// The device-memory ring, the bandwidth and signal-latency scenarios included, against the CUDA
 /// stand-in on 2, 3 and 4 ranks: rmacomm's side of device windows (IPC
 /// handle exchange, offsets, bounds, signal counts, stream order, graph
 /// replay) on every CI run. CUDA itself is the GPU suite's to check.
@@ -172,7 +172,7 @@ fn device_memory_ring_against_the_cuda_standin() {
         eprintln!("skipped: the CUDA stand-in is not built (cargo build -p rmacomm-cuda-standin)");
         return;
     };
-    for (n, args) in [(2, &["ring"][..]), (3, &["ring"]), (4, &["ring"]), (2, &["bw", "1048576"])] {
+    for (n, args) in [(2, &["ring"][..]), (3, &["ring"]), (4, &["ring"]), (2, &["bw", "1048576"]), (2, &["lat"])] {
         let out = Command::new(env!("CARGO_BIN_EXE_rmacomm-run"))
             .args(["--nproc-per-node", &n.to_string(), env!("CARGO_BIN_EXE_gpu-window-scenario")])
             .args(args)
@@ -186,6 +186,9 @@ fn device_memory_ring_against_the_cuda_standin() {
         let stdout = assert_every_rank_ok(n, &out);
         if args[0] == "bw" {
             assert_eq!(stdout.matches("\"window_device_put\"").count(), 3, "{stdout}");
+        }
+        if args[0] == "lat" {
+            assert!(stdout.contains("\"window_device_signal_rtt\",\"host_us\":"), "{stdout}");
         }
     }
 }

@@ -13,6 +13,10 @@
 //!   64 KiB to MAX_BYTES (256 MiB), synchronous and queued on a stream, beside the same copies
 //!   into rank 0's own memory (no IPC: the copy-engine ceiling) in the same
 //!   run; JSON lines on stdout.
+//! - `lat`: signal round trips between the two ranks: host signals
+//!   (`signal` / `wait_signal`), stream signals each round trip waited
+//!   for on the host, and stream signals queued 1000 deep (the GPU hands
+//!   off between the ranks' streams alone); JSON lines on stdout.
 //!
 //! Without a GPU each rank prints why and succeeds, unless
 //! `RMACOMM_EXPECT_GPU=1` (the GPU suite), where that is a failure.
@@ -52,6 +56,7 @@ fn main() {
         }
         Ok(ctx) => setup().and_then(|(g, w)| match args.first().map(String::as_str) {
             Some("ring") => ring(&g, w, &ctx),
+            Some("lat") => lat(&g, w, &ctx),
             Some("bw") => bw(&g, w, &ctx, args.get(1).map_or(Ok(256 << 20), |m| m.parse().map_err(s))),
             other => Err(format!("unknown scenario {other:?}")),
         }),
@@ -231,6 +236,58 @@ fn two_windows_one_allocation(g: &Group, ctx: &Arc<Context>) -> R {
     for mut w in wins {
         w.tensor_deregister_device().map_err(s)?;
     }
+    Ok(())
+}
+
+/// Signal round trips between ranks 0 and 1, µs per round trip (scenario
+/// docs).
+fn lat(g: &Group, mut w: Window, ctx: &Arc<Context>) -> R {
+    let rank = g.rank();
+    ensure(g.size() == 2, || "lat runs on 2 ranks".into())?;
+    let peer = 1 - rank;
+    w.tensor_register_device(ctx.alloc_shared(4096).map_err(s)?, 1).map_err(s)?;
+    let stream = ctx.stream().map_err(s)?;
+    let what = || "stream round trips".to_string();
+    let host = |w: &Window| -> R {
+        if rank == 0 {
+            w.signal(peer, false).map_err(s)?;
+            w.wait_signal(peer, None).map_err(s)
+        } else {
+            w.wait_signal(peer, None).map_err(s)?;
+            w.signal(peer, false).map(drop).map_err(s)
+        }
+    };
+    let queued = |w: &Window| -> R {
+        if rank == 0 {
+            w.signal_on_stream(peer, &stream).map_err(s)?;
+            w.wait_signal_on_stream(peer, &stream).map_err(s)
+        } else {
+            w.wait_signal_on_stream(peer, &stream).map_err(s)?;
+            w.signal_on_stream(peer, &stream).map_err(s)
+        }
+    };
+    let mut row = Vec::new();
+    for (name, iters) in [("host_us", 2000usize), ("stream_synced_us", 300), ("stream_queued_us", 1000)] {
+        g.barrier(None).map_err(s)?;
+        let t = Instant::now();
+        for _ in 0..iters {
+            match name {
+                "host_us" => host(&w)?,
+                "stream_synced_us" => {
+                    queued(&w)?;
+                    wait_stream(&stream, &what)?;
+                }
+                _ => queued(&w)?,
+            }
+        }
+        wait_stream(&stream, &what)?;
+        row.push(format!("\"{name}\":{:.2}", t.elapsed().as_secs_f64() * 1e6 / iters as f64));
+    }
+    if rank == 0 {
+        println!("{{\"test\":\"window_device_signal_rtt\",{},\"device\":\"{}\"}}", row.join(","), ctx.name());
+    }
+    g.barrier(None).map_err(s)?;
+    w.tensor_deregister_device().map_err(s)?;
     Ok(())
 }
 
