@@ -70,6 +70,9 @@ pub struct GpuComm {
     last_stream: Option<usize>,
     /// Device memory for the k-input kernel's pointer table.
     table: DeviceMemory,
+    /// The device has stream memory operations (the table is written with
+    /// them).
+    memops: bool,
     rank: usize,
     size: usize,
 }
@@ -118,6 +121,7 @@ impl GpuComm {
         let module = unsafe { SharedModule::load(&ctx, &image) }.map_err(cuda(OP))?;
         let table = ctx.alloc_shared(8 * size).map_err(cuda(OP))?;
         let (sent, taken) = (vec![0; size], vec![0; size]);
+        let memops = ctx.stream_mem_ops().unwrap_or(false);
         Ok(GpuComm {
             win,
             ctx,
@@ -130,6 +134,7 @@ impl GpuComm {
             taken,
             calls: 0,
             last_stream: None,
+            memops,
             table,
             rank,
             size,
@@ -228,10 +233,21 @@ impl GpuComm {
         count: usize,
         stream: &Stream,
     ) -> Result<()> {
-        let table: Vec<u8> = inputs.iter().flat_map(|p| p.to_ne_bytes()).collect();
-        // SAFETY: the table holds n pointers; the stream orders this upload
-        // after the kernel that read the previous table.
-        unsafe { stream.upload_async(self.table.ptr(), &table) }.map_err(cuda(what))?;
+        if self.memops {
+            // One 64-bit stream write per pointer: a copy from pageable host
+            // memory may wait for the stream to get there, holding up the
+            // host while the peers wait for its next signals.
+            for (j, p) in inputs.iter().enumerate() {
+                // SAFETY: word j of the table (n words); the stream orders
+                // the write after the kernel that read the previous table.
+                unsafe { stream.write_value64(self.table.ptr() + 8 * j as u64, *p) }.map_err(cuda(what))?;
+            }
+        } else {
+            let table: Vec<u8> = inputs.iter().flat_map(|p| p.to_ne_bytes()).collect();
+            // SAFETY: the table holds n pointers; the stream orders this
+            // upload after the kernel that read the previous table.
+            unsafe { stream.upload_async(self.table.ptr(), &table) }.map_err(cuda(what))?;
+        }
         let grid = count.div_ceil(256).min(4096) as u32;
         let (n, count) = (inputs.len(), count as u64);
         let (tab, k) = (Arg::U64(self.table.ptr()), Arg::U32(n as u32));

@@ -507,6 +507,15 @@ impl Stream {
         self.ctx.check("cuStreamWaitValue64", unsafe { (self.ctx.api.wait_value64)(self.s, addr, value, WAIT_GEQ) })
     }
 
+    /// Whether the stream is capturing work into a graph now
+    /// (`cuStreamIsCapturing`: active, or invalidated by an error).
+    pub fn is_capturing(&self) -> Result<bool> {
+        let mut status: std::os::raw::c_int = 0;
+        // SAFETY: a live stream and a valid out-pointer.
+        self.ctx.check("cuStreamIsCapturing", unsafe { (self.ctx.api.is_capturing)(self.s, &mut status) })?;
+        Ok(status != 0)
+    }
+
     /// Starts capturing the stream's work into a graph (relaxed mode).
     pub fn begin_capture(&self) -> Result<()> {
         self.ctx.bind()?;

@@ -18,8 +18,13 @@
 //!   CPU ([`Reducer::prepare`](crate::Reducer::prepare),
 //!   [`Reducer::finish`](crate::Reducer::finish)).
 //! - `rmacomm_signal_add(word, add)` and `rmacomm_wait_geq(word, value)`:
-//!   a system-scope signal and the spin-wait used where the driver has no
-//!   stream memory operations.
+//!   a system-scope signal and a spin-wait for a value.
+//!
+//! A second, small program ([`signal_source`], [`compile_signals`]) holds
+//! the windows' stream-ordered signals as kernels, `rmacomm_signal_next(word)`
+//! and `rmacomm_wait_next(taken, word)`: counts kept in memory rather than
+//! in the launch, so that a CUDA graph replays them, and what runs where the
+//! driver has no stream memory operations.
 //!
 //! Semantics are the CPU kernels': integers wrap, float `min`/`max` are IEEE
 //! 754-2019 `minimum`/`maximum` (NaN propagates, −0 < +0), `f16`/`bf16`
@@ -142,6 +147,16 @@ pub fn source() -> &'static str {
     })
 }
 
+const SIGNALS: &str = include_str!("cuda/signals.cu");
+
+/// The signal program's entry points.
+pub const SIGNAL_ENTRY_POINTS: [&str; 2] = ["rmacomm_signal_next", "rmacomm_wait_next"];
+
+/// The signal program's CUDA C source (module docs).
+pub fn signal_source() -> &'static str {
+    SIGNALS
+}
+
 /// Options every compilation gets. `--fmad=false`: no multiply-add
 /// contraction, so that `PremulSum`'s `acc + x * f` rounds the product and
 /// the sum separately, as the CPU kernels do.
@@ -158,6 +173,20 @@ pub fn compile(arch: &str) -> Result<Arc<Output>> {
     }
     let nvrtc = Nvrtc::get()?;
     let out = Arc::new(nvrtc.compile(source(), "rmacomm_kernels.cu", arch, OPTIONS)?);
+    cache.lock().unwrap_or_else(|e| e.into_inner()).insert(arch.to_owned(), out.clone());
+    Ok(out)
+}
+
+/// The signal program ([`signal_source`]) compiled for `arch`, once per
+/// architecture and process (a fraction of the reduction program's time).
+pub fn compile_signals(arch: &str) -> Result<Arc<Output>> {
+    static CACHE: OnceLock<Mutex<HashMap<String, Arc<Output>>>> = OnceLock::new();
+    let cache = CACHE.get_or_init(Default::default);
+    if let Some(o) = cache.lock().unwrap_or_else(|e| e.into_inner()).get(arch) {
+        return Ok(o.clone());
+    }
+    let nvrtc = Nvrtc::get()?;
+    let out = Arc::new(nvrtc.compile(signal_source(), "rmacomm_signals.cu", arch, OPTIONS)?);
     cache.lock().unwrap_or_else(|e| e.into_inner()).insert(arch.to_owned(), out.clone());
     Ok(out)
 }

@@ -55,6 +55,22 @@ fn every_kernel_compiles_to_ptx_and_a_cubin() {
 }
 
 #[test]
+fn the_signal_program_compiles_to_ptx_and_a_cubin() {
+    if nvrtc().is_none() {
+        return;
+    }
+    let Output::Ptx(ptx) = &*cuda::compile_signals("compute_80").unwrap() else { panic!("PTX for compute_80") };
+    for e in cuda::SIGNAL_ENTRY_POINTS {
+        assert!(ptx.contains(&format!(".entry {e}(")), "{e} is not in the PTX");
+    }
+    match &*cuda::compile_signals("sm_90").unwrap() {
+        Output::Cubin(b) => assert!(b.starts_with(b"\x7fELF"), "sm_90: {} bytes", b.len()),
+        o => panic!("sm_90: {o:?}"),
+    }
+    assert!(std::sync::Arc::ptr_eq(&cuda::compile_signals("sm_90").unwrap(), &cuda::compile_signals("sm_90").unwrap()));
+}
+
+#[test]
 fn every_valid_op_and_dtype_has_its_kernels_and_no_other() {
     let names = cuda::entry_points();
     for d in DType::ALL {

@@ -26,7 +26,9 @@ def window_ring_cuda(_: str) -> None:
     CUDA IPC): f32, bf16 and i32 × counts 1, 1000 and 1 Mi; puts, signals
     and waits queued on torch's current stream (sync and async put), then on
     a side stream passed as stream=; map_remote_tensor of the right
-    neighbour (IPC), get, bounds, a mismatch of CPU and CUDA registrations."""
+    neighbour (IPC), get, bounds; a ring step (put, signal, wait) captured
+    in a CUDA graph and replayed 10 times; a mismatch of CPU and CUDA
+    registrations."""
     import torch
 
     comm = rmacomm.new_comm("rdma", timeout=60)
@@ -71,6 +73,38 @@ def window_ring_cuda(_: str) -> None:
                 expect("out of bounds" in str(e) and f"rank {right}" in str(e), str(e))
             comm.barrier()
             win.tensor_deregister()
+    # A ring step captured whole in a CUDA graph (torch.cuda.graph) and
+    # replayed 10 times: the put, the signal and the wait run again on every
+    # replay (the signals as kernels once captured).
+    count = 4096
+    buf = comm.empty(n * count, torch.float32, device="cuda")
+    win = comm.new_window()
+    win.tensor_register(buf)
+    src = torch.zeros(count, device="cuda")
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # a first round outside the graph
+        win.put(src, right, r * count, async_op=True)
+        win.signal(right)
+        win.wait_signal(left)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    comm.barrier()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        win.put(src, right, r * count, async_op=True)
+        win.signal(right)
+        win.wait_signal(left)
+    for i in range(10):
+        src.fill_(float(5000 + r * 100 + i))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = torch.full((count,), float(5000 + left * 100 + i), device="cuda")
+        expect(torch.equal(buf[left * count:(left + 1) * count], want), f"graph replay {i}")
+        comm.barrier()
+    del graph
+    torch.cuda.synchronize()
+    comm.barrier()
+    win.tensor_deregister()
     # Every rank registers, but rank 0 a CPU tensor: a mismatch, everywhere.
     win = comm.new_window()
     t = torch.zeros(8) if r == 0 else torch.zeros(8, device="cuda")
@@ -106,11 +140,13 @@ def bench_all_reduce(comm: Any, test: str) -> None:
         t = time.perf_counter()
         for _ in range(iters):
             comm.all_reduce(x, rmacomm.ReduceOp.SUM)
+        queued = (time.perf_counter() - t) / iters
         torch.cuda.synchronize()
         dt_s = (time.perf_counter() - t) / iters
         alg = size / dt_s / 1e9
         if r == 0:
             log(json.dumps({"test": test, "ranks": n, "bytes": size, "us": round(dt_s * 1e6, 1),
+                            "host_us": round(queued * 1e6, 1),
                             "algbw_GBps": round(alg, 2), "busbw_GBps": round(alg * 2 * (n - 1) / n, 2),
                             "device": torch.cuda.get_device_name()}))
         size *= 4

@@ -661,6 +661,16 @@ impl Window {
     pub fn wait_signal(&self, peer_rank: usize, timeout: Option<Duration>) -> Result<()> {
         const OP: &str = "wait_signal";
         self.check_rank(OP, peer_rank)?;
+        if self.device_counts_waits() {
+            return Err(Error::Unsupported {
+                op: OP,
+                reason: format!(
+                    "this window's stream signals are kernels (captured into a CUDA graph, or a device without \
+                     stream memory operations), so the device counts the signals taken from rank {peer_rank}: \
+                     wait on a stream (wait_signal_on_stream)"
+                ),
+            });
+        }
         if self.signal_maps[peer_rank].is_some() {
             return self.wait_unified(peer_rank, timeout.unwrap_or(self.timeout));
         }

@@ -503,6 +503,18 @@ pub unsafe extern "C" fn cuLaunchKernel(
             factor,
             count: u64_at(5),
         }
+    } else if name == "rmacomm_signal_next" || name == "rmacomm_wait_next" {
+        let next = name.ends_with("signal_next");
+        Kernel {
+            op: if next { "signal_next" } else { "wait_next" },
+            t: String::new(),
+            out: u64_at(0),
+            inp: if next { 0 } else { u64_at(1) },
+            k: 0,
+            n: 0,
+            factor: 0.0,
+            count: 0,
+        }
     } else if name == "rmacomm_signal_add" || name == "rmacomm_wait_geq" {
         Kernel {
             op: if name.ends_with("add") { "add" } else { "wait" },
@@ -629,6 +641,14 @@ impl Kernel {
                 word(self.out).fetch_add(self.n, Ordering::SeqCst);
             }
             ("wait", _) => Op::WaitGeq { addr: self.out, value: self.n }.run(),
+            ("signal_next", _) => {
+                word(self.out).fetch_add(1, Ordering::SeqCst);
+            }
+            ("wait_next", _) => {
+                let want = word(self.out).load(Ordering::SeqCst) + 1;
+                Op::WaitGeq { addr: self.inp, value: want }.run();
+                word(self.out).store(want, Ordering::SeqCst);
+            }
             (_, "f32") => run_kernel::<f32>(self),
             (_, "f64") => run_kernel::<f64>(self),
             (_, "i32") => run_kernel::<i32>(self),
@@ -818,6 +838,21 @@ pub extern "C" fn cuStreamWaitValue64_v2(s: *mut c_void, addr: u64, value: u64, 
         return INVALID_VALUE;
     }
     enqueue(s, Op::WaitGeq { addr, value })
+}
+
+/// `cuStreamIsCapturing`: 1 (active) while capturing, else 0.
+///
+/// # Safety
+/// `status` is a valid out-pointer.
+#[no_mangle]
+pub unsafe extern "C" fn cuStreamIsCapturing(s: *mut c_void, status: *mut c_int) -> CuResult {
+    let capturing = match stream(s) {
+        Some(st) => st.capture.lock().unwrap().is_some(),
+        None => false,
+    };
+    // SAFETY: the caller's out-pointer.
+    unsafe { *status = c_int::from(capturing) };
+    OK
 }
 
 /// `cuStreamBeginCapture_v2`.

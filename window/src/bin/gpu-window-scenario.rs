@@ -8,7 +8,9 @@
 //!   stream-ordered ones (`device_put` on a stream, `signal_on_stream`,
 //!   `wait_signal_on_stream`), for 1, 1000 and 1 Mi f32 elements; then
 //!   `device_get`, out-of-bounds puts and gets, `map_remote_device`, and a
-//!   put captured in a CUDA graph and replayed 10 times.
+//!   put captured in a CUDA graph and replayed 10 times; then put, stream
+//!   signal and stream wait captured together and replayed 10 times (the
+//!   signals as kernels: every replay signals and waits again).
 //! - `bw [MAX_BYTES]`: rank 0's `device_put` bandwidth into rank 1 from
 //!   64 KiB to MAX_BYTES (256 MiB), synchronous and queued on a stream, beside the same copies
 //!   into rank 0's own memory (no IPC: the copy-engine ceiling) in the same
@@ -150,6 +152,7 @@ fn ring(g: &Group, mut w: Window, ctx: &Arc<Context>) -> R {
         ensure(mem.is_some_and(|m| m.len() == size * count * 4), || "deregister gives the memory back".into())?;
     }
     graph(g, &mut w, ctx, &stream)?;
+    graph_signals(g, ctx)?;
     two_windows_one_allocation(g, ctx)?;
     eprintln!("device ring: {:?}", start.elapsed());
     Ok(())
@@ -200,6 +203,64 @@ fn graph(g: &Group, w: &mut Window, ctx: &Arc<Context>, stream: &Stream) -> R {
         g.barrier(None).map_err(s)?;
     }
     drop(graph);
+    w.tensor_deregister_device().map_err(s)?;
+    Ok(())
+}
+
+/// A ring step captured whole — put, stream signal, stream wait — and
+/// replayed 10 times with new data each time, nothing on the host between
+/// replays but a barrier. A stream round before the capture (stream memory
+/// operations) and one after it (kernels now) check that the counts carry
+/// over; a host wait is refused once the device counts the waits.
+fn graph_signals(g: &Group, ctx: &Arc<Context>) -> R {
+    // The kernels are compiled with NVRTC: without it (CI's first stage),
+    // skipped with the reason, unless it is expected (the GPU suite).
+    if let Err(e) = rmacomm_window::cuda::nvrtc::Nvrtc::get() {
+        if std::env::var("RMACOMM_EXPECT_NVRTC").is_ok_and(|v| v == "1") {
+            return Err(format!("signals in a CUDA graph need NVRTC: {e}"));
+        }
+        println!("rank {} graph signals skipped (no NVRTC: {e})", g.rank());
+        return Ok(());
+    }
+    let (rank, size) = (g.rank(), g.size());
+    let (right, left) = ((rank + 1) % size, (rank + size - 1) % size);
+    const COUNT: usize = 4096;
+    let stream = ctx.stream().map_err(s)?;
+    let mut w = Window::new(g, WindowOptions::new().timeout(Duration::from_secs(30))).map_err(s)?;
+    w.tensor_register_device(ctx.alloc_shared(size * COUNT * 4).map_err(s)?, 4).map_err(s)?;
+    let src = ctx.alloc_shared(COUNT * 4).map_err(s)?;
+    let round = |w: &Window, what: &str| -> R {
+        w.signal_on_stream(right, &stream).map_err(s)?;
+        w.wait_signal_on_stream(left, &stream).map_err(s)?;
+        wait_stream(&stream, &|| what.to_string())
+    };
+    round(&w, "a stream round before the capture")?;
+    stream.begin_capture().map_err(s)?;
+    let captured = w
+        .device_put(src.all(), right, rank * COUNT, Some(&stream))
+        .and_then(|()| w.signal_on_stream(right, &stream))
+        .and_then(|()| w.wait_signal_on_stream(left, &stream));
+    let graph = stream.end_capture().map_err(s)?;
+    captured.map_err(|e| format!("put / signal / wait under capture: {e}"))?;
+    for i in 0..10 {
+        let what = || format!("graph replay {i} of put + signal + wait");
+        let value = |r: usize| 9000 + r * 100 + i;
+        src.write_from(0, &f32s(value(rank), COUNT)).map_err(s)?;
+        // SAFETY: `src`, the registration and the window's signal memory
+        // live until after the last replay has run.
+        #[allow(unsafe_code)]
+        unsafe { graph.launch(&stream) }.map_err(s)?;
+        wait_stream(&stream, &what)?;
+        check(&w, left, COUNT, value(left), &what)?;
+        g.barrier(None).map_err(s)?;
+    }
+    drop(graph);
+    match w.wait_signal(left, Some(Duration::from_millis(100))) {
+        Err(e) if e.to_string().contains("wait on a stream") => {}
+        other => return Err(format!("a host wait after the capture: {other:?}, want it refused")),
+    }
+    round(&w, "a stream round after the capture")?;
+    g.barrier(None).map_err(s)?;
     w.tensor_deregister_device().map_err(s)?;
     Ok(())
 }

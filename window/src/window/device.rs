@@ -8,15 +8,30 @@
 //! `cuStreamWriteValue64` / `cuStreamWaitValue64` on the same 64-bit slots
 //! of host shared memory, registered with the device).
 //!
+//! A CUDA graph fixes a stream memory operation's value when it is
+//! captured, so a replay would write the same count again and wait for the
+//! same one. A stream signal or wait issued while its stream is capturing
+//! therefore switches the window to *kernel signals*, for good: a signal is
+//! `rmacomm_signal_next` (one more in the peer's slot, counted there), a
+//! wait `rmacomm_wait_next` (the signals taken from each peer are counted
+//! in host memory registered with the device), so every replay signals and
+//! waits once more. The same kernels are what a device without stream
+//! memory operations gets from the start. From then on the window's host
+//! `wait_signal` is refused (the device keeps the count); host `signal`s
+//! still add to the peer's slot.
+//!
 //! Peers on other hosts are not reached: device memory across hosts needs
 //! staging through pinned buffers (or DMA-BUF on a verbs device), which is
 //! not built; registering fails there with an error naming the peer.
 
-use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
 
-use rmacomm_cuda::device::{DeviceMemory, DeviceView, HostRegistration, IpcHandle, IpcMapping, MemoryType, Stream};
-use rmacomm_cuda::driver::{Context, DevicePtr};
+use rmacomm_cuda::device::{
+    DeviceMemory, DeviceView, HostRegistration, IpcHandle, IpcMapping, MemoryType, SharedModule, Stream,
+};
+use rmacomm_cuda::driver::{Arg, Context, DevicePtr};
+use rmacomm_cuda::nvrtc::Output;
 
 use super::Window;
 use crate::error::{Error, Result};
@@ -53,7 +68,65 @@ pub(super) struct DeviceRegistration {
     /// rank's own signal buffer (where `wait_signal_on_stream` waits); or
     /// why stream-ordered signals cannot be had.
     slots: std::result::Result<Vec<(DevicePtr, DevicePtr)>, String>,
+    /// Kernel signals (module docs): switched on for good by the first
+    /// stream signal or wait captured into a graph, or from the start on a
+    /// device without stream memory operations.
+    kernel_signals: AtomicBool,
+    /// Per peer: its signals taken by kernel waits, in host memory the
+    /// device reaches.
+    taken: PinnedWords,
+    /// The signal kernels, compiled and loaded on first need.
+    signal_module: OnceLock<std::result::Result<SharedModule, String>>,
     _host: Vec<HostRegistration>,
+}
+
+/// Zeroed 64-bit words in page-aligned host memory registered with the
+/// device (freed after the registration is dropped).
+struct PinnedWords {
+    ptr: *mut u64,
+    layout: std::alloc::Layout,
+    reg: Option<HostRegistration>,
+}
+
+// SAFETY: the words are only reached through atomics (host) and by the
+// device; the pointer is owned.
+unsafe impl Send for PinnedWords {}
+// SAFETY: as above.
+unsafe impl Sync for PinnedWords {}
+
+impl PinnedWords {
+    fn new(ctx: &Arc<Context>, n: usize) -> std::result::Result<PinnedWords, String> {
+        let layout = std::alloc::Layout::from_size_align((8 * n.max(1)).div_ceil(4096) * 4096, 4096)
+            .map_err(|e| e.to_string())?;
+        // SAFETY: a non-zero size.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) }.cast::<u64>();
+        if ptr.is_null() {
+            return Err("out of host memory for the signal counts".into());
+        }
+        let mut w = PinnedWords { ptr, layout, reg: None };
+        // SAFETY: the allocation lives until after the registration drops
+        // (Drop below).
+        w.reg = Some(unsafe { ctx.register_host(ptr.cast(), layout.size()) }.map_err(|e| e.to_string())?);
+        Ok(w)
+    }
+
+    fn word(&self, i: usize) -> &std::sync::atomic::AtomicU64 {
+        // SAFETY: inside the allocation (callers pass a rank), 8-byte
+        // aligned, live as long as `self`.
+        unsafe { std::sync::atomic::AtomicU64::from_ptr(self.ptr.add(i)) }
+    }
+
+    fn device_ptr(&self, i: usize) -> DevicePtr {
+        self.reg.as_ref().map_or(0, |r| r.device_ptr()) + 8 * i as u64
+    }
+}
+
+impl Drop for PinnedWords {
+    fn drop(&mut self) {
+        drop(self.reg.take());
+        // SAFETY: allocated in `new` with this layout.
+        unsafe { std::alloc::dealloc(self.ptr.cast(), self.layout) };
+    }
 }
 
 impl DeviceRegistration {
@@ -188,13 +261,19 @@ impl Window {
             }
             Ok((ptrs, ipc))
         };
-        let mapped = mapped();
+        let mapped = mapped().and_then(|m| {
+            let taken = PinnedWords::new(&ctx, n).map_err(|e| Error::Unsupported {
+                op: OP,
+                reason: format!("registering the signal counts with the device: {e}"),
+            })?;
+            Ok((m, taken))
+        });
         let verdict = match &mapped {
             Ok(_) => String::new(),
             Err(e) => e.to_string(),
         };
         let all = self.group.exchange("tensor_register_device/mapped", verdict.as_bytes())?;
-        let (ptrs, ipc) = mapped?;
+        let ((ptrs, ipc), taken) = mapped?;
         if let Some((p, why)) = all.iter().enumerate().find(|(_, v)| !v.is_empty()) {
             return Err(Error::PeerFailed { op: OP, peer: p, reason: String::from_utf8_lossy(why).into_owned() });
         }
@@ -204,7 +283,20 @@ impl Window {
             Err(why) => (Err(why), Vec::new()),
         };
         let peers = offers.iter().map(|o| (o.2, o.3)).collect();
-        self.dev = Some(DeviceRegistration { tensor, ctx, peers, ptrs, ipc, stream, slots, _host: host });
+        let memops = ctx.stream_mem_ops().unwrap_or(false);
+        self.dev = Some(DeviceRegistration {
+            tensor,
+            ctx,
+            peers,
+            ptrs,
+            ipc,
+            stream,
+            slots,
+            kernel_signals: AtomicBool::new(!memops),
+            taken,
+            signal_module: OnceLock::new(),
+            _host: host,
+        });
         Ok(())
     }
 
@@ -215,13 +307,6 @@ impl Window {
         &self,
         ctx: &Arc<Context>,
     ) -> std::result::Result<(Vec<(DevicePtr, DevicePtr)>, Vec<HostRegistration>), String> {
-        if !ctx.stream_mem_ops().map_err(|e| e.to_string())? {
-            return Err(format!(
-                "{} cannot wait on or write 64-bit values from a stream (CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_\
-                 MEM_OPS is 0)",
-                ctx.name()
-            ));
-        }
         let me = self.rank();
         // SAFETY: the signal buffers are mapped as long as the window lives,
         // and the registrations are dropped with the device registration,
@@ -432,6 +517,51 @@ impl Window {
         Ok(slots[rank])
     }
 
+    /// The signal kernels when this window's stream signals are kernels
+    /// (module docs), switching to them for good when `stream` is
+    /// capturing a graph; `None` while stream memory operations serve.
+    fn kernel_signals(&self, op: &'static str, stream: &Stream) -> Result<Option<&SharedModule>> {
+        let reg = self.device_reg(op)?;
+        // Loaded by the first stream signal or wait, captured or not (a
+        // graph is usually captured after a first run outside it), so that
+        // no module is loaded while a stream captures; where NVRTC is
+        // missing, only kernel signals fail.
+        let module = reg.signal_module.get_or_init(|| {
+            let image = match &*rmacomm_kernels::cuda::compile_signals(&reg.ctx.arch()).map_err(|e| e.to_string())? {
+                Output::Cubin(b) => b.clone(),
+                Output::Ptx(p) => format!("{p}\0").into_bytes(),
+            };
+            // SAFETY: an image NVRTC just compiled for this device.
+            unsafe { SharedModule::load(&reg.ctx, &image) }.map_err(|e| e.to_string())
+        });
+        if !reg.kernel_signals.load(Ordering::Acquire) {
+            if !stream.is_capturing().map_err(cuda(op))? {
+                return Ok(None);
+            }
+            if module.is_ok()
+                && reg.kernel_signals.compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire).is_ok()
+            {
+                // The kernels go on from the counts the host kept (of waits
+                // queued so far: they run before anything queued after them).
+                for p in 0..self.size() {
+                    reg.taken.word(p).store(self.consumed[p].load(Ordering::Acquire), Ordering::Release);
+                }
+            }
+        }
+        module.as_ref().map(Some).map_err(|why| Error::Unsupported {
+            op,
+            reason: format!(
+                "stream signals in a CUDA graph (or without stream memory operations) run as kernels: {why}"
+            ),
+        })
+    }
+
+    /// Whether the device counts this window's waits (kernel signals: module
+    /// docs), so that a host `wait_signal` cannot take part.
+    pub(super) fn device_counts_waits(&self) -> bool {
+        self.dev.as_ref().is_some_and(|d| d.kernel_signals.load(Ordering::Acquire))
+    }
+
     /// Queues a signal to `dst_rank` on `stream`: it is delivered after
     /// everything queued there before (puts included), and satisfies one
     /// [`wait_signal`](Self::wait_signal) or
@@ -439,10 +569,19 @@ impl Window {
     /// slot is written with the count of signals this rank sent to
     /// `dst_rank` (`cuStreamWriteValue64`), so host signals and stream
     /// signals to one peer must not overlap: synchronize the stream before
-    /// a host [`signal`](Self::signal) to the same peer.
+    /// a host [`signal`](Self::signal) to the same peer. Inside a CUDA graph
+    /// capture (and from then on) it is a kernel adding one to the slot, so
+    /// every replay signals again (module docs).
     pub fn signal_on_stream(&self, dst_rank: usize, stream: &Stream) -> Result<()> {
         const OP: &str = "signal_on_stream";
         let (at, _) = self.stream_slots(OP, dst_rank, stream)?;
+        if let Some(m) = self.kernel_signals(OP, stream)? {
+            // SAFETY: the kernel's one parameter, a slot of a registered
+            // signal buffer, mapped while the window lives.
+            unsafe { m.launch_on(stream, "rmacomm_signal_next", 1, 32, &[Arg::U64(at)]) }.map_err(cuda(OP))?;
+            self.sent[dst_rank].fetch_add(1, Ordering::AcqRel);
+            return Ok(());
+        }
         let count = self.sent[dst_rank].fetch_add(1, Ordering::AcqRel) + 1;
         // SAFETY: a slot of a registered signal buffer, mapped while the
         // window lives (deregistration synchronizes the context first).
@@ -456,9 +595,20 @@ impl Window {
     /// queued there after this runs once the signal has arrived (the n-th
     /// wait, host or stream, takes the n-th signal). The stream waits
     /// without a timeout; a peer that never signals leaves it waiting.
+    /// Inside a CUDA graph capture (and from then on) it is a kernel that
+    /// waits for one more signal than the device has counted taken, so
+    /// every replay waits again (module docs).
     pub fn wait_signal_on_stream(&self, peer_rank: usize, stream: &Stream) -> Result<()> {
         const OP: &str = "wait_signal_on_stream";
         let (_, at) = self.stream_slots(OP, peer_rank, stream)?;
+        if let Some(m) = self.kernel_signals(OP, stream)? {
+            let taken = self.device_reg(OP)?.taken.device_ptr(peer_rank);
+            // SAFETY: the kernel's parameters: this rank's count of the
+            // peer's signals (registered host memory, alive with the
+            // registration) and the peer's slot of this rank's buffer.
+            return unsafe { m.launch_on(stream, "rmacomm_wait_next", 1, 32, &[Arg::U64(taken), Arg::U64(at)]) }
+                .map_err(cuda(OP));
+        }
         let want = self.consumed[peer_rank].fetch_add(1, Ordering::AcqRel) + 1;
         // SAFETY: as for signal_on_stream.
         unsafe { stream.wait_value64_geq(at, want) }.map_err(|e| {

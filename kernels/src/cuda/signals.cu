@@ -1,0 +1,29 @@
+// rmacomm's stream-ordered signals as kernels: what a CUDA graph can replay
+// (a stream memory operation's value is fixed when it is captured) and what
+// runs where the driver has no stream memory operations. Every word is
+// 8-byte aligned, in device memory or host memory registered with the
+// device; each word has one writer at a time.
+typedef unsigned long long u64;
+
+// One more signal: the count in `word` (this rank's slot in the peer's
+// signal buffer, which only this rank writes) goes up by one, after
+// everything the stream did before is visible system-wide.
+extern "C" __global__ void rmacomm_signal_next(volatile u64* word) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        __threadfence_system();
+        *word = *word + 1;
+        __threadfence_system();
+    }
+}
+
+// The next signal: waits until `word` (the peer's slot in this rank's
+// signal buffer) reaches one more than `taken` (this rank's count of the
+// peer's signals taken), then counts it taken.
+extern "C" __global__ void rmacomm_wait_next(volatile u64* taken, const volatile u64* word) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        u64 want = *taken + 1;
+        while (*word < want) __nanosleep(100);
+        *taken = want;
+        __threadfence_system();
+    }
+}
