@@ -661,16 +661,6 @@ impl Window {
     pub fn wait_signal(&self, peer_rank: usize, timeout: Option<Duration>) -> Result<()> {
         const OP: &str = "wait_signal";
         self.check_rank(OP, peer_rank)?;
-        if self.device_counts_waits() {
-            return Err(Error::Unsupported {
-                op: OP,
-                reason: format!(
-                    "this window's stream signals are kernels (captured into a CUDA graph, or a device without \
-                     stream memory operations), so the device counts the signals taken from rank {peer_rank}: \
-                     wait on a stream (wait_signal_on_stream)"
-                ),
-            });
-        }
         if self.signal_maps[peer_rank].is_some() {
             return self.wait_unified(peer_rank, timeout.unwrap_or(self.timeout));
         }
@@ -762,7 +752,7 @@ impl Window {
         let rma = |source| Error::Rma { op: OP, peer, source };
         let slot =
             Slot::at(SLOT * peer, |o| self.signal_dst.atomic_u64(o), |o| self.signal_dst.atomic_u32(o)).map_err(rma)?;
-        let consumed = &self.consumed[peer];
+        let consumed = self.kernel_wait_count(peer).unwrap_or(&self.consumed[peer]);
         let take = || loop {
             let (have, taken) = (slot.value.load(Ordering::Acquire), consumed.load(Ordering::Acquire));
             if have <= taken {

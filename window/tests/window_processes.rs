@@ -191,4 +191,22 @@ fn device_memory_ring_against_the_cuda_standin() {
             assert!(stdout.contains("\"window_device_signal_rtt\",\"host_us\":"), "{stdout}");
         }
     }
+    // A device without stream memory operations: every stream signal and
+    // wait is a kernel from the start, and host waits count with them
+    // (needs NVRTC for the kernels: CI's NVRTC stage).
+    if rmacomm_window::cuda::nvrtc::Nvrtc::get().is_err() {
+        eprintln!("the ring without stream memory operations skipped: no NVRTC for the signal kernels");
+        return;
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_rmacomm-run"))
+        .args(["--nproc-per-node", "3", env!("CARGO_BIN_EXE_gpu-window-scenario"), "ring"])
+        .env_remove("MASTER_ADDR")
+        .env_remove("MASTER_PORT")
+        .env("RMACOMM_TIMEOUT_SECONDS", "60")
+        .env("RMACOMM_CUDA_LIB", &lib)
+        .env("RMACOMM_EXPECT_GPU", "1")
+        .env("RMACOMM_STANDIN_NO_MEMOPS", "1")
+        .output()
+        .unwrap();
+    assert_every_rank_ok(3, &out);
 }

@@ -279,9 +279,12 @@ pub unsafe extern "C" fn cuDeviceGet(d: *mut c_int, ordinal: c_int) -> CuResult 
 /// `v` is a valid out-pointer.
 #[no_mangle]
 pub unsafe extern "C" fn cuDeviceGetAttribute(v: *mut c_int, attr: c_int, _dev: c_int) -> CuResult {
+    // RMACOMM_STANDIN_NO_MEMOPS=1: a device without 64-bit stream memory
+    // operations (attribute 122), for the kernel-signal fallback.
+    let memops = std::env::var("RMACOMM_STANDIN_NO_MEMOPS").map_or(true, |v| v != "1");
     let value = match attr {
         75 => 9,
-        122 => 1,
+        122 => c_int::from(memops),
         _ => 0,
     };
     // SAFETY: the caller's out-pointer.

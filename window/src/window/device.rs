@@ -16,9 +16,11 @@
 //! wait `rmacomm_wait_next` (the signals taken from each peer are counted
 //! in host memory registered with the device), so every replay signals and
 //! waits once more. The same kernels are what a device without stream
-//! memory operations gets from the start. From then on the window's host
-//! `wait_signal` is refused (the device keeps the count); host `signal`s
-//! still add to the peer's slot.
+//! memory operations gets from the start. From then on host
+//! `wait_signal`s count in the same registered words (host and stream
+//! waits from one peer must not be in flight at once, as host and stream
+//! signals to one peer must not), and host `signal`s still add one to the
+//! peer's slot.
 //!
 //! Peers on other hosts are not reached: device memory across hosts needs
 //! staging through pinned buffers (or DMA-BUF on a verbs device), which is
@@ -75,7 +77,7 @@ pub(super) struct DeviceRegistration {
     /// Per peer: its signals taken by kernel waits, in host memory the
     /// device reaches.
     taken: PinnedWords,
-    /// The signal kernels, compiled and loaded on first need.
+    /// The signal kernels, compiled and loaded at registration.
     signal_module: OnceLock<std::result::Result<SharedModule, String>>,
     _host: Vec<HostRegistration>,
 }
@@ -130,6 +132,20 @@ impl Drop for PinnedWords {
 }
 
 impl DeviceRegistration {
+    /// The signal kernels, compiled (once per process) and loaded by the
+    /// registration, so that no module is loaded while a stream captures;
+    /// where NVRTC is missing, only kernel signals fail.
+    fn signal_module(&self) -> &std::result::Result<SharedModule, String> {
+        self.signal_module.get_or_init(|| {
+            let image = match &*rmacomm_kernels::cuda::compile_signals(&self.ctx.arch()).map_err(|e| e.to_string())? {
+                Output::Cubin(b) => b.clone(),
+                Output::Ptx(p) => format!("{p}\0").into_bytes(),
+            };
+            // SAFETY: an image NVRTC just compiled for this device.
+            unsafe { SharedModule::load(&self.ctx, &image) }.map_err(|e| e.to_string())
+        })
+    }
+
     /// `rank`'s registered bytes.
     pub(super) fn registered_len(&self, rank: usize) -> usize {
         self.peers[rank].0
@@ -284,6 +300,9 @@ impl Window {
         };
         let peers = offers.iter().map(|o| (o.2, o.3)).collect();
         let memops = ctx.stream_mem_ops().unwrap_or(false);
+        for p in 0..n {
+            taken.word(p).store(self.consumed[p].load(Ordering::Acquire), Ordering::Release);
+        }
         self.dev = Some(DeviceRegistration {
             tensor,
             ctx,
@@ -297,6 +316,9 @@ impl Window {
             signal_module: OnceLock::new(),
             _host: host,
         });
+        if let Some(d) = &self.dev {
+            let _ = d.signal_module();
+        }
         Ok(())
     }
 
@@ -344,6 +366,17 @@ impl Window {
         const OP: &str = "tensor_deregister_device";
         let reg = self.dev.as_ref().ok_or_else(|| Error::invalid(OP, "no device tensor is registered"))?;
         reg.ctx.synchronize().map_err(cuda(OP))?;
+        if reg.kernel_signals.load(Ordering::Acquire) {
+            // The device kept the counts: back to the host's for the next
+            // registration (its stream signals may write counts again).
+            let me = self.rank();
+            for p in 0..self.size() {
+                self.consumed[p].store(reg.taken.word(p).load(Ordering::Acquire), Ordering::Release);
+                if let Some(Ok(slot)) = self.signal_maps[p].as_ref().map(|m| m.atomic_u64(SLOT * me)) {
+                    self.sent[p].store(slot.load(Ordering::Acquire), Ordering::Release);
+                }
+            }
+        }
         self.group.barrier(None)?;
         let reg = self.dev.take().expect("checked above");
         Ok(match reg.tensor {
@@ -522,18 +555,7 @@ impl Window {
     /// capturing a graph; `None` while stream memory operations serve.
     fn kernel_signals(&self, op: &'static str, stream: &Stream) -> Result<Option<&SharedModule>> {
         let reg = self.device_reg(op)?;
-        // Loaded by the first stream signal or wait, captured or not (a
-        // graph is usually captured after a first run outside it), so that
-        // no module is loaded while a stream captures; where NVRTC is
-        // missing, only kernel signals fail.
-        let module = reg.signal_module.get_or_init(|| {
-            let image = match &*rmacomm_kernels::cuda::compile_signals(&reg.ctx.arch()).map_err(|e| e.to_string())? {
-                Output::Cubin(b) => b.clone(),
-                Output::Ptx(p) => format!("{p}\0").into_bytes(),
-            };
-            // SAFETY: an image NVRTC just compiled for this device.
-            unsafe { SharedModule::load(&reg.ctx, &image) }.map_err(|e| e.to_string())
-        });
+        let module = reg.signal_module();
         if !reg.kernel_signals.load(Ordering::Acquire) {
             if !stream.is_capturing().map_err(cuda(op))? {
                 return Ok(None);
@@ -556,10 +578,12 @@ impl Window {
         })
     }
 
-    /// Whether the device counts this window's waits (kernel signals: module
-    /// docs), so that a host `wait_signal` cannot take part.
-    pub(super) fn device_counts_waits(&self) -> bool {
-        self.dev.as_ref().is_some_and(|d| d.kernel_signals.load(Ordering::Acquire))
+    /// With kernel signals (module docs), the count of `peer`'s signals
+    /// taken, which kernel waits keep on the device: host waits count there
+    /// too, so that both take each signal once.
+    pub(super) fn kernel_wait_count(&self, peer: usize) -> Option<&std::sync::atomic::AtomicU64> {
+        let d = self.dev.as_ref()?;
+        d.kernel_signals.load(Ordering::Acquire).then(|| d.taken.word(peer))
     }
 
     /// Queues a signal to `dst_rank` on `stream`: it is delivered after
