@@ -166,13 +166,21 @@ const OPTIONS: &[&str] = &["-std=c++17", "-lineinfo", "--fmad=false"];
 /// loadable by any CUDA 13 driver without JIT; `compute_90`: PTX). Compiled
 /// once per architecture and process; later calls return the cached result.
 pub fn compile(arch: &str) -> Result<Arc<Output>> {
-    static CACHE: OnceLock<Mutex<HashMap<String, Arc<Output>>>> = OnceLock::new();
-    let cache = CACHE.get_or_init(Default::default);
+    static CACHE: Cache = OnceLock::new();
+    cached(&CACHE, arch, source(), "rmacomm_kernels.cu")
+}
+
+/// Compiled programs per architecture.
+type Cache = OnceLock<Mutex<HashMap<String, Arc<Output>>>>;
+
+/// `src` compiled for `arch`, from `cache` or compiled into it.
+fn cached(cache: &Cache, arch: &str, src: &str, name: &str) -> Result<Arc<Output>> {
+    let cache = cache.get_or_init(Default::default);
     if let Some(o) = cache.lock().unwrap_or_else(|e| e.into_inner()).get(arch) {
         return Ok(o.clone());
     }
     let nvrtc = Nvrtc::get()?;
-    let out = Arc::new(nvrtc.compile(source(), "rmacomm_kernels.cu", arch, OPTIONS)?);
+    let out = Arc::new(nvrtc.compile(src, name, arch, OPTIONS)?);
     cache.lock().unwrap_or_else(|e| e.into_inner()).insert(arch.to_owned(), out.clone());
     Ok(out)
 }
@@ -180,13 +188,6 @@ pub fn compile(arch: &str) -> Result<Arc<Output>> {
 /// The signal program ([`signal_source`]) compiled for `arch`, once per
 /// architecture and process (a fraction of the reduction program's time).
 pub fn compile_signals(arch: &str) -> Result<Arc<Output>> {
-    static CACHE: OnceLock<Mutex<HashMap<String, Arc<Output>>>> = OnceLock::new();
-    let cache = CACHE.get_or_init(Default::default);
-    if let Some(o) = cache.lock().unwrap_or_else(|e| e.into_inner()).get(arch) {
-        return Ok(o.clone());
-    }
-    let nvrtc = Nvrtc::get()?;
-    let out = Arc::new(nvrtc.compile(signal_source(), "rmacomm_signals.cu", arch, OPTIONS)?);
-    cache.lock().unwrap_or_else(|e| e.into_inner()).insert(arch.to_owned(), out.clone());
-    Ok(out)
+    static CACHE: Cache = OnceLock::new();
+    cached(&CACHE, arch, signal_source(), "rmacomm_signals.cu")
 }
