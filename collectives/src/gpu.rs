@@ -223,7 +223,7 @@ impl GpuComm {
     /// `out[i] = op(inputs[0][i], ..)` for `count` elements, queued: the
     /// pointer table uploaded, then one k-input kernel.
     #[allow(clippy::too_many_arguments)]
-    fn reduce(
+    fn reduce_kernel(
         &self,
         what: &'static str,
         e: &rmacomm_kernels::cuda::Entries,
@@ -398,7 +398,7 @@ impl GpuComm {
             }
             self.exchange(OP, stream)?;
             let inputs: Vec<DevicePtr> = self.slots.iter().map(|s| s + at + (me * clen) as u64).collect();
-            self.reduce(OP, &e, op, output + off as u64, &inputs, clen / es, stream)?;
+            self.reduce_kernel(OP, &e, op, output + off as u64, &inputs, clen / es, stream)?;
             off += clen;
         }
         self.leave(OP, stream)
@@ -419,16 +419,59 @@ impl GpuComm {
         op: ReduceOp,
         stream: &Stream,
     ) -> Result<()> {
-        const OP: &str = "all_reduce";
-        op.check(dtype).map_err(|source| Error::Kernel { op: OP, source })?;
+        // SAFETY: the caller's contract.
+        unsafe { self.reduce_into("all_reduce", buf, len, dtype, op, None, stream) }
+    }
+
+    /// Reduces every rank's `len` bytes at `buf` with `op` into `root`'s
+    /// `buf`, queued on `stream` (collective); the other ranks' buffers
+    /// are left as they were.
+    ///
+    /// # Safety
+    /// As for [`all_reduce`](Self::all_reduce).
+    pub unsafe fn reduce(
+        &mut self,
+        buf: DevicePtr,
+        len: usize,
+        dtype: DType,
+        op: ReduceOp,
+        root: usize,
+        stream: &Stream,
+    ) -> Result<()> {
+        if root >= self.size {
+            return Err(Error::invalid("reduce", format!("root {root} is not a rank of {}", self.size)));
+        }
+        // SAFETY: the caller's contract.
+        unsafe { self.reduce_into("reduce", buf, len, dtype, op, Some(root), stream) }
+    }
+
+    /// all_reduce (`root` None) or reduce: the shares are reduced as in
+    /// the module docs, then copied back on every rank or on `root` only.
+    ///
+    /// # Safety
+    /// As for [`all_reduce`](Self::all_reduce).
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn reduce_into(
+        &mut self,
+        op_name: &'static str,
+        buf: DevicePtr,
+        len: usize,
+        dtype: DType,
+        op: ReduceOp,
+        root: Option<usize>,
+        stream: &Stream,
+    ) -> Result<()> {
+        let what = op_name;
+        op.check(dtype).map_err(|source| Error::Kernel { op: what, source })?;
         let es = dtype.size();
         if !len.is_multiple_of(es) {
-            return Err(Error::invalid(OP, format!("{len} bytes are not whole {dtype} elements")));
+            return Err(Error::invalid(what, format!("{len} bytes are not whole {dtype} elements")));
         }
-        let e = rmacomm_kernels::cuda::entries(op, dtype).map_err(|source| Error::Kernel { op: OP, source })?;
+        let e = rmacomm_kernels::cuda::entries(op, dtype).map_err(|source| Error::Kernel { op: what, source })?;
         let chunk = self.slot / es * es;
         let (me, n) = (self.rank, self.size);
-        self.enter(OP, stream)?;
+        let gets_result = root.is_none_or(|r| r == me);
+        self.enter(what, stream)?;
         let mut off = 0;
         while off < len {
             let clen = chunk.min(len - off);
@@ -436,30 +479,30 @@ impl GpuComm {
             let at = self.next_region();
             // 1. My input.
             // SAFETY: inside the caller's buffer and my region.
-            unsafe { stream.copy_async(self.slots[me] + at, buf + off as u64, clen) }.map_err(cuda(OP))?;
+            unsafe { stream.copy_async(self.slots[me] + at, buf + off as u64, clen) }.map_err(cuda(what))?;
             // 2. Everyone's inputs are in place.
-            self.exchange(OP, stream)?;
+            self.exchange(what, stream)?;
             // 3. My share of every input, reduced in place into my share of
             //    my region (elementwise: each element is read, then written).
             let (s0, s1) = self.share(me, elems);
             if s1 > s0 {
                 let share = at + (s0 * es) as u64;
                 let inputs: Vec<DevicePtr> = self.slots.iter().map(|p| p + share).collect();
-                self.reduce(OP, &e, op, self.slots[me] + share, &inputs, s1 - s0, stream)?;
+                self.reduce_kernel(what, &e, op, self.slots[me] + share, &inputs, s1 - s0, stream)?;
             }
             // 4. Everyone's results are in place.
-            self.exchange(OP, stream)?;
-            // 5. Every share into my buffer.
-            for p in 0..n {
+            self.exchange(what, stream)?;
+            // 5. Every share into my buffer (the root's only, for reduce).
+            for p in (0..n).filter(|_| gets_result) {
                 let (a, b) = self.share(p, elems);
                 if b > a {
                     let src = self.slots[p] + at + (a * es) as u64;
                     // SAFETY: inside rank p's region and my buffer.
-                    unsafe { stream.copy_async(buf + (off + a * es) as u64, src, (b - a) * es) }.map_err(cuda(OP))?;
+                    unsafe { stream.copy_async(buf + (off + a * es) as u64, src, (b - a) * es) }.map_err(cuda(what))?;
                 }
             }
             off += clen;
         }
-        self.leave(OP, stream)
+        self.leave(what, stream)
     }
 }

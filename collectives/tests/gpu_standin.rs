@@ -239,3 +239,36 @@ fn gpu_calls_queued_back_to_back_on_two_streams_match_the_host() {
         drop(bufs);
     });
 }
+
+/// reduce (SUM, f32) to each root in turn through 64 KiB slots (50,000
+/// elements: four chunks): the root gets the sum, the others keep their
+/// input.
+#[test]
+fn gpu_reduce_reaches_the_root_only() {
+    if !ready() {
+        return;
+    }
+    three_ranks(|rank, g, ctx, c, stream| {
+        let n = 3;
+        let elems = 50_000usize;
+        let buf = ctx.alloc_shared(elems * 4).unwrap();
+        let f = |r: usize, i: usize| ((r + 1) * 1000 + i % 11) as f32;
+        let mine: Vec<f32> = (0..elems).map(|i| f(rank, i)).collect();
+        for root in 0..n {
+            buf.write_from(0, &as_bytes(&mine)).unwrap();
+            // SAFETY: buf holds elems f32 and outlives the synchronize.
+            unsafe { c.reduce(buf.ptr(), elems * 4, DType::F32, ReduceOp::Sum, root, stream) }.unwrap();
+            stream.synchronize().unwrap();
+            let mut got = vec![0u8; elems * 4];
+            buf.read_into(0, &mut got).unwrap();
+            let want: Vec<f32> =
+                if rank == root { (0..elems).map(|i| (0..n).map(|r| f(r, i)).sum()).collect() } else { mine.clone() };
+            assert_eq!(got, as_bytes(&want), "rank {rank}: reduce to {root}");
+        }
+        // SAFETY: refused before anything is queued.
+        let e = unsafe { c.reduce(buf.ptr(), 4, DType::F32, ReduceOp::Sum, n, stream) }.unwrap_err();
+        assert!(e.to_string().contains("root 3"), "{e}");
+        g.barrier(None).unwrap();
+        drop(buf);
+    });
+}

@@ -334,7 +334,14 @@ impl PyComm {
     ) -> PyResult<PyWork> {
         let _ = hints;
         if let Some(t) = cuda_tensor::of(tensor, "tensor")? {
-            self.gpu("reduce", &[&t])?.reduce(py, &t, op.op, root)?;
+            if self.shared.nccl.get().is_none() {
+                let dt = native_dtype("reduce", &t)?;
+                let (ptr, len, op) = (t.ptr, t.nbytes, op.op);
+                // SAFETY: as in native_all_reduce.
+                self.native(py, "reduce", t.device, move |c, s| unsafe { c.reduce(ptr, len, dt, op, root, s) })?;
+            } else {
+                self.gpu("reduce", &[&t])?.reduce(py, &t, op.op, root)?;
+            }
             return Ok(PyWork::done());
         }
         let t = Tensor::new(tensor, "tensor", true)?;

@@ -227,7 +227,7 @@ def native_collectives(arg: str) -> None:
     backend (two processes on one GPU through CUDA IPC, the NVRTC kernels,
     stream-ordered signals). f32, bf16, i32 × counts 1, 1000, 1 Mi and 20 M
     (80 MB of f32: two chunks of the 64 MiB slots) × SUM, MAX, AVG,
-    PREMUL_SUM(2), checked against torch; broadcast, all_gather_single,
+    PREMUL_SUM(2), checked against torch; broadcast, reduce, all_gather_single,
     all_to_all_single, reduce_scatter_single; then, with arg "bench", the
     bus bandwidth from 1 MiB to 256 MiB as JSON lines."""
     import torch
@@ -271,6 +271,10 @@ def native_collectives(arg: str) -> None:
         comm.all_to_all_single(out, inp)
         want = torch.cat([torch.full((b,), 10 * p + r, dtype=dt, device="cuda") for p in range(n)])
         expect(torch.equal(out, want), f"native all_to_all_single {dt}")
+        x = torch.full((b,), r + 1, dtype=dt, device="cuda")
+        comm.reduce(x, n - 1, R.SUM)
+        want_r = n * (n + 1) // 2 if r == n - 1 else r + 1
+        expect(torch.equal(x, torch.full_like(x, want_r)), f"native reduce {dt}")
         out = torch.zeros(b, dtype=dt, device="cuda")
         comm.reduce_scatter_single(out, inp, R.SUM)
         expect(torch.equal(out, torch.full_like(out, sum(10 * p + r for p in range(n)))), f"native reduce_scatter {dt}")
