@@ -89,6 +89,23 @@ fn flag_bytes(ranks: usize) -> usize {
     (8 * (ranks + 1)).div_ceil(256) * 256
 }
 
+/// The kernels of `op` on `dtype` and the element size, or why a reduction
+/// of `len` bytes cannot be had.
+fn reduction(
+    what: &'static str,
+    op: ReduceOp,
+    dtype: DType,
+    len: usize,
+) -> Result<(rmacomm_kernels::cuda::Entries, usize)> {
+    op.check(dtype).map_err(|source| Error::Kernel { op: what, source })?;
+    let es = dtype.size();
+    if !len.is_multiple_of(es) {
+        return Err(Error::invalid(what, format!("{len} bytes are not whole {dtype} elements")));
+    }
+    let e = rmacomm_kernels::cuda::entries(op, dtype).map_err(|source| Error::Kernel { op: what, source })?;
+    Ok((e, es))
+}
+
 fn cuda(op: &'static str) -> impl Fn(rmacomm_window::cuda::CudaError) -> Error {
     move |source| Error::Window { op, source: rmacomm_window::Error::Cuda { op, source } }
 }
@@ -207,6 +224,50 @@ impl GpuComm {
         Ok(())
     }
 
+    /// Runs a collective call's uses (module docs): `f(self, off, clen,
+    /// at)` for each chunk of `len` bytes of at most `step`, `at` the
+    /// region's offset, between [`enter`](Self::enter) and
+    /// [`leave`](Self::leave).
+    fn uses(
+        &mut self,
+        op: &'static str,
+        len: usize,
+        step: usize,
+        stream: &Stream,
+        mut f: impl FnMut(&mut Self, usize, usize, u64) -> Result<()>,
+    ) -> Result<()> {
+        self.enter(op, stream)?;
+        let mut off = 0;
+        while off < len {
+            let clen = step.min(len - off);
+            let at = self.next_region();
+            f(self, off, clen, at)?;
+            off += clen;
+        }
+        self.leave(op, stream)
+    }
+
+    /// Block j (`clen` bytes at `off` of the j-th `len`-byte block of
+    /// `input`) into slot j of this rank's region at `at`: what
+    /// all_to_all and reduce_scatter send.
+    #[allow(clippy::too_many_arguments)]
+    fn blocks_in(
+        &self,
+        op: &'static str,
+        input: DevicePtr,
+        len: usize,
+        off: usize,
+        clen: usize,
+        at: u64,
+        stream: &Stream,
+    ) -> Result<()> {
+        for p in 0..self.size {
+            let dst = self.slots[self.rank] + at + (p * clen) as u64;
+            self.copy(op, dst, input + (p * len + off) as u64, clen, stream)?;
+        }
+        Ok(())
+    }
+
     /// The region the next use writes (the same on every rank): its offset
     /// in each rank's slot memory.
     fn next_region(&mut self) -> u64 {
@@ -282,21 +343,16 @@ impl GpuComm {
         if root >= self.size {
             return Err(Error::invalid(OP, format!("root {root} is not a rank of {}", self.size)));
         }
-        self.enter(OP, stream)?;
-        let mut off = 0;
-        while off < len {
-            let clen = self.slot.min(len - off);
-            let at = self.next_region();
-            if self.rank == root {
-                self.copy(OP, self.slots[root] + at, buf + off as u64, clen, stream)?;
+        self.uses(OP, len, self.slot, stream, |c, off, clen, at| {
+            if c.rank == root {
+                c.copy(OP, c.slots[root] + at, buf + off as u64, clen, stream)?;
             }
-            self.exchange(OP, stream)?;
-            if self.rank != root {
-                self.copy(OP, buf + off as u64, self.slots[root] + at, clen, stream)?;
+            c.exchange(OP, stream)?;
+            if c.rank != root {
+                c.copy(OP, buf + off as u64, c.slots[root] + at, clen, stream)?;
             }
-            off += clen;
-        }
-        self.leave(OP, stream)
+            Ok(())
+        })
     }
 
     /// Gathers every rank's `len` bytes at `input` into `output` (size ×
@@ -312,19 +368,14 @@ impl GpuComm {
         stream: &Stream,
     ) -> Result<()> {
         const OP: &str = "all_gather_single";
-        self.enter(OP, stream)?;
-        let mut off = 0;
-        while off < len {
-            let clen = self.slot.min(len - off);
-            let at = self.next_region();
-            self.copy(OP, self.slots[self.rank] + at, input + off as u64, clen, stream)?;
-            self.exchange(OP, stream)?;
-            for p in 0..self.size {
-                self.copy(OP, output + (p * len + off) as u64, self.slots[p] + at, clen, stream)?;
+        self.uses(OP, len, self.slot, stream, |c, off, clen, at| {
+            c.copy(OP, c.slots[c.rank] + at, input + off as u64, clen, stream)?;
+            c.exchange(OP, stream)?;
+            for p in 0..c.size {
+                c.copy(OP, output + (p * len + off) as u64, c.slots[p] + at, clen, stream)?;
             }
-            off += clen;
-        }
-        self.leave(OP, stream)
+            Ok(())
+        })
     }
 
     /// Block j (of `size` blocks of `len` bytes) of every rank's `input`
@@ -342,25 +393,16 @@ impl GpuComm {
         stream: &Stream,
     ) -> Result<()> {
         const OP: &str = "all_to_all_single";
-        let (me, n) = (self.rank, self.size);
-        let step = (self.slot / n).max(1);
-        self.enter(OP, stream)?;
-        let mut off = 0;
-        while off < len {
-            let clen = step.min(len - off);
-            let at = self.next_region();
-            for p in 0..n {
-                let dst = self.slots[me] + at + (p * clen) as u64;
-                self.copy(OP, dst, input + (p * len + off) as u64, clen, stream)?;
+        let step = (self.slot / self.size).max(1);
+        self.uses(OP, len, step, stream, |c, off, clen, at| {
+            c.blocks_in(OP, input, len, off, clen, at, stream)?;
+            c.exchange(OP, stream)?;
+            for p in 0..c.size {
+                let src = c.slots[p] + at + (c.rank * clen) as u64;
+                c.copy(OP, output + (p * len + off) as u64, src, clen, stream)?;
             }
-            self.exchange(OP, stream)?;
-            for p in 0..n {
-                let src = self.slots[p] + at + (me * clen) as u64;
-                self.copy(OP, output + (p * len + off) as u64, src, clen, stream)?;
-            }
-            off += clen;
-        }
-        self.leave(OP, stream)
+            Ok(())
+        })
     }
 
     /// Reduces block j (of `size` blocks of `len` bytes) of every rank's
@@ -379,29 +421,14 @@ impl GpuComm {
         stream: &Stream,
     ) -> Result<()> {
         const OP: &str = "reduce_scatter_single";
-        op.check(dtype).map_err(|source| Error::Kernel { op: OP, source })?;
-        let es = dtype.size();
-        if !len.is_multiple_of(es) {
-            return Err(Error::invalid(OP, format!("{len} bytes are not whole {dtype} elements")));
-        }
-        let e = rmacomm_kernels::cuda::entries(op, dtype).map_err(|source| Error::Kernel { op: OP, source })?;
-        let (me, n) = (self.rank, self.size);
-        let step = (self.slot / n / es * es).max(es);
-        self.enter(OP, stream)?;
-        let mut off = 0;
-        while off < len {
-            let clen = step.min(len - off);
-            let at = self.next_region();
-            for p in 0..n {
-                let dst = self.slots[me] + at + (p * clen) as u64;
-                self.copy(OP, dst, input + (p * len + off) as u64, clen, stream)?;
-            }
-            self.exchange(OP, stream)?;
-            let inputs: Vec<DevicePtr> = self.slots.iter().map(|s| s + at + (me * clen) as u64).collect();
-            self.reduce_kernel(OP, &e, op, output + off as u64, &inputs, clen / es, stream)?;
-            off += clen;
-        }
-        self.leave(OP, stream)
+        let (e, es) = reduction(OP, op, dtype, len)?;
+        let step = (self.slot / self.size / es * es).max(es);
+        self.uses(OP, len, step, stream, |c, off, clen, at| {
+            c.blocks_in(OP, input, len, off, clen, at, stream)?;
+            c.exchange(OP, stream)?;
+            let inputs: Vec<DevicePtr> = c.slots.iter().map(|s| s + at + (c.rank * clen) as u64).collect();
+            c.reduce_kernel(OP, &e, op, output + off as u64, &inputs, clen / es, stream)
+        })
     }
 
     /// Reduces every rank's `len` bytes at `buf` (elements of `dtype`) with
@@ -462,47 +489,36 @@ impl GpuComm {
         stream: &Stream,
     ) -> Result<()> {
         let what = op_name;
-        op.check(dtype).map_err(|source| Error::Kernel { op: what, source })?;
-        let es = dtype.size();
-        if !len.is_multiple_of(es) {
-            return Err(Error::invalid(what, format!("{len} bytes are not whole {dtype} elements")));
-        }
-        let e = rmacomm_kernels::cuda::entries(op, dtype).map_err(|source| Error::Kernel { op: what, source })?;
-        let chunk = self.slot / es * es;
+        let (e, es) = reduction(what, op, dtype, len)?;
         let (me, n) = (self.rank, self.size);
         let gets_result = root.is_none_or(|r| r == me);
-        self.enter(what, stream)?;
-        let mut off = 0;
-        while off < len {
-            let clen = chunk.min(len - off);
+        self.uses(what, len, self.slot / es * es, stream, |c, off, clen, at| {
             let elems = clen / es;
-            let at = self.next_region();
             // 1. My input.
             // SAFETY: inside the caller's buffer and my region.
-            unsafe { stream.copy_async(self.slots[me] + at, buf + off as u64, clen) }.map_err(cuda(what))?;
+            unsafe { stream.copy_async(c.slots[me] + at, buf + off as u64, clen) }.map_err(cuda(what))?;
             // 2. Everyone's inputs are in place.
-            self.exchange(what, stream)?;
+            c.exchange(what, stream)?;
             // 3. My share of every input, reduced in place into my share of
             //    my region (elementwise: each element is read, then written).
-            let (s0, s1) = self.share(me, elems);
+            let (s0, s1) = c.share(me, elems);
             if s1 > s0 {
                 let share = at + (s0 * es) as u64;
-                let inputs: Vec<DevicePtr> = self.slots.iter().map(|p| p + share).collect();
-                self.reduce_kernel(what, &e, op, self.slots[me] + share, &inputs, s1 - s0, stream)?;
+                let inputs: Vec<DevicePtr> = c.slots.iter().map(|p| p + share).collect();
+                c.reduce_kernel(what, &e, op, c.slots[me] + share, &inputs, s1 - s0, stream)?;
             }
             // 4. Everyone's results are in place.
-            self.exchange(what, stream)?;
+            c.exchange(what, stream)?;
             // 5. Every share into my buffer (the root's only, for reduce).
             for p in (0..n).filter(|_| gets_result) {
-                let (a, b) = self.share(p, elems);
+                let (a, b) = c.share(p, elems);
                 if b > a {
-                    let src = self.slots[p] + at + (a * es) as u64;
+                    let src = c.slots[p] + at + (a * es) as u64;
                     // SAFETY: inside rank p's region and my buffer.
                     unsafe { stream.copy_async(buf + (off + a * es) as u64, src, (b - a) * es) }.map_err(cuda(what))?;
                 }
             }
-            off += clen;
-        }
-        self.leave(what, stream)
+            Ok(())
+        })
     }
 }
