@@ -86,6 +86,8 @@ pub(super) struct DeviceRegistration {
 /// device (freed after the registration is dropped).
 struct PinnedWords {
     ptr: *mut u64,
+    /// Words (the allocation may hold more: whole pages).
+    n: usize,
     layout: std::alloc::Layout,
     reg: Option<HostRegistration>,
 }
@@ -105,7 +107,7 @@ impl PinnedWords {
         if ptr.is_null() {
             return Err("out of host memory for the signal counts".into());
         }
-        let mut w = PinnedWords { ptr, layout, reg: None };
+        let mut w = PinnedWords { ptr, n, layout, reg: None };
         // SAFETY: the allocation lives until after the registration drops
         // (Drop below).
         w.reg = Some(unsafe { ctx.register_host(ptr.cast(), layout.size()) }.map_err(|e| e.to_string())?);
@@ -113,12 +115,14 @@ impl PinnedWords {
     }
 
     fn word(&self, i: usize) -> &std::sync::atomic::AtomicU64 {
-        // SAFETY: inside the allocation (callers pass a rank), 8-byte
-        // aligned, live as long as `self`.
+        assert!(i < self.n, "word {i} of {}", self.n);
+        // SAFETY: inside the allocation (checked above), 8-byte aligned,
+        // live as long as `self`.
         unsafe { std::sync::atomic::AtomicU64::from_ptr(self.ptr.add(i)) }
     }
 
     fn device_ptr(&self, i: usize) -> DevicePtr {
+        assert!(i < self.n, "word {i} of {}", self.n);
         self.reg.as_ref().map_or(0, |r| r.device_ptr()) + 8 * i as u64
     }
 }
