@@ -75,6 +75,7 @@ mod access;
 mod context;
 mod cq;
 mod device;
+mod device_mem;
 mod endpoint;
 mod error;
 mod mr;
@@ -96,6 +97,7 @@ pub use access::AccessFlags;
 pub use context::Context;
 pub use cq::CompletionQueue;
 pub use device::{Device, DeviceAttr, DeviceInfo, Gid, LinkLayer, Mtu, PortAttr, PortState};
+pub use device_mem::DeviceMemory;
 #[doc(inline)]
 pub use endpoint::{HostId, QpEndpoint, SoftAddress};
 pub use error::{Error, Result};

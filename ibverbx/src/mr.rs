@@ -177,6 +177,38 @@ impl MemoryRegion {
         Ok(MemoryRegion { ops, pd: pd.clone() })
     }
 
+    /// Registers `len` bytes of device memory at `addr`, an address of
+    /// `dev`'s (GPU memory: the host cannot load or store it). On the soft
+    /// provider every byte moves through `dev`'s copies (peers on this host
+    /// too: the region's placement is [`Staged`](Placement::Staged)); on
+    /// the verbs provider it is registered through DMA-BUF where `dev`
+    /// exports one, else by address (nvidia-peermem). [`read`](Self::read)
+    /// and [`write`](Self::write) copy through `dev`; the slice and atomic
+    /// accessors refuse it. `owner`, when given, is kept alive as long as
+    /// the registration or any WR needs the memory.
+    ///
+    /// # Safety
+    /// `addr..addr+len` must be device memory that `dev` reaches, allocated
+    /// until this region is dropped **and** every WR posted with its keys
+    /// has completed (or until `owner` drops, when it owns the memory).
+    pub unsafe fn register_device(
+        pd: &ProtectionDomain,
+        dev: Arc<dyn crate::DeviceMemory>,
+        addr: u64,
+        len: usize,
+        access: AccessFlags,
+        owner: Option<Arc<dyn Any + Send + Sync>>,
+    ) -> Result<MemoryRegion> {
+        // SAFETY: forwarded to the caller.
+        let ops = unsafe { pd.inner.ops.reg_device_mr(dev, addr, len, access, owner)? };
+        Ok(MemoryRegion { ops, pd: pd.clone() })
+    }
+
+    /// The device memory the region lies in (`None`: host memory).
+    pub fn device(&self) -> Option<&Arc<dyn crate::DeviceMemory>> {
+        self.ops.device()
+    }
+
     /// Start address.
     pub fn addr(&self) -> u64 {
         self.ops.addr()
@@ -232,6 +264,9 @@ impl MemoryRegion {
     /// Copies `dst.len()` bytes at `offset` out of the region.
     pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
         self.check(offset, dst.len(), "read")?;
+        if let Some(dev) = self.device() {
+            return dev.read(self.addr() + offset as u64, dst).map_err(|e| device_error("read", &**dev, e));
+        }
         // SAFETY: in bounds of a live registration; the region is shared
         // memory, so it is copied with raw pointers and never borrowed.
         unsafe { std::ptr::copy_nonoverlapping(self.as_ptr().add(offset), dst.as_mut_ptr(), dst.len()) };
@@ -241,6 +276,9 @@ impl MemoryRegion {
     /// Copies `src` into the region at `offset`.
     pub fn write(&self, offset: usize, src: &[u8]) -> Result<()> {
         self.check(offset, src.len(), "write")?;
+        if let Some(dev) = self.device() {
+            return dev.write(self.addr() + offset as u64, src).map_err(|e| device_error("write", &**dev, e));
+        }
         // SAFETY: as in `read`.
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.as_ptr().add(offset), src.len()) };
         Ok(())
@@ -250,7 +288,8 @@ impl MemoryRegion {
     ///
     /// # Safety
     /// No peer may write the region (and no local WR scatter into it) while
-    /// the slice lives.
+    /// the slice lives, and it must be host memory (not a region of
+    /// [`register_device`](Self::register_device)).
     // The slice is what the caller asked for, under that contract.
     #[allow(clippy::disallowed_methods)]
     pub unsafe fn as_slice(&self) -> &[u8] {
@@ -262,7 +301,7 @@ impl MemoryRegion {
     ///
     /// # Safety
     /// No peer may access the region, and no other reference to it may exist,
-    /// while the slice lives.
+    /// while the slice lives; host memory only, as for [`as_slice`](Self::as_slice).
     // The slice is what the caller asked for, under that contract.
     #[allow(clippy::mut_from_ref, clippy::disallowed_methods)]
     pub unsafe fn as_mut_slice(&self) -> &mut [u8] {
@@ -290,6 +329,12 @@ impl MemoryRegion {
 
     fn word(&self, offset: usize, size: usize, verb: &'static str) -> Result<usize> {
         self.check(offset, size, verb)?;
+        if let Some(dev) = self.device() {
+            return Err(Error::invalid(
+                verb,
+                format!("the region is device memory ({}): the host has no atomic view of it", dev.describe()),
+            ));
+        }
         let p = self.as_ptr() as usize + offset;
         if !p.is_multiple_of(size) {
             return Err(Error::invalid(verb, format!("offset {offset} is not {size}-byte aligned")));
@@ -311,6 +356,10 @@ impl MemoryRegion {
     pub fn ops(&self) -> &Arc<dyn MrOps> {
         &self.ops
     }
+}
+
+fn device_error(verb: &'static str, dev: &dyn crate::DeviceMemory, e: String) -> Error {
+    Error::state(verb, format!("copy through {} failed: {e}", dev.describe()))
 }
 
 impl Drop for MemoryRegion {

@@ -116,6 +116,25 @@ pub trait PdOps: Send + Sync + Debug {
             "this PD's provider cannot register a DMA-BUF; use a PD of the verbs provider",
         ))
     }
+    /// Registers `len` bytes of device memory at `addr` (an address of
+    /// `dev`'s, which the host cannot load or store). The default refuses
+    /// it, naming the memory.
+    ///
+    /// # Safety
+    /// As for [`reg_mr`](Self::reg_mr): the device range must stay allocated
+    /// until the region is deregistered and every WR naming it has
+    /// completed (`owner`, when given, is kept alive that long).
+    unsafe fn reg_device_mr(
+        &self,
+        dev: Arc<dyn crate::DeviceMemory>,
+        addr: u64,
+        len: usize,
+        access: AccessFlags,
+        owner: Option<Arc<dyn Any + Send + Sync>>,
+    ) -> Result<Arc<dyn MrOps>> {
+        let _ = (addr, len, access, owner);
+        Err(Error::invalid("reg_mr", format!("this PD's provider cannot register device memory ({})", dev.describe())))
+    }
     /// `ibv_create_qp` for an RC QP.
     fn create_qp(
         &self,
@@ -147,6 +166,10 @@ pub trait MrOps: Send + Sync + Debug {
     fn placement(&self) -> Placement;
     /// `ibv_dereg_mr`: the keys stop working at once. Idempotent.
     fn deregister(&self) -> Result<()>;
+    /// The device memory the region lies in (`None`: host memory).
+    fn device(&self) -> Option<&Arc<dyn crate::DeviceMemory>> {
+        None
+    }
 }
 
 /// A completion queue (`struct ibv_cq`) and its completion channel.

@@ -19,7 +19,7 @@ use super::address::{HostId, SoftAddress};
 use super::config::SoftConfig;
 use super::cq::SoftCq;
 use super::host::{host_id, local_ipv4_addrs};
-use super::keytable::{stored_access, KeyTable, SlotData, SLOT_MASK};
+use super::keytable::{stored_access, KeyTable, SlotData, SLOT_MASK, STORED_DEVICE};
 use super::mr::{SoftMr, SoftMrHandle};
 use super::peer::PeerMap;
 use super::qp::{Refusal, SoftQp};
@@ -27,7 +27,7 @@ use super::wire::{Hello, HelloStatus, HELLO_LEN};
 use crate::device::{DeviceAttr, Gid, LinkLayer, Mtu, PortAttr, PortState};
 use crate::provider::{ContextOps, CqOps, MrOps, PdOps, Placement, QpOps};
 use crate::shm::find_segment;
-use crate::{AccessFlags, Error, QpInitAttr, Result};
+use crate::{AccessFlags, DeviceMemory, Error, QpInitAttr, Result};
 
 /// State shared by everything made from one soft context.
 pub(crate) struct CtxShared {
@@ -231,6 +231,7 @@ impl CtxShared {
         len: usize,
         access: AccessFlags,
         owner: Option<Arc<dyn Any + Send + Sync>>,
+        device: Option<Arc<dyn DeviceMemory>>,
     ) -> Result<Arc<dyn MrOps>> {
         if !access.is_consistent() {
             return Err(Error::invalid("reg_mr", "REMOTE_WRITE and REMOTE_ATOMIC need LOCAL_WRITE too"));
@@ -239,8 +240,17 @@ impl CtxShared {
             return Err(Error::invalid("reg_mr", "null address"));
         }
         let a = addr as usize;
-        let seg = find_segment(a, len);
-        let placement = if seg.is_some() { Placement::SharedSegment } else { Placement::ProcessVm };
+        if (a as u64).checked_add(len as u64).is_none() {
+            return Err(Error::invalid("reg_mr", format!("{a:#x}+{len} wraps around the address space")));
+        }
+        // Device memory is in no shared segment (its addresses are no host
+        // addresses): staged for every peer.
+        let seg = if device.is_some() { None } else { find_segment(a, len) };
+        let placement = match (&device, &seg) {
+            (Some(_), _) => Placement::Staged,
+            (None, Some(_)) => Placement::SharedSegment,
+            (None, None) => Placement::ProcessVm,
+        };
         let (seg_uid, seg_off) = seg.as_ref().map_or((0, 0), |(s, off)| (s.uid(), *off as u64));
         let mut mrs = self.mrs.write().unwrap_or_else(|e| e.into_inner());
         if mrs.len() >= (SLOT_MASK as usize) {
@@ -253,11 +263,17 @@ impl CtxShared {
                 break k;
             }
         };
-        let mr = Arc::new(SoftMr::new(key, pd, a as u64, len, access, placement, seg.map(|(s, _)| s), owner));
+        let mut mr = SoftMr::new(key, pd, a as u64, len, access, placement, seg.map(|(s, _)| s), owner);
+        let mut stored = stored_access(access);
+        if let Some(d) = device {
+            mr = mr.with_device(d);
+            stored |= STORED_DEVICE;
+        }
+        let mr = Arc::new(mr);
         self.keytable.publish(&SlotData {
             rkey: key,
             pd,
-            access: stored_access(access),
+            access: stored,
             addr: a as u64,
             len: len as u64,
             seg_uid,
@@ -565,7 +581,24 @@ impl PdOps for SoftPd {
         access: AccessFlags,
         owner: Option<Arc<dyn Any + Send + Sync>>,
     ) -> Result<Arc<dyn MrOps>> {
-        self.ctx.register(self.id, addr, len, access, owner)
+        self.ctx.register(self.id, addr, len, access, owner, None)
+    }
+
+    unsafe fn reg_device_mr(
+        &self,
+        dev: Arc<dyn DeviceMemory>,
+        addr: u64,
+        len: usize,
+        access: AccessFlags,
+        owner: Option<Arc<dyn Any + Send + Sync>>,
+    ) -> Result<Arc<dyn MrOps>> {
+        let Ok(a) = usize::try_from(addr) else {
+            return Err(Error::invalid(
+                "reg_mr",
+                format!("device address {addr:#x} does not fit this host's pointers"),
+            ));
+        };
+        self.ctx.register(self.id, a as *mut u8, len, access, owner, Some(dev))
     }
 
     fn create_qp(

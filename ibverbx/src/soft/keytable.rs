@@ -193,6 +193,18 @@ pub(crate) fn stored_access(a: AccessFlags) -> u32 {
     a.bits() | 0x8000_0000
 }
 
+/// The bit of a slot's `access` that marks device memory: peers never copy
+/// into or out of it directly (its addresses are no host addresses), they
+/// send through the connection.
+pub(crate) const STORED_DEVICE: u32 = 0x4000_0000;
+
+impl SlotData {
+    /// Whether the region is device memory.
+    pub(crate) fn is_device(&self) -> bool {
+        self.access & STORED_DEVICE != 0
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

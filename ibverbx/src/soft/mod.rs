@@ -41,6 +41,7 @@ mod config;
 mod context;
 mod copy;
 mod cq;
+mod device_io;
 mod doorbell;
 mod doorbell_proto;
 mod fence;

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use super::context::CtxShared;
 use crate::provider::{MrOps, Placement};
 use crate::shm::ShmSegment;
-use crate::{AccessFlags, Result, WcStatus};
+use crate::{AccessFlags, DeviceMemory, Result, WcStatus};
 
 /// A registered range. Posted WRs and in-progress remote accesses hold an
 /// `Arc` of it, which keeps the memory alive when it is owned here.
@@ -23,6 +23,9 @@ pub(crate) struct SoftMr {
     /// The shared segment the region lies in (kept alive with it, so that
     /// its descriptor can be handed to a same-host peer).
     pub(crate) seg: Option<Arc<ShmSegment>>,
+    /// Device memory (the host cannot load or store it): every byte moves
+    /// through its copies, and [`check`](Self::check) refuses it.
+    pub(crate) device: Option<Arc<dyn DeviceMemory>>,
     _owner: Option<Arc<dyn Any + Send + Sync>>,
 }
 
@@ -49,12 +52,27 @@ impl SoftMr {
         seg: Option<Arc<ShmSegment>>,
         owner: Option<Arc<dyn Any + Send + Sync>>,
     ) -> Self {
-        SoftMr { key, pd, addr, len, access, placement, valid: AtomicBool::new(true), seg, _owner: owner }
+        SoftMr { key, pd, addr, len, access, placement, valid: AtomicBool::new(true), seg, device: None, _owner: owner }
+    }
+
+    /// The region of device memory `device` (staged for every peer).
+    pub(crate) fn with_device(mut self, device: Arc<dyn DeviceMemory>) -> Self {
+        self.device = Some(device);
+        self
     }
 
     /// Checks an access of `len` bytes at `addr` by a QP of `pd` needing
-    /// `need`; returns the pointer to use.
+    /// `need`; returns the pointer to use. Device memory is refused: the
+    /// host cannot use its addresses ([`target`](Self::target) names it).
     pub(crate) fn check(&self, pd: u32, addr: u64, len: u64, need: AccessFlags) -> Option<*mut u8> {
+        match self.target(pd, addr, len, need)? {
+            Target::Host(p) => Some(p as *mut u8),
+            Target::Device(..) => None,
+        }
+    }
+
+    /// The check of [`check`](Self::check), for host or device memory.
+    pub(crate) fn target(&self, pd: u32, addr: u64, len: u64, need: AccessFlags) -> Option<Target> {
         if !self.valid.load(Ordering::Acquire) || self.pd != pd || !self.access.contains(need) {
             return None;
         }
@@ -62,8 +80,21 @@ impl SoftMr {
         if addr < self.addr || end > self.addr + self.len as u64 {
             return None;
         }
-        Some(addr as usize as *mut u8)
+        Some(match &self.device {
+            Some(d) => Target::Device(d.clone(), addr),
+            None => Target::Host(addr as usize),
+        })
     }
+}
+
+/// Where a checked access goes.
+#[derive(Debug, Clone)]
+pub(crate) enum Target {
+    /// Host memory at this address (an integer: futures holding it stay
+    /// `Send`).
+    Host(usize),
+    /// Device memory at this address, reached through the copies.
+    Device(Arc<dyn DeviceMemory>, u64),
 }
 
 /// A local buffer of a posted WR, resolved at post time.
@@ -75,12 +106,12 @@ pub(crate) struct LocalSeg {
 }
 
 impl LocalSeg {
-    /// The pointer for this segment, if its key, bounds and access hold.
-    pub(crate) fn ptr(&self, pd: u32, need: AccessFlags) -> Result<*mut u8, WcStatus> {
+    /// Where this segment's bytes are, if its key, bounds and access hold.
+    pub(crate) fn target(&self, pd: u32, need: AccessFlags) -> Result<Target, WcStatus> {
         if self.len == 0 {
-            return Ok(std::ptr::null_mut());
+            return Ok(Target::Host(0));
         }
-        self.mr.as_ref().and_then(|mr| mr.check(pd, self.addr, self.len as u64, need)).ok_or(WcStatus::LocProtErr)
+        self.mr.as_ref().and_then(|mr| mr.target(pd, self.addr, self.len as u64, need)).ok_or(WcStatus::LocProtErr)
     }
 }
 
@@ -114,6 +145,9 @@ impl MrOps for SoftMrHandle {
     }
     fn placement(&self) -> Placement {
         self.mr.placement
+    }
+    fn device(&self) -> Option<&Arc<dyn DeviceMemory>> {
+        self.mr.device.as_ref()
     }
     fn deregister(&self) -> Result<()> {
         if self.mr.valid.swap(false, Ordering::AcqRel) {

@@ -269,6 +269,10 @@ impl PeerMap {
         if d.pd != pd || !access.contains(need) || raddr < d.addr || end > d.addr + d.len {
             return Err(WcStatus::RemAccessErr);
         }
+        if d.is_device() {
+            // Device memory: the owner's engine copies through its driver.
+            return Ok(Direct::Staged);
+        }
         if d.seg_uid != 0 {
             let m = match self.segs.lock().unwrap_or_else(|e| e.into_inner()).get(&d.seg_uid) {
                 Some(Some(m)) => m.clone(),

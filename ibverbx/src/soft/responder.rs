@@ -12,11 +12,12 @@ use std::sync::{Arc, Weak};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::watch;
 
-use super::mr::SoftMr;
+use super::device_io::{device_atomic, read_device, recv_to, Failed};
+use super::mr::{SoftMr, Target};
 use super::polled_rx::{PolledRx, RxFd, POLLED_MAX};
 use super::qp::{RecvEntry, SoftQp};
 use super::raw_io::send_frame;
-use super::raw_io::{recv_exact, HasSock};
+use super::raw_io::HasSock;
 use super::wire::{Frame, Hello, Syndrome, HEADER_LEN};
 use crate::provider::QpOps;
 use crate::qp_attr::QpState;
@@ -312,8 +313,10 @@ impl PolledRx for Gate {
                 Ok(Frame::Write { psn, raddr, rkey, len, imm }) if len <= POLLED_MAX => {
                     let dest = if len > 0 {
                         match check(&qp, rkey, raddr, len as u64, AccessFlags::REMOTE_WRITE) {
-                            Some(d) => Some(d),
-                            None => break true,
+                            Some((mr, Target::Host(p))) => Some((mr, p)),
+                            // Device memory (and a refused key) take the
+                            // engine's path.
+                            Some((_, Target::Device(..))) | None => break true,
                         }
                     } else {
                         None
@@ -439,13 +442,31 @@ async fn ready(qp: &SoftQp, epoch: u64, rx: &mut watch::Receiver<QpState>) -> bo
 }
 
 /// Checks a remote access against the MR and the QP's access flags.
-fn check(qp: &SoftQp, rkey: u32, raddr: u64, len: u64, need: AccessFlags) -> Option<(Arc<SoftMr>, usize)> {
+fn check(qp: &SoftQp, rkey: u32, raddr: u64, len: u64, need: AccessFlags) -> Option<(Arc<SoftMr>, Target)> {
     if !qp.remote_access().contains(need) {
         return None;
     }
     let mr = qp.ctx.mr(rkey)?;
-    let p = mr.check(qp.pd, raddr, len, need)? as usize;
-    Some((mr, p))
+    let t = mr.target(qp.pd, raddr, len, need)?;
+    Some((mr, t))
+}
+
+/// The NAK for a device copy that failed (its error logged).
+async fn device_nak<S: AsyncWrite + Unpin>(
+    qp: &SoftQp,
+    s: &mut S,
+    acks: &mut Acks,
+    psn: u32,
+    what: &str,
+    e: Failed,
+) -> std::io::Result<Outcome> {
+    match e {
+        Failed::Io(e) => Err(e),
+        Failed::Copy(e) => {
+            tracing::warn!("soft QP {:#x}: {what}: device copy failed: {e}", qp.qpn);
+            nak(qp, s, acks, psn, Syndrome::RemoteOp, &format!("{what}: device copy failed: {e}")).await
+        }
+    }
 }
 
 async fn nak<S: AsyncWrite + Unpin>(
@@ -534,7 +555,7 @@ where
     match f {
         Frame::Write { psn, raddr, rkey, len, imm } => {
             if len > 0 {
-                let Some((_mr, p)) = check(qp, rkey, raddr, len as u64, AccessFlags::REMOTE_WRITE) else {
+                let Some((_mr, t)) = check(qp, rkey, raddr, len as u64, AccessFlags::REMOTE_WRITE) else {
                     return nak(qp, s, acks, psn, Syndrome::RemoteAccess, "RDMA WRITE outside a writable region").await;
                 };
                 // A long payload takes a while: what it follows is
@@ -542,9 +563,11 @@ where
                 if u64::from(len) >= ACK_BATCH_BYTES {
                     acks.flush(s, qp).await?;
                 }
-                // SAFETY: p..p+len was checked against a live MR, held by
+                // SAFETY: the target was checked against a live MR, held by
                 // _mr until the read is done.
-                unsafe { recv_exact(s, p, len as usize).await? };
+                if let Err(e) = unsafe { recv_to(s, &t, len as usize).await } {
+                    return device_nak(qp, s, acks, psn, "RDMA WRITE", e).await;
+                }
             }
             if let Some(imm) = imm {
                 let Some(r) = take_recv(qp, s, acks, psn, epoch, rnr_retry, state_rx).await? else {
@@ -577,10 +600,10 @@ where
                 if left == 0 {
                     break;
                 }
-                match seg.ptr(qp.pd, AccessFlags::LOCAL_WRITE) {
-                    Ok(p) => {
+                match seg.target(qp.pd, AccessFlags::LOCAL_WRITE) {
+                    Ok(t) => {
                         let n = left.min(seg.len as usize);
-                        pieces.push((p as usize, n));
+                        pieces.push((t, n));
                         left -= n;
                     }
                     Err(st) => {
@@ -592,9 +615,16 @@ where
                     }
                 }
             }
-            for (p, n) in pieces {
-                // SAFETY: p..p+n lies in a checked local MR kept alive by `r`.
-                unsafe { recv_exact(s, p, n).await? };
+            for (t, n) in pieces {
+                // SAFETY: the target lies in a checked local MR kept alive by `r`.
+                if let Err(e) = unsafe { recv_to(s, &t, n).await } {
+                    if let Failed::Copy(_) = e {
+                        acks.flush(s, qp).await?;
+                        qp.push_recv_wc(recv_wc(qp, &r, WcStatus::LocProtErr, WcOpcode::Recv, 0, None));
+                        qp.set_error("a SEND into device memory failed its copy");
+                    }
+                    return device_nak(qp, s, acks, psn, "SEND", e).await;
+                }
             }
             let opcode = WcOpcode::Recv;
             acks.defer(recv_wc(qp, &r, WcStatus::Success, opcode, len, imm));
@@ -603,24 +633,46 @@ where
         Frame::ReadReq { psn, raddr, rkey, len } => {
             let mut keep = None;
             let mut src = 0usize;
+            let mut staged = Vec::new();
             if len > 0 {
-                let Some((mr, p)) = check(qp, rkey, raddr, len as u64, AccessFlags::REMOTE_READ) else {
+                let Some((mr, t)) = check(qp, rkey, raddr, len as u64, AccessFlags::REMOTE_READ) else {
                     return nak(qp, s, acks, psn, Syndrome::RemoteAccess, "RDMA READ outside a readable region").await;
                 };
                 keep = Some(mr);
-                src = p;
+                src = match t {
+                    Target::Host(p) => p,
+                    Target::Device(dev, a) => match read_device(&*dev, a, len as usize) {
+                        Ok(v) => {
+                            staged = v;
+                            staged.as_ptr() as usize
+                        }
+                        Err(e) => return device_nak(qp, s, acks, psn, "RDMA READ", e).await,
+                    },
+                };
             }
             let payload = [(src, len as usize)];
             acks.flush(s, qp).await?;
             send_frame(s, &Frame::ReadResp { psn, len }, if len > 0 { &payload } else { &[] }).await?;
-            drop(keep);
+            drop((keep, staged));
         }
         Frame::Atomic { psn, raddr, rkey, cmp_swap, a, b } => {
             if raddr % 8 != 0 {
                 return nak(qp, s, acks, psn, Syndrome::InvalidRequest, "misaligned atomic").await;
             }
-            let Some((_mr, p)) = check(qp, rkey, raddr, 8, AccessFlags::REMOTE_ATOMIC) else {
+            let Some((_mr, t)) = check(qp, rkey, raddr, 8, AccessFlags::REMOTE_ATOMIC) else {
                 return nak(qp, s, acks, psn, Syndrome::RemoteAccess, "atomic outside an atomic-enabled region").await;
+            };
+            let p = match t {
+                Target::Host(p) => p,
+                Target::Device(dev, at) => {
+                    let orig = match device_atomic(&*dev, at, cmp_swap, a, b) {
+                        Ok(v) => v,
+                        Err(e) => return device_nak(qp, s, acks, psn, "atomic", e).await,
+                    };
+                    acks.flush(s, qp).await?;
+                    s.write_all(&Frame::AtomicResp { psn, orig }.encode()).await?;
+                    return Ok(Outcome::Continue);
+                }
             };
             // SAFETY: p is 8-byte aligned, inside a live MR; every soft atomic
             // on this address (from any process) goes through an AtomicU64.

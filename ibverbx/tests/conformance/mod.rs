@@ -8,9 +8,9 @@
 use std::time::Duration;
 
 use ibverbx::{
-    AccessFlags, AtomicOp, CompletionQueue, Context, Device, Error, InitAttr, MemoryRegion, ProtectionDomain, QpCaps,
-    QpInitAttr, QpState, QpTransition, QueuePair, RecvWr, RtrAttr, RtsAttr, SendFlags, SendOp, SendWr, Sge, WcOpcode,
-    WcStatus, WorkCompletion,
+    AccessFlags, AtomicOp, CompletionQueue, Context, Device, DeviceMemory, Error, InitAttr, MemoryRegion,
+    ProtectionDomain, QpCaps, QpInitAttr, QpState, QpTransition, QueuePair, RecvWr, RtrAttr, RtsAttr, SendFlags,
+    SendOp, SendWr, Sge, WcOpcode, WcStatus, WorkCompletion,
 };
 
 pub const WAIT: Duration = Duration::from_secs(20);
@@ -22,6 +22,76 @@ pub enum Mem {
     Shm,
     /// Heap memory (`Vec<u8>`).
     Heap,
+    /// Device memory ([`FakeDevice`]: addresses no host mapping has, so a
+    /// provider that touched them directly would crash the test).
+    Device,
+}
+
+/// Device memory for tests: bytes the host reaches only through
+/// [`DeviceMemory`] copies, at a non-canonical address (a load or store
+/// there faults; `process_vm_*` fails with EFAULT). It counts its copies,
+/// and refuses (test failure) one outside its bytes.
+#[derive(Debug)]
+pub struct FakeDevice {
+    pub base: u64,
+    bytes: std::sync::Mutex<Vec<u8>>,
+    pub copies: std::sync::atomic::AtomicU64,
+}
+
+static NEXT_FAKE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+impl FakeDevice {
+    pub fn new(len: usize) -> std::sync::Arc<FakeDevice> {
+        let n = NEXT_FAKE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        std::sync::Arc::new(FakeDevice {
+            base: 0x4000_0000_0000_0000 + (n << 36),
+            bytes: std::sync::Mutex::new(vec![0; len]),
+            copies: Default::default(),
+        })
+    }
+
+    fn range(&self, addr: u64, n: usize) -> Result<std::ops::Range<usize>, String> {
+        let len = self.bytes.lock().unwrap().len();
+        let off = addr.checked_sub(self.base).filter(|o| o + n as u64 <= len as u64);
+        let off = off.ok_or_else(|| format!("{addr:#x}+{n} is outside the fake device memory"))? as usize;
+        Ok(off..off + n)
+    }
+}
+
+impl DeviceMemory for FakeDevice {
+    fn describe(&self) -> String {
+        format!("fake device memory at {:#x}", self.base)
+    }
+    fn read(&self, src: u64, dst: &mut [u8]) -> Result<(), String> {
+        let r = self.range(src, dst.len()).inspect_err(|e| panic!("{e}"))?;
+        self.copies.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        dst.copy_from_slice(&self.bytes.lock().unwrap()[r]);
+        Ok(())
+    }
+    fn write(&self, dst: u64, src: &[u8]) -> Result<(), String> {
+        let r = self.range(dst, src.len()).inspect_err(|e| panic!("{e}"))?;
+        self.copies.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.bytes.lock().unwrap()[r].copy_from_slice(src);
+        Ok(())
+    }
+}
+
+/// A region of fresh fake device memory.
+pub fn device_mr(pd: &ProtectionDomain, len: usize, access: AccessFlags) -> MemoryRegion {
+    let d = FakeDevice::new(len);
+    // SAFETY: the fake device owns its bytes and lives as long as the
+    // region (the region holds it).
+    unsafe { MemoryRegion::register_device(pd, d.clone(), d.base, len, access, None) }.unwrap()
+}
+
+/// Whether `dev` can register fake device memory (the soft provider; the
+/// verbs provider needs memory its HCA reaches). Prints why not.
+pub fn fake_device_ok(dev: &Device) -> bool {
+    let ok = dev.info().provider == "soft";
+    if !ok {
+        println!("skipped: fake device memory exists for the soft provider only");
+    }
+    ok
 }
 
 /// One side: context, PD, CQs, QP.
@@ -76,6 +146,7 @@ pub fn mr(pd: &ProtectionDomain, mem: Mem, len: usize, access: AccessFlags) -> M
     match mem {
         Mem::Shm => MemoryRegion::alloc(pd, len, access).unwrap(),
         Mem::Heap => MemoryRegion::register(pd, vec![0u8; len], access).unwrap(),
+        Mem::Device => device_mr(pd, len, access),
     }
 }
 
@@ -400,6 +471,76 @@ pub fn rnr(dev: &Device) {
     assert_eq!(contents(&dst, 0, 8), b"late rcv");
 }
 
+/// Device memory beside host memory: every opcode between a host region and
+/// a device region, both ways; SGE lists that mix them; the region's
+/// placement (staged); the host accessors that refuse it; inline data from
+/// it.
+pub fn device_mixed(dev: &Device) {
+    if !fake_device_ok(dev) {
+        return;
+    }
+    let p = Pair::new(dev);
+    let n = 3 * 4096 + 5;
+    let acc = AccessFlags::all_remote();
+    let (ha, da) = (mr(&p.a.pd, Mem::Shm, 2 * n, acc), mr(&p.a.pd, Mem::Device, 2 * n, acc));
+    let (hb, db) = (mr(&p.b.pd, Mem::Heap, 2 * n, acc), mr(&p.b.pd, Mem::Device, 2 * n, acc));
+    assert_eq!(da.placement(), ibverbx::Placement::Staged);
+    assert!(da.device().is_some() && ha.device().is_none());
+    assert!(da.atomic_u64(0).is_err(), "a device region has no host atomic view");
+    for (i, (src, dst)) in [(&ha, &db), (&da, &hb), (&da, &db)].into_iter().enumerate() {
+        let data = pattern(n, 40 + i as u64);
+        src.write(0, &data).unwrap();
+        dst.write(n, &[0xA5]).unwrap();
+        let s = [src.sge(0, n).unwrap()];
+        post(&p.a.qp, 1, SendOp::RdmaWrite { remote_addr: dst.addr(), rkey: dst.rkey() }, &s, true);
+        ok(wait1(&p.a.scq), 1, WcOpcode::RdmaWrite);
+        assert!(contents(dst, 0, n) == data, "case {i}: WRITE corrupted data");
+        assert_eq!(contents(dst, n, 1), [0xA5], "case {i}: WRITE wrote past its end");
+        // READ it back into the other kind of local memory.
+        let back = if src.device().is_some() { &ha } else { &da };
+        post(
+            &p.a.qp,
+            2,
+            SendOp::RdmaRead { remote_addr: dst.addr(), rkey: dst.rkey() },
+            &[back.sge(n, n).unwrap()],
+            true,
+        );
+        ok(wait1(&p.a.scq), 2, WcOpcode::RdmaRead);
+        assert!(contents(back, n, n) == data, "case {i}: READ corrupted data");
+        // SEND scattered over host and device receive pieces.
+        let data = pattern(n, 50 + i as u64);
+        src.write(0, &data).unwrap();
+        recv(&p.b.qp, 3, &[hb.sge(0, 100).unwrap(), db.sge(0, n - 100).unwrap()]);
+        post(&p.a.qp, 4, SendOp::Send, &s, true);
+        ok(wait1(&p.a.scq), 4, WcOpcode::Send);
+        assert_eq!(wait1(&p.b.rcq).byte_len, n as u32);
+        assert_eq!(contents(&hb, 0, 100), data[..100]);
+        assert!(contents(&db, 0, n - 100) == data[100..], "case {i}: SEND into device pieces corrupted data");
+    }
+    // A gather from host and device pieces into one write.
+    let (x, y) = (pattern(5000, 60), pattern(7000, 61));
+    ha.write(0, &x).unwrap();
+    da.write(0, &y).unwrap();
+    let s = [da.sge(0, 7000).unwrap(), ha.sge(0, 5000).unwrap()];
+    post(&p.a.qp, 5, SendOp::RdmaWrite { remote_addr: db.addr() + 3, rkey: db.rkey() }, &s, true);
+    ok(wait1(&p.a.scq), 5, WcOpcode::RdmaWrite);
+    assert_eq!(contents(&db, 3, 7000), y);
+    assert_eq!(contents(&db, 7003, 5000), x);
+    // Inline data read from device memory at post time.
+    let inl = pattern(64, 62);
+    da.write(0, &inl).unwrap();
+    let wr = SendWr {
+        wr_id: 6,
+        op: SendOp::RdmaWrite { remote_addr: hb.addr(), rkey: hb.rkey() },
+        sg_list: &[da.sge(0, 64).unwrap()],
+        flags: SendFlags { inline: true, ..SendFlags::SIGNALED },
+    };
+    if p.a.qp.post_send(&[wr]).is_ok() {
+        ok(wait1(&p.a.scq), 6, WcOpcode::RdmaWrite);
+        assert_eq!(contents(&hb, 0, 64), inl);
+    }
+}
+
 /// Bad rkeys, out-of-bounds addresses, missing access and deregistered
 /// regions give REM_ACCESS_ERR, never a write; the QP goes to ERR and
 /// flushes what follows.
@@ -670,6 +811,34 @@ macro_rules! conformance_suite {
         #[test]
         fn remote_access_errors_shm_memory() {
             conformance::remote_access_errors(&$dev, conformance::Mem::Shm);
+        }
+        #[test]
+        fn every_opcode_every_size_device_memory() {
+            if conformance::fake_device_ok(&$dev) {
+                conformance::every_opcode_every_size(&$dev, conformance::Mem::Device);
+            }
+        }
+        #[test]
+        fn atomics_device_memory() {
+            if conformance::fake_device_ok(&$dev) {
+                conformance::atomics(&$dev, conformance::Mem::Device);
+            }
+        }
+        #[test]
+        fn scatter_gather_device_memory() {
+            if conformance::fake_device_ok(&$dev) {
+                conformance::scatter_gather(&$dev, conformance::Mem::Device);
+            }
+        }
+        #[test]
+        fn remote_access_errors_device_memory() {
+            if conformance::fake_device_ok(&$dev) {
+                conformance::remote_access_errors(&$dev, conformance::Mem::Device);
+            }
+        }
+        #[test]
+        fn device_mixed() {
+            conformance::device_mixed(&$dev);
         }
         #[test]
         fn remote_access_errors_heap_memory() {

@@ -12,7 +12,7 @@ use crate::endpoint::QpEndpoint;
 use crate::provider::QpOps;
 use crate::qp_attr::{QpCaps, QpState, QpTransition, RtsAttr};
 use crate::soft::address::SoftAddress;
-use crate::soft::mr::LocalSeg;
+use crate::soft::mr::{LocalSeg, Target};
 use crate::wr::{RecvWr, SendOp, SendWr};
 use crate::{AccessFlags, Error, Gid, Result};
 
@@ -37,8 +37,16 @@ impl SoftQp {
                 continue;
             }
             let mr = self.ctx.mr(s.lkey);
-            let Some(p) = mr.as_ref().and_then(|mr| mr.check(self.pd, s.addr, s.length as u64, AccessFlags::empty()))
-            else {
+            let t = mr.as_ref().and_then(|mr| mr.target(self.pd, s.addr, s.length as u64, AccessFlags::empty()));
+            if let Some(Target::Device(dev, a)) = &t {
+                let at = data.len();
+                data.resize(at + s.length as usize, 0);
+                dev.read(*a, &mut data[at..]).map_err(|e| {
+                    Error::state("post_send", format!("inline SGE {i}: copy from {} failed: {e}", dev.describe()))
+                })?;
+                continue;
+            }
+            let Some(Target::Host(p)) = t else {
                 return Err(Error::invalid(
                     "post_send",
                     format!(
@@ -55,7 +63,7 @@ impl SoftQp {
             // SGE lengths). Copied through raw pointers: peers may write the
             // region concurrently, so it is never borrowed as a slice.
             unsafe {
-                std::ptr::copy_nonoverlapping(p, data.as_mut_ptr().add(at), n);
+                std::ptr::copy_nonoverlapping(p as *const u8, data.as_mut_ptr().add(at), n);
                 data.set_len(at + n);
             }
         }

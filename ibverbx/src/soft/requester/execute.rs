@@ -10,6 +10,8 @@ use super::doorbell_tx::{settle_db, settle_db_held};
 use super::inflight::{Expect, Inflight};
 use super::{with_psn, Link, Shared};
 use crate::qp_attr::QpState;
+use crate::soft::device_io::{read_device, write_device, Failed};
+use crate::soft::mr::Target;
 use crate::soft::peer::{Direct, Held, PeerMap};
 use crate::soft::qp::{SoftQp, SqEntry};
 use crate::soft::raw_io::send_frame;
@@ -59,12 +61,76 @@ async fn place(
     }
 }
 
-fn local_ptrs(sh: &Shared, e: &SqEntry) -> Result<Vec<(usize, usize)>, WcStatus> {
+/// A WR's local memory as host pieces. Where a segment lies in device
+/// memory, the pieces are one host buffer instead: filled from the
+/// segments first when the WR reads them (WRITE, SEND), copied out to them
+/// by [`Local::scatter_back`] when it writes them (READ, atomic) and the
+/// bytes landed in the buffer.
+struct Local {
+    pieces: Vec<(usize, usize)>,
+    staged: Option<Staged>,
+}
+
+/// The host buffer of [`Local`] and the segments it stands for.
+type Staged = (Vec<u8>, Vec<(Target, usize)>);
+
+impl Local {
+    /// After a direct READ or atomic: the staged bytes to the segments.
+    fn scatter_back(&self) -> Result<(), WcStatus> {
+        let Some((buf, targets)) = &self.staged else { return Ok(()) };
+        let mut off = 0;
+        for (t, n) in targets {
+            match t {
+                // SAFETY: a checked local registration of n bytes, held by
+                // the WR's segments.
+                Target::Host(p) => unsafe { std::ptr::copy_nonoverlapping(buf[off..].as_ptr(), *p as *mut u8, *n) },
+                Target::Device(dev, a) => {
+                    write_device(&**dev, *a, &buf[off..off + n]).map_err(|e| local_copy_failed("scatter", e))?
+                }
+            }
+            off += n;
+        }
+        Ok(())
+    }
+}
+
+fn local_copy_failed(what: &str, e: Failed) -> WcStatus {
+    tracing::warn!("soft WR: {what} of local device memory failed: {e:?}");
+    WcStatus::LocProtErr
+}
+
+fn local_ptrs(sh: &Shared, e: &SqEntry) -> Result<Local, WcStatus> {
     if let Some(d) = &e.inline {
-        return Ok(vec![(d.as_ptr() as usize, d.len())]);
+        return Ok(Local { pieces: vec![(d.as_ptr() as usize, d.len())], staged: None });
     }
     let need = e.op.local_access();
-    e.segs.iter().map(|s| s.ptr(sh.qp.pd, need).map(|p| (p as usize, s.len as usize))).collect()
+    let targets: Vec<(Target, usize)> =
+        e.segs.iter().map(|s| s.target(sh.qp.pd, need).map(|t| (t, s.len as usize))).collect::<Result<_, _>>()?;
+    if !targets.iter().any(|(t, _)| matches!(t, Target::Device(..))) {
+        let pieces = targets.iter().map(|(t, n)| (if let Target::Host(p) = t { *p } else { 0 }, *n)).collect();
+        return Ok(Local { pieces, staged: None });
+    }
+    let total: usize = targets.iter().map(|t| t.1).sum();
+    let mut buf = vec![0u8; total];
+    if need.is_empty() {
+        // The WR reads its segments: gather them now.
+        let mut off = 0;
+        for (t, n) in &targets {
+            match t {
+                // SAFETY: a checked local registration of n bytes, held by
+                // the WR's segments; the buffer has room.
+                Target::Host(p) => unsafe {
+                    std::ptr::copy_nonoverlapping(*p as *const u8, buf[off..].as_mut_ptr(), *n)
+                },
+                Target::Device(dev, a) => {
+                    let v = read_device(&**dev, *a, *n).map_err(|e| local_copy_failed("gather", e))?;
+                    buf[off..off + n].copy_from_slice(&v);
+                }
+            }
+            off += n;
+        }
+    }
+    Ok(Local { pieces: vec![(buf.as_ptr() as usize, total)], staged: Some((buf, targets)) })
 }
 
 /// Copies the local pieces to `dst` (gather); `stream`: past the cache.
@@ -154,10 +220,11 @@ pub(super) async fn execute(sh: &Arc<Shared>, link: &mut Option<Link>, e: SqEntr
     if sh.qp.state_tx.borrow().eq(&QpState::Err) {
         return finish(sh, inf, WcStatus::WrFlushErr).await;
     }
-    let local = match local_ptrs(sh, &e) {
+    let staging = match local_ptrs(sh, &e) {
         Ok(l) => l,
         Err(st) => return finish(sh, inf, st).await,
     };
+    let local = &staging.pieces;
     let broken = sh.lock().broken;
     let Some(l) = link.as_mut().filter(|_| broken.is_none()) else {
         // Never connected: this WR finds out (RETRY_EXC_ERR) and takes the
@@ -193,11 +260,11 @@ pub(super) async fn execute(sh: &Arc<Shared>, link: &mut Option<Link>, e: SqEntr
             let placed = match direct(rkey, remote_addr, AccessFlags::REMOTE_WRITE).await {
                 Err(st) => return finish(sh, inf, st).await,
                 Ok(Direct::Ptr(p, _keep)) => {
-                    gather_to(p, &local, sh.qp.stream.observe(remote_addr, len));
+                    gather_to(p, local, sh.qp.stream.observe(remote_addr, len));
                     true
                 }
                 Ok(Direct::Vm(a, _held)) => {
-                    let r = l.peer.as_ref().expect("vm implies a peer").vm_copy(true, &local, a, len as usize);
+                    let r = l.peer.as_ref().expect("vm implies a peer").vm_copy(true, local, a, len as usize);
                     match r {
                         Ok(done) => done,
                         Err(st) => return finish(sh, inf, st).await,
@@ -216,12 +283,16 @@ pub(super) async fn execute(sh: &Arc<Shared>, link: &mut Option<Link>, e: SqEntr
         SendOp::RdmaRead { remote_addr, rkey } => match direct(rkey, remote_addr, AccessFlags::REMOTE_READ).await {
             Err(st) => return finish(sh, inf, st).await,
             Ok(Direct::Ptr(p, _keep)) => {
-                scatter_from(p, &local, sh.qp.stream.observe(remote_addr, len));
-                return finish(sh, inf, WcStatus::Success).await;
+                scatter_from(p, local, sh.qp.stream.observe(remote_addr, len));
+                let st = staging.scatter_back().err().unwrap_or(WcStatus::Success);
+                return finish(sh, inf, st).await;
             }
             Ok(Direct::Vm(a, _held)) => {
-                match l.peer.as_ref().expect("vm implies a peer").vm_copy(false, &local, a, len as usize) {
-                    Ok(true) => return finish(sh, inf, WcStatus::Success).await,
+                match l.peer.as_ref().expect("vm implies a peer").vm_copy(false, local, a, len as usize) {
+                    Ok(true) => {
+                        let st = staging.scatter_back().err().unwrap_or(WcStatus::Success);
+                        return finish(sh, inf, st).await;
+                    }
                     Ok(false) => Frame::ReadReq { psn: 0, raddr: remote_addr, rkey, len: len as u32 },
                     Err(st) => return finish(sh, inf, st).await,
                 }
@@ -249,7 +320,8 @@ pub(super) async fn execute(sh: &Arc<Shared>, link: &mut Option<Link>, e: SqEntr
                         cell.fetch_add(a, Ordering::AcqRel)
                     };
                     write_u64(local[0].0, orig);
-                    return finish(sh, inf, WcStatus::Success).await;
+                    let st = staging.scatter_back().err().unwrap_or(WcStatus::Success);
+                    return finish(sh, inf, st).await;
                 }
                 Ok(_) => Frame::Atomic { psn: 0, raddr: remote_addr, rkey, cmp_swap, a, b },
             }
@@ -286,7 +358,7 @@ pub(super) async fn execute(sh: &Arc<Shared>, link: &mut Option<Link>, e: SqEntr
         let mut q = sh.lock();
         q.inflight.push_back(inf);
     }
-    let payload: &[(usize, usize)] = if frame.payload_len() > 0 { &local } else { &[] };
+    let payload: &[(usize, usize)] = if frame.payload_len() > 0 { local } else { &[] };
     sh.qp.ctx.engine_frames.fetch_add(1, Ordering::Relaxed);
     let sent = send_frame(&mut l.writer, &frame, payload).await;
     sh.wire_busy.store(false, Ordering::Release);

@@ -11,8 +11,10 @@ use super::execute::write_u64;
 use super::inflight::Expect;
 use super::{Reader, Shared};
 use crate::qp_attr::QpState;
+use crate::soft::device_io::{recv_to, write_device, Failed};
+use crate::soft::mr::Target;
 use crate::soft::polled_rx::{PolledRx, RxFd};
-use crate::soft::raw_io::{recv_exact, HasSock};
+use crate::soft::raw_io::HasSock;
 use crate::soft::wire::{Frame, Syndrome, HEADER_LEN};
 use crate::wc::WcStatus;
 use crate::AccessFlags;
@@ -233,23 +235,34 @@ pub(super) async fn read_responses(sh: Arc<Shared>, mut r: Reader, rnr_retry: u8
                     if s.len == 0 {
                         continue;
                     }
-                    let p = match s.ptr(sh.qp.pd, AccessFlags::LOCAL_WRITE) {
-                        Ok(p) => p as usize,
+                    let t = match s.target(sh.qp.pd, AccessFlags::LOCAL_WRITE) {
+                        Ok(t) => t,
                         Err(st) => return sh.fail_link(st, "read destination became invalid"),
                     };
-                    // SAFETY: p..p+len is a live, checked local registration.
-                    if let Err(e) = unsafe { recv_exact(&mut *r, p, s.len as usize).await } {
-                        return sh.fail_link(WcStatus::RetryExcErr, &format!("read response: {e}"));
+                    // SAFETY: the target is a live, checked local registration.
+                    match unsafe { recv_to(&mut *r, &t, s.len as usize).await } {
+                        Ok(()) => {}
+                        Err(Failed::Io(e)) => {
+                            return sh.fail_link(WcStatus::RetryExcErr, &format!("read response: {e}"));
+                        }
+                        Err(Failed::Copy(e)) => {
+                            return sh
+                                .fail_link(WcStatus::LocProtErr, &format!("read response into device memory: {e}"));
+                        }
                     }
                 }
                 WcStatus::Success
             }
             (Frame::AtomicResp { orig, .. }, Expect::Atomic) => {
-                match segs.first().map(|s| s.ptr(sh.qp.pd, AccessFlags::LOCAL_WRITE)) {
-                    Some(Ok(p)) => {
-                        write_u64(p as usize, orig);
+                match segs.first().map(|s| s.target(sh.qp.pd, AccessFlags::LOCAL_WRITE)) {
+                    Some(Ok(Target::Host(p))) => {
+                        write_u64(p, orig);
                         WcStatus::Success
                     }
+                    Some(Ok(Target::Device(dev, a))) => match write_device(&*dev, a, &orig.to_ne_bytes()) {
+                        Ok(()) => WcStatus::Success,
+                        Err(_) => WcStatus::LocProtErr,
+                    },
                     _ => WcStatus::LocProtErr,
                 }
             }
