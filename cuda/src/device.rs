@@ -228,6 +228,38 @@ impl Context {
         Ok(reg)
     }
 
+    /// A DMA-BUF exporting the pages that hold `len` bytes at `ptr`, and
+    /// the offset of `ptr` in it (`cuMemGetHandleForAddressRange`, for
+    /// `ibv_reg_dmabuf_mr`). `None` where the driver has no such call.
+    pub fn dmabuf(&self, ptr: DevicePtr, len: usize) -> Option<Result<(std::os::fd::OwnedFd, u64)>> {
+        let f = self.api.range_handle?;
+        Some((|| {
+            self.bind()?;
+            let info = self.pointer_info(ptr)?;
+            let page = 4096u64;
+            let start = ptr & !(page - 1);
+            let end = (ptr + len.max(1) as u64).div_ceil(page) * page;
+            // The pages must lie in the allocation (cuMemAlloc's are whole
+            // pages, larger ones 2 MiB-aligned).
+            let alloc_end = (info.base + info.size as u64).div_ceil(page) * page;
+            if start < info.base || end > alloc_end {
+                return Err(invalid(
+                    "cuMemGetHandleForAddressRange",
+                    format!("{len} bytes at {ptr:#x} are not whole pages of one allocation"),
+                ));
+            }
+            let mut fd: c_int = -1;
+            // SAFETY: a valid out-pointer (an int for a DMA-BUF fd); a
+            // page-aligned range of a live allocation; handle type 1 is
+            // CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD.
+            let st = unsafe { f((&raw mut fd).cast(), start, (end - start) as usize, 1, 0) };
+            self.check("cuMemGetHandleForAddressRange", st)?;
+            // SAFETY: the driver returned a new descriptor, ours to close.
+            let fd = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+            Ok((fd, ptr - start))
+        })())
+    }
+
     /// A new non-blocking stream of this context.
     pub fn stream(self: &Arc<Self>) -> Result<Stream> {
         self.bind()?;
@@ -552,6 +584,29 @@ impl Drop for Stream {
 }
 
 impl Stream {
+    /// Queues a copy of `len` host bytes at `src` to `dst`.
+    ///
+    /// # Safety
+    /// `src` must be readable and `dst` device memory, both for `len` bytes
+    /// until the copy has run (pinned `src`: the copy reads it later).
+    pub unsafe fn upload_raw_async(&self, dst: DevicePtr, src: *const u8, len: usize) -> Result<()> {
+        self.ctx.bind()?;
+        // SAFETY: the caller's contract.
+        self.ctx.check("cuMemcpyHtoDAsync", unsafe { (self.ctx.api.htod_async)(dst, src.cast(), len, self.s) })
+    }
+
+    /// Queues a copy of `len` device bytes at `src` to host memory at `dst`.
+    ///
+    /// # Safety
+    /// `src` must be device memory and `dst` writable host memory (pinned
+    /// for an asynchronous copy), both for `len` bytes until the copy has
+    /// run, and `dst` not borrowed meanwhile.
+    pub unsafe fn download_raw_async(&self, dst: *mut u8, src: DevicePtr, len: usize) -> Result<()> {
+        self.ctx.bind()?;
+        // SAFETY: the caller's contract.
+        self.ctx.check("cuMemcpyDtoHAsync", unsafe { (self.ctx.api.dtoh_async)(dst.cast(), src, len, self.s) })
+    }
+
     /// Queues a copy of `bytes` (host memory, staged by the driver before
     /// this returns) to `dst`.
     ///

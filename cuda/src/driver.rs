@@ -153,6 +153,10 @@ pub(crate) struct Api {
     pub(crate) graph_launch: unsafe extern "C" fn(CuGraphExec, CuStream) -> CuResult,
     pub(crate) graph_exec_destroy: unsafe extern "C" fn(CuGraphExec) -> CuResult,
     pub(crate) graph_destroy: unsafe extern "C" fn(CuGraph) -> CuResult,
+    /// `cuMemGetHandleForAddressRange` (CUDA 11.7+; optional: absent, no
+    /// DMA-BUF export).
+    pub(crate) range_handle:
+        Option<unsafe extern "C" fn(*mut std::ffi::c_void, DevicePtr, usize, c_int, u64) -> CuResult>,
     pub(crate) launch: unsafe extern "C" fn(
         CuFunction,
         u32,
@@ -237,6 +241,7 @@ impl Context {
                 graph_launch: lib.get("cuGraphLaunch\0")?,
                 graph_exec_destroy: lib.get("cuGraphExecDestroy\0")?,
                 graph_destroy: lib.get("cuGraphDestroy\0")?,
+                range_handle: lib.get("cuMemGetHandleForAddressRange\0").ok(),
             }
         };
         let mut c = Context { api, dev: 0, ctx: std::ptr::null_mut(), name: String::new(), cc: (0, 0) };

@@ -37,5 +37,6 @@ mod loader;
 pub mod nccl;
 pub mod nccl_comm;
 pub mod nvrtc;
+pub mod staging;
 
 pub use error::{CudaError, Result};

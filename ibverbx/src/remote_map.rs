@@ -160,6 +160,12 @@ impl RemoteMapping {
 
 /// The address of `len` bytes at `offset` of `mr`, checked.
 fn local_span(op: &'static str, mr: &MemoryRegion, offset: usize, len: usize) -> Result<*const u8> {
+    if let Some(d) = mr.device() {
+        return Err(Error::invalid(
+            op,
+            format!("the local region is device memory ({}): the host cannot copy it directly", d.describe()),
+        ));
+    }
     match offset.checked_add(len) {
         Some(end) if end <= mr.len() => Ok(mr.as_ptr().wrapping_add(offset) as *const u8),
         _ => Err(Error::invalid(op, format!("{offset}+{len} is outside the local region of {} bytes", mr.len()))),

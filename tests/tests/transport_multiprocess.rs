@@ -42,6 +42,54 @@ fn tcp_two_network_namespaces() {
     run(&NetnsPair::prefix(&ns.a), &NetnsPair::prefix(&ns.b), &env, &["--qps", "4"]);
 }
 
+/// rmacomm's CUDA stand-in (device memory as host shared memory), next to
+/// this test binary's directory; `None` (with the reason printed) where it
+/// is not built.
+fn standin() -> Option<std::path::PathBuf> {
+    let exe = std::env::current_exe().ok()?;
+    let p = exe.parent()?.parent()?.join("librmacomm_cuda_standin.so");
+    if !p.exists() {
+        assert!(
+            std::env::var("RMACOMM_EXPECT_STANDIN").map_or(true, |v| v != "1"),
+            "RMACOMM_EXPECT_STANDIN=1 but {} is not built",
+            p.display()
+        );
+        println!("skipped: the CUDA stand-in is not built (cargo build -p rmacomm-cuda-standin)");
+        return None;
+    }
+    Some(p)
+}
+
+/// The transport on CUDA device memory (the stand-in's): every size
+/// written with notify into the server's device memory, verified there,
+/// and read back, over the soft provider's `link`; `mem` is `cuda` or
+/// `mixed` (the read-back buffer in host memory).
+fn cuda(prefix_s: &[String], prefix_c: &[String], link: &str, mem: &str) {
+    let Some(lib) = standin() else { return };
+    let lib = lib.to_string_lossy().into_owned();
+    let env = [("RMACOMM_PROVIDER", "soft"), ("RMACOMM_SOFT_LINK", link), ("RMACOMM_CUDA_LIB", lib.as_str())];
+    run(prefix_s, prefix_c, &env, &["--mem", mem, "--qps", "2"]);
+}
+
+#[test]
+fn cuda_memory_same_host() {
+    cuda(&[], &[], "auto", "cuda");
+}
+
+#[test]
+fn cuda_memory_same_host_tcp_mixed() {
+    cuda(&[], &[], "tcp", "mixed");
+}
+
+#[test]
+fn cuda_memory_two_network_namespaces() {
+    let ns = match NetnsPair::create() {
+        Ok(ns) => ns,
+        Err(why) => return println!("skipped: two network namespaces need root and iproute2 ({why})"),
+    };
+    cuda(&NetnsPair::prefix(&ns.a), &NetnsPair::prefix(&ns.b), "auto", "cuda");
+}
+
 fn peer_killed(link: &str, stop_instead_of_kill: bool) {
     let env = [("RMACOMM_PROVIDER", "soft"), ("RMACOMM_SOFT_LINK", link)];
     let h = Peer::spawn("holder", PEER, &[], &["hold"], &env);

@@ -74,6 +74,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 mod config;
+mod cuda;
 mod direct;
 mod domain;
 mod error;

@@ -87,6 +87,65 @@ impl RdmaMemory {
         Ok(RdmaMemory { mr: Arc::new(mr), domain: d })
     }
 
+    /// Allocates `len` zeroed bytes of CUDA device memory on GPU `device`
+    /// and registers them on the default device (`RMACOMM_PROVIDER`).
+    /// Writes, reads and atomics move it as they move host memory: the
+    /// verbs provider's HCA reaches it (DMA-BUF, else nvidia-peermem); the
+    /// soft provider copies through the CUDA driver, staged in pinned
+    /// chunks (see the crate's docs). No CUDA driver or device: an
+    /// [`Unsupported`](TransportError::Unsupported) error naming what is
+    /// missing.
+    pub fn alloc_cuda(len: usize, device: u32) -> Result<RdmaMemory, TransportError> {
+        let d = domain(ProviderKind::from_env().unwrap_or_default(), None, None)?;
+        crate::cuda::alloc(d, len, device)
+    }
+
+    /// [`alloc_cuda`](Self::alloc_cuda) on the device `transport` uses.
+    pub fn alloc_cuda_for(transport: &RdmaTransport, len: usize, device: u32) -> Result<RdmaMemory, TransportError> {
+        crate::cuda::alloc(transport.domain().clone(), len, device)
+    }
+
+    /// Registers CUDA device memory the caller owns (a tensor's
+    /// `data_ptr()`): `len` bytes at device address `ptr` on GPU `device`,
+    /// checked with the driver (device memory of that GPU, inside one
+    /// allocation).
+    ///
+    /// # Safety
+    /// The memory must stay allocated until this value is dropped and every
+    /// operation that used it has finished; peers may write it at any time.
+    pub unsafe fn register_cuda(ptr: u64, len: usize, device: u32) -> Result<RdmaMemory, TransportError> {
+        let d = domain(ProviderKind::from_env().unwrap_or_default(), None, None)?;
+        // SAFETY: forwarded to the caller.
+        unsafe { crate::cuda::register(d, ptr, len, device) }
+    }
+
+    /// [`register_cuda`](Self::register_cuda) on the device `transport`
+    /// uses.
+    ///
+    /// # Safety
+    /// As for [`register_cuda`](Self::register_cuda).
+    pub unsafe fn register_cuda_for(
+        transport: &RdmaTransport,
+        ptr: u64,
+        len: usize,
+        device: u32,
+    ) -> Result<RdmaMemory, TransportError> {
+        // SAFETY: forwarded to the caller.
+        unsafe { crate::cuda::register(transport.domain().clone(), ptr, len, device) }
+    }
+
+    pub(crate) fn from_parts(mr: Arc<MemoryRegion>, domain: Arc<Domain>) -> RdmaMemory {
+        RdmaMemory { mr, domain }
+    }
+
+    /// What device memory this is ("CUDA device 0 (NVIDIA H100 80GB
+    /// HBM3)"), `None` for host memory. [`as_ptr`](Self::as_ptr) is then a
+    /// device address, and [`read_into`](Self::read_into) /
+    /// [`write_from`](Self::write_from) copy through the driver.
+    pub fn device(&self) -> Option<String> {
+        self.mr.device().map(|d| d.describe())
+    }
+
     /// Length in bytes.
     pub fn len(&self) -> usize {
         self.mr.len()

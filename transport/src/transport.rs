@@ -856,7 +856,8 @@ impl Inner {
     /// not mapped yet, or one whose copy failed: the QP then reports it).
     fn try_direct(&self, op: &Op, mem: &MemoryRegion) -> Direct {
         let len = op.sge.as_ref().map_or(0, |s| s.length as usize);
-        if len > self.config.direct_copy_max || self.config.direct_copy_max == 0 {
+        // Device memory: the host copies none of it (the QP stages it).
+        if len > self.config.direct_copy_max || self.config.direct_copy_max == 0 || mem.device().is_some() {
             return Direct::No;
         }
         let (addr, key, write, notify) = match op.op {

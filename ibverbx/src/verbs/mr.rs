@@ -102,6 +102,8 @@ impl Drop for MrInner {
 /// The verbs provider's [`MrOps`].
 pub(crate) struct VerbsMr {
     pub(crate) inner: Arc<MrInner>,
+    /// The device memory it registers (through DMA-BUF or by address).
+    pub(crate) device: Option<Arc<dyn crate::DeviceMemory>>,
 }
 
 impl fmt::Debug for VerbsMr {
@@ -135,6 +137,9 @@ impl MrOps for VerbsMr {
     }
     fn deregister(&self) -> Result<()> {
         self.inner.deregister()
+    }
+    fn device(&self) -> Option<&Arc<dyn crate::DeviceMemory>> {
+        self.device.as_ref()
     }
 }
 

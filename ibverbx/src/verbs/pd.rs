@@ -71,7 +71,21 @@ impl VerbsPd {
         let mr = NonNull::new(mr).ok_or_else(|| Error::last_os(verb))?;
         let inner = MrInner::new(self.shared.clone(), mr, access, owner, host);
         self.shared.mrs.lock().unwrap_or_else(|e| e.into_inner()).insert(inner.lkey, Arc::downgrade(&inner));
-        Ok(Arc::new(VerbsMr { inner }))
+        Ok(Arc::new(VerbsMr { inner, device: None }))
+    }
+
+    fn finish_device(
+        &self,
+        mr: *mut ibv_mr,
+        access: AccessFlags,
+        owner: Option<Arc<dyn Any + Send + Sync>>,
+        dev: Arc<dyn crate::DeviceMemory>,
+    ) -> Result<Arc<dyn MrOps>> {
+        let mr = NonNull::new(mr).ok_or_else(|| Error::last_os("reg_mr"))?;
+        // Device addresses: never a source of inline data.
+        let inner = MrInner::new(self.shared.clone(), mr, access, owner, false);
+        self.shared.mrs.lock().unwrap_or_else(|e| e.into_inner()).insert(inner.lkey, Arc::downgrade(&inner));
+        Ok(Arc::new(VerbsMr { inner, device: Some(dev) }))
     }
 
     /// `ibv_reg_dmabuf_mr`: registers `len` bytes at `offset` of a DMA-BUF
@@ -136,6 +150,63 @@ impl PdOps for VerbsPd {
     ) -> Result<Arc<dyn MrOps>> {
         // SAFETY: forwarded to the caller (the same contract).
         unsafe { self.reg_dmabuf_mr(fd, offset, len, iova, access) }
+    }
+
+    /// DMA-BUF first (`dev`'s export, `ibv_reg_dmabuf_mr` with the device
+    /// address as the IOVA); where either side lacks it, registration by
+    /// address, which needs a peer-memory module (nvidia-peermem). The error
+    /// names both attempts.
+    unsafe fn reg_device_mr(
+        &self,
+        dev: Arc<dyn crate::DeviceMemory>,
+        addr: u64,
+        len: usize,
+        access: AccessFlags,
+        owner: Option<Arc<dyn Any + Send + Sync>>,
+    ) -> Result<Arc<dyn MrOps>> {
+        if !access.is_consistent() {
+            return Err(Error::invalid("reg_mr", "REMOTE_WRITE and REMOTE_ATOMIC need LOCAL_WRITE"));
+        }
+        let why: String = match (dev.dmabuf(addr, len), self.shared.ctx.lib.reg_dmabuf_mr) {
+            (None, _) => format!("{} exports no DMA-BUF", dev.describe()),
+            (Some(Err(e)), _) => format!("DMA-BUF export failed: {e}"),
+            (Some(Ok(_)), None) => "this libibverbs has no ibv_reg_dmabuf_mr (rdma-core < 34)".to_string(),
+            (Some(Ok((fd, off))), Some(reg)) => {
+                // SAFETY: the PD is live, the fd open (the registration
+                // holds the DMA-BUF; ours closes after); the memory's
+                // lifetime is the caller's promise.
+                let mr = unsafe { reg(self.shared.pd.as_ptr(), off, len, addr, fd.as_raw_fd(), access.bits() as i32) };
+                if mr.is_null() {
+                    format!("ibv_reg_dmabuf_mr: {}", io::Error::last_os_error())
+                } else {
+                    return self.finish_device(mr, access, owner, dev);
+                }
+            }
+        };
+        // SAFETY: the PD is live; the range's lifetime is the caller's
+        // promise; the HCA driver resolves a device address only through a
+        // peer-memory client, else it fails (EFAULT) and nothing is
+        // registered.
+        let mr = unsafe {
+            (self.shared.ctx.lib.reg_mr)(
+                self.shared.pd.as_ptr(),
+                addr as usize as *mut std::ffi::c_void,
+                len,
+                access.bits() as i32,
+            )
+        };
+        if mr.is_null() {
+            return Err(Error::invalid(
+                "reg_mr",
+                format!(
+                    "cannot register {len} bytes of {} at {addr:#x}: DMA-BUF: {why}; by address (nvidia-peermem): {}",
+                    dev.describe(),
+                    io::Error::last_os_error()
+                ),
+            ));
+        }
+        tracing::debug!("device memory registered by address (peer memory), not DMA-BUF: {why}");
+        self.finish_device(mr, access, owner, dev)
     }
 
     fn create_qp(

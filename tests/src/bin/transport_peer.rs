@@ -1,12 +1,16 @@
 //! An `RdmaTransport` peer process for multi-process tests.
 //!
-//! `transport_peer server|client [--sizes N,...]`, `transport_peer hold`,
+//! `transport_peer server|client [--sizes N,...] [--mem host|cuda|mixed]`,
+//! `transport_peer hold`,
 //! `transport_peer stream`. Each prints `{"url":…, "rb":…}`, reads the
 //! peer's line, connects, and runs its part: the client writes each size
 //! with notify into its own slice of the server's buffer and reads it back;
 //! the server waits for each notification and verifies every byte. `hold`
 //! connects and waits to be killed; `stream` writes until an error and
-//! reports which.
+//! reports which. `--mem cuda`: every buffer is CUDA device memory
+//! (`RdmaMemory::alloc_cuda`, GPU 0); `mixed`: the server's and the
+//! client's source are device memory, the client's read-back buffer host
+//! memory.
 
 use std::io::{BufRead, Write};
 use std::time::{Duration, Instant};
@@ -42,7 +46,18 @@ async fn main() {
 
     let cfg = TransportConfig::default().with_qps(qps).with_timeout(Some(Duration::from_secs(60)));
     let t = RdmaTransport::new(cfg).unwrap_or_else(|e| fail(format!("new: {e}")));
-    let mem = RdmaMemory::alloc(total).unwrap_or_else(|e| fail(format!("alloc: {e}")));
+    let kind = opt("--mem").unwrap_or_else(|| "host".into());
+    let alloc = |device: bool| {
+        if device {
+            RdmaMemory::alloc_cuda(total, 0).unwrap_or_else(|e| fail(format!("alloc_cuda: {e}")))
+        } else {
+            RdmaMemory::alloc(total).unwrap_or_else(|e| fail(format!("alloc: {e}")))
+        }
+    };
+    let mem = alloc(kind != "host");
+    if kind != "host" && mem.device().is_none() {
+        fail("alloc_cuda gave host memory".into());
+    }
     let me = Hello { url: t.bind().unwrap(), rb: mem.remote_buffer() };
     println!("{}", serde_json::to_string(&me).unwrap());
     std::io::stdout().flush().unwrap();
@@ -67,7 +82,7 @@ async fn main() {
             println!("{}", serde_json::json!({ "ok": true }));
         }
         "client" => {
-            let back = RdmaMemory::alloc(total).unwrap();
+            let back = alloc(kind == "cuda");
             for (i, &n) in sizes.iter().enumerate() {
                 let off = offsets[i];
                 let data = pattern(n, i as u64);

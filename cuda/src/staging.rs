@@ -1,0 +1,185 @@
+//! Copies between pageable host memory and device memory through pinned
+//! staging buffers, pipelined: while one chunk's DMA runs, the CPU fills
+//! (or drains) the other. What a software transport needs to put bytes
+//! that arrived on a socket into GPU memory, and to send GPU memory: a
+//! copy from pageable memory may return before its DMA ends, one from
+//! pinned memory on a stream of its own is complete at the stream's
+//! synchronize.
+
+use std::sync::{Arc, Mutex};
+
+use crate::device::{HostRegistration, Stream};
+use crate::driver::{Context, DevicePtr};
+use crate::Result;
+
+/// Bytes per staging chunk (two per stage).
+pub const STAGE_CHUNK: usize = 1 << 20;
+
+/// Stages kept for reuse (one per concurrent copy; more are made and
+/// dropped when needed).
+const POOL: usize = 4;
+
+/// An anonymous mapping, unmapped on drop.
+struct Mapping {
+    ptr: *mut u8,
+    len: usize,
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: our mapping, unmapped once.
+        unsafe { libc::munmap(self.ptr.cast(), self.len) };
+    }
+}
+
+/// Two pinned chunks and a stream for each. Fields drop in order after
+/// [`Drop`] drained the streams: streams, registration, mapping.
+struct Stage {
+    streams: [Stream; 2],
+    _reg: HostRegistration,
+    map: Mapping,
+}
+
+// SAFETY: the pinned buffer is used by one copy at a time (the stage is
+// taken out of the pool), and only through raw pointers.
+unsafe impl Send for Stage {}
+
+impl Stage {
+    fn new(ctx: &Arc<Context>) -> Result<Stage> {
+        let len = 2 * STAGE_CHUNK;
+        // SAFETY: a fresh private anonymous mapping; checked below.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(crate::CudaError::Call {
+                lib: "the C library",
+                call: "mmap",
+                code: 2,
+                name: format!("{len} bytes for a staging buffer: {}", std::io::Error::last_os_error()),
+            });
+        }
+        let map = Mapping { ptr: p.cast(), len };
+        // SAFETY: the mapping outlives the registration (field order).
+        let reg = unsafe { ctx.register_host(map.ptr, len)? };
+        Ok(Stage { streams: [ctx.stream()?, ctx.stream()?], _reg: reg, map })
+    }
+
+    fn chunk(&self, k: usize) -> *mut u8 {
+        // SAFETY: k is 0 or 1; the mapping holds two chunks.
+        unsafe { self.map.ptr.add(k * STAGE_CHUNK) }
+    }
+
+    /// Waits for both streams (nothing reads or writes the buffer after).
+    fn drain(&self) -> Result<()> {
+        self.streams[0].synchronize()?;
+        self.streams[1].synchronize()
+    }
+}
+
+impl Drop for Stage {
+    fn drop(&mut self) {
+        // No DMA may still use the buffer when it is unregistered.
+        let _ = self.drain();
+    }
+}
+
+/// Pipelined copies between host memory and one context's device memory
+/// through pinned chunks; shareable by threads (each copy takes a stage of
+/// its own).
+pub struct Staging {
+    ctx: Arc<Context>,
+    pool: Mutex<Vec<Stage>>,
+}
+
+impl std::fmt::Debug for Staging {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Staging({})", self.ctx.name())
+    }
+}
+
+impl Staging {
+    /// Copies through `ctx`'s pinned chunks (made when first needed).
+    pub fn new(ctx: Arc<Context>) -> Staging {
+        Staging { ctx, pool: Mutex::new(Vec::new()) }
+    }
+
+    /// The context.
+    pub fn context(&self) -> &Arc<Context> {
+        &self.ctx
+    }
+
+    fn take(&self) -> Result<Stage> {
+        match self.pool.lock().unwrap_or_else(|e| e.into_inner()).pop() {
+            Some(s) => Ok(s),
+            None => Stage::new(&self.ctx),
+        }
+    }
+
+    fn give(&self, s: Stage) {
+        let mut pool = self.pool.lock().unwrap_or_else(|e| e.into_inner());
+        if pool.len() < POOL {
+            pool.push(s);
+        }
+    }
+
+    /// Copies `src` to device memory at `dst`: complete (for every stream)
+    /// when this returns.
+    ///
+    /// # Safety
+    /// `dst..dst + src.len()` must be device memory of this context.
+    pub unsafe fn upload(&self, dst: DevicePtr, src: &[u8]) -> Result<()> {
+        let st = self.take()?;
+        for (i, c) in src.chunks(STAGE_CHUNK).enumerate() {
+            let k = i % 2;
+            // The chunk's previous copy (two back) has read it.
+            st.streams[k].synchronize()?;
+            // SAFETY: a pinned chunk of STAGE_CHUNK bytes no copy uses now.
+            unsafe { std::ptr::copy_nonoverlapping(c.as_ptr(), st.chunk(k), c.len()) };
+            // SAFETY: pinned source valid until drained below (the stage
+            // is dropped, draining, on an error); the destination is the
+            // caller's.
+            unsafe { st.streams[k].upload_raw_async(dst + (i * STAGE_CHUNK) as u64, st.chunk(k), c.len())? };
+        }
+        st.drain()?;
+        self.give(st);
+        Ok(())
+    }
+
+    /// Copies device memory at `src` into `dst`: complete when this
+    /// returns.
+    ///
+    /// # Safety
+    /// `src..src + dst.len()` must be device memory of this context.
+    pub unsafe fn download(&self, src: DevicePtr, dst: &mut [u8]) -> Result<()> {
+        let st = self.take()?;
+        let n = dst.len().div_ceil(STAGE_CHUNK);
+        let total = dst.len();
+        let span = |i: usize| (i * STAGE_CHUNK, ((i + 1) * STAGE_CHUNK).min(total));
+        for i in 0..=n {
+            if i < n {
+                let (a, b) = span(i);
+                // SAFETY: chunk i % 2 was drained into `dst` at step i - 1
+                // (or is unused); the source is the caller's.
+                unsafe { st.streams[i % 2].download_raw_async(st.chunk(i % 2), src + a as u64, b - a)? };
+            }
+            if i > 0 {
+                let j = i - 1;
+                st.streams[j % 2].synchronize()?;
+                let (a, b) = span(j);
+                // SAFETY: the chunk holds chunk j's bytes (its stream is
+                // synchronized); `dst` has room.
+                unsafe { std::ptr::copy_nonoverlapping(st.chunk(j % 2), dst[a..].as_mut_ptr(), b - a) };
+            }
+        }
+        self.give(st);
+        Ok(())
+    }
+}
