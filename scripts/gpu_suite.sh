@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU suite (issue 13): the CUDA kernels against the CPU kernels on a
-# real device, the GPU libraries' probes, the copy-engine ceiling, and
+# real device, the GPU libraries' probes, the copy-engine ceiling,
 # windows on device memory between two processes (CUDA IPC: the ring with
-# host- and stream-ordered signals, a graph replay, put bandwidth).
+# host- and stream-ordered signals, a graph replay, put bandwidth), and the
+# transport on device memory (rdma_bench --use-cuda, data verified).
 #
 #   bash scripts/gpu_suite.sh          build, then run (a machine with Rust and a GPU)
 #   bash scripts/gpu_suite.sh build    build into target/gpu-suite (no GPU needed)
@@ -29,7 +30,9 @@ build() {
   rm -rf "$suite" && mkdir -p "$suite/bin"
   cargo build --release -q -p rmacomm-cuda --example copy_ceiling
   cargo build --release -q -p rmacomm-window --bin rmacomm-run --bin gpu-window-scenario
-  cp target/release/examples/copy_ceiling target/release/rmacomm-run target/release/gpu-window-scenario "$suite/bin/"
+  cargo build --release -q -p rmacomm-bench --bin rdma_bench
+  cp target/release/examples/copy_ceiling target/release/rmacomm-run target/release/gpu-window-scenario \
+    target/release/rdma_bench "$suite/bin/"
   cargo test --release --no-run -q -p rmacomm-cuda -p rmacomm-kernels --message-format=json 2>/dev/null |
     python3 -c '
 import json, sys, shutil
@@ -91,6 +94,17 @@ PY
   done
   grep -h '"window_device_put"' "$out/window_device_bw.log" | sed 's/^\[[0-9]*\] //' > "$out/window_device_bw.jsonl" || true
   grep -h '"window_device_signal_rtt"' "$out/window_device_lat.log" | sed 's/^\[[0-9]*\] //' > "$out/window_device_lat.jsonl" || true
+  # The transport on device memory (soft provider: staged through pinned
+  # chunks), two processes, data verified after every size; beside it the
+  # same runs on host memory over the same link (tcp: the staged path's
+  # host counterpart).
+  for op in write read; do
+    echo "# transport on device memory: rdma_bench $op --use-cuda 0 (at ${SECONDS}s)"
+    timeout "$(lim 120)" "$bin/rdma_bench" $op -a --min 4K --max 64M --use-cuda 0 --provider soft --link tcp \
+      --out-json "$out/transport_cuda_$op.jsonl" 2>&1 | tee "$out/transport_cuda_$op.log" || rc=1
+    timeout "$(lim 120)" "$bin/rdma_bench" $op -a --min 4K --max 64M --provider soft --link tcp \
+      --out-json "$out/transport_host_$op.jsonl" 2>&1 | tee "$out/transport_host_$op.log" || rc=1
+  done
   # Python: the window ring on CUDA torch tensors, two processes.
   if [ -d "$suite/wheels" ] && python3 -c 'import torch' 2>/dev/null; then
     # The wheel into a directory of its own (no venv module or network

@@ -206,6 +206,13 @@ pub struct BenchArgs {
     /// Both directions at once (bandwidth tests): the figures add up.
     #[arg(short = 'b', long)]
     pub bidirectional: bool,
+    /// This side's buffer in CUDA device memory on this GPU (perftest's
+    /// `--use_cuda`; with `--local` both sides). The transport tests only
+    /// (write, read, write_lat, read_lat): on the soft provider the bytes
+    /// are staged through pinned host chunks, on verbs the HCA reaches the
+    /// GPU (DMA-BUF, else nvidia-peermem).
+    #[arg(long, value_name = "GPU", alias = "use_cuda")]
+    pub use_cuda: Option<u32>,
     /// Bandwidth in Gb/sec (10^9 bits) instead of MB/sec.
     #[arg(long)]
     pub report_gbits: bool,

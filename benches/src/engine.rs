@@ -33,6 +33,8 @@ pub(crate) struct EngineConfig {
     pub(crate) busy_poll: Duration,
     /// Whether bandwidth waits spin where this thread copies the data.
     pub(crate) spin_small: bool,
+    /// The buffer in CUDA device memory on this GPU (`--use-cuda`).
+    pub(crate) cuda: Option<u32>,
 }
 
 /// Longest a single completion may take before the run is declared broken.

@@ -440,7 +440,7 @@ fn client(a: &KvArgs) -> Result<()> {
             (None, h, p)
         }
         None => {
-            let (srv, port) = LocalServer::spawn("kv", a.ib_dev.as_deref())?;
+            let (srv, port) = LocalServer::spawn("kv", a.ib_dev.as_deref(), None)?;
             (Some(srv), "127.0.0.1".to_owned(), port)
         }
     };

@@ -138,7 +138,19 @@ fn busy_poll(op: Op, us: Option<u64>) -> Duration {
 
 /// The engine for `hello`; `origin` says where its provider came from;
 /// `role` is this side's (the window's ranks differ).
-fn engine_for(op: Op, hello: &Hello, origin: &str, ib_dev: Option<&str>, role: Role) -> Result<Box<dyn Engine>> {
+fn engine_for(
+    op: Op,
+    hello: &Hello,
+    origin: &str,
+    (ib_dev, cuda): (Option<&str>, Option<u32>),
+    role: Role,
+) -> Result<Box<dyn Engine>> {
+    if cuda.is_some() && (op.raw() || op.window()) {
+        return Err(BenchError::Config(format!(
+            "--use-cuda: {} does not take device memory; the transport tests (write, read, write_lat, read_lat) do",
+            op.name()
+        )));
+    }
     let resolved = resolve(&hello.provider, origin, &hello.link, ib_dev)?;
     let lb = ibverbx::LoadBalancing::parse(&hello.lb)
         .ok_or_else(|| BenchError::Config(format!("--lb {}: expected dqplb or spray", hello.lb)))?;
@@ -158,6 +170,7 @@ fn engine_for(op: Op, hello: &Hello, origin: &str, ib_dev: Option<&str>, role: R
         depth: hello.tx_depth.max(1) as usize,
         busy_poll: busy_poll(op, hello.busy_poll_us),
         spin_small: hello.busy_poll_us.is_none() && op.kind() == Kind::Bandwidth,
+        cuda,
     };
     Ok(if op.raw() {
         Box::new(VerbsEngine::new(cfg)?)
@@ -242,7 +255,7 @@ fn serve_session(op: Op, a: &BenchArgs, ctl: &mut Control) -> Result<()> {
     }
     // The client chose the provider (its flag or its environment).
     let origin = format!("the client's provider {}", hello.provider);
-    let mut e = engine_for(op, &hello, &origin, a.ib_dev.as_deref(), Role::Server)?;
+    let mut e = engine_for(op, &hello, &origin, (a.ib_dev.as_deref(), a.use_cuda), Role::Server)?;
     fill(e.as_ref(), SERVER_SEED, u64::MAX)?;
     ctl.send(&e.info()?)?;
     let peer: SideInfo = ctl.recv("the client's endpoint")?;
@@ -303,12 +316,15 @@ pub(crate) struct LocalServer {
 }
 
 impl LocalServer {
-    pub(crate) fn spawn(op: &str, ib_dev: Option<&str>) -> Result<(LocalServer, u16)> {
+    pub(crate) fn spawn(op: &str, ib_dev: Option<&str>, cuda: Option<u32>) -> Result<(LocalServer, u16)> {
         let exe = std::env::current_exe()?;
         let mut cmd = Command::new(exe);
         cmd.arg(op).args(["--server", "--port", "0"]);
         if let Some(d) = ib_dev {
             cmd.args(["-d", d]);
+        }
+        if let Some(g) = cuda {
+            cmd.args(["--use-cuda", &g.to_string()]);
         }
         cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::inherit());
         // The server gives up if this client never connects.
@@ -431,7 +447,7 @@ fn client(op: Op, a: &BenchArgs) -> Result<()> {
     };
     // Fail here, before any server starts, when the provider or device
     // cannot be had.
-    let mut e = engine_for(op, &hello, &origin, a.ib_dev.as_deref(), Role::Client)?;
+    let mut e = engine_for(op, &hello, &origin, (a.ib_dev.as_deref(), a.use_cuda), Role::Client)?;
     fill(e.as_ref(), CLIENT_SEED, u64::MAX)?;
     let (local, host, port) = match &a.client {
         Some(peer) => {
@@ -439,7 +455,7 @@ fn client(op: Op, a: &BenchArgs) -> Result<()> {
             (None, h, p)
         }
         None => {
-            let (srv, port) = LocalServer::spawn(op.name(), a.ib_dev.as_deref())?;
+            let (srv, port) = LocalServer::spawn(op.name(), a.ib_dev.as_deref(), a.use_cuda)?;
             (Some(srv), "127.0.0.1".to_owned(), port)
         }
     };
@@ -485,7 +501,8 @@ fn client(op: Op, a: &BenchArgs) -> Result<()> {
     } else {
         "rmacomm_transport::RdmaTransport"
     };
-    let access = e.describe().map(|d| format!("\n Window access   : {d}")).unwrap_or_default();
+    let label = if op.window() { "Window access   " } else { "Memory          " };
+    let access = e.describe().map(|d| format!("\n {label}: {d}")).unwrap_or_default();
     let half = match op {
         Op::ReadLat => "  (a read is a round trip: not halved)",
         _ if op.kind() == Kind::Latency => "  (half round trip)",

@@ -45,7 +45,11 @@ impl TransportEngine {
             .with_busy_poll(cfg.busy_poll)
             .with_soft(cfg.resolved.soft.clone());
         let t = RdmaTransport::new(tc)?;
-        let mem = RdmaMemory::alloc_for(&t, (2 * cfg.max) as usize)?;
+        let len = (2 * cfg.max) as usize;
+        let mem = match cfg.cuda {
+            Some(gpu) => RdmaMemory::alloc_cuda_for(&t, len, gpu)?,
+            None => RdmaMemory::alloc_for(&t, len)?,
+        };
         Ok(TransportEngine { rt, t, mem, cfg, peer: None })
     }
 
@@ -70,6 +74,10 @@ impl Engine for TransportEngine {
             buf: self.mem.remote_buffer(),
             store_port: None,
         })
+    }
+
+    fn describe(&self) -> Option<String> {
+        self.mem.device().map(|d| format!("this side's buffer in {d} (--use-cuda)"))
     }
 
     fn connect(&mut self, peer: &SideInfo, _peer_host: &str) -> Result<()> {
