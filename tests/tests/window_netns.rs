@@ -78,6 +78,32 @@ fn window_put_signal_get_between_two_network_namespaces() {
     }
 }
 
+/// The same ring and gets on CUDA device memory (the stand-in's,
+/// `WINDOW_PEER_MEM=cuda`): every tensor, source and destination is device
+/// memory, moved across the namespaces by the transport's device staging.
+#[test]
+fn window_on_cuda_memory_between_two_network_namespaces() {
+    let exe = std::env::current_exe().unwrap();
+    let lib = exe.parent().unwrap().parent().unwrap().join("librmacomm_cuda_standin.so");
+    if !lib.exists() {
+        assert!(
+            std::env::var("RMACOMM_EXPECT_STANDIN").map_or(true, |v| v != "1"),
+            "RMACOMM_EXPECT_STANDIN=1 but {} is not built",
+            lib.display()
+        );
+        return println!("skipped: the CUDA stand-in is not built (cargo build -p rmacomm-cuda-standin)");
+    }
+    let Some(ns) = namespaces() else { return };
+    let lib = lib.to_string_lossy().into_owned();
+    let results = run_pair(&ns, "4", &[("WINDOW_PEER_MEM", "cuda"), ("RMACOMM_CUDA_LIB", lib.as_str())]);
+    for (rank, (lines, ok)) in results.iter().enumerate() {
+        assert!(*ok, "rank {rank} failed (its stderr is above); stdout: {lines:?}");
+        let has = |s: &str| lines.iter().any(|l| l.contains(s));
+        assert!(has("ring ok: 8 iterations") && has("get ok"), "rank {rank}: {lines:?}");
+        assert_eq!(lines.last().map(String::as_str), Some(format!("rank {rank} ok").as_str()), "{lines:?}");
+    }
+}
+
 /// The checks are live: one byte of what rank 1 put into rank 0 is
 /// damaged at rank 0 after the signal (`WINDOW_PEER_DAMAGE`), and rank 0
 /// fails naming the element.

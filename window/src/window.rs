@@ -356,6 +356,21 @@ impl Window {
             .map_err(|e| Error::Transport { op: "alloc", source: e })
     }
 
+    /// Allocates `len` zeroed bytes of CUDA device memory on GPU `gpu`,
+    /// registered on this window's transports: a tensor for
+    /// [`tensor_register`](Self::tensor_register) or a source of
+    /// [`put`](Self::put) that reaches every peer, on this host or another,
+    /// through the transport (the soft provider stages the bytes through
+    /// pinned host chunks, a verbs HCA reaches the GPU through DMA-BUF).
+    /// Signals are host-ordered; a peer's buffer is never mapped here.
+    /// For same-host peers, [`tensor_register_device`](Self::tensor_register_device)
+    /// maps device memory through CUDA IPC instead (copy-engine puts,
+    /// stream-ordered signals). No CUDA: an error naming the driver.
+    pub fn alloc_cuda(&self, len: usize, gpu: u32) -> Result<RdmaMemory> {
+        RdmaMemory::alloc_cuda_for(&self.links[self.rank()].out, len, gpu)
+            .map_err(|e| Error::Transport { op: "alloc_cuda", source: e })
+    }
+
     /// Registers `mem` as this rank's tensor of elements of `elem_size`
     /// bytes: all of it, whole elements (`RdmaMemory::alloc` rounds up to
     /// whole pages; use [`tensor_register_len`](Self::tensor_register_len)

@@ -172,3 +172,46 @@ fn device_window_misuse_is_refused_naming_the_operation_and_the_rank() {
         assert!(e.to_string().contains("not a same-host (UNIFIED) peer"), "{e}");
     });
 }
+
+/// Device memory through the transport (`Window::alloc_cuda` registered
+/// with `tensor_register`): a ring of put + signal / wait_signal and gets,
+/// every buffer device memory, between UNIFIED thread ranks (the peers'
+/// buffers are not mappable: map_remote_tensor names the rank) and with
+/// UNIFIED access off (every peer as on another host).
+#[test]
+fn device_tensors_through_the_transport() {
+    if !use_standin() {
+        return;
+    }
+    for unified in [true, false] {
+        ranks(3, move |rank, g| {
+            let (right, left) = ((rank + 1) % 3, (rank + 2) % 3);
+            let opts = WindowOptions::new().timeout(Duration::from_secs(30)).unified(unified);
+            let mut w = Window::new(&g, opts).unwrap();
+            const N: usize = (1 << 20) + 12;
+            w.tensor_register(w.alloc_cuda(3 * N, 0).unwrap(), 4).unwrap();
+            assert!(w.local_tensor().unwrap().device().is_some());
+            let src = w.alloc_cuda(N, 0).unwrap();
+            let back = w.alloc_cuda(N, 0).unwrap();
+            let e = w.map_remote_tensor(right).unwrap_err();
+            assert!(e.to_string().contains(&format!("rank {right}")), "{e}");
+            let data = |r: usize, it: usize| (0..N).map(|i| (i * 7 + r * 31 + it * 3) as u8).collect::<Vec<u8>>();
+            for it in 0..4 {
+                src.write_from(0, &data(rank, it)).unwrap();
+                w.put(src.view(0, N).unwrap(), right, rank * N / 4, it % 2 == 1).unwrap().wait(None).unwrap();
+                w.signal(right, false).unwrap();
+                w.wait_signal(left, None).unwrap();
+                let mut got = vec![0u8; N];
+                w.local_tensor().unwrap().read_into(left * N, &mut got).unwrap();
+                assert!(got == data(left, it), "rank {rank}, iteration {it}: what rank {left} put");
+                // A get of what this rank put into its right neighbour.
+                w.get(back.view_mut(0, N).unwrap(), right, rank * N / 4, false).unwrap();
+                let mut got = vec![0u8; N];
+                back.read_into(0, &mut got).unwrap();
+                assert!(got == data(rank, it), "rank {rank}, iteration {it}: get from rank {right}");
+                g.barrier(None).unwrap();
+            }
+            w.tensor_deregister().unwrap();
+        });
+    }
+}

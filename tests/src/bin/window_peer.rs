@@ -99,6 +99,19 @@ fn store_across_hosts(g: &Group) -> R {
     ensure(n == 2, || format!("the store counted {n} ranks, not 2"))
 }
 
+/// A buffer of the window's: host memory, or CUDA device memory (GPU 0)
+/// when `WINDOW_PEER_MEM=cuda` (then every byte crosses through the
+/// transport's device staging).
+fn alloc(w: &Window, len: usize) -> Result<rmacomm_transport::RdmaMemory, String> {
+    if std::env::var("WINDOW_PEER_MEM").is_ok_and(|v| v == "cuda") {
+        let m = w.alloc_cuda(len, 0).map_err(s)?;
+        ensure(m.device().is_some(), || "alloc_cuda gave host memory".to_string())?;
+        Ok(m)
+    } else {
+        w.alloc(len).map_err(s)
+    }
+}
+
 /// Element `i` of what `rank` puts in iteration `it`: differs per element,
 /// rank and iteration, so a shifted, stale or foreign region shows.
 fn elem(dtype: &str, rank: usize, it: usize, i: usize) -> Vec<u8> {
@@ -125,8 +138,8 @@ fn ring(g: &Group, w: &mut Window, iters: usize) -> R {
     let mut n = 0;
     for (count, dtype) in [(1usize << 20, "f32"), (4, "i8")] {
         let es = elem(dtype, 0, 0, 0).len();
-        w.tensor_register(w.alloc(2 * count * es).map_err(s)?, es).map_err(s)?;
-        let src = w.alloc(count * es).map_err(s)?;
+        w.tensor_register(alloc(w, 2 * count * es)?, es).map_err(s)?;
+        let src = alloc(w, count * es)?;
         // The peer's buffer cannot be mapped from another host. (Any error
         // kind: which one is the window's choice; it must name the peer.)
         match w.map_remote_tensor(peer) {
@@ -191,11 +204,11 @@ fn gets(g: &Group, w: &mut Window) -> R {
     const N: usize = (1 << 20) + 5;
     let (rank, peer) = (g.rank(), 1 - g.rank());
     let pattern = |r: usize| (0..N).map(|i| (i * 31 + r * 101 + i / 4096) as u8).collect::<Vec<u8>>();
-    let mem = w.alloc(N).map_err(s)?;
+    let mem = alloc(w, N)?;
     mem.write_from(0, &pattern(rank)).map_err(s)?;
     w.tensor_register_len(mem, N, 1).map_err(s)?;
     g.barrier(None).map_err(s)?;
-    let dst = w.alloc(N).map_err(s)?;
+    let dst = alloc(w, N)?;
     let theirs = pattern(peer);
     for (off, len, async_op) in [(0, N, false), (3, 4096, true), (N - 1, 1, false), (1000, 300_000, true)] {
         let work = w.get(dst.view_mut(0, len).map_err(s)?, peer, off, async_op).map_err(s)?;

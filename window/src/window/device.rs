@@ -22,9 +22,12 @@
 //! signals to one peer must not), and host `signal`s still add one to the
 //! peer's slot.
 //!
-//! Peers on other hosts are not reached: device memory across hosts needs
-//! staging through pinned buffers (or DMA-BUF on a verbs device), which is
-//! not built; registering fails there with an error naming the peer.
+//! Peers on other hosts are not reached by these (IPC) registrations:
+//! registering fails there with an error naming the peer. Device memory
+//! from [`Window::alloc_cuda`], registered with `tensor_register`, reaches
+//! every peer through the transport instead (staged through pinned host
+//! chunks by the soft provider, DMA-BUF on a verbs device), with
+//! host-ordered signals.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -224,8 +227,9 @@ impl Window {
             }
             if let Some(p) = (0..n).find(|&p| p != me && self.signal_maps[p].is_none()) {
                 return Err(format!(
-                    "rank {p} is not a same-host (UNIFIED) peer; device memory reaches peers through CUDA IPC \
-                     only (staging across hosts is not built)"
+                    "rank {p} is not a same-host (UNIFIED) peer; tensor_register_device reaches peers through \
+                     CUDA IPC only (for peers on other hosts, register memory from Window::alloc_cuda with \
+                     tensor_register: the transport moves it)"
                 ));
             }
             let info = ctx.pointer_info(ptr).map_err(|e| e.to_string())?;
