@@ -117,6 +117,11 @@ PY
     echo "# python: window ring on CUDA tensors (at ${SECONDS}s)"
     timeout "$(lim 90)" "$py" -m rmacomm.run --nproc-per-node 2 "$suite/python/cuda_scenarios.py" window_ring_cuda 2>&1 |
       tee "$out/python_window_ring_cuda.log" || rc=1
+    # The same ring through the transport (unified=False: what a peer on
+    # another host gets), staged through pinned chunks.
+    echo "# python: window ring on CUDA tensors, staged through the transport (at ${SECONDS}s)"
+    timeout "$(lim 90)" "$py" -m rmacomm.run --nproc-per-node 2 "$suite/python/cuda_scenarios.py" window_ring_cuda_staged 2>&1 |
+      tee "$out/python_window_ring_cuda_staged.log" || rc=1
     # The native backend's collectives on CUDA tensors (two processes, IPC),
     # checked, then all_reduce's bandwidth.
     echo "# python: native collectives on CUDA tensors (at ${SECONDS}s)"

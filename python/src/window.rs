@@ -82,10 +82,14 @@ impl PyWindow {
     /// map it when it lives in shared memory (`comm.empty`); other memory is
     /// reached through the transport only.
     ///
-    /// A CUDA torch tensor (every rank registers one; every peer on this
-    /// host): peers map it through CUDA IPC, and puts, gets, signals and
-    /// waits are queued on a CUDA stream (`stream=`, default torch's
-    /// current stream).
+    /// A CUDA torch tensor (every rank registers one): with every peer on
+    /// this host (UNIFIED), peers map it through CUDA IPC, and puts, gets,
+    /// signals and waits are queued on a CUDA stream (`stream=`, default
+    /// torch's current stream). With a peer on another host (or
+    /// `unified=False`) it is registered through the transport (staged
+    /// through pinned host memory on the soft provider): puts and gets
+    /// synchronize `stream` and are placed when they return, signals and
+    /// waits run on the host, and peers' tensors are not mapped.
     fn tensor_register(&self, py: Python<'_>, tensor: &Bound<'_, PyAny>) -> PyResult<()> {
         if let Some(t) = cuda_tensor::of(tensor, "tensor")? {
             return self.core.register_cuda(py, t);

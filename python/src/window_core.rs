@@ -60,6 +60,9 @@ pub(crate) struct Reg {
     pub(crate) peers: Vec<PeerMeta>,
     /// The CUDA device of a registered CUDA tensor (`None`: host memory).
     pub(crate) device: Option<u32>,
+    /// A CUDA tensor registered through the transport (some peer is not
+    /// UNIFIED), not mapped through CUDA IPC.
+    pub(crate) staged: bool,
 }
 
 /// A window and what the Python classes keep beside it.
@@ -438,7 +441,7 @@ impl WinCore {
         let (elem_size, len) = (t.elem.size, raw.len);
         self.exclusive(py, move |w| w.tensor_register_len(mem, len, elem_size))?.map_err(py_err)?;
         *self.reg.lock().unwrap_or_else(|e| e.into_inner()) =
-            Some(Reg { tensor: t.keep(), kind: t.kind, peers, device: None });
+            Some(Reg { tensor: t.keep(), kind: t.kind, peers, device: None, staged: false });
         Ok(())
     }
 
@@ -476,7 +479,7 @@ impl WinCore {
 
     /// Ends the registration (collective).
     pub(crate) fn deregister(&self, py: Python<'_>) -> PyResult<()> {
-        if self.device().is_some() {
+        if self.device().is_some() && !self.staged() {
             self.exclusive(py, |w| w.tensor_deregister_device().map(drop))?.map_err(py_err)?;
             // The tensor is let go only now: peers reached it until the
             // deregistration's barrier.
@@ -508,7 +511,7 @@ impl WinCore {
         if let Some(t) = own {
             return Ok(t.into_bound(py));
         }
-        if self.device().is_some() {
+        if self.device().is_some() && !self.staged() {
             return self.map_remote_cuda(py, rank, &meta);
         }
         let nbytes = meta.shape.iter().product::<usize>() * meta.elem.size;

@@ -2,6 +2,15 @@
 //! mapped through CUDA IPC, puts and gets as device-to-device copies, and
 //! signals and waits ordered on a CUDA stream (`stream=`, default torch's
 //! current stream of the tensor's device), as torch orders GPU work.
+//!
+//! Where some peer is not UNIFIED (another host, or `unified=False`), the
+//! tensors are registered through the transport instead (*staged*: the
+//! soft provider copies through pinned host chunks, a verbs HCA reaches
+//! the GPU): a put or get registers the tensor it moves and runs on the
+//! host after synchronizing `stream` (its data is placed when the call
+//! returns, also with `async_op`), a signal synchronizes `stream` and
+//! signals from the host, a wait waits on the host (work queued on
+//! `stream` afterwards sees the data), and peers' tensors are not mapped.
 
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -23,6 +32,11 @@ impl WinCore {
     /// The CUDA device of the registered tensor, when it is a CUDA tensor.
     pub(crate) fn device(&self) -> Option<u32> {
         self.reg.lock().unwrap_or_else(|e| e.into_inner()).as_ref().and_then(|r| r.device)
+    }
+
+    /// Whether the registered CUDA tensor went through the transport.
+    pub(crate) fn staged(&self) -> bool {
+        self.reg.lock().unwrap_or_else(|e| e.into_inner()).as_ref().is_some_and(|r| r.staged)
     }
 
     fn need_device(&self, op: &str) -> Result<u32, Failure> {
@@ -49,13 +63,28 @@ impl WinCore {
         }
         let ctx = cuda_tensor::context(t.device)?;
         let peers = self.exchange_meta(py, t.elem, &t.shape, true)?;
-        let (ptr, len, es) = (t.ptr, t.nbytes, t.elem.size);
-        // SAFETY: the tensor's memory stays allocated while `Reg` holds the
-        // tensor, which `deregister` lets go only after the window's
-        // deregistration (a barrier: no peer reaches it any more).
-        self.exclusive(py, move |w| unsafe { w.tensor_register_device_ptr(ctx, ptr, len, es) })?.map_err(py_err)?;
+        let (ptr, len, es, dev) = (t.ptr, t.nbytes, t.elem.size, t.device);
+        // Every rank decides alike: in a group on one host with UNIFIED
+        // access every peer is UNIFIED, in any other every rank has a peer
+        // that is not.
+        let staged = !self.with(py, false, |w| w.all_unified());
+        if staged {
+            self.exclusive(py, move |w| {
+                // SAFETY: the tensor's memory stays allocated while `Reg`
+                // holds the tensor, which `deregister` lets go only after
+                // the window's deregistration (and the region's drop).
+                let mem = unsafe { w.register_cuda(ptr, len, dev) }?;
+                w.tensor_register_len(mem, len, es)
+            })?
+            .map_err(py_err)?;
+        } else {
+            // SAFETY: the tensor's memory stays allocated while `Reg` holds
+            // the tensor, which `deregister` lets go only after the window's
+            // deregistration (a barrier: no peer reaches it any more).
+            self.exclusive(py, move |w| unsafe { w.tensor_register_device_ptr(ctx, ptr, len, es) })?.map_err(py_err)?;
+        }
         *self.reg.lock().unwrap_or_else(|e| e.into_inner()) =
-            Some(Reg { tensor: t.obj, kind: Kind::Torch, peers, device: Some(t.device) });
+            Some(Reg { tensor: t.obj, kind: Kind::Torch, peers, device: Some(dev), staged });
         Ok(())
     }
 
@@ -73,6 +102,9 @@ impl WinCore {
         let dev = self.need_device("put")?;
         let s = cuda_tensor::stream(py, stream, dev)?;
         let (ptr, len) = (t.ptr, t.nbytes);
+        if self.staged() {
+            return self.staged_rma(py, &s, "put", (ptr, len, t.device), dst, offset);
+        }
         // SAFETY: the tensor is alive for the call; queued work on the
         // stream that made (or uses) it is ordered before torch reuses its
         // memory, as for torch's own collectives.
@@ -98,6 +130,9 @@ impl WinCore {
         let dev = self.need_device("get")?;
         let s = cuda_tensor::stream(py, stream, dev)?;
         let (ptr, len) = (t.ptr, t.nbytes);
+        if self.staged() {
+            return self.staged_rma(py, &s, "get", (ptr, len, t.device), src, offset);
+        }
         // SAFETY: as for put_cuda, for the destination tensor.
         self.with(py, false, |w| unsafe { w.device_get_ptr(ptr, len, src, offset, Some(&s)) }).map_err(py_err)?;
         if !async_op {
@@ -107,10 +142,58 @@ impl WinCore {
         Ok(State::Done(Ok(())))
     }
 
+    /// A put (`op` "put") or get of the CUDA tensor `(ptr, len, device)`
+    /// through the transport: `stream` synchronized first (the tensor's
+    /// producers, or its readers, are done), the tensor registered for the
+    /// call, the data placed when this returns.
+    fn staged_rma(
+        &self,
+        py: Python<'_>,
+        s: &rmacomm_window::cuda::device::Stream,
+        op: &'static str,
+        (ptr, len, dev): (u64, usize, u32),
+        peer: usize,
+        offset: usize,
+    ) -> PyResult<State> {
+        py.detach(|| s.synchronize()).map_err(|e| {
+            Failure::new(ErrKind::Comm, format!("{op} with rank {peer}: synchronizing the stream: {e}"))
+        })?;
+        self.with(py, true, |w| {
+            // SAFETY: the caller's tensor is alive for the call, and the
+            // registration ends with it (the operation is complete).
+            let mem = unsafe { w.register_cuda(ptr, len, dev) }?;
+            let work = if op == "put" {
+                w.put(
+                    mem.view(0, len).map_err(|e| rmacomm_window::Error::Transport { op, source: e })?,
+                    peer,
+                    offset,
+                    false,
+                )?
+            } else {
+                w.get(
+                    mem.view_mut(0, len).map_err(|e| rmacomm_window::Error::Transport { op, source: e })?,
+                    peer,
+                    offset,
+                    false,
+                )?
+            };
+            work.wait(None)
+        })
+        .map_err(py_err)?;
+        Ok(State::Done(Ok(())))
+    }
+
     /// A signal queued on `stream` (after the puts queued there before).
     pub(crate) fn signal_cuda(&self, py: Python<'_>, dst: usize, stream: Option<&Bound<'_, PyAny>>) -> PyResult<State> {
         let dev = self.need_device("signal")?;
         let s = cuda_tensor::stream(py, stream, dev)?;
+        if self.staged() {
+            py.detach(|| s.synchronize()).map_err(|e| {
+                Failure::new(ErrKind::Comm, format!("signal to rank {dst}: synchronizing the stream: {e}"))
+            })?;
+            self.with(py, true, |w| w.signal(dst, false).and_then(|work| work.wait(None))).map_err(py_err)?;
+            return Ok(State::Done(Ok(())));
+        }
         self.with(py, false, |w| w.signal_on_stream(dst, &s)).map_err(py_err)?;
         Ok(State::Done(Ok(())))
     }
@@ -125,6 +208,12 @@ impl WinCore {
     ) -> PyResult<State> {
         let dev = self.need_device("wait_signal")?;
         let s = cuda_tensor::stream(py, stream, dev)?;
+        if self.staged() {
+            // On the host: the data is in place when this returns, before
+            // anything queued on the stream afterwards runs.
+            self.with(py, true, |w| w.wait_signal(peer, None)).map_err(py_err)?;
+            return Ok(State::Done(Ok(())));
+        }
         self.with(py, false, |w| w.wait_signal_on_stream(peer, &s)).map_err(py_err)?;
         Ok(State::Done(Ok(())))
     }

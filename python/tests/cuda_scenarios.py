@@ -119,6 +119,61 @@ def window_ring_cuda(_: str) -> None:
 
 
 
+def window_ring_cuda_staged(_: str) -> None:
+    """The window ring on CUDA tensors through the transport (staged: what a
+    peer on another host gets; here forced with unified=False): f32 and
+    i32 x counts 1, 1000 and 1 Mi + 3; puts sync and async, on torch's
+    current stream and a side stream, signals and waits (on the host),
+    get, map_remote_tensor of a peer refused naming it, bounds."""
+    import torch
+
+    comm = rmacomm.new_comm("rdma", timeout=60)
+    r, n = comm.get_rank(), comm.get_size()
+    right, left = (r + 1) % n, (r - 1) % n
+    torch.cuda.set_device(0)
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    for dt in (torch.float32, torch.int32):
+        for count in (1, 1000, (1 << 20) + 3):
+            buf = torch.zeros(n * count, dtype=dt, device="cuda")
+            win = comm.new_window(unified=False)
+            win.tensor_register(buf)
+            expect(win.get_device() == "cuda", "get_device of a staged CUDA window")
+            expect(win.get_attr(right).access_type == rmacomm.WinAccessType.SEPARATE, "staged peers are SEPARATE")
+            for it in range(4):
+                v = r * 100 + it + 1
+                src = torch.full((count,), v, dtype=dt, device="cuda")
+                if it < 2:
+                    win.put(src, right, r * count, async_op=it == 1)
+                    win.signal(right)
+                    win.wait_signal(left)
+                else:
+                    side.wait_stream(torch.cuda.current_stream())
+                    win.put(src, right, r * count, async_op=True, stream=side)
+                    win.signal(right, stream=side)
+                    win.wait_signal(left, stream=side)
+                    torch.cuda.current_stream().wait_stream(side)
+                want = torch.full((count,), left * 100 + it + 1, dtype=dt, device="cuda")
+                expect(torch.equal(buf[left * count:(left + 1) * count], want), f"staged ring {dt} count {count} it {it}")
+                comm.barrier()
+            back = torch.zeros(count, dtype=dt, device="cuda")
+            win.get(back, right, r * count)
+            expect(torch.equal(back, src), f"staged get {dt} count {count}")
+            try:
+                win.map_remote_tensor(right)
+                raise AssertionError("a staged peer's tensor must not map")
+            except rmacomm.UnavailableError as e:
+                expect(f"rank {right}" in str(e), str(e))
+            try:
+                win.put(src, right, n * count)
+                raise AssertionError("a put past the end must fail")
+            except rmacomm.ArgumentError as e:
+                expect(f"rank {right}" in str(e), str(e))
+            comm.barrier()
+            win.tensor_deregister()
+    comm.finalize()
+    log("window_ring_cuda_staged ok")
+
+
 def bench_all_reduce(comm: Any, test: str) -> None:
     """all_reduce's time and bandwidth of f32 CUDA tensors from 64 KiB to 256 MiB as
     JSON lines (rank 0), nccl-tests' way: algbw = bytes / time, busbw =
@@ -288,6 +343,7 @@ def native_collectives(arg: str) -> None:
 SCENARIOS: Dict[str, Callable[[str], None]] = {
     "native_collectives": native_collectives,
     "window_ring_cuda": window_ring_cuda,
+    "window_ring_cuda_staged": window_ring_cuda_staged,
     "nccl_collectives": nccl_collectives,
 }
 

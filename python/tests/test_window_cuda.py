@@ -47,6 +47,12 @@ def test_window_ring_on_cuda_tensors() -> None:
     assert out.count("window_ring_cuda ok") == 2
 
 
+def test_window_ring_on_cuda_tensors_staged() -> None:
+    _require_cuda("the staged CUDA window ring")
+    out = launch(2, "window_ring_cuda_staged", "", timeout=600, script=HERE / "cuda_scenarios.py")
+    assert out.count("window_ring_cuda_staged ok") == 2
+
+
 def test_nccl_backend_collectives_on_one_gpu() -> None:
     _require_cuda("the NCCL backend")
     # One rank: NCCL refuses two ranks on one GPU ("Duplicate GPU detected").

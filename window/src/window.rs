@@ -371,6 +371,12 @@ impl Window {
             .map_err(|e| Error::Transport { op: "alloc_cuda", source: e })
     }
 
+    /// Whether every peer is UNIFIED (same host, signals in shared memory):
+    /// what [`tensor_register_device`](Self::tensor_register_device) needs.
+    pub fn all_unified(&self) -> bool {
+        self.signal_maps.iter().enumerate().all(|(p, m)| p == self.rank() || m.is_some())
+    }
+
     /// Registers `mem` as this rank's tensor of elements of `elem_size`
     /// bytes: all of it, whole elements (`RdmaMemory::alloc` rounds up to
     /// whole pages; use [`tensor_register_len`](Self::tensor_register_len)

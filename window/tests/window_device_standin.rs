@@ -191,14 +191,23 @@ fn device_tensors_through_the_transport() {
             const N: usize = (1 << 20) + 12;
             w.tensor_register(w.alloc_cuda(3 * N, 0).unwrap(), 4).unwrap();
             assert!(w.local_tensor().unwrap().device().is_some());
+            assert_eq!(w.all_unified(), unified);
             let src = w.alloc_cuda(N, 0).unwrap();
             let back = w.alloc_cuda(N, 0).unwrap();
+            // The caller's device memory, registered for the call (as the
+            // Python binding does with a torch tensor).
+            let ctx = Context::open_shared(0).unwrap();
+            let own = ctx.alloc_shared(N).unwrap();
+            // SAFETY: `own` outlives the registration (dropped first).
+            #[allow(unsafe_code)]
+            let own_reg = unsafe { w.register_cuda(own.ptr(), N, 0) }.unwrap();
             let e = w.map_remote_tensor(right).unwrap_err();
             assert!(e.to_string().contains(&format!("rank {right}")), "{e}");
             let data = |r: usize, it: usize| (0..N).map(|i| (i * 7 + r * 31 + it * 3) as u8).collect::<Vec<u8>>();
             for it in 0..4 {
-                src.write_from(0, &data(rank, it)).unwrap();
-                w.put(src.view(0, N).unwrap(), right, rank * N / 4, it % 2 == 1).unwrap().wait(None).unwrap();
+                let from = if it % 2 == 0 { &src } else { &own_reg };
+                from.write_from(0, &data(rank, it)).unwrap();
+                w.put(from.view(0, N).unwrap(), right, rank * N / 4, it % 2 == 1).unwrap().wait(None).unwrap();
                 w.signal(right, false).unwrap();
                 w.wait_signal(left, None).unwrap();
                 let mut got = vec![0u8; N];
@@ -211,6 +220,7 @@ fn device_tensors_through_the_transport() {
                 assert!(got == data(rank, it), "rank {rank}, iteration {it}: get from rank {right}");
                 g.barrier(None).unwrap();
             }
+            drop(own_reg);
             w.tensor_deregister().unwrap();
         });
     }

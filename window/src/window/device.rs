@@ -41,6 +41,7 @@ use rmacomm_cuda::nvrtc::Output;
 use super::Window;
 use crate::error::{Error, Result};
 use crate::unified::SLOT;
+use rmacomm_transport::RdmaMemory;
 
 /// A peer's allocation opened here, shared with views that outlive the
 /// registration; `None` for memory of this process.
@@ -170,6 +171,21 @@ fn cuda(op: &'static str) -> impl Fn(rmacomm_cuda::CudaError) -> Error {
 }
 
 impl Window {
+    /// Registers `len` bytes of the caller's CUDA device memory at `ptr` on
+    /// GPU `gpu` (a tensor's `data_ptr()`) on this window's transports, as
+    /// [`alloc_cuda`](Self::alloc_cuda) memory: a tensor to register, or
+    /// the source of a put (the destination of a get) that reaches any peer.
+    ///
+    /// # Safety
+    /// The memory must stay allocated until the returned value is dropped
+    /// (or, registered, deregistered) and every operation on it has
+    /// finished.
+    pub unsafe fn register_cuda(&self, ptr: u64, len: usize, gpu: u32) -> Result<RdmaMemory> {
+        // SAFETY: forwarded to the caller.
+        unsafe { RdmaMemory::register_cuda_for(&self.links[self.rank()].out, ptr, len, gpu) }
+            .map_err(|e| Error::Transport { op: "register_cuda", source: e })
+    }
+
     /// Registers device memory as this rank's tensor of elements of
     /// `elem_size` bytes (all of `mem`, whole elements). Collective, like
     /// [`tensor_register`](Self::tensor_register): every rank registers
