@@ -2,9 +2,12 @@
 //! `RMACOMM_CUDA_LIB` by tests only. It implements the driver calls
 //! rmacomm's device-memory windows make, on the host:
 //!
-//! - device memory is POSIX shared memory (`/dev/shm/rmacomm-standin-*`)
-//!   mapped at its "device address" (the host address: unified addressing);
-//!   an IPC handle names the segment, and another process maps it;
+//! - device memory is POSIX shared memory (`/dev/shm/rmacomm-standin-*`);
+//!   its "device address" is a range reserved with no access at all (a
+//!   host load or store there faults, as it would on a GPU's address), and
+//!   the stand-in's copies, value writes, waits and kernels translate it to
+//!   the segment's host mapping; an IPC handle names the segment, and
+//!   another process maps it (and reserves its own device range);
 //! - a stream is a thread running its queue in order (copies, 64-bit value
 //!   writes, waits that poll until the value is reached); the legacy default
 //!   stream (0) runs work in the caller; capture records a stream's work
@@ -56,16 +59,17 @@ impl Op {
             Op::Kernel(k) => k.run(),
             // SAFETY: `dst` holds the bytes (the driver contract).
             Op::Upload { dst, bytes } => unsafe {
-                std::ptr::copy_nonoverlapping(bytes.as_ptr(), dst as *mut u8, bytes.len())
+                std::ptr::copy_nonoverlapping(bytes.as_ptr(), host(dst) as *mut u8, bytes.len())
             },
             // SAFETY: the caller of the enqueuing function promised both
-            // ranges are live "device" (host) memory; memmove semantics.
-            Op::Copy { dst, src, len } => unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, len) },
+            // ranges are live device (or host) memory; memmove semantics.
+            Op::Copy { dst, src, len } => unsafe { std::ptr::copy(host(src) as *const u8, host(dst) as *mut u8, len) },
             // SAFETY: as for copies.
-            Op::Set { dst, value, len } => unsafe { std::ptr::write_bytes(dst as *mut u8, value, len) },
+            Op::Set { dst, value, len } => unsafe { std::ptr::write_bytes(host(dst) as *mut u8, value, len) },
             Op::Write { addr, value } => word(addr).store(value, Ordering::SeqCst),
             Op::WaitGeq { addr, value } => {
-                while word(addr).load(Ordering::SeqCst) < value {
+                let w = word(addr);
+                while w.load(Ordering::SeqCst) < value {
                     std::thread::sleep(Duration::from_micros(20));
                 }
             }
@@ -75,8 +79,38 @@ impl Op {
 
 fn word(addr: u64) -> &'static AtomicU64 {
     // SAFETY: an 8-byte-aligned word of live memory (the driver contract of
-    // the value write and wait calls); AtomicU64 has u64's layout.
-    unsafe { AtomicU64::from_ptr(addr as *mut u64) }
+    // the value write and wait calls), at its host address; AtomicU64 has
+    // u64's layout.
+    unsafe { AtomicU64::from_ptr(host(addr) as *mut u64) }
+}
+
+/// The host address of `addr`: inside a device range of this process (an
+/// allocation or an opened IPC mapping) its segment's mapping, else
+/// `addr` itself (host memory, registered or not).
+fn host(addr: u64) -> u64 {
+    with(|st| {
+        st.device_ranges
+            .range(..=addr)
+            .next_back()
+            .filter(|(base, (_, len))| addr < *base + (*len).max(1) as u64)
+            .map_or(addr, |(base, (h, _))| h + (addr - base))
+    })
+}
+
+/// Reserves `len` bytes of address space with no access: a device range.
+fn reserve(len: usize) -> Option<u64> {
+    // SAFETY: a fresh anonymous mapping that nothing may touch.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len.max(1),
+            libc::PROT_NONE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    };
+    (p != libc::MAP_FAILED).then_some(p as u64)
 }
 
 enum Msg {
@@ -136,12 +170,17 @@ impl Stream {
 struct Alloc {
     len: usize,
     name: CString,
+    /// The segment's host mapping.
+    host: u64,
 }
 
 #[derive(Debug, Default)]
 struct State {
     /// Allocations of this process by base address.
     allocs: BTreeMap<u64, Alloc>,
+    /// Device ranges (allocations and opened IPC mappings): device base →
+    /// (host mapping, length).
+    device_ranges: BTreeMap<u64, (u64, usize)>,
     /// Opened IPC mappings: base → length, base → segment, segments.
     opened: BTreeMap<u64, usize>,
     opened_by_base: BTreeMap<u64, CString>,
@@ -352,8 +391,19 @@ pub unsafe extern "C" fn cuMemAlloc_v2(p: *mut u64, len: usize) -> CuResult {
         st.next
     });
     let name = CString::new(format!("/rmacomm-standin-{}-{n}", std::process::id())).expect("no NUL");
-    let Some(base) = map_segment(&name, len, true) else { return OUT_OF_MEMORY };
-    with(|st| st.allocs.insert(base, Alloc { len, name }));
+    let Some(h) = map_segment(&name, len, true) else { return OUT_OF_MEMORY };
+    let Some(base) = reserve(len) else {
+        // SAFETY: our mapping and segment, undone once.
+        unsafe {
+            libc::munmap(h as *mut c_void, len.max(1));
+            libc::shm_unlink(name.as_ptr());
+        }
+        return OUT_OF_MEMORY;
+    };
+    with(|st| {
+        st.allocs.insert(base, Alloc { len, name, host: h });
+        st.device_ranges.insert(base, (h, len));
+    });
     // SAFETY: the caller's out-pointer.
     unsafe { *p = base };
     OK
@@ -363,10 +413,16 @@ pub unsafe extern "C" fn cuMemAlloc_v2(p: *mut u64, len: usize) -> CuResult {
 #[no_mangle]
 pub extern "C" fn cuMemFree_v2(p: u64) -> CuResult {
     cuCtxSynchronize();
-    let Some(a) = with(|st| st.allocs.remove(&p)) else { return INVALID_VALUE };
-    // SAFETY: our mapping of `a.len` bytes at `p`, unmapped once; the name
-    // is ours to unlink.
+    let Some(a) = with(|st| {
+        st.device_ranges.remove(&p);
+        st.allocs.remove(&p)
+    }) else {
+        return INVALID_VALUE;
+    };
+    // SAFETY: our mappings of `a.len` bytes (the segment's and the device
+    // range's), unmapped once; the name is ours to unlink.
     unsafe {
+        libc::munmap(a.host as *mut c_void, a.len.max(1));
         libc::munmap(p as *mut c_void, a.len.max(1));
         libc::shm_unlink(a.name.as_ptr());
     }
@@ -620,9 +676,11 @@ float_elem!(f32, f64);
 
 fn run_kernel<T: Elem>(k: &Kernel) {
     let n = k.n as usize;
+    let table = host(k.inp) as *const u64;
     let inputs: Vec<*const T> =
-        // SAFETY: the pointer table: k device (host) pointers.
-        (0..k.k as usize).map(|j| unsafe { *(k.inp as *const u64).add(j) } as *const T).collect();
+        // SAFETY: the pointer table: k device pointers, each translated.
+        (0..k.k as usize).map(|j| host(unsafe { *table.add(j) }) as *const T).collect();
+    let out = host(k.out) as *mut T;
     for i in 0..n {
         // SAFETY: every input holds n elements (the kernel's contract).
         let at = |j: usize| unsafe { inputs[j].add(i).read_unaligned() };
@@ -633,7 +691,7 @@ fn run_kernel<T: Elem>(k: &Kernel) {
             (1..inputs.len()).fold(at(0), |acc, j| T::ap(k.op, acc, at(j)))
         };
         // SAFETY: `out` holds n elements.
-        unsafe { (k.out as *mut T).add(i).write_unaligned(v) };
+        unsafe { out.add(i).write_unaligned(v) };
     }
 }
 
@@ -714,7 +772,7 @@ pub unsafe extern "C" fn cuIpcOpenMemHandle_v2(p: *mut u64, h: IpcHandle, _flags
     if with(|st| st.opened_names.contains(&name)) {
         return ALREADY_MAPPED;
     }
-    let Some(base) = map_segment(&name, 0, false) else { return INVALID_HANDLE };
+    let Some(hm) = map_segment(&name, 0, false) else { return INVALID_HANDLE };
     let mut stat_len = 0usize;
     let c = name.clone();
     // SAFETY: a NUL-terminated name; the fd is closed at once.
@@ -728,10 +786,16 @@ pub unsafe extern "C" fn cuIpcOpenMemHandle_v2(p: *mut u64, h: IpcHandle, _flags
             libc::close(fd);
         }
     }
+    let Some(base) = reserve(stat_len) else {
+        // SAFETY: our mapping, undone once.
+        unsafe { libc::munmap(hm as *mut c_void, stat_len.max(1)) };
+        return OUT_OF_MEMORY;
+    };
     with(|st| {
         st.opened.insert(base, stat_len);
         st.opened_by_base.insert(base, name.clone());
         st.opened_names.insert(name);
+        st.device_ranges.insert(base, (hm, stat_len));
     });
     // SAFETY: the caller's out-pointer.
     unsafe { *p = base };
@@ -742,16 +806,21 @@ pub unsafe extern "C" fn cuIpcOpenMemHandle_v2(p: *mut u64, h: IpcHandle, _flags
 #[no_mangle]
 pub extern "C" fn cuIpcCloseMemHandle(p: u64) -> CuResult {
     cuCtxSynchronize();
-    let Some(len) = with(|st| {
+    let Some((len, hm)) = with(|st| {
         if let Some(n) = st.opened_by_base.remove(&p) {
             st.opened_names.remove(&n);
         }
-        st.opened.remove(&p)
+        let hm = st.device_ranges.remove(&p).map_or(0, |r| r.0);
+        st.opened.remove(&p).map(|l| (l, hm))
     }) else {
         return INVALID_VALUE;
     };
-    // SAFETY: our mapping, unmapped once.
-    unsafe { libc::munmap(p as *mut c_void, len.max(1)) };
+    // SAFETY: our mappings (the segment's and the device range's), unmapped
+    // once.
+    unsafe {
+        libc::munmap(hm as *mut c_void, len.max(1));
+        libc::munmap(p as *mut c_void, len.max(1));
+    }
     OK
 }
 
