@@ -136,17 +136,28 @@ impl Staging {
     /// # Safety
     /// `dst..dst + src.len()` must be device memory of this context.
     pub unsafe fn upload(&self, dst: DevicePtr, src: &[u8]) -> Result<()> {
+        // SAFETY: a live slice; the destination is the caller's.
+        unsafe { self.upload_raw(dst, src.as_ptr(), src.len()) }
+    }
+
+    /// [`upload`](Self::upload) from `len` bytes at `src`.
+    ///
+    /// # Safety
+    /// As for `upload`; `src..src + len` readable for the call.
+    pub unsafe fn upload_raw(&self, dst: DevicePtr, src: *const u8, len: usize) -> Result<()> {
         let st = self.take()?;
-        for (i, c) in src.chunks(STAGE_CHUNK).enumerate() {
+        for i in 0..len.div_ceil(STAGE_CHUNK) {
+            let (a, b) = (i * STAGE_CHUNK, ((i + 1) * STAGE_CHUNK).min(len));
             let k = i % 2;
             // The chunk's previous copy (two back) has read it.
             st.streams[k].synchronize()?;
-            // SAFETY: a pinned chunk of STAGE_CHUNK bytes no copy uses now.
-            unsafe { std::ptr::copy_nonoverlapping(c.as_ptr(), st.chunk(k), c.len()) };
+            // SAFETY: a pinned chunk of STAGE_CHUNK bytes no copy uses now;
+            // the source is the caller's.
+            unsafe { std::ptr::copy_nonoverlapping(src.add(a), st.chunk(k), b - a) };
             // SAFETY: pinned source valid until drained below (the stage
             // is dropped, draining, on an error); the destination is the
             // caller's.
-            unsafe { st.streams[k].upload_raw_async(dst + (i * STAGE_CHUNK) as u64, st.chunk(k), c.len())? };
+            unsafe { st.streams[k].upload_raw_async(dst + a as u64, st.chunk(k), b - a)? };
         }
         st.drain()?;
         self.give(st);
@@ -159,10 +170,19 @@ impl Staging {
     /// # Safety
     /// `src..src + dst.len()` must be device memory of this context.
     pub unsafe fn download(&self, src: DevicePtr, dst: &mut [u8]) -> Result<()> {
+        // SAFETY: a live exclusive slice; the source is the caller's.
+        unsafe { self.download_raw(src, dst.as_mut_ptr(), dst.len()) }
+    }
+
+    /// [`download`](Self::download) into `len` bytes at `dst`.
+    ///
+    /// # Safety
+    /// As for `download`; `dst..dst + len` writable for the call and not
+    /// borrowed.
+    pub unsafe fn download_raw(&self, src: DevicePtr, dst: *mut u8, len: usize) -> Result<()> {
         let st = self.take()?;
-        let n = dst.len().div_ceil(STAGE_CHUNK);
-        let total = dst.len();
-        let span = |i: usize| (i * STAGE_CHUNK, ((i + 1) * STAGE_CHUNK).min(total));
+        let n = len.div_ceil(STAGE_CHUNK);
+        let span = |i: usize| (i * STAGE_CHUNK, ((i + 1) * STAGE_CHUNK).min(len));
         for i in 0..=n {
             if i < n {
                 let (a, b) = span(i);
@@ -175,8 +195,8 @@ impl Staging {
                 st.streams[j % 2].synchronize()?;
                 let (a, b) = span(j);
                 // SAFETY: the chunk holds chunk j's bytes (its stream is
-                // synchronized); `dst` has room.
-                unsafe { std::ptr::copy_nonoverlapping(st.chunk(j % 2), dst[a..].as_mut_ptr(), b - a) };
+                // synchronized); `dst` has room (the caller's).
+                unsafe { std::ptr::copy_nonoverlapping(st.chunk(j % 2), dst.add(a), b - a) };
             }
         }
         self.give(st);

@@ -35,4 +35,71 @@ pub trait DeviceMemory: Send + Sync + fmt::Debug {
         let _ = (addr, len);
         None
     }
+
+    /// A description of the `len` bytes at `addr` that another process on
+    /// this host opens with its [`DeviceIpc`] (CUDA IPC: the allocation's
+    /// handle and the offset): the soft provider publishes it, and same-host
+    /// peers then copy into and out of the region themselves, without this
+    /// process's engine. At most [`IPC_EXPORT_MAX`] bytes. `None` (the
+    /// default): peers go through the connection.
+    fn ipc_export(&self, addr: u64, len: usize) -> Option<Result<Vec<u8>, String>> {
+        let _ = (addr, len);
+        None
+    }
+}
+
+/// The longest [`DeviceMemory::ipc_export`] description.
+pub const IPC_EXPORT_MAX: usize = 1024;
+
+/// Opens same-host peers' device memory (their
+/// [`DeviceMemory::ipc_export`] descriptions), for the soft provider's
+/// direct copies. One per process, installed with [`set_device_ipc`] by
+/// whatever brings device memory (`rmacomm-transport`'s CUDA memory does
+/// when it is first used); without one, transfers to peers' device memory
+/// go through the connection.
+pub trait DeviceIpc: Send + Sync + fmt::Debug {
+    /// Opens a peer's description (`pid`: the peer process, as the kernel
+    /// reported it): the result keeps the mapping while it lives.
+    fn open(&self, export: &[u8], pid: u32) -> Result<std::sync::Arc<dyn PeerDevice>, String>;
+}
+
+/// A same-host peer's device memory, opened here.
+pub trait PeerDevice: Send + Sync + fmt::Debug {
+    /// Bytes it covers (the exported region).
+    fn len(&self) -> u64;
+
+    /// Whether it covers nothing.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Copies `len` bytes of host memory at `src` to byte `offset` of the
+    /// peer's region: placed (visible to the device's later work) when this
+    /// returns.
+    ///
+    /// # Safety
+    /// `src..src + len` must be readable for the call; `offset + len` must
+    /// not exceed [`len`](Self::len) (the caller checked the peer's key).
+    unsafe fn write(&self, offset: u64, src: *const u8, len: usize) -> Result<(), String>;
+
+    /// Copies `len` bytes at byte `offset` of the peer's region into host
+    /// memory at `dst`: done when this returns.
+    ///
+    /// # Safety
+    /// `dst..dst + len` must be writable for the call and not borrowed;
+    /// `offset + len` within [`len`](Self::len).
+    unsafe fn read(&self, offset: u64, dst: *mut u8, len: usize) -> Result<(), String>;
+}
+
+static DEVICE_IPC: std::sync::OnceLock<std::sync::Arc<dyn DeviceIpc>> = std::sync::OnceLock::new();
+
+/// Installs this process's [`DeviceIpc`] (the first one installed stays;
+/// returns whether this one was).
+pub fn set_device_ipc(ipc: std::sync::Arc<dyn DeviceIpc>) -> bool {
+    DEVICE_IPC.set(ipc).is_ok()
+}
+
+/// This process's [`DeviceIpc`], if one was installed.
+pub(crate) fn device_ipc() -> Option<&'static std::sync::Arc<dyn DeviceIpc>> {
+    DEVICE_IPC.get()
 }

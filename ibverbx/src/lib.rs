@@ -97,7 +97,7 @@ pub use access::AccessFlags;
 pub use context::Context;
 pub use cq::CompletionQueue;
 pub use device::{Device, DeviceAttr, DeviceInfo, Gid, LinkLayer, Mtu, PortAttr, PortState};
-pub use device_mem::DeviceMemory;
+pub use device_mem::{set_device_ipc, DeviceIpc, DeviceMemory, PeerDevice, IPC_EXPORT_MAX};
 #[doc(inline)]
 pub use endpoint::{HostId, QpEndpoint, SoftAddress};
 pub use error::{Error, Result};

@@ -7,7 +7,8 @@ use rmacomm_tests::harness::{introduce, NetnsPair, Peer};
 
 const PEER: &str = env!("CARGO_BIN_EXE_transport_peer");
 
-fn run(prefix_s: &[String], prefix_c: &[String], env: &[(&str, &str)], extra: &[&str]) {
+/// Runs a server and a client; returns the client's output lines.
+fn run(prefix_s: &[String], prefix_c: &[String], env: &[(&str, &str)], extra: &[&str]) -> Vec<String> {
     let s = Peer::spawn("server", PEER, prefix_s, &[&["server"], extra].concat(), env);
     let c = Peer::spawn("client", PEER, prefix_c, &[&["client"], extra].concat(), env);
     let (s, c) = introduce(s, c);
@@ -15,6 +16,7 @@ fn run(prefix_s: &[String], prefix_c: &[String], env: &[(&str, &str)], extra: &[
     let (so, sok) = s.finish(Duration::from_secs(30));
     assert!(cok && sok, "client: {co:?}\nserver: {so:?}");
     assert_eq!(so.iter().filter(|l| l.contains("verified")).count(), 9, "{so:?}");
+    co
 }
 
 #[test]
@@ -64,21 +66,31 @@ fn standin() -> Option<std::path::PathBuf> {
 /// written with notify into the server's device memory, verified there,
 /// and read back, over the soft provider's `link`; `mem` is `cuda` or
 /// `mixed` (the read-back buffer in host memory).
-fn cuda(prefix_s: &[String], prefix_c: &[String], link: &str, mem: &str) {
-    let Some(lib) = standin() else { return };
+/// Returns the bytes the client copied into and out of the server's device
+/// memory itself (CUDA IPC), `None` where the stand-in is not built.
+fn cuda(prefix_s: &[String], prefix_c: &[String], link: &str, mem: &str) -> Option<u64> {
+    let lib = standin()?;
     let lib = lib.to_string_lossy().into_owned();
     let env = [("RMACOMM_PROVIDER", "soft"), ("RMACOMM_SOFT_LINK", link), ("RMACOMM_CUDA_LIB", lib.as_str())];
-    run(prefix_s, prefix_c, &env, &["--mem", mem, "--qps", "2"]);
+    let out = run(prefix_s, prefix_c, &env, &["--mem", mem, "--qps", "2"]);
+    let line = out.iter().find(|l| l.contains("peer_device_bytes")).unwrap_or_else(|| panic!("{out:?}"));
+    let v: serde_json::Value = serde_json::from_str(line).unwrap();
+    Some(v["peer_device_bytes"].as_u64().unwrap())
 }
 
+/// Same host over shared memory: the client opens the server's device
+/// memory through CUDA IPC and copies itself (every write and read).
 #[test]
 fn cuda_memory_same_host() {
-    cuda(&[], &[], "auto", "cuda");
+    if let Some(direct) = cuda(&[], &[], "auto", "cuda") {
+        assert!(direct >= 2 * (64 << 20), "the client copied {direct} bytes through IPC");
+    }
 }
 
 #[test]
 fn cuda_memory_same_host_tcp_mixed() {
-    cuda(&[], &[], "tcp", "mixed");
+    // Over tcp nothing is opened: the server's engine places every byte.
+    assert_eq!(cuda(&[], &[], "tcp", "mixed").unwrap_or(0), 0);
 }
 
 #[test]
@@ -87,7 +99,7 @@ fn cuda_memory_two_network_namespaces() {
         Ok(ns) => ns,
         Err(why) => return println!("skipped: two network namespaces need root and iproute2 ({why})"),
     };
-    cuda(&NetnsPair::prefix(&ns.a), &NetnsPair::prefix(&ns.b), "auto", "cuda");
+    assert_eq!(cuda(&NetnsPair::prefix(&ns.a), &NetnsPair::prefix(&ns.b), "auto", "cuda").unwrap_or(0), 0);
 }
 
 fn peer_killed(link: &str, stop_instead_of_kill: bool) {

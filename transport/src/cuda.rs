@@ -7,9 +7,11 @@
 //! (nvidia-peermem), and the HCA moves it. On the soft provider every byte
 //! goes through the driver: received from the connection into pinned chunks
 //! and copied to the GPU (or copied from the GPU and sent), pipelined, one
-//! chunk's DMA beside the other's CPU copy; peers on the same host reach it
-//! through the connection as well (a window maps same-host GPU memory with
-//! CUDA IPC instead).
+//! chunk's DMA beside the other's CPU copy. Peers on the same host open
+//! it through CUDA IPC (the region publishes its allocation's handle; see
+//! `ibverbx::DeviceIpc`) and copy into and out of it themselves, through
+//! their own pinned chunks, without this process's engine; memory IPC
+//! cannot export (cuMem/VMM allocations) is reached through the connection.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -48,6 +50,90 @@ impl DeviceMemory for CudaMemory {
     fn dmabuf(&self, addr: u64, len: usize) -> Option<Result<(std::os::fd::OwnedFd, u64), String>> {
         self.staging.context().dmabuf(addr, len).map(|r| r.map_err(|e| e.to_string()))
     }
+
+    fn ipc_export(&self, addr: u64, len: usize) -> Option<Result<Vec<u8>, String>> {
+        let ctx = self.staging.context();
+        Some((|| {
+            let info = ctx.pointer_info(addr).map_err(|e| e.to_string())?;
+            let handle = ctx.ipc_handle(info.base).map_err(|e| e.to_string())?;
+            Ok(format!(
+                "{IPC_MAGIC} {} {} {} {} {addr} {len}",
+                std::process::id(),
+                self.ordinal,
+                handle.to_hex(),
+                addr - info.base
+            )
+            .into_bytes())
+        })())
+    }
+}
+
+/// What an export starts with (and its version).
+const IPC_MAGIC: &str = "rmacomm-cuda-ipc/1";
+
+/// Opens same-host peers' CUDA memory exports (installed for the soft
+/// provider when this process first uses CUDA memory).
+#[derive(Debug)]
+struct CudaIpc;
+
+/// A peer's region opened here: `len` bytes at `ptr` in this process
+/// (its IPC mapping, or the address itself for this process's own memory).
+#[derive(Debug)]
+struct PeerCuda {
+    dev: Arc<CudaMemory>,
+    ptr: DevicePtr,
+    len: u64,
+    _map: Option<rmacomm_cuda::device::IpcMapping>,
+}
+
+impl ibverbx::DeviceIpc for CudaIpc {
+    fn open(&self, export: &[u8], pid: u32) -> Result<Arc<dyn ibverbx::PeerDevice>, String> {
+        let text = std::str::from_utf8(export).map_err(|_| "the export is not text".to_string())?;
+        let f: Vec<&str> = text.split(' ').collect();
+        let parsed = (f.len() == 7 && f[0] == IPC_MAGIC)
+            .then(|| {
+                Some((
+                    f[1].parse::<u32>().ok()?,
+                    f[2].parse::<u32>().ok()?,
+                    rmacomm_cuda::device::IpcHandle::from_hex(f[3])?,
+                    f[4].parse::<u64>().ok()?,
+                    f[5].parse::<u64>().ok()?,
+                    f[6].parse::<u64>().ok()?,
+                ))
+            })
+            .flatten();
+        let Some((owner, ordinal, handle, offset, addr, len)) = parsed else {
+            return Err(format!("not an export this build reads: {text:?}"));
+        };
+        if owner != pid {
+            return Err(format!("the export names pid {owner}, the peer is pid {pid}"));
+        }
+        let dev = device("open a peer's CUDA memory", ordinal).map_err(|e| e.to_string())?;
+        if owner == std::process::id() {
+            // This process's own memory (contexts of one process): its
+            // address works as it is (IPC refuses it).
+            return Ok(Arc::new(PeerCuda { dev, ptr: addr, len, _map: None }));
+        }
+        let map = dev.staging.context().open_ipc(&handle).map_err(|e| e.to_string())?;
+        Ok(Arc::new(PeerCuda { ptr: map.ptr() + offset, dev, len, _map: Some(map) }))
+    }
+}
+
+impl ibverbx::PeerDevice for PeerCuda {
+    fn len(&self) -> u64 {
+        self.len
+    }
+
+    unsafe fn write(&self, offset: u64, src: *const u8, len: usize) -> Result<(), String> {
+        // SAFETY: the peer's region (offset + len within it, the caller
+        // checked), mapped while `self` lives; the source is the caller's.
+        unsafe { self.dev.staging.upload_raw(self.ptr + offset, src, len) }.map_err(|e| e.to_string())
+    }
+
+    unsafe fn read(&self, offset: u64, dst: *mut u8, len: usize) -> Result<(), String> {
+        // SAFETY: as in write, directions swapped.
+        unsafe { self.dev.staging.download_raw(self.ptr + offset, dst, len) }.map_err(|e| e.to_string())
+    }
 }
 
 /// The device's memory object, shared by every region on it (and its
@@ -62,6 +148,8 @@ fn device(op: &'static str, ordinal: u32) -> Result<Arc<CudaMemory>, TransportEr
     let ctx = Context::open_shared(ordinal).map_err(|e| TransportError::Unsupported(format!("{op}: {e}")))?;
     let d = Arc::new(CudaMemory { ordinal, staging: Staging::new(ctx) });
     map.insert(ordinal, d.clone());
+    // Same-host peers' CUDA memory opens here from now on.
+    ibverbx::set_device_ipc(Arc::new(CudaIpc));
     Ok(d)
 }
 

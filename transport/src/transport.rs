@@ -296,6 +296,14 @@ impl RdmaTransport {
         ibverbx::devices().map(|d| !d.is_empty()).unwrap_or(false)
     }
 
+    /// The soft provider's counters of the context this transport's device
+    /// uses (shared by every transport and memory on it; `None` on
+    /// another provider): how bytes moved (direct copies, peers' device
+    /// memory, the connection).
+    pub fn soft_stats(&self) -> Option<ibverbx::soft::SoftStats> {
+        ibverbx::soft::stats(&self.domain().ctx)
+    }
+
     pub(crate) fn domain(&self) -> &Arc<Domain> {
         &self.inner.domain
     }

@@ -63,6 +63,10 @@ async fn every_size(link: &str) {
     b.write(host.view(0, 1 << 20).unwrap(), &at_src, false).await.unwrap();
     b.read(dst.view_mut(0, 1 << 20).unwrap(), &at_src).await.unwrap();
     assert!(common::contents(&dst, 0, 1 << 20) == data, "host to device write, device to device read");
+    // Same host over shared memory: the peers copied into each other's
+    // device memory themselves (IPC export; this process's own pointer).
+    let st = a.soft_stats().unwrap();
+    assert_eq!(st.peer_device_bytes > 0, link == "auto", "{st:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -54,6 +54,8 @@ pub(crate) struct CtxShared {
     pub(crate) segs_unmapped: std::sync::atomic::AtomicU64,
     /// Bytes the posting threads copied themselves (WRITE/READ on an idle QP).
     pub(crate) inline_copied: std::sync::atomic::AtomicU64,
+    /// Bytes copied into and out of same-host peers' device memory here.
+    pub(crate) peer_device_bytes: std::sync::atomic::AtomicU64,
     /// Request frames written by posting threads themselves.
     pub(crate) poster_frames: std::sync::atomic::AtomicU64,
     /// Request frames written by the progress engine.
@@ -84,6 +86,19 @@ impl std::fmt::Debug for CtxShared {
             .field("tcp", &self.tcp_addrs)
             .finish()
     }
+}
+
+/// A sealed segment holding a device region's IPC export: its length
+/// (4 bytes, native order), then the bytes.
+fn export_segment(blob: &[u8]) -> Result<Arc<crate::shm::ShmSegment>> {
+    let seg = crate::shm::ShmSegment::create(4 + blob.len())?;
+    // SAFETY: a fresh mapping of at least 4 + blob.len() bytes that no one
+    // else has yet.
+    unsafe {
+        std::ptr::copy_nonoverlapping((blob.len() as u32).to_ne_bytes().as_ptr(), seg.ptr(), 4);
+        std::ptr::copy_nonoverlapping(blob.as_ptr(), seg.ptr().add(4), blob.len());
+    }
+    Ok(seg)
 }
 
 impl CtxShared {
@@ -145,6 +160,7 @@ impl CtxShared {
             segs_mapped: std::sync::atomic::AtomicU64::new(0),
             segs_unmapped: std::sync::atomic::AtomicU64::new(0),
             inline_copied: std::sync::atomic::AtomicU64::new(0),
+            peer_device_bytes: std::sync::atomic::AtomicU64::new(0),
             poster_frames: std::sync::atomic::AtomicU64::new(0),
             engine_frames: std::sync::atomic::AtomicU64::new(0),
             attach_refused: std::sync::atomic::AtomicU64::new(0),
@@ -244,8 +260,24 @@ impl CtxShared {
             return Err(Error::invalid("reg_mr", format!("{a:#x}+{len} wraps around the address space")));
         }
         // Device memory is in no shared segment (its addresses are no host
-        // addresses): staged for every peer.
-        let seg = if device.is_some() { None } else { find_segment(a, len) };
+        // addresses): staged for every peer, unless it exports itself to
+        // same-host peers; then the segment holds the export (module docs
+        // of `peer`), published like a region's segment.
+        let seg = match &device {
+            None => find_segment(a, len),
+            Some(d) => match d.ipc_export(a as u64, len) {
+                Some(Ok(blob)) if blob.len() <= crate::IPC_EXPORT_MAX => Some((export_segment(&blob)?, 0)),
+                Some(Ok(blob)) => {
+                    tracing::warn!("{}: an IPC export of {} bytes is too long; staging", d.describe(), blob.len());
+                    None
+                }
+                Some(Err(e)) => {
+                    tracing::info!("{} exports no IPC handle ({e}); same-host peers stage", d.describe());
+                    None
+                }
+                None => None,
+            },
+        };
         let placement = match (&device, &seg) {
             (Some(_), _) => Placement::Staged,
             (None, Some(_)) => Placement::SharedSegment,

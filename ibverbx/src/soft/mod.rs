@@ -97,6 +97,10 @@ pub struct SoftStats {
     /// Unauthenticated connections (no hello yet) this context closed to
     /// stay under its cap of pending handshakes.
     pub handshakes_evicted: u64,
+    /// Bytes this context's QPs copied into and out of same-host peers'
+    /// device memory themselves (opened through the peer's IPC export),
+    /// not through the connection.
+    pub peer_device_bytes: u64,
 }
 
 /// The counters of `ctx`, or `None` when it is not a soft-provider context.
@@ -115,6 +119,7 @@ pub fn stats(ctx: &crate::Context) -> Option<SoftStats> {
         requests_by_engine: s.engine_frames.load(Relaxed),
         attach_refused: s.attach_refused.load(Relaxed),
         handshakes_evicted: s.handshakes_evicted.load(Relaxed),
+        peer_device_bytes: s.peer_device_bytes.load(Relaxed),
     })
 }
 

@@ -2,6 +2,13 @@
 //! segments mapped here (descriptors obtained through `attach`, never from
 //! numbers the peer reported), or `process_vm_writev`/`readv` for its other
 //! memory.
+//!
+//! A peer's device region (GPU memory) that exports itself (CUDA IPC) is
+//! published with a segment holding the export, which this side maps like
+//! any segment and opens with the process's [`DeviceIpc`](crate::DeviceIpc):
+//! copies into and out of it are then this side's driver copies, not the
+//! peer's engine's. Without an export, an opener, or when opening fails,
+//! the region is staged through the connection.
 
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -85,6 +92,8 @@ pub(crate) enum Direct {
     /// [`PeerMap::map_segment`] first (the engine does; a posting thread
     /// takes its slow path).
     Unmapped(u64),
+    /// A peer's device region opened here, at this byte offset of it.
+    Device(Arc<dyn crate::PeerDevice>, u64, Held),
     /// No direct path: send it through the connection.
     Staged,
 }
@@ -110,6 +119,10 @@ pub(crate) struct PeerMap {
     doorbells: Option<Arc<Mapping>>,
     /// The peer context's deregistration fences.
     fence: FenceView,
+    /// The peer's device regions opened here, by the unique id of the
+    /// segment that holds each one's export; `None`: it would not open
+    /// (transfers to it are staged).
+    devs: Mutex<HashMap<u64, Option<Arc<dyn crate::PeerDevice>>>>,
 }
 
 impl PeerMap {
@@ -156,6 +169,7 @@ impl PeerMap {
             vm: AtomicU8::new(VM_UNKNOWN),
             doorbells,
             fence,
+            devs: Mutex::new(HashMap::new()),
         })
     }
 
@@ -170,6 +184,7 @@ impl PeerMap {
     /// Returns how many were dropped.
     pub(crate) fn prune(&self) -> usize {
         let live = self.table.live_segments();
+        self.devs.lock().unwrap_or_else(|e| e.into_inner()).retain(|uid, _| live.contains(uid));
         let mut segs = self.segs.lock().unwrap_or_else(|e| e.into_inner());
         let before = segs.len();
         segs.retain(|uid, _| live.contains(uid));
@@ -205,6 +220,41 @@ impl PeerMap {
         let ok = entry.is_some();
         self.segs.lock().unwrap_or_else(|e| e.into_inner()).entry(uid).or_insert(entry);
         (ok, pruned)
+    }
+
+    /// The peer's device region whose export segment `uid` is mapped at
+    /// `m`, opened (once; a failure is remembered).
+    fn device(&self, uid: u64, m: &Mapping, ipc: &dyn crate::DeviceIpc) -> Option<Arc<dyn crate::PeerDevice>> {
+        let mut devs = self.devs.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(d) = devs.get(&uid) {
+            return d.clone();
+        }
+        let opened = (|| {
+            if m.len < 4 {
+                return Err(format!("the export segment is {} bytes", m.len));
+            }
+            let mut n = [0u8; 4];
+            // SAFETY: the mapping holds at least 4 bytes; copied out, never
+            // borrowed (the peer may write its segment).
+            unsafe { std::ptr::copy_nonoverlapping(m.ptr, n.as_mut_ptr(), 4) };
+            let n = u32::from_ne_bytes(n) as usize;
+            if n > crate::IPC_EXPORT_MAX || 4 + n > m.len {
+                return Err(format!("the export's length {n} does not fit its segment of {} bytes", m.len));
+            }
+            let mut blob = vec![0u8; n];
+            // SAFETY: 4 + n bytes lie in the mapping (checked above).
+            unsafe { std::ptr::copy_nonoverlapping(m.ptr.add(4), blob.as_mut_ptr(), n) };
+            ipc.open(&blob, self.pid)
+        })();
+        let entry = match opened {
+            Ok(d) => Some(d),
+            Err(e) => {
+                tracing::info!("cannot open the device memory of pid {} ({e}); staging transfers to it", self.pid);
+                None
+            }
+        };
+        devs.insert(uid, entry.clone());
+        entry
     }
 
     /// The event fd of the receive CQ of the peer's QP `qpn`, checked.
@@ -270,8 +320,23 @@ impl PeerMap {
             return Err(WcStatus::RemAccessErr);
         }
         if d.is_device() {
-            // Device memory: the owner's engine copies through its driver.
-            return Ok(Direct::Staged);
+            // Atomics, and regions without an export, go to the owner's
+            // engine, which copies through its driver.
+            let Some(ipc) = crate::device_mem::device_ipc() else { return Ok(Direct::Staged) };
+            if d.seg_uid == 0 || need.contains(AccessFlags::REMOTE_ATOMIC) {
+                return Ok(Direct::Staged);
+            }
+            let m = match self.segs.lock().unwrap_or_else(|e| e.into_inner()).get(&d.seg_uid) {
+                Some(Some(m)) => m.clone(),
+                Some(None) => return Ok(Direct::Staged),
+                None => return Ok(Direct::Unmapped(d.seg_uid)),
+            };
+            let Some(dev) = self.device(d.seg_uid, &m, &**ipc) else { return Ok(Direct::Staged) };
+            let off = raddr - d.addr;
+            if off + len > dev.len() {
+                return Ok(Direct::Staged);
+            }
+            return Ok(Direct::Device(dev, off, Held { _map: Some(m), _fence: Some(fence) }));
         }
         if d.seg_uid != 0 {
             let m = match self.segs.lock().unwrap_or_else(|e| e.into_inner()).get(&d.seg_uid) {

@@ -25,6 +25,9 @@ pub enum Mem {
     /// Device memory ([`FakeDevice`]: addresses no host mapping has, so a
     /// provider that touched them directly would crash the test).
     Device,
+    /// Device memory that exports itself to same-host peers ([`FakeIpc`]):
+    /// the soft provider's peers copy into it themselves.
+    DeviceIpc,
 }
 
 /// Device memory for tests: bytes the host reaches only through
@@ -34,20 +37,38 @@ pub enum Mem {
 #[derive(Debug)]
 pub struct FakeDevice {
     pub base: u64,
+    id: u64,
+    exports: bool,
     bytes: std::sync::Mutex<Vec<u8>>,
     pub copies: std::sync::atomic::AtomicU64,
 }
 
 static NEXT_FAKE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
+/// Fake devices that export themselves, by id (what [`FakeIpc`] opens).
+static FAKES: std::sync::Mutex<Vec<(u64, std::sync::Weak<FakeDevice>)>> = std::sync::Mutex::new(Vec::new());
+
 impl FakeDevice {
     pub fn new(len: usize) -> std::sync::Arc<FakeDevice> {
+        Self::with(len, false)
+    }
+
+    /// `exports`: it describes itself for [`FakeIpc`] (and installs that as
+    /// the process's opener).
+    pub fn with(len: usize, exports: bool) -> std::sync::Arc<FakeDevice> {
         let n = NEXT_FAKE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        std::sync::Arc::new(FakeDevice {
+        let d = std::sync::Arc::new(FakeDevice {
             base: 0x4000_0000_0000_0000 + (n << 36),
+            id: n,
+            exports,
             bytes: std::sync::Mutex::new(vec![0; len]),
             copies: Default::default(),
-        })
+        });
+        if exports {
+            ibverbx::set_device_ipc(std::sync::Arc::new(FakeIpc));
+            FAKES.lock().unwrap().push((n, std::sync::Arc::downgrade(&d)));
+        }
+        d
     }
 
     fn range(&self, addr: u64, n: usize) -> Result<std::ops::Range<usize>, String> {
@@ -74,11 +95,63 @@ impl DeviceMemory for FakeDevice {
         self.bytes.lock().unwrap()[r].copy_from_slice(src);
         Ok(())
     }
+    fn ipc_export(&self, addr: u64, len: usize) -> Option<Result<Vec<u8>, String>> {
+        let mut blob = self.id.to_ne_bytes().to_vec();
+        blob.extend_from_slice(&(addr - self.base).to_ne_bytes());
+        blob.extend_from_slice(&(len as u64).to_ne_bytes());
+        self.exports.then_some(Ok(blob))
+    }
 }
 
-/// A region of fresh fake device memory.
-pub fn device_mr(pd: &ProtectionDomain, len: usize, access: AccessFlags) -> MemoryRegion {
-    let d = FakeDevice::new(len);
+/// Opens [`FakeDevice`] exports (this process's: the tests' contexts share
+/// it).
+#[derive(Debug)]
+pub struct FakeIpc;
+
+/// A fake device opened through its export: the region at `off`, `len`
+/// bytes long.
+#[derive(Debug)]
+pub struct FakePeer {
+    dev: std::sync::Arc<FakeDevice>,
+    off: u64,
+    len: u64,
+}
+
+impl ibverbx::DeviceIpc for FakeIpc {
+    fn open(&self, export: &[u8], pid: u32) -> Result<std::sync::Arc<dyn ibverbx::PeerDevice>, String> {
+        assert_eq!(pid, std::process::id(), "the peer's pid comes from the kernel");
+        let word = |i: usize| u64::from_ne_bytes(export[8 * i..8 * i + 8].try_into().unwrap());
+        let (id, off, len) = (word(0), word(1), word(2));
+        let fakes = FAKES.lock().unwrap();
+        let dev = fakes.iter().find(|(i, _)| *i == id).and_then(|(_, w)| w.upgrade());
+        Ok(std::sync::Arc::new(FakePeer { dev: dev.ok_or("no such fake device")?, off, len }))
+    }
+}
+
+impl ibverbx::PeerDevice for FakePeer {
+    fn len(&self) -> u64 {
+        self.len
+    }
+    unsafe fn write(&self, offset: u64, src: *const u8, len: usize) -> Result<(), String> {
+        assert!(offset + len as u64 <= self.len, "a peer copy past the exported region");
+        let mut v = vec![0u8; len];
+        // SAFETY: the caller's readable range, copied through raw pointers.
+        unsafe { std::ptr::copy_nonoverlapping(src, v.as_mut_ptr(), len) };
+        self.dev.write(self.dev.base + self.off + offset, &v)
+    }
+    unsafe fn read(&self, offset: u64, dst: *mut u8, len: usize) -> Result<(), String> {
+        assert!(offset + len as u64 <= self.len, "a peer copy past the exported region");
+        let mut v = vec![0u8; len];
+        self.dev.read(self.dev.base + self.off + offset, &mut v)?;
+        // SAFETY: the caller's writable range.
+        unsafe { std::ptr::copy_nonoverlapping(v.as_ptr(), dst, len) };
+        Ok(())
+    }
+}
+
+/// A region of fresh fake device memory (`exports`: to same-host peers).
+pub fn device_mr(pd: &ProtectionDomain, len: usize, access: AccessFlags, exports: bool) -> MemoryRegion {
+    let d = FakeDevice::with(len, exports);
     // SAFETY: the fake device owns its bytes and lives as long as the
     // region (the region holds it).
     unsafe { MemoryRegion::register_device(pd, d.clone(), d.base, len, access, None) }.unwrap()
@@ -146,7 +219,8 @@ pub fn mr(pd: &ProtectionDomain, mem: Mem, len: usize, access: AccessFlags) -> M
     match mem {
         Mem::Shm => MemoryRegion::alloc(pd, len, access).unwrap(),
         Mem::Heap => MemoryRegion::register(pd, vec![0u8; len], access).unwrap(),
-        Mem::Device => device_mr(pd, len, access),
+        Mem::Device => device_mr(pd, len, access, false),
+        Mem::DeviceIpc => device_mr(pd, len, access, true),
     }
 }
 
@@ -256,6 +330,17 @@ pub fn every_opcode_every_size(dev: &Device, mem: Mem) {
         ok(wc, 8, WcOpcode::Recv);
         assert_eq!((wc.byte_len, wc.imm_data), (n as u32, Some(99)));
         assert!(contents(&dst, 0, n) == data3, "SEND of {n} bytes corrupted data");
+    }
+    // Who copied the device bytes: the peer itself through the export when
+    // it reaches this context's segments directly, never without one.
+    if let Some(st) = ibverbx::soft::stats(&p.a.ctx) {
+        match mem {
+            Mem::DeviceIpc if st.peer_segments_mapped > 0 => {
+                assert!(st.peer_device_bytes > 0, "an exported device region was staged: {st:?}")
+            }
+            Mem::Device | Mem::Shm | Mem::Heap => assert_eq!(st.peer_device_bytes, 0, "{st:?}"),
+            Mem::DeviceIpc => {}
+        }
     }
 }
 
@@ -834,6 +919,24 @@ macro_rules! conformance_suite {
         fn remote_access_errors_device_memory() {
             if conformance::fake_device_ok(&$dev) {
                 conformance::remote_access_errors(&$dev, conformance::Mem::Device);
+            }
+        }
+        #[test]
+        fn every_opcode_every_size_device_ipc() {
+            if conformance::fake_device_ok(&$dev) {
+                conformance::every_opcode_every_size(&$dev, conformance::Mem::DeviceIpc);
+            }
+        }
+        #[test]
+        fn atomics_device_ipc() {
+            if conformance::fake_device_ok(&$dev) {
+                conformance::atomics(&$dev, conformance::Mem::DeviceIpc);
+            }
+        }
+        #[test]
+        fn remote_access_errors_device_ipc() {
+            if conformance::fake_device_ok(&$dev) {
+                conformance::remote_access_errors(&$dev, conformance::Mem::DeviceIpc);
             }
         }
         #[test]

@@ -97,6 +97,10 @@ async fn main() {
                 }
             }
             t.write(mem.view(0, 1).unwrap(), &peer.rb, true).await.unwrap_or_else(|e| fail(format!("final: {e}")));
+            // Which path the bytes took (the soft provider's counters).
+            if let Some(st) = t.soft_stats() {
+                println!("{}", serde_json::json!({ "peer_device_bytes": st.peer_device_bytes }));
+            }
             println!("{}", serde_json::json!({ "ok": true }));
         }
         "hold" => {

@@ -133,6 +133,32 @@ fn local_ptrs(sh: &Shared, e: &SqEntry) -> Result<Local, WcStatus> {
     Ok(Local { pieces: vec![(buf.as_ptr() as usize, total)], staged: Some((buf, targets)) })
 }
 
+/// Copies the local pieces to (`write`) or from a same-host peer's device
+/// region at byte `off` of it; false (logged) when a copy fails: the WR
+/// then goes through the connection, which writes or reads all of it again.
+fn device_copy(sh: &Shared, dev: &dyn crate::PeerDevice, off: u64, local: &[(usize, usize)], write: bool) -> bool {
+    let mut at = off;
+    for &(p, l) in local {
+        // SAFETY: p..p+l lies in a live, checked local registration (or the
+        // staging buffer); at..at+l lies in the peer's region (its key was
+        // checked against these bounds, and the fence is held).
+        let r = unsafe {
+            if write {
+                dev.write(at, p as *const u8, l)
+            } else {
+                dev.read(at, p as *mut u8, l)
+            }
+        };
+        if let Err(e) = r {
+            tracing::info!("soft QP {:#x}: copy with a peer's device memory failed ({e}); staging", sh.qp.qpn);
+            return false;
+        }
+        at += l as u64;
+    }
+    sh.qp.ctx.peer_device_bytes.fetch_add(at - off, Ordering::Relaxed);
+    true
+}
+
 /// Copies the local pieces to `dst` (gather); `stream`: past the cache.
 fn gather_to(dst: usize, local: &[(usize, usize)], stream: bool) {
     let mut off = 0;
@@ -270,6 +296,7 @@ pub(super) async fn execute(sh: &Arc<Shared>, link: &mut Option<Link>, e: SqEntr
                         Err(st) => return finish(sh, inf, st).await,
                     }
                 }
+                Ok(Direct::Device(dev, off, _held)) => device_copy(sh, &*dev, off, local, true),
                 Ok(Direct::Staged | Direct::Unmapped(_)) => false,
             };
             match (placed, imm) {
@@ -296,6 +323,13 @@ pub(super) async fn execute(sh: &Arc<Shared>, link: &mut Option<Link>, e: SqEntr
                     Ok(false) => Frame::ReadReq { psn: 0, raddr: remote_addr, rkey, len: len as u32 },
                     Err(st) => return finish(sh, inf, st).await,
                 }
+            }
+            Ok(Direct::Device(dev, off, _held)) => {
+                if device_copy(sh, &*dev, off, local, false) {
+                    let st = staging.scatter_back().err().unwrap_or(WcStatus::Success);
+                    return finish(sh, inf, st).await;
+                }
+                Frame::ReadReq { psn: 0, raddr: remote_addr, rkey, len: len as u32 }
             }
             Ok(Direct::Staged | Direct::Unmapped(_)) => {
                 Frame::ReadReq { psn: 0, raddr: remote_addr, rkey, len: len as u32 }
