@@ -164,6 +164,21 @@ impl Staging {
         Ok(())
     }
 
+    /// Copies `len` bytes from device address `src` to `dst` (this
+    /// context's memory or memory mapped into it), device to device:
+    /// complete when this returns.
+    ///
+    /// # Safety
+    /// Both ranges must be device memory valid in this context.
+    pub unsafe fn copy_device(&self, dst: DevicePtr, src: DevicePtr, len: usize) -> Result<()> {
+        let st = self.take()?;
+        // SAFETY: the caller's ranges; synchronized below.
+        unsafe { st.streams[0].copy_async(dst, src, len)? };
+        st.streams[0].synchronize()?;
+        self.give(st);
+        Ok(())
+    }
+
     /// Copies device memory at `src` into `dst`: complete when this
     /// returns.
     ///

@@ -14,19 +14,26 @@ use std::fmt;
 use std::os::fd::OwnedFd;
 
 /// Memory a device owns, reached by copies. Implementations are shared by
-/// every region registered on them.
+/// every region registered on them. The copies take addresses the caller
+/// vouches for (`unsafe`): with unified addressing a device address can
+/// also name host memory.
 pub trait DeviceMemory: Send + Sync + fmt::Debug {
     /// What the memory is, for errors and logs ("CUDA device 0 (NVIDIA H100 80GB HBM3)").
     fn describe(&self) -> String;
 
     /// Copies the device bytes at `src` into `dst`: done when this returns.
-    /// `src..src + dst.len()` lies in a registered region (the caller
-    /// checked it).
-    fn read(&self, src: u64, dst: &mut [u8]) -> Result<(), String>;
+    ///
+    /// # Safety
+    /// `src..src + dst.len()` must lie in a live region registered on this
+    /// memory (the caller checked the bounds).
+    unsafe fn read(&self, src: u64, dst: &mut [u8]) -> Result<(), String>;
 
     /// Copies `src` to the device bytes at `dst`: when this returns, device
     /// work queued afterwards on any stream sees them.
-    fn write(&self, dst: u64, src: &[u8]) -> Result<(), String>;
+    ///
+    /// # Safety
+    /// As for [`read`](Self::read), for `dst..dst + src.len()`.
+    unsafe fn write(&self, dst: u64, src: &[u8]) -> Result<(), String>;
 
     /// A DMA-BUF that exports `len` bytes at `addr`, and the offset of
     /// `addr` in it, for registration with hardware. `None` where the
@@ -44,6 +51,21 @@ pub trait DeviceMemory: Send + Sync + fmt::Debug {
     /// default): peers go through the connection.
     fn ipc_export(&self, addr: u64, len: usize) -> Option<Result<Vec<u8>, String>> {
         let _ = (addr, len);
+        None
+    }
+
+    /// Copies `len` bytes from device address `src` to `dst`, both valid in
+    /// this process (this memory's, or a peer's opened here: a
+    /// [`PeerDevice::device_addr`]), device to device: done (visible to
+    /// later device work) when it returns. `None` (the default) where it
+    /// cannot: the caller copies through host memory.
+    ///
+    /// # Safety
+    /// Both ranges must be live device memory valid in this process: one in
+    /// a region registered on this memory, the other in a peer's region
+    /// opened here (bounds checked by the caller).
+    unsafe fn copy_device(&self, dst: u64, src: u64, len: usize) -> Option<Result<(), String>> {
+        let _ = (dst, src, len);
         None
     }
 }
@@ -71,6 +93,13 @@ pub trait PeerDevice: Send + Sync + fmt::Debug {
     /// Whether it covers nothing.
     fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// Where the region starts in this process's device address space, for
+    /// [`DeviceMemory::copy_device`] (`None`, the default: host copies
+    /// only).
+    fn device_addr(&self) -> Option<u64> {
+        None
     }
 
     /// Copies `len` bytes of host memory at `src` to byte `offset` of the

@@ -265,7 +265,8 @@ impl MemoryRegion {
     pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
         self.check(offset, dst.len(), "read")?;
         if let Some(dev) = self.device() {
-            return dev.read(self.addr() + offset as u64, dst).map_err(|e| device_error("read", &**dev, e));
+            // SAFETY: in bounds of this live registration (checked above).
+            return unsafe { dev.read(self.addr() + offset as u64, dst) }.map_err(|e| device_error("read", &**dev, e));
         }
         // SAFETY: in bounds of a live registration; the region is shared
         // memory, so it is copied with raw pointers and never borrowed.
@@ -277,7 +278,9 @@ impl MemoryRegion {
     pub fn write(&self, offset: usize, src: &[u8]) -> Result<()> {
         self.check(offset, src.len(), "write")?;
         if let Some(dev) = self.device() {
-            return dev.write(self.addr() + offset as u64, src).map_err(|e| device_error("write", &**dev, e));
+            // SAFETY: as in `read`.
+            return unsafe { dev.write(self.addr() + offset as u64, src) }
+                .map_err(|e| device_error("write", &**dev, e));
         }
         // SAFETY: as in `read`.
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.as_ptr().add(offset), src.len()) };

@@ -36,19 +36,25 @@ impl DeviceMemory for CudaMemory {
         format!("CUDA device {} ({})", self.ordinal, self.staging.context().name())
     }
 
-    fn read(&self, src: u64, dst: &mut [u8]) -> Result<(), String> {
+    unsafe fn read(&self, src: u64, dst: &mut [u8]) -> Result<(), String> {
         // SAFETY: the range lies in a region registered on this device's
-        // memory (register_cuda checked it; the provider checked the range).
+        // memory (the caller's contract; register_cuda checked the region).
         unsafe { self.staging.download(src, dst) }.map_err(|e| e.to_string())
     }
 
-    fn write(&self, dst: u64, src: &[u8]) -> Result<(), String> {
+    unsafe fn write(&self, dst: u64, src: &[u8]) -> Result<(), String> {
         // SAFETY: as in read.
         unsafe { self.staging.upload(dst, src) }.map_err(|e| e.to_string())
     }
 
     fn dmabuf(&self, addr: u64, len: usize) -> Option<Result<(std::os::fd::OwnedFd, u64), String>> {
         self.staging.context().dmabuf(addr, len).map(|r| r.map_err(|e| e.to_string()))
+    }
+
+    unsafe fn copy_device(&self, dst: u64, src: u64, len: usize) -> Option<Result<(), String>> {
+        // SAFETY: the caller's contract: a range of a region registered on
+        // this device and one of a peer's region opened in this process.
+        Some(unsafe { self.staging.copy_device(dst, src, len) }.map_err(|e| e.to_string()))
     }
 
     fn ipc_export(&self, addr: u64, len: usize) -> Option<Result<Vec<u8>, String>> {
@@ -122,6 +128,10 @@ impl ibverbx::DeviceIpc for CudaIpc {
 impl ibverbx::PeerDevice for PeerCuda {
     fn len(&self) -> u64 {
         self.len
+    }
+
+    fn device_addr(&self) -> Option<u64> {
+        Some(self.ptr)
     }
 
     unsafe fn write(&self, offset: u64, src: *const u8, len: usize) -> Result<(), String> {

@@ -38,7 +38,10 @@ fn copy_failed(dev: &dyn DeviceMemory, e: String) -> Failed {
 }
 
 /// Receives `len` bytes from `r` into device memory at `addr`.
-pub(crate) async fn recv_to_device<R: HasSock + ?Sized>(
+///
+/// # Safety
+/// `addr..addr + len` lies in a live region registered on `dev` (checked).
+pub(crate) async unsafe fn recv_to_device<R: HasSock + ?Sized>(
     r: &mut R,
     dev: &dyn DeviceMemory,
     addr: u64,
@@ -50,7 +53,8 @@ pub(crate) async fn recv_to_device<R: HasSock + ?Sized>(
         let n = (len - done).min(CHUNK);
         // SAFETY: the chunk is this function's own buffer of at least n bytes.
         unsafe { recv_exact(r, chunk.as_mut_ptr() as usize, n).await? };
-        dev.write(addr + done as u64, &chunk[..n]).map_err(|e| copy_failed(dev, e))?;
+        // SAFETY: within the checked target (the caller's contract).
+        unsafe { dev.write(addr + done as u64, &chunk[..n]) }.map_err(|e| copy_failed(dev, e))?;
         done += n;
     }
     Ok(())
@@ -59,8 +63,8 @@ pub(crate) async fn recv_to_device<R: HasSock + ?Sized>(
 /// Receives `len` bytes from `r` into a checked target.
 ///
 /// # Safety
-/// A host target must be `len` writable bytes of a live registration held
-/// by the caller until this returns.
+/// The target must be `len` bytes of a live registration (host: writable)
+/// held by the caller until this returns.
 pub(crate) async unsafe fn recv_to<R: HasSock + ?Sized>(r: &mut R, t: &Target, len: usize) -> Result<(), Failed> {
     match t {
         Target::Host(p) => {
@@ -68,26 +72,35 @@ pub(crate) async unsafe fn recv_to<R: HasSock + ?Sized>(r: &mut R, t: &Target, l
             unsafe { recv_exact(r, *p, len).await? };
             Ok(())
         }
-        Target::Device(dev, a) => recv_to_device(r, &**dev, *a, len).await,
+        // SAFETY: the caller's checked target.
+        Target::Device(dev, a) => unsafe { recv_to_device(r, &**dev, *a, len).await },
     }
 }
 
 /// The `len` device bytes at `addr`, copied to the host.
-pub(crate) fn read_device(dev: &dyn DeviceMemory, addr: u64, len: usize) -> Result<Vec<u8>, Failed> {
+///
+/// # Safety
+/// `addr..addr + len` lies in a live region registered on `dev` (checked).
+pub(crate) unsafe fn read_device(dev: &dyn DeviceMemory, addr: u64, len: usize) -> Result<Vec<u8>, Failed> {
     let mut v = vec![0u8; len];
     let mut done = 0usize;
     while done < len {
         let n = (len - done).min(CHUNK);
-        dev.read(addr + done as u64, &mut v[done..done + n]).map_err(|e| copy_failed(dev, e))?;
+        // SAFETY: within the checked range (the caller's contract).
+        unsafe { dev.read(addr + done as u64, &mut v[done..done + n]) }.map_err(|e| copy_failed(dev, e))?;
         done += n;
     }
     Ok(v)
 }
 
 /// Writes `src` to device memory at `addr`.
-pub(crate) fn write_device(dev: &dyn DeviceMemory, addr: u64, src: &[u8]) -> Result<(), Failed> {
+///
+/// # Safety
+/// As for [`read_device`], for `addr..addr + src.len()`.
+pub(crate) unsafe fn write_device(dev: &dyn DeviceMemory, addr: u64, src: &[u8]) -> Result<(), Failed> {
     for (i, c) in src.chunks(CHUNK).enumerate() {
-        dev.write(addr + (i * CHUNK) as u64, c).map_err(|e| copy_failed(dev, e))?;
+        // SAFETY: within the checked range (the caller's contract).
+        unsafe { dev.write(addr + (i * CHUNK) as u64, c) }.map_err(|e| copy_failed(dev, e))?;
     }
     Ok(())
 }
@@ -102,14 +115,25 @@ static DEVICE_ATOMICS: Mutex<()> = Mutex::new(());
 /// A fetch-and-add (`cmp_swap` false: adds `a`) or compare-and-swap
 /// (compares with `a`, swaps in `b`) on the 8-byte word at `addr`; returns
 /// the original value.
-pub(crate) fn device_atomic(dev: &dyn DeviceMemory, addr: u64, cmp_swap: bool, a: u64, b: u64) -> Result<u64, Failed> {
+///
+/// # Safety
+/// `addr..addr + 8` lies in a live region registered on `dev` (checked).
+pub(crate) unsafe fn device_atomic(
+    dev: &dyn DeviceMemory,
+    addr: u64,
+    cmp_swap: bool,
+    a: u64,
+    b: u64,
+) -> Result<u64, Failed> {
     let _g = DEVICE_ATOMICS.lock().unwrap_or_else(|e| e.into_inner());
     let mut w = [0u8; 8];
-    dev.read(addr, &mut w).map_err(|e| copy_failed(dev, e))?;
+    // SAFETY: a checked 8-byte word (the caller's contract).
+    unsafe { dev.read(addr, &mut w) }.map_err(|e| copy_failed(dev, e))?;
     let orig = u64::from_ne_bytes(w);
     let new = if cmp_swap { (orig == a).then_some(b) } else { Some(orig.wrapping_add(a)) };
     if let Some(v) = new {
-        dev.write(addr, &v.to_ne_bytes()).map_err(|e| copy_failed(dev, e))?;
+        // SAFETY: as above.
+        unsafe { dev.write(addr, &v.to_ne_bytes()) }.map_err(|e| copy_failed(dev, e))?;
     }
     Ok(orig)
 }

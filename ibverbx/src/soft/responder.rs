@@ -641,7 +641,8 @@ where
                 keep = Some(mr);
                 src = match t {
                     Target::Host(p) => p,
-                    Target::Device(dev, a) => match read_device(&*dev, a, len as usize) {
+                    // SAFETY: checked against a live MR, held by `keep`.
+                    Target::Device(dev, a) => match unsafe { read_device(&*dev, a, len as usize) } {
                         Ok(v) => {
                             staged = v;
                             staged.as_ptr() as usize
@@ -665,7 +666,8 @@ where
             let p = match t {
                 Target::Host(p) => p,
                 Target::Device(dev, at) => {
-                    let orig = match device_atomic(&*dev, at, cmp_swap, a, b) {
+                    // SAFETY: a checked aligned word of a live MR (held).
+                    let orig = match unsafe { device_atomic(&*dev, at, cmp_swap, a, b) } {
                         Ok(v) => v,
                         Err(e) => return device_nak(qp, s, acks, psn, "atomic", e).await,
                     };

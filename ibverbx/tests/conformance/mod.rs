@@ -83,13 +83,13 @@ impl DeviceMemory for FakeDevice {
     fn describe(&self) -> String {
         format!("fake device memory at {:#x}", self.base)
     }
-    fn read(&self, src: u64, dst: &mut [u8]) -> Result<(), String> {
+    unsafe fn read(&self, src: u64, dst: &mut [u8]) -> Result<(), String> {
         let r = self.range(src, dst.len()).inspect_err(|e| panic!("{e}"))?;
         self.copies.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         dst.copy_from_slice(&self.bytes.lock().unwrap()[r]);
         Ok(())
     }
-    fn write(&self, dst: u64, src: &[u8]) -> Result<(), String> {
+    unsafe fn write(&self, dst: u64, src: &[u8]) -> Result<(), String> {
         let r = self.range(dst, src.len()).inspect_err(|e| panic!("{e}"))?;
         self.copies.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         self.bytes.lock().unwrap()[r].copy_from_slice(src);
@@ -101,7 +101,21 @@ impl DeviceMemory for FakeDevice {
         blob.extend_from_slice(&(len as u64).to_ne_bytes());
         self.exports.then_some(Ok(blob))
     }
+    unsafe fn copy_device(&self, dst: u64, src: u64, len: usize) -> Option<Result<(), String>> {
+        let find = |a: u64| {
+            let fakes = FAKES.lock().unwrap();
+            fakes.iter().filter_map(|(_, w)| w.upgrade()).find(|d| d.range(a, len).is_ok())
+        };
+        let (to, from) = (find(dst)?, find(src)?);
+        DEVICE_TO_DEVICE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let mut v = vec![0u8; len];
+        // SAFETY: bounds-checked fake memory (the fake panics outside it).
+        Some(unsafe { from.read(src, &mut v).and_then(|()| to.write(dst, &v)) })
+    }
 }
+
+/// Device-to-device copies fake devices made (this process).
+pub static DEVICE_TO_DEVICE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// Opens [`FakeDevice`] exports (this process's: the tests' contexts share
 /// it).
@@ -132,17 +146,22 @@ impl ibverbx::PeerDevice for FakePeer {
     fn len(&self) -> u64 {
         self.len
     }
+    fn device_addr(&self) -> Option<u64> {
+        Some(self.dev.base + self.off)
+    }
     unsafe fn write(&self, offset: u64, src: *const u8, len: usize) -> Result<(), String> {
         assert!(offset + len as u64 <= self.len, "a peer copy past the exported region");
         let mut v = vec![0u8; len];
         // SAFETY: the caller's readable range, copied through raw pointers.
         unsafe { std::ptr::copy_nonoverlapping(src, v.as_mut_ptr(), len) };
-        self.dev.write(self.dev.base + self.off + offset, &v)
+        // SAFETY: inside the exported region (asserted above).
+        unsafe { self.dev.write(self.dev.base + self.off + offset, &v) }
     }
     unsafe fn read(&self, offset: u64, dst: *mut u8, len: usize) -> Result<(), String> {
         assert!(offset + len as u64 <= self.len, "a peer copy past the exported region");
         let mut v = vec![0u8; len];
-        self.dev.read(self.dev.base + self.off + offset, &mut v)?;
+        // SAFETY: inside the exported region (asserted above).
+        unsafe { self.dev.read(self.dev.base + self.off + offset, &mut v)? };
         // SAFETY: the caller's writable range.
         unsafe { std::ptr::copy_nonoverlapping(v.as_ptr(), dst, len) };
         Ok(())
@@ -336,7 +355,9 @@ pub fn every_opcode_every_size(dev: &Device, mem: Mem) {
     if let Some(st) = ibverbx::soft::stats(&p.a.ctx) {
         match mem {
             Mem::DeviceIpc if st.peer_segments_mapped > 0 => {
-                assert!(st.peer_device_bytes > 0, "an exported device region was staged: {st:?}")
+                assert!(st.peer_device_bytes > 0, "an exported device region was staged: {st:?}");
+                let dtod = DEVICE_TO_DEVICE.load(std::sync::atomic::Ordering::Relaxed);
+                assert!(dtod > 0, "device memory to a peer's device memory went through the host");
             }
             Mem::Device | Mem::Shm | Mem::Heap => assert_eq!(st.peer_device_bytes, 0, "{st:?}"),
             Mem::DeviceIpc => {}

@@ -41,7 +41,9 @@ impl SoftQp {
             if let Some(Target::Device(dev, a)) = &t {
                 let at = data.len();
                 data.resize(at + s.length as usize, 0);
-                dev.read(*a, &mut data[at..]).map_err(|e| {
+                // SAFETY: the SGE was just checked against a live region
+                // on `dev`, held by `mr`.
+                unsafe { dev.read(*a, &mut data[at..]) }.map_err(|e| {
                     Error::state("post_send", format!("inline SGE {i}: copy from {} failed: {e}", dev.describe()))
                 })?;
                 continue;

@@ -63,18 +63,51 @@ async fn place(
 
 /// A WR's local memory as host pieces. Where a segment lies in device
 /// memory, the pieces are one host buffer instead: filled from the
-/// segments first when the WR reads them (WRITE, SEND), copied out to them
-/// by [`Local::scatter_back`] when it writes them (READ, atomic) and the
-/// bytes landed in the buffer.
+/// segments by [`Local::gather`] when the WR reads them (WRITE, SEND) and a
+/// path needs host bytes, copied out to them by [`Local::scatter_back`]
+/// when it writes them (READ, atomic) and the bytes landed in the buffer.
+/// A copy with a same-host peer's device region ([`device_copy`]) uses the
+/// segments themselves, device to device where it can.
 struct Local {
     pieces: Vec<(usize, usize)>,
     staged: Option<Staged>,
+    /// The WR reads its segments (gathered once, when needed).
+    reads: bool,
+    gathered: bool,
 }
 
 /// The host buffer of [`Local`] and the segments it stands for.
 type Staged = (Vec<u8>, Vec<(Target, usize)>);
 
 impl Local {
+    /// Fills the host buffer from the segments (once), where the WR reads
+    /// device segments.
+    fn gather(&mut self) -> Result<(), WcStatus> {
+        let Some((buf, targets)) = &mut self.staged else { return Ok(()) };
+        if !self.reads || self.gathered {
+            return Ok(());
+        }
+        let mut off = 0;
+        for (t, n) in targets.iter() {
+            match t {
+                // SAFETY: a checked local registration of n bytes, held by
+                // the WR's segments; the buffer has room (its heap block
+                // does not move: the pieces point into it).
+                Target::Host(p) => unsafe {
+                    std::ptr::copy_nonoverlapping(*p as *const u8, buf[off..].as_mut_ptr(), *n)
+                },
+                Target::Device(dev, a) => {
+                    // SAFETY: a checked local segment, held by the WR.
+                    let v = unsafe { read_device(&**dev, *a, *n) }.map_err(|e| local_copy_failed("gather", e))?;
+                    buf[off..off + n].copy_from_slice(&v);
+                }
+            }
+            off += n;
+        }
+        self.gathered = true;
+        Ok(())
+    }
+
     /// After a direct READ or atomic: the staged bytes to the segments.
     fn scatter_back(&self) -> Result<(), WcStatus> {
         let Some((buf, targets)) = &self.staged else { return Ok(()) };
@@ -85,7 +118,9 @@ impl Local {
                 // the WR's segments.
                 Target::Host(p) => unsafe { std::ptr::copy_nonoverlapping(buf[off..].as_ptr(), *p as *mut u8, *n) },
                 Target::Device(dev, a) => {
-                    write_device(&**dev, *a, &buf[off..off + n]).map_err(|e| local_copy_failed("scatter", e))?
+                    // SAFETY: a checked local segment, held by the WR.
+                    unsafe { write_device(&**dev, *a, &buf[off..off + n]) }
+                        .map_err(|e| local_copy_failed("scatter", e))?
                 }
             }
             off += n;
@@ -100,63 +135,110 @@ fn local_copy_failed(what: &str, e: Failed) -> WcStatus {
 }
 
 fn local_ptrs(sh: &Shared, e: &SqEntry) -> Result<Local, WcStatus> {
+    let reads = e.op.local_access().is_empty();
     if let Some(d) = &e.inline {
-        return Ok(Local { pieces: vec![(d.as_ptr() as usize, d.len())], staged: None });
+        return Ok(Local { pieces: vec![(d.as_ptr() as usize, d.len())], staged: None, reads, gathered: true });
     }
     let need = e.op.local_access();
     let targets: Vec<(Target, usize)> =
         e.segs.iter().map(|s| s.target(sh.qp.pd, need).map(|t| (t, s.len as usize))).collect::<Result<_, _>>()?;
     if !targets.iter().any(|(t, _)| matches!(t, Target::Device(..))) {
         let pieces = targets.iter().map(|(t, n)| (if let Target::Host(p) = t { *p } else { 0 }, *n)).collect();
-        return Ok(Local { pieces, staged: None });
+        return Ok(Local { pieces, staged: None, reads, gathered: true });
     }
     let total: usize = targets.iter().map(|t| t.1).sum();
-    let mut buf = vec![0u8; total];
-    if need.is_empty() {
-        // The WR reads its segments: gather them now.
-        let mut off = 0;
-        for (t, n) in &targets {
-            match t {
-                // SAFETY: a checked local registration of n bytes, held by
-                // the WR's segments; the buffer has room.
-                Target::Host(p) => unsafe {
-                    std::ptr::copy_nonoverlapping(*p as *const u8, buf[off..].as_mut_ptr(), *n)
-                },
-                Target::Device(dev, a) => {
-                    let v = read_device(&**dev, *a, *n).map_err(|e| local_copy_failed("gather", e))?;
-                    buf[off..off + n].copy_from_slice(&v);
-                }
-            }
-            off += n;
-        }
-    }
-    Ok(Local { pieces: vec![(buf.as_ptr() as usize, total)], staged: Some((buf, targets)) })
+    let buf = vec![0u8; total];
+    Ok(Local { pieces: vec![(buf.as_ptr() as usize, total)], staged: Some((buf, targets)), reads, gathered: false })
 }
 
-/// Copies the local pieces to (`write`) or from a same-host peer's device
-/// region at byte `off` of it; false (logged) when a copy fails: the WR
-/// then goes through the connection, which writes or reads all of it again.
-fn device_copy(sh: &Shared, dev: &dyn crate::PeerDevice, off: u64, local: &[(usize, usize)], write: bool) -> bool {
-    let mut at = off;
-    for &(p, l) in local {
-        // SAFETY: p..p+l lies in a live, checked local registration (or the
-        // staging buffer); at..at+l lies in the peer's region (its key was
-        // checked against these bounds, and the fence is held).
-        let r = unsafe {
-            if write {
-                dev.write(at, p as *const u8, l)
-            } else {
-                dev.read(at, p as *mut u8, l)
+/// Copies the WR's local memory to (`write`) or from a same-host peer's
+/// device region at byte `off` of it: a local device segment device to
+/// device where both sides' memory allows it, else through host memory.
+/// False (logged) when a copy fails: the WR then goes through the
+/// connection, which writes or reads all of it again.
+fn device_copy(sh: &Shared, dev: &dyn crate::PeerDevice, off: u64, local: &mut Local, write: bool) -> bool {
+    let r = (|| -> Result<u64, String> {
+        let mut at = off;
+        let host = |at: u64, p: usize, n: usize| {
+            // SAFETY: p..p+n lies in a live, checked local registration (or
+            // the staging buffer); at..at+n lies in the peer's region (its
+            // key was checked against these bounds, and the fence is held).
+            unsafe {
+                if write {
+                    dev.write(at, p as *const u8, n)
+                } else {
+                    dev.read(at, p as *mut u8, n)
+                }
             }
         };
-        if let Err(e) = r {
-            tracing::info!("soft QP {:#x}: copy with a peer's device memory failed ({e}); staging", sh.qp.qpn);
-            return false;
+        match &local.staged {
+            None => {
+                for &(p, n) in &local.pieces {
+                    host(at, p, n)?;
+                    at += n as u64;
+                }
+            }
+            Some((_, targets)) => {
+                for (t, n) in targets {
+                    match t {
+                        Target::Host(p) => host(at, *p, *n)?,
+                        Target::Device(d, a) => {
+                            let peer = dev.device_addr().map(|base| base + at);
+                            let (dst, src) = if write { (peer, Some(*a)) } else { (Some(*a), peer) };
+                            match (dst, src) {
+                                // SAFETY: a checked local segment (held by the
+                                // WR) and the peer's checked range, opened
+                                // here (fence held).
+                                (Some(dst), Some(src)) if *n > 0 => match unsafe { d.copy_device(dst, src, *n) } {
+                                    Some(r) => r?,
+                                    // SAFETY: the checked local segment.
+                                    None => unsafe { via_host(d, *a, *n, |p| host(at, p, *n), write)? },
+                                },
+                                // SAFETY: as above.
+                                _ => unsafe { via_host(d, *a, *n, |p| host(at, p, *n), write)? },
+                            }
+                        }
+                    }
+                    at += *n as u64;
+                }
+            }
         }
-        at += l as u64;
+        Ok(at - off)
+    })();
+    match r {
+        Ok(n) => {
+            sh.qp.ctx.peer_device_bytes.fetch_add(n, Ordering::Relaxed);
+            true
+        }
+        Err(e) => {
+            tracing::info!("soft QP {:#x}: copy with a peer's device memory failed ({e}); staging", sh.qp.qpn);
+            false
+        }
     }
-    sh.qp.ctx.peer_device_bytes.fetch_add(at - off, Ordering::Relaxed);
-    true
+}
+
+/// One local device segment through a host buffer: read out of it and
+/// handed to `peer` (`write`), or filled by `peer` and written into it.
+///
+/// # Safety
+/// `a..a + n` is a checked local segment on `d`, held by the WR.
+unsafe fn via_host(
+    d: &std::sync::Arc<dyn crate::DeviceMemory>,
+    a: u64,
+    n: usize,
+    peer: impl FnOnce(usize) -> Result<(), String>,
+    write: bool,
+) -> Result<(), String> {
+    if write {
+        // SAFETY: the caller's segment.
+        let v = unsafe { read_device(&**d, a, n) }.map_err(|e| format!("{e:?}"))?;
+        peer(v.as_ptr() as usize)
+    } else {
+        let mut v = vec![0u8; n];
+        peer(v.as_mut_ptr() as usize)?;
+        // SAFETY: the caller's segment.
+        unsafe { write_device(&**d, a, &v) }.map_err(|e| format!("{e:?}"))
+    }
 }
 
 /// Copies the local pieces to `dst` (gather); `stream`: past the cache.
@@ -246,11 +328,11 @@ pub(super) async fn execute(sh: &Arc<Shared>, link: &mut Option<Link>, e: SqEntr
     if sh.qp.state_tx.borrow().eq(&QpState::Err) {
         return finish(sh, inf, WcStatus::WrFlushErr).await;
     }
-    let staging = match local_ptrs(sh, &e) {
+    let mut staging = match local_ptrs(sh, &e) {
         Ok(l) => l,
         Err(st) => return finish(sh, inf, st).await,
     };
-    let local = &staging.pieces;
+    let local = &staging.pieces.clone();
     let broken = sh.lock().broken;
     let Some(l) = link.as_mut().filter(|_| broken.is_none()) else {
         // Never connected: this WR finds out (RETRY_EXC_ERR) and takes the
@@ -286,17 +368,23 @@ pub(super) async fn execute(sh: &Arc<Shared>, link: &mut Option<Link>, e: SqEntr
             let placed = match direct(rkey, remote_addr, AccessFlags::REMOTE_WRITE).await {
                 Err(st) => return finish(sh, inf, st).await,
                 Ok(Direct::Ptr(p, _keep)) => {
+                    if let Err(st) = staging.gather() {
+                        return finish(sh, inf, st).await;
+                    }
                     gather_to(p, local, sh.qp.stream.observe(remote_addr, len));
                     true
                 }
                 Ok(Direct::Vm(a, _held)) => {
+                    if let Err(st) = staging.gather() {
+                        return finish(sh, inf, st).await;
+                    }
                     let r = l.peer.as_ref().expect("vm implies a peer").vm_copy(true, local, a, len as usize);
                     match r {
                         Ok(done) => done,
                         Err(st) => return finish(sh, inf, st).await,
                     }
                 }
-                Ok(Direct::Device(dev, off, _held)) => device_copy(sh, &*dev, off, local, true),
+                Ok(Direct::Device(dev, off, _held)) => device_copy(sh, &*dev, off, &mut staging, true),
                 Ok(Direct::Staged | Direct::Unmapped(_)) => false,
             };
             match (placed, imm) {
@@ -325,9 +413,8 @@ pub(super) async fn execute(sh: &Arc<Shared>, link: &mut Option<Link>, e: SqEntr
                 }
             }
             Ok(Direct::Device(dev, off, _held)) => {
-                if device_copy(sh, &*dev, off, local, false) {
-                    let st = staging.scatter_back().err().unwrap_or(WcStatus::Success);
-                    return finish(sh, inf, st).await;
+                if device_copy(sh, &*dev, off, &mut staging, false) {
+                    return finish(sh, inf, WcStatus::Success).await;
                 }
                 Frame::ReadReq { psn: 0, raddr: remote_addr, rkey, len: len as u32 }
             }
@@ -361,6 +448,12 @@ pub(super) async fn execute(sh: &Arc<Shared>, link: &mut Option<Link>, e: SqEntr
             }
         }
     };
+    // A payload from device memory is gathered into host memory first.
+    if frame.payload_len() > 0 {
+        if let Err(st) = staging.gather() {
+            return finish(sh, inf, st).await;
+        }
+    }
     // Stream request: PSN, queue entry and bytes on the wire in one turn.
     while sh.wire_busy.compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed).is_err() {
         tokio::task::yield_now().await;

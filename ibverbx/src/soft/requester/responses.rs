@@ -259,7 +259,9 @@ pub(super) async fn read_responses(sh: Arc<Shared>, mut r: Reader, rnr_retry: u8
                         write_u64(p, orig);
                         WcStatus::Success
                     }
-                    Some(Ok(Target::Device(dev, a))) => match write_device(&*dev, a, &orig.to_ne_bytes()) {
+                    // SAFETY: the WR's checked 8-byte local segment, held
+                    // by `segs`.
+                    Some(Ok(Target::Device(dev, a))) => match unsafe { write_device(&*dev, a, &orig.to_ne_bytes()) } {
                         Ok(()) => WcStatus::Success,
                         Err(_) => WcStatus::LocProtErr,
                     },
