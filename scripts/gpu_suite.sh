@@ -98,6 +98,13 @@ PY
   # chunks), two processes, data verified after every size; beside it the
   # same runs on host memory over the same link (tcp: the staged path's
   # host counterpart).
+  # Same host over shared memory: the client opens the server's device
+  # memory through CUDA IPC and copies device to device.
+  for op in write read; do
+    echo "# transport on device memory, same host (CUDA IPC): rdma_bench $op --use-cuda 0 (at ${SECONDS}s)"
+    timeout "$(lim 120)" "$bin/rdma_bench" $op -a --min 4K --max 64M --use-cuda 0 --provider soft --link auto \
+      --out-json "$out/transport_cuda_ipc_$op.jsonl" 2>&1 | tee "$out/transport_cuda_ipc_$op.log" || rc=1
+  done
   for op in write read; do
     echo "# transport on device memory: rdma_bench $op --use-cuda 0 (at ${SECONDS}s)"
     timeout "$(lim 120)" "$bin/rdma_bench" $op -a --min 4K --max 64M --use-cuda 0 --provider soft --link tcp \

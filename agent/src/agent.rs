@@ -121,6 +121,17 @@ impl TransferAgent {
         RdmaMemory::alloc_for(&self.sh.anchor, len).map_err(AgentError::Device)
     }
 
+    /// Allocates `len` zeroed bytes of CUDA device memory on GPU `gpu`,
+    /// registered on the agent's device (not yet
+    /// [`register`](Self::register)ed with the agent): KV-cache blocks in
+    /// GPU memory. Transfers move it through the transport: a peer on this
+    /// host copies device to device through CUDA IPC (soft provider), one
+    /// on another host through pinned staging (soft) or the HCA (verbs).
+    /// No CUDA: an error naming the driver.
+    pub fn alloc_cuda(&self, len: usize, gpu: u32) -> Result<RdmaMemory, AgentError> {
+        RdmaMemory::alloc_cuda_for(&self.sh.anchor, len, gpu).map_err(AgentError::Device)
+    }
+
     /// Makes `mem` a region of this agent: usable as the local side of
     /// pieces toward every peer, and published in the metadata (so that
     /// peers name blocks of it) under the returned id. Registering the same

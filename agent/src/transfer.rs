@@ -190,8 +190,11 @@ fn post<'a>(peer: &str, conn: &Arc<Conn>, p: Posting<'a>) -> Result<Stage<'a>, A
         ));
     }
     Counters::add(&p.counters.ops_posted, p.plan.len() as u64);
+    // Device memory on this side: the host copies none of it (the transport
+    // moves it, or the soft provider with the peer's device memory).
+    let host_locals = p.locals.iter().all(|m| m.get().device().is_none());
     if !p.plan.is_empty() {
-        if let Some(maps) = conn.mapped(&p.remotes) {
+        if let Some(maps) = conn.mapped(&p.remotes).filter(|_| host_locals) {
             copy_mapped(peer, &p, &maps)?;
             // Placed: the notification goes now (or queues at the notifier
             // now, keeping its place among the connection's notifications).
