@@ -47,6 +47,11 @@
 //! - [`RdmaMemory`]: allocation in shared memory, registration of owned
 //!   buffers (`Vec<u8>`, `BytesMut`, …) and of raw memory; bounds-checked
 //!   views.
+//! - GPU memory: [`RdmaMemory::alloc_cuda`] / [`RdmaMemory::register_cuda`]
+//!   (the CUDA driver loaded at run time). The soft provider stages it
+//!   through pinned host chunks, and same-host peers copy into it device to
+//!   device through CUDA IPC; a verbs HCA reaches it through DMA-BUF (else
+//!   nvidia-peermem). See `docs/gpu.md`.
 //!
 //! # Thread safety
 //! `RdmaTransport` is `Send + Sync`; share it with an `Arc`. Futures are
@@ -68,7 +73,7 @@
 //! # Organization
 //! `transport` (the connection and its completion driver), `direct` and
 //! `notes` (same-host copies and notifications), `memory`
-//! (registrations and views), `remote` (peers' buffers), `url`, `config`,
+//! (registrations and views), `cuda` (CUDA memory, its staging and IPC), `remote` (peers' buffers), `url`, `config`,
 //! `error`, `domain` (devices shared by every transport in the process).
 
 #![deny(unsafe_op_in_unsafe_fn)]
