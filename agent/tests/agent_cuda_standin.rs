@@ -13,17 +13,7 @@ use rmacomm_agent::{Op, RemoteBlock, TransferAgent};
 /// Points the driver loader at the stand-in; false (printed why) where it
 /// is not built.
 fn use_standin() -> bool {
-    let exe = std::env::current_exe().unwrap();
-    let lib = exe.parent().unwrap().parent().unwrap().join("librmacomm_cuda_standin.so");
-    if !lib.exists() {
-        assert!(
-            std::env::var("RMACOMM_EXPECT_STANDIN").map_or(true, |v| v != "1"),
-            "RMACOMM_EXPECT_STANDIN=1 but {} is not built",
-            lib.display()
-        );
-        println!("skipped: the CUDA stand-in is not built (cargo build -p rmacomm-cuda-standin)");
-        return false;
-    }
+    let Some(lib) = rmacomm_cuda::standin_for_tests() else { return false };
     std::env::set_var("RMACOMM_CUDA_LIB", &lib);
     true
 }

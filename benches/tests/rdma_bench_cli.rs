@@ -675,29 +675,12 @@ fn a_wrong_collective_result_fails_loudly() {
     }
 }
 
-/// rmacomm's CUDA stand-in (device memory as host shared memory), beside
-/// this test binary's directory; `None` (printed why) where it is not built.
-fn standin() -> Option<PathBuf> {
-    let exe = std::env::current_exe().ok()?;
-    let p = exe.parent()?.parent()?.join("librmacomm_cuda_standin.so");
-    if !p.exists() {
-        assert!(
-            std::env::var("RMACOMM_EXPECT_STANDIN").map_or(true, |v| v != "1"),
-            "RMACOMM_EXPECT_STANDIN=1 but {} is not built",
-            p.display()
-        );
-        println!("skipped: the CUDA stand-in is not built (cargo build -p rmacomm-cuda-standin)");
-        return None;
-    }
-    Some(p)
-}
-
 /// `--use-cuda`: both sides' buffers in (stand-in) device memory, data
 /// verified, the header saying so; the raw and window tests refuse it;
 /// without a driver, the error names it.
 #[test]
 fn use_cuda_moves_device_memory() {
-    let Some(lib) = standin() else { return };
+    let Some(lib) = rmacomm_cuda::standin_for_tests() else { return };
     let lib = lib.to_string_lossy().into_owned();
     let env = [("RMACOMM_CUDA_LIB", lib.as_str())];
     for (op, link) in [("write", "auto"), ("read", "tcp"), ("write_lat", "tcp")] {

@@ -18,14 +18,8 @@ use rmacomm_window::{Group, GroupOptions, HashStore, Store};
 /// The stand-in and NVRTC, or the reason (printed) they are not here.
 fn ready() -> bool {
     static SET: Once = Once::new();
-    let exe = std::env::current_exe().unwrap();
-    let lib = exe.parent().unwrap().parent().unwrap().join("librmacomm_cuda_standin.so");
     let expect = |var: &str| std::env::var(var).is_ok_and(|v| v == "1");
-    if !lib.exists() {
-        assert!(!expect("RMACOMM_EXPECT_STANDIN"), "RMACOMM_EXPECT_STANDIN=1 but {} is not built", lib.display());
-        eprintln!("skipped: the CUDA stand-in is not built (cargo build -p rmacomm-cuda-standin)");
-        return false;
-    }
+    let Some(lib) = rmacomm_window::cuda::standin_for_tests() else { return false };
     if let Err(e) = rmacomm_window::cuda::nvrtc::Nvrtc::get() {
         assert!(!expect("RMACOMM_EXPECT_NVRTC"), "RMACOMM_EXPECT_NVRTC=1 but {e}");
         eprintln!("skipped: no NVRTC to compile the kernels ({e})");

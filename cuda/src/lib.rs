@@ -40,3 +40,25 @@ pub mod nvrtc;
 pub mod staging;
 
 pub use error::{CudaError, Result};
+
+/// rmacomm's CUDA stand-in (`cuda/standin`, `librmacomm_cuda_standin.so`:
+/// the driver calls rmacomm makes, on the host), for tests on machines
+/// without a GPU: the library in the running test binary's target
+/// directory (`target/<profile>/`, beside its `deps/`), or `None` with the
+/// reason printed. Under `RMACOMM_EXPECT_STANDIN=1` (CI, which builds it
+/// first) a missing stand-in panics instead. Point `RMACOMM_CUDA_LIB` at
+/// it before anything loads the driver.
+pub fn standin_for_tests() -> Option<std::path::PathBuf> {
+    let exe = std::env::current_exe().ok()?;
+    let lib = exe.parent()?.parent()?.join("librmacomm_cuda_standin.so");
+    if lib.exists() {
+        return Some(lib);
+    }
+    assert!(
+        std::env::var("RMACOMM_EXPECT_STANDIN").map_or(true, |v| v != "1"),
+        "RMACOMM_EXPECT_STANDIN=1 but {} is not built",
+        lib.display()
+    );
+    println!("skipped: the CUDA stand-in is not built (cargo build -p rmacomm-cuda-standin)");
+    None
+}

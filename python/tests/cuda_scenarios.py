@@ -21,6 +21,36 @@ def expect(cond: bool, what: str) -> None:
         raise AssertionError(what)
 
 
+def ring_rounds(comm: Any, win: Any, buf: Any, count: int, side: Any, what: str) -> Any:
+    """Four ring rounds on `win` (registered `buf`, `count` elements per
+    rank): each rank puts into its right neighbour at its own slot, signals
+    it and waits for its left one, then checks what the left one put; puts
+    sync and async on torch's current stream, then on `side` (stream=).
+    Returns the last source tensor."""
+    import torch
+
+    r, n = comm.get_rank(), comm.get_size()
+    right, left = (r + 1) % n, (r - 1) % n
+    dt = buf.dtype
+    src = None
+    for it in range(4):
+        src = torch.full((count,), r * 100 + it + 1, dtype=dt, device="cuda")
+        if it < 2:
+            win.put(src, right, r * count, async_op=it == 1)
+            win.signal(right)
+            win.wait_signal(left)
+        else:
+            side.wait_stream(torch.cuda.current_stream())
+            win.put(src, right, r * count, async_op=True, stream=side)
+            win.signal(right, stream=side)
+            win.wait_signal(left, stream=side)
+            torch.cuda.current_stream().wait_stream(side)
+        want = torch.full((count,), left * 100 + it + 1, dtype=dt, device="cuda")
+        expect(torch.equal(buf[left * count:(left + 1) * count], want), f"{what} {dt} count {count} it {it}")
+        comm.barrier()
+    return src
+
+
 def window_ring_cuda(_: str) -> None:
     """The window ring on CUDA tensors (two or more processes on one GPU:
     CUDA IPC): f32, bf16 and i32 × counts 1, 1000 and 1 Mi; puts, signals
@@ -44,22 +74,7 @@ def window_ring_cuda(_: str) -> None:
             win.tensor_register(buf)
             expect(win.get_device() == "cuda", "get_device of a CUDA window")
             expect(win.get_attr(right).access_type == rmacomm.WinAccessType.UNIFIED, "CUDA peers are UNIFIED")
-            for it in range(4):
-                v = r * 100 + it + 1
-                src = torch.full((count,), v, dtype=dt, device="cuda")
-                if it < 2:
-                    win.put(src, right, r * count, async_op=it == 1)
-                    win.signal(right)
-                    win.wait_signal(left)
-                else:
-                    side.wait_stream(torch.cuda.current_stream())
-                    win.put(src, right, r * count, async_op=True, stream=side)
-                    win.signal(right, stream=side)
-                    win.wait_signal(left, stream=side)
-                    torch.cuda.current_stream().wait_stream(side)
-                want = torch.full((count,), left * 100 + it + 1, dtype=dt, device="cuda")
-                expect(torch.equal(buf[left * count:(left + 1) * count], want), f"ring {dt} count {count} it {it}")
-                comm.barrier()
+            src = ring_rounds(comm, win, buf, count, side, "ring")
             theirs = win.map_remote_tensor(right)
             expect(tuple(theirs.shape) == (n * count,) and theirs.dtype == dt, f"peer view {theirs.shape}")
             expect(torch.equal(theirs[r * count:(r + 1) * count], src), f"peer view {dt} count {count}")
@@ -139,22 +154,7 @@ def window_ring_cuda_staged(_: str) -> None:
             win.tensor_register(buf)
             expect(win.get_device() == "cuda", "get_device of a staged CUDA window")
             expect(win.get_attr(right).access_type == rmacomm.WinAccessType.SEPARATE, "staged peers are SEPARATE")
-            for it in range(4):
-                v = r * 100 + it + 1
-                src = torch.full((count,), v, dtype=dt, device="cuda")
-                if it < 2:
-                    win.put(src, right, r * count, async_op=it == 1)
-                    win.signal(right)
-                    win.wait_signal(left)
-                else:
-                    side.wait_stream(torch.cuda.current_stream())
-                    win.put(src, right, r * count, async_op=True, stream=side)
-                    win.signal(right, stream=side)
-                    win.wait_signal(left, stream=side)
-                    torch.cuda.current_stream().wait_stream(side)
-                want = torch.full((count,), left * 100 + it + 1, dtype=dt, device="cuda")
-                expect(torch.equal(buf[left * count:(left + 1) * count], want), f"staged ring {dt} count {count} it {it}")
-                comm.barrier()
+            src = ring_rounds(comm, win, buf, count, side, "staged ring")
             back = torch.zeros(count, dtype=dt, device="cuda")
             win.get(back, right, r * count)
             expect(torch.equal(back, src), f"staged get {dt} count {count}")

@@ -44,24 +44,6 @@ fn tcp_two_network_namespaces() {
     run(&NetnsPair::prefix(&ns.a), &NetnsPair::prefix(&ns.b), &env, &["--qps", "4"]);
 }
 
-/// rmacomm's CUDA stand-in (device memory as host shared memory), next to
-/// this test binary's directory; `None` (with the reason printed) where it
-/// is not built.
-fn standin() -> Option<std::path::PathBuf> {
-    let exe = std::env::current_exe().ok()?;
-    let p = exe.parent()?.parent()?.join("librmacomm_cuda_standin.so");
-    if !p.exists() {
-        assert!(
-            std::env::var("RMACOMM_EXPECT_STANDIN").map_or(true, |v| v != "1"),
-            "RMACOMM_EXPECT_STANDIN=1 but {} is not built",
-            p.display()
-        );
-        println!("skipped: the CUDA stand-in is not built (cargo build -p rmacomm-cuda-standin)");
-        return None;
-    }
-    Some(p)
-}
-
 /// The transport on CUDA device memory (the stand-in's): every size
 /// written with notify into the server's device memory, verified there,
 /// and read back, over the soft provider's `link`; `mem` is `cuda` or
@@ -69,7 +51,7 @@ fn standin() -> Option<std::path::PathBuf> {
 /// Returns the bytes the client copied into and out of the server's device
 /// memory itself (CUDA IPC), `None` where the stand-in is not built.
 fn cuda(prefix_s: &[String], prefix_c: &[String], link: &str, mem: &str) -> Option<u64> {
-    let lib = standin()?;
+    let lib = rmacomm_cuda::standin_for_tests()?;
     let lib = lib.to_string_lossy().into_owned();
     let env = [("RMACOMM_PROVIDER", "soft"), ("RMACOMM_SOFT_LINK", link), ("RMACOMM_CUDA_LIB", lib.as_str())];
     let out = run(prefix_s, prefix_c, &env, &["--mem", mem, "--qps", "2"]);

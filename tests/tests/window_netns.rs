@@ -83,16 +83,7 @@ fn window_put_signal_get_between_two_network_namespaces() {
 /// memory, moved across the namespaces by the transport's device staging.
 #[test]
 fn window_on_cuda_memory_between_two_network_namespaces() {
-    let exe = std::env::current_exe().unwrap();
-    let lib = exe.parent().unwrap().parent().unwrap().join("librmacomm_cuda_standin.so");
-    if !lib.exists() {
-        assert!(
-            std::env::var("RMACOMM_EXPECT_STANDIN").map_or(true, |v| v != "1"),
-            "RMACOMM_EXPECT_STANDIN=1 but {} is not built",
-            lib.display()
-        );
-        return println!("skipped: the CUDA stand-in is not built (cargo build -p rmacomm-cuda-standin)");
-    }
+    let Some(lib) = rmacomm_cuda::standin_for_tests() else { return };
     let Some(ns) = namespaces() else { return };
     let lib = lib.to_string_lossy().into_owned();
     let results = run_pair(&ns, "4", &[("WINDOW_PEER_MEM", "cuda"), ("RMACOMM_CUDA_LIB", lib.as_str())]);

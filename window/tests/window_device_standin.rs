@@ -15,17 +15,7 @@ use rmacomm_window::{Error, Group, GroupOptions, HashStore, Store, Window, Windo
 /// printed) where it is not built.
 fn use_standin() -> bool {
     static SET: Once = Once::new();
-    let exe = std::env::current_exe().unwrap();
-    let lib = exe.parent().unwrap().parent().unwrap().join("librmacomm_cuda_standin.so");
-    if !lib.exists() {
-        assert!(
-            std::env::var("RMACOMM_EXPECT_STANDIN").map_or(true, |v| v != "1"),
-            "RMACOMM_EXPECT_STANDIN=1 but {} is not built",
-            lib.display()
-        );
-        eprintln!("skipped: the CUDA stand-in is not built (cargo build -p rmacomm-cuda-standin)");
-        return false;
-    }
+    let Some(lib) = rmacomm_window::cuda::standin_for_tests() else { return false };
     // Before any thread loads the driver; this binary's tests all use it.
     SET.call_once(|| std::env::set_var("RMACOMM_CUDA_LIB", &lib));
     true

@@ -150,28 +150,13 @@ fn device_memory_ring_over_cuda_ipc() {
     }
 }
 
-/// rmacomm's CUDA stand-in (`cuda/standin`: device memory as host shared
-/// memory, streams as threads), next to this test binary's directory.
-fn standin() -> Option<std::path::PathBuf> {
-    let exe = std::env::current_exe().ok()?;
-    let p = exe.parent()?.parent()?.join("librmacomm_cuda_standin.so");
-    p.exists().then_some(p)
-}
-
 /// The device-memory ring, the bandwidth and signal-latency scenarios included, against the CUDA
 /// stand-in on 2, 3 and 4 ranks: rmacomm's side of device windows (IPC
 /// handle exchange, offsets, bounds, signal counts, stream order, graph
 /// replay) on every CI run. CUDA itself is the GPU suite's to check.
 #[test]
 fn device_memory_ring_against_the_cuda_standin() {
-    let Some(lib) = standin() else {
-        assert!(
-            std::env::var("RMACOMM_EXPECT_STANDIN").map_or(true, |v| v != "1"),
-            "RMACOMM_EXPECT_STANDIN=1 but librmacomm_cuda_standin.so is not built"
-        );
-        eprintln!("skipped: the CUDA stand-in is not built (cargo build -p rmacomm-cuda-standin)");
-        return;
-    };
+    let Some(lib) = rmacomm_window::cuda::standin_for_tests() else { return };
     for (n, args) in [(2, &["ring"][..]), (3, &["ring"]), (4, &["ring"]), (2, &["bw", "1048576"]), (2, &["lat"])] {
         let out = Command::new(env!("CARGO_BIN_EXE_rmacomm-run"))
             .args(["--nproc-per-node", &n.to_string(), env!("CARGO_BIN_EXE_gpu-window-scenario")])
