@@ -266,7 +266,13 @@ impl CtxShared {
         let seg = match &device {
             None => find_segment(a, len),
             Some(d) => match d.ipc_export(a as u64, len) {
-                Some(Ok(blob)) if blob.len() <= crate::IPC_EXPORT_MAX => Some((export_segment(&blob)?, 0)),
+                Some(Ok(blob)) if blob.len() <= crate::IPC_EXPORT_MAX => match export_segment(&blob) {
+                    Ok(seg) => Some((seg, 0)),
+                    Err(e) => {
+                        tracing::warn!("{}: no segment for the IPC export ({e}); staging", d.describe());
+                        None
+                    }
+                },
                 Some(Ok(blob)) => {
                     tracing::warn!("{}: an IPC export of {} bytes is too long; staging", d.describe(), blob.len());
                     None

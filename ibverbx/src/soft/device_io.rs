@@ -15,8 +15,10 @@ use super::mr::Target;
 use super::raw_io::{recv_exact, HasSock};
 use crate::DeviceMemory;
 
-/// Bytes staged per copy.
-pub(crate) const CHUNK: usize = 1 << 20;
+/// Bytes staged per copy: several of the device's own staging chunks
+/// (rmacomm-cuda's are 1 MiB), so that its pipeline (one chunk's DMA beside
+/// the next one's CPU copy) has something to overlap.
+pub(crate) const CHUNK: usize = 4 << 20;
 
 /// Why a device transfer stopped.
 #[derive(Debug)]

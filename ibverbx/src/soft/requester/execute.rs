@@ -11,7 +11,7 @@ use super::inflight::{Expect, Inflight};
 use super::{with_psn, Link, Shared};
 use crate::qp_attr::QpState;
 use crate::soft::device_io::{read_device, write_device, Failed};
-use crate::soft::mr::Target;
+use crate::soft::mr::{LocalSeg, Target};
 use crate::soft::peer::{Direct, Held, PeerMap};
 use crate::soft::qp::{SoftQp, SqEntry};
 use crate::soft::raw_io::send_frame;
@@ -140,15 +140,22 @@ fn local_ptrs(sh: &Shared, e: &SqEntry) -> Result<Local, WcStatus> {
         return Ok(Local { pieces: vec![(d.as_ptr() as usize, d.len())], staged: None, reads, gathered: true });
     }
     let need = e.op.local_access();
-    let targets: Vec<(Target, usize)> =
-        e.segs.iter().map(|s| s.target(sh.qp.pd, need).map(|t| (t, s.len as usize))).collect::<Result<_, _>>()?;
-    if !targets.iter().any(|(t, _)| matches!(t, Target::Device(..))) {
-        let pieces = targets.iter().map(|(t, n)| (if let Target::Host(p) = t { *p } else { 0 }, *n)).collect();
+    if !e.segs.iter().any(|s| s.mr.as_ref().is_some_and(|m| m.device.is_some())) {
+        // Host memory only (the common case): the pieces, as they are.
+        let host = |s: &LocalSeg| match s.target(sh.qp.pd, need)? {
+            Target::Host(p) => Ok((p, s.len as usize)),
+            Target::Device(..) => Err(WcStatus::LocProtErr),
+        };
+        let pieces = e.segs.iter().map(host).collect::<Result<_, _>>()?;
         return Ok(Local { pieces, staged: None, reads, gathered: true });
     }
+    let targets: Vec<(Target, usize)> =
+        e.segs.iter().map(|s| s.target(sh.qp.pd, need).map(|t| (t, s.len as usize))).collect::<Result<_, _>>()?;
     let total: usize = targets.iter().map(|t| t.1).sum();
-    let buf = vec![0u8; total];
-    Ok(Local { pieces: vec![(buf.as_ptr() as usize, total)], staged: Some((buf, targets)), reads, gathered: false })
+    let mut buf = vec![0u8; total];
+    // Written through (READ results, gathers): a mutable pointer.
+    let at = buf.as_mut_ptr() as usize;
+    Ok(Local { pieces: vec![(at, total)], staged: Some((buf, targets)), reads, gathered: false })
 }
 
 /// Copies the WR's local memory to (`write`) or from a same-host peer's
