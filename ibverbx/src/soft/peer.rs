@@ -257,6 +257,18 @@ impl PeerMap {
         entry
     }
 
+    /// Remembers that copies with `dev` (opened by [`device`](Self::device))
+    /// fail here (say, GPUs that cannot reach each other): its region is
+    /// staged from now on.
+    pub(crate) fn device_failed(&self, dev: &Arc<dyn crate::PeerDevice>) {
+        let mut devs = self.devs.lock().unwrap_or_else(|e| e.into_inner());
+        for d in devs.values_mut() {
+            if d.as_ref().is_some_and(|x| Arc::ptr_eq(x, dev)) {
+                *d = None;
+            }
+        }
+    }
+
     /// The event fd of the receive CQ of the peer's QP `qpn`, checked.
     pub(crate) async fn recv_cq_waker(&self, qpn: u32, token: [u8; 16]) -> Result<OwnedFd, String> {
         let req = Request { qpn, token, want: Want::RecvCqWaker };

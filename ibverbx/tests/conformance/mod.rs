@@ -41,6 +41,9 @@ pub struct FakeDevice {
     exports: bool,
     bytes: std::sync::Mutex<Vec<u8>>,
     pub copies: std::sync::atomic::AtomicU64,
+    /// Copies peers try through [`FakePeer`], and whether they fail.
+    pub peer_attempts: std::sync::atomic::AtomicU64,
+    pub peer_fails: std::sync::atomic::AtomicBool,
 }
 
 static NEXT_FAKE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
@@ -63,6 +66,8 @@ impl FakeDevice {
             exports,
             bytes: std::sync::Mutex::new(vec![0; len]),
             copies: Default::default(),
+            peer_attempts: Default::default(),
+            peer_fails: Default::default(),
         });
         if exports {
             ibverbx::set_device_ipc(std::sync::Arc::new(FakeIpc));
@@ -151,6 +156,10 @@ impl ibverbx::PeerDevice for FakePeer {
     }
     unsafe fn write(&self, offset: u64, src: *const u8, len: usize) -> Result<(), String> {
         assert!(offset + len as u64 <= self.len, "a peer copy past the exported region");
+        self.dev.peer_attempts.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if self.dev.peer_fails.load(std::sync::atomic::Ordering::Relaxed) {
+            return Err("fake failure".into());
+        }
         let mut v = vec![0u8; len];
         // SAFETY: the caller's readable range, copied through raw pointers.
         unsafe { std::ptr::copy_nonoverlapping(src, v.as_mut_ptr(), len) };
@@ -159,6 +168,10 @@ impl ibverbx::PeerDevice for FakePeer {
     }
     unsafe fn read(&self, offset: u64, dst: *mut u8, len: usize) -> Result<(), String> {
         assert!(offset + len as u64 <= self.len, "a peer copy past the exported region");
+        self.dev.peer_attempts.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if self.dev.peer_fails.load(std::sync::atomic::Ordering::Relaxed) {
+            return Err("fake failure".into());
+        }
         let mut v = vec![0u8; len];
         // SAFETY: inside the exported region (asserted above).
         unsafe { self.dev.read(self.dev.base + self.off + offset, &mut v)? };
@@ -647,6 +660,38 @@ pub fn device_mixed(dev: &Device) {
     }
 }
 
+/// A peer copy into an exported device region that fails (GPUs that
+/// cannot reach each other): the WR completes through the connection with
+/// the right bytes, and later WRs do not try the peer copy again.
+pub fn device_ipc_copy_failure_falls_back(dev: &Device) {
+    if !fake_device_ok(dev) {
+        return;
+    }
+    let p = Pair::new(dev);
+    let src = mr(&p.a.pd, Mem::Heap, 8192, AccessFlags::LOCAL_WRITE);
+    let d = FakeDevice::with(8192, true);
+    // SAFETY: the fake owns its bytes and lives as long as the region.
+    let dst =
+        unsafe { MemoryRegion::register_device(&p.b.pd, d.clone(), d.base, 8192, AccessFlags::all_remote(), None) }
+            .unwrap();
+    d.peer_fails.store(true, std::sync::atomic::Ordering::Relaxed);
+    for (i, seed) in [70u64, 71, 72].into_iter().enumerate() {
+        let data = pattern(8192, seed);
+        src.write(0, &data).unwrap();
+        post(
+            &p.a.qp,
+            i as u64,
+            SendOp::RdmaWrite { remote_addr: dst.addr(), rkey: dst.rkey() },
+            &[src.sge(0, 8192).unwrap()],
+            true,
+        );
+        ok(wait1(&p.a.scq), i as u64, WcOpcode::RdmaWrite);
+        assert!(contents(&dst, 0, 8192) == data, "write {i} through the connection");
+    }
+    let tried = d.peer_attempts.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(tried <= 1, "the failing peer copy was tried {tried} times");
+}
+
 /// Bad rkeys, out-of-bounds addresses, missing access and deregistered
 /// regions give REM_ACCESS_ERR, never a write; the QP goes to ERR and
 /// flushes what follows.
@@ -959,6 +1004,10 @@ macro_rules! conformance_suite {
             if conformance::fake_device_ok(&$dev) {
                 conformance::remote_access_errors(&$dev, conformance::Mem::DeviceIpc);
             }
+        }
+        #[test]
+        fn device_ipc_copy_failure_falls_back() {
+            conformance::device_ipc_copy_failure_falls_back(&$dev);
         }
         #[test]
         fn device_mixed() {

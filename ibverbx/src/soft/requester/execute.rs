@@ -162,7 +162,8 @@ fn local_ptrs(sh: &Shared, e: &SqEntry) -> Result<Local, WcStatus> {
 /// device region at byte `off` of it: a local device segment device to
 /// device where both sides' memory allows it, else through host memory.
 /// False (logged) when a copy fails: the WR then goes through the
-/// connection, which writes or reads all of it again.
+/// connection, which writes or reads all of it again, and so do later ones
+/// (the peer map forgets the opened region).
 fn device_copy(sh: &Shared, dev: &dyn crate::PeerDevice, off: u64, local: &mut Local, write: bool) -> bool {
     let r = (|| -> Result<u64, String> {
         let mut at = off;
@@ -391,7 +392,13 @@ pub(super) async fn execute(sh: &Arc<Shared>, link: &mut Option<Link>, e: SqEntr
                         Err(st) => return finish(sh, inf, st).await,
                     }
                 }
-                Ok(Direct::Device(dev, off, _held)) => device_copy(sh, &*dev, off, &mut staging, true),
+                Ok(Direct::Device(dev, off, _held)) => {
+                    let done = device_copy(sh, &*dev, off, &mut staging, true);
+                    if !done {
+                        l.peer.as_ref().expect("a device region implies a peer").device_failed(&dev);
+                    }
+                    done
+                }
                 Ok(Direct::Staged | Direct::Unmapped(_)) => false,
             };
             match (placed, imm) {
@@ -423,6 +430,7 @@ pub(super) async fn execute(sh: &Arc<Shared>, link: &mut Option<Link>, e: SqEntr
                 if device_copy(sh, &*dev, off, &mut staging, false) {
                     return finish(sh, inf, WcStatus::Success).await;
                 }
+                l.peer.as_ref().expect("a device region implies a peer").device_failed(&dev);
                 Frame::ReadReq { psn: 0, raddr: remote_addr, rkey, len: len as u32 }
             }
             Ok(Direct::Staged | Direct::Unmapped(_)) => {
