@@ -129,6 +129,10 @@ PY
     echo "# python: window ring on CUDA tensors, staged through the transport (at ${SECONDS}s)"
     timeout "$(lim 90)" "$py" -m rmacomm.run --nproc-per-node 2 "$suite/python/cuda_scenarios.py" window_ring_cuda_staged 2>&1 |
       tee "$out/python_window_ring_cuda_staged.log" || rc=1
+    # The transfer agent on CUDA tensors (KV blocks, two processes, IPC).
+    echo "# python: transfer agent on CUDA tensors (at ${SECONDS}s)"
+    timeout "$(lim 90)" "$py" -m rmacomm.run --nproc-per-node 2 "$suite/python/cuda_scenarios.py" agent_cuda 2>&1 |
+      tee "$out/python_agent_cuda.log" || rc=1
     # The native backend's collectives on CUDA tensors (two processes, IPC),
     # checked, then all_reduce's bandwidth.
     echo "# python: native collectives on CUDA tensors (at ${SECONDS}s)"

@@ -214,13 +214,21 @@ impl PyTransferAgent {
         self.agent().metadata()
     }
 
-    /// Registers host memory zero-copy — a numpy array, a CPU torch tensor
-    /// or an `RdmaMemory` (contiguous; kept alive while registered; do not
-    /// resize it) — and returns its region id, by which peers name blocks
-    /// of it. Usable toward every peer.
+    /// Registers memory zero-copy — a numpy array, a torch tensor (CPU or
+    /// CUDA) or an `RdmaMemory` (contiguous; kept alive while registered;
+    /// do not resize it) — and returns its region id, by which peers name
+    /// blocks of it. Usable toward every peer. A CUDA tensor's blocks move
+    /// through the transport: device to device through CUDA IPC with a peer
+    /// on this host, staged through pinned host memory with one on another
+    /// (soft provider); a transfer does not wait for work queued on torch's
+    /// streams (synchronize first).
     fn register(&self, py: Python<'_>, memory: &Bound<'_, PyAny>) -> PyResult<u32> {
         if let Ok(m) = memory.cast::<PyRdmaMemory>() {
             return self.add_region(m.get().reg.clone(), Some(memory.clone().unbind()));
+        }
+        if let Some(t) = crate::cuda_tensor::of(memory, "memory")? {
+            let reg = py.detach(|| Registered::cuda(t)).map_err(py_err)?;
+            return self.add_region(reg, None);
         }
         let t = Tensor::new(memory, "memory", false)?;
         let reg = crate::transport::register_tensor(py, &t, "memory")?;
@@ -363,6 +371,10 @@ impl PyTransferAgent {
                 let (l, r): (Bound<'_, PyAny>, Bound<'_, PyAny>) = item.extract().map_err(|_| bad())?;
                 let (ptr, len) = if l.is_instance_of::<PyTuple>() {
                     l.extract::<(usize, usize)>().map_err(|_| bad())?
+                } else if let Some(t) = crate::cuda_tensor::of(&l, &format!("pieces[{i}][0]"))? {
+                    // A CUDA tensor: its device address, found in a
+                    // registered CUDA tensor's region.
+                    (t.ptr as usize, t.nbytes)
                 } else {
                     let t = Tensor::new(&l, &format!("pieces[{i}][0]"), op == Op::Read)?;
                     (t.ptr as usize, t.nbytes)

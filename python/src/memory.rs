@@ -23,6 +23,9 @@ pub(crate) struct Registered {
     /// pieces are done.
     pub(crate) mem: Arc<RdmaMemory>,
     id: u64,
+    /// What keeps device memory allocated (a CUDA tensor) as long as the
+    /// registration lives; host memory's owner is inside `mem`.
+    _keep: Option<Py<PyAny>>,
 }
 
 type Table = BTreeMap<(usize, u64), (usize, Weak<Registered>)>;
@@ -36,7 +39,16 @@ fn table() -> std::sync::MutexGuard<'static, Table> {
 
 impl Registered {
     fn wrap(mem: RdmaMemory) -> Arc<Registered> {
-        Arc::new(Registered { mem: Arc::new(mem), id: NEXT_ID.fetch_add(1, Ordering::Relaxed) })
+        Arc::new(Registered { mem: Arc::new(mem), id: NEXT_ID.fetch_add(1, Ordering::Relaxed), _keep: None })
+    }
+
+    /// Registers a CUDA tensor's memory (`t`, kept alive by the
+    /// registration). Not published: the table holds host memory only.
+    pub(crate) fn cuda(t: crate::cuda_tensor::CudaTensor) -> Result<Arc<Registered>, TransportError> {
+        // SAFETY: the tensor, kept in `_keep` as long as the registration
+        // (and every transfer holding it) lives, keeps its memory allocated.
+        let mem = unsafe { RdmaMemory::register_cuda(t.ptr, t.nbytes, t.device)? };
+        Ok(Arc::new(Registered { mem: Arc::new(mem), id: NEXT_ID.fetch_add(1, Ordering::Relaxed), _keep: Some(t.obj) }))
     }
 
     /// `len` zeroed bytes of shared memory (a memfd segment that same-host

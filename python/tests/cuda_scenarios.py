@@ -174,6 +174,61 @@ def window_ring_cuda_staged(_: str) -> None:
     log("window_ring_cuda_staged ok")
 
 
+def agent_cuda(_: str) -> None:
+    """KV-cache blocks in CUDA tensors between two TransferAgents (rank 0
+    decode, rank 1 prefill, one GPU: the transport's same-host path opens
+    the peer's memory through CUDA IPC): 16 blocks of 1 MiB written into
+    scattered slots of the decode's cache with one notification, checked
+    there, then read back into another CUDA tensor; the metadata through a
+    TcpStore on MASTER_PORT + 1."""
+    import os
+
+    import torch
+
+    r, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    expect(n == 2, "agent_cuda runs 2 ranks")
+    store = rmacomm.TcpStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]) + 1, n, r == 0, timeout=60)
+    torch.cuda.set_device(0)
+    slots_n, block, blocks = 64, 1 << 20, 16
+    slots = [(7 * b + 3) % slots_n for b in range(blocks)]
+
+    def data(b: int) -> Any:
+        return ((torch.arange(block, device="cuda") * 31 + b * 7 + 1) % 251).to(torch.uint8)
+
+    if r == 0:
+        agent = rmacomm.TransferAgent("decode", timeout=30)
+        cache = torch.zeros((slots_n, block), dtype=torch.uint8, device="cuda")
+        region = agent.register(cache)
+        store.set("decode.meta", agent.metadata())
+        store.set("decode.region", str(region))
+        peer, tag = agent.wait_notification(timeout=60)
+        expect((peer, tag) == ("prefill", b"kv"), f"notification {peer!r} {tag!r}")
+        for b, s in enumerate(slots):
+            expect(torch.equal(cache[s], data(b)), f"slot {s} holds block {b}")
+        others = [s for s in range(slots_n) if s not in slots]
+        expect(not cache[others].any(), "a slot outside the request changed")
+        store.set("decode.checked", "1")
+        store.wait(["prefill.done"], timeout=60)
+    else:
+        agent = rmacomm.TransferAgent("prefill", timeout=30)
+        store.wait(["decode.meta"], timeout=60)
+        agent.add_peer(store.get("decode.meta"))
+        region = int(store.get("decode.region"))
+        kv = torch.stack([data(b) for b in range(blocks)])
+        back = torch.zeros_like(kv)
+        agent.register(kv)
+        agent.register(back)
+        torch.cuda.synchronize()
+        pieces = [(kv[b], (region, s * block, block)) for b, s in enumerate(slots)]
+        agent.transfer("WRITE", "decode", pieces, notify=b"kv").wait(timeout=60)
+        store.wait(["decode.checked"], timeout=60)
+        reads = [(back[b], (region, s * block, block)) for b, s in enumerate(slots)]
+        agent.transfer("READ", "decode", reads).wait(timeout=60)
+        expect(torch.equal(back, kv), "blocks read back")
+        store.set("prefill.done", "1")
+    log("agent_cuda ok")
+
+
 def bench_all_reduce(comm: Any, test: str) -> None:
     """all_reduce's time and bandwidth of f32 CUDA tensors from 64 KiB to 256 MiB as
     JSON lines (rank 0), nccl-tests' way: algbw = bytes / time, busbw =
@@ -344,6 +399,7 @@ SCENARIOS: Dict[str, Callable[[str], None]] = {
     "native_collectives": native_collectives,
     "window_ring_cuda": window_ring_cuda,
     "window_ring_cuda_staged": window_ring_cuda_staged,
+    "agent_cuda": agent_cuda,
     "nccl_collectives": nccl_collectives,
 }
 

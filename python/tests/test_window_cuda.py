@@ -53,6 +53,12 @@ def test_window_ring_on_cuda_tensors_staged() -> None:
     assert out.count("window_ring_cuda_staged ok") == 2
 
 
+def test_agent_on_cuda_tensors() -> None:
+    _require_cuda("the transfer agent on CUDA tensors")
+    out = launch(2, "agent_cuda", "", timeout=600, script=HERE / "cuda_scenarios.py")
+    assert out.count("agent_cuda ok") == 2
+
+
 def test_nccl_backend_collectives_on_one_gpu() -> None:
     _require_cuda("the NCCL backend")
     # One rank: NCCL refuses two ranks on one GPU ("Duplicate GPU detected").
