@@ -60,6 +60,23 @@ impl fmt::Debug for VerbsPd {
 }
 
 impl VerbsPd {
+    /// Takes a registration `ibv_reg_*` returned (null: the error of
+    /// `verb`) and lists it for the keep-alive of posted WRs; `host`: its
+    /// addresses are this process's memory (inline data may come from it).
+    fn adopt(
+        &self,
+        mr: *mut ibv_mr,
+        verb: &'static str,
+        access: AccessFlags,
+        owner: Option<Arc<dyn Any + Send + Sync>>,
+        host: bool,
+    ) -> Result<Arc<MrInner>> {
+        let mr = NonNull::new(mr).ok_or_else(|| Error::last_os(verb))?;
+        let inner = MrInner::new(self.shared.clone(), mr, access, owner, host);
+        self.shared.mrs.lock().unwrap_or_else(|e| e.into_inner()).insert(inner.lkey, Arc::downgrade(&inner));
+        Ok(inner)
+    }
+
     fn finish_reg(
         &self,
         mr: *mut ibv_mr,
@@ -68,12 +85,10 @@ impl VerbsPd {
         owner: Option<Arc<dyn Any + Send + Sync>>,
         host: bool,
     ) -> Result<Arc<dyn MrOps>> {
-        let mr = NonNull::new(mr).ok_or_else(|| Error::last_os(verb))?;
-        let inner = MrInner::new(self.shared.clone(), mr, access, owner, host);
-        self.shared.mrs.lock().unwrap_or_else(|e| e.into_inner()).insert(inner.lkey, Arc::downgrade(&inner));
-        Ok(Arc::new(VerbsMr { inner, device: None }))
+        Ok(Arc::new(VerbsMr { inner: self.adopt(mr, verb, access, owner, host)?, device: None }))
     }
 
+    /// A registration of device memory: never a source of inline data.
     fn finish_device(
         &self,
         mr: *mut ibv_mr,
@@ -81,11 +96,7 @@ impl VerbsPd {
         owner: Option<Arc<dyn Any + Send + Sync>>,
         dev: Arc<dyn crate::DeviceMemory>,
     ) -> Result<Arc<dyn MrOps>> {
-        let mr = NonNull::new(mr).ok_or_else(|| Error::last_os("reg_mr"))?;
-        // Device addresses: never a source of inline data.
-        let inner = MrInner::new(self.shared.clone(), mr, access, owner, false);
-        self.shared.mrs.lock().unwrap_or_else(|e| e.into_inner()).insert(inner.lkey, Arc::downgrade(&inner));
-        Ok(Arc::new(VerbsMr { inner, device: Some(dev) }))
+        Ok(Arc::new(VerbsMr { inner: self.adopt(mr, "reg_mr", access, owner, false)?, device: Some(dev) }))
     }
 
     /// `ibv_reg_dmabuf_mr`: registers `len` bytes at `offset` of a DMA-BUF

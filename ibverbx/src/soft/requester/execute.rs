@@ -61,7 +61,8 @@ async fn place(
     }
 }
 
-/// A WR's local memory as host pieces. Where a segment lies in device
+/// What a WR's local memory needs beside its host pieces (which
+/// [`local_ptrs`] returns with it). Where a segment lies in device
 /// memory, the pieces are one host buffer instead: filled from the
 /// segments by [`Local::gather`] when the WR reads them (WRITE, SEND) and a
 /// path needs host bytes, copied out to them by [`Local::scatter_back`]
@@ -69,7 +70,6 @@ async fn place(
 /// A copy with a same-host peer's device region ([`device_copy`]) uses the
 /// segments themselves, device to device where it can.
 struct Local {
-    pieces: Vec<(usize, usize)>,
     staged: Option<Staged>,
     /// The WR reads its segments (gathered once, when needed).
     reads: bool,
@@ -134,10 +134,10 @@ fn local_copy_failed(what: &str, e: Failed) -> WcStatus {
     WcStatus::LocProtErr
 }
 
-fn local_ptrs(sh: &Shared, e: &SqEntry) -> Result<Local, WcStatus> {
+fn local_ptrs(sh: &Shared, e: &SqEntry) -> Result<(Vec<(usize, usize)>, Local), WcStatus> {
     let reads = e.op.local_access().is_empty();
     if let Some(d) = &e.inline {
-        return Ok(Local { pieces: vec![(d.as_ptr() as usize, d.len())], staged: None, reads, gathered: true });
+        return Ok((vec![(d.as_ptr() as usize, d.len())], Local { staged: None, reads, gathered: true }));
     }
     let need = e.op.local_access();
     if !e.segs.iter().any(|s| s.mr.as_ref().is_some_and(|m| m.device.is_some())) {
@@ -147,7 +147,7 @@ fn local_ptrs(sh: &Shared, e: &SqEntry) -> Result<Local, WcStatus> {
             Target::Device(..) => Err(WcStatus::LocProtErr),
         };
         let pieces = e.segs.iter().map(host).collect::<Result<_, _>>()?;
-        return Ok(Local { pieces, staged: None, reads, gathered: true });
+        return Ok((pieces, Local { staged: None, reads, gathered: true }));
     }
     let targets: Vec<(Target, usize)> =
         e.segs.iter().map(|s| s.target(sh.qp.pd, need).map(|t| (t, s.len as usize))).collect::<Result<_, _>>()?;
@@ -155,7 +155,7 @@ fn local_ptrs(sh: &Shared, e: &SqEntry) -> Result<Local, WcStatus> {
     let mut buf = vec![0u8; total];
     // Written through (READ results, gathers): a mutable pointer.
     let at = buf.as_mut_ptr() as usize;
-    Ok(Local { pieces: vec![(at, total)], staged: Some((buf, targets)), reads, gathered: false })
+    Ok((vec![(at, total)], Local { staged: Some((buf, targets)), reads, gathered: false }))
 }
 
 /// Copies the WR's local memory to (`write`) or from a same-host peer's
@@ -164,7 +164,13 @@ fn local_ptrs(sh: &Shared, e: &SqEntry) -> Result<Local, WcStatus> {
 /// False (logged) when a copy fails: the WR then goes through the
 /// connection, which writes or reads all of it again, and so do later ones
 /// (the peer map forgets the opened region).
-fn device_copy(sh: &Shared, dev: &dyn crate::PeerDevice, off: u64, local: &mut Local, write: bool) -> bool {
+fn device_copy(
+    sh: &Shared,
+    dev: &dyn crate::PeerDevice,
+    off: u64,
+    (pieces, local): (&[(usize, usize)], &Local),
+    write: bool,
+) -> bool {
     let r = (|| -> Result<u64, String> {
         let mut at = off;
         let host = |at: u64, p: usize, n: usize| {
@@ -181,7 +187,7 @@ fn device_copy(sh: &Shared, dev: &dyn crate::PeerDevice, off: u64, local: &mut L
         };
         match &local.staged {
             None => {
-                for &(p, n) in &local.pieces {
+                for &(p, n) in pieces {
                     host(at, p, n)?;
                     at += n as u64;
                 }
@@ -336,11 +342,11 @@ pub(super) async fn execute(sh: &Arc<Shared>, link: &mut Option<Link>, e: SqEntr
     if sh.qp.state_tx.borrow().eq(&QpState::Err) {
         return finish(sh, inf, WcStatus::WrFlushErr).await;
     }
-    let mut staging = match local_ptrs(sh, &e) {
+    let (local, mut staging) = match local_ptrs(sh, &e) {
         Ok(l) => l,
         Err(st) => return finish(sh, inf, st).await,
     };
-    let local = &staging.pieces.clone();
+    let local = &local[..];
     let broken = sh.lock().broken;
     let Some(l) = link.as_mut().filter(|_| broken.is_none()) else {
         // Never connected: this WR finds out (RETRY_EXC_ERR) and takes the
@@ -393,7 +399,7 @@ pub(super) async fn execute(sh: &Arc<Shared>, link: &mut Option<Link>, e: SqEntr
                     }
                 }
                 Ok(Direct::Device(dev, off, _held)) => {
-                    let done = device_copy(sh, &*dev, off, &mut staging, true);
+                    let done = device_copy(sh, &*dev, off, (local, &staging), true);
                     if !done {
                         l.peer.as_ref().expect("a device region implies a peer").device_failed(&dev);
                     }
@@ -427,7 +433,7 @@ pub(super) async fn execute(sh: &Arc<Shared>, link: &mut Option<Link>, e: SqEntr
                 }
             }
             Ok(Direct::Device(dev, off, _held)) => {
-                if device_copy(sh, &*dev, off, &mut staging, false) {
+                if device_copy(sh, &*dev, off, (local, &staging), false) {
                     return finish(sh, inf, WcStatus::Success).await;
                 }
                 l.peer.as_ref().expect("a device region implies a peer").device_failed(&dev);
