@@ -81,7 +81,10 @@ pub const IPC_EXPORT_MAX: usize = 1024;
 /// go through the connection.
 pub trait DeviceIpc: Send + Sync + fmt::Debug {
     /// Opens a peer's description (`pid`: the peer process, as the kernel
-    /// reported it): the result keeps the mapping while it lives.
+    /// reported it): the result keeps the mapping while it lives. The
+    /// description comes from memory peers can write: an implementation
+    /// checks, with its driver, that what it names is device memory
+    /// covering the whole [`PeerDevice::len`] before it returns it.
     fn open(&self, export: &[u8], pid: u32) -> Result<std::sync::Arc<dyn PeerDevice>, String>;
 }
 

@@ -115,13 +115,27 @@ impl ibverbx::DeviceIpc for CudaIpc {
             return Err(format!("the export names pid {owner}, the peer is pid {pid}"));
         }
         let dev = device("open a peer's CUDA memory", ordinal).map_err(|e| e.to_string())?;
+        // The export comes from a segment peers can write: what it names is
+        // checked with the driver (device memory, the whole range inside
+        // one allocation) before any copy may use it.
+        let check = |ptr: DevicePtr| -> Result<(), String> {
+            let info = dev.staging.context().pointer_info(ptr).map_err(|e| e.to_string())?;
+            let fits = ptr.checked_add(len).is_some_and(|end| end <= info.base + info.size as u64);
+            if info.memory_type != MemoryType::Device || !fits {
+                return Err(format!("{len} bytes at {ptr:#x} are not device memory of one allocation"));
+            }
+            Ok(())
+        };
         if owner == std::process::id() {
             // This process's own memory (contexts of one process): its
             // address works as it is (IPC refuses it).
+            check(addr)?;
             return Ok(Arc::new(PeerCuda { dev, ptr: addr, len, _map: None }));
         }
         let map = dev.staging.context().open_ipc(&handle).map_err(|e| e.to_string())?;
-        Ok(Arc::new(PeerCuda { ptr: map.ptr() + offset, dev, len, _map: Some(map) }))
+        let ptr = map.ptr().checked_add(offset).ok_or("the export's offset overflows")?;
+        check(ptr)?;
+        Ok(Arc::new(PeerCuda { ptr, dev, len, _map: Some(map) }))
     }
 }
 
@@ -222,4 +236,43 @@ pub(crate) unsafe fn register(
     // caller's promise.
     let mr = unsafe { MemoryRegion::register_device(&d.pd, dev, ptr, len, ACCESS, None)? };
     Ok(RdmaMemory::from_parts(Arc::new(mr), d))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ibverbx::DeviceIpc;
+
+    /// An export names what a peer may have rewritten: opening it checks
+    /// with the driver (the CUDA stand-in here) that the range is device
+    /// memory of one allocation.
+    #[test]
+    fn an_export_is_checked_before_it_is_used() {
+        let Some(lib) = rmacomm_cuda::standin_for_tests() else { return };
+        std::env::set_var("RMACOMM_CUDA_LIB", &lib);
+        let dev = device("test", 0).unwrap();
+        let mem = dev.staging.context().alloc_shared(8192).unwrap();
+        let me = std::process::id();
+        let export = |addr: u64, len: u64| {
+            let handle = dev.staging.context().ipc_handle(mem.ptr()).unwrap();
+            format!("{IPC_MAGIC} {me} 0 {} 0 {addr} {len}", handle.to_hex()).into_bytes()
+        };
+        let ok = CudaIpc.open(&export(mem.ptr(), 8192), me).unwrap();
+        assert_eq!(ok.len(), 8192);
+        let host = vec![0u8; 8192];
+        for (addr, len, why) in [
+            (host.as_ptr() as u64, 8192, "host memory"),
+            (mem.ptr(), 8193, "past the allocation"),
+            (mem.ptr() + 4096, 8192, "past the allocation"),
+        ] {
+            let e = CudaIpc.open(&export(addr, len), me).unwrap_err();
+            assert!(
+                e.contains("not device memory of one allocation") || e.contains("cuPointerGetAttribute"),
+                "{why}: {e}"
+            );
+        }
+        let e = CudaIpc.open(&export(mem.ptr(), 8192), me + 1).unwrap_err();
+        assert!(e.contains("the peer is pid"), "{e}");
+        assert!(CudaIpc.open(b"something else", me).is_err());
+    }
 }

@@ -721,13 +721,15 @@ impl Kernel {
 }
 
 /// `cuPointerGetAttribute`: memory type (device), ordinal (0), range start
-/// and size, for addresses inside an allocation of this process.
+/// and size, for addresses inside an allocation of this process or an IPC
+/// mapping opened here.
 ///
 /// # Safety
 /// `out` is a valid out-pointer of the attribute's type.
 #[no_mangle]
 pub unsafe extern "C" fn cuPointerGetAttribute(out: *mut c_void, attr: c_int, p: u64) -> CuResult {
-    let found = with(|st| st.allocs.range(..=p).next_back().map(|(b, a)| (*b, a.len)));
+    // Allocations of this process and IPC mappings opened here.
+    let found = with(|st| st.device_ranges.range(..=p).next_back().map(|(b, (_, len))| (*b, *len)));
     let Some((base, len)) = found.filter(|(b, l)| p < b + (*l).max(1) as u64) else { return INVALID_VALUE };
     // SAFETY: the caller's out-pointer, of the attribute's type.
     unsafe {
