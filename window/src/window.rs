@@ -18,6 +18,8 @@ use crate::unified::{Slot, SLOT};
 mod ctran;
 #[allow(unsafe_code)]
 mod device;
+#[allow(unsafe_code)]
+mod proxy;
 use crate::work::Work;
 pub use ctran::{Cmp, SignalOp};
 
@@ -179,8 +181,12 @@ struct Registration {
 /// `tensor_register` / `tensor_deregister` take `&mut self`, so no
 /// operation ([`Work`] borrows the window) is alive across them.
 pub struct Window {
-    // Field order is drop order: the registration and the transports go
-    // before the runtime that drives them.
+    // Field order is drop order: the stream proxy first (its thread ends,
+    // its operations' done words are written), then the registration and
+    // the transports, before the runtime that drives them.
+    /// Runs stream-ordered operations with peers the device does not reach
+    /// (started on first use; `proxy` module).
+    proxy: std::sync::Mutex<Option<Arc<proxy::StreamProxy>>>,
     reg: Option<Registration>,
     /// A registration of device memory (instead of `reg`).
     dev: Option<device::DeviceRegistration>,
@@ -310,6 +316,7 @@ impl Window {
         })?;
         let signal_maps = unify(&group, &rt, &links, &signal_bufs, opts.unified)?;
         Ok(Window {
+            proxy: std::sync::Mutex::new(None),
             reg: None,
             dev: None,
             links,
@@ -459,12 +466,17 @@ impl Window {
         let start = Instant::now();
         let busy = |w: &Window| {
             w.signals_in_flight.load(Ordering::Acquire) > 0
+                || w.proxy_outstanding() > 0
                 || w.links.iter().any(|l| l.out.in_flight() > 0 || l.inbound.in_flight() > 0)
         };
         while busy(self) {
             if start.elapsed() >= self.timeout {
                 return Err(Error::Timeout {
-                    waiting_for: format!("{OP}: this rank's operations in flight"),
+                    waiting_for: format!(
+                        "{OP}: this rank's operations in flight ({} on streams: synchronize the streams that \
+                         carry them)",
+                        self.proxy_outstanding()
+                    ),
                     after: self.timeout,
                 });
             }

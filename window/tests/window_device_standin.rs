@@ -98,7 +98,9 @@ fn a_device_ring_of_threads_with_stream_ordered_signals() {
     });
 }
 
-/// Misuse: operations before registration, registering twice or host
+/// Misuse: operations before registration (stream signals need none: with
+/// no device registration they go through the stream proxy, tested
+/// below), registering twice or host
 /// memory on top, out of bounds, a rank whose pointer is not device memory
 /// (every rank fails, naming it), a window whose peers are not UNIFIED.
 #[test]
@@ -114,14 +116,15 @@ fn device_window_misuse_is_refused_naming_the_operation_and_the_rank() {
         for e in [
             w.device_put(src.all(), 1 - rank, 0, None).unwrap_err(),
             w.device_get(src.all(), 1 - rank, 0, None).unwrap_err(),
-            w.signal_on_stream(1 - rank, &stream).unwrap_err(),
-            w.wait_signal_on_stream(1 - rank, &stream).unwrap_err(),
             w.map_remote_device(0).unwrap_err(),
         ] {
             assert!(
                 matches!(e, Error::InvalidArgument { .. }) && e.to_string().contains("tensor_register_device"),
                 "{e}"
             );
+        }
+        for e in [w.signal_on_stream(5, &stream).unwrap_err(), w.wait_signal_on_stream(5, &stream).unwrap_err()] {
+            assert!(matches!(e, Error::InvalidArgument { .. }) && e.to_string().contains("rank 5"), "{e}");
         }
         // Rank 1 offers an address no allocation holds: both ranks fail,
         // naming rank 1, and nothing is registered.
@@ -211,6 +214,151 @@ fn device_tensors_through_the_transport() {
                 g.barrier(None).unwrap();
             }
             drop(own_reg);
+            w.tensor_deregister().unwrap();
+        });
+    }
+}
+
+/// A word of host memory the device reads (a gate a stream waits at).
+struct Gate {
+    _reg: rmacomm_window::cuda::device::HostRegistration,
+    mem: rmacomm_transport::RdmaMemory,
+    at: u64,
+}
+
+impl Gate {
+    fn new(w: &Window, ctx: &Arc<Context>) -> Gate {
+        let mem = w.alloc(4096).unwrap();
+        // SAFETY: the registration is dropped before the memory (`_reg`
+        // comes first in the struct).
+        #[allow(unsafe_code)]
+        let reg = unsafe { ctx.register_host(mem.as_ptr(), mem.len()) }.unwrap();
+        let at = reg.device_ptr();
+        Gate { _reg: reg, mem, at }
+    }
+
+    fn open(&self, value: u64) {
+        self.mem.write_from(0, &value.to_le_bytes()).unwrap();
+    }
+}
+
+/// Stream-ordered put / signal / wait / get with peers the device does not
+/// reach itself (device memory registered through the transport), run by
+/// the window's stream proxy: with UNIFIED access off (every peer as on
+/// another host: transport signals) and on (signals in shared slots). The
+/// calls return at once: a put queued behind a closed gate has not run
+/// when the gate opens, and work queued after a wait sees the peer's data.
+#[test]
+fn stream_ordered_operations_through_the_proxy() {
+    if !use_standin() {
+        return;
+    }
+    for unified in [false, true] {
+        ranks(3, move |rank, g| {
+            let (right, left) = ((rank + 1) % 3, (rank + 2) % 3);
+            let opts = WindowOptions::new().timeout(Duration::from_secs(30)).unified(unified);
+            let mut w = Window::new(&g, opts).unwrap();
+            const N: usize = (256 << 10) + 12;
+            let ctx = Context::open_shared(0).unwrap();
+            let mine = ctx.alloc_shared(3 * N).unwrap();
+            // SAFETY: `mine` outlives the registration (deregistered below).
+            #[allow(unsafe_code)]
+            let reg = unsafe { w.register_cuda(mine.ptr(), 3 * N, 0) }.unwrap();
+            w.tensor_register(reg, 4).unwrap();
+            let src = Arc::new(w.alloc_cuda(N, 0).unwrap());
+            let back = Arc::new(w.alloc_cuda(N, 0).unwrap());
+            let check = ctx.alloc_shared(N).unwrap();
+            let stream = ctx.stream().unwrap();
+            let gate = Gate::new(&w, &ctx);
+            let data = |r: usize, it: usize| (0..N).map(|i| (i * 5 + r * 17 + it * 3) as u8).collect::<Vec<u8>>();
+            for it in 0..6 {
+                src.write_from(0, &data(rank, it)).unwrap();
+                let gated = it % 2 == 0;
+                if gated {
+                    // SAFETY: the gate's word, registered while `gate` lives.
+                    #[allow(unsafe_code)]
+                    unsafe { stream.wait_value64_geq(gate.at, it as u64 + 1) }.unwrap();
+                }
+                let put = w.put_on_stream(src.clone(), 0, N, right, rank * N / 4, &stream).unwrap();
+                w.signal_on_stream(right, &stream).unwrap();
+                if gated {
+                    std::thread::sleep(Duration::from_millis(30));
+                    assert!(!put.is_completed(), "rank {rank}: the put ran before its stream reached it");
+                    gate.open(it as u64 + 1);
+                }
+                put.wait(None).unwrap();
+                if it == 3 {
+                    // A host wait takes a stream signal.
+                    w.wait_signal(left, None).unwrap();
+                } else {
+                    w.wait_signal_on_stream(left, &stream).unwrap();
+                }
+                // Queued after the wait: sees what the left neighbour put.
+                // SAFETY: both ranges are device memory of this test.
+                #[allow(unsafe_code)]
+                unsafe { stream.copy_async(check.ptr(), mine.ptr() + (left * N) as u64, N) }.unwrap();
+                let got = w.get_on_stream(back.clone(), 0, N, right, rank * N / 4, &stream).unwrap();
+                stream.synchronize().unwrap();
+                got.wait(None).unwrap();
+                let mut seen = vec![0u8; N];
+                check.read_into(0, &mut seen).unwrap();
+                assert!(seen == data(left, it), "rank {rank}, round {it} (unified {unified}): what rank {left} put");
+                back.read_into(0, &mut seen).unwrap();
+                assert!(seen == data(rank, it), "rank {rank}, round {it} (unified {unified}): get from rank {right}");
+                g.barrier(None).unwrap();
+            }
+            assert!(w.stream_error().is_none());
+            w.tensor_deregister().unwrap();
+            drop(mine);
+        });
+    }
+}
+
+/// Stream operations through the proxy that cannot be: out of bounds (an
+/// error at once, nothing queued), inside a CUDA graph capture (refused),
+/// and a wait for a signal that never comes: the stream is released after
+/// the window's timeout, the error names the operation and the peer, and
+/// every later stream operation fails with it.
+#[test]
+fn proxy_misuse_and_failures_are_named_and_never_hold_the_stream() {
+    if !use_standin() {
+        return;
+    }
+    for unified in [false, true] {
+        ranks(2, move |rank, g| {
+            let opts = WindowOptions::new().timeout(Duration::from_secs(1)).unified(unified);
+            let mut w = Window::new(&g, opts).unwrap();
+            w.tensor_register(w.alloc_cuda(64, 0).unwrap(), 4).unwrap();
+            let ctx = Context::open_shared(0).unwrap();
+            let stream = ctx.stream().unwrap();
+            let src = Arc::new(w.alloc_cuda(64, 0).unwrap());
+            let e = w.put_on_stream(src.clone(), 0, 8, 1 - rank, 15, &stream).unwrap_err();
+            assert!(matches!(e, Error::Bounds { .. }) && e.to_string().contains(&format!("rank {}", 1 - rank)), "{e}");
+            let e = w.get_on_stream(src.clone(), 60, 8, 1 - rank, 0, &stream).unwrap_err();
+            assert!(e.to_string().contains("get_on_stream"), "{e}");
+            stream.begin_capture().unwrap();
+            for e in [
+                w.put_on_stream(src.clone(), 0, 8, 1 - rank, 0, &stream).map(drop).unwrap_err(),
+                w.signal_on_stream(1 - rank, &stream).unwrap_err(),
+                w.wait_signal_on_stream(1 - rank, &stream).unwrap_err(),
+            ] {
+                assert!(matches!(e, Error::Unsupported { .. }) && e.to_string().contains("CUDA graph"), "{e}");
+            }
+            drop(stream.end_capture().unwrap());
+            g.barrier(None).unwrap();
+            if rank == 0 {
+                // Rank 1 never signals.
+                let start = std::time::Instant::now();
+                w.wait_signal_on_stream(1, &stream).unwrap();
+                stream.synchronize().unwrap();
+                assert!(start.elapsed() >= Duration::from_millis(900), "released before the timeout");
+                let e = w.stream_error().expect("the wait's failure is kept");
+                let m = e.to_string();
+                assert!(m.contains("wait_signal_on_stream") && m.contains("rank 1"), "{m}");
+                let again = w.put_on_stream(src.clone(), 0, 8, 1, 0, &stream).unwrap_err();
+                assert_eq!(again.to_string(), m);
+            }
+            g.barrier(None).unwrap();
             w.tensor_deregister().unwrap();
         });
     }

@@ -26,8 +26,11 @@
 //! registering fails there with an error naming the peer. Device memory
 //! from [`Window::alloc_cuda`], registered with `tensor_register`, reaches
 //! every peer through the transport instead (staged through pinned host
-//! chunks by the soft provider, DMA-BUF on a verbs device), with
-//! host-ordered signals.
+//! chunks by the soft provider, DMA-BUF on a verbs device); its
+//! stream-ordered operations ([`Window::put_on_stream`],
+//! [`Window::get_on_stream`], and `signal_on_stream` /
+//! `wait_signal_on_stream` whenever no device tensor is registered) are run
+//! by the window's stream proxy (module `proxy`).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -88,7 +91,7 @@ pub(super) struct DeviceRegistration {
 
 /// Zeroed 64-bit words in page-aligned host memory registered with the
 /// device (freed after the registration is dropped).
-struct PinnedWords {
+pub(super) struct PinnedWords {
     ptr: *mut u64,
     /// Words (the allocation may hold more: whole pages).
     n: usize,
@@ -103,7 +106,7 @@ unsafe impl Send for PinnedWords {}
 unsafe impl Sync for PinnedWords {}
 
 impl PinnedWords {
-    fn new(ctx: &Arc<Context>, n: usize) -> std::result::Result<PinnedWords, String> {
+    pub(super) fn new(ctx: &Arc<Context>, n: usize) -> std::result::Result<PinnedWords, String> {
         let layout = std::alloc::Layout::from_size_align((8 * n.max(1)).div_ceil(4096) * 4096, 4096)
             .map_err(|e| e.to_string())?;
         // SAFETY: a non-zero size.
@@ -118,14 +121,14 @@ impl PinnedWords {
         Ok(w)
     }
 
-    fn word(&self, i: usize) -> &std::sync::atomic::AtomicU64 {
+    pub(super) fn word(&self, i: usize) -> &std::sync::atomic::AtomicU64 {
         assert!(i < self.n, "word {i} of {}", self.n);
         // SAFETY: inside the allocation (checked above), 8-byte aligned,
         // live as long as `self`.
         unsafe { std::sync::atomic::AtomicU64::from_ptr(self.ptr.add(i)) }
     }
 
-    fn device_ptr(&self, i: usize) -> DevicePtr {
+    pub(super) fn device_ptr(&self, i: usize) -> DevicePtr {
         assert!(i < self.n, "word {i} of {}", self.n);
         self.reg.as_ref().map_or(0, |r| r.device_ptr()) + 8 * i as u64
     }
@@ -620,8 +623,16 @@ impl Window {
     /// a host [`signal`](Self::signal) to the same peer. Inside a CUDA graph
     /// capture (and from then on) it is a kernel adding one to the slot, so
     /// every replay signals again (module docs).
+    ///
+    /// With no device tensor registered (a window of transport-registered
+    /// memory, or none), the window's stream proxy signals once the stream
+    /// reaches this point; host and stream signals then mix freely, and a
+    /// failure is kept for [`stream_error`](Self::stream_error).
     pub fn signal_on_stream(&self, dst_rank: usize, stream: &Stream) -> Result<()> {
         const OP: &str = "signal_on_stream";
+        if self.dev.is_none() {
+            return self.proxy_signal(dst_rank, stream).map(drop);
+        }
         let (at, _) = self.stream_slots(OP, dst_rank, stream)?;
         if let Some(m) = self.kernel_signals(OP, stream)? {
             // SAFETY: the kernel's one parameter, a slot of a registered
@@ -646,8 +657,17 @@ impl Window {
     /// Inside a CUDA graph capture (and from then on) it is a kernel that
     /// waits for one more signal than the device has counted taken, so
     /// every replay waits again (module docs).
+    ///
+    /// With no device tensor registered, the stream waits until the
+    /// window's stream proxy has taken the peer's next signal; the proxy
+    /// waits at most the window's timeout from when the stream reaches the
+    /// wait, then releases the stream and keeps the error for
+    /// [`stream_error`](Self::stream_error).
     pub fn wait_signal_on_stream(&self, peer_rank: usize, stream: &Stream) -> Result<()> {
         const OP: &str = "wait_signal_on_stream";
+        if self.dev.is_none() {
+            return self.proxy_wait(peer_rank, stream).map(drop);
+        }
         let (_, at) = self.stream_slots(OP, peer_rank, stream)?;
         if let Some(m) = self.kernel_signals(OP, stream)? {
             let taken = self.device_reg(OP)?.taken.device_ptr(peer_rank);
