@@ -87,9 +87,10 @@ impl PyWindow {
     /// signals and waits are queued on a CUDA stream (`stream=`, default
     /// torch's current stream). With a peer on another host (or
     /// `unified=False`) it is registered through the transport (staged
-    /// through pinned host memory on the soft provider): puts and gets
-    /// synchronize `stream` and are placed when they return, signals and
-    /// waits run on the host, and peers' tensors are not mapped.
+    /// through pinned host memory on the soft provider): puts, gets,
+    /// signals and waits are still ordered on `stream` (the window's proxy
+    /// thread runs each when the stream reaches it), and peers' tensors are
+    /// not mapped.
     fn tensor_register(&self, py: Python<'_>, tensor: &Bound<'_, PyAny>) -> PyResult<()> {
         if let Some(t) = cuda_tensor::of(tensor, "tensor")? {
             return self.core.register_cuda(py, t);

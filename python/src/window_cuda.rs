@@ -6,11 +6,11 @@
 //! Where some peer is not UNIFIED (another host, or `unified=False`), the
 //! tensors are registered through the transport instead (*staged*: the
 //! soft provider copies through pinned host chunks, a verbs HCA reaches
-//! the GPU): a put or get registers the tensor it moves and runs on the
-//! host after synchronizing `stream` (its data is placed when the call
-//! returns, also with `async_op`), a signal synchronizes `stream` and
-//! signals from the host, a wait waits on the host (work queued on
-//! `stream` afterwards sees the data), and peers' tensors are not mapped.
+//! the GPU). Their puts, gets, signals and waits are still ordered on
+//! `stream`: the window's stream proxy (a host thread) runs each when the
+//! stream reaches it, and the stream waits for puts, gets and waits to
+//! finish (so the calls return at once; without `async_op` a put or get
+//! synchronizes the stream). Peers' tensors are not mapped.
 
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -91,7 +91,7 @@ impl WinCore {
     /// A put of a CUDA tensor, queued on `stream`; with `async_op` false the
     /// stream is synchronized before this returns (the data is placed).
     pub(crate) fn put_cuda(
-        &self,
+        self: &std::sync::Arc<Self>,
         py: Python<'_>,
         t: &CudaTensor,
         dst: usize,
@@ -103,7 +103,7 @@ impl WinCore {
         let s = cuda_tensor::stream(py, stream, dev)?;
         let (ptr, len) = (t.ptr, t.nbytes);
         if self.staged() {
-            return self.staged_rma(py, &s, "put", (ptr, len, t.device), dst, offset);
+            return self.staged_rma(py, &s, "put", (ptr, len, t.device), dst, offset, async_op);
         }
         // SAFETY: the tensor is alive for the call; queued work on the
         // stream that made (or uses) it is ordered before torch reuses its
@@ -119,7 +119,7 @@ impl WinCore {
     /// A get into a CUDA tensor, queued on `stream` (synchronized without
     /// `async_op`).
     pub(crate) fn get_cuda(
-        &self,
+        self: &std::sync::Arc<Self>,
         py: Python<'_>,
         t: &CudaTensor,
         src: usize,
@@ -131,7 +131,7 @@ impl WinCore {
         let s = cuda_tensor::stream(py, stream, dev)?;
         let (ptr, len) = (t.ptr, t.nbytes);
         if self.staged() {
-            return self.staged_rma(py, &s, "get", (ptr, len, t.device), src, offset);
+            return self.staged_rma(py, &s, "get", (ptr, len, t.device), src, offset, async_op);
         }
         // SAFETY: as for put_cuda, for the destination tensor.
         self.with(py, false, |w| unsafe { w.device_get_ptr(ptr, len, src, offset, Some(&s)) }).map_err(py_err)?;
@@ -143,57 +143,53 @@ impl WinCore {
     }
 
     /// A put (`op` "put") or get of the CUDA tensor `(ptr, len, device)`
-    /// through the transport: `stream` synchronized first (the tensor's
-    /// producers, or its readers, are done), the tensor registered for the
-    /// call, the data placed when this returns.
+    /// through the transport, at this point of `stream`: the tensor is
+    /// registered for the operation, which the window's stream proxy runs
+    /// once the stream reaches it; work queued on `stream` afterwards waits
+    /// for it. Without `async_op` the stream is synchronized and the result
+    /// returned.
+    #[allow(clippy::too_many_arguments)]
     fn staged_rma(
-        &self,
+        self: &std::sync::Arc<Self>,
         py: Python<'_>,
         s: &rmacomm_window::cuda::device::Stream,
         op: &'static str,
         (ptr, len, dev): (u64, usize, u32),
         peer: usize,
         offset: usize,
+        async_op: bool,
     ) -> PyResult<State> {
-        py.detach(|| s.synchronize()).map_err(|e| {
-            Failure::new(ErrKind::Comm, format!("{op} with rank {peer}: synchronizing the stream: {e}"))
-        })?;
-        self.with(py, true, |w| {
-            // SAFETY: the caller's tensor is alive for the call, and the
-            // registration ends with it (the operation is complete).
-            let mem = unsafe { w.register_cuda(ptr, len, dev) }?;
+        let core = self.clone();
+        self.with(py, true, move |w| -> Result<State, Failure> {
+            // SAFETY: the caller's tensor is alive for the call; the
+            // operation runs in `stream`'s order, and work queued there
+            // afterwards (torch's reuse of the tensor's memory included)
+            // waits for it, as for torch's own collectives.
+            let mem = std::sync::Arc::new(unsafe { w.register_cuda(ptr, len, dev) }.map_err(Failure::from)?);
             let work = if op == "put" {
-                w.put(
-                    mem.view(0, len).map_err(|e| rmacomm_window::Error::Transport { op, source: e })?,
-                    peer,
-                    offset,
-                    false,
-                )?
+                w.put_on_stream(mem, 0, len, peer, offset, s)
             } else {
-                w.get(
-                    mem.view_mut(0, len).map_err(|e| rmacomm_window::Error::Transport { op, source: e })?,
-                    peer,
-                    offset,
-                    false,
-                )?
-            };
-            work.wait(None)
+                w.get_on_stream(mem, 0, len, peer, offset, s)
+            }
+            .map_err(Failure::from)?;
+            if async_op {
+                return Ok(core.settle(work, None));
+            }
+            s.synchronize().map_err(|e| {
+                Failure::new(ErrKind::Comm, format!("{op} with rank {peer}: synchronizing the stream: {e}"))
+            })?;
+            work.wait(None).map_err(Failure::from)?;
+            Ok(State::Done(Ok(())))
         })
-        .map_err(py_err)?;
-        Ok(State::Done(Ok(())))
+        .map_err(PyErr::from)
     }
 
     /// A signal queued on `stream` (after the puts queued there before).
     pub(crate) fn signal_cuda(&self, py: Python<'_>, dst: usize, stream: Option<&Bound<'_, PyAny>>) -> PyResult<State> {
         let dev = self.need_device("signal")?;
         let s = cuda_tensor::stream(py, stream, dev)?;
-        if self.staged() {
-            py.detach(|| s.synchronize()).map_err(|e| {
-                Failure::new(ErrKind::Comm, format!("signal to rank {dst}: synchronizing the stream: {e}"))
-            })?;
-            self.with(py, true, |w| w.signal(dst, false).and_then(|work| work.wait(None))).map_err(py_err)?;
-            return Ok(State::Done(Ok(())));
-        }
+        // Staged windows (no device registration): the window's stream
+        // proxy signals once the stream reaches this point.
         self.with(py, false, |w| w.signal_on_stream(dst, &s)).map_err(py_err)?;
         Ok(State::Done(Ok(())))
     }
@@ -208,12 +204,8 @@ impl WinCore {
     ) -> PyResult<State> {
         let dev = self.need_device("wait_signal")?;
         let s = cuda_tensor::stream(py, stream, dev)?;
-        if self.staged() {
-            // On the host: the data is in place when this returns, before
-            // anything queued on the stream afterwards runs.
-            self.with(py, true, |w| w.wait_signal(peer, None)).map_err(py_err)?;
-            return Ok(State::Done(Ok(())));
-        }
+        // Staged windows: the stream waits until the window's stream proxy
+        // has taken the peer's signal.
         self.with(py, false, |w| w.wait_signal_on_stream(peer, &s)).map_err(py_err)?;
         Ok(State::Done(Ok(())))
     }

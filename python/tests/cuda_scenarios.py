@@ -138,8 +138,10 @@ def window_ring_cuda_staged(_: str) -> None:
     """The window ring on CUDA tensors through the transport (staged: what a
     peer on another host gets; here forced with unified=False): f32 and
     i32 x counts 1, 1000 and 1 Mi + 3; puts sync and async, on torch's
-    current stream and a side stream, signals and waits (on the host),
-    get, map_remote_tensor of a peer refused naming it, bounds."""
+    current stream and a side stream, signals and waits ordered on the
+    stream by the window's stream proxy (a put behind a busy GPU carries
+    what the kernel queued just before it wrote), get, map_remote_tensor
+    of a peer refused naming it, bounds."""
     import torch
 
     comm = rmacomm.new_comm("rdma", timeout=60)
@@ -155,6 +157,17 @@ def window_ring_cuda_staged(_: str) -> None:
             expect(win.get_device() == "cuda", "get_device of a staged CUDA window")
             expect(win.get_attr(right).access_type == rmacomm.WinAccessType.SEPARATE, "staged peers are SEPARATE")
             src = ring_rounds(comm, win, buf, count, side, "staged ring")
+            # Stream order through the proxy: the GPU is busy when put
+            # returns; the put still carries what the fill queued before it
+            # wrote, and the check queued after the wait sees the peer's.
+            torch.cuda._sleep(20_000_000)  # type: ignore[no-untyped-call]
+            late = torch.full((count,), r * 100 + 77, dtype=dt, device="cuda")
+            win.put(late, right, r * count, async_op=True)
+            win.signal(right)
+            win.wait_signal(left)
+            want = torch.full((count,), left * 100 + 77, dtype=dt, device="cuda")
+            expect(torch.equal(buf[left * count:(left + 1) * count], want), f"staged stream order {dt} count {count}")
+            comm.barrier()
             back = torch.zeros(count, dtype=dt, device="cuda")
             win.get(back, right, r * count)
             expect(torch.equal(back, src), f"staged get {dt} count {count}")
