@@ -80,7 +80,8 @@ fn window_put_signal_get_between_two_network_namespaces() {
 
 /// The same ring and gets on CUDA device memory (the stand-in's,
 /// `WINDOW_PEER_MEM=cuda`): every tensor, source and destination is device
-/// memory, moved across the namespaces by the transport's device staging.
+/// memory, moved across the namespaces by the transport's device staging;
+/// then the ring ordered on a CUDA stream (the window's stream proxy).
 #[test]
 fn window_on_cuda_memory_between_two_network_namespaces() {
     let Some(lib) = rmacomm_cuda::standin_for_tests() else { return };
@@ -91,6 +92,7 @@ fn window_on_cuda_memory_between_two_network_namespaces() {
         assert!(*ok, "rank {rank} failed (its stderr is above); stdout: {lines:?}");
         let has = |s: &str| lines.iter().any(|l| l.contains(s));
         assert!(has("ring ok: 8 iterations") && has("get ok"), "rank {rank}: {lines:?}");
+        assert!(has("stream ring ok: 4 iterations"), "the stream-ordered ring, rank {rank}: {lines:?}");
         assert_eq!(lines.last().map(String::as_str), Some(format!("rank {rank} ok").as_str()), "{lines:?}");
     }
 }

@@ -9,7 +9,8 @@
 //! signal / wait_signal, 1 Mi f32 and 4 i8 elements, sync and async) and
 //! gets of the peer's buffer, checking every element, and the ctran form
 //! (allocate, SET behind a put, ADDs, wait_signal_until, get_tensor refused
-//! for the other host). Prints one line per
+//! for the other host); with `WINDOW_PEER_MEM=cuda` also the ring ordered
+//! on a CUDA stream (the window's stream proxy). Prints one line per
 //! step and `rank R ok` at the end; on any failure `rank R FAILED: why`
 //! and exit status 1. `WINDOW_PEER_DAMAGE=R`: rank R flips a byte of what
 //! it received before checking it (to show that the check fails).
@@ -77,6 +78,7 @@ fn run(g: &Group, iters: usize) -> R {
 
     ring(g, &mut w, iters)?;
     gets(g, &mut w)?;
+    stream_ring(g, &mut w, iters)?;
     ctran(g)?;
     println!("done in {:?}", t0.elapsed());
     Ok(())
@@ -183,6 +185,49 @@ fn ring(g: &Group, w: &mut Window, iters: usize) -> R {
         w.tensor_deregister().map_err(s)?;
     }
     println!("ring ok: {n} iterations in {:?}", t0.elapsed());
+    Ok(())
+}
+
+/// With `WINDOW_PEER_MEM=cuda`: the ring ordered on a CUDA stream
+/// (`put_on_stream`, `signal_on_stream`, `wait_signal_on_stream`,
+/// `get_on_stream`), which the window's stream proxy runs across the hosts
+/// at the stream's point; once the stream is synchronized, the peer's data
+/// is in this rank's buffer and the get's in `back`.
+fn stream_ring(g: &Group, w: &mut Window, iters: usize) -> R {
+    if !std::env::var("WINDOW_PEER_MEM").is_ok_and(|v| v == "cuda") {
+        return Ok(());
+    }
+    const COUNT: usize = (1 << 20) + 3;
+    let (rank, peer) = (g.rank(), 1 - g.rank());
+    let stream = rmacomm_window::cuda::driver::Context::open_shared(0).and_then(|c| c.stream()).map_err(s)?;
+    w.tensor_register(alloc(w, 2 * COUNT)?, 1).map_err(s)?;
+    let src = std::sync::Arc::new(alloc(w, COUNT)?);
+    let back = std::sync::Arc::new(alloc(w, COUNT)?);
+    for it in 0..iters {
+        let what = |step: &str| format!("stream ring iteration {it}: {step}");
+        src.write_from(0, &data("i8", rank, it, COUNT)).map_err(s)?;
+        let put = w.put_on_stream(src.clone(), 0, COUNT, peer, rank * COUNT, &stream);
+        let put = put.map_err(|e| format!("{}: {e}", what("put_on_stream")))?;
+        w.signal_on_stream(peer, &stream).map_err(|e| format!("{}: {e}", what("signal_on_stream")))?;
+        w.wait_signal_on_stream(peer, &stream).map_err(|e| format!("{}: {e}", what("wait_signal_on_stream")))?;
+        let get = w.get_on_stream(back.clone(), 0, COUNT, peer, rank * COUNT, &stream);
+        let get = get.map_err(|e| format!("{}: {e}", what("get_on_stream")))?;
+        stream.synchronize().map_err(|e| format!("{}: {e}", what("synchronize")))?;
+        put.wait(None).map_err(|e| format!("{}: {e}", what("put")))?;
+        get.wait(None).map_err(|e| format!("{}: {e}", what("get")))?;
+        let mut got = vec![0u8; COUNT];
+        w.local_tensor().expect("registered").read_into(peer * COUNT, &mut got).map_err(s)?;
+        ensure(got == data("i8", peer, it, COUNT), || what(&format!("what rank {peer} put is wrong")))?;
+        back.read_into(0, &mut got).map_err(s)?;
+        ensure(got == data("i8", rank, it, COUNT), || what(&format!("the get from rank {peer} is wrong")))?;
+        g.barrier(None).map_err(s)?;
+    }
+    if let Some(e) = w.stream_error() {
+        return Err(format!("stream ring: a stream operation failed: {e}"));
+    }
+    drop((src, back));
+    w.tensor_deregister().map_err(s)?;
+    println!("stream ring ok: {iters} iterations");
     Ok(())
 }
 
