@@ -87,13 +87,14 @@ PY
   echo "# copy_ceiling (at ${SECONDS}s)"
   timeout "$(lim 60)" "$bin/copy_ceiling" --json 2>&1 | tee "$out/copy_ceiling.jsonl" || rc=1
   # Windows on device memory: two processes on one GPU through CUDA IPC.
-  for sc in ring bw lat; do
+  for sc in ring bw lat proxy; do
     echo "# window on device memory: $sc (at ${SECONDS}s)"
     timeout "$(lim 90)" "$bin/rmacomm-run" --nproc-per-node 2 "$bin/gpu-window-scenario" $sc 2>&1 |
       tee "$out/window_device_$sc.log" || rc=1
   done
   grep -h '"window_device_put"' "$out/window_device_bw.log" | sed 's/^\[[0-9]*\] //' > "$out/window_device_bw.jsonl" || true
   grep -h '"window_device_signal_rtt"' "$out/window_device_lat.log" | sed 's/^\[[0-9]*\] //' > "$out/window_device_lat.jsonl" || true
+  grep -h '"window_proxy_' "$out/window_device_proxy.log" | sed 's/^\[[0-9]*\] //' > "$out/window_proxy.jsonl" || true
   # The transport on device memory (soft provider: staged through pinned
   # chunks), two processes, data verified after every size; beside it the
   # same runs on host memory over the same link (tcp: the staged path's

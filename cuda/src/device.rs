@@ -76,7 +76,11 @@ pub struct IpcHandle(pub [u8; 64]);
 /// PyTorch segment would need.
 static OPENED: std::sync::Mutex<Option<OpenedMap>> = std::sync::Mutex::new(None);
 
-/// (device, handle) → (where it is mapped, mappings using it).
+/// `CUDA_ERROR_ALREADY_MAPPED`.
+const CUDA_ERROR_ALREADY_MAPPED: i32 = 208;
+
+/// (device, handle) → (where it is mapped, mappings using it; 0 while its
+/// last mapping is being closed).
 type OpenedMap = std::collections::HashMap<(i32, IpcHandle), (DevicePtr, usize)>;
 
 impl fmt::Debug for IpcHandle {
@@ -190,6 +194,18 @@ impl Context {
         let mut opened = OPENED.lock().unwrap_or_else(|e| e.into_inner());
         let opened = opened.get_or_insert_with(Default::default);
         if let Some((ptr, refs)) = opened.get_mut(&key) {
+            if *refs == 0 {
+                // Being closed (IpcMapping's drop): it cannot be used, and
+                // waiting for the close could wait for the whole device.
+                return Err(CudaError::Call {
+                    lib: SPEC.lib,
+                    call: "cuIpcOpenMemHandle",
+                    code: CUDA_ERROR_ALREADY_MAPPED,
+                    name: "CUDA_ERROR_ALREADY_MAPPED: this allocation's last mapping here is being closed; open it \
+                           again once that is done"
+                        .into(),
+                });
+            }
             *refs += 1;
             return Ok(IpcMapping { ctx: self.clone(), ptr: *ptr, key });
         }
@@ -410,14 +426,26 @@ impl Drop for IpcMapping {
                 *refs -= 1;
                 false
             }
-            _ => true,
+            Some((_, refs)) => {
+                // Closing: no new mapping takes it (open_ipc refuses).
+                *refs = 0;
+                true
+            }
+            None => false,
         };
+        drop(opened);
         if last {
-            map.remove(&self.key);
+            // Outside the lock: the close may synchronize the context
+            // (wait for every stream), and opens of other allocations must
+            // not wait for that.
             let _ = self.ctx.bind();
             // SAFETY: opened by cuIpcOpenMemHandle, closed once, by the
             // last mapping that used it.
             unsafe { (self.ctx.api.ipc_close)(self.ptr) };
+            let mut opened = OPENED.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(map) = opened.as_mut() {
+                map.remove(&self.key);
+            }
         }
     }
 }

@@ -37,6 +37,7 @@ mod loader;
 pub mod nccl;
 pub mod nccl_comm;
 pub mod nvrtc;
+pub mod reaper;
 pub mod staging;
 
 pub use error::{CudaError, Result};

@@ -89,7 +89,7 @@ struct PeerCuda {
     dev: Arc<CudaMemory>,
     ptr: DevicePtr,
     len: u64,
-    _map: Option<rmacomm_cuda::device::IpcMapping>,
+    map: Option<rmacomm_cuda::device::IpcMapping>,
 }
 
 impl ibverbx::DeviceIpc for CudaIpc {
@@ -130,12 +130,24 @@ impl ibverbx::DeviceIpc for CudaIpc {
             // This process's own memory (contexts of one process): its
             // address works as it is (IPC refuses it).
             check(addr)?;
-            return Ok(Arc::new(PeerCuda { dev, ptr: addr, len, _map: None }));
+            return Ok(Arc::new(PeerCuda { dev, ptr: addr, len, map: None }));
         }
         let map = dev.staging.context().open_ipc(&handle).map_err(|e| e.to_string())?;
         let ptr = map.ptr().checked_add(offset).ok_or("the export's offset overflows")?;
         check(ptr)?;
-        Ok(Arc::new(PeerCuda { ptr, dev, len, _map: Some(map) }))
+        Ok(Arc::new(PeerCuda { ptr, dev, len, map: Some(map) }))
+    }
+}
+
+impl Drop for PeerCuda {
+    fn drop(&mut self) {
+        // The last user of a peer's region may be a soft engine thread,
+        // which stream operations wait for (a window's stream proxy):
+        // closing the mapping may synchronize the device, so it is closed
+        // on the reaper's thread.
+        if let Some(map) = self.map.take() {
+            rmacomm_cuda::reaper::defer(map);
+        }
     }
 }
 

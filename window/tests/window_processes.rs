@@ -150,14 +150,24 @@ fn device_memory_ring_over_cuda_ipc() {
     }
 }
 
-/// The device-memory ring, the bandwidth and signal-latency scenarios included, against the CUDA
+/// The device-memory ring, the bandwidth and signal-latency scenarios and
+/// the stream proxy's (`proxy`: stream-ordered operations through the
+/// transport) included, against the CUDA
 /// stand-in on 2, 3 and 4 ranks: rmacomm's side of device windows (IPC
 /// handle exchange, offsets, bounds, signal counts, stream order, graph
 /// replay) on every CI run. CUDA itself is the GPU suite's to check.
 #[test]
 fn device_memory_ring_against_the_cuda_standin() {
     let Some(lib) = rmacomm_window::cuda::standin_for_tests() else { return };
-    for (n, args) in [(2, &["ring"][..]), (3, &["ring"]), (4, &["ring"]), (2, &["bw", "1048576"]), (2, &["lat"])] {
+    for (n, args) in [
+        (2, &["ring"][..]),
+        (3, &["ring"]),
+        (4, &["ring"]),
+        (2, &["bw", "1048576"]),
+        (2, &["lat"]),
+        (2, &["proxy"]),
+        (3, &["proxy"]),
+    ] {
         let out = Command::new(env!("CARGO_BIN_EXE_rmacomm-run"))
             .args(["--nproc-per-node", &n.to_string(), env!("CARGO_BIN_EXE_gpu-window-scenario")])
             .args(args)
@@ -174,6 +184,10 @@ fn device_memory_ring_against_the_cuda_standin() {
         }
         if args[0] == "lat" {
             assert!(stdout.contains("\"window_device_signal_rtt\",\"host_us\":"), "{stdout}");
+        }
+        if args[0] == "proxy" && n == 2 {
+            assert!(stdout.contains("\"window_proxy_put\",\"bytes\":"), "{stdout}");
+            assert!(stdout.contains("\"window_proxy_signal_rtt\",\"stream_queued_us\":"), "{stdout}");
         }
     }
     // A device without stream memory operations: every stream signal and

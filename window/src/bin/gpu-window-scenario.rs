@@ -20,6 +20,16 @@
 //!   for on the host, and stream signals queued 1000 deep (the GPU hands
 //!   off between the ranks' streams alone); JSON lines on stdout.
 //!
+//! - `proxy`: the window's stream proxy (stream-ordered operations with
+//!   peers the device does not reach), between processes of one GPU with
+//!   UNIFIED access off (every peer as on another host) and device memory
+//!   registered through the transport: the ring ordered on a stream
+//!   (`put_on_stream`, `signal_on_stream`, `wait_signal_on_stream`,
+//!   `get_on_stream`) for 4 KiB, 1 MiB and 16 MiB, every byte checked;
+//!   then (2 ranks) rank 0's 16 MiB puts queued on a stream beside the same
+//!   puts from the host, and signal round trips through the proxy beside
+//!   host signals; JSON lines on stdout.
+//!
 //! Without a GPU each rank prints why and succeeds, unless
 //! `RMACOMM_EXPECT_GPU=1` (the GPU suite), where that is a failure.
 
@@ -60,6 +70,10 @@ fn main() {
             Some("ring") => ring(&g, w, &ctx),
             Some("lat") => lat(&g, w, &ctx),
             Some("bw") => bw(&g, w, &ctx, args.get(1).map_or(Ok(256 << 20), |m| m.parse().map_err(s))),
+            Some("proxy") => {
+                drop(w);
+                proxy(&g, &ctx)
+            }
             other => Err(format!("unknown scenario {other:?}")),
         }),
     };
@@ -412,5 +426,107 @@ fn bw(g: &Group, mut w: Window, ctx: &Arc<Context>, max: Result<usize, String>) 
     }
     g.barrier(None).map_err(s)?;
     w.tensor_deregister_device().map_err(s)?;
+    Ok(())
+}
+
+/// The stream proxy between the ranks (scenario docs).
+fn proxy(g: &Group, ctx: &Arc<Context>) -> R {
+    let (rank, size) = (g.rank(), g.size());
+    let (right, left) = ((rank + 1) % size, (rank + size - 1) % size);
+    let opts = WindowOptions::new().timeout(Duration::from_secs(30)).unified(false);
+    let mut w = Window::new(g, opts).map_err(s)?;
+    let stream = ctx.stream().map_err(s)?;
+    let start = Instant::now();
+    for count in [4096usize, 1 << 20, 16 << 20] {
+        w.tensor_register(w.alloc_cuda(size * count, 0).map_err(s)?, 1).map_err(s)?;
+        let src = Arc::new(w.alloc_cuda(count, 0).map_err(s)?);
+        let back = Arc::new(w.alloc_cuda(count, 0).map_err(s)?);
+        for it in 0..3 {
+            let data = |r: usize| (0..count).map(|i| (i * 7 + r * 31 + it * 3 + i / 4096) as u8).collect::<Vec<u8>>();
+            let what = || format!("proxy ring: {count} bytes, iteration {it}");
+            let fail = |e: Error| format!("{}: {e}", what());
+            src.write_from(0, &data(rank)).map_err(s)?;
+            let put = w.put_on_stream(src.clone(), 0, count, right, rank * count, &stream).map_err(fail)?;
+            w.signal_on_stream(right, &stream).map_err(fail)?;
+            w.wait_signal_on_stream(left, &stream).map_err(fail)?;
+            let get = w.get_on_stream(back.clone(), 0, count, right, rank * count, &stream).map_err(fail)?;
+            wait_stream(&stream, &what)?;
+            put.wait(None).map_err(fail)?;
+            get.wait(None).map_err(fail)?;
+            let mut got = vec![0u8; count];
+            w.local_tensor().expect("registered").read_into(left * count, &mut got).map_err(s)?;
+            ensure(got == data(left), || format!("{}: what rank {left} put is wrong", what()))?;
+            back.read_into(0, &mut got).map_err(s)?;
+            ensure(got == data(rank), || format!("{}: the get from rank {right} is wrong", what()))?;
+            g.barrier(None).map_err(s)?;
+        }
+        drop((src, back));
+        w.tensor_deregister().map_err(s)?;
+    }
+    eprintln!("proxy ring: {:?}", start.elapsed());
+    if let Some(e) = w.stream_error() {
+        return Err(format!("a stream operation failed: {e}"));
+    }
+    if size != 2 {
+        return Ok(());
+    }
+    let peer = 1 - rank;
+    let what = || "proxy timings".to_string();
+    // Bandwidth: rank 0's puts into rank 1, queued on a stream, then the
+    // same puts from the host (each complete before the next).
+    const BYTES: usize = 16 << 20;
+    const PUTS: usize = 20;
+    w.tensor_register(w.alloc_cuda(BYTES, 0).map_err(s)?, 1).map_err(s)?;
+    let src = Arc::new(w.alloc_cuda(BYTES, 0).map_err(s)?);
+    if rank == 0 {
+        let queued = timed(
+            PUTS,
+            || w.put_on_stream(src.clone(), 0, BYTES, 1, 0, &stream).map(drop).map_err(s),
+            || wait_stream(&stream, &what),
+        )?;
+        let view = || src.view(0, BYTES).map_err(s);
+        let host = timed(PUTS, || w.put(view()?, 1, 0, false).map(drop).map_err(s), || Ok(()))?;
+        let mbps = |secs: f64| (PUTS * BYTES) as f64 / secs / 1e6;
+        println!(
+            "{{\"test\":\"window_proxy_put\",\"bytes\":{BYTES},\"stream_MBps\":{:.0},\"host_MBps\":{:.0},\"device\":\"{}\"}}",
+            mbps(queued),
+            mbps(host),
+            ctx.name()
+        );
+    }
+    g.barrier(None).map_err(s)?;
+    // Signal round trips: through the proxy, queued 1000 deep (the streams
+    // hand off between the ranks' proxies alone), then host signals.
+    let mut row = Vec::new();
+    for (name, iters) in [("stream_queued_us", 1000usize), ("host_us", 1000)] {
+        g.barrier(None).map_err(s)?;
+        let t = Instant::now();
+        for _ in 0..iters {
+            let signal = || match name {
+                "host_us" => w.signal(peer, false).map(drop),
+                _ => w.signal_on_stream(peer, &stream),
+            };
+            let wait = || match name {
+                "host_us" => w.wait_signal(peer, None),
+                _ => w.wait_signal_on_stream(peer, &stream),
+            };
+            if rank == 0 {
+                signal().and_then(|()| wait()).map_err(s)?;
+            } else {
+                wait().and_then(|()| signal()).map_err(s)?;
+            }
+        }
+        wait_stream(&stream, &what)?;
+        row.push(format!("\"{name}\":{:.2}", t.elapsed().as_secs_f64() * 1e6 / iters as f64));
+    }
+    if rank == 0 {
+        println!("{{\"test\":\"window_proxy_signal_rtt\",{},\"device\":\"{}\"}}", row.join(","), ctx.name());
+    }
+    g.barrier(None).map_err(s)?;
+    drop(src);
+    w.tensor_deregister().map_err(s)?;
+    if let Some(e) = w.stream_error() {
+        return Err(format!("a stream operation failed: {e}"));
+    }
     Ok(())
 }

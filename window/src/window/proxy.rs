@@ -66,8 +66,12 @@ type RmaFuture = Pin<Box<dyn Future<Output = std::result::Result<(), TransportEr
 /// What the proxy runs once the stream reaches it.
 enum Job {
     /// A transport operation, started (posted) only then: its data is
-    /// ready only then.
-    Rma(Box<dyn FnOnce() -> RmaFuture + Send>),
+    /// ready only then. The memory it moves is kept here, to be dropped on
+    /// the reaper's thread once the operation is done (the last reference
+    /// may free device memory, which may wait for the device: a runtime
+    /// thread that did so would never run the operation a stream waits
+    /// for).
+    Rma(Box<dyn FnOnce() -> RmaFuture + Send>, Option<Arc<RdmaMemory>>),
     /// A signal to a UNIFIED peer: one more in this rank's slot there (the
     /// slot's address, in a mapping that outlives the proxy).
     AddSlot(usize),
@@ -363,10 +367,13 @@ fn run(
             let Pending { guard, job, deadline } = p;
             let (op, peer) = (guard.op, guard.peer);
             match job {
-                Job::Rma(start) => {
+                Job::Rma(start, keep) => {
                     rt.spawn(async move {
                         let r = start().await;
                         guard.finish(r.map_err(|source| Error::Rma { op, peer, source }));
+                        if let Some(mem) = keep {
+                            rmacomm_cuda::reaper::defer(mem);
+                        }
                     });
                 }
                 Job::AddSlot(at) => {
@@ -503,9 +510,9 @@ impl Window {
             self.put(v, dst_rank, target_offset_nelems, false)?;
             return Ok(Work::done(self.rt.handle().clone(), OP, dst_rank, Ok(())));
         };
-        let t = self.links[dst_rank].out.clone();
+        let (t, keep) = (self.links[dst_rank].out.clone(), Some(src.clone()));
         let start = move || -> RmaFuture { Box::pin(t.write_owned(src, src_offset, len, &remote, false)) };
-        let rx = proxy.issue(OP, dst_rank, stream, Job::Rma(Box::new(start)), true)?;
+        let rx = proxy.issue(OP, dst_rank, stream, Job::Rma(Box::new(start), keep), true)?;
         Ok(self.proxied(OP, dst_rank, rx))
     }
 
@@ -531,9 +538,9 @@ impl Window {
             self.get(v, src_rank, source_offset_nelems, false)?;
             return Ok(Work::done(self.rt.handle().clone(), OP, src_rank, Ok(())));
         };
-        let t = self.links[src_rank].out.clone();
+        let (t, keep) = (self.links[src_rank].out.clone(), Some(dst.clone()));
         let start = move || -> RmaFuture { Box::pin(t.read_owned(dst, dst_offset, len, &remote)) };
-        let rx = proxy.issue(OP, src_rank, stream, Job::Rma(Box::new(start)), true)?;
+        let rx = proxy.issue(OP, src_rank, stream, Job::Rma(Box::new(start), keep), true)?;
         Ok(self.proxied(OP, src_rank, rx))
     }
 
@@ -565,7 +572,7 @@ impl Window {
                         t.write_owned(src, 0, 8, &slot, true).await
                     })
                 };
-                Job::Rma(Box::new(start))
+                Job::Rma(Box::new(start), None)
             }
         };
         let rx = proxy.issue(OP, dst_rank, stream, job, false)?;
@@ -596,7 +603,7 @@ impl Window {
             };
         }
         let start = move || -> RmaFuture { Box::pin(link.wait_for_write()) };
-        let rx = proxy.issue(OP, peer_rank, stream, Job::Rma(Box::new(start)), true)?;
+        let rx = proxy.issue(OP, peer_rank, stream, Job::Rma(Box::new(start), None), true)?;
         Ok(self.proxied(OP, peer_rank, rx))
     }
 }
