@@ -1,4 +1,4 @@
-"""A NIXL-compatible facade over ``rmacomm.TransferAgent``, for host memory.
+"""A NIXL-compatible facade over ``rmacomm.TransferAgent``, for host and GPU memory.
 
 The calls KV-cache connectors make of NIXL's Python API (``nixl._api``:
 vLLM's NixlConnector, Dynamo) with NIXL's argument shapes and return
@@ -23,8 +23,14 @@ must lie in memory this agent registered, remote ones in regions the peer
 published (its metadata lists each region's address and length); a
 request becomes one ``TransferAgent.transfer`` of (local, (region, offset,
 length)) pieces with the notification. Backends are accepted and ignored
-(everything goes through rmacomm's transport); only host memory ("DRAM",
-"cpu") is supported. What is not covered is listed in docs/python.md.
+(everything goes through rmacomm's transport). Host memory ("DRAM", "cpu")
+and CUDA device memory ("VRAM", "cuda": torch CUDA tensors, or descriptors
+``(addr, len, devId)`` naming device memory of GPU ``devId``) are
+supported; a GPU block moves device to device through CUDA IPC with a peer
+on this host and staged through pinned host memory with one on another
+(soft provider), and a transfer does not wait for torch's streams
+(synchronize first, as NIXL's users do). What is not covered is listed in
+docs/python.md.
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ DEFAULT_COMM_PORT = 8888
 """NIXL's default metadata port (metadata exchange by listener is not supported)."""
 
 _HOST = ("DRAM", "cpu")
+_DEVICE = ("VRAM", "cuda")
 _NIXL_MEM_TYPES = ("DRAM", "VRAM", "FILE", "BLOCK", "OBJ", "cpu", "cuda")
 _OPS = ("WRITE", "READ")
 
@@ -73,12 +80,12 @@ def _message(msg: Union[bytes, str, None]) -> Optional[bytes]:
 
 
 def _check_mem_type(mem_type: str) -> None:
-    if mem_type in _HOST:
+    if mem_type in _HOST or mem_type in _DEVICE:
         return
     if mem_type in _NIXL_MEM_TYPES:
         raise UnavailableError(
-            f"memory type {mem_type!r}: rmacomm.nixl moves host memory only (\"DRAM\"); GPU, file, block and "
-            "object memory are not supported"
+            f"memory type {mem_type!r}: rmacomm.nixl moves host (\"DRAM\") and GPU (\"VRAM\") memory; file, "
+            "block and object memory are not supported"
         )
     raise ValueError(f"unknown memory type {mem_type!r}; NIXL's are {', '.join(_NIXL_MEM_TYPES)}")
 
@@ -281,16 +288,16 @@ class nixl_agent:
         return list(self.plugin_list)
 
     def get_plugin_mem_types(self, backend: str) -> list[str]:
-        """["DRAM"]: host memory only."""
-        return ["DRAM"]
+        """["DRAM", "VRAM"]: host and CUDA device memory."""
+        return ["DRAM", "VRAM"]
 
     def get_plugin_params(self, backend: str) -> dict[str, str]:
         """{}: rmacomm's options go in nixl_agent_config's keyword arguments."""
         return {}
 
     def get_backend_mem_types(self, backend: str) -> list[str]:
-        """["DRAM"]: host memory only."""
-        return ["DRAM"]
+        """["DRAM", "VRAM"]: host and CUDA device memory."""
+        return ["DRAM", "VRAM"]
 
     def get_backend_params(self, backend: str) -> dict[str, str]:
         """{}."""
@@ -387,16 +394,20 @@ class nixl_agent:
         backends: Optional[list[str]] = None,
     ) -> nixlRegDList:
         """Registers memory (what ``get_reg_descs`` takes) and returns its
-        nixlRegDList. Arrays and tensors are registered zero-copy and kept
-        alive; memory given by address must stay allocated until
-        ``deregister_memory`` (as with NIXL)."""
+        nixlRegDList. Arrays and tensors (CUDA ones too) are registered
+        zero-copy and kept alive; memory given by address must stay
+        allocated until ``deregister_memory`` (as with NIXL). "VRAM"
+        descriptors name CUDA device memory of GPU ``devId`` (checked with
+        the driver: device memory of that GPU, inside one allocation)."""
         descs = self.get_reg_descs(reg_list, mem_type, is_sorted)
         _check_mem_type(descs.mem_type)
         done: list[tuple[tuple[int, int], int]] = []
         try:
-            for i, (addr, length, _dev, _meta) in enumerate(descs.descs):
+            for i, (addr, length, dev, _meta) in enumerate(descs.descs):
                 if descs.objects is not None:
                     region = self.agent.register(descs.objects[i])
+                elif descs.mem_type in _DEVICE:
+                    region = self.agent.register_address(addr, length, device=int(dev))
                 else:
                     region = self.agent.register_address(addr, length)
                 done.append(((addr, length), region))

@@ -240,7 +240,13 @@ impl PyTransferAgent {
     /// keeps that memory alive: the caller must keep it allocated, at that
     /// address, until `deregister` and every transfer using it are done —
     /// as with NIXL, and as with any address handed to C.
-    fn register_address(&self, py: Python<'_>, addr: usize, length: usize) -> PyResult<u32> {
+    ///
+    /// `device=N`: the address is CUDA device memory of GPU `N` (NIXL's
+    /// "VRAM" descriptors: `(addr, len, devId)`), checked with the driver
+    /// (device memory of that GPU, inside one allocation); its blocks move
+    /// as a registered CUDA tensor's do.
+    #[pyo3(signature = (addr, length, device=None))]
+    fn register_address(&self, py: Python<'_>, addr: usize, length: usize, device: Option<u32>) -> PyResult<u32> {
         if addr == 0 || length == 0 {
             return Err(PyValueError::new_err(format!(
                 "register_address: address {addr:#x}, length {length}: neither may be 0"
@@ -248,6 +254,11 @@ impl PyTransferAgent {
         }
         if addr.checked_add(length).is_none() {
             return Err(PyValueError::new_err("register_address: addr + length overflows"));
+        }
+        if let Some(gpu) = device {
+            // SAFETY: the caller's promise, as below, for device memory.
+            let reg = py.detach(|| unsafe { Registered::cuda_address(addr as u64, length, gpu) }).map_err(py_err)?;
+            return self.add_region(reg, None);
         }
         let ptr = addr as *mut u8;
         let owner = memory::find(ptr, length).map(Owner::Mem).unwrap_or(Owner::Caller);

@@ -51,6 +51,18 @@ impl Registered {
         Ok(Arc::new(Registered { mem: Arc::new(mem), id: NEXT_ID.fetch_add(1, Ordering::Relaxed), _keep: Some(t.obj) }))
     }
 
+    /// `len` bytes of CUDA device memory of GPU `gpu` at device address
+    /// `ptr` (checked with the driver), kept alive by nobody.
+    ///
+    /// # Safety
+    /// The memory must stay allocated until the registration (and every
+    /// transfer holding it) is dropped.
+    pub(crate) unsafe fn cuda_address(ptr: u64, len: usize, gpu: u32) -> Result<Arc<Registered>, TransportError> {
+        // SAFETY: forwarded to the caller.
+        let mem = unsafe { RdmaMemory::register_cuda(ptr, len, gpu)? };
+        Ok(Arc::new(Registered { mem: Arc::new(mem), id: NEXT_ID.fetch_add(1, Ordering::Relaxed), _keep: None }))
+    }
+
     /// `len` zeroed bytes of shared memory (a memfd segment that same-host
     /// peers map), registered and published in the table.
     pub(crate) fn alloc(len: usize) -> Result<Arc<Registered>, TransportError> {

@@ -4,6 +4,7 @@ the errors."""
 
 from __future__ import annotations
 
+import os
 import pickle
 import subprocess
 import sys
@@ -82,7 +83,7 @@ def test_connector_script_across_two_network_namespaces(tmp_path: Path) -> None:
 def test_descriptors_and_errors() -> None:
     conf = nixl_agent_config(backends=["UCX"], timeout=10)
     a, b = nixl_agent("na", conf), nixl_agent("nb", nixl_agent_config())
-    assert a.get_plugin_list()[0] == "UCX" and a.get_backend_mem_types("UCX") == ["DRAM"]
+    assert a.get_plugin_list()[0] == "UCX" and a.get_backend_mem_types("UCX") == ["DRAM", "VRAM"]
     src = np.arange(1 << 16, dtype=np.uint8)
     dst = np.zeros(1 << 16, np.uint8)
     reg_a = a.register_memory(src)  # an array: registered zero-copy, kept alive
@@ -107,10 +108,10 @@ def test_descriptors_and_errors() -> None:
         a.initialize_xfer("WRITE", [(dst.ctypes.data, 16, 0)], [(dst.ctypes.data, 16, 0)], name)
     with pytest.raises(rmacomm.ArgumentError, match="pair one to one"):
         a.initialize_xfer("WRITE", d1, [], name)
-    with pytest.raises(rmacomm.UnavailableError, match="host memory only"):
-        a.prep_xfer_dlist(name, [(1, 1, 0)], "VRAM")
-    with pytest.raises(rmacomm.UnavailableError, match="host memory only"):
-        a.register_memory([(1, 1, 0, "")], "VRAM")
+    with pytest.raises(rmacomm.UnavailableError, match="file, block and object memory are not supported"):
+        a.prep_xfer_dlist(name, [(1, 1, 0)], "FILE")
+    with pytest.raises(rmacomm.UnavailableError, match="not supported"):
+        a.register_memory([(1, 1, 0, "")], "OBJ")
     with pytest.raises(ValueError, match="mem_type"):
         a.get_xfer_descs([(1, 1, 0)])
 
@@ -159,3 +160,87 @@ def test_torch_tensors_as_memory() -> None:
     while state == "PROC":
         state = a.check_xfer_state(h)
     assert state == "DONE" and torch.equal(src, dst)
+
+
+STANDIN = Path(__file__).resolve().parents[2] / "target" / "release" / "librmacomm_cuda_standin.so"
+
+VRAM_SCRIPT = r"""
+import ctypes, os, time
+import numpy as np
+import rmacomm
+from rmacomm.nixl import nixl_agent, nixl_agent_config
+
+cu = ctypes.CDLL(os.environ["RMACOMM_CUDA_LIB"])
+assert cu.cuInit(0) == 0
+
+def dev_alloc(n):
+    p = ctypes.c_uint64()
+    assert cu.cuMemAlloc_v2(ctypes.byref(p), ctypes.c_size_t(n)) == 0
+    return p.value
+
+def upload(dst, a):
+    assert cu.cuMemcpyHtoD_v2(ctypes.c_uint64(dst), a.ctypes.data_as(ctypes.c_void_p), ctypes.c_size_t(a.nbytes)) == 0
+
+def download(a, src):
+    assert cu.cuMemcpyDtoH_v2(a.ctypes.data_as(ctypes.c_void_p), ctypes.c_uint64(src), ctypes.c_size_t(a.nbytes)) == 0
+
+def run(a, op, local, remote, peer, tag):
+    h = a.initialize_xfer(op, local, remote, peer, tag)
+    state, end = a.transfer(h), time.monotonic() + 30
+    while state == "PROC" and time.monotonic() < end:
+        state = a.check_xfer_state(h)
+    assert state == "DONE", (state, a.get_xfer_error(h))
+    a.release_xfer_handle(h)
+
+N = (1 << 20) + 5
+conf = nixl_agent_config(timeout=30)
+a, b = nixl_agent("va", conf), nixl_agent("vb", conf)
+vram_b, vram_a = dev_alloc(N), dev_alloc(N)
+host = (np.arange(N) * 7 % 251).astype(np.uint8)
+a.register_memory(host)
+a.register_memory([(vram_a, N, 0, "")], "VRAM")
+b.register_memory([(vram_b, N, 0, "")], "VRAM")
+name = a.add_remote_agent(b.get_agent_metadata())
+remote = b.get_xfer_descs([(vram_b, N, 0)], "VRAM")
+
+# DRAM -> a peer's VRAM.
+run(a, "WRITE", [(host.ctypes.data, N, 0)], remote, name, b"dram")
+got = np.zeros(N, np.uint8)
+download(got, vram_b)
+assert (got == host).all(), "DRAM to VRAM"
+# VRAM -> the peer's VRAM, at an offset.
+mine = (np.arange(N) * 13 % 241).astype(np.uint8)
+upload(vram_a, mine)
+run(a, "WRITE", a.get_xfer_descs([(vram_a + 3, 4096, 0)], "VRAM"), [(vram_b + 1000, 4096, 0)], name, b"vram")
+download(got, vram_b)
+assert (got[1000:5096] == mine[3:4099]).all() and (got[:1000] == host[:1000]).all(), "VRAM to VRAM"
+# READ the peer's VRAM into host memory.
+back = np.zeros(N, np.uint8)
+a.register_memory(back)
+run(a, "READ", [(back.ctypes.data, N, 0)], remote, name, b"")
+assert (back == got).all(), "VRAM read into DRAM"
+# The peer's notifications came.
+end, notes = time.monotonic() + 10, []
+while len(notes) < 2 and time.monotonic() < end:
+    notes += b.get_new_notifs().get("va", [])
+assert sorted(notes) == [b"dram", b"vram"], notes
+# A "VRAM" descriptor of host memory: refused, naming the driver's check.
+try:
+    a.register_memory([(host.ctypes.data, 64, 0, "")], "VRAM")
+    raise AssertionError("host memory registered as VRAM")
+except rmacomm.CommError as e:
+    assert "not CUDA memory" in str(e), str(e)
+print("vram ok")
+"""
+
+
+def test_vram_descriptors_against_the_cuda_standin() -> None:
+    """"VRAM" descriptors by address (device memory of the CUDA stand-in,
+    which faults on any host access): DRAM and VRAM written into a peer
+    agent's VRAM, its VRAM read back into DRAM, host memory refused as
+    VRAM. Runs in a child process with RMACOMM_CUDA_LIB set."""
+    if not STANDIN.exists():
+        pytest.skip(f"the CUDA stand-in is not built ({STANDIN}: cargo build --release -p rmacomm-cuda-standin)")
+    env = dict(os.environ, RMACOMM_CUDA_LIB=str(STANDIN))
+    out = subprocess.run([sys.executable, "-c", VRAM_SCRIPT], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "vram ok" in out.stdout, out.stdout + out.stderr
