@@ -76,6 +76,12 @@ pub struct IpcHandle(pub [u8; 64]);
 /// PyTorch segment would need.
 static OPENED: std::sync::Mutex<Option<OpenedMap>> = std::sync::Mutex::new(None);
 
+/// Signalled when a closing allocation's entry leaves [`OPENED`].
+static CLOSED: std::sync::Condvar = std::sync::Condvar::new();
+
+/// How long `open_ipc` waits for a close of the same allocation.
+const CLOSE_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// `CUDA_ERROR_ALREADY_MAPPED`.
 const CUDA_ERROR_ALREADY_MAPPED: i32 = 208;
 
@@ -191,24 +197,36 @@ impl Context {
     /// process is refused by the driver.
     pub fn open_ipc(self: &Arc<Self>, handle: &IpcHandle) -> Result<IpcMapping> {
         let key = (self.dev, *handle);
-        let mut opened = OPENED.lock().unwrap_or_else(|e| e.into_inner());
-        let opened = opened.get_or_insert_with(Default::default);
-        if let Some((ptr, refs)) = opened.get_mut(&key) {
-            if *refs == 0 {
-                // Being closed (IpcMapping's drop): it cannot be used, and
-                // waiting for the close could wait for the whole device.
-                return Err(CudaError::Call {
-                    lib: SPEC.lib,
-                    call: "cuIpcOpenMemHandle",
-                    code: CUDA_ERROR_ALREADY_MAPPED,
-                    name: "CUDA_ERROR_ALREADY_MAPPED: this allocation's last mapping here is being closed; open it \
-                           again once that is done"
-                        .into(),
-                });
+        let mut guard = OPENED.lock().unwrap_or_else(|e| e.into_inner());
+        // An allocation whose last mapping is being closed (IpcMapping's
+        // drop) is waited for, briefly: the close may wait for the whole
+        // device, and the caller may be a thread a stream waits for.
+        let deadline = std::time::Instant::now() + CLOSE_WAIT;
+        loop {
+            match guard.get_or_insert_with(Default::default).get_mut(&key) {
+                Some((ptr, refs)) if *refs > 0 => {
+                    *refs += 1;
+                    return Ok(IpcMapping { ctx: self.clone(), ptr: *ptr, key });
+                }
+                Some(_) => {
+                    let now = std::time::Instant::now();
+                    if now >= deadline {
+                        return Err(CudaError::Call {
+                            lib: SPEC.lib,
+                            call: "cuIpcOpenMemHandle",
+                            code: CUDA_ERROR_ALREADY_MAPPED,
+                            name: format!(
+                                "CUDA_ERROR_ALREADY_MAPPED: this allocation's last mapping here is still being closed \
+                                 after {CLOSE_WAIT:?} (the close waits for the device); open it again later"
+                            ),
+                        });
+                    }
+                    guard = CLOSED.wait_timeout(guard, deadline - now).unwrap_or_else(|e| e.into_inner()).0;
+                }
+                None => break,
             }
-            *refs += 1;
-            return Ok(IpcMapping { ctx: self.clone(), ptr: *ptr, key });
         }
+        let opened = guard.get_or_insert_with(Default::default);
         self.bind()?;
         let mut ptr = 0;
         // SAFETY: a valid out-pointer; the handle is passed by value.
@@ -446,6 +464,8 @@ impl Drop for IpcMapping {
             if let Some(map) = opened.as_mut() {
                 map.remove(&self.key);
             }
+            drop(opened);
+            CLOSED.notify_all();
         }
     }
 }

@@ -174,7 +174,12 @@ impl PyWindow {
     ///
     /// On a window of CUDA tensors the wait is queued on `stream` (default:
     /// torch's current stream) and this returns at once: work queued there
-    /// afterwards sees the peer's data. The stream waits without a timeout.
+    /// afterwards sees the peer's data. With every peer on this host (IPC)
+    /// the stream waits without a timeout; on a staged window (a peer on
+    /// another host, or `unified=False`) the window's stream proxy waits
+    /// at most the timeout from when the stream reaches the wait, then
+    /// releases the stream: the returned Work (`wait()`) raises that error,
+    /// and so does every later stream operation of the window.
     #[pyo3(signature = (peer_rank, async_op=false, hints=None, timeout=None, stream=None))]
     #[allow(clippy::too_many_arguments)]
     fn wait_signal(

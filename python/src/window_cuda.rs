@@ -103,7 +103,7 @@ impl WinCore {
         let s = cuda_tensor::stream(py, stream, dev)?;
         let (ptr, len) = (t.ptr, t.nbytes);
         if self.staged() {
-            return self.staged_rma(py, &s, "put", (ptr, len, t.device), dst, offset, async_op);
+            return self.staged_rma(py, &s, "put", (ptr, len, t.device, t.obj.clone_ref(py)), dst, offset, async_op);
         }
         // SAFETY: the tensor is alive for the call; queued work on the
         // stream that made (or uses) it is ordered before torch reuses its
@@ -131,7 +131,7 @@ impl WinCore {
         let s = cuda_tensor::stream(py, stream, dev)?;
         let (ptr, len) = (t.ptr, t.nbytes);
         if self.staged() {
-            return self.staged_rma(py, &s, "get", (ptr, len, t.device), src, offset, async_op);
+            return self.staged_rma(py, &s, "get", (ptr, len, t.device, t.obj.clone_ref(py)), src, offset, async_op);
         }
         // SAFETY: as for put_cuda, for the destination tensor.
         self.with(py, false, |w| unsafe { w.device_get_ptr(ptr, len, src, offset, Some(&s)) }).map_err(py_err)?;
@@ -142,19 +142,20 @@ impl WinCore {
         Ok(State::Done(Ok(())))
     }
 
-    /// A put (`op` "put") or get of the CUDA tensor `(ptr, len, device)`
-    /// through the transport, at this point of `stream`: the tensor is
-    /// registered for the operation, which the window's stream proxy runs
-    /// once the stream reaches it; work queued on `stream` afterwards waits
-    /// for it. Without `async_op` the stream is synchronized and the result
-    /// returned.
+    /// A put (`op` "put") or get of the CUDA tensor `(ptr, len, device,
+    /// tensor)` through the transport, at this point of `stream`: the
+    /// tensor is registered for the operation (and kept alive by it, since
+    /// it may run after the caller let go), which the window's stream proxy
+    /// runs once the stream reaches it; work queued on `stream` afterwards
+    /// waits for it. Without `async_op` the stream is synchronized and the
+    /// result returned.
     #[allow(clippy::too_many_arguments)]
     fn staged_rma(
         self: &std::sync::Arc<Self>,
         py: Python<'_>,
         s: &rmacomm_window::cuda::device::Stream,
         op: &'static str,
-        (ptr, len, dev): (u64, usize, u32),
+        (ptr, len, dev, tensor): (u64, usize, u32, Py<PyAny>),
         peer: usize,
         offset: usize,
         async_op: bool,
@@ -165,7 +166,8 @@ impl WinCore {
             // operation runs in `stream`'s order, and work queued there
             // afterwards (torch's reuse of the tensor's memory included)
             // waits for it, as for torch's own collectives.
-            let mem = std::sync::Arc::new(unsafe { w.register_cuda(ptr, len, dev) }.map_err(Failure::from)?);
+            let mem = unsafe { w.register_cuda(ptr, len, dev) }.map_err(Failure::from)?;
+            let mem = std::sync::Arc::new(mem.keep_alive(tensor));
             let work = if op == "put" {
                 w.put_on_stream(mem, 0, len, peer, offset, s)
             } else {
@@ -185,11 +187,22 @@ impl WinCore {
     }
 
     /// A signal queued on `stream` (after the puts queued there before).
-    pub(crate) fn signal_cuda(&self, py: Python<'_>, dst: usize, stream: Option<&Bound<'_, PyAny>>) -> PyResult<State> {
+    pub(crate) fn signal_cuda(
+        self: &std::sync::Arc<Self>,
+        py: Python<'_>,
+        dst: usize,
+        stream: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<State> {
         let dev = self.need_device("signal")?;
         let s = cuda_tensor::stream(py, stream, dev)?;
-        // Staged windows (no device registration): the window's stream
-        // proxy signals once the stream reaches this point.
+        if self.staged() {
+            // The window's stream proxy signals once the stream reaches
+            // this point; the Work carries its result.
+            let core = self.clone();
+            let st =
+                self.with(py, true, move |w| w.signal_on_stream_tracked(dst, &s).map(|work| core.settle(work, None)));
+            return st.map_err(py_err);
+        }
         self.with(py, false, |w| w.signal_on_stream(dst, &s)).map_err(py_err)?;
         Ok(State::Done(Ok(())))
     }
@@ -197,15 +210,21 @@ impl WinCore {
     /// A wait for the next signal from `peer`, queued on `stream`: work
     /// queued there afterwards sees the peer's data.
     pub(crate) fn wait_signal_cuda(
-        &self,
+        self: &std::sync::Arc<Self>,
         py: Python<'_>,
         peer: usize,
         stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<State> {
         let dev = self.need_device("wait_signal")?;
         let s = cuda_tensor::stream(py, stream, dev)?;
-        // Staged windows: the stream waits until the window's stream proxy
-        // has taken the peer's signal.
+        if self.staged() {
+            // The stream waits until the window's stream proxy has taken
+            // the peer's signal; the Work carries the proxy's result.
+            let core = self.clone();
+            let st = self
+                .with(py, true, move |w| w.wait_signal_on_stream_tracked(peer, &s).map(|work| core.settle(work, None)));
+            return st.map_err(py_err);
+        }
         self.with(py, false, |w| w.wait_signal_on_stream(peer, &s)).map_err(py_err)?;
         Ok(State::Done(Ok(())))
     }

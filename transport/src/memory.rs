@@ -19,6 +19,9 @@ pub struct RdmaMemory {
     /// the bytes) outlive this value until they have completed.
     mr: Arc<MemoryRegion>,
     pub(crate) domain: Arc<Domain>,
+    /// What keeps the memory allocated, when the caller handed it over
+    /// ([`keep_alive`](Self::keep_alive)).
+    owner: Option<Box<dyn std::any::Any + Send + Sync>>,
 }
 
 impl fmt::Debug for RdmaMemory {
@@ -51,7 +54,7 @@ impl RdmaMemory {
     pub fn register_for<B: OwnedBuffer>(transport: &RdmaTransport, buf: B) -> Result<RdmaMemory, TransportError> {
         let d = transport.domain().clone();
         let mr = MemoryRegion::register(&d.pd, buf, ACCESS)?;
-        Ok(RdmaMemory { mr: Arc::new(mr), domain: d })
+        Ok(RdmaMemory { mr: Arc::new(mr), domain: d, owner: None })
     }
 
     /// Allocates on the device `transport` uses.
@@ -64,7 +67,7 @@ impl RdmaMemory {
             return Err(TransportError::invalid("RdmaMemory::alloc", "length 0"));
         }
         let mr = MemoryRegion::alloc(&d.pd, len, ACCESS)?;
-        Ok(RdmaMemory { mr: Arc::new(mr), domain: d })
+        Ok(RdmaMemory { mr: Arc::new(mr), domain: d, owner: None })
     }
 
     /// Registers a buffer the caller hands over (`Vec<u8>`, `Box<[u8]>`,
@@ -72,7 +75,7 @@ impl RdmaMemory {
     pub fn register<B: OwnedBuffer>(buf: B) -> Result<RdmaMemory, TransportError> {
         let d = domain(ProviderKind::from_env().unwrap_or_default(), None, None)?;
         let mr = MemoryRegion::register(&d.pd, buf, ACCESS)?;
-        Ok(RdmaMemory { mr: Arc::new(mr), domain: d })
+        Ok(RdmaMemory { mr: Arc::new(mr), domain: d, owner: None })
     }
 
     /// Registers memory the caller owns, e.g. GPU or foreign memory.
@@ -84,7 +87,7 @@ impl RdmaMemory {
         let d = domain(ProviderKind::from_env().unwrap_or_default(), None, None)?;
         // SAFETY: forwarded to the caller.
         let mr = unsafe { MemoryRegion::register_raw(&d.pd, ptr, len, ACCESS)? };
-        Ok(RdmaMemory { mr: Arc::new(mr), domain: d })
+        Ok(RdmaMemory { mr: Arc::new(mr), domain: d, owner: None })
     }
 
     /// Allocates `len` zeroed bytes of CUDA device memory on GPU `device`
@@ -135,7 +138,15 @@ impl RdmaMemory {
     }
 
     pub(crate) fn from_parts(mr: Arc<MemoryRegion>, domain: Arc<Domain>) -> RdmaMemory {
-        RdmaMemory { mr, domain }
+        RdmaMemory { mr, domain, owner: None }
+    }
+
+    /// Keeps `owner` (what keeps the memory allocated: a tensor object, an
+    /// allocation) alive as long as this value, e.g. while an operation
+    /// that holds it runs after the caller let go.
+    pub fn keep_alive(mut self, owner: impl std::any::Any + Send + Sync) -> RdmaMemory {
+        self.owner = Some(Box::new(owner));
+        self
     }
 
     /// What device memory this is ("CUDA device 0 (NVIDIA H100 80GB

@@ -148,6 +148,20 @@ pub enum Error {
         /// Its error.
         reason: String,
     },
+    /// A stream operation run by the window's stream proxy was not run: an
+    /// earlier one of the window failed (its error is `earlier`).
+    #[error(
+        "{op} with rank {peer}: not run, because an earlier stream operation of this window failed ({earlier}); \
+         data after it cannot be trusted: make a new window"
+    )]
+    StreamFailed {
+        /// The operation that was not run.
+        op: &'static str,
+        /// Its peer.
+        peer: usize,
+        /// The first failure of the window's stream operations.
+        earlier: Box<Error>,
+    },
     /// A CUDA driver call of a window on device memory failed (or there is
     /// no driver): the message names the call and the driver's error.
     #[error("{op}: {source}")]

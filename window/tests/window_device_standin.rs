@@ -347,18 +347,28 @@ fn proxy_misuse_and_failures_are_named_and_never_hold_the_stream() {
             drop(stream.end_capture().unwrap());
             g.barrier(None).unwrap();
             if rank == 0 {
-                // Rank 1 never signals.
+                // Rank 1 never signals. A signal queued behind the wait is
+                // not sent once the wait failed (rank 1 checks below).
                 let start = std::time::Instant::now();
-                w.wait_signal_on_stream(1, &stream).unwrap();
+                let wait = w.wait_signal_on_stream_tracked(1, &stream).unwrap();
+                let sig = w.signal_on_stream_tracked(1, &stream).unwrap();
                 stream.synchronize().unwrap();
                 assert!(start.elapsed() >= Duration::from_millis(900), "released before the timeout");
-                let e = w.stream_error().expect("the wait's failure is kept");
-                let m = e.to_string();
+                let m = wait.wait(None).unwrap_err().to_string();
                 assert!(m.contains("wait_signal_on_stream") && m.contains("rank 1"), "{m}");
+                let e = w.stream_error().expect("the wait's failure is kept");
+                assert_eq!(e.to_string(), m);
+                let not_sent = sig.wait(None).unwrap_err();
+                assert!(matches!(not_sent, Error::StreamFailed { op: "signal_on_stream", peer: 1, .. }), "{not_sent}");
+                assert!(not_sent.to_string().contains(&m), "{not_sent}");
                 let again = w.put_on_stream(src.clone(), 0, 8, 1, 0, &stream).unwrap_err();
-                assert_eq!(again.to_string(), m);
+                assert!(matches!(again, Error::StreamFailed { op: "put_on_stream", peer: 1, .. }), "{again}");
             }
             g.barrier(None).unwrap();
+            if rank == 1 {
+                let e = w.wait_signal(0, Some(Duration::from_millis(300))).unwrap_err();
+                assert!(e.to_string().contains("rank 0"), "a signal came after a failed wait: {e}");
+            }
             w.tensor_deregister().unwrap();
         });
     }

@@ -25,11 +25,21 @@
 //! up to the window's timeout). A failed operation (a timeout, a peer gone)
 //! still writes its done word — the stream is never left waiting on the
 //! proxy — and its error is kept: [`Window::stream_error`] returns it, and
-//! every later stream operation of the window fails with it (data after a
-//! failed stream operation cannot be trusted; like NCCL's asynchronous
-//! errors). The words are never freed: the device may read them after the
+//! every later stream operation of the window — issued later, or queued
+//! before and reached after — fails with [`Error::StreamFailed`] instead of
+//! running (a signal behind a failed put would tell the peer that data is
+//! there which never came; like NCCL's asynchronous errors, the window is
+//! done for). The words are never freed: the device may read them after the
 //! window is gone (a stream that has not yet reached its wait), so each
 //! window that used the proxy leaves 16 KiB of registered host memory.
+//!
+//! A wait for a peer on another host takes the peer's next signal when the
+//! stream reaches it (one for a same-host peer claims its number when
+//! issued): host and stream waits from one peer must not be in flight at
+//! once, as on the IPC path. Memory a proxied put or get held is let go on
+//! `rmacomm_cuda::reaper`'s thread: its last reference may free device
+//! memory, which may wait for the device, and the runtime thread that ran
+//! the operation is one a stream may be waiting for.
 //!
 //! The host issues; it does not wait for the stream: `put_on_stream`
 //! returns at once with a [`Work`] that completes when the proxy has run
@@ -268,7 +278,7 @@ impl StreamProxy {
         let seq = {
             let mut q = self.shared.lock();
             if let Some(e) = &q.failed {
-                return Err(e.clone());
+                return Err(Error::StreamFailed { op, peer, earlier: Box::new(e.clone()) });
             }
             let deadline = Instant::now() + self.timeout;
             while q.outstanding + q.poisoned >= RING {
@@ -366,12 +376,20 @@ fn run(
             }
             let Pending { guard, job, deadline } = p;
             let (op, peer) = (guard.op, guard.peer);
+            // Reached after an earlier operation failed: not run (a signal
+            // would tell the peer that data is there which never came).
+            let failed = shared.lock().failed.clone();
+            if let Some(e) = failed {
+                guard.finish(Err(Error::StreamFailed { op, peer, earlier: Box::new(e) }));
+                continue;
+            }
             match job {
                 Job::Rma(start, keep) => {
                     rt.spawn(async move {
                         let r = start().await;
                         guard.finish(r.map_err(|source| Error::Rma { op, peer, source }));
-                        if let Some(mem) = keep {
+                        // Only the last reference may free anything.
+                        if let Some(mem) = keep.and_then(Arc::into_inner) {
                             rmacomm_cuda::reaper::defer(mem);
                         }
                     });
@@ -544,6 +562,30 @@ impl Window {
         Ok(self.proxied(OP, src_rank, rx))
     }
 
+    /// [`signal_on_stream`](Self::signal_on_stream), returning a [`Work`]
+    /// that completes once the signal is sent — at once where the device
+    /// writes it (a window of same-host device tensors), when the stream
+    /// proxy has sent it otherwise — with its error, if any.
+    pub fn signal_on_stream_tracked(&self, dst_rank: usize, stream: &Stream) -> Result<Work<'_>> {
+        if self.dev.is_none() {
+            return self.proxy_signal(dst_rank, stream);
+        }
+        self.signal_on_stream(dst_rank, stream)?;
+        Ok(Work::done(self.rt.handle().clone(), "signal_on_stream", dst_rank, Ok(())))
+    }
+
+    /// [`wait_signal_on_stream`](Self::wait_signal_on_stream), returning a
+    /// [`Work`] that completes once the stream proxy has taken the signal
+    /// (at once where the device waits itself), with its error, if any (a
+    /// timeout, a peer gone).
+    pub fn wait_signal_on_stream_tracked(&self, peer_rank: usize, stream: &Stream) -> Result<Work<'_>> {
+        if self.dev.is_none() {
+            return self.proxy_wait(peer_rank, stream);
+        }
+        self.wait_signal_on_stream(peer_rank, stream)?;
+        Ok(Work::done(self.rt.handle().clone(), "wait_signal_on_stream", peer_rank, Ok(())))
+    }
+
     /// `signal_on_stream` without a device registration: the proxy signals
     /// once the stream reaches it (after the puts queued there before have
     /// been placed: the stream waited for them).
@@ -555,6 +597,7 @@ impl Window {
             self.signal(dst_rank, false)?;
             return Ok(Work::done(self.rt.handle().clone(), OP, dst_rank, Ok(())));
         };
+        self.peer_alive(dst_rank).map_err(|source| Error::Rma { op: OP, peer: dst_rank, source })?;
         let job = match &self.signal_maps[dst_rank] {
             Some(m) => Job::AddSlot(m.as_ptr() as usize + SLOT * self.rank()),
             None => {
