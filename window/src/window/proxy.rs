@@ -251,7 +251,20 @@ impl StreamProxy {
         let s = shared.clone();
         let thread = std::thread::Builder::new()
             .name("rmacomm-stream-proxy".into())
-            .spawn(move || run(s, words, rt, timeout, spin))
+            .spawn(move || {
+                let run = std::panic::AssertUnwindSafe(|| run(s.clone(), words, rt, timeout, spin));
+                if std::panic::catch_unwind(run).is_err() {
+                    // Never leave a stream waiting: what was issued is
+                    // released (the guards write the done words), and what
+                    // comes later is refused.
+                    let mut q = s.lock();
+                    q.shutdown = true;
+                    q.failed.get_or_insert_with(|| Error::Protocol("the window's stream proxy thread panicked".into()));
+                    let orphans = std::mem::take(&mut q.new);
+                    drop(q);
+                    drop(orphans);
+                }
+            })
             .map_err(|e| format!("starting the stream proxy thread: {e}"))?;
         Ok(StreamProxy { ctx, words, shared, timeout, thread: Some(thread) })
     }
@@ -279,6 +292,9 @@ impl StreamProxy {
             let mut q = self.shared.lock();
             if let Some(e) = &q.failed {
                 return Err(Error::StreamFailed { op, peer, earlier: Box::new(e.clone()) });
+            }
+            if q.shutdown {
+                return Err(unsupported(op, "the window's stream proxy has stopped"));
             }
             let deadline = Instant::now() + self.timeout;
             while q.outstanding + q.poisoned >= RING {
@@ -331,6 +347,13 @@ impl StreamProxy {
             guard.tx = Some(tx);
         }
         let mut q = self.shared.lock();
+        if q.shutdown {
+            // The proxy thread is gone: released here (its guard writes
+            // the done word), never queued where nobody takes it.
+            drop(q);
+            drop(Pending { guard, job, deadline: None });
+            return Err(unsupported(op, "the window's stream proxy has stopped"));
+        }
         q.new.push(Pending { guard, job, deadline: None });
         drop(q);
         self.shared.cv.notify_all();
