@@ -101,11 +101,13 @@ if [ "${RMACOMM_PYTHON:-1}" != 0 ]; then
     done
     echo "# GPU library probes and NVRTC compilation against $py_venv (${expect[*]:-no CUDA wheels found: they skip})"
     # With NVRTC there, the native GPU all_reduce compiles the real kernels
-    # and runs against the CUDA stand-in (gpu_standin), and so do the device
-    # windows' signals captured into CUDA graphs (kernels).
+    # and runs against the CUDA stand-in (gpu_standin: through IPC and in
+    # transport mode; and across two network namespaces), and so do the
+    # device windows' signals captured into CUDA graphs (kernels).
     env VIRTUAL_ENV="$(cd "$py_venv" && pwd)" RMACOMM_EXPECT_STANDIN=1 "${expect[@]}" \
       cargo nextest run --release -p rmacomm-cuda -p rmacomm-kernels -p rmacomm-collectives -p rmacomm-window \
-      -E 'binary(probes) | binary(cuda_kernels) | binary(gpu_standin) | test(device_memory_ring_against_the_cuda_standin)' \
+      -p rmacomm-tests \
+      -E 'binary(probes) | binary(cuda_kernels) | binary(gpu_standin) | test(device_memory_ring_against_the_cuda_standin) | test(gpu_collectives_between_two_network_namespaces)' \
       --no-capture
   fi
 fi

@@ -29,6 +29,26 @@
 //! after the slot regions, in device memory the peers write through their
 //! IPC mapping (`RMACOMM_GPU_FLAGS=host` uses the window's signal slots in
 //! registered host memory instead).
+//!
+//! # Across hosts (transport mode)
+//!
+//! Where some rank is on another host ([`GpuComm::new`] sees that the
+//! window's peers are not all UNIFIED; [`GpuComm::new_through_transport`]
+//! asks for it), nothing is read in place: the slot memory is registered
+//! through the transport, and a rank *puts* what a peer needs into the
+//! peer's region (`Window::put_on_stream`, run by the window's stream proxy
+//! at the stream's point; the stream waits until the data is placed), then
+//! the exchange's signals (the proxy's) follow. Each use's region is laid
+//! out for that: all_reduce/reduce stage the chunk, put share p to rank p
+//! (which gathers the n inputs of its share), reduce, put the reduced share
+//! to every rank (the root only, for reduce), exchange, copy out;
+//! broadcast puts the root's chunk to every rank; all_gather puts this
+//! rank's block to every rank; all_to_all and reduce_scatter put block j
+//! to rank j. The reuse argument is the same: a rank puts into a peer's
+//! region of use k only after the peer's signal of use k-1, which the peer
+//! queued after its reads of use k-2. The reductions read local memory
+//! only. A failed put or signal is the window's stream error: the next call
+//! fails with it.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -40,6 +60,8 @@ use rmacomm_window::cuda::nvrtc::Output;
 use rmacomm_window::{Group, Window, WindowOptions};
 
 use crate::error::{Error, Result};
+
+type RdmaMemory = rmacomm_transport::RdmaMemory;
 
 /// Bytes per slot region (two per rank), unless `RMACOMM_GPU_SLOT_BYTES`
 /// says otherwise.
@@ -75,11 +97,18 @@ pub struct GpuComm {
     memops: bool,
     rank: usize,
     size: usize,
+    /// Transport mode (module docs): this rank's slot memory registered
+    /// for the transport, what its puts move from. Dropped before `own`.
+    src: Option<Arc<RdmaMemory>>,
+    /// Transport mode: this rank's slot memory (the window's registration
+    /// of it goes with the window, the first field).
+    _own: Option<DeviceMemory>,
 }
 
 impl std::fmt::Debug for GpuComm {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "GpuComm(rank {} of {}, {} B slots, {})", self.rank, self.size, self.slot, self.ctx.name())
+        let mode = if self.src.is_some() { "transport" } else { "IPC" };
+        write!(f, "GpuComm(rank {} of {}, {} B slots, {mode}, {})", self.rank, self.size, self.slot, self.ctx.name())
     }
 }
 
@@ -112,9 +141,34 @@ fn cuda(op: &'static str) -> impl Fn(rmacomm_window::cuda::CudaError) -> Error {
 
 impl GpuComm {
     /// The GPU communicator of `group`'s ranks on `ctx`'s device
-    /// (collective): a device window of two slot regions per rank, and the
-    /// kernels compiled for the device (NVRTC, cached per architecture).
+    /// (collective): two slot regions per rank and the kernels compiled
+    /// for the device (NVRTC, cached per architecture). With every rank on
+    /// this host, a device window whose peers map each other's slots
+    /// through CUDA IPC; with some rank on another host, slots registered
+    /// through the transport (module docs: transport mode).
     pub fn new(group: &Group, ctx: Arc<Context>, slot_bytes: Option<usize>, timeout: Duration) -> Result<GpuComm> {
+        Self::build(group, ctx, slot_bytes, timeout, false)
+    }
+
+    /// [`new`](Self::new) in transport mode whatever the hosts: what ranks
+    /// on different hosts get, here also between ranks of one host (to
+    /// test it, or to compare it with IPC).
+    pub fn new_through_transport(
+        group: &Group,
+        ctx: Arc<Context>,
+        slot_bytes: Option<usize>,
+        timeout: Duration,
+    ) -> Result<GpuComm> {
+        Self::build(group, ctx, slot_bytes, timeout, true)
+    }
+
+    fn build(
+        group: &Group,
+        ctx: Arc<Context>,
+        slot_bytes: Option<usize>,
+        timeout: Duration,
+        transport: bool,
+    ) -> Result<GpuComm> {
         const OP: &str = "GpuComm::new";
         let slot = slot_bytes
             .or_else(|| std::env::var("RMACOMM_GPU_SLOT_BYTES").ok().and_then(|v| v.parse().ok()))
@@ -122,13 +176,29 @@ impl GpuComm {
             .max(4096)
             / 64
             * 64;
-        let mut win = Window::new(group, WindowOptions::new().timeout(timeout)).map_err(Error::window(OP))?;
-        let device_flags = std::env::var("RMACOMM_GPU_FLAGS").map_or(true, |v| v != "host");
+        let opts = WindowOptions::new().timeout(timeout).unified(!transport);
+        let mut win = Window::new(group, opts).map_err(Error::window(OP))?;
+        // Every rank sees the same: all peers UNIFIED, or some rank not.
+        let transport = transport || !win.all_unified();
+        let mut device_flags = std::env::var("RMACOMM_GPU_FLAGS").map_or(true, |v| v != "host");
         let mem = ctx.alloc_shared(2 * slot + flag_bytes(group.size())).map_err(cuda(OP))?;
-        win.tensor_register_device(mem, 1).map_err(Error::window(OP))?;
         let (rank, size) = (win.rank(), win.size());
-        let slots = (0..size).map(|p| win.map_remote_device(p).map(|m| m.0)).collect::<Result<Vec<_>, _>>();
-        let slots = slots.map_err(Error::window(OP))?;
+        let (slots, src, own) = if transport {
+            let gpu = ctx.ordinal() as u32;
+            // SAFETY: `mem` is kept in `own`, dropped after the window and
+            // `src` (field order).
+            let reg = unsafe { win.register_cuda(mem.ptr(), mem.len(), gpu) }.map_err(Error::window(OP))?;
+            win.tensor_register(reg, 1).map_err(Error::window(OP))?;
+            // SAFETY: as above.
+            let src = unsafe { win.register_cuda(mem.ptr(), mem.len(), gpu) }.map_err(Error::window(OP))?;
+            device_flags = false;
+            let slots = (0..size).map(|p| if p == rank { mem.ptr() } else { 0 }).collect();
+            (slots, Some(Arc::new(src)), Some(mem))
+        } else {
+            win.tensor_register_device(mem, 1).map_err(Error::window(OP))?;
+            let slots = (0..size).map(|p| win.map_remote_device(p).map(|m| m.0)).collect::<Result<Vec<_>, _>>();
+            (slots.map_err(Error::window(OP))?, None, None)
+        };
         let out = rmacomm_kernels::cuda::compile(&ctx.arch()).map_err(|source| Error::Kernel { op: OP, source })?;
         let image = match &*out {
             Output::Cubin(b) => b.clone(),
@@ -155,7 +225,39 @@ impl GpuComm {
             table,
             rank,
             size,
+            src,
+            _own: own,
         })
+    }
+
+    /// Whether this communicator moves data through the transport (module
+    /// docs: transport mode) rather than CUDA IPC.
+    pub fn through_transport(&self) -> bool {
+        self.src.is_some()
+    }
+
+    /// Transport mode: `len` bytes of this rank's slot memory at `from`
+    /// into rank `p`'s at `to`, in the stream's order (the stream waits
+    /// until they are placed); to this rank, a copy.
+    #[allow(clippy::too_many_arguments)]
+    fn put(&self, op: &'static str, from: u64, len: usize, p: usize, to: u64, stream: &Stream) -> Result<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        if p == self.rank {
+            return self.copy(op, self.slots[p] + to, self.slots[p] + from, len, stream);
+        }
+        let src = self.src.as_ref().expect("transport mode").clone();
+        self.win.put_on_stream(src, from as usize, len, p, to as usize, stream).map(drop).map_err(Error::window(op))
+    }
+
+    /// Transport mode: a failed stream operation of an earlier call fails
+    /// this one.
+    fn check_stream(&self, op: &'static str) -> Result<()> {
+        match self.win.stream_error() {
+            Some(e) => Err(Error::window(op)(e)),
+            None => Ok(()),
+        }
     }
 
     /// This rank.
@@ -268,6 +370,30 @@ impl GpuComm {
         Ok(())
     }
 
+    /// Transport mode, all_to_all and reduce_scatter: block j of the chunk
+    /// staged at the region's start, then put to rank j, which receives
+    /// block i from rank i at slot i of the region's second half; then the
+    /// exchange. Returns where that second half starts.
+    #[allow(clippy::too_many_arguments)]
+    fn blocks_out(
+        &mut self,
+        op: &'static str,
+        input: DevicePtr,
+        len: usize,
+        off: usize,
+        clen: usize,
+        at: u64,
+        stream: &Stream,
+    ) -> Result<u64> {
+        self.blocks_in(op, input, len, off, clen, at, stream)?;
+        let recv = at + (self.size * clen) as u64;
+        for p in 0..self.size {
+            self.put(op, at + (p * clen) as u64, clen, p, recv + (self.rank * clen) as u64, stream)?;
+        }
+        self.exchange(op, stream)?;
+        Ok(recv)
+    }
+
     /// The region the next use writes (the same on every rank): its offset
     /// in each rank's slot memory.
     fn next_region(&mut self) -> u64 {
@@ -343,6 +469,23 @@ impl GpuComm {
         if root >= self.size {
             return Err(Error::invalid(OP, format!("root {root} is not a rank of {}", self.size)));
         }
+        if self.through_transport() {
+            self.check_stream(OP)?;
+            return self.uses(OP, len, self.slot, stream, |c, off, clen, at| {
+                let own = c.slots[c.rank];
+                if c.rank == root {
+                    c.copy(OP, own + at, buf + off as u64, clen, stream)?;
+                    for p in (0..c.size).filter(|p| *p != root) {
+                        c.put(OP, at, clen, p, at, stream)?;
+                    }
+                }
+                c.exchange(OP, stream)?;
+                if c.rank != root {
+                    c.copy(OP, buf + off as u64, own + at, clen, stream)?;
+                }
+                Ok(())
+            });
+        }
         self.uses(OP, len, self.slot, stream, |c, off, clen, at| {
             if c.rank == root {
                 c.copy(OP, c.slots[root] + at, buf + off as u64, clen, stream)?;
@@ -368,6 +511,23 @@ impl GpuComm {
         stream: &Stream,
     ) -> Result<()> {
         const OP: &str = "all_gather_single";
+        if self.through_transport() {
+            self.check_stream(OP)?;
+            let step = (self.slot / self.size).max(1);
+            return self.uses(OP, len, step, stream, |c, off, clen, at| {
+                let (me, own) = (c.rank, c.slots[c.rank]);
+                let mine = at + (me * clen) as u64;
+                c.copy(OP, own + mine, input + off as u64, clen, stream)?;
+                for p in (0..c.size).filter(|p| *p != me) {
+                    c.put(OP, mine, clen, p, mine, stream)?;
+                }
+                c.exchange(OP, stream)?;
+                for p in 0..c.size {
+                    c.copy(OP, output + (p * len + off) as u64, own + at + (p * clen) as u64, clen, stream)?;
+                }
+                Ok(())
+            });
+        }
         self.uses(OP, len, self.slot, stream, |c, off, clen, at| {
             c.copy(OP, c.slots[c.rank] + at, input + off as u64, clen, stream)?;
             c.exchange(OP, stream)?;
@@ -393,6 +553,23 @@ impl GpuComm {
         stream: &Stream,
     ) -> Result<()> {
         const OP: &str = "all_to_all_single";
+        if self.through_transport() {
+            self.check_stream(OP)?;
+            let step = (self.slot / (2 * self.size)).max(1);
+            return self.uses(OP, len, step, stream, |c, off, clen, at| {
+                let recv = c.blocks_out(OP, input, len, off, clen, at, stream)?;
+                for p in 0..c.size {
+                    c.copy(
+                        OP,
+                        output + (p * len + off) as u64,
+                        c.slots[c.rank] + recv + (p * clen) as u64,
+                        clen,
+                        stream,
+                    )?;
+                }
+                Ok(())
+            });
+        }
         let step = (self.slot / self.size).max(1);
         self.uses(OP, len, step, stream, |c, off, clen, at| {
             c.blocks_in(OP, input, len, off, clen, at, stream)?;
@@ -422,6 +599,16 @@ impl GpuComm {
     ) -> Result<()> {
         const OP: &str = "reduce_scatter_single";
         let (e, es) = reduction(OP, op, dtype, len)?;
+        if self.through_transport() {
+            self.check_stream(OP)?;
+            let step = (self.slot / (2 * self.size) / es * es).max(es);
+            return self.uses(OP, len, step, stream, |c, off, clen, at| {
+                let recv = c.blocks_out(OP, input, len, off, clen, at, stream)?;
+                let own = c.slots[c.rank];
+                let inputs: Vec<DevicePtr> = (0..c.size).map(|p| own + recv + (p * clen) as u64).collect();
+                c.reduce_kernel(OP, &e, op, output + off as u64, &inputs, clen / es, stream)
+            });
+        }
         let step = (self.slot / self.size / es * es).max(es);
         self.uses(OP, len, step, stream, |c, off, clen, at| {
             c.blocks_in(OP, input, len, off, clen, at, stream)?;
@@ -492,6 +679,40 @@ impl GpuComm {
         let (e, es) = reduction(what, op, dtype, len)?;
         let (me, n) = (self.rank, self.size);
         let gets_result = root.is_none_or(|r| r == me);
+        if self.through_transport() {
+            self.check_stream(what)?;
+            // A region: the staged chunk, n inputs of this rank's share
+            // (one per rank, `stride` apart), the reduced chunk.
+            let step = (self.slot.saturating_sub(n * es) / 3 / es * es).max(es);
+            return self.uses(what, len, step, stream, |c, off, clen, at| {
+                let elems = clen / es;
+                let stride = (elems.div_ceil(n) * es) as u64;
+                let (stage, inputs, results) = (at, at + clen as u64, at + clen as u64 + n as u64 * stride);
+                let own = c.slots[me];
+                c.copy(what, own + stage, buf + off as u64, clen, stream)?;
+                // Share p of my chunk to rank p, as its input from me.
+                for p in 0..n {
+                    let (a, b) = c.share(p, elems);
+                    c.put(what, stage + (a * es) as u64, (b - a) * es, p, inputs + me as u64 * stride, stream)?;
+                }
+                c.exchange(what, stream)?;
+                let (a, b) = c.share(me, elems);
+                if b > a {
+                    let ins: Vec<DevicePtr> = (0..n).map(|r| own + inputs + r as u64 * stride).collect();
+                    c.reduce_kernel(what, &e, op, own + results + (a * es) as u64, &ins, b - a, stream)?;
+                    // My reduced share to every rank that gets the result.
+                    for p in (0..n).filter(|p| *p != me && root.is_none_or(|r| r == *p)) {
+                        let at = results + (a * es) as u64;
+                        c.put(what, at, (b - a) * es, p, at, stream)?;
+                    }
+                }
+                c.exchange(what, stream)?;
+                if gets_result {
+                    c.copy(what, buf + off as u64, own + results, clen, stream)?;
+                }
+                Ok(())
+            });
+        }
         self.uses(what, len, self.slot / es * es, stream, |c, off, clen, at| {
             let elems = clen / es;
             // 1. My input.

@@ -41,29 +41,41 @@ fn as_bytes<T: Copy>(v: &[T]) -> Vec<u8> {
 }
 
 /// Runs `f(rank, group, ctx, comm, stream)` on three thread ranks, each with
-/// a GpuComm of 64 KiB slots; drops the comm after a barrier (a free
-/// synchronizes the whole device: no rank may still be waiting; `f` frees
-/// its buffers after a barrier too).
+/// a GpuComm of 64 KiB slots, twice: through CUDA IPC (the ranks share a
+/// host), then in transport mode (what ranks on different hosts get: puts
+/// through the window's stream proxy); drops the comm after a barrier (a
+/// free synchronizes the whole device: no rank may still be waiting; `f`
+/// frees its buffers after a barrier too).
 fn three_ranks(f: fn(usize, &Group, &Arc<Context>, &mut GpuComm, &rmacomm_window::cuda::device::Stream)) {
-    let store: Arc<dyn Store> = Arc::new(HashStore::new());
-    let n = 3;
-    let handles: Vec<_> = (0..n)
-        .map(|rank| {
-            let store = store.clone();
-            std::thread::spawn(move || {
-                let g =
-                    Group::with_options(rank, n, store, GroupOptions::new().timeout(Duration::from_secs(60))).unwrap();
-                let ctx = Context::open_shared(0).unwrap();
-                let mut c = GpuComm::new(&g, ctx.clone(), Some(64 << 10), Duration::from_secs(60)).unwrap();
-                let stream = ctx.stream().unwrap();
-                f(rank, &g, &ctx, &mut c, &stream);
-                g.barrier(None).unwrap();
-                drop(c);
+    for transport in [false, true] {
+        let store: Arc<dyn Store> = Arc::new(HashStore::new());
+        let n = 3;
+        let handles: Vec<_> = (0..n)
+            .map(|rank| {
+                let store = store.clone();
+                std::thread::spawn(move || {
+                    let opts = GroupOptions::new().timeout(Duration::from_secs(60));
+                    let g = Group::with_options(rank, n, store, opts).unwrap();
+                    let ctx = Context::open_shared(0).unwrap();
+                    let (slot, t) = (Some(64 << 10), Duration::from_secs(60));
+                    let mut c = if transport {
+                        GpuComm::new_through_transport(&g, ctx.clone(), slot, t).unwrap()
+                    } else {
+                        GpuComm::new(&g, ctx.clone(), slot, t).unwrap()
+                    };
+                    assert_eq!(c.through_transport(), transport, "{c:?}");
+                    let stream = ctx.stream().unwrap();
+                    f(rank, &g, &ctx, &mut c, &stream);
+                    g.barrier(None).unwrap();
+                    drop(c);
+                })
             })
-        })
-        .collect();
-    for h in handles {
-        h.join().unwrap();
+            .collect();
+        for (rank, h) in handles.into_iter().enumerate() {
+            if h.join().is_err() {
+                panic!("rank {rank} failed ({})", if transport { "transport mode" } else { "IPC" });
+            }
+        }
     }
 }
 

@@ -1,8 +1,9 @@
 //! Collectives between two "hosts": two ranks in two network namespaces
 //! joined by a veth pair (the soft provider talks TCP, the window pairs are
 //! SEPARATE), running every operation of the `all` scenario
-//! (`collectives/src/bin/coll-scenario.rs`). Needs root and iproute2;
-//! skipped with the reason otherwise.
+//! (`collectives/src/bin/coll-scenario.rs`), and the native GPU
+//! collectives on the CUDA stand-in (`gpu`: transport mode). Needs root and
+//! iproute2; skipped with the reason otherwise.
 
 use std::time::{Duration, Instant};
 
@@ -12,20 +13,64 @@ const PEER: &str = env!("CARGO_BIN_EXE_coll_peer");
 
 #[test]
 fn all_collectives_between_two_network_namespaces() {
-    let ns = match NetnsPair::create() {
-        Ok(ns) => ns,
-        Err(why) => {
-            println!("skipped: two network namespaces need root and iproute2 ({why})");
+    let Some(ns) = namespaces() else { return };
+    let t0 = Instant::now();
+    let (l0, ok0, l1, ok1) = pair(&ns, "29519", "all", &[], Duration::from_secs(240));
+    eprintln!("collectives across two namespaces: {:?}", t0.elapsed());
+    for (rank, (lines, ok)) in [(l0, ok0), (l1, ok1)].iter().enumerate() {
+        assert!(*ok, "rank {rank} failed (its stderr is above); stdout: {lines:?}");
+        assert!(lines.iter().any(|l| l.starts_with(&format!("rank {rank} ok"))), "rank {rank}: {lines:?}");
+    }
+}
+
+/// The native GPU collectives (`GpuComm`) on the CUDA stand-in's device
+/// memory between the two namespaces: the ranks are on different hosts,
+/// so transport mode (puts through the windows' stream proxies across the
+/// veth pair); every result checked. Needs the stand-in and NVRTC (CI's
+/// NVRTC stage); says why it skipped otherwise.
+#[test]
+fn gpu_collectives_between_two_network_namespaces() {
+    let Some(lib) = rmacomm_cuda::standin_for_tests() else { return };
+    let Some(ns) = namespaces() else { return };
+    let lib = lib.to_string_lossy().into_owned();
+    let (l0, ok0, l1, ok1) = pair(&ns, "29521", "gpu", &[("RMACOMM_CUDA_LIB", &lib)], Duration::from_secs(240));
+    for (rank, (lines, ok)) in [(l0, ok0), (l1, ok1)].iter().enumerate() {
+        assert!(*ok, "rank {rank} failed (its stderr is above); stdout: {lines:?}");
+        if let Some(why) = lines.iter().find(|l| l.starts_with("gpu skipped")) {
+            let expect = std::env::var("RMACOMM_EXPECT_NVRTC").is_ok_and(|v| v == "1");
+            assert!(!expect || !why.contains("NVRTC"), "RMACOMM_EXPECT_NVRTC=1 but rank {rank}: {why}");
+            println!("skipped: {why}");
             return;
         }
-    };
-    let t0 = Instant::now();
-    let port = "29519";
+        let has = |s: &str| lines.iter().any(|l| l == s);
+        assert!(has("gpu mode: transport") && has("gpu ok"), "rank {rank}: {lines:?}");
+    }
+}
+
+fn namespaces() -> Option<NetnsPair> {
+    match NetnsPair::create() {
+        Ok(ns) => Some(ns),
+        Err(why) => {
+            println!("skipped: two network namespaces need root and iproute2 ({why})");
+            None
+        }
+    }
+}
+
+/// Runs `coll_peer SCENARIO` as ranks 0 and 1, one per namespace; each
+/// rank's stdout lines and whether it exited with 0.
+fn pair(
+    ns: &NetnsPair,
+    port: &str,
+    scenario: &str,
+    extra: &[(&str, &str)],
+    limit: Duration,
+) -> (Vec<String>, bool, Vec<String>, bool) {
     let peers: Vec<Peer> = [(&ns.a, &ns.dev_a, "0", "rank 0"), (&ns.b, &ns.dev_b, "1", "rank 1")]
         .into_iter()
         .map(|(netns, dev, rank, name)| {
             let ifname = format!("={dev}");
-            let env = [
+            let mut env = vec![
                 ("RMACOMM_PROVIDER", "soft"),
                 ("RMACOMM_SOFT_LINK", "auto"),
                 ("RMACOMM_SOCKET_IFNAME", ifname.as_str()),
@@ -36,16 +81,13 @@ fn all_collectives_between_two_network_namespaces() {
                 ("MASTER_ADDR", ns.addr_a.as_str()),
                 ("MASTER_PORT", port),
             ];
-            Peer::spawn(name, PEER, &NetnsPair::prefix(netns), &["all"], &env)
+            env.extend_from_slice(extra);
+            Peer::spawn(name, PEER, &NetnsPair::prefix(netns), &[scenario], &env)
         })
         .collect();
     let mut it = peers.into_iter();
     let (p0, p1) = (it.next().unwrap(), it.next().unwrap());
-    let (l1, ok1) = p1.finish(Duration::from_secs(240));
+    let (l1, ok1) = p1.finish(limit);
     let (l0, ok0) = p0.finish(Duration::from_secs(60));
-    eprintln!("collectives across two namespaces: {:?}", t0.elapsed());
-    for (rank, (lines, ok)) in [(l0, ok0), (l1, ok1)].iter().enumerate() {
-        assert!(*ok, "rank {rank} failed (its stderr is above); stdout: {lines:?}");
-        assert!(lines.iter().any(|l| l.starts_with(&format!("rank {rank} ok"))), "rank {rank}: {lines:?}");
-    }
+    (l0, ok0, l1, ok1)
 }

@@ -4,8 +4,11 @@
 //! non-zero (with a message) when something is wrong.
 //!
 //! `coll-scenario SCENARIO`: `all` (every operation, torchcomms'
-//! conventions), `mismatch`, `killed`. `COLL_PATH=separate` turns the
-//! UNIFIED same-host path off.
+//! conventions), `mismatch`, `killed`, `gpu` (the native GPU collectives
+//! on CUDA device memory, `GpuComm`: through CUDA IPC on one host, in
+//! transport mode across hosts; prints the mode; skips, saying why,
+//! without a CUDA driver or NVRTC). `COLL_PATH=separate` turns the UNIFIED
+//! same-host path off.
 
 use std::time::{Duration, Instant};
 
@@ -43,6 +46,7 @@ pub fn main() {
         Some("all") => all(),
         Some("mismatch") => mismatch(),
         Some("killed") => killed(),
+        Some("gpu") => gpu(),
         Some("time") => time(&args[1..]),
         other => Err(format!("unknown scenario {other:?}")),
     };
@@ -389,4 +393,95 @@ fn time(args: &[String]) -> R {
         }
     }
     c.finalize().map_err(s)
+}
+
+/// The native GPU collectives on device memory (`GpuComm`, 64 KiB slots):
+/// all_reduce (f32 SUM and AVG, i32 MAX; 50,000 elements: several chunks),
+/// reduce to each root, broadcast from each root, all_gather,
+/// all_to_all and reduce_scatter of 20,000-element blocks, every result
+/// checked on the host.
+fn gpu() -> R {
+    use rmacomm_collectives::GpuComm;
+    use rmacomm_window::cuda::driver::Context;
+    let g = rmacomm_window::Group::from_env_with(rmacomm_window::GroupOptions::new().timeout(Duration::from_secs(60)))
+        .map_err(s)?;
+    let (rank, n) = (g.rank(), g.size());
+    let ctx = match Context::open_shared(0) {
+        Ok(c) => c,
+        Err(e) => {
+            println!("gpu skipped: no CUDA driver ({e})");
+            return Ok(());
+        }
+    };
+    if let Err(e) = rmacomm_window::cuda::nvrtc::Nvrtc::get() {
+        println!("gpu skipped: no NVRTC for the kernels ({e})");
+        return Ok(());
+    }
+    let mut c = GpuComm::new(&g, ctx.clone(), Some(64 << 10), Duration::from_secs(60)).map_err(s)?;
+    println!("gpu mode: {}", if c.through_transport() { "transport" } else { "ipc" });
+    let stream = ctx.stream().map_err(s)?;
+    let f32s = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    let i32s = |v: &[i32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    let elems = 50_000usize;
+    let buf = ctx.alloc_shared(elems * 4).map_err(s)?;
+    let (b, big, out) =
+        (20_000usize, ctx.alloc_shared(n * 20_000 * 4).map_err(s)?, ctx.alloc_shared(n * 20_000 * 4).map_err(s)?);
+    let small = ctx.alloc_shared(b * 4).map_err(s)?;
+    let fetch = |m: &rmacomm_window::cuda::device::DeviceMemory, len: usize| -> Result<Vec<u8>, String> {
+        stream.synchronize().map_err(s)?;
+        let mut v = vec![0u8; len];
+        m.read_into(0, &mut v).map_err(s)?;
+        Ok(v)
+    };
+    let x = |r: usize, i: usize| ((r + 1) * 10 + i % 7) as f32;
+    for (op, want) in [
+        (ReduceOp::Sum, (0..elems).map(|i| (0..n).map(|r| x(r, i)).sum()).collect::<Vec<f32>>()),
+        (ReduceOp::Avg, (0..elems).map(|i| (0..n).map(|r| x(r, i)).sum::<f32>() / n as f32).collect()),
+    ] {
+        buf.write_from(0, &f32s(&(0..elems).map(|i| x(rank, i)).collect::<Vec<_>>())).map_err(s)?;
+        // SAFETY: buf holds `elems` f32 and outlives the synchronize.
+        unsafe { c.all_reduce(buf.ptr(), elems * 4, DType::F32, op, &stream) }.map_err(s)?;
+        ensure(fetch(&buf, elems * 4)? == f32s(&want), || format!("gpu all_reduce f32 {op:?}"))?;
+    }
+    let y = |r: usize, i: usize| (r as i32 + 1) * 1000 - (i % 13) as i32;
+    buf.write_from(0, &i32s(&(0..elems).map(|i| y(rank, i)).collect::<Vec<_>>())).map_err(s)?;
+    // SAFETY: as above.
+    unsafe { c.all_reduce(buf.ptr(), elems * 4, DType::I32, ReduceOp::Max, &stream) }.map_err(s)?;
+    let want: Vec<i32> = (0..elems).map(|i| (0..n).map(|r| y(r, i)).max().unwrap_or(0)).collect();
+    ensure(fetch(&buf, elems * 4)? == i32s(&want), || "gpu all_reduce i32 MAX".into())?;
+    for root in 0..n {
+        let mine: Vec<f32> = (0..elems).map(|i| x(rank, i)).collect();
+        buf.write_from(0, &f32s(&mine)).map_err(s)?;
+        // SAFETY: as above.
+        unsafe { c.reduce(buf.ptr(), elems * 4, DType::F32, ReduceOp::Sum, root, &stream) }.map_err(s)?;
+        let want: Vec<f32> =
+            if rank == root { (0..elems).map(|i| (0..n).map(|r| x(r, i)).sum()).collect() } else { mine };
+        ensure(fetch(&buf, elems * 4)? == f32s(&want), || format!("gpu reduce to {root}"))?;
+        small.write_from(0, &i32s(&(0..b).map(|i| y(rank, i)).collect::<Vec<_>>())).map_err(s)?;
+        // SAFETY: small holds b i32.
+        unsafe { c.broadcast(small.ptr(), b * 4, root, &stream) }.map_err(s)?;
+        ensure(fetch(&small, b * 4)? == i32s(&(0..b).map(|i| y(root, i)).collect::<Vec<_>>()), || {
+            format!("gpu broadcast from {root}")
+        })?;
+    }
+    let v = |r: usize, i: usize| (r * 1_000_000 + i) as i32;
+    small.write_from(0, &i32s(&(0..b).map(|i| v(rank, i)).collect::<Vec<_>>())).map_err(s)?;
+    // SAFETY: out holds n blocks, small one.
+    unsafe { c.all_gather(out.ptr(), small.ptr(), b * 4, &stream) }.map_err(s)?;
+    let want: Vec<i32> = (0..n).flat_map(|p| (0..b).map(move |i| v(p, i))).collect();
+    ensure(fetch(&out, n * b * 4)? == i32s(&want), || "gpu all_gather".into())?;
+    let inp: Vec<i32> = (0..n).flat_map(|j| (0..b).map(move |i| v(rank * 10 + j, i))).collect();
+    big.write_from(0, &i32s(&inp)).map_err(s)?;
+    // SAFETY: both hold n blocks.
+    unsafe { c.all_to_all(out.ptr(), big.ptr(), b * 4, &stream) }.map_err(s)?;
+    let want: Vec<i32> = (0..n).flat_map(|p| (0..b).map(move |i| v(p * 10 + rank, i))).collect();
+    ensure(fetch(&out, n * b * 4)? == i32s(&want), || "gpu all_to_all".into())?;
+    // SAFETY: big holds n blocks, small one.
+    unsafe { c.reduce_scatter(small.ptr(), big.ptr(), b * 4, DType::I32, ReduceOp::Sum, &stream) }.map_err(s)?;
+    let want: Vec<i32> = (0..b).map(|i| (0..n).map(|r| v(r * 10 + rank, i)).sum()).collect();
+    ensure(fetch(&small, b * 4)? == i32s(&want), || "gpu reduce_scatter".into())?;
+    g.barrier(None).map_err(s)?;
+    drop(c);
+    println!("gpu ok");
+    Ok(())
 }
