@@ -146,6 +146,12 @@ PY
     RMACOMM_GPU_FLAGS=host timeout "$(lim 150)" "$py" -m rmacomm.run --nproc-per-node 2 "$suite/python/cuda_scenarios.py" native_collectives bench 2>&1 |
       tee "$out/python_native_collectives_hostflags.log" || rc=1
     grep -h '"native_all_reduce"' "$out/python_native_collectives_hostflags.log" | sed 's/^\[[0-9]*\] //' > "$out/native_all_reduce_hostflags.jsonl" || true
+    # The same in transport mode (what ranks on different hosts get: data
+    # put through the windows' stream proxies), between the two processes.
+    echo "# python: native collectives, RMACOMM_GPU_TRANSPORT=1 (at ${SECONDS}s)"
+    RMACOMM_GPU_TRANSPORT=1 timeout "$(lim 150)" "$py" -m rmacomm.run --nproc-per-node 2 "$suite/python/cuda_scenarios.py" native_collectives bench 2>&1 |
+      tee "$out/python_native_collectives_transport.log" || rc=1
+    grep -h '"native_all_reduce"' "$out/python_native_collectives_transport.log" | sed 's/^\[[0-9]*\] //' > "$out/native_all_reduce_transport.jsonl" || true
     # The NCCL backend: one rank (NCCL refuses two ranks on one GPU).
     echo "# python: the nccl backend's collectives, then all_reduce's bandwidth (at ${SECONDS}s)"
     timeout "$(lim 90)" "$py" -m rmacomm.run --nproc-per-node 1 "$suite/python/cuda_scenarios.py" nccl_collectives bench 2>&1 |

@@ -152,7 +152,8 @@ impl GpuComm {
 
     /// [`new`](Self::new) in transport mode whatever the hosts: what ranks
     /// on different hosts get, here also between ranks of one host (to
-    /// test it, or to compare it with IPC).
+    /// test it, or to compare it with IPC). `RMACOMM_GPU_TRANSPORT=1` makes
+    /// `new` do the same (every rank must set it alike).
     pub fn new_through_transport(
         group: &Group,
         ctx: Arc<Context>,
@@ -176,6 +177,7 @@ impl GpuComm {
             .max(4096)
             / 64
             * 64;
+        let transport = transport || std::env::var("RMACOMM_GPU_TRANSPORT").is_ok_and(|v| v == "1");
         let opts = WindowOptions::new().timeout(timeout).unified(!transport);
         let mut win = Window::new(group, opts).map_err(Error::window(OP))?;
         // Every rank sees the same: all peers UNIFIED, or some rank not.
