@@ -22,6 +22,7 @@ mod device;
 mod proxy;
 use crate::work::Work;
 pub use ctran::{Cmp, SignalOp};
+pub use proxy::stream_proxy_blocks;
 
 /// How this rank reaches a peer's registered buffer (torchcomms'
 /// `get_attr(rank).access_type`).

@@ -373,3 +373,39 @@ fn proxy_misuse_and_failures_are_named_and_never_hold_the_stream() {
         });
     }
 }
+
+/// Windows made one after another, each running stream-ordered rounds
+/// through its proxy and then dropped: each proxy takes over the words of
+/// the one before (sequence numbers going on), so the process makes no
+/// more blocks of proxy words than it had proxies alive at once (two: one
+/// per rank), and the rounds of every window still pair up.
+#[test]
+fn proxy_words_pass_from_window_to_window() {
+    if !use_standin() {
+        return;
+    }
+    let before = rmacomm_window::stream_proxy_blocks();
+    ranks(2, |rank, g| {
+        let ctx = Context::open_shared(0).unwrap();
+        let stream = ctx.stream().unwrap();
+        for round in 0..4 {
+            let opts = WindowOptions::new().timeout(Duration::from_secs(30)).unified(round % 2 == 0);
+            let w = Window::new(&g, opts).unwrap();
+            let mut works = Vec::new();
+            for _ in 0..3 {
+                works.push(w.signal_on_stream_tracked(1 - rank, &stream).unwrap());
+                works.push(w.wait_signal_on_stream_tracked(1 - rank, &stream).unwrap());
+            }
+            stream.synchronize().unwrap();
+            for work in works {
+                work.wait(None).unwrap();
+            }
+            assert!(w.stream_error().is_none(), "round {round}: {:?}", w.stream_error());
+            g.barrier(None).unwrap();
+            drop(w);
+            g.barrier(None).unwrap();
+        }
+    });
+    let made = rmacomm_window::stream_proxy_blocks() - before;
+    assert!(made <= 2, "{made} blocks of proxy words for 2 ranks' windows made one after another");
+}

@@ -30,8 +30,11 @@
 //! running (a signal behind a failed put would tell the peer that data is
 //! there which never came; like NCCL's asynchronous errors, the window is
 //! done for). The words are never freed: the device may read them after the
-//! window is gone (a stream that has not yet reached its wait), so each
-//! window that used the proxy leaves 16 KiB of registered host memory.
+//! window is gone (a stream that has not yet reached its wait). A window
+//! that goes with nothing outstanding hands them, with their state, to the
+//! next window's proxy on the device (sequence numbers go on from there, so
+//! no stale word is mistaken for a new one); a process holds as many blocks
+//! of 16 KiB as it had proxies alive at once.
 //!
 //! A wait for a peer on another host takes the peer's next signal when the
 //! stream reaches it (one for a same-host peer claims its number when
@@ -225,7 +228,53 @@ impl Drop for StreamProxy {
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
+        // With nothing outstanding (no operation still running on the
+        // runtime; a second is given to those that are) the words go back
+        // to the pool with their state: the
+        // next window's sequence numbers continue from here, so no word
+        // written for an operation of this window (a ready word a stream
+        // has yet to write: its slot is poisoned; a done word a stream has
+        // yet to read: it holds an older number) can be taken for one of
+        // the next. Otherwise they stay leaked.
+        let mut q = self.shared.lock();
+        let deadline = Instant::now() + Duration::from_secs(1);
+        while q.outstanding > 0 {
+            let now = Instant::now();
+            if now >= deadline {
+                break;
+            }
+            q = self.shared.cv.wait_timeout(q, deadline - now).unwrap_or_else(|e| e.into_inner()).0;
+        }
+        if q.outstanding == 0 {
+            let block = Block { words: self.words, next: q.next, slots: q.slots.clone(), poisoned: q.poisoned };
+            drop(q);
+            pool().push((self.ctx.ordinal(), block));
+        }
     }
+}
+
+/// A proxy's words and the state that goes with them (module docs).
+struct Block {
+    words: &'static PinnedWords,
+    next: u64,
+    slots: Vec<SlotState>,
+    poisoned: usize,
+}
+
+/// Words of proxies that are gone, per device, for the next ones.
+fn pool() -> MutexGuard<'static, Vec<(i32, Block)>> {
+    static POOL: Mutex<Vec<(i32, Block)>> = Mutex::new(Vec::new());
+    POOL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Blocks of proxy words made so far in this process (each 2 × [`RING`]
+/// words of registered host memory; reused, never freed).
+static BLOCKS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// How many blocks of stream-proxy words this process has made: windows
+/// that are gone hand theirs to later ones (for tests and diagnostics).
+pub fn stream_proxy_blocks() -> usize {
+    BLOCKS.load(Ordering::Relaxed)
 }
 
 impl StreamProxy {
@@ -235,15 +284,28 @@ impl StreamProxy {
         timeout: Duration,
         spin: Duration,
     ) -> std::result::Result<StreamProxy, String> {
-        let words: &'static PinnedWords = Box::leak(Box::new(PinnedWords::new(&ctx, 2 * RING)?));
+        let reused = {
+            let mut p = pool();
+            let i = p.iter().position(|(ord, b)| *ord == ctx.ordinal() && b.poisoned < RING / 2);
+            i.map(|i| p.swap_remove(i).1)
+        };
+        let block = match reused {
+            Some(b) => b,
+            None => {
+                let words: &'static PinnedWords = Box::leak(Box::new(PinnedWords::new(&ctx, 2 * RING)?));
+                BLOCKS.fetch_add(1, Ordering::Relaxed);
+                Block { words, next: 0, slots: vec![SlotState::Free; RING], poisoned: 0 }
+            }
+        };
+        let words = block.words;
         let shared = Arc::new(Shared {
             q: Mutex::new(Queue {
                 new: Vec::new(),
                 shutdown: false,
                 outstanding: 0,
-                slots: vec![SlotState::Free; RING],
-                poisoned: 0,
-                next: 0,
+                slots: block.slots,
+                poisoned: block.poisoned,
+                next: block.next,
                 failed: None,
             }),
             cv: Condvar::new(),
