@@ -84,6 +84,9 @@ pub struct GpuComm {
     /// Signals sent to / taken from each peer through the flag area.
     sent: Vec<u64>,
     taken: Vec<u64>,
+    /// send/recv: chunks sent to / received from each peer.
+    p2p_sent: Vec<u64>,
+    p2p_recv: Vec<u64>,
     /// Collective calls queued, each ending with a write of its number to
     /// this rank's `done` word, and the stream of the last one: a call on
     /// another stream first waits for that word (the regions' reuse rests
@@ -113,9 +116,17 @@ impl std::fmt::Debug for GpuComm {
 }
 
 /// The flag area after the two regions: one 8-byte word per rank, then
-/// this rank's `done` word; whole 256-byte lines.
+/// this rank's `done` word, then send/recv's words (per rank: chunks it
+/// sent here, chunks it took of what this rank sent it); whole 256-byte
+/// lines. The send/recv inboxes follow it ([`GpuComm::send`]).
 fn flag_bytes(ranks: usize) -> usize {
-    (8 * (ranks + 1)).div_ceil(256) * 256
+    (8 * (3 * ranks + 1)).div_ceil(256) * 256
+}
+
+/// Bytes of one send/recv chunk (each rank's inbox per peer): 4 MiB, or
+/// the slot size when it is smaller.
+fn p2p_chunk(slot: usize) -> usize {
+    slot.min(4 << 20)
 }
 
 /// The kernels of `op` on `dtype` and the element size, or why a reduction
@@ -183,7 +194,8 @@ impl GpuComm {
         // Every rank sees the same: all peers UNIFIED, or some rank not.
         let transport = transport || !win.all_unified();
         let mut device_flags = std::env::var("RMACOMM_GPU_FLAGS").map_or(true, |v| v != "host");
-        let mem = ctx.alloc_shared(2 * slot + flag_bytes(group.size())).map_err(cuda(OP))?;
+        let n = group.size();
+        let mem = ctx.alloc_shared(2 * slot + flag_bytes(n) + n * p2p_chunk(slot)).map_err(cuda(OP))?;
         let (rank, size) = (win.rank(), win.size());
         let (slots, src, own) = if transport {
             let gpu = ctx.ordinal() as u32;
@@ -210,6 +222,7 @@ impl GpuComm {
         let module = unsafe { SharedModule::load(&ctx, &image) }.map_err(cuda(OP))?;
         let table = ctx.alloc_shared(8 * size).map_err(cuda(OP))?;
         let (sent, taken) = (vec![0; size], vec![0; size]);
+        let (p2p_sent, p2p_recv) = (vec![0; size], vec![0; size]);
         let memops = ctx.stream_mem_ops().unwrap_or(false);
         Ok(GpuComm {
             win,
@@ -221,6 +234,8 @@ impl GpuComm {
             device_flags,
             sent,
             taken,
+            p2p_sent,
+            p2p_recv,
             calls: 0,
             last_stream: None,
             memops,
@@ -459,6 +474,123 @@ impl GpuComm {
         // SAFETY: the callers pass ranges inside slot memory or the caller's
         // buffers (their contract).
         unsafe { stream.copy_async(dst, src, len) }.map_err(cuda(what))
+    }
+
+    /// Offset in a rank's slot memory of send/recv word `i` of its flag
+    /// area: `data(p)` = chunks `p` sent here, `credit(p)` = chunks `p`
+    /// took of what was sent to it.
+    fn p2p_word(&self, i: usize) -> u64 {
+        (2 * self.slot + 8 * (self.size + 1) + 8 * i) as u64
+    }
+
+    fn data_word(&self, from: usize) -> u64 {
+        self.p2p_word(from)
+    }
+
+    fn credit_word(&self, from: usize) -> u64 {
+        self.p2p_word(self.size + from)
+    }
+
+    /// Offset in a rank's slot memory of its inbox for chunks from `from`
+    /// (this rank's own is the transport mode's outbox).
+    fn inbox(&self, from: usize) -> u64 {
+        (2 * self.slot + flag_bytes(self.size) + from * p2p_chunk(self.slot)) as u64
+    }
+
+    /// Writes `value` into word `word` (an offset) of rank `p`'s slot
+    /// memory, on the stream: through the IPC mapping, or, in transport
+    /// mode, staged in this rank's own copy of that word and put.
+    fn post_word(&self, op: &'static str, p: usize, word: u64, value: u64, stream: &Stream) -> Result<()> {
+        if self.through_transport() {
+            // This rank's own copy of the word is not used otherwise (its
+            // data and credit words for itself): the put reads it after
+            // the write (stream order), and completes before the next.
+            // SAFETY: a word of this rank's slot memory, alive with it.
+            unsafe { stream.write_value64(self.slots[self.rank] + word, value) }.map_err(cuda(op))?;
+            return self.put(op, word, 8, p, word, stream);
+        }
+        // SAFETY: a word of the peer's flag area, mapped while the window
+        // lives.
+        unsafe { stream.write_value64(self.slots[p] + word, value) }.map_err(cuda(op))
+    }
+
+    /// Sends `len` bytes at `buf` (device memory) to rank `dst`'s matching
+    /// [`recv`](Self::recv), queued on `stream`. The bytes go in chunks of
+    /// up to 4 MiB (the slot size when smaller) through `dst`'s inbox for
+    /// this rank — copied through the IPC mapping, or put through the
+    /// transport — each announced with a count in `dst`'s flag area; a
+    /// chunk waits until `dst` took the one before (its count back here),
+    /// so a message of one chunk is buffered and a send returns, on its
+    /// stream, without waiting for the receiver; a longer one needs the
+    /// receiver to be receiving (order sends and receives as with NCCL: a
+    /// ring of longer messages sends on even ranks first and receives on
+    /// odd ones). Sends to one peer are received in order.
+    ///
+    /// # Safety
+    /// `len` bytes at `buf` must be device memory of this device valid until
+    /// the stream has run the send.
+    pub unsafe fn send(&mut self, buf: DevicePtr, len: usize, dst: usize, stream: &Stream) -> Result<()> {
+        const OP: &str = "send";
+        if dst >= self.size || dst == self.rank {
+            return Err(Error::invalid(OP, format!("rank {dst} is not a peer of rank {} of {}", self.rank, self.size)));
+        }
+        if self.through_transport() {
+            self.check_stream(OP)?;
+        }
+        let chunk = p2p_chunk(self.slot);
+        self.enter(OP, stream)?;
+        let mut off = 0;
+        while off < len {
+            let clen = chunk.min(len - off);
+            let c = self.p2p_sent[dst] + 1;
+            if c > 1 {
+                // dst took the chunk before: its inbox is free again.
+                let at = self.slots[self.rank] + self.credit_word(dst);
+                // SAFETY: a word of this rank's flag area.
+                unsafe { stream.wait_value64_geq(at, c - 1) }.map_err(cuda(OP))?;
+            }
+            let to = self.inbox(self.rank);
+            if self.through_transport() {
+                self.copy(OP, self.slots[self.rank] + to, buf + off as u64, clen, stream)?;
+                self.put(OP, to, clen, dst, to, stream)?;
+            } else {
+                self.copy(OP, self.slots[dst] + to, buf + off as u64, clen, stream)?;
+            }
+            self.post_word(OP, dst, self.data_word(self.rank), c, stream)?;
+            self.p2p_sent[dst] = c;
+            off += clen;
+        }
+        self.leave(OP, stream)
+    }
+
+    /// Receives `len` bytes from rank `src`'s matching [`send`](Self::send)
+    /// into `buf` (device memory), queued on `stream`.
+    ///
+    /// # Safety
+    /// As for [`send`](Self::send), for `buf` written.
+    pub unsafe fn recv(&mut self, buf: DevicePtr, len: usize, src: usize, stream: &Stream) -> Result<()> {
+        const OP: &str = "recv";
+        if src >= self.size || src == self.rank {
+            return Err(Error::invalid(OP, format!("rank {src} is not a peer of rank {} of {}", self.rank, self.size)));
+        }
+        if self.through_transport() {
+            self.check_stream(OP)?;
+        }
+        let chunk = p2p_chunk(self.slot);
+        self.enter(OP, stream)?;
+        let mut off = 0;
+        while off < len {
+            let clen = chunk.min(len - off);
+            let c = self.p2p_recv[src] + 1;
+            let own = self.slots[self.rank];
+            // SAFETY: a word of this rank's flag area.
+            unsafe { stream.wait_value64_geq(own + self.data_word(src), c) }.map_err(cuda(OP))?;
+            self.copy(OP, buf + off as u64, own + self.inbox(src), clen, stream)?;
+            self.post_word(OP, src, self.credit_word(self.rank), c, stream)?;
+            self.p2p_recv[src] = c;
+            off += clen;
+        }
+        self.leave(OP, stream)
     }
 
     /// Broadcasts `root`'s `len` bytes at `buf` into every rank's `buf`,

@@ -278,3 +278,92 @@ fn gpu_reduce_reaches_the_root_only() {
         drop(buf);
     });
 }
+
+/// send / recv of the native backend, through IPC and in transport mode:
+/// a ring of 200 KB messages (four 64 KiB chunks: even ranks send first,
+/// odd ranks receive first), then every rank sends one chunk-sized message
+/// to its right and only then receives (a one-chunk message is buffered),
+/// three messages in a row to the same peer with an all_reduce in between,
+/// and sends to itself or to no rank refused.
+#[test]
+fn gpu_send_recv_in_both_modes() {
+    if !ready() {
+        return;
+    }
+    three_ranks(|rank, g, ctx, c, stream| {
+        let n = 3;
+        let (right, left) = ((rank + 1) % n, (rank + n - 1) % n);
+        let val = |r: usize, k: usize, i: usize| (r * 1_000_000 + k * 10_000 + i) as i32;
+        let big = 50_000usize; // 200 KB of i32
+        let out = ctx.alloc_shared(big * 4).unwrap();
+        let inp = ctx.alloc_shared(big * 4).unwrap();
+        let sum = ctx.alloc_shared(1000 * 4).unwrap();
+        let get = |m: &rmacomm_window::cuda::device::DeviceMemory, len: usize| {
+            stream.synchronize().unwrap();
+            let mut v = vec![0u8; len];
+            m.read_into(0, &mut v).unwrap();
+            v
+        };
+        // The ring, several chunks per message.
+        inp.write_from(0, &as_bytes(&(0..big).map(|i| val(rank, 0, i)).collect::<Vec<_>>())).unwrap();
+        // SAFETY: both buffers hold `big` i32 and outlive the synchronize.
+        unsafe {
+            if rank % 2 == 0 {
+                c.send(inp.ptr(), big * 4, right, stream).unwrap();
+                c.recv(out.ptr(), big * 4, left, stream).unwrap();
+            } else {
+                c.recv(out.ptr(), big * 4, left, stream).unwrap();
+                c.send(inp.ptr(), big * 4, right, stream).unwrap();
+            }
+        }
+        assert_eq!(get(&out, big * 4), as_bytes(&(0..big).map(|i| val(left, 0, i)).collect::<Vec<_>>()), "ring");
+        // One chunk: every rank sends first (buffered), then receives.
+        let one = 16_000usize;
+        inp.write_from(0, &as_bytes(&(0..one).map(|i| val(rank, 1, i)).collect::<Vec<_>>())).unwrap();
+        // SAFETY: as above.
+        unsafe {
+            c.send(inp.ptr(), one * 4, right, stream).unwrap();
+            c.recv(out.ptr(), one * 4, left, stream).unwrap();
+        }
+        assert_eq!(get(&out, one * 4), as_bytes(&(0..one).map(|i| val(left, 1, i)).collect::<Vec<_>>()), "one");
+        // Three messages in a row from rank 0 to rank 1, an all_reduce of
+        // every rank between the second and the third.
+        let msgs: Vec<_> = (0..3).map(|_| ctx.alloc_shared(big * 4).unwrap()).collect();
+        sum.write_from(0, &as_bytes(&vec![rank as i32 + 1; 1000])).unwrap();
+        for (k, m) in msgs.iter().enumerate() {
+            if rank == 0 {
+                m.write_from(0, &as_bytes(&(0..big).map(|i| val(0, 2 + k, i)).collect::<Vec<_>>())).unwrap();
+            }
+        }
+        for (k, m) in msgs.iter().enumerate() {
+            if k == 2 {
+                // SAFETY: `sum` holds 1000 i32.
+                unsafe { c.all_reduce(sum.ptr(), 4000, DType::I32, ReduceOp::Sum, stream) }.unwrap();
+            }
+            // SAFETY: every message buffer outlives the synchronize.
+            unsafe {
+                if rank == 0 {
+                    c.send(m.ptr(), big * 4, 1, stream).unwrap();
+                } else if rank == 1 {
+                    c.recv(m.ptr(), big * 4, 0, stream).unwrap();
+                }
+            }
+        }
+        stream.synchronize().unwrap();
+        if rank == 1 {
+            for (k, m) in msgs.iter().enumerate() {
+                assert_eq!(get(m, big * 4), as_bytes(&(0..big).map(|i| val(0, 2 + k, i)).collect::<Vec<_>>()), "{k}");
+            }
+        }
+        assert_eq!(get(&sum, 4000), as_bytes(&vec![6i32; 1000]), "all_reduce between the messages");
+        // SAFETY: refused before anything is queued.
+        for bad in [rank, n] {
+            let e = unsafe { c.send(inp.ptr(), 4, bad, stream) }.unwrap_err();
+            assert!(e.to_string().contains(&format!("rank {bad} is not a peer")), "{e}");
+            let e = unsafe { c.recv(inp.ptr(), 4, bad, stream) }.unwrap_err();
+            assert!(e.to_string().contains("recv"), "{e}");
+        }
+        g.barrier(None).unwrap();
+        drop((out, inp, sum, msgs));
+    });
+}

@@ -225,7 +225,13 @@ impl PyComm {
     ) -> PyResult<PyWork> {
         let _ = hints;
         if let Some(t) = cuda_tensor::of(tensor, "tensor")? {
-            self.gpu("send", &[&t])?.send(py, &t, dst)?;
+            if self.shared.nccl.get().is_some() {
+                self.gpu("send", &[&t])?.send(py, &t, dst)?;
+            } else {
+                let (p, len) = (t.ptr, t.nbytes);
+                // SAFETY: as in native_all_reduce.
+                self.native(py, "send", t.device, move |c, s| unsafe { c.send(p, len, dst, s) })?;
+            }
             return Ok(PyWork::done());
         }
         let t = Tensor::new(tensor, "tensor", false)?;
@@ -250,7 +256,13 @@ impl PyComm {
     ) -> PyResult<PyWork> {
         let _ = hints;
         if let Some(t) = cuda_tensor::of(tensor, "tensor")? {
-            self.gpu("recv", &[&t])?.recv(py, &t, src)?;
+            if self.shared.nccl.get().is_some() {
+                self.gpu("recv", &[&t])?.recv(py, &t, src)?;
+            } else {
+                let (p, len) = (t.ptr, t.nbytes);
+                // SAFETY: as in native_all_reduce, for the written tensor.
+                self.native(py, "recv", t.device, move |c, s| unsafe { c.recv(p, len, src, s) })?;
+            }
             return Ok(PyWork::done());
         }
         let t = Tensor::new(tensor, "tensor", true)?;
@@ -823,8 +835,9 @@ impl PyComm {
             None => Err(crate::errors::Failure::new(
                 crate::errors::ErrKind::Unavailable,
                 format!(
-                    "{op}: CUDA tensors need a communicator made with new_comm(\"nccl\") (this one is rdma: CPU \
-                     tensors; windows take CUDA tensors on any communicator)"
+                    "{op}: CUDA tensors need a communicator made with new_comm(\"nccl\") for this call (this one \
+                     is rdma: all_reduce, reduce, broadcast, send, recv and the _single forms take CUDA tensors \
+                     natively; windows take them on any communicator)"
                 ),
             )
             .into()),

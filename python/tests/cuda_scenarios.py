@@ -351,7 +351,7 @@ def native_collectives(arg: str) -> None:
     stream-ordered signals). f32, bf16, i32 × counts 1, 1000, 1 Mi and 20 M
     (80 MB of f32: two chunks of the 64 MiB slots) × SUM, MAX, AVG,
     PREMUL_SUM(2), checked against torch; broadcast, reduce, all_gather_single,
-    all_to_all_single, reduce_scatter_single; then, with arg "bench", the
+    all_to_all_single, reduce_scatter_single, send/recv; then, with arg "bench", the
     bus bandwidth from 1 MiB to 256 MiB as JSON lines."""
     import torch
 
@@ -401,6 +401,20 @@ def native_collectives(arg: str) -> None:
         out = torch.zeros(b, dtype=dt, device="cuda")
         comm.reduce_scatter_single(out, inp, R.SUM)
         expect(torch.equal(out, torch.full_like(out, sum(10 * p + r for p in range(n)))), f"native reduce_scatter {dt}")
+        comm.barrier()
+    # send / recv of CUDA tensors (native: through the ranks' inboxes, in
+    # chunks of 4 MiB; even ranks send first, odd ranks receive first).
+    for count in (1, 1000, 3 << 20):
+        x = torch.arange(count, device="cuda", dtype=torch.float32) + 100 * r
+        y = torch.empty_like(x)
+        if r % 2 == 0:
+            comm.send(x, (r + 1) % n)
+            comm.recv(y, (r - 1) % n)
+        else:
+            comm.recv(y, (r - 1) % n)
+            comm.send(x, (r + 1) % n)
+        want = torch.arange(count, device="cuda", dtype=torch.float32) + 100 * ((r - 1) % n)
+        expect(torch.equal(y, want), f"native send/recv of {count}")
         comm.barrier()
     if arg == "bench":
         bench_all_reduce(comm, "native_all_reduce")
