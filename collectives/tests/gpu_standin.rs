@@ -356,10 +356,11 @@ fn gpu_send_recv_in_both_modes() {
             }
         }
         assert_eq!(get(&sum, 4000), as_bytes(&vec![6i32; 1000]), "all_reduce between the messages");
-        // SAFETY: refused before anything is queued.
         for bad in [rank, n] {
+            // SAFETY: refused before anything is queued.
             let e = unsafe { c.send(inp.ptr(), 4, bad, stream) }.unwrap_err();
             assert!(e.to_string().contains(&format!("rank {bad} is not a peer")), "{e}");
+            // SAFETY: as above.
             let e = unsafe { c.recv(inp.ptr(), 4, bad, stream) }.unwrap_err();
             assert!(e.to_string().contains("recv"), "{e}");
         }
