@@ -531,36 +531,25 @@ impl GpuComm {
     /// the stream has run the send.
     pub unsafe fn send(&mut self, buf: DevicePtr, len: usize, dst: usize, stream: &Stream) -> Result<()> {
         const OP: &str = "send";
-        if dst >= self.size || dst == self.rank {
-            return Err(Error::invalid(OP, format!("rank {dst} is not a peer of rank {} of {}", self.rank, self.size)));
-        }
-        if self.through_transport() {
-            self.check_stream(OP)?;
-        }
-        let chunk = p2p_chunk(self.slot);
-        self.enter(OP, stream)?;
-        let mut off = 0;
-        while off < len {
-            let clen = chunk.min(len - off);
-            let c = self.p2p_sent[dst] + 1;
-            if c > 1 {
+        self.p2p_chunks(OP, dst, len, stream, |c, off, clen| {
+            let n = c.p2p_sent[dst] + 1;
+            if n > 1 {
                 // dst took the chunk before: its inbox is free again.
-                let at = self.slots[self.rank] + self.credit_word(dst);
+                let at = c.slots[c.rank] + c.credit_word(dst);
                 // SAFETY: a word of this rank's flag area.
-                unsafe { stream.wait_value64_geq(at, c - 1) }.map_err(cuda(OP))?;
+                unsafe { stream.wait_value64_geq(at, n - 1) }.map_err(cuda(OP))?;
             }
-            let to = self.inbox(self.rank);
-            if self.through_transport() {
-                self.copy(OP, self.slots[self.rank] + to, buf + off as u64, clen, stream)?;
-                self.put(OP, to, clen, dst, to, stream)?;
+            let to = c.inbox(c.rank);
+            if c.through_transport() {
+                c.copy(OP, c.slots[c.rank] + to, buf + off as u64, clen, stream)?;
+                c.put(OP, to, clen, dst, to, stream)?;
             } else {
-                self.copy(OP, self.slots[dst] + to, buf + off as u64, clen, stream)?;
+                c.copy(OP, c.slots[dst] + to, buf + off as u64, clen, stream)?;
             }
-            self.post_word(OP, dst, self.data_word(self.rank), c, stream)?;
-            self.p2p_sent[dst] = c;
-            off += clen;
-        }
-        self.leave(OP, stream)
+            c.post_word(OP, dst, c.data_word(c.rank), n, stream)?;
+            c.p2p_sent[dst] = n;
+            Ok(())
+        })
     }
 
     /// Receives `len` bytes from rank `src`'s matching [`send`](Self::send)
@@ -570,27 +559,47 @@ impl GpuComm {
     /// As for [`send`](Self::send), for `buf` written.
     pub unsafe fn recv(&mut self, buf: DevicePtr, len: usize, src: usize, stream: &Stream) -> Result<()> {
         const OP: &str = "recv";
-        if src >= self.size || src == self.rank {
-            return Err(Error::invalid(OP, format!("rank {src} is not a peer of rank {} of {}", self.rank, self.size)));
+        self.p2p_chunks(OP, src, len, stream, |c, off, clen| {
+            let n = c.p2p_recv[src] + 1;
+            let own = c.slots[c.rank];
+            // SAFETY: a word of this rank's flag area.
+            unsafe { stream.wait_value64_geq(own + c.data_word(src), n) }.map_err(cuda(OP))?;
+            c.copy(OP, buf + off as u64, own + c.inbox(src), clen, stream)?;
+            c.post_word(OP, src, c.credit_word(c.rank), n, stream)?;
+            c.p2p_recv[src] = n;
+            Ok(())
+        })
+    }
+
+    /// send / recv with `peer`: `f(self, off, clen)` for each chunk of
+    /// `len` bytes, between [`enter`](Self::enter) and
+    /// [`leave`](Self::leave).
+    fn p2p_chunks(
+        &mut self,
+        op: &'static str,
+        peer: usize,
+        len: usize,
+        stream: &Stream,
+        mut f: impl FnMut(&mut Self, usize, usize) -> Result<()>,
+    ) -> Result<()> {
+        if peer >= self.size || peer == self.rank {
+            return Err(Error::invalid(
+                op,
+                format!("rank {peer} is not a peer of rank {} of {}", self.rank, self.size),
+            ));
         }
         if self.through_transport() {
-            self.check_stream(OP)?;
+            self.check_stream(op)?;
         }
         let chunk = p2p_chunk(self.slot);
-        self.enter(OP, stream)?;
+        self.enter(op, stream)?;
         let mut off = 0;
         while off < len {
             let clen = chunk.min(len - off);
-            let c = self.p2p_recv[src] + 1;
-            let own = self.slots[self.rank];
-            // SAFETY: a word of this rank's flag area.
-            unsafe { stream.wait_value64_geq(own + self.data_word(src), c) }.map_err(cuda(OP))?;
-            self.copy(OP, buf + off as u64, own + self.inbox(src), clen, stream)?;
-            self.post_word(OP, src, self.credit_word(self.rank), c, stream)?;
-            self.p2p_recv[src] = c;
+            f(self, off, clen)?;
             off += clen;
         }
-        self.leave(OP, stream)
+        self.leave(op, stream)
     }
 
     /// Broadcasts `root`'s `len` bytes at `buf` into every rank's `buf`,
