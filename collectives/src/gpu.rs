@@ -87,6 +87,8 @@ pub struct GpuComm {
     /// send/recv: chunks sent to / received from each peer.
     p2p_sent: Vec<u64>,
     p2p_recv: Vec<u64>,
+    /// Why a call failed midway, after which none runs.
+    broken: Option<String>,
     /// Collective calls queued, each ending with a write of its number to
     /// this rank's `done` word, and the stream of the last one: a call on
     /// another stream first waits for that word (the regions' reuse rests
@@ -124,9 +126,10 @@ fn flag_bytes(ranks: usize) -> usize {
 }
 
 /// Bytes of one send/recv chunk (each rank's inbox per peer): 4 MiB, or
-/// the slot size when it is smaller.
-fn p2p_chunk(slot: usize) -> usize {
-    slot.min(4 << 20)
+/// the slot size when it is smaller, and at most 64 MiB of inboxes in all
+/// (64 KiB at least).
+fn p2p_chunk(slot: usize, ranks: usize) -> usize {
+    slot.min(4 << 20).min(((64 << 20) / ranks.max(1)).max(64 << 10)) / 64 * 64
 }
 
 /// The kernels of `op` on `dtype` and the element size, or why a reduction
@@ -195,7 +198,13 @@ impl GpuComm {
         let transport = transport || !win.all_unified();
         let mut device_flags = std::env::var("RMACOMM_GPU_FLAGS").map_or(true, |v| v != "host");
         let n = group.size();
-        let mem = ctx.alloc_shared(2 * slot + flag_bytes(n) + n * p2p_chunk(slot)).map_err(cuda(OP))?;
+        if slot < 16 * (n + 2) {
+            return Err(Error::invalid(
+                OP,
+                format!("slots of {slot} bytes are too small for {n} ranks (at least {} bytes)", 16 * (n + 2)),
+            ));
+        }
+        let mem = ctx.alloc_shared(2 * slot + flag_bytes(n) + n * p2p_chunk(slot, n)).map_err(cuda(OP))?;
         let (rank, size) = (win.rank(), win.size());
         let (slots, src, own) = if transport {
             let gpu = ctx.ordinal() as u32;
@@ -236,6 +245,7 @@ impl GpuComm {
             taken,
             p2p_sent,
             p2p_recv,
+            broken: None,
             calls: 0,
             last_stream: None,
             memops,
@@ -355,15 +365,45 @@ impl GpuComm {
         stream: &Stream,
         mut f: impl FnMut(&mut Self, usize, usize, u64) -> Result<()>,
     ) -> Result<()> {
-        self.enter(op, stream)?;
-        let mut off = 0;
-        while off < len {
-            let clen = step.min(len - off);
-            let at = self.next_region();
-            f(self, off, clen, at)?;
-            off += clen;
+        self.usable(op)?;
+        if self.through_transport() {
+            self.check_stream(op)?;
         }
-        self.leave(op, stream)
+        let mut run = || -> Result<()> {
+            self.enter(op, stream)?;
+            let mut off = 0;
+            while off < len {
+                let clen = step.min(len - off);
+                let at = self.next_region();
+                f(self, off, clen, at)?;
+                off += clen;
+            }
+            self.leave(op, stream)
+        };
+        let r = run();
+        self.mark(op, r)
+    }
+
+    /// A call that failed midway leaves the ranks' counts out of step:
+    /// every later call fails, saying so.
+    fn usable(&self, op: &'static str) -> Result<()> {
+        match &self.broken {
+            Some(why) => Err(Error::Unavailable {
+                backend: "native GPU".into(),
+                reason: format!(
+                    "{op}: this GPU communicator stopped when an earlier call failed midway ({why}); the ranks' \
+                     signal counts are out of step: make a new communicator"
+                ),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    fn mark(&mut self, op: &'static str, r: Result<()>) -> Result<()> {
+        if let Err(e) = &r {
+            self.broken.get_or_insert_with(|| format!("{op}: {e}"));
+        }
+        r
     }
 
     /// Block j (`clen` bytes at `off` of the j-th `len`-byte block of
@@ -494,7 +534,7 @@ impl GpuComm {
     /// Offset in a rank's slot memory of its inbox for chunks from `from`
     /// (this rank's own is the transport mode's outbox).
     fn inbox(&self, from: usize) -> u64 {
-        (2 * self.slot + flag_bytes(self.size) + from * p2p_chunk(self.slot)) as u64
+        (2 * self.slot + flag_bytes(self.size) + from * p2p_chunk(self.slot, self.size)) as u64
     }
 
     /// Writes `value` into word `word` (an offset) of rank `p`'s slot
@@ -588,18 +628,23 @@ impl GpuComm {
                 format!("rank {peer} is not a peer of rank {} of {}", self.rank, self.size),
             ));
         }
+        self.usable(op)?;
         if self.through_transport() {
             self.check_stream(op)?;
         }
-        let chunk = p2p_chunk(self.slot);
-        self.enter(op, stream)?;
-        let mut off = 0;
-        while off < len {
-            let clen = chunk.min(len - off);
-            f(self, off, clen)?;
-            off += clen;
-        }
-        self.leave(op, stream)
+        let chunk = p2p_chunk(self.slot, self.size);
+        let mut run = || -> Result<()> {
+            self.enter(op, stream)?;
+            let mut off = 0;
+            while off < len {
+                let clen = chunk.min(len - off);
+                f(self, off, clen)?;
+                off += clen;
+            }
+            self.leave(op, stream)
+        };
+        let r = run();
+        self.mark(op, r)
     }
 
     /// Broadcasts `root`'s `len` bytes at `buf` into every rank's `buf`,
@@ -613,7 +658,6 @@ impl GpuComm {
             return Err(Error::invalid(OP, format!("root {root} is not a rank of {}", self.size)));
         }
         if self.through_transport() {
-            self.check_stream(OP)?;
             return self.uses(OP, len, self.slot, stream, |c, off, clen, at| {
                 let own = c.slots[c.rank];
                 if c.rank == root {
@@ -655,7 +699,6 @@ impl GpuComm {
     ) -> Result<()> {
         const OP: &str = "all_gather_single";
         if self.through_transport() {
-            self.check_stream(OP)?;
             let step = (self.slot / self.size).max(1);
             return self.uses(OP, len, step, stream, |c, off, clen, at| {
                 let (me, own) = (c.rank, c.slots[c.rank]);
@@ -697,7 +740,6 @@ impl GpuComm {
     ) -> Result<()> {
         const OP: &str = "all_to_all_single";
         if self.through_transport() {
-            self.check_stream(OP)?;
             let step = (self.slot / (2 * self.size)).max(1);
             return self.uses(OP, len, step, stream, |c, off, clen, at| {
                 let recv = c.blocks_out(OP, input, len, off, clen, at, stream)?;
@@ -743,7 +785,6 @@ impl GpuComm {
         const OP: &str = "reduce_scatter_single";
         let (e, es) = reduction(OP, op, dtype, len)?;
         if self.through_transport() {
-            self.check_stream(OP)?;
             let step = (self.slot / (2 * self.size) / es * es).max(es);
             return self.uses(OP, len, step, stream, |c, off, clen, at| {
                 let recv = c.blocks_out(OP, input, len, off, clen, at, stream)?;
@@ -823,7 +864,6 @@ impl GpuComm {
         let (me, n) = (self.rank, self.size);
         let gets_result = root.is_none_or(|r| r == me);
         if self.through_transport() {
-            self.check_stream(what)?;
             // A region: the staged chunk, n inputs of this rank's share
             // (one per rank, `stride` apart), the reduced chunk.
             let step = (self.slot.saturating_sub(n * es) / 3 / es * es).max(es);

@@ -368,3 +368,49 @@ fn gpu_send_recv_in_both_modes() {
         drop((out, inp, sum, msgs));
     });
 }
+
+/// A call that fails midway stops the communicator: in transport mode,
+/// rank 0 queues an all_reduce of thousands of tiny chunks while rank 1
+/// never joins it, so the proxy's operations pile up behind the first
+/// exchange until the window's timeout; the call fails, the stream is
+/// released, and the next call fails saying the communicator stopped.
+#[test]
+fn gpu_call_failing_midway_stops_the_communicator() {
+    if !ready() {
+        return;
+    }
+    let store: Arc<dyn Store> = Arc::new(HashStore::new());
+    let handles: Vec<_> = (0..2)
+        .map(|rank| {
+            let store = store.clone();
+            std::thread::spawn(move || {
+                let g =
+                    Group::with_options(rank, 2, store, GroupOptions::new().timeout(Duration::from_secs(60))).unwrap();
+                let ctx = Context::open_shared(0).unwrap();
+                let mut c =
+                    GpuComm::new_through_transport(&g, ctx.clone(), Some(4096), Duration::from_secs(2)).unwrap();
+                let stream = ctx.stream().unwrap();
+                let buf = ctx.alloc_shared(4 << 20).unwrap();
+                if rank == 0 {
+                    // SAFETY: buf holds 4 MiB and outlives the synchronize.
+                    let e = unsafe { c.all_reduce(buf.ptr(), 4 << 20, DType::F32, ReduceOp::Sum, &stream) };
+                    assert!(e.is_err(), "an all_reduce rank 1 never joined succeeded");
+                    // SAFETY: as above.
+                    let again = unsafe { c.all_reduce(buf.ptr(), 64, DType::F32, ReduceOp::Sum, &stream) }.unwrap_err();
+                    assert!(again.to_string().contains("stopped when an earlier call failed midway"), "{again}");
+                    // SAFETY: as above.
+                    let again = unsafe { c.send(buf.ptr(), 64, 1, &stream) }.unwrap_err();
+                    assert!(again.to_string().contains("stopped"), "{again}");
+                    stream.synchronize().unwrap();
+                }
+                g.barrier(None).unwrap();
+                drop(c);
+                g.barrier(None).unwrap();
+                drop(buf);
+            })
+        })
+        .collect();
+    for (rank, h) in handles.into_iter().enumerate() {
+        assert!(h.join().is_ok(), "rank {rank} failed");
+    }
+}

@@ -230,7 +230,7 @@ impl PyComm {
             } else {
                 let (p, len) = (t.ptr, t.nbytes);
                 // SAFETY: as in native_all_reduce.
-                self.native(py, "send", t.device, move |c, s| unsafe { c.send(p, len, dst, s) })?;
+                self.native_p2p(py, "send", dst, t.device, move |c, peer, s| unsafe { c.send(p, len, peer, s) })?;
             }
             return Ok(PyWork::done());
         }
@@ -261,7 +261,7 @@ impl PyComm {
             } else {
                 let (p, len) = (t.ptr, t.nbytes);
                 // SAFETY: as in native_all_reduce, for the written tensor.
-                self.native(py, "recv", t.device, move |c, s| unsafe { c.recv(p, len, src, s) })?;
+                self.native_p2p(py, "recv", src, t.device, move |c, peer, s| unsafe { c.recv(p, len, peer, s) })?;
             }
             return Ok(PyWork::done());
         }
@@ -761,6 +761,61 @@ impl PyComm {
                 });
             }
             f(c, &stream)
+        })
+        .map_err(py_err)
+    }
+
+    /// Runs `f(comm, peer's rank in it, stream)` on the GPU communicator of
+    /// this rank and `peer` (made by the pair's first send/recv: only the
+    /// two join it, through a two-rank group under the pair's own store
+    /// prefix), with torch's current stream, the GIL released.
+    fn native_p2p<F>(&self, py: Python<'_>, op: &'static str, peer: usize, device: u32, f: F) -> PyResult<()>
+    where
+        F: FnOnce(
+                &mut rmacomm_collectives::GpuComm,
+                usize,
+                &rmacomm_window::cuda::device::Stream,
+            ) -> Result<(), rmacomm_collectives::Error>
+            + Send,
+    {
+        let s = &self.shared;
+        if peer >= s.size || peer == s.rank {
+            return Err(crate::errors::Failure::new(
+                crate::errors::ErrKind::Argument,
+                format!("{op}: rank {peer} is not a peer of rank {} of {}", s.rank, s.size),
+            )
+            .into());
+        }
+        let stream = cuda_tensor::stream(py, None, device)?;
+        let ctx = cuda_tensor::context(device)?;
+        let (lo, hi) = (s.rank.min(peer), s.rank.max(peer));
+        let (me, them) = if s.rank == lo { (0, 1) } else { (1, 0) };
+        py.detach(|| -> Result<(), rmacomm_collectives::Error> {
+            let mut pairs = s.gpu_pairs.lock().unwrap_or_else(|e| e.into_inner());
+            let c = match pairs.entry(peer) {
+                std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+                std::collections::hash_map::Entry::Vacant(v) => {
+                    let store: std::sync::Arc<dyn rmacomm_window::Store> = std::sync::Arc::new(
+                        rmacomm_window::PrefixStore::new(format!("gpu-p2p/{lo}-{hi}/"), s.meta.store()),
+                    );
+                    let opts = rmacomm_window::GroupOptions::new().timeout(s.timeout);
+                    let g = rmacomm_window::Group::with_options(me, 2, store, opts)
+                        .map_err(|e| rmacomm_collectives::Error::Window { op, source: e })?;
+                    // Slots of 4 MiB: a pair's communicator only sends and
+                    // receives (its inboxes are the slot size, at most 4 MiB).
+                    v.insert(rmacomm_collectives::GpuComm::new(&g, ctx, Some(4 << 20), s.timeout)?)
+                }
+            };
+            if c.context().ordinal() != device as i32 {
+                return Err(rmacomm_collectives::Error::InvalidArgument {
+                    op,
+                    reason: format!(
+                        "the tensor is on cuda:{device}, this pair's GPU send/recv on cuda:{}",
+                        c.context().ordinal()
+                    ),
+                });
+            }
+            f(c, them, &stream)
         })
         .map_err(py_err)
     }

@@ -35,6 +35,11 @@ pub(crate) struct CommShared {
     /// The native backend's GPU collectives (made by the first collective
     /// on CUDA tensors: every rank reaches it at the same call).
     pub(crate) gpu: Mutex<Option<rmacomm_collectives::GpuComm>>,
+    /// send/recv of CUDA tensors: a GPU communicator per pair of ranks
+    /// (made by the pair's first send/recv, which only the two reach: a
+    /// two-rank group in the store's key space for the pair, as torch
+    /// makes NCCL point-to-point communicators).
+    pub(crate) gpu_pairs: Mutex<std::collections::HashMap<usize, rmacomm_collectives::GpuComm>>,
 }
 
 /// A communicator (torchcomms' `TorchComm`): every collective over the
@@ -65,6 +70,7 @@ impl PyComm {
                 worker: Worker::default(),
                 nccl: std::sync::OnceLock::new(),
                 gpu: Mutex::new(None),
+                gpu_pairs: Mutex::new(std::collections::HashMap::new()),
             }),
         })
     }
