@@ -368,7 +368,7 @@ impl PyComm {
     /// uneven sizes make it all_gather_v).
     #[pyo3(signature = (tensor_list, tensor, async_op=false, hints=None, timeout=None))]
     fn all_gather(
-        &self,
+        slf: &Bound<'_, Self>,
         py: Python<'_>,
         tensor_list: &Bound<'_, PyAny>,
         tensor: &Bound<'_, PyAny>,
@@ -376,13 +376,16 @@ impl PyComm {
         hints: Option<HashMap<String, String>>,
         timeout: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyWork> {
-        self.gather_list(py, "all_gather", tensor_list, tensor, async_op, hints, timeout, false)
+        if cuda_tensor::of(tensor, "tensor")?.is_some() {
+            return composed(py, "all_gather", (slf, tensor_list, tensor, false));
+        }
+        slf.get().gather_list(py, "all_gather", tensor_list, tensor, async_op, hints, timeout, false)
     }
 
     /// all_gather with per-rank sizes.
     #[pyo3(signature = (tensor_list, tensor, async_op=false, hints=None, timeout=None))]
     fn all_gather_v(
-        &self,
+        slf: &Bound<'_, Self>,
         py: Python<'_>,
         tensor_list: &Bound<'_, PyAny>,
         tensor: &Bound<'_, PyAny>,
@@ -390,7 +393,10 @@ impl PyComm {
         hints: Option<HashMap<String, String>>,
         timeout: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyWork> {
-        self.gather_list(py, "all_gather_v", tensor_list, tensor, async_op, hints, timeout, true)
+        if cuda_tensor::of(tensor, "tensor")?.is_some() {
+            return composed(py, "all_gather", (slf, tensor_list, tensor, true));
+        }
+        slf.get().gather_list(py, "all_gather_v", tensor_list, tensor, async_op, hints, timeout, true)
     }
 
     /// Gathers every rank's `input` into `output` (size × input, rank
@@ -436,7 +442,7 @@ impl PyComm {
     #[pyo3(signature = (output, input_list, op, async_op=false, hints=None, timeout=None))]
     #[allow(clippy::too_many_arguments)]
     fn reduce_scatter(
-        &self,
+        slf: &Bound<'_, Self>,
         py: Python<'_>,
         output: &Bound<'_, PyAny>,
         input_list: &Bound<'_, PyAny>,
@@ -445,14 +451,17 @@ impl PyComm {
         hints: Option<HashMap<String, String>>,
         timeout: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyWork> {
-        self.scatter_list(py, "reduce_scatter", output, input_list, op, async_op, hints, timeout, false)
+        if cuda_tensor::of(output, "output")?.is_some() {
+            return composed(py, "reduce_scatter", (slf, output, input_list, op, false));
+        }
+        slf.get().scatter_list(py, "reduce_scatter", output, input_list, op, async_op, hints, timeout, false)
     }
 
     /// reduce_scatter with per-rank sizes.
     #[pyo3(signature = (output, input_list, op, async_op=false, hints=None, timeout=None))]
     #[allow(clippy::too_many_arguments)]
     fn reduce_scatter_v(
-        &self,
+        slf: &Bound<'_, Self>,
         py: Python<'_>,
         output: &Bound<'_, PyAny>,
         input_list: &Bound<'_, PyAny>,
@@ -461,7 +470,10 @@ impl PyComm {
         hints: Option<HashMap<String, String>>,
         timeout: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyWork> {
-        self.scatter_list(py, "reduce_scatter_v", output, input_list, op, async_op, hints, timeout, true)
+        if cuda_tensor::of(output, "output")?.is_some() {
+            return composed(py, "reduce_scatter", (slf, output, input_list, op, true));
+        }
+        slf.get().scatter_list(py, "reduce_scatter_v", output, input_list, op, async_op, hints, timeout, true)
     }
 
     /// Reduces block j (of size equal blocks) of every rank's `input` into
@@ -606,7 +618,7 @@ impl PyComm {
     /// `output_tensor_list[i]`.
     #[pyo3(signature = (output_tensor_list, input_tensor_list, async_op=false, hints=None, timeout=None))]
     fn all_to_all(
-        &self,
+        slf: &Bound<'_, Self>,
         py: Python<'_>,
         output_tensor_list: &Bound<'_, PyAny>,
         input_tensor_list: &Bound<'_, PyAny>,
@@ -615,6 +627,12 @@ impl PyComm {
         timeout: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyWork> {
         let _ = hints;
+        if let Ok(first) = input_tensor_list.get_item(0) {
+            if cuda_tensor::of(&first, "input_tensor_list[0]")?.is_some() {
+                return composed(py, "all_to_all", (slf, output_tensor_list, input_tensor_list));
+            }
+        }
+        let this = slf.get();
         let outs = tensor::list(output_tensor_list, "output_tensor_list", true)?;
         let ins = tensor::list(input_tensor_list, "input_tensor_list", false)?;
         if let Some(first) = ins.first() {
@@ -626,7 +644,7 @@ impl PyComm {
         disjoint("output_tensor_list", &ors)?;
         let srcs: Vec<Src> = ins.iter().map(|t| Src::new(t.raw(), &ors)).collect();
         let keep: Vec<&Tensor<'_>> = outs.iter().chain(&ins).collect();
-        self.shared.run(py, "all_to_all", async_op, timeout::duration(timeout, "timeout")?, &keep, move |c| {
+        this.shared.run(py, "all_to_all", async_op, timeout::duration(timeout, "timeout")?, &keep, move |c| {
             // SAFETY: alive until the end, outputs disjoint, overlapping
             // inputs copied.
             let mut o = unsafe { slices_mut(&ors) };
@@ -654,7 +672,7 @@ impl PyComm {
     #[pyo3(signature = (output_tensor, input_tensor_list, root, async_op=false, hints=None, timeout=None))]
     #[allow(clippy::too_many_arguments)]
     fn scatter(
-        &self,
+        slf: &Bound<'_, Self>,
         py: Python<'_>,
         output_tensor: &Bound<'_, PyAny>,
         input_tensor_list: Option<&Bound<'_, PyAny>>,
@@ -664,6 +682,11 @@ impl PyComm {
         timeout: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyWork> {
         let _ = hints;
+        if cuda_tensor::of(output_tensor, "output_tensor")?.is_some() {
+            let list = input_tensor_list.filter(|l| !l.is_none());
+            return composed(py, "scatter", (slf, output_tensor, list, root));
+        }
+        let this = slf.get();
         let o = Tensor::new(output_tensor, "output_tensor", true)?;
         let ins = match input_tensor_list.filter(|l| !l.is_none()) {
             Some(l) => tensor::list(l, "input_tensor_list", false)?,
@@ -676,7 +699,7 @@ impl PyComm {
         let srcs: Option<Vec<Src>> = (!ins.is_empty()).then(|| ins.iter().map(|t| Src::new(t.raw(), &[or])).collect());
         let mut keep: Vec<&Tensor<'_>> = ins.iter().collect();
         keep.push(&o);
-        self.shared.run(py, "scatter", async_op, timeout::duration(timeout, "timeout")?, &keep, move |c| {
+        this.shared.run(py, "scatter", async_op, timeout::duration(timeout, "timeout")?, &keep, move |c| {
             // SAFETY: alive until the end; inputs overlapping the output
             // copied.
             let i: Option<Vec<&[u8]>> = srcs.as_ref().map(|s| s.iter().map(|s| unsafe { s.bytes() }).collect());
@@ -691,7 +714,7 @@ impl PyComm {
     #[pyo3(signature = (output_tensor_list, input_tensor, root, async_op=false, hints=None, timeout=None))]
     #[allow(clippy::too_many_arguments)]
     fn gather(
-        &self,
+        slf: &Bound<'_, Self>,
         py: Python<'_>,
         output_tensor_list: Option<&Bound<'_, PyAny>>,
         input_tensor: &Bound<'_, PyAny>,
@@ -701,6 +724,11 @@ impl PyComm {
         timeout: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyWork> {
         let _ = hints;
+        if cuda_tensor::of(input_tensor, "input_tensor")?.is_some() {
+            let list = output_tensor_list.filter(|l| !l.is_none());
+            return composed(py, "gather", (slf, list, input_tensor, root));
+        }
+        let this = slf.get();
         let i = Tensor::new(input_tensor, "input_tensor", false)?;
         let outs = match output_tensor_list.filter(|l| !l.is_none()) {
             Some(l) => tensor::list(l, "output_tensor_list", true)?,
@@ -714,7 +742,7 @@ impl PyComm {
         let src = Src::new(i.raw(), &ors);
         let mut keep: Vec<&Tensor<'_>> = outs.iter().collect();
         keep.push(&i);
-        self.shared.run(py, "gather", async_op, timeout::duration(timeout, "timeout")?, &keep, move |c| {
+        this.shared.run(py, "gather", async_op, timeout::duration(timeout, "timeout")?, &keep, move |c| {
             // SAFETY: alive until the end, outputs disjoint, an
             // overlapping input copied.
             let mut o = unsafe { slices_mut(&ors) };
@@ -727,6 +755,14 @@ impl PyComm {
     fn __repr__(&self) -> String {
         format!("<rmacomm.Comm {:?} rank {} of {}>", self.shared.name, self.shared.rank, self.shared.size)
     }
+}
+
+/// The list and `_v` forms of CUDA tensors: composed of the single forms
+/// (`rmacomm._cuda_lists`: one staging tensor, one collective, copies out),
+/// queued on torch's current stream like the single forms.
+fn composed<'py, A: pyo3::call::PyCallArgs<'py>>(py: Python<'py>, f: &str, args: A) -> PyResult<PyWork> {
+    py.import("rmacomm._cuda_lists")?.getattr(f)?.call1(args)?;
+    Ok(PyWork::done())
 }
 
 impl PyComm {

@@ -351,7 +351,8 @@ def native_collectives(arg: str) -> None:
     stream-ordered signals). f32, bf16, i32 × counts 1, 1000, 1 Mi and 20 M
     (80 MB of f32: two chunks of the 64 MiB slots) × SUM, MAX, AVG,
     PREMUL_SUM(2), checked against torch; broadcast, reduce, all_gather_single,
-    all_to_all_single, reduce_scatter_single, send/recv; then, with arg "bench", the
+    all_to_all_single, reduce_scatter_single, the list and _v forms, send/recv;
+    then, with arg "bench", the
     bus bandwidth from 1 MiB to 256 MiB as JSON lines."""
     import torch
 
@@ -402,6 +403,28 @@ def native_collectives(arg: str) -> None:
         comm.reduce_scatter_single(out, inp, R.SUM)
         expect(torch.equal(out, torch.full_like(out, sum(10 * p + r for p in range(n)))), f"native reduce_scatter {dt}")
         comm.barrier()
+    # The list and _v forms of CUDA tensors (composed of the single forms:
+    # rmacomm._cuda_lists).
+    outs = [torch.zeros(1000, device="cuda") for _ in range(n)]
+    comm.all_gather(outs, torch.full((1000,), float(r), device="cuda"))
+    expect(all(torch.equal(o, torch.full_like(o, float(k))) for k, o in enumerate(outs)), "native all_gather list")
+    outs = [torch.zeros(k + 1, device="cuda") for k in range(n)]
+    comm.all_gather_v(outs, torch.full((r + 1,), float(r), device="cuda"))
+    expect(all(torch.equal(o, torch.full_like(o, float(k))) for k, o in enumerate(outs)), "native all_gather_v")
+    out = torch.zeros(500, device="cuda")
+    comm.reduce_scatter(out, [torch.full((500,), float(10 * r + j), device="cuda") for j in range(n)], R.SUM)
+    expect(torch.equal(out, torch.full_like(out, float(sum(10 * p + r for p in range(n))))), "native reduce_scatter list")
+    outs = [torch.zeros(300, device="cuda") for _ in range(n)]
+    comm.all_to_all(outs, [torch.full((300,), float(10 * r + j), device="cuda") for j in range(n)])
+    expect(all(torch.equal(o, torch.full_like(o, float(10 * k + r))) for k, o in enumerate(outs)), "native all_to_all list")
+    gathered = [torch.zeros(200, device="cuda") for _ in range(n)] if r == 0 else None
+    comm.gather(gathered, torch.full((200,), float(r), device="cuda"), 0)
+    if gathered is not None:
+        expect(all(torch.equal(o, torch.full_like(o, float(k))) for k, o in enumerate(gathered)), "native gather")
+    out = torch.zeros(200, device="cuda")
+    comm.scatter(out, [torch.full((200,), float(j + 7), device="cuda") for j in range(n)] if r == 0 else None, 0)
+    expect(torch.equal(out, torch.full_like(out, float(r + 7))), "native scatter")
+    comm.barrier()
     # send / recv of CUDA tensors (native: through the ranks' inboxes, in
     # chunks of 4 MiB; even ranks send first, odd ranks receive first).
     for count in (1, 1000, 3 << 20):

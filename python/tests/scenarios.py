@@ -671,7 +671,72 @@ def bench_self(iters: str) -> None:
     win.tensor_deregister()
 
 
+def cuda_lists(_: str) -> None:
+    """The list and _v forms as CUDA tensors get them on an rdma
+    communicator (rmacomm._cuda_lists: one staging tensor, one single-form
+    collective, copies out), run here on CPU torch tensors, which the
+    single forms take too: all_gather (even and _v), reduce_scatter (even
+    and _v, SUM and MAX), all_to_all, gather and scatter to every root,
+    and the errors for uneven plain forms and wrong list lengths."""
+    import torch
+
+    from rmacomm import _cuda_lists as L
+
+    comm = rmacomm.new_comm("rdma", timeout=60)
+    r, n = comm.get_rank(), comm.get_size()
+    val = lambda k, m, shift=0: torch.arange(m, dtype=torch.float32) + 1000 * k + shift  # noqa: E731
+    # all_gather, shapes kept (2-D blocks).
+    outs = [torch.zeros(3, 5) for _ in range(n)]
+    L.all_gather(comm, outs, val(r, 15).view(3, 5), False)
+    expect(all(torch.equal(o.view(-1), val(k, 15)) for k, o in enumerate(outs)), "all_gather")
+    # all_gather_v: rank k gives k + 2 elements.
+    outs = [torch.zeros(k + 2) for k in range(n)]
+    L.all_gather(comm, outs, val(r, r + 2), True)
+    expect(all(torch.equal(o, val(k, k + 2)) for k, o in enumerate(outs)), "all_gather_v")
+    # reduce_scatter: rank j gets the sum (max) over ranks of their block j.
+    for op, fold in ((ReduceOp.SUM, sum), (ReduceOp.MAX, max)):
+        ins = [val(r, 7, j) for j in range(n)]
+        out = torch.zeros(7)
+        L.reduce_scatter(comm, out, ins, op, False)
+        want = torch.stack([val(k, 7, r) for k in range(n)])
+        want = want.sum(0) if fold is sum else want.max(0).values
+        expect(torch.equal(out, want), f"reduce_scatter {op}")
+    # reduce_scatter_v: block j has j + 1 elements everywhere.
+    ins = [val(r, j + 1, j) for j in range(n)]
+    out = torch.zeros(r + 1)
+    L.reduce_scatter(comm, out, ins, ReduceOp.SUM, True)
+    expect(torch.equal(out, sum(val(k, r + 1, r) for k in range(n))), "reduce_scatter_v")
+    # all_to_all of lists: rank r's block j is val(10 r + j).
+    outs = [torch.zeros(2, 2) for _ in range(n)]
+    L.all_to_all(comm, outs, [val(10 * r + j, 4).view(2, 2) for j in range(n)])
+    expect(all(torch.equal(o.view(-1), val(10 * k + r, 4)) for k, o in enumerate(outs)), "all_to_all")
+    # gather and scatter, every root.
+    for root in range(n):
+        outs = [torch.zeros(6) for _ in range(n)] if r == root else None
+        L.gather(comm, outs, val(r, 6, root), root)
+        if outs is not None:
+            expect(all(torch.equal(o, val(k, 6, root)) for k, o in enumerate(outs)), f"gather to {root}")
+        out = torch.zeros(6)
+        L.scatter(comm, out, [val(100 + j, 6, root) for j in range(n)] if r == root else None, root)
+        expect(torch.equal(out, val(100 + r, 6, root)), f"scatter from {root}")
+    # Refused at once, naming the argument (every rank alike: nothing runs).
+    for call, what in (
+        (lambda: L.all_gather(comm, [torch.zeros(k + 1) for k in range(n)], torch.zeros(r + 1), False), "_v form"),
+        (lambda: L.all_gather(comm, [torch.zeros(3)], torch.zeros(3), False), "ranks"),
+        (lambda: L.all_to_all(comm, [torch.zeros(k + 1) for k in range(n)], [torch.zeros(1)] * n), "one size"),
+    ):
+        try:
+            call()
+            raise AssertionError(f"accepted: {what}")
+        except rmacomm.ArgumentError as e:
+            expect(what in str(e), str(e))
+    comm.barrier()
+    comm.finalize()
+    log("cuda_lists ok")
+
+
 SCENARIOS: Dict[str, Callable[[str], None]] = {
+    "cuda_lists": cuda_lists,
     "bench_self": bench_self,
     "window_ring": window_ring,
     "collectives": collectives,
