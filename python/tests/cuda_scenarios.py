@@ -329,6 +329,10 @@ def nccl_collectives(arg: str) -> None:
         elif r == 1:
             comm.recv(t, 0)
             expect(torch.equal(t, torch.zeros_like(t)), "recv")
+    # The list forms of CUDA tensors: composed of NCCL's single forms.
+    outs = [torch.zeros(100, device=dev) for _ in range(n)]
+    comm.all_gather(outs, torch.full((100,), float(r), device=dev))
+    expect(all(torch.equal(o, torch.full_like(o, float(k))) for k, o in enumerate(outs)), "nccl all_gather list")
     # CPU tensors on an nccl communicator: rmacomm's own collectives.
     c = torch.full((10,), float(r + 1))
     comm.all_reduce(c, rmacomm.ReduceOp.SUM)
