@@ -87,27 +87,30 @@ def reduce_scatter(comm: Any, output: Any, input_list: Sequence[Any], op: Any, v
 
 def all_to_all(comm: Any, output_list: Sequence[Any], input_list: Sequence[Any]) -> None:
     """all_to_all of lists: `input_list[j]` to rank j, rank i's into
-    `output_list[i]`; every tensor of one element count."""
+    `output_list[i]`. Blocks of uneven sizes are padded to the largest
+    block of any rank (agreed with one small all_reduce MAX of host
+    memory), then moved by one all_to_all_single."""
     n = comm.get_size()
     if not input_list:
         raise ArgumentError("all_to_all: input_tensor_list is empty")
     first = input_list[0]
     _check("all_to_all", input_list, n, "input_tensor_list", first.dtype, first.device)
     _check("all_to_all", output_list, n, "output_tensor_list", first.dtype, first.device)
-    m = int(first.numel())
-    for what, ts in (("input_tensor_list", input_list), ("output_tensor_list", output_list)):
-        for k, t in enumerate(ts):
-            if t.numel() != m:
-                raise ArgumentError(
-                    f"all_to_all: {what}[{k}] has {t.numel()} elements, input_tensor_list[0] {m}; on CUDA "
-                    "tensors of an rdma communicator every block has one size (new_comm(\"nccl\") takes uneven ones)"
-                )
     import torch
 
+    ins = [int(t.numel()) for t in input_list]
+    outs = [int(t.numel()) for t in output_list]
+    m = ins[0]
+    if any(s != m for s in ins + outs):
+        from ._rmacomm import ReduceOp
+
+        mx = torch.tensor([max(ins + outs)], dtype=torch.int64)
+        comm.all_reduce(mx, ReduceOp.MAX)
+        m = int(mx.item())
     out = first.new_empty(n * m)
-    comm.all_to_all_single(out, torch.cat([_flat(t) for t in input_list]))
+    comm.all_to_all_single(out, torch.cat([_padded(t, m) for t in input_list]))
     for k, t in enumerate(output_list):
-        t.copy_(out[k * m : (k + 1) * m].view(t.shape))
+        t.copy_(out[k * m : k * m + outs[k]].view(t.shape))
 
 
 def gather(comm: Any, output_list: Optional[Sequence[Any]], tensor: Any, root: int) -> None:

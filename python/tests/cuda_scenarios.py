@@ -421,6 +421,9 @@ def native_collectives(arg: str) -> None:
     outs = [torch.zeros(300, device="cuda") for _ in range(n)]
     comm.all_to_all(outs, [torch.full((300,), float(10 * r + j), device="cuda") for j in range(n)])
     expect(all(torch.equal(o, torch.full_like(o, float(10 * k + r))) for k, o in enumerate(outs)), "native all_to_all list")
+    outs = [torch.zeros(r + k + 1, device="cuda") for k in range(n)]
+    comm.all_to_all(outs, [torch.full((r + j + 1,), float(10 * r + j), device="cuda") for j in range(n)])
+    expect(all(torch.equal(o, torch.full_like(o, float(10 * k + r))) for k, o in enumerate(outs)), "native uneven all_to_all")
     gathered = [torch.zeros(200, device="cuda") for _ in range(n)] if r == 0 else None
     comm.gather(gathered, torch.full((200,), float(r), device="cuda"), 0)
     if gathered is not None:
