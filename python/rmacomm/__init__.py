@@ -54,8 +54,11 @@ Contents:
   a one-host launcher with torchrun's variables.
 
 CUDA (loaded at run time; docs/gpu.md): windows take CUDA torch tensors
-(same-host peers through CUDA IPC; ``stream=`` orders operations), and
-``new_comm("nccl")`` adds an NCCL communicator for CUDA tensors.
+(same-host peers through CUDA IPC, others through the transport;
+``stream=`` orders operations either way); an ``rdma`` communicator runs
+the collectives and send/recv of CUDA tensors natively (across hosts
+too); ``new_comm("nccl")`` adds an NCCL communicator for CUDA tensors; the
+transfer agent and ``rmacomm.nixl`` take CUDA memory ("VRAM").
 
 The full reference is docs/python.md in the repository.
 """
