@@ -165,6 +165,10 @@ struct Guard {
     /// The stream wrote the ready word.
     reached: bool,
     tx: Option<oneshot::Sender<Result<()>>>,
+    /// The stream may wait for this operation: nothing may wait for the
+    /// device on the reaper's thread meanwhile (`rmacomm_cuda::reaper`);
+    /// released after the done word is written.
+    _host: rmacomm_cuda::reaper::HostWait,
 }
 
 impl Guard {
@@ -350,6 +354,9 @@ impl StreamProxy {
         job: Job,
         hold: bool,
     ) -> Result<oneshot::Receiver<Result<()>>> {
+        // Before the stream can wait for this operation (outside the
+        // queue's lock: it waits while the reaper is dropping something).
+        let host = rmacomm_cuda::reaper::host_wait();
         let seq = {
             let mut q = self.shared.lock();
             if let Some(e) = &q.failed {
@@ -386,8 +393,16 @@ impl StreamProxy {
             q.next
         };
         let (tx, rx) = oneshot::channel();
-        let mut guard =
-            Guard { shared: self.shared.clone(), words: self.words, seq, op, peer, reached: false, tx: None };
+        let mut guard = Guard {
+            shared: self.shared.clone(),
+            words: self.words,
+            seq,
+            op,
+            peer,
+            reached: false,
+            tx: None,
+            _host: host,
+        };
         let i = index(seq);
         // SAFETY: a word of registered host memory that is never freed.
         if let Err(e) = unsafe { stream.write_value64(self.words.device_ptr(i), seq) } {
