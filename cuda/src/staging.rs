@@ -6,7 +6,7 @@
 //! pinned memory on a stream of its own is complete at the stream's
 //! synchronize.
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 
 use crate::device::{HostRegistration, Stream};
 use crate::driver::{Context, DevicePtr};
@@ -15,9 +15,16 @@ use crate::Result;
 /// Bytes per staging chunk (two per stage).
 pub const STAGE_CHUNK: usize = 1 << 20;
 
-/// Stages kept for reuse (one per concurrent copy; more are made and
-/// dropped when needed).
-const POOL: usize = 4;
+/// Stages per context: made together, before any copy needs one
+/// ([`Staging::new`]), and never more: a copy waits for a free one.
+///
+/// Making a stage registers host memory (`cuMemHostRegister`), which on a
+/// real driver takes a lock of the driver's that a kernel launch holds
+/// while it waits for room behind a stream that is itself waiting: a
+/// transport engine whose copy made a stage while the stream it serves
+/// waited for that copy (a window's stream proxy) hung the process (seen
+/// on an H200, driver 580, with torch launching on the waiting stream).
+pub const POOL: usize = 4;
 
 /// An anonymous mapping, unmapped on drop.
 struct Mapping {
@@ -97,6 +104,8 @@ impl Drop for Stage {
 pub struct Staging {
     ctx: Arc<Context>,
     pool: Mutex<Vec<Stage>>,
+    /// Signalled when a stage goes back to the pool.
+    freed: Condvar,
 }
 
 impl std::fmt::Debug for Staging {
@@ -106,9 +115,19 @@ impl std::fmt::Debug for Staging {
 }
 
 impl Staging {
-    /// Copies through `ctx`'s pinned chunks (made when first needed).
-    pub fn new(ctx: Arc<Context>) -> Staging {
-        Staging { ctx, pool: Mutex::new(Vec::new()) }
+    /// Copies through `ctx`'s pinned chunks: [`POOL`] stages of two
+    /// [`STAGE_CHUNK`]s, made (registered with the device) here, on the
+    /// caller's thread — never later, on a thread a stream may be waiting
+    /// for ([`POOL`]).
+    pub fn new(ctx: Arc<Context>) -> Result<Staging> {
+        let stages = (0..POOL).map(|_| Stage::new(&ctx)).collect::<Result<Vec<_>>>()?;
+        Ok(Staging { ctx, pool: Mutex::new(stages), freed: Condvar::new() })
+    }
+
+    /// Stages free now (for tests and diagnostics: [`POOL`] when no copy
+    /// runs).
+    pub fn free_stages(&self) -> usize {
+        self.pool.lock().unwrap_or_else(|e| e.into_inner()).len()
     }
 
     /// The context.
@@ -116,18 +135,34 @@ impl Staging {
         &self.ctx
     }
 
-    fn take(&self) -> Result<Stage> {
-        match self.pool.lock().unwrap_or_else(|e| e.into_inner()).pop() {
-            Some(s) => Ok(s),
-            None => Stage::new(&self.ctx),
+    /// A free stage, waiting for one while [`POOL`] copies run (each ends
+    /// without waiting for anything but its own DMA).
+    fn take(&self) -> Stage {
+        let mut pool = self.pool.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            if let Some(s) = pool.pop() {
+                return s;
+            }
+            pool = self.freed.wait(pool).unwrap_or_else(|e| e.into_inner());
         }
     }
 
+    /// Back to the pool once no DMA uses it (a copy that failed midway
+    /// may have left some queued: drained here, errors and all).
     fn give(&self, s: Stage) {
-        let mut pool = self.pool.lock().unwrap_or_else(|e| e.into_inner());
-        if pool.len() < POOL {
-            pool.push(s);
-        }
+        let _ = s.drain();
+        self.pool.lock().unwrap_or_else(|e| e.into_inner()).push(s);
+        self.freed.notify_one();
+    }
+
+    /// Runs `f` with a stage, which goes back to the pool whatever `f`
+    /// returns (never dropped: that would unregister host memory, on a
+    /// thread a stream may be waiting for, and shrink the pool).
+    fn with_stage<T>(&self, f: impl FnOnce(&Stage) -> Result<T>) -> Result<T> {
+        let st = self.take();
+        let r = f(&st);
+        self.give(st);
+        r
     }
 
     /// Copies `src` to device memory at `dst`: complete (for every stream)
@@ -145,23 +180,21 @@ impl Staging {
     /// # Safety
     /// As for `upload`; `src..src + len` readable for the call.
     pub unsafe fn upload_raw(&self, dst: DevicePtr, src: *const u8, len: usize) -> Result<()> {
-        let st = self.take()?;
-        for i in 0..len.div_ceil(STAGE_CHUNK) {
-            let (a, b) = (i * STAGE_CHUNK, ((i + 1) * STAGE_CHUNK).min(len));
-            let k = i % 2;
-            // The chunk's previous copy (two back) has read it.
-            st.streams[k].synchronize()?;
-            // SAFETY: a pinned chunk of STAGE_CHUNK bytes no copy uses now;
-            // the source is the caller's.
-            unsafe { std::ptr::copy_nonoverlapping(src.add(a), st.chunk(k), b - a) };
-            // SAFETY: pinned source valid until drained below (the stage
-            // is dropped, draining, on an error); the destination is the
-            // caller's.
-            unsafe { st.streams[k].upload_raw_async(dst + a as u64, st.chunk(k), b - a)? };
-        }
-        st.drain()?;
-        self.give(st);
-        Ok(())
+        self.with_stage(|st| {
+            for i in 0..len.div_ceil(STAGE_CHUNK) {
+                let (a, b) = (i * STAGE_CHUNK, ((i + 1) * STAGE_CHUNK).min(len));
+                let k = i % 2;
+                // The chunk's previous copy (two back) has read it.
+                st.streams[k].synchronize()?;
+                // SAFETY: a pinned chunk of STAGE_CHUNK bytes no copy uses
+                // now; the source is the caller's.
+                unsafe { std::ptr::copy_nonoverlapping(src.add(a), st.chunk(k), b - a) };
+                // SAFETY: pinned source valid until drained (below, or by
+                // `give` on an error); the destination is the caller's.
+                unsafe { st.streams[k].upload_raw_async(dst + a as u64, st.chunk(k), b - a)? };
+            }
+            st.drain()
+        })
     }
 
     /// Copies `len` bytes from device address `src` to `dst` (this
@@ -171,12 +204,11 @@ impl Staging {
     /// # Safety
     /// Both ranges must be device memory valid in this context.
     pub unsafe fn copy_device(&self, dst: DevicePtr, src: DevicePtr, len: usize) -> Result<()> {
-        let st = self.take()?;
-        // SAFETY: the caller's ranges; synchronized below.
-        unsafe { st.streams[0].copy_async(dst, src, len)? };
-        st.streams[0].synchronize()?;
-        self.give(st);
-        Ok(())
+        self.with_stage(|st| {
+            // SAFETY: the caller's ranges; synchronized below.
+            unsafe { st.streams[0].copy_async(dst, src, len)? };
+            st.streams[0].synchronize()
+        })
     }
 
     /// Copies device memory at `src` into `dst`: complete when this
@@ -195,26 +227,26 @@ impl Staging {
     /// As for `download`; `dst..dst + len` writable for the call and not
     /// borrowed.
     pub unsafe fn download_raw(&self, src: DevicePtr, dst: *mut u8, len: usize) -> Result<()> {
-        let st = self.take()?;
         let n = len.div_ceil(STAGE_CHUNK);
         let span = |i: usize| (i * STAGE_CHUNK, ((i + 1) * STAGE_CHUNK).min(len));
-        for i in 0..=n {
-            if i < n {
-                let (a, b) = span(i);
-                // SAFETY: chunk i % 2 was drained into `dst` at step i - 1
-                // (or is unused); the source is the caller's.
-                unsafe { st.streams[i % 2].download_raw_async(st.chunk(i % 2), src + a as u64, b - a)? };
+        self.with_stage(|st| {
+            for i in 0..=n {
+                if i < n {
+                    let (a, b) = span(i);
+                    // SAFETY: chunk i % 2 was drained into `dst` at step
+                    // i - 1 (or is unused); the source is the caller's.
+                    unsafe { st.streams[i % 2].download_raw_async(st.chunk(i % 2), src + a as u64, b - a)? };
+                }
+                if i > 0 {
+                    let j = i - 1;
+                    st.streams[j % 2].synchronize()?;
+                    let (a, b) = span(j);
+                    // SAFETY: the chunk holds chunk j's bytes (its stream is
+                    // synchronized); `dst` has room (the caller's).
+                    unsafe { std::ptr::copy_nonoverlapping(st.chunk(j % 2), dst.add(a), b - a) };
+                }
             }
-            if i > 0 {
-                let j = i - 1;
-                st.streams[j % 2].synchronize()?;
-                let (a, b) = span(j);
-                // SAFETY: the chunk holds chunk j's bytes (its stream is
-                // synchronized); `dst` has room (the caller's).
-                unsafe { std::ptr::copy_nonoverlapping(st.chunk(j % 2), dst.add(a), b - a) };
-            }
-        }
-        self.give(st);
-        Ok(())
+            Ok(())
+        })
     }
 }

@@ -182,7 +182,10 @@ fn device(op: &'static str, ordinal: u32) -> Result<Arc<CudaMemory>, TransportEr
         return Ok(d.clone());
     }
     let ctx = Context::open_shared(ordinal).map_err(|e| TransportError::Unsupported(format!("{op}: {e}")))?;
-    let d = Arc::new(CudaMemory { ordinal, staging: Staging::new(ctx) });
+    // The staging buffers are registered here, on the thread registering
+    // memory, never on an engine thread a stream may be waiting for.
+    let staging = Staging::new(ctx).map_err(|e| TransportError::Unsupported(format!("{op}: staging buffers: {e}")))?;
+    let d = Arc::new(CudaMemory { ordinal, staging });
     map.insert(ordinal, d.clone());
     // Same-host peers' CUDA memory opens here from now on.
     ibverbx::set_device_ipc(Arc::new(CudaIpc));
@@ -286,5 +289,36 @@ mod tests {
         let e = CudaIpc.open(&export(mem.ptr(), 8192), me + 1).unwrap_err();
         assert!(e.contains("the peer is pid"), "{e}");
         assert!(CudaIpc.open(b"something else", me).is_err());
+    }
+
+    /// The staging buffers are made when the device is first used, on
+    /// that thread, and copies only ever take them: more copies at once
+    /// than there are stages wait for one instead of registering more
+    /// host memory (which may hang on a thread a stream waits for:
+    /// `rmacomm_cuda::staging::POOL`).
+    #[test]
+    fn copies_use_the_stages_made_up_front() {
+        use rmacomm_cuda::staging::POOL;
+        let Some(lib) = rmacomm_cuda::standin_for_tests() else { return };
+        std::env::set_var("RMACOMM_CUDA_LIB", &lib);
+        let dev = device("test", 0).unwrap();
+        assert_eq!(dev.staging.free_stages(), POOL);
+        let len = 3 * rmacomm_cuda::staging::STAGE_CHUNK + 5;
+        let mem = dev.staging.context().alloc_shared(len * 3 * POOL).unwrap();
+        std::thread::scope(|s| {
+            for t in 0..3 * POOL {
+                let (dev, at) = (&dev, mem.ptr() + (t * len) as u64);
+                s.spawn(move || {
+                    let data: Vec<u8> = (0..len).map(|i| (i * 7 + t) as u8).collect();
+                    // SAFETY: this thread's own range of the allocation.
+                    unsafe { dev.write(at, &data) }.unwrap();
+                    let mut back = vec![0u8; len];
+                    // SAFETY: as above.
+                    unsafe { dev.read(at, &mut back) }.unwrap();
+                    assert!(back == data, "thread {t}: what came back differs");
+                });
+            }
+        });
+        assert_eq!(dev.staging.free_stages(), POOL);
     }
 }
