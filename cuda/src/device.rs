@@ -76,6 +76,13 @@ pub struct IpcHandle(pub [u8; 64]);
 /// PyTorch segment would need.
 static OPENED: std::sync::Mutex<Option<OpenedMap>> = std::sync::Mutex::new(None);
 
+/// Peers' allocations this process has open through CUDA IPC now (for
+/// tests and diagnostics).
+pub fn ipc_mappings_open() -> usize {
+    let opened = OPENED.lock().unwrap_or_else(|e| e.into_inner());
+    opened.as_ref().map_or(0, |m| m.values().filter(|(_, refs)| *refs > 0).count())
+}
+
 /// Signalled when a closing allocation's entry leaves [`OPENED`].
 static CLOSED: std::sync::Condvar = std::sync::Condvar::new();
 

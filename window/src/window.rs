@@ -397,6 +397,42 @@ impl Window {
         self.tensor_register_len(mem, len, elem_size)
     }
 
+    /// Reads one byte of every rank's new tensor reached through the
+    /// transport (not UNIFIED; this rank's own included) into the bounce
+    /// buffer, so that the soft
+    /// provider maps a same-host peer's memory (and opens its device
+    /// memory through CUDA IPC) now, on the registering thread, rather
+    /// than in the engine during the first operation: a stream may be
+    /// waiting for that operation (the stream proxy), and opening device
+    /// memory takes a driver lock that a kernel launch queued behind the
+    /// waiting stream holds (seen on an H200: the process hung). A failure
+    /// here is left to the first operation to report.
+    fn open_peers(&self, peers: &[(RdmaRemoteBuffer, usize)]) {
+        // This rank's own tensor too: its puts to itself go through its
+        // loopback link, which maps the segment (and checks the device
+        // memory with the driver) on first use just the same.
+        let targets: Vec<usize> = (0..peers.len()).filter(|p| self.signal_maps[*p].is_none()).collect();
+        if targets.is_empty() {
+            return;
+        }
+        let mut bounce = self.bounce.lock().unwrap_or_else(|e| e.into_inner());
+        if bounce.is_none() {
+            match self.alloc(2 * BOUNCE_CHUNK) {
+                Ok(b) => *bounce = Some(b),
+                Err(_) => return,
+            }
+        }
+        let b = bounce.as_ref().expect("set above");
+        for p in targets {
+            let (rb, _) = &peers[p];
+            let (Ok(dst), Some(src)) = (b.view_mut(0, 1), rb.slice(0, 1)) else { continue };
+            let read = self.links[p].out.read_with_timeout(dst, &src, Some(self.timeout));
+            if let Err(e) = self.rt.block_on(read) {
+                tracing::debug!("tensor_register: opening rank {p}'s tensor ahead of use failed ({e})");
+            }
+        }
+    }
+
     /// [`tensor_register`](Self::tensor_register) of the first `len` bytes
     /// of `mem` only (a whole number of elements): peers' puts and gets
     /// beyond them fail with [`Error::Bounds`].
@@ -438,6 +474,7 @@ impl Window {
                 None => Ok(None),
             })
             .collect();
+        self.open_peers(&peers);
         // Every rank says how its mapping went before any returns: no rank
         // leaves (and may drop its window, deregistering its memory) while
         // a peer is still mapping that memory, and a rank's failure fails

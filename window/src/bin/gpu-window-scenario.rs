@@ -58,6 +58,8 @@ fn s<E: std::fmt::Display>(e: E) -> String {
 }
 
 fn main() {
+    let filter = std::env::var("RMACOMM_LOG").unwrap_or_else(|_| "warn".into());
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
     let args: Vec<String> = std::env::args().skip(1).collect();
     let rank: usize = std::env::var("RANK").ok().and_then(|v| v.parse().ok()).expect("launched by rmacomm-run");
     let result = match Context::open_shared(0) {
@@ -438,7 +440,14 @@ fn proxy(g: &Group, ctx: &Arc<Context>) -> R {
     let stream = ctx.stream().map_err(s)?;
     let start = Instant::now();
     for count in [4096usize, 1 << 20, 16 << 20] {
+        let before = rmacomm_window::cuda::device::ipc_mappings_open();
         w.tensor_register(w.alloc_cuda(size * count, 0).map_err(s)?, 1).map_err(s)?;
+        // Every peer's tensor is opened by the registration, not by the
+        // first operation (which a stream would be waiting for).
+        let opened = rmacomm_window::cuda::device::ipc_mappings_open();
+        ensure(before > 0 || opened == size - 1, || {
+            format!("{opened} peer allocations open after the first tensor_register, want {}", size - 1)
+        })?;
         let src = Arc::new(w.alloc_cuda(count, 0).map_err(s)?);
         let back = Arc::new(w.alloc_cuda(count, 0).map_err(s)?);
         for it in 0..3 {
