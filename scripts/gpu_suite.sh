@@ -53,7 +53,24 @@ for line in sys.stdin:
   else
     echo "# no maturin (pip install maturin): the suite carries no Python wheel"
   fi
-  cp scripts/gpu_suite.sh "$suite/"
+  cp scripts/gpu_suite.sh scripts/gpu_stacks.sh "$suite/"
+  # A gdb for gpu_stacks.sh (the device machines have none): Debian's
+  # gdb-minimal with the libraries it links directly beyond the C and C++
+  # runtimes (theirs in turn are common; 2026-11-27's H200 had them).
+  local tmp
+  tmp=$(mktemp -d)
+  if (cd "$tmp" && apt-get download -q gdb-minimal >/dev/null 2>&1) && dpkg-deb -x "$tmp"/gdb-minimal_*.deb "$tmp/x"; then
+    mkdir -p "$suite/gdb" && cp "$tmp/x/usr/bin/gdb" "$suite/gdb/"
+    local needed
+    needed=$(readelf -d "$tmp/x/usr/bin/gdb" | sed -n 's/.*NEEDED.*\[\(.*\)\]/\1/p' |
+      grep -vE '^lib(c|m|pthread|dl|rt|gcc_s|stdc\+\+)\.so')
+    ldd "$tmp/x/usr/bin/gdb" | awk '$3 ~ /^\// {print $1, $3}' | while read -r lib path; do
+      if grep -qx "$lib" <<<"$needed"; then cp -L "$path" "$suite/gdb/"; fi
+    done
+  else
+    echo "# no gdb-minimal package to carry: gpu_stacks.sh falls back to /proc's kernel stacks"
+  fi
+  rm -rf "$tmp"
   ls -la "$suite/bin" "$suite/wheels" 2>/dev/null
 }
 
