@@ -42,6 +42,35 @@ pub mod staging;
 
 pub use error::{CudaError, Result};
 
+/// What to tell a user of stream operations that a host thread completes
+/// (the window's stream proxy: staged windows, GPU collectives across
+/// hosts) when CUDA loads modules lazily — `None` under
+/// `CUDA_MODULE_LOADING=EAGER`.
+///
+/// With lazy loading (CUDA's default since 12.2, and PyTorch's) a kernel's
+/// first launch loads its module, which may synchronize the context (the
+/// CUDA programming guide, "Lazy Loading"), holding a driver lock: behind a
+/// stream that waits for the transport's engine, and the engine's own CUDA
+/// calls (the copies of device memory) wait for that lock. On an H200
+/// (2026-11-27) GpuComm across hosts hung so, with torch's launches in the
+/// stacks. Loading eagerly avoids it until the engine makes no CUDA calls
+/// while a stream waits (docs/gpu.md).
+pub fn lazy_loading_hazard() -> Option<&'static str> {
+    lazy_loading_hazard_for(std::env::var("CUDA_MODULE_LOADING").ok().as_deref())
+}
+
+fn lazy_loading_hazard_for(setting: Option<&str>) -> Option<&'static str> {
+    match setting {
+        Some(v) if v.trim().eq_ignore_ascii_case("EAGER") => None,
+        _ => Some(
+            "stream operations completed by a host thread (the window's stream proxy: staged CUDA windows, GPU \
+             collectives across hosts) may hang the process when CUDA loads modules lazily (CUDA_MODULE_LOADING is not \
+             EAGER): a kernel's first launch may wait for a stream that waits for the transport, whose copies wait for \
+             that launch; set CUDA_MODULE_LOADING=EAGER before CUDA starts (docs/gpu.md, 'Known problem')",
+        ),
+    }
+}
+
 /// rmacomm's CUDA stand-in (`cuda/standin`, `librmacomm_cuda_standin.so`:
 /// the driver calls rmacomm makes, on the host), for tests on machines
 /// without a GPU: the library in the running test binary's target
@@ -62,4 +91,15 @@ pub fn standin_for_tests() -> Option<std::path::PathBuf> {
     );
     println!("skipped: the CUDA stand-in is not built (cargo build -p rmacomm-cuda-standin)");
     None
+}
+
+#[cfg(test)]
+mod lazy_loading_tests {
+    #[test]
+    fn only_eager_loading_is_free_of_the_hazard() {
+        assert!(super::lazy_loading_hazard_for(None).is_some_and(|m| m.contains("CUDA_MODULE_LOADING=EAGER")));
+        assert!(super::lazy_loading_hazard_for(Some("LAZY")).is_some());
+        assert!(super::lazy_loading_hazard_for(Some("eager")).is_none());
+        assert!(super::lazy_loading_hazard_for(Some("EAGER")).is_none());
+    }
 }

@@ -781,12 +781,14 @@ impl PyComm {
         let stream = cuda_tensor::stream(py, None, device)?;
         let ctx = cuda_tensor::context(device)?;
         let s = &self.shared;
-        py.detach(|| -> Result<(), rmacomm_collectives::Error> {
+        let mut transport = false;
+        let r = py.detach(|| -> Result<(), rmacomm_collectives::Error> {
             let mut g = s.gpu.lock().unwrap_or_else(|e| e.into_inner());
             if g.is_none() {
                 *g = Some(rmacomm_collectives::GpuComm::new(&s.meta, ctx, None, s.timeout)?);
             }
             let c = g.as_mut().expect("set above");
+            transport = c.through_transport();
             if c.context().ordinal() != device as i32 {
                 return Err(rmacomm_collectives::Error::InvalidArgument {
                     op,
@@ -797,8 +799,11 @@ impl PyComm {
                 });
             }
             f(c, &stream)
-        })
-        .map_err(py_err)
+        });
+        if transport {
+            cuda_tensor::warn_lazy_loading(py);
+        }
+        r.map_err(py_err)
     }
 
     /// Runs `f(comm, peer's rank in it, stream)` on the GPU communicator of

@@ -85,3 +85,16 @@ pub(crate) fn stream(py: Python<'_>, stream: Option<&Bound<'_, PyAny>>, ordinal:
     // the call, and work queued on it needs no handle afterwards.
     Ok(unsafe { Stream::from_raw(ctx, raw) })
 }
+
+/// Warns once per process (a `RuntimeWarning`) when stream operations that
+/// a host thread completes run under CUDA's lazy module loading
+/// (`rmacomm_cuda::lazy_loading_hazard`).
+pub(crate) fn warn_lazy_loading(py: Python<'_>) {
+    static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    let Some(hazard) = rmacomm_window::cuda::lazy_loading_hazard() else { return };
+    if !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        let category = py.get_type::<pyo3::exceptions::PyRuntimeWarning>();
+        let msg = std::ffi::CString::new(hazard).unwrap_or_default();
+        let _ = PyErr::warn(py, &category, &msg, 1);
+    }
+}

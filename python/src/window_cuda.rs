@@ -160,6 +160,7 @@ impl WinCore {
         offset: usize,
         async_op: bool,
     ) -> PyResult<State> {
+        cuda_tensor::warn_lazy_loading(py);
         let core = self.clone();
         self.with(py, true, move |w| -> Result<State, Failure> {
             // SAFETY: the caller's tensor is alive for the call; the
@@ -198,6 +199,7 @@ impl WinCore {
         if self.staged() {
             // The window's stream proxy signals once the stream reaches
             // this point; the Work carries its result.
+            cuda_tensor::warn_lazy_loading(py);
             let core = self.clone();
             let st =
                 self.with(py, true, move |w| w.signal_on_stream_tracked(dst, &s).map(|work| core.settle(work, None)));
@@ -220,6 +222,7 @@ impl WinCore {
         if self.staged() {
             // The stream waits until the window's stream proxy has taken
             // the peer's signal; the Work carries the proxy's result.
+            cuda_tensor::warn_lazy_loading(py);
             let core = self.clone();
             let st = self
                 .with(py, true, move |w| w.wait_signal_on_stream_tracked(peer, &s).map(|work| core.settle(work, None)));

@@ -288,6 +288,10 @@ impl StreamProxy {
         timeout: Duration,
         spin: Duration,
     ) -> std::result::Result<StreamProxy, String> {
+        static WARNED: std::sync::Once = std::sync::Once::new();
+        if let Some(hazard) = rmacomm_cuda::lazy_loading_hazard() {
+            WARNED.call_once(|| tracing::warn!("{hazard}"));
+        }
         let reused = {
             let mut p = pool();
             let i = p.iter().position(|(ord, b)| *ord == ctx.ordinal() && b.poisoned < RING / 2);
