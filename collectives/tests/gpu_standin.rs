@@ -25,7 +25,12 @@ fn ready() -> bool {
         eprintln!("skipped: no NVRTC to compile the kernels ({e})");
         return false;
     }
-    SET.call_once(|| std::env::set_var("RMACOMM_CUDA_LIB", &lib));
+    SET.call_once(|| {
+        std::env::set_var("RMACOMM_CUDA_LIB", &lib);
+        // No thread a stream waits for may take a driver lock while it
+        // waits (the stand-in aborts naming the call: docs/gpu.md).
+        std::env::set_var("RMACOMM_STANDIN_STRICT", "1");
+    });
     true
 }
 

@@ -33,7 +33,10 @@ fn gpu_collectives_between_two_network_namespaces() {
     let Some(lib) = rmacomm_cuda::standin_for_tests() else { return };
     let Some(ns) = namespaces() else { return };
     let lib = lib.to_string_lossy().into_owned();
-    let (l0, ok0, l1, ok1) = pair(&ns, "29521", "gpu", &[("RMACOMM_CUDA_LIB", &lib)], Duration::from_secs(240));
+    // Strict: no thread a stream waits for may take a driver lock while it
+    // waits (the stand-in aborts the rank naming the call: docs/gpu.md).
+    let env = [("RMACOMM_CUDA_LIB", lib.as_str()), ("RMACOMM_STANDIN_STRICT", "1")];
+    let (l0, ok0, l1, ok1) = pair(&ns, "29521", "gpu", &env, Duration::from_secs(240));
     for (rank, (lines, ok)) in [(l0, ok0), (l1, ok1)].iter().enumerate() {
         assert!(*ok, "rank {rank} failed (its stderr is above); stdout: {lines:?}");
         if let Some(why) = lines.iter().find(|l| l.starts_with("gpu skipped")) {

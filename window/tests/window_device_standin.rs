@@ -17,7 +17,12 @@ fn use_standin() -> bool {
     static SET: Once = Once::new();
     let Some(lib) = rmacomm_window::cuda::standin_for_tests() else { return false };
     // Before any thread loads the driver; this binary's tests all use it.
-    SET.call_once(|| std::env::set_var("RMACOMM_CUDA_LIB", &lib));
+    SET.call_once(|| {
+        std::env::set_var("RMACOMM_CUDA_LIB", &lib);
+        // No thread a stream waits for may take a driver lock while it
+        // waits (the stand-in aborts naming the call: docs/gpu.md).
+        std::env::set_var("RMACOMM_STANDIN_STRICT", "1");
+    });
     true
 }
 

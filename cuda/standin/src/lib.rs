@@ -12,7 +12,13 @@
 //!   writes, waits that poll until the value is reached); the legacy default
 //!   stream (0) runs work in the caller; capture records a stream's work
 //!   into a graph that launches replay;
-//! - host registration maps host memory at its own address.
+//! - host registration maps host memory at its own address;
+//! - under `RMACOMM_STANDIN_STRICT=1`, a call that takes a real driver's
+//!   lock (host registration, IPC open and close, freeing memory) made by
+//!   a thread that stream operations depend on (a soft provider engine, a
+//!   window's runtime, the CUDA reaper) while a stream waits on registered
+//!   host memory aborts the process, naming it: on an H200 each such call
+//!   hung (docs/gpu.md).
 //!
 //! So rmacomm's logic around the driver — handle exchange, offsets, bounds,
 //! signal counts, stream order — runs in CI on every commit. CUDA itself
@@ -69,11 +75,53 @@ impl Op {
             Op::Write { addr, value } => word(addr).store(value, Ordering::SeqCst),
             Op::WaitGeq { addr, value } => {
                 let w = word(addr);
+                if w.load(Ordering::SeqCst) >= value {
+                    return;
+                }
+                // A wait on registered host memory: a host thread (a
+                // window's stream proxy) or another stream releases it.
+                let host_word =
+                    with(|st| st.registered.range(..=addr).next_back().is_some_and(|(b, l)| addr < b + *l as u64));
+                if host_word {
+                    HOST_WAITS.fetch_add(1, Ordering::SeqCst);
+                }
                 while w.load(Ordering::SeqCst) < value {
                     std::thread::sleep(Duration::from_micros(20));
                 }
+                if host_word {
+                    HOST_WAITS.fetch_sub(1, Ordering::SeqCst);
+                }
             }
         }
+    }
+}
+
+/// Streams of this process waiting now on a word of registered host
+/// memory.
+static HOST_WAITS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Under `RMACOMM_STANDIN_STRICT=1`: aborts the process, naming `call`,
+/// when a thread that stream operations depend on (a soft provider engine,
+/// a window's runtime, the CUDA reaper) makes a call that takes a lock of
+/// a real driver's (registering host memory, opening or closing IPC
+/// mappings, freeing memory) while a stream waits on registered host
+/// memory. On an H200 each such call hung the process (docs/gpu.md,
+/// "Nothing a stream waits for may take a driver lock"): a thread waiting
+/// for the device held that lock, and the device waited for the stream.
+fn strict(call: &str) {
+    if HOST_WAITS.load(Ordering::SeqCst) == 0 || std::env::var("RMACOMM_STANDIN_STRICT").map_or(true, |v| v != "1") {
+        return;
+    }
+    let mut name = [0u8; 16];
+    // SAFETY: PR_GET_NAME writes at most 16 bytes (NUL included).
+    unsafe { libc::prctl(libc::PR_GET_NAME, name.as_mut_ptr()) };
+    let name = CStr::from_bytes_until_nul(&name).map(|c| c.to_string_lossy().into_owned()).unwrap_or_default();
+    if ["rmacomm-soft", "rmacomm-window", "rmacomm-cuda-re"].iter().any(|p| name.starts_with(p)) {
+        eprintln!(
+            "CUDA stand-in (RMACOMM_STANDIN_STRICT): {call} on thread {name:?} while a stream waits on host memory \
+             that such a thread releases: on a real driver this may hang (docs/gpu.md)"
+        );
+        std::process::abort();
     }
 }
 
@@ -412,6 +460,7 @@ pub unsafe extern "C" fn cuMemAlloc_v2(p: *mut u64, len: usize) -> CuResult {
 /// `cuMemFree_v2`.
 #[no_mangle]
 pub extern "C" fn cuMemFree_v2(p: u64) -> CuResult {
+    strict("cuMemFree");
     cuCtxSynchronize();
     let Some(a) = with(|st| {
         st.device_ranges.remove(&p);
@@ -765,6 +814,7 @@ pub unsafe extern "C" fn cuIpcGetMemHandle(h: *mut IpcHandle, p: u64) -> CuResul
 /// `p` is a valid out-pointer.
 #[no_mangle]
 pub unsafe extern "C" fn cuIpcOpenMemHandle_v2(p: *mut u64, h: IpcHandle, _flags: c_uint) -> CuResult {
+    strict("cuIpcOpenMemHandle");
     let end = h.0.iter().position(|b| *b == 0).unwrap_or(64);
     let Ok(name) = CString::new(&h.0[..end]) else { return INVALID_VALUE };
     if with(|st| st.allocs.values().any(|a| a.name == name)) {
@@ -807,6 +857,7 @@ pub unsafe extern "C" fn cuIpcOpenMemHandle_v2(p: *mut u64, h: IpcHandle, _flags
 /// `cuIpcCloseMemHandle`.
 #[no_mangle]
 pub extern "C" fn cuIpcCloseMemHandle(p: u64) -> CuResult {
+    strict("cuIpcCloseMemHandle");
     cuCtxSynchronize();
     let Some((len, hm)) = with(|st| {
         if let Some(n) = st.opened_by_base.remove(&p) {
@@ -830,6 +881,7 @@ pub extern "C" fn cuIpcCloseMemHandle(p: u64) -> CuResult {
 /// overlapping registration is refused as the driver does.
 #[no_mangle]
 pub extern "C" fn cuMemHostRegister_v2(p: *mut c_void, len: usize, _flags: c_uint) -> CuResult {
+    strict("cuMemHostRegister");
     let (start, end) = (p as u64, p as u64 + len as u64);
     with(|st| {
         if st.registered.iter().any(|(b, l)| *b < end && start < b + *l as u64) {
@@ -843,6 +895,7 @@ pub extern "C" fn cuMemHostRegister_v2(p: *mut c_void, len: usize, _flags: c_uin
 /// `cuMemHostUnregister`.
 #[no_mangle]
 pub extern "C" fn cuMemHostUnregister(p: *mut c_void) -> CuResult {
+    strict("cuMemHostUnregister");
     match with(|st| st.registered.remove(&(p as u64))) {
         Some(_) => OK,
         None => INVALID_VALUE,
