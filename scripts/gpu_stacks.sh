@@ -33,10 +33,11 @@ fi
 export RMACOMM_CUDA_LIB_DIRS RMACOMM_EXPECT_GPU=1 RMACOMM_EXPECT_NVRTC=1
 if compgen -G "$suite/wheels/*.whl" >/dev/null; then
   pydir=$(mktemp -d)/site
-  python3 -m pip install -q --no-deps --no-index --target "$pydir" "$suite"/wheels/*.whl
+  PIP_ROOT_USER_ACTION=ignore python3 -m pip install -q --no-deps --no-index --target "$pydir" "$suite"/wheels/*.whl
   export PYTHONPATH="$pydir${PYTHONPATH:+:$PYTHONPATH}"
 fi
 stacks() {
+  local pid t
   for pid in $(pgrep -x "$name"); do
     echo "=== pid $pid: $(tr '\0' ' ' <"/proc/$pid/cmdline" | cut -c1-200)"
     if [ -x "$suite/gdb/gdb" ]; then
