@@ -831,7 +831,8 @@ impl PyComm {
         let ctx = cuda_tensor::context(device)?;
         let (lo, hi) = (s.rank.min(peer), s.rank.max(peer));
         let (me, them) = if s.rank == lo { (0, 1) } else { (1, 0) };
-        py.detach(|| -> Result<(), rmacomm_collectives::Error> {
+        let mut transport = false;
+        let r = py.detach(|| -> Result<(), rmacomm_collectives::Error> {
             let mut pairs = s.gpu_pairs.lock().unwrap_or_else(|e| e.into_inner());
             let c = match pairs.entry(peer) {
                 std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
@@ -856,9 +857,13 @@ impl PyComm {
                     ),
                 });
             }
+            transport = c.through_transport();
             f(c, them, &stream)
-        })
-        .map_err(py_err)
+        });
+        if transport {
+            cuda_tensor::warn_lazy_loading(py);
+        }
+        r.map_err(py_err)
     }
 
     /// all_reduce of a CUDA tensor with the native backend (docs/gpu.md).
