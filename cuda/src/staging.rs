@@ -147,10 +147,13 @@ impl Staging {
         }
     }
 
-    /// Back to the pool once no DMA uses it (a copy that failed midway
-    /// may have left some queued: drained here, errors and all).
-    fn give(&self, s: Stage) {
-        let _ = s.drain();
+    /// Back to the pool. A copy that failed midway may have left DMA
+    /// queued on the stage (`failed`): drained first, errors and all; a
+    /// copy that succeeded ended with its streams synchronized.
+    fn give(&self, s: Stage, failed: bool) {
+        if failed {
+            let _ = s.drain();
+        }
         self.pool.lock().unwrap_or_else(|e| e.into_inner()).push(s);
         self.freed.notify_one();
     }
@@ -161,7 +164,7 @@ impl Staging {
     fn with_stage<T>(&self, f: impl FnOnce(&Stage) -> Result<T>) -> Result<T> {
         let st = self.take();
         let r = f(&st);
-        self.give(st);
+        self.give(st, r.is_err());
         r
     }
 
