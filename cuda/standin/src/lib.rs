@@ -13,18 +13,21 @@
 //!   stream (0) runs work in the caller; capture records a stream's work
 //!   into a graph that launches replay;
 //! - host registration maps host memory at its own address;
-//! - under `RMACOMM_STANDIN_STRICT=1`, a call that takes a real driver's
+//! - under `RMACOMM_STANDIN_STRICT=1` (or 2), a call that takes a real driver's
 //!   lock (host registration, IPC open and close, freeing memory) made by
 //!   a thread that stream operations depend on (a soft provider engine, a
 //!   window's runtime, the CUDA reaper) while a stream waits on registered
 //!   host memory aborts the process, naming it: on an H200 each such call
-//!   hung (docs/gpu.md).
+//!   hung (docs/gpu.md); under `RMACOMM_STANDIN_STRICT=2`, any driver call
+//!   such a thread makes then does (a path held to making none at all:
+//!   GpuComm's transport mode on host slots).
 //!
 //! So rmacomm's logic around the driver — handle exchange, offsets, bounds,
 //! signal counts, stream order — runs in CI on every commit. CUDA itself
 //! (the copy engine, PCIe visibility of value writes, real IPC) is not
 //! exercised: the GPU suite (`scripts/gpu_suite.sh`) does that. Kernels
-//! (modules, launches) are not supported: `CUDA_ERROR_NOT_SUPPORTED`.
+//! are emulated on the host by name (rmacomm's reductions and signal
+//! kernels, `cuLaunchKernel`); any other is `CUDA_ERROR_NOT_SUPPORTED`.
 
 use std::collections::BTreeMap;
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr, CString};
@@ -100,26 +103,54 @@ impl Op {
 /// memory.
 static HOST_WAITS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
-/// Under `RMACOMM_STANDIN_STRICT=1`: aborts the process, naming `call`,
-/// when a thread that stream operations depend on (a soft provider engine,
-/// a window's runtime, the CUDA reaper) makes a call that takes a lock of
-/// a real driver's (registering host memory, opening or closing IPC
-/// mappings, freeing memory) while a stream waits on registered host
-/// memory. On an H200 each such call hung the process (docs/gpu.md,
-/// "Nothing a stream waits for may take a driver lock"): a thread waiting
-/// for the device held that lock, and the device waited for the stream.
+/// The strict level (`RMACOMM_STANDIN_STRICT`): 0 off; 1 the calls that
+/// take a real driver's locks (host registration, IPC open and close,
+/// freeing memory); 2 every driver call.
+fn strict_level() -> u8 {
+    static LEVEL: std::sync::OnceLock<u8> = std::sync::OnceLock::new();
+    *LEVEL.get_or_init(|| match std::env::var("RMACOMM_STANDIN_STRICT").as_deref() {
+        Ok("1") => 1,
+        Ok("2") => 2,
+        _ => 0,
+    })
+}
+
+/// Under `RMACOMM_STANDIN_STRICT=1` (or 2): aborts the process, naming
+/// `call`, when a thread that stream operations depend on (a soft provider
+/// engine, a window's runtime or stream proxy, the CUDA reaper) makes a
+/// call that takes a lock of a real driver's (registering host memory,
+/// opening or closing IPC mappings, freeing memory) while a stream waits on
+/// registered host memory. On an H200 each such call hung the process
+/// (docs/gpu.md, "Nothing a stream waits for may take a driver lock"): a
+/// thread waiting for the device held that lock, and the device waited for
+/// the stream.
 fn strict(call: &str) {
-    if HOST_WAITS.load(Ordering::SeqCst) == 0 || std::env::var("RMACOMM_STANDIN_STRICT").map_or(true, |v| v != "1") {
+    strict_at(1, call);
+}
+
+/// Under `RMACOMM_STANDIN_STRICT=2`: as [`strict`], for any other driver
+/// call (copies, synchronizations, launches, queries): what a path that
+/// makes no CUDA call at all while a stream waits for it (GpuComm's
+/// transport mode on host slots) is held to. A kernel launch may load its
+/// module lazily, which waits for the device, holding locks every other
+/// call may need.
+fn strict_any(call: &str) {
+    strict_at(2, call);
+}
+
+fn strict_at(level: u8, call: &str) {
+    if strict_level() < level || HOST_WAITS.load(Ordering::SeqCst) == 0 {
         return;
     }
     let mut name = [0u8; 16];
     // SAFETY: PR_GET_NAME writes at most 16 bytes (NUL included).
     unsafe { libc::prctl(libc::PR_GET_NAME, name.as_mut_ptr()) };
     let name = CStr::from_bytes_until_nul(&name).map(|c| c.to_string_lossy().into_owned()).unwrap_or_default();
-    if ["rmacomm-soft", "rmacomm-window", "rmacomm-cuda-re"].iter().any(|p| name.starts_with(p)) {
+    if ["rmacomm-soft", "rmacomm-window", "rmacomm-stream", "rmacomm-cuda-re"].iter().any(|p| name.starts_with(p)) {
         eprintln!(
-            "CUDA stand-in (RMACOMM_STANDIN_STRICT): {call} on thread {name:?} while a stream waits on host memory \
-             that such a thread releases: on a real driver this may hang (docs/gpu.md)"
+            "CUDA stand-in (RMACOMM_STANDIN_STRICT={}): {call} on thread {name:?} while a stream waits on host \
+             memory that such a thread releases: on a real driver this may hang (docs/gpu.md)",
+            strict_level()
         );
         std::process::abort();
     }
@@ -298,6 +329,7 @@ fn map_segment(name: &CStr, len: usize, create: bool) -> Option<u64> {
 /// `cuInit`.
 #[no_mangle]
 pub extern "C" fn cuInit(_flags: c_uint) -> CuResult {
+    strict_any("cuInit");
     OK
 }
 
@@ -307,6 +339,7 @@ pub extern "C" fn cuInit(_flags: c_uint) -> CuResult {
 /// `v` is a valid out-pointer.
 #[no_mangle]
 pub unsafe extern "C" fn cuDriverGetVersion(v: *mut c_int) -> CuResult {
+    strict_any("cuDriverGetVersion");
     // SAFETY: the caller's out-pointer.
     unsafe { *v = 13000 };
     OK
@@ -318,6 +351,7 @@ pub unsafe extern "C" fn cuDriverGetVersion(v: *mut c_int) -> CuResult {
 /// `n` is a valid out-pointer.
 #[no_mangle]
 pub unsafe extern "C" fn cuDeviceGetCount(n: *mut c_int) -> CuResult {
+    strict_any("cuDeviceGetCount");
     // SAFETY: the caller's out-pointer.
     unsafe { *n = 1 };
     OK
@@ -329,6 +363,7 @@ pub unsafe extern "C" fn cuDeviceGetCount(n: *mut c_int) -> CuResult {
 /// `p` is a valid out-pointer.
 #[no_mangle]
 pub unsafe extern "C" fn cuGetErrorName(code: CuResult, p: *mut *const c_char) -> CuResult {
+    strict_any("cuGetErrorName");
     let name: &'static CStr = match code {
         OK => c"CUDA_SUCCESS",
         INVALID_VALUE => c"CUDA_ERROR_INVALID_VALUE",
@@ -351,6 +386,7 @@ pub unsafe extern "C" fn cuGetErrorName(code: CuResult, p: *mut *const c_char) -
 /// `d` is a valid out-pointer.
 #[no_mangle]
 pub unsafe extern "C" fn cuDeviceGet(d: *mut c_int, ordinal: c_int) -> CuResult {
+    strict_any("cuDeviceGet");
     if ordinal != 0 {
         return INVALID_VALUE;
     }
@@ -366,6 +402,7 @@ pub unsafe extern "C" fn cuDeviceGet(d: *mut c_int, ordinal: c_int) -> CuResult 
 /// `v` is a valid out-pointer.
 #[no_mangle]
 pub unsafe extern "C" fn cuDeviceGetAttribute(v: *mut c_int, attr: c_int, _dev: c_int) -> CuResult {
+    strict_any("cuDeviceGetAttribute");
     // RMACOMM_STANDIN_NO_MEMOPS=1: a device without 64-bit stream memory
     // operations (attribute 122), for the kernel-signal fallback.
     let memops = std::env::var("RMACOMM_STANDIN_NO_MEMOPS").map_or(true, |v| v != "1");
@@ -385,6 +422,7 @@ pub unsafe extern "C" fn cuDeviceGetAttribute(v: *mut c_int, attr: c_int, _dev: 
 /// `buf` holds `len` bytes.
 #[no_mangle]
 pub unsafe extern "C" fn cuDeviceGetName(buf: *mut c_char, len: c_int, _dev: c_int) -> CuResult {
+    strict_any("cuDeviceGetName");
     let name = c"rmacomm CUDA stand-in (host memory, no GPU)".to_bytes_with_nul();
     let n = name.len().min(len.max(1) as usize);
     // SAFETY: `n` bytes fit the caller's buffer; the last is made NUL.
@@ -401,6 +439,7 @@ pub unsafe extern "C" fn cuDeviceGetName(buf: *mut c_char, len: c_int, _dev: c_i
 /// `ctx` is a valid out-pointer.
 #[no_mangle]
 pub unsafe extern "C" fn cuDevicePrimaryCtxRetain(ctx: *mut *mut c_void, _dev: c_int) -> CuResult {
+    strict_any("cuDevicePrimaryCtxRetain");
     // SAFETY: the caller's out-pointer.
     unsafe { *ctx = std::ptr::dangling_mut::<u64>().cast() };
     OK
@@ -409,18 +448,21 @@ pub unsafe extern "C" fn cuDevicePrimaryCtxRetain(ctx: *mut *mut c_void, _dev: c
 /// `cuDevicePrimaryCtxRelease_v2`.
 #[no_mangle]
 pub extern "C" fn cuDevicePrimaryCtxRelease_v2(_dev: c_int) -> CuResult {
+    strict_any("cuDevicePrimaryCtxRelease");
     OK
 }
 
 /// `cuCtxSetCurrent`.
 #[no_mangle]
 pub extern "C" fn cuCtxSetCurrent(_ctx: *mut c_void) -> CuResult {
+    strict_any("cuCtxSetCurrent");
     OK
 }
 
 /// `cuCtxSynchronize`: every stream of the process drained.
 #[no_mangle]
 pub extern "C" fn cuCtxSynchronize() -> CuResult {
+    strict_any("cuCtxSynchronize");
     let streams = with(|st| st.streams.clone());
     for s in streams {
         s.sync();
@@ -434,11 +476,25 @@ pub extern "C" fn cuCtxSynchronize() -> CuResult {
 /// `p` is a valid out-pointer.
 #[no_mangle]
 pub unsafe extern "C" fn cuMemAlloc_v2(p: *mut u64, len: usize) -> CuResult {
+    strict_any("cuMemAlloc");
     let n = with(|st| {
         st.next += 1;
         st.next
     });
-    let name = CString::new(format!("/rmacomm-standin-{}-{n}", std::process::id())).expect("no NUL");
+    // A random part: a segment an aborted process left behind (its pid
+    // reused since) never blocks a new one.
+    static NONCE: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    let nonce = *NONCE.get_or_init(|| {
+        let mut b = [0u8; 4];
+        // SAFETY: getrandom writes at most 4 bytes into `b`.
+        let got = unsafe { libc::getrandom(b.as_mut_ptr().cast(), 4, 0) };
+        if got == 4 {
+            u32::from_ne_bytes(b)
+        } else {
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos())
+        }
+    });
+    let name = CString::new(format!("/rmacomm-standin-{}-{nonce:08x}-{n}", std::process::id())).expect("no NUL");
     let Some(h) = map_segment(&name, len, true) else { return OUT_OF_MEMORY };
     let Some(base) = reserve(len) else {
         // SAFETY: our mapping and segment, undone once.
@@ -481,6 +537,7 @@ pub extern "C" fn cuMemFree_v2(p: u64) -> CuResult {
 /// `cuMemsetD8Async`.
 #[no_mangle]
 pub extern "C" fn cuMemsetD8Async(p: u64, v: u8, len: usize, s: *mut c_void) -> CuResult {
+    strict_any("cuMemsetD8Async");
     enqueue(s, Op::Set { dst: p, value: v, len })
 }
 
@@ -488,6 +545,7 @@ pub extern "C" fn cuMemsetD8Async(p: u64, v: u8, len: usize, s: *mut c_void) -> 
 /// the driver stages pageable memory (the caller may free it at once).
 #[no_mangle]
 pub extern "C" fn cuMemcpyHtoDAsync_v2(dst: u64, src: *const c_void, len: usize, s: *mut c_void) -> CuResult {
+    strict_any("cuMemcpyHtoDAsync");
     let mut bytes = vec![0u8; len];
     // SAFETY: the caller's `len` readable bytes at `src`.
     unsafe { std::ptr::copy_nonoverlapping(src.cast::<u8>(), bytes.as_mut_ptr(), len) };
@@ -497,12 +555,14 @@ pub extern "C" fn cuMemcpyHtoDAsync_v2(dst: u64, src: *const c_void, len: usize,
 /// `cuMemcpyDtoHAsync_v2`.
 #[no_mangle]
 pub extern "C" fn cuMemcpyDtoHAsync_v2(dst: *mut c_void, src: u64, len: usize, s: *mut c_void) -> CuResult {
+    strict_any("cuMemcpyDtoHAsync");
     enqueue(s, Op::Copy { dst: dst as u64, src, len })
 }
 
 /// `cuMemcpyHtoD_v2`.
 #[no_mangle]
 pub extern "C" fn cuMemcpyHtoD_v2(dst: u64, src: *const c_void, len: usize) -> CuResult {
+    strict_any("cuMemcpyHtoD");
     Op::Copy { dst, src: src as u64, len }.run();
     OK
 }
@@ -510,6 +570,7 @@ pub extern "C" fn cuMemcpyHtoD_v2(dst: u64, src: *const c_void, len: usize) -> C
 /// `cuMemcpyDtoH_v2`.
 #[no_mangle]
 pub extern "C" fn cuMemcpyDtoH_v2(dst: *mut c_void, src: u64, len: usize) -> CuResult {
+    strict_any("cuMemcpyDtoH");
     Op::Copy { dst: dst as u64, src, len }.run();
     OK
 }
@@ -517,6 +578,7 @@ pub extern "C" fn cuMemcpyDtoH_v2(dst: *mut c_void, src: u64, len: usize) -> CuR
 /// `cuMemcpyDtoD_v2`.
 #[no_mangle]
 pub extern "C" fn cuMemcpyDtoD_v2(dst: u64, src: u64, len: usize) -> CuResult {
+    strict_any("cuMemcpyDtoD");
     Op::Copy { dst, src, len }.run();
     OK
 }
@@ -524,6 +586,14 @@ pub extern "C" fn cuMemcpyDtoD_v2(dst: u64, src: u64, len: usize) -> CuResult {
 /// `cuMemcpyDtoDAsync_v2`.
 #[no_mangle]
 pub extern "C" fn cuMemcpyDtoDAsync_v2(dst: u64, src: u64, len: usize, s: *mut c_void) -> CuResult {
+    strict_any("cuMemcpyDtoDAsync");
+    enqueue(s, Op::Copy { dst, src, len })
+}
+
+/// `cuMemcpyAsync`: pointers of either kind (unified addressing).
+#[no_mangle]
+pub extern "C" fn cuMemcpyAsync(dst: u64, src: u64, len: usize, s: *mut c_void) -> CuResult {
+    strict_any("cuMemcpyAsync");
     enqueue(s, Op::Copy { dst, src, len })
 }
 
@@ -533,6 +603,7 @@ pub extern "C" fn cuMemcpyDtoDAsync_v2(dst: u64, src: u64, len: usize, s: *mut c
 /// `m` is a valid out-pointer.
 #[no_mangle]
 pub unsafe extern "C" fn cuModuleLoadData(m: *mut *mut c_void, _image: *const c_void) -> CuResult {
+    strict_any("cuModuleLoadData");
     // SAFETY: the caller's out-pointer.
     unsafe { *m = std::ptr::dangling_mut::<u64>().cast() };
     OK
@@ -541,6 +612,7 @@ pub unsafe extern "C" fn cuModuleLoadData(m: *mut *mut c_void, _image: *const c_
 /// `cuModuleUnload`.
 #[no_mangle]
 pub extern "C" fn cuModuleUnload(_m: *mut c_void) -> CuResult {
+    strict_any("cuModuleUnload");
     OK
 }
 
@@ -553,6 +625,7 @@ static NAMES: Mutex<Vec<&'static CStr>> = Mutex::new(Vec::new());
 /// `f` is a valid out-pointer, `name` a NUL-terminated string.
 #[no_mangle]
 pub unsafe extern "C" fn cuModuleGetFunction(f: *mut *mut c_void, _m: *mut c_void, name: *const c_char) -> CuResult {
+    strict_any("cuModuleGetFunction");
     // SAFETY: the caller's NUL-terminated string.
     let name = unsafe { CStr::from_ptr(name) };
     let mut names = NAMES.lock().unwrap_or_else(|e| e.into_inner());
@@ -592,6 +665,7 @@ pub unsafe extern "C" fn cuLaunchKernel(
     params: *mut *mut c_void,
     _extra: *mut *mut c_void,
 ) -> CuResult {
+    strict_any("cuLaunchKernel");
     // SAFETY: an interned name (cuModuleGetFunction).
     let name = unsafe { CStr::from_ptr(f as *const c_char) }.to_str().unwrap_or("");
     // SAFETY: the caller's parameter array, read per the kernel's signature.
@@ -777,6 +851,7 @@ impl Kernel {
 /// `out` is a valid out-pointer of the attribute's type.
 #[no_mangle]
 pub unsafe extern "C" fn cuPointerGetAttribute(out: *mut c_void, attr: c_int, p: u64) -> CuResult {
+    strict_any("cuPointerGetAttribute");
     // Allocations of this process and IPC mappings opened here.
     let found = with(|st| st.device_ranges.range(..=p).next_back().map(|(b, (_, len))| (*b, *len)));
     let Some((base, len)) = found.filter(|(b, l)| p < b + (*l).max(1) as u64) else { return INVALID_VALUE };
@@ -799,6 +874,7 @@ pub unsafe extern "C" fn cuPointerGetAttribute(out: *mut c_void, attr: c_int, p:
 /// `h` is a valid out-pointer.
 #[no_mangle]
 pub unsafe extern "C" fn cuIpcGetMemHandle(h: *mut IpcHandle, p: u64) -> CuResult {
+    strict_any("cuIpcGetMemHandle");
     let Some(name) = with(|st| st.allocs.get(&p).map(|a| a.name.clone())) else { return INVALID_VALUE };
     let mut out = [0u8; 64];
     out[..name.as_bytes().len()].copy_from_slice(name.as_bytes());
@@ -908,6 +984,7 @@ pub extern "C" fn cuMemHostUnregister(p: *mut c_void) -> CuResult {
 /// `d` is a valid out-pointer.
 #[no_mangle]
 pub unsafe extern "C" fn cuMemHostGetDevicePointer_v2(d: *mut u64, p: *mut c_void, _flags: c_uint) -> CuResult {
+    strict_any("cuMemHostGetDevicePointer");
     let a = p as u64;
     if !with(|st| st.registered.iter().any(|(b, l)| *b <= a && a < b + *l as u64)) {
         return INVALID_VALUE;
@@ -923,6 +1000,7 @@ pub unsafe extern "C" fn cuMemHostGetDevicePointer_v2(d: *mut u64, p: *mut c_voi
 /// `s` is a valid out-pointer.
 #[no_mangle]
 pub unsafe extern "C" fn cuStreamCreate(s: *mut *mut c_void, _flags: c_uint) -> CuResult {
+    strict_any("cuStreamCreate");
     let st = Arc::new(Stream::new());
     let p = Arc::as_ptr(&st) as *mut c_void;
     with(|state| state.streams.push(st));
@@ -934,6 +1012,7 @@ pub unsafe extern "C" fn cuStreamCreate(s: *mut *mut c_void, _flags: c_uint) -> 
 /// `cuStreamDestroy_v2`: drains the stream, then ends its thread.
 #[no_mangle]
 pub extern "C" fn cuStreamDestroy_v2(s: *mut c_void) -> CuResult {
+    strict_any("cuStreamDestroy");
     let Some(st) = stream(s) else { return INVALID_HANDLE };
     st.sync();
     with(|state| state.streams.retain(|x| !Arc::ptr_eq(x, &st)));
@@ -943,6 +1022,7 @@ pub extern "C" fn cuStreamDestroy_v2(s: *mut c_void) -> CuResult {
 /// `cuStreamSynchronize`.
 #[no_mangle]
 pub extern "C" fn cuStreamSynchronize(s: *mut c_void) -> CuResult {
+    strict_any("cuStreamSynchronize");
     if let Some(st) = stream(s) {
         st.sync();
     }
@@ -952,6 +1032,7 @@ pub extern "C" fn cuStreamSynchronize(s: *mut c_void) -> CuResult {
 /// `cuStreamWriteValue64_v2`.
 #[no_mangle]
 pub extern "C" fn cuStreamWriteValue64_v2(s: *mut c_void, addr: u64, value: u64, _flags: c_uint) -> CuResult {
+    strict_any("cuStreamWriteValue64");
     if !addr.is_multiple_of(8) {
         return INVALID_VALUE;
     }
@@ -961,6 +1042,7 @@ pub extern "C" fn cuStreamWriteValue64_v2(s: *mut c_void, addr: u64, value: u64,
 /// `cuStreamWaitValue64_v2` (only `CU_STREAM_WAIT_VALUE_GEQ`).
 #[no_mangle]
 pub extern "C" fn cuStreamWaitValue64_v2(s: *mut c_void, addr: u64, value: u64, flags: c_uint) -> CuResult {
+    strict_any("cuStreamWaitValue64");
     if !addr.is_multiple_of(8) || flags & 0xf != 0 {
         return INVALID_VALUE;
     }
@@ -973,6 +1055,7 @@ pub extern "C" fn cuStreamWaitValue64_v2(s: *mut c_void, addr: u64, value: u64, 
 /// `status` is a valid out-pointer.
 #[no_mangle]
 pub unsafe extern "C" fn cuStreamIsCapturing(s: *mut c_void, status: *mut c_int) -> CuResult {
+    strict_any("cuStreamIsCapturing");
     let capturing = match stream(s) {
         Some(st) => st.capture.lock().unwrap().is_some(),
         None => false,
@@ -985,6 +1068,7 @@ pub unsafe extern "C" fn cuStreamIsCapturing(s: *mut c_void, status: *mut c_int)
 /// `cuStreamBeginCapture_v2`.
 #[no_mangle]
 pub extern "C" fn cuStreamBeginCapture_v2(s: *mut c_void, _mode: c_int) -> CuResult {
+    strict_any("cuStreamBeginCapture");
     let Some(st) = stream(s) else { return STREAM_CAPTURE_UNSUPPORTED };
     *st.capture.lock().unwrap() = Some(Vec::new());
     OK
@@ -996,6 +1080,7 @@ pub extern "C" fn cuStreamBeginCapture_v2(s: *mut c_void, _mode: c_int) -> CuRes
 /// `g` is a valid out-pointer.
 #[no_mangle]
 pub unsafe extern "C" fn cuStreamEndCapture(s: *mut c_void, g: *mut *mut c_void) -> CuResult {
+    strict_any("cuStreamEndCapture");
     let Some(st) = stream(s) else { return INVALID_HANDLE };
     let Some(ops) = st.capture.lock().unwrap().take() else { return INVALID_VALUE };
     // SAFETY: the caller's out-pointer; the graph is freed by cuGraphDestroy.
@@ -1009,6 +1094,7 @@ pub unsafe extern "C" fn cuStreamEndCapture(s: *mut c_void, g: *mut *mut c_void)
 /// `e` is a valid out-pointer, `g` a graph of `cuStreamEndCapture`.
 #[no_mangle]
 pub unsafe extern "C" fn cuGraphInstantiateWithFlags(e: *mut *mut c_void, g: *mut c_void, _flags: u64) -> CuResult {
+    strict_any("cuGraphInstantiateWithFlags");
     // SAFETY: a live graph made by cuStreamEndCapture.
     let ops = unsafe { &*g.cast::<Vec<Op>>() }.clone();
     // SAFETY: the caller's out-pointer.
@@ -1022,6 +1108,7 @@ pub unsafe extern "C" fn cuGraphInstantiateWithFlags(e: *mut *mut c_void, g: *mu
 /// `e` is an executable graph of `cuGraphInstantiateWithFlags`.
 #[no_mangle]
 pub unsafe extern "C" fn cuGraphLaunch(e: *mut c_void, s: *mut c_void) -> CuResult {
+    strict_any("cuGraphLaunch");
     // SAFETY: a live executable graph.
     let ops = unsafe { &*e.cast::<Vec<Op>>() }.clone();
     for op in ops {
@@ -1036,6 +1123,7 @@ pub unsafe extern "C" fn cuGraphLaunch(e: *mut c_void, s: *mut c_void) -> CuResu
 /// `e` is an executable graph, destroyed once.
 #[no_mangle]
 pub unsafe extern "C" fn cuGraphExecDestroy(e: *mut c_void) -> CuResult {
+    strict_any("cuGraphExecDestroy");
     // SAFETY: made by Box::into_raw in cuGraphInstantiateWithFlags.
     drop(unsafe { Box::from_raw(e.cast::<Vec<Op>>()) });
     OK
@@ -1047,6 +1135,7 @@ pub unsafe extern "C" fn cuGraphExecDestroy(e: *mut c_void) -> CuResult {
 /// `g` is a graph, destroyed once.
 #[no_mangle]
 pub unsafe extern "C" fn cuGraphDestroy(g: *mut c_void) -> CuResult {
+    strict_any("cuGraphDestroy");
     // SAFETY: made by Box::into_raw in cuStreamEndCapture.
     drop(unsafe { Box::from_raw(g.cast::<Vec<Op>>()) });
     OK
