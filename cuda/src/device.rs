@@ -569,6 +569,18 @@ impl Stream {
         self.ctx.check("cuMemcpyDtoDAsync", unsafe { (self.ctx.api.dtod_async)(dst, src, len, self.s) })
     }
 
+    /// Queues a copy of `len` bytes from `src` to `dst`, each device
+    /// memory or registered host memory (its device address), the kind of
+    /// each taken from the address (`cuMemcpyAsync`, unified addressing).
+    ///
+    /// # Safety
+    /// As for [`copy_async`](Self::copy_async).
+    pub unsafe fn copy_any_async(&self, dst: DevicePtr, src: DevicePtr, len: usize) -> Result<()> {
+        self.ctx.bind()?;
+        // SAFETY: the caller's contract.
+        self.ctx.check("cuMemcpyAsync", unsafe { (self.ctx.api.memcpy_async)(dst, src, len, self.s) })
+    }
+
     /// Queues a write of `value` to the 8-byte-aligned `addr`, after a
     /// system-wide memory fence (what the stream did before is visible
     /// to whoever sees the value).

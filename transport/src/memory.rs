@@ -90,6 +90,24 @@ impl RdmaMemory {
         Ok(RdmaMemory { mr: Arc::new(mr), domain: d, owner: None })
     }
 
+    /// [`register_raw`](Self::register_raw) on the device `transport`
+    /// uses. Memory inside a shared segment of this process (what
+    /// [`alloc`](Self::alloc) gives) is registered as part of that segment:
+    /// same-host peers write it with one copy.
+    ///
+    /// # Safety
+    /// As for [`register_raw`](Self::register_raw).
+    pub unsafe fn register_raw_for(
+        transport: &RdmaTransport,
+        ptr: *mut u8,
+        len: usize,
+    ) -> Result<RdmaMemory, TransportError> {
+        let d = transport.domain().clone();
+        // SAFETY: forwarded to the caller.
+        let mr = unsafe { MemoryRegion::register_raw(&d.pd, ptr, len, ACCESS)? };
+        Ok(RdmaMemory { mr: Arc::new(mr), domain: d, owner: None })
+    }
+
     /// Allocates `len` zeroed bytes of CUDA device memory on GPU `device`
     /// and registers them on the default device (`RMACOMM_PROVIDER`).
     /// Writes, reads and atomics move it as they move host memory: the
@@ -155,6 +173,12 @@ impl RdmaMemory {
     /// [`write_from`](Self::write_from) copy through the driver.
     pub fn device(&self) -> Option<String> {
         self.mr.device().map(|d| d.describe())
+    }
+
+    /// Whether this is device memory ([`device`](Self::device) without
+    /// describing it).
+    pub fn is_device(&self) -> bool {
+        self.mr.device().is_some()
     }
 
     /// Length in bytes.

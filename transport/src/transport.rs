@@ -308,6 +308,14 @@ impl RdmaTransport {
         &self.inner.domain
     }
 
+    /// The provider this transport's device belongs to: `"soft"` (the
+    /// userspace provider: its engine moves every byte, device memory's
+    /// through the CUDA driver) or a verbs provider's name (`"mlx5"`, ...:
+    /// the HCA moves the bytes).
+    pub fn provider(&self) -> &'static str {
+        self.inner.domain.provider
+    }
+
     /// The URL to give the peer: printable, and carrying an unguessable
     /// token without which a connection is refused.
     pub fn bind(&self) -> Result<String, TransportError> {

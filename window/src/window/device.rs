@@ -189,6 +189,30 @@ impl Window {
             .map_err(|e| Error::Transport { op: "register_cuda", source: e })
     }
 
+    /// Registers `len` bytes of host memory at `ptr` on this window's
+    /// transports (a tensor to register, or the source of a put / the
+    /// destination of a get). Memory inside a shared segment this process
+    /// allocated ([`alloc`](Self::alloc)) stays part of it: same-host peers
+    /// write it with one copy. Registering the same bytes twice is allowed
+    /// (e.g. once as the tensor, once as a put's source).
+    ///
+    /// # Safety
+    /// `ptr..ptr + len` must stay mapped and writable until the returned
+    /// value is dropped (or, registered, deregistered) and every operation
+    /// on it has finished; peers may write it at any time.
+    pub unsafe fn register_host(&self, ptr: *mut u8, len: usize) -> Result<RdmaMemory> {
+        // SAFETY: forwarded to the caller.
+        unsafe { RdmaMemory::register_raw_for(&self.links[self.rank()].out, ptr, len) }
+            .map_err(|e| Error::Transport { op: "register_host", source: e })
+    }
+
+    /// The provider of this window's transports: `"soft"` (its engine
+    /// moves every byte, device memory's through the CUDA driver) or a
+    /// verbs provider's name (the HCA moves them).
+    pub fn provider(&self) -> &'static str {
+        self.links[self.rank()].out.provider()
+    }
+
     /// Registers device memory as this rank's tensor of elements of
     /// `elem_size` bytes (all of `mem`, whole elements). Collective, like
     /// [`tensor_register`](Self::tensor_register): every rank registers
