@@ -49,12 +49,23 @@
 //! queued after its reads of use k-2. The reductions read local memory
 //! only. A failed put or signal is the window's stream error: the next call
 //! fails with it.
+//!
+//! On the soft provider the slot memory is *host* memory (a shared segment
+//! registered with the device, `cuMemHostRegister`): the stream copies the
+//! caller's data into it and the kernels read and write it through its
+//! device mapping, and the transport's engine moves host bytes only — it
+//! makes no CUDA call at all, so no driver lock can hold up a stream that
+//! waits for it (with device slots it copied them through the driver: the
+//! hang of docs/gpu.md, "Known problem"). It is the staging NCCL's network
+//! proxy uses without GPUDirect RDMA. With a verbs provider the slots stay
+//! device memory, which the HCA reaches itself (DMA-BUF or nvidia-peermem).
+//! `RMACOMM_GPU_SLOTS=host` or `=device` overrides either choice.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use rmacomm_kernels::{DType, ReduceOp};
-use rmacomm_window::cuda::device::{DeviceMemory, SharedModule, Stream};
+use rmacomm_window::cuda::device::{DeviceMemory, HostRegistration, SharedModule, Stream};
 use rmacomm_window::cuda::driver::{Arg, Context, DevicePtr};
 use rmacomm_window::cuda::nvrtc::Output;
 use rmacomm_window::{Group, Window, WindowOptions};
@@ -107,12 +118,60 @@ pub struct GpuComm {
     src: Option<Arc<RdmaMemory>>,
     /// Transport mode: this rank's slot memory (the window's registration
     /// of it goes with the window, the first field).
-    _own: Option<DeviceMemory>,
+    own: Option<Own>,
+}
+
+impl Drop for GpuComm {
+    fn drop(&mut self) {
+        if self.host_slots() {
+            // The device may still be reading or writing host slots (a free
+            // of device memory synchronizes by itself; unmapping host memory
+            // need not).
+            let _ = self.ctx.synchronize();
+        }
+    }
+}
+
+/// Transport mode's slot memory (module docs).
+enum Own {
+    /// Device memory: what a verbs HCA reads and writes itself.
+    Device(DeviceMemory),
+    /// A shared segment of host memory, mapped for the device: on the soft
+    /// provider, whose engine would otherwise copy device memory through
+    /// the driver while streams wait for it. `reg` (the mapping) is
+    /// dropped before `seg`.
+    Host { reg: HostRegistration, seg: Arc<RdmaMemory> },
+}
+
+impl Own {
+    /// Where the device reaches it.
+    fn ptr(&self) -> DevicePtr {
+        match self {
+            Own::Device(m) => m.ptr(),
+            Own::Host { reg, .. } => reg.device_ptr(),
+        }
+    }
+}
+
+/// Whether transport mode puts its slots in host memory: with the soft
+/// provider (its engine moves every byte, and device memory's only through
+/// the CUDA driver), unless `RMACOMM_GPU_SLOTS=device`; never with a verbs
+/// provider (its HCA reaches device memory), unless `RMACOMM_GPU_SLOTS=host`.
+fn host_slots(win: &Window) -> bool {
+    match std::env::var("RMACOMM_GPU_SLOTS").as_deref() {
+        Ok("host") => true,
+        Ok("device") => false,
+        _ => win.provider() == "soft",
+    }
 }
 
 impl std::fmt::Debug for GpuComm {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let mode = if self.src.is_some() { "transport" } else { "IPC" };
+        let mode = match &self.own {
+            Some(Own::Host { .. }) => "transport, host slots",
+            Some(Own::Device(_)) => "transport, device slots",
+            None => "IPC",
+        };
         write!(f, "GpuComm(rank {} of {}, {} B slots, {mode}, {})", self.rank, self.size, self.slot, self.ctx.name())
     }
 }
@@ -204,20 +263,45 @@ impl GpuComm {
                 format!("slots of {slot} bytes are too small for {n} ranks (at least {} bytes)", 16 * (n + 2)),
             ));
         }
-        let mem = ctx.alloc_shared(2 * slot + flag_bytes(n) + n * p2p_chunk(slot, n)).map_err(cuda(OP))?;
+        let bytes = 2 * slot + flag_bytes(n) + n * p2p_chunk(slot, n);
         let (rank, size) = (win.rank(), win.size());
         let (slots, src, own) = if transport {
-            let gpu = ctx.ordinal() as u32;
-            // SAFETY: `mem` is kept in `own`, dropped after the window and
-            // `src` (field order).
-            let reg = unsafe { win.register_cuda(mem.ptr(), mem.len(), gpu) }.map_err(Error::window(OP))?;
-            win.tensor_register(reg, 1).map_err(Error::window(OP))?;
-            // SAFETY: as above.
-            let src = unsafe { win.register_cuda(mem.ptr(), mem.len(), gpu) }.map_err(Error::window(OP))?;
             device_flags = false;
-            let slots = (0..size).map(|p| if p == rank { mem.ptr() } else { 0 }).collect();
-            (slots, Some(Arc::new(src)), Some(mem))
+            let own = if host_slots(&win) {
+                // Host memory (a shared segment) the device maps: the
+                // transport moves it with no driver call (module docs).
+                let seg = Arc::new(win.alloc(bytes).map_err(Error::window(OP))?);
+                let (ptr, len) = (seg.as_ptr(), seg.len());
+                // SAFETY: the segment is kept by `seg`, held in `own` and by
+                // both registrations below (keep_alive), so it outlives the
+                // device's mapping (dropped first: field order) and every
+                // operation on the registrations.
+                let reg = unsafe { ctx.register_host(ptr, len) }.map_err(cuda(OP))?;
+                Own::Host { reg, seg }
+            } else {
+                Own::Device(ctx.alloc_shared(bytes).map_err(cuda(OP))?)
+            };
+            // The slot memory twice on the window's transports: as this
+            // rank's tensor (what peers put into) and as the source of its
+            // puts.
+            let register = || match &own {
+                // SAFETY: device memory kept in `own`, dropped after the
+                // window and `src` (field order).
+                Own::Device(mem) => unsafe { win.register_cuda(mem.ptr(), mem.len(), ctx.ordinal() as u32) },
+                Own::Host { seg, .. } => {
+                    // SAFETY: the segment is kept alive by the registration
+                    // itself.
+                    unsafe { win.register_host(seg.as_ptr(), seg.len()) }.map(|m| m.keep_alive(seg.clone()))
+                }
+            };
+            let reg = register().map_err(Error::window(OP))?;
+            let src = register().map_err(Error::window(OP))?;
+            win.tensor_register(reg, 1).map_err(Error::window(OP))?;
+            let mine = own.ptr();
+            let slots = (0..size).map(|p| if p == rank { mine } else { 0 }).collect();
+            (slots, Some(Arc::new(src)), Some(own))
         } else {
+            let mem = ctx.alloc_shared(bytes).map_err(cuda(OP))?;
             win.tensor_register_device(mem, 1).map_err(Error::window(OP))?;
             let slots = (0..size).map(|p| win.map_remote_device(p).map(|m| m.0)).collect::<Result<Vec<_>, _>>();
             (slots.map_err(Error::window(OP))?, None, None)
@@ -253,7 +337,7 @@ impl GpuComm {
             rank,
             size,
             src,
-            _own: own,
+            own,
         })
     }
 
@@ -276,6 +360,12 @@ impl GpuComm {
         }
         let src = self.src.as_ref().expect("transport mode").clone();
         self.win.put_on_stream(src, from as usize, len, p, to as usize, stream).map(drop).map_err(Error::window(op))
+    }
+
+    /// Whether this communicator's slots are host memory the device maps
+    /// (transport mode on the soft provider: module docs).
+    pub fn host_slots(&self) -> bool {
+        matches!(self.own, Some(Own::Host { .. }))
     }
 
     /// Transport mode: a failed stream operation of an earlier call fails
@@ -510,6 +600,11 @@ impl GpuComm {
     fn copy(&self, what: &'static str, dst: DevicePtr, src: DevicePtr, len: usize, stream: &Stream) -> Result<()> {
         if len == 0 {
             return Ok(());
+        }
+        if self.host_slots() {
+            // SAFETY: as below; host slots are reached through their device
+            // mapping, a copy of either kind.
+            return unsafe { stream.copy_any_async(dst, src, len) }.map_err(cuda(what));
         }
         // SAFETY: the callers pass ranges inside slot memory or the caller's
         // buffers (their contract).

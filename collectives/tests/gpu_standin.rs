@@ -27,9 +27,10 @@ fn ready() -> bool {
     }
     SET.call_once(|| {
         std::env::set_var("RMACOMM_CUDA_LIB", &lib);
-        // No thread a stream waits for may take a driver lock while it
-        // waits (the stand-in aborts naming the call: docs/gpu.md).
-        std::env::set_var("RMACOMM_STANDIN_STRICT", "1");
+        // No thread a stream waits for may make any driver call while it
+        // waits (level 2: transport mode's host slots make none; the
+        // stand-in aborts naming the call: docs/gpu.md).
+        std::env::set_var("RMACOMM_STANDIN_STRICT", "2");
     });
     true
 }
@@ -69,6 +70,7 @@ fn three_ranks(f: fn(usize, &Group, &Arc<Context>, &mut GpuComm, &rmacomm_window
                         GpuComm::new(&g, ctx.clone(), slot, t).unwrap()
                     };
                     assert_eq!(c.through_transport(), transport, "{c:?}");
+                    assert_eq!(c.host_slots(), transport, "{c:?}");
                     let stream = ctx.stream().unwrap();
                     f(rank, &g, &ctx, &mut c, &stream);
                     g.barrier(None).unwrap();

@@ -53,8 +53,10 @@ pub use error::{CudaError, Result};
 /// stream that waits for the transport's engine, and the engine's own CUDA
 /// calls (the copies of device memory) wait for that lock. On an H200
 /// (2026-11-27) GpuComm across hosts hung so, with torch's launches in the
-/// stacks. Loading eagerly avoids it until the engine makes no CUDA calls
-/// while a stream waits (docs/gpu.md).
+/// stacks. Loading eagerly avoids it; GpuComm across hosts now keeps its
+/// slots in host memory on the soft provider, so that its engine makes no
+/// CUDA call at all (docs/gpu.md); windows of device memory through the
+/// transport still copy through the driver.
 pub fn lazy_loading_hazard() -> Option<&'static str> {
     lazy_loading_hazard_for(std::env::var("CUDA_MODULE_LOADING").ok().as_deref())
 }
@@ -63,8 +65,9 @@ fn lazy_loading_hazard_for(setting: Option<&str>) -> Option<&'static str> {
     match setting {
         Some(v) if v.trim().eq_ignore_ascii_case("EAGER") => None,
         _ => Some(
-            "stream operations completed by a host thread (the window's stream proxy: staged CUDA windows, GPU \
-             collectives across hosts) may hang the process when CUDA loads modules lazily (CUDA_MODULE_LOADING is not \
+            "stream operations completed by a host thread on device memory the transport copies through the CUDA \
+             driver (the window's stream proxy: staged CUDA windows, GPU collectives across hosts with \
+             RMACOMM_GPU_SLOTS=device) may hang the process when CUDA loads modules lazily (CUDA_MODULE_LOADING is not \
              EAGER): a kernel's first launch may wait for a stream that waits for the transport, whose copies wait for \
              that launch; set CUDA_MODULE_LOADING=EAGER before CUDA starts (docs/gpu.md, 'Known problem')",
         ),

@@ -788,7 +788,8 @@ impl PyComm {
                 *g = Some(rmacomm_collectives::GpuComm::new(&s.meta, ctx, None, s.timeout)?);
             }
             let c = g.as_mut().expect("set above");
-            transport = c.through_transport();
+            // Device slots only: host slots move with no driver call.
+            transport = c.through_transport() && !c.host_slots();
             if c.context().ordinal() != device as i32 {
                 return Err(rmacomm_collectives::Error::InvalidArgument {
                     op,
@@ -857,7 +858,8 @@ impl PyComm {
                     ),
                 });
             }
-            transport = c.through_transport();
+            // Device slots only: host slots move with no driver call.
+            transport = c.through_transport() && !c.host_slots();
             f(c, them, &stream)
         });
         if transport {

@@ -33,9 +33,10 @@ fn gpu_collectives_between_two_network_namespaces() {
     let Some(lib) = rmacomm_cuda::standin_for_tests() else { return };
     let Some(ns) = namespaces() else { return };
     let lib = lib.to_string_lossy().into_owned();
-    // Strict: no thread a stream waits for may take a driver lock while it
-    // waits (the stand-in aborts the rank naming the call: docs/gpu.md).
-    let env = [("RMACOMM_CUDA_LIB", lib.as_str()), ("RMACOMM_STANDIN_STRICT", "1")];
+    // Strict, level 2: no thread a stream waits for may make any driver
+    // call while it waits (the stand-in aborts the rank naming the call:
+    // docs/gpu.md).
+    let env = [("RMACOMM_CUDA_LIB", lib.as_str()), ("RMACOMM_STANDIN_STRICT", "2")];
     let (l0, ok0, l1, ok1) = pair(&ns, "29521", "gpu", &env, Duration::from_secs(240));
     for (rank, (lines, ok)) in [(l0, ok0), (l1, ok1)].iter().enumerate() {
         assert!(*ok, "rank {rank} failed (its stderr is above); stdout: {lines:?}");
@@ -46,7 +47,10 @@ fn gpu_collectives_between_two_network_namespaces() {
             return;
         }
         let has = |s: &str| lines.iter().any(|l| l == s);
-        assert!(has("gpu mode: transport") && has("gpu ok"), "rank {rank}: {lines:?}");
+        // The soft provider's transport mode: slots in host memory, which
+        // its engines move with no driver call (strict level 2 aborts a
+        // rank on any driver call of theirs while a stream waits).
+        assert!(has("gpu mode: transport") && has("gpu slots: host") && has("gpu ok"), "rank {rank}: {lines:?}");
     }
 }
 

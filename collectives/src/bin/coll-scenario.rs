@@ -419,6 +419,7 @@ fn gpu() -> R {
     }
     let mut c = GpuComm::new(&g, ctx.clone(), Some(64 << 10), Duration::from_secs(60)).map_err(s)?;
     println!("gpu mode: {}", if c.through_transport() { "transport" } else { "ipc" });
+    println!("gpu slots: {}", if c.host_slots() { "host" } else { "device" });
     let stream = ctx.stream().map_err(s)?;
     let f32s = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
     let i32s = |v: &[i32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();

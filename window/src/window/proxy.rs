@@ -288,10 +288,6 @@ impl StreamProxy {
         timeout: Duration,
         spin: Duration,
     ) -> std::result::Result<StreamProxy, String> {
-        static WARNED: std::sync::Once = std::sync::Once::new();
-        if let Some(hazard) = rmacomm_cuda::lazy_loading_hazard() {
-            WARNED.call_once(|| tracing::warn!("{hazard}"));
-        }
         let reused = {
             let mut p = pool();
             let i = p.iter().position(|(ord, b)| *ord == ctx.ordinal() && b.poisoned < RING / 2);
@@ -592,6 +588,22 @@ impl Window {
         self.proxy.lock().unwrap_or_else(|e| e.into_inner()).as_ref().map_or(0, |p| p.outstanding())
     }
 
+    /// Warns once per process (`tracing`) when a proxied operation's bytes
+    /// are device memory the engine copies through the driver (`mem`, or
+    /// this rank's tensor, which peers' puts reach through its engine)
+    /// while CUDA loads modules lazily (`rmacomm_cuda::lazy_loading_hazard`).
+    /// Host memory moves with no driver call: no hazard.
+    fn warn_lazy_loading(&self, mem: Option<&RdmaMemory>) {
+        static WARNED: std::sync::Once = std::sync::Once::new();
+        if WARNED.is_completed() {
+            return;
+        }
+        let device = mem.is_some_and(RdmaMemory::is_device) || self.local_tensor().is_some_and(RdmaMemory::is_device);
+        if let (true, Some(hazard)) = (device, rmacomm_cuda::lazy_loading_hazard()) {
+            WARNED.call_once(|| tracing::warn!("{hazard}"));
+        }
+    }
+
     fn proxied(&self, op: &'static str, peer: usize, rx: oneshot::Receiver<Result<()>>) -> Work<'_> {
         let aborted = move || Err(Error::Rma { op, peer, source: TransportError::Aborted { op } });
         let fut = async move { rx.await.unwrap_or_else(|_| aborted()) };
@@ -632,6 +644,7 @@ impl Window {
             self.put(v, dst_rank, target_offset_nelems, false)?;
             return Ok(Work::done(self.rt.handle().clone(), OP, dst_rank, Ok(())));
         };
+        self.warn_lazy_loading(Some(&src));
         let (t, keep) = (self.links[dst_rank].out.clone(), Some(src.clone()));
         let start = move || -> RmaFuture { Box::pin(t.write_owned(src, src_offset, len, &remote, false)) };
         let rx = proxy.issue(OP, dst_rank, stream, Job::Rma(Box::new(start), keep), true)?;
@@ -660,6 +673,7 @@ impl Window {
             self.get(v, src_rank, source_offset_nelems, false)?;
             return Ok(Work::done(self.rt.handle().clone(), OP, src_rank, Ok(())));
         };
+        self.warn_lazy_loading(Some(&dst));
         let (t, keep) = (self.links[src_rank].out.clone(), Some(dst.clone()));
         let start = move || -> RmaFuture { Box::pin(t.read_owned(dst, dst_offset, len, &remote)) };
         let rx = proxy.issue(OP, src_rank, stream, Job::Rma(Box::new(start), keep), true)?;
@@ -701,6 +715,7 @@ impl Window {
             self.signal(dst_rank, false)?;
             return Ok(Work::done(self.rt.handle().clone(), OP, dst_rank, Ok(())));
         };
+        self.warn_lazy_loading(None);
         self.peer_alive(dst_rank).map_err(|source| Error::Rma { op: OP, peer: dst_rank, source })?;
         let job = match &self.signal_maps[dst_rank] {
             Some(m) => Job::AddSlot(m.as_ptr() as usize + SLOT * self.rank()),
@@ -737,6 +752,7 @@ impl Window {
             self.wait_signal(peer_rank, None)?;
             return Ok(Work::done(self.rt.handle().clone(), OP, peer_rank, Ok(())));
         };
+        self.warn_lazy_loading(None);
         let link = self.links[peer_rank].inbound.clone();
         if self.signal_maps[peer_rank].is_some() {
             let want = self.consumed[peer_rank].fetch_add(1, Ordering::AcqRel) + 1;
