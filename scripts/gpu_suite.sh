@@ -103,6 +103,11 @@ PY
   done
   echo "# copy_ceiling (at ${SECONDS}s)"
   timeout "$(lim 60)" "$bin/copy_ceiling" --json 2>&1 | tee "$out/copy_ceiling.jsonl" || rc=1
+  # The per-call cost of the staged copies the soft provider's engine makes
+  # for device memory (the transport moved 1 MiB fragments at ~50 us each
+  # on 2026-11-27: how much of that is the copies?).
+  echo "# copy_ceiling --staging (at ${SECONDS}s)"
+  timeout "$(lim 60)" "$bin/copy_ceiling" --staging --json 2>&1 | tee "$out/staging_copies.jsonl" || rc=1
   # Windows on device memory: two processes on one GPU through CUDA IPC.
   for sc in ring bw lat proxy; do
     echo "# window on device memory: $sc (at ${SECONDS}s)"

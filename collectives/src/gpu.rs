@@ -267,9 +267,9 @@ impl GpuComm {
         let (rank, size) = (win.rank(), win.size());
         let (slots, src, own) = if transport {
             device_flags = false;
-            let own = if host_slots(&win) {
-                // Host memory (a shared segment) the device maps: the
-                // transport moves it with no driver call (module docs).
+            // Host memory (a shared segment) the device maps: the transport
+            // moves it with no driver call (module docs).
+            let host = || -> Result<Own> {
                 let seg = Arc::new(win.alloc(bytes).map_err(Error::window(OP))?);
                 let (ptr, len) = (seg.as_ptr(), seg.len());
                 // SAFETY: the segment is kept by `seg`, held in `own` and by
@@ -277,9 +277,21 @@ impl GpuComm {
                 // device's mapping (dropped first: field order) and every
                 // operation on the registrations.
                 let reg = unsafe { ctx.register_host(ptr, len) }.map_err(cuda(OP))?;
-                Own::Host { reg, seg }
-            } else {
-                Own::Device(ctx.alloc_shared(bytes).map_err(cuda(OP))?)
+                Ok(Own::Host { reg, seg })
+            };
+            let own = match host_slots(&win).then(host) {
+                Some(Ok(own)) => own,
+                fallback => {
+                    if let Some(Err(e)) = fallback {
+                        // Each rank's slot memory is its own business (peers
+                        // put into either kind alike).
+                        tracing::warn!(
+                            "{OP}: no host slots ({e}); device slots instead, which the transport's engine copies \
+                             through the CUDA driver (docs/gpu.md: set CUDA_MODULE_LOADING=EAGER)"
+                        );
+                    }
+                    Own::Device(ctx.alloc_shared(bytes).map_err(cuda(OP))?)
+                }
             };
             // The slot memory twice on the window's transports: as this
             // rank's tensor (what peers put into) and as the source of its
