@@ -30,14 +30,30 @@ fn all_collectives_between_two_network_namespaces() {
 /// NVRTC stage); says why it skipped otherwise.
 #[test]
 fn gpu_collectives_between_two_network_namespaces() {
+    // Strict, level 2: no thread a stream waits for may make any driver
+    // call while it waits (the stand-in aborts the rank naming the call:
+    // docs/gpu.md). The soft provider's transport mode keeps its slots in
+    // host memory, which its engines move with no driver call.
+    gpu_pair("29521", "host", "2");
+}
+
+/// The same with the slots in device memory (`RMACOMM_GPU_SLOTS=device`:
+/// what a verbs HCA gets), which the soft provider's engines copy through
+/// the driver: held to strict level 1 (no lock-taking call while a stream
+/// waits), not 2.
+#[test]
+fn gpu_collectives_on_device_slots_between_two_network_namespaces() {
+    gpu_pair("29523", "device", "1");
+}
+
+/// Runs the `gpu` scenario across the namespaces with `slots` memory under
+/// stand-in strict level `strict`; every result checked.
+fn gpu_pair(port: &str, slots: &str, strict: &str) {
     let Some(lib) = rmacomm_cuda::standin_for_tests() else { return };
     let Some(ns) = namespaces() else { return };
     let lib = lib.to_string_lossy().into_owned();
-    // Strict, level 2: no thread a stream waits for may make any driver
-    // call while it waits (the stand-in aborts the rank naming the call:
-    // docs/gpu.md).
-    let env = [("RMACOMM_CUDA_LIB", lib.as_str()), ("RMACOMM_STANDIN_STRICT", "2")];
-    let (l0, ok0, l1, ok1) = pair(&ns, "29521", "gpu", &env, Duration::from_secs(240));
+    let env = [("RMACOMM_CUDA_LIB", lib.as_str()), ("RMACOMM_STANDIN_STRICT", strict), ("RMACOMM_GPU_SLOTS", slots)];
+    let (l0, ok0, l1, ok1) = pair(&ns, port, "gpu", &env, Duration::from_secs(240));
     for (rank, (lines, ok)) in [(l0, ok0), (l1, ok1)].iter().enumerate() {
         assert!(*ok, "rank {rank} failed (its stderr is above); stdout: {lines:?}");
         if let Some(why) = lines.iter().find(|l| l.starts_with("gpu skipped")) {
@@ -47,10 +63,8 @@ fn gpu_collectives_between_two_network_namespaces() {
             return;
         }
         let has = |s: &str| lines.iter().any(|l| l == s);
-        // The soft provider's transport mode: slots in host memory, which
-        // its engines move with no driver call (strict level 2 aborts a
-        // rank on any driver call of theirs while a stream waits).
-        assert!(has("gpu mode: transport") && has("gpu slots: host") && has("gpu ok"), "rank {rank}: {lines:?}");
+        let want = format!("gpu slots: {slots}");
+        assert!(has("gpu mode: transport") && has(&want) && has("gpu ok"), "rank {rank}: {lines:?}");
     }
 }
 
