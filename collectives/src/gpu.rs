@@ -468,6 +468,7 @@ impl GpuComm {
         mut f: impl FnMut(&mut Self, usize, usize, u64) -> Result<()>,
     ) -> Result<()> {
         self.usable(op)?;
+        self.not_capturing(op, stream)?;
         if self.through_transport() {
             self.check_stream(op)?;
         }
@@ -484,6 +485,23 @@ impl GpuComm {
         };
         let r = run();
         self.mark(op, r)
+    }
+
+    /// Refuses a call on a stream that is capturing a CUDA graph, before
+    /// anything is queued (the capture and this communicator stay usable):
+    /// the signal counts a call writes and waits for are fixed when queued,
+    /// so a replay would write stale counts and wait for none, and the
+    /// slot regions' alternation would not follow the replays.
+    fn not_capturing(&self, op: &'static str, stream: &Stream) -> Result<()> {
+        if stream.is_capturing().map_err(cuda(op))? {
+            return Err(Error::invalid(
+                op,
+                "the stream is capturing a CUDA graph, and the native GPU collectives are not capturable (their \
+                 signal counts are fixed when queued: a replay would not wait for the peers); call it outside the \
+                 capture, or use the nccl backend for captured collectives",
+            ));
+        }
+        Ok(())
     }
 
     /// A call that failed midway leaves the ranks' counts out of step:
@@ -736,6 +754,7 @@ impl GpuComm {
             ));
         }
         self.usable(op)?;
+        self.not_capturing(op, stream)?;
         if self.through_transport() {
             self.check_stream(op)?;
         }

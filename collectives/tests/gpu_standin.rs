@@ -421,3 +421,39 @@ fn gpu_call_failing_midway_stops_the_communicator() {
         assert!(h.join().is_ok(), "rank {rank} failed");
     }
 }
+
+/// A call on a stream that is capturing a CUDA graph is refused before
+/// anything is queued (its signal counts would be fixed at capture: a
+/// replay would not wait for the peers), in both modes: the capture ends
+/// cleanly, and the next call, outside it, runs and matches the host.
+#[test]
+fn gpu_calls_on_a_capturing_stream_are_refused_and_lose_nothing() {
+    if !ready() {
+        return;
+    }
+    three_ranks(|rank, g, ctx, c, stream| {
+        let buf = ctx.alloc_shared(64 * 4).unwrap();
+        let x: Vec<f32> = (0..64).map(|i| (rank * 100 + i) as f32).collect();
+        buf.write_from(0, &as_bytes(&x)).unwrap();
+        stream.begin_capture().unwrap();
+        // SAFETY: buf holds 64 f32 and outlives the synchronize below.
+        let e = unsafe { c.all_reduce(buf.ptr(), 64 * 4, DType::F32, ReduceOp::Sum, stream) }.unwrap_err();
+        assert!(e.to_string().contains("capturing a CUDA graph"), "{e}");
+        let peer = (rank + 1) % 3;
+        // SAFETY: as above.
+        let e = unsafe { c.send(buf.ptr(), 16, peer, stream) }.unwrap_err();
+        assert!(e.to_string().contains("capturing a CUDA graph"), "{e}");
+        // SAFETY: as above.
+        let e = unsafe { c.broadcast(buf.ptr(), 16, 0, stream) }.unwrap_err();
+        assert!(e.to_string().contains("not capturable"), "{e}");
+        drop(stream.end_capture().unwrap());
+        // SAFETY: as above.
+        unsafe { c.all_reduce(buf.ptr(), 64 * 4, DType::F32, ReduceOp::Sum, stream) }.unwrap();
+        stream.synchronize().unwrap();
+        let mut got = vec![0u8; 64 * 4];
+        buf.read_into(0, &mut got).unwrap();
+        let expect: Vec<f32> = (0..64).map(|i| (0..3).map(|r| (r * 100 + i) as f32).sum()).collect();
+        assert_eq!(got, as_bytes(&expect), "rank {rank}");
+        g.barrier(None).unwrap();
+    });
+}

@@ -448,6 +448,21 @@ def native_collectives(arg: str) -> None:
         want = torch.arange(count, device="cuda", dtype=torch.float32) + 100 * ((r - 1) % n)
         expect(torch.equal(y, want), f"native send/recv of {count}")
         comm.barrier()
+    # A collective queued while torch captures a CUDA graph is refused (its
+    # signal counts would be fixed at capture), before anything is queued:
+    # the capture ends cleanly and the communicator goes on.
+    x = torch.full((1000,), float(r + 1), device="cuda")
+    g = torch.cuda.CUDAGraph()
+    refused = ""
+    try:
+        with torch.cuda.graph(g):
+            comm.all_reduce(x, R.SUM)
+    except Exception as e:  # noqa: BLE001 - the error's text is what is checked
+        refused = str(e)
+    expect("capturing a CUDA graph" in refused, f"native all_reduce under graph capture refused ({refused!r})")
+    comm.all_reduce(x, R.SUM)
+    expect(torch.equal(x, torch.full_like(x, float(n * (n + 1) // 2))), "native all_reduce after a refused capture")
+    comm.barrier()
     if arg == "bench":
         bench_all_reduce(comm, "native_all_reduce")
     comm.finalize()
