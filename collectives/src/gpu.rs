@@ -60,6 +60,25 @@
 //! proxy uses without GPUDirect RDMA. With a verbs provider the slots stay
 //! device memory, which the HCA reaches itself (DMA-BUF or nvidia-peermem).
 //! `RMACOMM_GPU_SLOTS=host` or `=device` overrides either choice.
+//!
+//! # CUDA graphs
+//!
+//! In IPC mode the collectives can be captured into a CUDA graph (send and
+//! recv cannot, nor anything in transport mode: the stream proxy is not
+//! capturable; those are refused before anything is queued). A stream
+//! memory operation's value is fixed when captured, so from the first
+//! capture on the exchange's signals are kernels (`rmacomm_signal_next`
+//! adds one to this rank's word in the peer's flag area,
+//! `rmacomm_wait_next` waits for one more than the device's count of that
+//! peer's signals taken, kept in host memory the device maps and set from
+//! the host's counts at the switch): every replay signals and waits
+//! again. And every call then starts from the same region and uses an even
+//! number of them (an odd one gets one more exchange, nothing written), so
+//! replays and eager calls can follow each other in any order and still
+//! alternate the regions. A captured call stays out of the `done` word's
+//! count: the caller orders its replays with the communicator's other calls
+//! (replaying on the stream they use, as `torch.cuda.graph` does, orders
+//! them), as with NCCL.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -119,6 +138,20 @@ pub struct GpuComm {
     /// Transport mode: this rank's slot memory (the window's registration
     /// of it goes with the window, the first field).
     own: Option<Own>,
+    /// IPC mode: what CUDA graph capture needs (module docs: CUDA graphs).
+    graphs: Option<Graphs>,
+}
+
+/// CUDA graph capture in IPC mode (module docs): the signal kernels, the
+/// device's count of each peer's signals taken (host memory the device
+/// maps: the host sets it at the switch), and the region every call
+/// starts from once the kernels serve (`None` before the first capture).
+struct Graphs {
+    signals: std::result::Result<SharedModule, String>,
+    /// Dropped before `taken` (field order).
+    taken_dev: HostRegistration,
+    taken: RdmaMemory,
+    base: Option<usize>,
 }
 
 impl Drop for GpuComm {
@@ -150,6 +183,31 @@ impl Own {
             Own::Device(m) => m.ptr(),
             Own::Host { reg, .. } => reg.device_ptr(),
         }
+    }
+}
+
+impl Graphs {
+    /// The signal kernels (loaded now: nothing may load during a capture)
+    /// and the taken counts, zeroed.
+    fn new(op: &'static str, win: &Window, ctx: &Arc<Context>, n: usize) -> Result<Graphs> {
+        let signals = rmacomm_kernels::cuda::compile_signals(&ctx.arch()).map_err(|e| e.to_string()).and_then(|out| {
+            let image = match &*out {
+                Output::Cubin(b) => b.clone(),
+                Output::Ptx(p) => format!("{p}\0").into_bytes(),
+            };
+            // SAFETY: an image NVRTC just compiled for this device.
+            unsafe { SharedModule::load(ctx, &image) }.map_err(|e| e.to_string())
+        });
+        let taken = win.alloc(8 * n).map_err(Error::window(op))?;
+        // SAFETY: the segment is kept by `taken`, dropped after the
+        // registration (field order).
+        let taken_dev = unsafe { ctx.register_host(taken.as_ptr(), taken.len()) }.map_err(cuda(op))?;
+        Ok(Graphs { signals, taken, taken_dev, base: None })
+    }
+
+    /// Where the device keeps its count of `peer`'s signals taken.
+    fn taken_ptr(&self, peer: usize) -> DevicePtr {
+        self.taken_dev.device_ptr() + 8 * peer as u64
     }
 }
 
@@ -318,6 +376,7 @@ impl GpuComm {
             let slots = (0..size).map(|p| win.map_remote_device(p).map(|m| m.0)).collect::<Result<Vec<_>, _>>();
             (slots.map_err(Error::window(OP))?, None, None)
         };
+        let graphs = if transport { None } else { Some(Graphs::new(OP, &win, &ctx, size)?) };
         let out = rmacomm_kernels::cuda::compile(&ctx.arch()).map_err(|source| Error::Kernel { op: OP, source })?;
         let image = match &*out {
             Output::Cubin(b) => b.clone(),
@@ -350,6 +409,7 @@ impl GpuComm {
             size,
             src,
             own,
+            graphs,
         })
     }
 
@@ -417,6 +477,25 @@ impl GpuComm {
             return Ok(());
         }
         let flags = |r: usize| self.slots[r] + 2 * self.slot as u64;
+        if let Some(Graphs { signals: Ok(m), base: Some(_), .. }) = &self.graphs {
+            // The signal kernels (module docs: CUDA graphs): counts the
+            // device keeps, so that every replay signals and waits again.
+            let g = self.graphs.as_ref().expect("matched above");
+            for p in peers.clone() {
+                let word = flags(p) + 8 * self.rank as u64;
+                // SAFETY: this rank's word of the peer's flag area, mapped
+                // while the window lives.
+                unsafe { m.launch_on(stream, "rmacomm_signal_next", 1, 32, &[Arg::U64(word)]) }.map_err(cuda(op))?;
+            }
+            for p in peers {
+                let args = [Arg::U64(g.taken_ptr(p)), Arg::U64(flags(self.rank) + 8 * p as u64)];
+                // SAFETY: this rank's count of p's signals (host memory
+                // mapped for the device, alive with the communicator) and
+                // p's word of this rank's flag area.
+                unsafe { m.launch_on(stream, "rmacomm_wait_next", 1, 32, &args) }.map_err(cuda(op))?;
+            }
+            return Ok(());
+        }
         for p in peers.clone() {
             // SAFETY: this rank's word of the peer's flag area, mapped while
             // the window lives (dropping it synchronizes the context first).
@@ -468,18 +547,36 @@ impl GpuComm {
         mut f: impl FnMut(&mut Self, usize, usize, u64) -> Result<()>,
     ) -> Result<()> {
         self.usable(op)?;
-        self.not_capturing(op, stream)?;
+        let capturing = self.capture(op, stream)?;
         if self.through_transport() {
             self.check_stream(op)?;
         }
+        let base = self.graphs.as_ref().and_then(|g| g.base);
         let mut run = || -> Result<()> {
-            self.enter(op, stream)?;
-            let mut off = 0;
+            // A captured call stays out of the done word's count (its
+            // replays are not the host's to count: the caller orders them).
+            if !capturing {
+                self.enter(op, stream)?;
+            }
+            if let Some(b) = base {
+                self.parity = b;
+            }
+            let (mut off, mut n) = (0, 0);
             while off < len {
                 let clen = step.min(len - off);
                 let at = self.next_region();
                 f(self, off, clen, at)?;
                 off += clen;
+                n += 1;
+            }
+            if base.is_some() && n % 2 == 1 {
+                // Every call an even number of uses from the same region
+                // (module docs): one more exchange, nothing written.
+                self.next_region();
+                self.exchange(op, stream)?;
+            }
+            if capturing {
+                return Ok(());
             }
             self.leave(op, stream)
         };
@@ -487,21 +584,55 @@ impl GpuComm {
         self.mark(op, r)
     }
 
-    /// Refuses a call on a stream that is capturing a CUDA graph, before
-    /// anything is queued (the capture and this communicator stay usable):
-    /// the signal counts a call writes and waits for are fixed when queued,
-    /// so a replay would write stale counts and wait for none, and the
-    /// slot regions' alternation would not follow the replays.
-    fn not_capturing(&self, op: &'static str, stream: &Stream) -> Result<()> {
+    /// Refuses a call of `what` on a stream that is capturing a CUDA graph,
+    /// before anything is queued (the capture and this communicator stay
+    /// usable).
+    fn not_capturing(&self, op: &'static str, what: &str, stream: &Stream) -> Result<()> {
         if stream.is_capturing().map_err(cuda(op))? {
             return Err(Error::invalid(
                 op,
-                "the stream is capturing a CUDA graph, and the native GPU collectives are not capturable (their \
-                 signal counts are fixed when queued: a replay would not wait for the peers); call it outside the \
-                 capture, or use the nccl backend for captured collectives",
+                format!(
+                    "the stream is capturing a CUDA graph, and {what} of the native GPU backend is not capturable \
+                     (its signal counts are fixed when queued: a replay would not wait for the peers); call it \
+                     outside the capture, or use the nccl backend for captured collectives"
+                ),
             ));
         }
         Ok(())
+    }
+
+    /// Whether `stream` is capturing a CUDA graph, which the collectives of
+    /// IPC mode allow (module docs: CUDA graphs): the first capture
+    /// switches this communicator to the signal kernels for good. Refused,
+    /// before anything is queued, in transport mode (the stream proxy is
+    /// not capturable), on a device without stream memory operations, or
+    /// without the signal kernels.
+    fn capture(&mut self, op: &'static str, stream: &Stream) -> Result<bool> {
+        if !stream.is_capturing().map_err(cuda(op))? {
+            return Ok(false);
+        }
+        let why = match &self.graphs {
+            None => Some("collectives across hosts (transport mode)".to_string()),
+            Some(_) if !self.memops => Some("collectives on a device without stream memory operations".to_string()),
+            Some(Graphs { signals: Err(e), .. }) => Some(format!("collectives without the signal kernels ({e})")),
+            Some(_) => None,
+        };
+        if let Some(what) = why {
+            return self.not_capturing(op, &what, stream).map(|()| false);
+        }
+        let g = self.graphs.as_mut().expect("checked above");
+        if g.base.is_none() {
+            // The kernels go on from the host's counts of waits queued so
+            // far (they run before anything queued after them); signals
+            // need none (each adds one to the count the peer's word holds).
+            for (p, t) in self.taken.iter().enumerate() {
+                let word = g.taken.atomic_u64(8 * p);
+                let word = word.map_err(|source| Error::window(op)(rmacomm_window::Error::Transport { op, source }))?;
+                word.store(*t, std::sync::atomic::Ordering::Release);
+            }
+            g.base = Some(self.parity);
+        }
+        Ok(true)
     }
 
     /// A call that failed midway leaves the ranks' counts out of step:
@@ -754,7 +885,7 @@ impl GpuComm {
             ));
         }
         self.usable(op)?;
-        self.not_capturing(op, stream)?;
+        self.not_capturing(op, "send/recv", stream)?;
         if self.through_transport() {
             self.check_stream(op)?;
         }

@@ -422,38 +422,89 @@ fn gpu_call_failing_midway_stops_the_communicator() {
     }
 }
 
-/// A call on a stream that is capturing a CUDA graph is refused before
-/// anything is queued (its signal counts would be fixed at capture: a
-/// replay would not wait for the peers), in both modes: the capture ends
-/// cleanly, and the next call, outside it, runs and matches the host.
+/// CUDA graphs: in IPC mode collectives captured into a graph replay
+/// correctly (the signal kernels count on the device: every replay
+/// signals and waits again) — an all_reduce of one chunk, one of three
+/// (odd: padded to an even number of uses) and a broadcast, replayed four
+/// times with new inputs, eager calls in between, every result checked —
+/// while send/recv under capture are refused; in transport mode (the
+/// stream proxy is not capturable) a collective under capture is refused
+/// before anything is queued, and the next call, outside it, runs.
 #[test]
-fn gpu_calls_on_a_capturing_stream_are_refused_and_lose_nothing() {
+fn gpu_collectives_captured_in_a_graph_replay_correctly_or_are_refused() {
     if !ready() {
         return;
     }
     three_ranks(|rank, g, ctx, c, stream| {
-        let buf = ctx.alloc_shared(64 * 4).unwrap();
-        let x: Vec<f32> = (0..64).map(|i| (rank * 100 + i) as f32).collect();
-        buf.write_from(0, &as_bytes(&x)).unwrap();
-        stream.begin_capture().unwrap();
-        // SAFETY: buf holds 64 f32 and outlives the synchronize below.
-        let e = unsafe { c.all_reduce(buf.ptr(), 64 * 4, DType::F32, ReduceOp::Sum, stream) }.unwrap_err();
-        assert!(e.to_string().contains("capturing a CUDA graph"), "{e}");
-        let peer = (rank + 1) % 3;
-        // SAFETY: as above.
-        let e = unsafe { c.send(buf.ptr(), 16, peer, stream) }.unwrap_err();
-        assert!(e.to_string().contains("capturing a CUDA graph"), "{e}");
-        // SAFETY: as above.
-        let e = unsafe { c.broadcast(buf.ptr(), 16, 0, stream) }.unwrap_err();
-        assert!(e.to_string().contains("not capturable"), "{e}");
-        drop(stream.end_capture().unwrap());
-        // SAFETY: as above.
-        unsafe { c.all_reduce(buf.ptr(), 64 * 4, DType::F32, ReduceOp::Sum, stream) }.unwrap();
+        let n = 3;
+        let (small, odd, bc, eager) = (64usize, 40_000usize, 1000usize, 500usize);
+        let bufs: Vec<_> = [small, odd, bc, eager].iter().map(|e| ctx.alloc_shared(e * 4).unwrap()).collect();
+        let val = |r: usize, i: usize, k: usize| ((r + 1) * 10 + i % 5 + 100 * k) as f32;
+        let fill = |b: usize, elems: usize, k: usize| {
+            let x: Vec<f32> = (0..elems).map(|i| val(rank, i, k)).collect();
+            bufs[b].write_from(0, &as_bytes(&x)).unwrap();
+        };
+        let check_sum = |b: usize, elems: usize, k: usize, what: &str| {
+            let mut got = vec![0u8; elems * 4];
+            bufs[b].read_into(0, &mut got).unwrap();
+            let want: Vec<f32> = (0..elems).map(|i| (0..n).map(|r| val(r, i, k)).sum()).collect();
+            assert_eq!(got, as_bytes(&want), "rank {rank}: {what}");
+        };
+        // An eager call first: the capture starts from the other region.
+        fill(3, eager, 0);
+        // SAFETY: each buffer holds its elements and outlives the
+        // synchronizes (so below); a graph replays the addresses captured.
+        unsafe { c.all_reduce(bufs[3].ptr(), eager * 4, DType::F32, ReduceOp::Sum, stream) }.unwrap();
         stream.synchronize().unwrap();
-        let mut got = vec![0u8; 64 * 4];
-        buf.read_into(0, &mut got).unwrap();
-        let expect: Vec<f32> = (0..64).map(|i| (0..3).map(|r| (r * 100 + i) as f32).sum()).collect();
-        assert_eq!(got, as_bytes(&expect), "rank {rank}");
+        check_sum(3, eager, 0, "eager all_reduce before the capture");
+        stream.begin_capture().unwrap();
+        let captured = (|| {
+            // SAFETY: as above.
+            unsafe { c.all_reduce(bufs[0].ptr(), small * 4, DType::F32, ReduceOp::Sum, stream) }?;
+            // SAFETY: as above.
+            unsafe { c.all_reduce(bufs[1].ptr(), odd * 4, DType::F32, ReduceOp::Sum, stream) }?;
+            // SAFETY: as above.
+            unsafe { c.broadcast(bufs[2].ptr(), bc * 4, 1, stream) }
+        })();
+        // SAFETY: as above.
+        let refused = unsafe { c.send(bufs[0].ptr(), 16, (rank + 1) % n, stream) }.unwrap_err();
+        assert!(refused.to_string().contains("not capturable"), "{refused}");
+        let graph = stream.end_capture().unwrap();
+        if c.through_transport() {
+            let e = captured.unwrap_err();
+            assert!(e.to_string().contains("capturing a CUDA graph"), "{e}");
+            drop(graph);
+            fill(3, eager, 1);
+            // SAFETY: as above.
+            unsafe { c.all_reduce(bufs[3].ptr(), eager * 4, DType::F32, ReduceOp::Sum, stream) }.unwrap();
+            stream.synchronize().unwrap();
+            check_sum(3, eager, 1, "transport mode: eager all_reduce after a refused capture");
+            g.barrier(None).unwrap();
+            return;
+        }
+        captured.unwrap();
+        for k in 1..5 {
+            fill(0, small, k);
+            fill(1, odd, k);
+            let b: Vec<f32> = (0..bc).map(|i| (rank * 1000 + i + k) as f32).collect();
+            bufs[2].write_from(0, &as_bytes(&b)).unwrap();
+            // SAFETY: as above.
+            unsafe { graph.launch(stream) }.unwrap();
+            stream.synchronize().unwrap();
+            check_sum(0, small, k, &format!("replay {k}: all_reduce of one chunk"));
+            check_sum(1, odd, k, &format!("replay {k}: all_reduce of three chunks"));
+            let mut got = vec![0u8; bc * 4];
+            bufs[2].read_into(0, &mut got).unwrap();
+            let want: Vec<f32> = (0..bc).map(|i| (1000 + i + k) as f32).collect();
+            assert_eq!(got, as_bytes(&want), "rank {rank}: replay {k}: broadcast from rank 1");
+            // An eager call between replays (the signal kernels now).
+            fill(3, eager, k);
+            // SAFETY: as above.
+            unsafe { c.all_reduce(bufs[3].ptr(), eager * 4, DType::F32, ReduceOp::Sum, stream) }.unwrap();
+            stream.synchronize().unwrap();
+            check_sum(3, eager, k, &format!("eager all_reduce after replay {k}"));
+        }
+        drop(graph);
         g.barrier(None).unwrap();
     });
 }

@@ -785,6 +785,7 @@ impl PyComm {
         let r = py.detach(|| -> Result<(), rmacomm_collectives::Error> {
             let mut g = s.gpu.lock().unwrap_or_else(|e| e.into_inner());
             if g.is_none() {
+                refuse_setup_under_capture(op, &stream)?;
                 *g = Some(rmacomm_collectives::GpuComm::new(&s.meta, ctx, None, s.timeout)?);
             }
             let c = g.as_mut().expect("set above");
@@ -838,6 +839,7 @@ impl PyComm {
             let c = match pairs.entry(peer) {
                 std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
                 std::collections::hash_map::Entry::Vacant(v) => {
+                    refuse_setup_under_capture(op, &stream)?;
                     let store: std::sync::Arc<dyn rmacomm_window::Store> = std::sync::Arc::new(
                         rmacomm_window::PrefixStore::new(format!("gpu-p2p/{lo}-{hi}/"), s.meta.store()),
                     );
@@ -1091,4 +1093,27 @@ impl PyBatch {
             b.issue(c)
         })
     }
+}
+
+/// The native GPU backend's first call on a communicator (or pair) sets up
+/// device memory, which a CUDA graph capture does not allow (it would
+/// invalidate torch's capture): refused, naming the way out, before
+/// anything is allocated.
+fn refuse_setup_under_capture(
+    op: &'static str,
+    stream: &rmacomm_window::cuda::device::Stream,
+) -> Result<(), rmacomm_collectives::Error> {
+    let capturing = stream.is_capturing().map_err(|source| rmacomm_collectives::Error::Window {
+        op,
+        source: rmacomm_window::Error::Cuda { op, source },
+    })?;
+    if capturing {
+        return Err(rmacomm_collectives::Error::InvalidArgument {
+            op,
+            reason: "the first GPU operation of a communicator sets up its device memory, which a CUDA graph \
+                     capture does not allow: run one eagerly before capturing (a warm-up, as with NCCL)"
+                .into(),
+        });
+    }
+    Ok(())
 }

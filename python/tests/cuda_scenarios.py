@@ -6,6 +6,7 @@ suite runs them as they are on a machine with a GPU and nothing else.
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any, Callable, Dict
 
@@ -448,10 +449,11 @@ def native_collectives(arg: str) -> None:
         want = torch.arange(count, device="cuda", dtype=torch.float32) + 100 * ((r - 1) % n)
         expect(torch.equal(y, want), f"native send/recv of {count}")
         comm.barrier()
-    # A collective queued while torch captures a CUDA graph is refused (its
-    # signal counts would be fixed at capture), before anything is queued:
-    # the capture ends cleanly and the communicator goes on.
-    x = torch.full((1000,), float(r + 1), device="cuda")
+    # CUDA graphs: in IPC mode an all_reduce captured with torch.cuda.graph
+    # replays correctly (the signal kernels count on the device); in
+    # transport mode (the stream proxy is not capturable) it is refused
+    # before anything is queued, and the communicator goes on.
+    x = torch.zeros(1000, device="cuda")
     g = torch.cuda.CUDAGraph()
     refused = ""
     try:
@@ -459,9 +461,19 @@ def native_collectives(arg: str) -> None:
             comm.all_reduce(x, R.SUM)
     except Exception as e:  # noqa: BLE001 - the error's text is what is checked
         refused = str(e)
-    expect("capturing a CUDA graph" in refused, f"native all_reduce under graph capture refused ({refused!r})")
+    if os.environ.get("RMACOMM_GPU_TRANSPORT") == "1":
+        expect("capturing a CUDA graph" in refused, f"native all_reduce under capture refused ({refused!r})")
+    else:
+        expect(refused == "", f"native all_reduce captured ({refused!r})")
+        for k in range(5):
+            x.fill_(float(r + 1 + k))
+            g.replay()
+            torch.cuda.synchronize()
+            want = float(n * (n + 1) // 2 + n * k)
+            expect(torch.equal(x, torch.full_like(x, want)), f"native all_reduce graph replay {k}")
+    x = torch.full((1000,), float(r + 1), device="cuda")
     comm.all_reduce(x, R.SUM)
-    expect(torch.equal(x, torch.full_like(x, float(n * (n + 1) // 2))), "native all_reduce after a refused capture")
+    expect(torch.equal(x, torch.full_like(x, float(n * (n + 1) // 2))), "native all_reduce after the capture")
     comm.barrier()
     if arg == "bench":
         bench_all_reduce(comm, "native_all_reduce")
