@@ -449,6 +449,10 @@ def native_collectives(arg: str) -> None:
         want = torch.arange(count, device="cuda", dtype=torch.float32) + 100 * ((r - 1) % n)
         expect(torch.equal(y, want), f"native send/recv of {count}")
         comm.barrier()
+    if arg == "bench":
+        bench_all_reduce(comm, "native_all_reduce")
+    # (After the bench: from the first capture on, eager calls signal with
+    # kernels too.)
     # CUDA graphs: in IPC mode an all_reduce captured with torch.cuda.graph
     # replays correctly (the signal kernels count on the device); in
     # transport mode (the stream proxy is not capturable) it is refused
@@ -475,8 +479,6 @@ def native_collectives(arg: str) -> None:
     comm.all_reduce(x, R.SUM)
     expect(torch.equal(x, torch.full_like(x, float(n * (n + 1) // 2))), "native all_reduce after the capture")
     comm.barrier()
-    if arg == "bench":
-        bench_all_reduce(comm, "native_all_reduce")
     comm.finalize()
     log("native_collectives ok")
 
