@@ -432,10 +432,30 @@ fn gpu_call_failing_midway_stops_the_communicator() {
 /// before anything is queued, and the next call, outside it, runs.
 #[test]
 fn gpu_collectives_captured_in_a_graph_replay_correctly_or_are_refused() {
-    if !ready() {
-        return;
+    if ready() {
+        three_ranks(captured_and_replayed);
     }
-    three_ranks(|rank, g, ctx, c, stream| {
+}
+
+/// The same with the exchange's signals in the window's signal slots
+/// (`RMACOMM_GPU_FLAGS=host`): the window's own switch to its signal
+/// kernels at the capture.
+#[test]
+fn gpu_collectives_captured_with_host_flags_replay_correctly() {
+    if ready() {
+        std::env::set_var("RMACOMM_GPU_FLAGS", "host");
+        three_ranks(captured_and_replayed);
+    }
+}
+
+fn captured_and_replayed(
+    rank: usize,
+    g: &Group,
+    ctx: &Arc<Context>,
+    c: &mut GpuComm,
+    stream: &rmacomm_window::cuda::device::Stream,
+) {
+    {
         let n = 3;
         let (small, odd, bc, eager) = (64usize, 40_000usize, 1000usize, 500usize);
         let bufs: Vec<_> = [small, odd, bc, eager].iter().map(|e| ctx.alloc_shared(e * 4).unwrap()).collect();
@@ -506,5 +526,5 @@ fn gpu_collectives_captured_in_a_graph_replay_correctly_or_are_refused() {
         }
         drop(graph);
         g.barrier(None).unwrap();
-    });
+    }
 }
