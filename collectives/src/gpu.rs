@@ -63,16 +63,21 @@
 //!
 //! # CUDA graphs
 //!
-//! In IPC mode the collectives can be captured into a CUDA graph (send and
-//! recv cannot, nor anything in transport mode: the stream proxy is not
-//! capturable; those are refused before anything is queued). A stream
+//! In IPC mode the collectives and send/recv can be captured into a CUDA
+//! graph (nothing in transport mode: the stream proxy is not capturable;
+//! refused before anything is queued). A stream
 //! memory operation's value is fixed when captured, so from the first
 //! capture on the exchange's signals are kernels (`rmacomm_signal_next`
 //! adds one to this rank's word in the peer's flag area,
 //! `rmacomm_wait_next` waits for one more than the device's count of that
 //! peer's signals taken, kept in host memory the device maps and set from
 //! the host's counts at the switch): every replay signals and waits
-//! again. And every call then starts from the same region and uses an even
+//! again. send/recv likewise: a chunk waits with `rmacomm_wait_reach` until
+//! the receiver's count of chunks taken (in this rank's flag area) reaches
+//! this rank's count of chunks sent (in the receiver's), then adds one to
+//! the latter; the receiver waits for one more than its device count of
+//! chunks taken, then adds one to its count in the sender's area. And every
+//! call then starts from the same region and uses an even
 //! number of them (an odd one gets one more exchange, nothing written), so
 //! replays and eager calls can follow each other in any order and still
 //! alternate the regions. A captured call stays out of the `done` word's
@@ -143,14 +148,16 @@ pub struct GpuComm {
 }
 
 /// CUDA graph capture in IPC mode (module docs): the signal kernels, the
-/// device's count of each peer's signals taken (host memory the device
-/// maps: the host sets it at the switch), and the region every call
-/// starts from once the kernels serve (`None` before the first capture).
+/// device's counts of each peer's signals and send/recv chunks taken (host
+/// memory the device maps: the host sets them at the switch), and the
+/// region every call starts from once the kernels serve (`None` before the
+/// first capture).
 struct Graphs {
     signals: std::result::Result<SharedModule, String>,
     /// Dropped before `taken` (field order).
     taken_dev: HostRegistration,
     taken: RdmaMemory,
+    ranks: usize,
     base: Option<usize>,
 }
 
@@ -198,16 +205,22 @@ impl Graphs {
             // SAFETY: an image NVRTC just compiled for this device.
             unsafe { SharedModule::load(ctx, &image) }.map_err(|e| e.to_string())
         });
-        let taken = win.alloc(8 * n).map_err(Error::window(op))?;
+        let taken = win.alloc(16 * n).map_err(Error::window(op))?;
         // SAFETY: the segment is kept by `taken`, dropped after the
         // registration (field order).
         let taken_dev = unsafe { ctx.register_host(taken.as_ptr(), taken.len()) }.map_err(cuda(op))?;
-        Ok(Graphs { signals, taken, taken_dev, base: None })
+        Ok(Graphs { signals, taken, taken_dev, ranks: n, base: None })
     }
 
     /// Where the device keeps its count of `peer`'s signals taken.
     fn taken_ptr(&self, peer: usize) -> DevicePtr {
         self.taken_dev.device_ptr() + 8 * peer as u64
+    }
+
+    /// Where the device keeps its count of `peer`'s send/recv chunks taken
+    /// (after the `n` counts of signals).
+    fn recv_taken_ptr(&self, peer: usize) -> DevicePtr {
+        self.taken_dev.device_ptr() + 8 * (self.ranks + peer) as u64
     }
 }
 
@@ -625,14 +638,24 @@ impl GpuComm {
             // The kernels go on from the host's counts of waits queued so
             // far (they run before anything queued after them); signals
             // need none (each adds one to the count the peer's word holds).
-            for (p, t) in self.taken.iter().enumerate() {
-                let word = g.taken.atomic_u64(8 * p);
+            let n = self.size;
+            let counts = self.taken.iter().chain(&self.p2p_recv);
+            for (i, t) in counts.enumerate().take(2 * n) {
+                let word = g.taken.atomic_u64(8 * i);
                 let word = word.map_err(|source| Error::window(op)(rmacomm_window::Error::Transport { op, source }))?;
                 word.store(*t, std::sync::atomic::Ordering::Release);
             }
             g.base = Some(self.parity);
         }
         Ok(true)
+    }
+
+    /// The signal kernels, once they serve (after the first capture).
+    fn kernels(&self) -> Option<&SharedModule> {
+        match &self.graphs {
+            Some(Graphs { signals: Ok(m), base: Some(_), .. }) => Some(m),
+            _ => None,
+        }
     }
 
     /// A call that failed midway leaves the ranks' counts out of step:
@@ -828,6 +851,21 @@ impl GpuComm {
     pub unsafe fn send(&mut self, buf: DevicePtr, len: usize, dst: usize, stream: &Stream) -> Result<()> {
         const OP: &str = "send";
         self.p2p_chunks(OP, dst, len, stream, |c, off, clen| {
+            if let Some(m) = c.kernels() {
+                // The signal kernels (module docs: CUDA graphs): wait until
+                // dst took every chunk this rank sent it (its count here
+                // reaching this rank's count there), copy, count one more.
+                let sent = c.slots[dst] + c.data_word(c.rank);
+                let args = [Arg::U64(c.slots[c.rank] + c.credit_word(dst)), Arg::U64(sent)];
+                // SAFETY: a word of this rank's flag area and this rank's
+                // word of dst's, mapped while the window lives.
+                unsafe { m.launch_on(stream, "rmacomm_wait_reach", 1, 32, &args) }.map_err(cuda(OP))?;
+                let to = c.inbox(c.rank);
+                c.copy(OP, c.slots[dst] + to, buf + off as u64, clen, stream)?;
+                // SAFETY: as above.
+                return unsafe { m.launch_on(stream, "rmacomm_signal_next", 1, 32, &[Arg::U64(sent)]) }
+                    .map_err(cuda(OP));
+            }
             let n = c.p2p_sent[dst] + 1;
             if n > 1 {
                 // dst took the chunk before: its inbox is free again.
@@ -856,8 +894,23 @@ impl GpuComm {
     pub unsafe fn recv(&mut self, buf: DevicePtr, len: usize, src: usize, stream: &Stream) -> Result<()> {
         const OP: &str = "recv";
         self.p2p_chunks(OP, src, len, stream, |c, off, clen| {
-            let n = c.p2p_recv[src] + 1;
             let own = c.slots[c.rank];
+            if let (Some(m), Some(g)) = (c.kernels(), c.graphs.as_ref()) {
+                // The signal kernels: wait for one more chunk than the
+                // device counted taken, copy, count it taken at src.
+                let args = [Arg::U64(g.recv_taken_ptr(src)), Arg::U64(own + c.data_word(src))];
+                // SAFETY: this rank's count of src's chunks taken (host memory
+                // mapped for the device) and src's word of this rank's flag
+                // area.
+                unsafe { m.launch_on(stream, "rmacomm_wait_next", 1, 32, &args) }.map_err(cuda(OP))?;
+                c.copy(OP, buf + off as u64, own + c.inbox(src), clen, stream)?;
+                let credit = c.slots[src] + c.credit_word(c.rank);
+                // SAFETY: this rank's word of src's flag area, mapped while
+                // the window lives.
+                return unsafe { m.launch_on(stream, "rmacomm_signal_next", 1, 32, &[Arg::U64(credit)]) }
+                    .map_err(cuda(OP));
+            }
+            let n = c.p2p_recv[src] + 1;
             // SAFETY: a word of this rank's flag area.
             unsafe { stream.wait_value64_geq(own + c.data_word(src), n) }.map_err(cuda(OP))?;
             c.copy(OP, buf + off as u64, own + c.inbox(src), clen, stream)?;
@@ -885,18 +938,23 @@ impl GpuComm {
             ));
         }
         self.usable(op)?;
-        self.not_capturing(op, "send/recv", stream)?;
+        let capturing = self.capture(op, stream)?;
         if self.through_transport() {
             self.check_stream(op)?;
         }
         let chunk = p2p_chunk(self.slot, self.size);
         let mut run = || -> Result<()> {
-            self.enter(op, stream)?;
+            if !capturing {
+                self.enter(op, stream)?;
+            }
             let mut off = 0;
             while off < len {
                 let clen = chunk.min(len - off);
                 f(self, off, clen)?;
                 off += clen;
+            }
+            if capturing {
+                return Ok(());
             }
             self.leave(op, stream)
         };

@@ -315,7 +315,7 @@ fn gpu_send_recv_in_both_modes() {
         inp.write_from(0, &as_bytes(&(0..big).map(|i| val(rank, 0, i)).collect::<Vec<_>>())).unwrap();
         // SAFETY: both buffers hold `big` i32 and outlive the synchronize.
         unsafe {
-            if rank % 2 == 0 {
+            if rank.is_multiple_of(2) {
                 c.send(inp.ptr(), big * 4, right, stream).unwrap();
                 c.recv(out.ptr(), big * 4, left, stream).unwrap();
             } else {
@@ -425,9 +425,9 @@ fn gpu_call_failing_midway_stops_the_communicator() {
 /// CUDA graphs: in IPC mode collectives captured into a graph replay
 /// correctly (the signal kernels count on the device: every replay
 /// signals and waits again) — an all_reduce of one chunk, one of three
-/// (odd: padded to an even number of uses) and a broadcast, replayed four
-/// times with new inputs, eager calls in between, every result checked —
-/// while send/recv under capture are refused; in transport mode (the
+/// (odd: padded to an even number of uses), a broadcast and send/recv
+/// rings of one chunk and of three, replayed four times with new inputs,
+/// eager calls in between, every result checked; in transport mode (the
 /// stream proxy is not capturable) a collective under capture is refused
 /// before anything is queued, and the next call, outside it, runs.
 #[test]
@@ -458,7 +458,40 @@ fn captured_and_replayed(
     {
         let n = 3;
         let (small, odd, bc, eager) = (64usize, 40_000usize, 1000usize, 500usize);
-        let bufs: Vec<_> = [small, odd, bc, eager].iter().map(|e| ctx.alloc_shared(e * 4).unwrap()).collect();
+        // 4..8: send/recv rings of one chunk (64 KiB slots) and of three.
+        let sizes = [small, odd, bc, eager, bc, bc, odd, odd];
+        let bufs: Vec<_> = sizes.iter().map(|e| ctx.alloc_shared(e * 4).unwrap()).collect();
+        let (next, prev) = ((rank + 1) % n, (rank + n - 1) % n);
+        let ring_val = |r: usize, i: usize, k: usize| (r * 100_000 + i + 7 * k) as f32;
+        let ring_fill = |b: usize, elems: usize, k: usize| {
+            let x: Vec<f32> = (0..elems).map(|i| ring_val(rank, i, k)).collect();
+            bufs[b].write_from(0, &as_bytes(&x)).unwrap();
+        };
+        let ring_check = |b: usize, elems: usize, k: usize, what: &str| {
+            let mut got = vec![0u8; elems * 4];
+            bufs[b].read_into(0, &mut got).unwrap();
+            let want: Vec<f32> = (0..elems).map(|i| ring_val(prev, i, k)).collect();
+            assert_eq!(got, as_bytes(&want), "rank {rank}: {what}");
+        };
+        // A ring: one chunk from buffer a into b, three from c into d (even
+        // ranks send first: a send of several chunks waits for its receiver).
+        let ring = |c: &mut GpuComm, (a, b, cc, d): (usize, usize, usize, usize)| -> Result<(), _> {
+            // SAFETY: as below.
+            unsafe { c.send(bufs[a].ptr(), bc * 4, next, stream) }?;
+            // SAFETY: as below.
+            unsafe { c.recv(bufs[b].ptr(), bc * 4, prev, stream) }?;
+            if rank.is_multiple_of(2) {
+                // SAFETY: as below.
+                unsafe { c.send(bufs[cc].ptr(), odd * 4, next, stream) }?;
+                // SAFETY: as below.
+                unsafe { c.recv(bufs[d].ptr(), odd * 4, prev, stream) }
+            } else {
+                // SAFETY: as below.
+                unsafe { c.recv(bufs[d].ptr(), odd * 4, prev, stream) }?;
+                // SAFETY: as below.
+                unsafe { c.send(bufs[cc].ptr(), odd * 4, next, stream) }
+            }
+        };
         let val = |r: usize, i: usize, k: usize| ((r + 1) * 10 + i % 5 + 100 * k) as f32;
         let fill = |b: usize, elems: usize, k: usize| {
             let x: Vec<f32> = (0..elems).map(|i| val(rank, i, k)).collect();
@@ -484,11 +517,9 @@ fn captured_and_replayed(
             // SAFETY: as above.
             unsafe { c.all_reduce(bufs[1].ptr(), odd * 4, DType::F32, ReduceOp::Sum, stream) }?;
             // SAFETY: as above.
-            unsafe { c.broadcast(bufs[2].ptr(), bc * 4, 1, stream) }
+            unsafe { c.broadcast(bufs[2].ptr(), bc * 4, 1, stream) }?;
+            ring(c, (4, 5, 6, 7))
         })();
-        // SAFETY: as above.
-        let refused = unsafe { c.send(bufs[0].ptr(), 16, (rank + 1) % n, stream) }.unwrap_err();
-        assert!(refused.to_string().contains("not capturable"), "{refused}");
         let graph = stream.end_capture().unwrap();
         if c.through_transport() {
             let e = captured.unwrap_err();
@@ -508,6 +539,8 @@ fn captured_and_replayed(
             fill(1, odd, k);
             let b: Vec<f32> = (0..bc).map(|i| (rank * 1000 + i + k) as f32).collect();
             bufs[2].write_from(0, &as_bytes(&b)).unwrap();
+            ring_fill(4, bc, k);
+            ring_fill(6, odd, k);
             // SAFETY: as above.
             unsafe { graph.launch(stream) }.unwrap();
             stream.synchronize().unwrap();
@@ -517,7 +550,15 @@ fn captured_and_replayed(
             bufs[2].read_into(0, &mut got).unwrap();
             let want: Vec<f32> = (0..bc).map(|i| (1000 + i + k) as f32).collect();
             assert_eq!(got, as_bytes(&want), "rank {rank}: replay {k}: broadcast from rank 1");
-            // An eager call between replays (the signal kernels now).
+            ring_check(5, bc, k, &format!("replay {k}: send/recv ring of one chunk"));
+            ring_check(7, odd, k, &format!("replay {k}: send/recv ring of three chunks"));
+            // Eager calls between replays (the signal kernels now).
+            ring_fill(4, bc, k + 50);
+            ring_fill(6, odd, k + 50);
+            ring(c, (4, 5, 6, 7)).unwrap();
+            stream.synchronize().unwrap();
+            ring_check(5, bc, k + 50, &format!("eager send/recv ring of one chunk after replay {k}"));
+            ring_check(7, odd, k + 50, &format!("eager send/recv ring of three chunks after replay {k}"));
             fill(3, eager, k);
             // SAFETY: as above.
             unsafe { c.all_reduce(bufs[3].ptr(), eager * 4, DType::F32, ReduceOp::Sum, stream) }.unwrap();

@@ -22,9 +22,10 @@
 //!
 //! A second, small program ([`signal_source`], [`compile_signals`]) holds
 //! the windows' stream-ordered signals as kernels, `rmacomm_signal_next(word)`
-//! and `rmacomm_wait_next(taken, word)`: counts kept in memory rather than
-//! in the launch, so that a CUDA graph replays them, and what runs where the
-//! driver has no stream memory operations.
+//! and `rmacomm_wait_next(taken, word)`, and `rmacomm_wait_reach(word,
+//! bound)` (GPU send/recv's credit: a count reaching another count): counts
+//! kept in memory rather than in the launch, so that a CUDA graph replays
+//! them, and what runs where the driver has no stream memory operations.
 //!
 //! Semantics are the CPU kernels': integers wrap, float `min`/`max` are IEEE
 //! 754-2019 `minimum`/`maximum` (NaN propagates, −0 < +0), `f16`/`bf16`
@@ -150,7 +151,7 @@ pub fn source() -> &'static str {
 const SIGNALS: &str = include_str!("cuda/signals.cu");
 
 /// The signal program's entry points.
-pub const SIGNAL_ENTRY_POINTS: [&str; 2] = ["rmacomm_signal_next", "rmacomm_wait_next"];
+pub const SIGNAL_ENTRY_POINTS: [&str; 3] = ["rmacomm_signal_next", "rmacomm_wait_next", "rmacomm_wait_reach"];
 
 /// The signal program's CUDA C source (module docs).
 pub fn signal_source() -> &'static str {

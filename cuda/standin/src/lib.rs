@@ -685,6 +685,8 @@ pub unsafe extern "C" fn cuLaunchKernel(
             factor,
             count: u64_at(5),
         }
+    } else if name == "rmacomm_wait_reach" {
+        Kernel { op: "wait_reach", t: String::new(), out: u64_at(0), inp: u64_at(1), k: 0, n: 0, factor: 0.0, count: 0 }
     } else if name == "rmacomm_signal_next" || name == "rmacomm_wait_next" {
         let next = name.ends_with("signal_next");
         Kernel {
@@ -827,6 +829,10 @@ impl Kernel {
             ("wait", _) => Op::WaitGeq { addr: self.out, value: self.n }.run(),
             ("signal_next", _) => {
                 word(self.out).fetch_add(1, Ordering::SeqCst);
+            }
+            ("wait_reach", _) => {
+                let want = word(self.inp).load(Ordering::SeqCst);
+                Op::WaitGeq { addr: self.out, value: want }.run();
             }
             ("wait_next", _) => {
                 let want = word(self.out).load(Ordering::SeqCst) + 1;

@@ -27,3 +27,15 @@ extern "C" __global__ void rmacomm_wait_next(volatile u64* taken, const volatile
         __threadfence_system();
     }
 }
+
+// Waits until `word` (the peer's count of what it took of this rank's
+// sends, in this rank's memory) reaches `*bound` (this rank's count of
+// sends, in the peer's memory, which only this rank writes): every chunk
+// sent before was taken. The next signal_next on the bound sends one more.
+extern "C" __global__ void rmacomm_wait_reach(const volatile u64* word, const volatile u64* bound) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        u64 want = *bound;
+        while (*word < want) __nanosleep(100);
+        __threadfence_system();
+    }
+}
