@@ -475,6 +475,32 @@ def native_collectives(arg: str) -> None:
             torch.cuda.synchronize()
             want = float(n * (n + 1) // 2 + n * k)
             expect(torch.equal(x, torch.full_like(x, want)), f"native all_reduce graph replay {k}")
+    # send/recv in a graph (the pair communicators exist: made by the eager
+    # send/recv above), a ring of one chunk.
+    a = torch.zeros(1000, device="cuda")
+    b = torch.zeros(1000, device="cuda")
+    g2 = torch.cuda.CUDAGraph()
+    refused = ""
+    try:
+        with torch.cuda.graph(g2):
+            if r % 2 == 0:
+                comm.send(a, (r + 1) % n)
+                comm.recv(b, (r - 1) % n)
+            else:
+                comm.recv(b, (r - 1) % n)
+                comm.send(a, (r + 1) % n)
+    except Exception as e:  # noqa: BLE001 - the error's text is what is checked
+        refused = str(e)
+    if os.environ.get("RMACOMM_GPU_TRANSPORT") == "1":
+        expect("capturing a CUDA graph" in refused, f"native send/recv under capture refused ({refused!r})")
+    else:
+        expect(refused == "", f"native send/recv captured ({refused!r})")
+        for k in range(3):
+            a.fill_(float(100 * r + k))
+            g2.replay()
+            torch.cuda.synchronize()
+            want = float(100 * ((r - 1) % n) + k)
+            expect(torch.equal(b, torch.full_like(b, want)), f"native send/recv graph replay {k}")
     x = torch.full((1000,), float(r + 1), device="cuda")
     comm.all_reduce(x, R.SUM)
     expect(torch.equal(x, torch.full_like(x, float(n * (n + 1) // 2))), "native all_reduce after the capture")
