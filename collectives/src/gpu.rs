@@ -61,6 +61,11 @@
 //! device memory, which the HCA reaches itself (DMA-BUF or nvidia-peermem).
 //! `RMACOMM_GPU_SLOTS=host` or `=device` overrides either choice.
 //!
+//! On a device without 64-bit stream memory operations IPC mode signals
+//! with the kernels below from the start (the `done` word too: a spin-wait
+//! kernel and `rmacomm_signal_next`), and uploads the pointer tables;
+//! transport mode is refused there (the stream proxy waits on them).
+//!
 //! # CUDA graphs
 //!
 //! In IPC mode the collectives and send/recv can be captured into a CUDA
@@ -389,7 +394,37 @@ impl GpuComm {
             let slots = (0..size).map(|p| win.map_remote_device(p).map(|m| m.0)).collect::<Result<Vec<_>, _>>();
             (slots.map_err(Error::window(OP))?, None, None)
         };
-        let graphs = if transport { None } else { Some(Graphs::new(OP, &win, &ctx, size)?) };
+        let memops = ctx.stream_mem_ops().unwrap_or(false);
+        let graphs = if transport {
+            if !memops {
+                return Err(Error::Unavailable {
+                    backend: "native GPU".into(),
+                    reason: format!(
+                        "{OP}: collectives across hosts (transport mode) need 64-bit stream memory operations, which \
+                         {} lacks (the stream proxy waits on them)",
+                        ctx.name()
+                    ),
+                });
+            }
+            None
+        } else {
+            let mut g = Graphs::new(OP, &win, &ctx, size)?;
+            if !memops {
+                // The signal kernels from the start (module docs).
+                if let Err(e) = &g.signals {
+                    return Err(Error::Unavailable {
+                        backend: "native GPU".into(),
+                        reason: format!(
+                            "{OP}: {} has no 64-bit stream memory operations, and the signal kernels that stand in \
+                             for them are missing ({e})",
+                            ctx.name()
+                        ),
+                    });
+                }
+                g.base = Some(0);
+            }
+            Some(g)
+        };
         let out = rmacomm_kernels::cuda::compile(&ctx.arch()).map_err(|source| Error::Kernel { op: OP, source })?;
         let image = match &*out {
             Output::Cubin(b) => b.clone(),
@@ -400,7 +435,6 @@ impl GpuComm {
         let table = ctx.alloc_shared(8 * size).map_err(cuda(OP))?;
         let (sent, taken) = (vec![0; size], vec![0; size]);
         let (p2p_sent, p2p_recv) = (vec![0; size], vec![0; size]);
-        let memops = ctx.stream_mem_ops().unwrap_or(false);
         Ok(GpuComm {
             win,
             ctx,
@@ -532,16 +566,33 @@ impl GpuComm {
     /// for the last call to have run.
     fn enter(&mut self, op: &'static str, stream: &Stream) -> Result<()> {
         if self.last_stream.is_some_and(|s| s != stream.raw()) {
+            let (done, calls) = (self.done_word(), self.calls);
+            if !self.memops {
+                // No stream memory operations: the spin-wait kernel.
+                // SAFETY: the kernel's parameters: this rank's own flag
+                // area (alive with the window) and a count.
+                return unsafe {
+                    self.module.launch_on(stream, "rmacomm_wait_geq", 1, 32, &[Arg::U64(done), Arg::U64(calls)])
+                }
+                .map_err(cuda(op));
+            }
             // SAFETY: this rank's own flag area, alive with the window.
-            unsafe { stream.wait_value64_geq(self.done_word(), self.calls) }.map_err(cuda(op))?;
+            unsafe { stream.wait_value64_geq(done, calls) }.map_err(cuda(op))?;
         }
         Ok(())
     }
 
     /// After a call's work: its number into the `done` word.
     fn leave(&mut self, op: &'static str, stream: &Stream) -> Result<()> {
-        // SAFETY: as in `enter`.
-        unsafe { stream.write_value64(self.done_word(), self.calls + 1) }.map_err(cuda(op))?;
+        match self.kernels().filter(|_| !self.memops) {
+            // No stream memory operations: one more, by the signal kernel
+            // (the word counts calls; only this rank writes it).
+            // SAFETY: as in `enter`.
+            Some(m) => unsafe { m.launch_on(stream, "rmacomm_signal_next", 1, 32, &[Arg::U64(self.done_word())]) },
+            // SAFETY: as in `enter`.
+            None => unsafe { stream.write_value64(self.done_word(), self.calls + 1) },
+        }
+        .map_err(cuda(op))?;
         self.calls += 1;
         self.last_stream = Some(stream.raw());
         Ok(())

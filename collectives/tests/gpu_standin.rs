@@ -569,3 +569,73 @@ fn captured_and_replayed(
         g.barrier(None).unwrap();
     }
 }
+
+/// A device without 64-bit stream memory operations (the stand-in refuses
+/// them under `RMACOMM_STANDIN_NO_MEMOPS=1`, as such a driver does): in
+/// IPC mode the signal kernels stand in from the start (exchange,
+/// send/recv, the calls' `done` word), the pointer tables are uploaded,
+/// and all_reduce, broadcast and a send/recv ring match the host, on one
+/// stream and then another; transport mode (whose stream proxy waits on
+/// them) is refused at construction, naming what is missing.
+#[test]
+fn gpu_collectives_without_stream_memory_operations() {
+    if !ready() {
+        return;
+    }
+    std::env::set_var("RMACOMM_STANDIN_NO_MEMOPS", "1");
+    let store: Arc<dyn Store> = Arc::new(HashStore::new());
+    let n = 3;
+    let handles: Vec<_> = (0..n)
+        .map(|rank| {
+            let store = store.clone();
+            std::thread::spawn(move || {
+                let opts = GroupOptions::new().timeout(Duration::from_secs(60));
+                let g = Group::with_options(rank, n, store, opts).unwrap();
+                let ctx = Context::open_shared(0).unwrap();
+                assert!(!ctx.stream_mem_ops().unwrap());
+                let t = Duration::from_secs(60);
+                let e = GpuComm::new_through_transport(&g, ctx.clone(), Some(64 << 10), t).unwrap_err();
+                assert!(e.to_string().contains("stream memory operations"), "{e}");
+                let mut c = GpuComm::new(&g, ctx.clone(), Some(64 << 10), t).unwrap();
+                let (s1, s2) = (ctx.stream().unwrap(), ctx.stream().unwrap());
+                let elems = 40_000usize;
+                let (buf, a, b) = (
+                    ctx.alloc_shared(elems * 4).unwrap(),
+                    ctx.alloc_shared(4000).unwrap(),
+                    ctx.alloc_shared(4000).unwrap(),
+                );
+                for (k, stream) in [&s1, &s2, &s1].into_iter().enumerate() {
+                    let x: Vec<f32> = (0..elems).map(|i| (rank * 10 + i % 7 + k) as f32).collect();
+                    buf.write_from(0, &as_bytes(&x)).unwrap();
+                    // SAFETY: buf holds elems f32 and outlives the synchronize.
+                    unsafe { c.all_reduce(buf.ptr(), elems * 4, DType::F32, ReduceOp::Sum, stream) }.unwrap();
+                    stream.synchronize().unwrap();
+                    let mut got = vec![0u8; elems * 4];
+                    buf.read_into(0, &mut got).unwrap();
+                    let want: Vec<f32> =
+                        (0..elems).map(|i| (0..n).map(|r| (r * 10 + i % 7 + k) as f32).sum()).collect();
+                    assert_eq!(got, as_bytes(&want), "rank {rank}: all_reduce {k}");
+                    let y: Vec<f32> = (0..1000).map(|i| (rank * 1000 + i + k) as f32).collect();
+                    a.write_from(0, &as_bytes(&y)).unwrap();
+                    // SAFETY: a holds 1000 f32 and outlives the synchronize.
+                    unsafe { c.broadcast(a.ptr(), 4000, 2, stream) }.unwrap();
+                    // SAFETY: a and b hold 1000 f32 and outlive the synchronize.
+                    unsafe { c.send(a.ptr(), 4000, (rank + 1) % n, stream) }.unwrap();
+                    // SAFETY: as above.
+                    unsafe { c.recv(b.ptr(), 4000, (rank + n - 1) % n, stream) }.unwrap();
+                    stream.synchronize().unwrap();
+                    let mut got = vec![0u8; 4000];
+                    b.read_into(0, &mut got).unwrap();
+                    let want: Vec<f32> = (0..1000).map(|i| (2000 + i + k) as f32).collect();
+                    assert_eq!(got, as_bytes(&want), "rank {rank}: broadcast then send/recv {k}");
+                }
+                g.barrier(None).unwrap();
+                drop(c);
+                g.barrier(None).unwrap();
+            })
+        })
+        .collect();
+    for (rank, h) in handles.into_iter().enumerate() {
+        assert!(h.join().is_ok(), "rank {rank} failed");
+    }
+}

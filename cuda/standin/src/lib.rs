@@ -1035,10 +1035,19 @@ pub extern "C" fn cuStreamSynchronize(s: *mut c_void) -> CuResult {
     OK
 }
 
+/// `RMACOMM_STANDIN_NO_MEMOPS=1`: a device without 64-bit stream memory
+/// operations, whose driver refuses them (`CUDA_ERROR_NOT_SUPPORTED`).
+fn no_memops() -> bool {
+    std::env::var("RMACOMM_STANDIN_NO_MEMOPS").is_ok_and(|v| v == "1")
+}
+
 /// `cuStreamWriteValue64_v2`.
 #[no_mangle]
 pub extern "C" fn cuStreamWriteValue64_v2(s: *mut c_void, addr: u64, value: u64, _flags: c_uint) -> CuResult {
     strict_any("cuStreamWriteValue64");
+    if no_memops() {
+        return NOT_SUPPORTED;
+    }
     if !addr.is_multiple_of(8) {
         return INVALID_VALUE;
     }
@@ -1048,6 +1057,9 @@ pub extern "C" fn cuStreamWriteValue64_v2(s: *mut c_void, addr: u64, value: u64,
 /// `cuStreamWaitValue64_v2` (only `CU_STREAM_WAIT_VALUE_GEQ`).
 #[no_mangle]
 pub extern "C" fn cuStreamWaitValue64_v2(s: *mut c_void, addr: u64, value: u64, flags: c_uint) -> CuResult {
+    if no_memops() {
+        return NOT_SUPPORTED;
+    }
     strict_any("cuStreamWaitValue64");
     if !addr.is_multiple_of(8) || flags & 0xf != 0 {
         return INVALID_VALUE;
