@@ -54,35 +54,41 @@ fn as_bytes<T: Copy>(v: &[T]) -> Vec<u8> {
 /// frees its buffers after a barrier too).
 fn three_ranks(f: fn(usize, &Group, &Arc<Context>, &mut GpuComm, &rmacomm_window::cuda::device::Stream)) {
     for transport in [false, true] {
-        let store: Arc<dyn Store> = Arc::new(HashStore::new());
-        let n = 3;
-        let handles: Vec<_> = (0..n)
-            .map(|rank| {
-                let store = store.clone();
-                std::thread::spawn(move || {
-                    let opts = GroupOptions::new().timeout(Duration::from_secs(60));
-                    let g = Group::with_options(rank, n, store, opts).unwrap();
-                    let ctx = Context::open_shared(0).unwrap();
-                    let (slot, t) = (Some(64 << 10), Duration::from_secs(60));
-                    let mut c = if transport {
-                        GpuComm::new_through_transport(&g, ctx.clone(), slot, t).unwrap()
-                    } else {
-                        GpuComm::new(&g, ctx.clone(), slot, t).unwrap()
-                    };
-                    assert_eq!(c.through_transport(), transport, "{c:?}");
-                    assert_eq!(c.host_slots(), transport, "{c:?}");
-                    let stream = ctx.stream().unwrap();
-                    f(rank, &g, &ctx, &mut c, &stream);
-                    g.barrier(None).unwrap();
-                    drop(c);
-                })
+        let mode = if transport { "transport mode" } else { "IPC" };
+        thread_ranks(3, mode, move |rank, g, ctx| {
+            let (slot, t) = (Some(64 << 10), Duration::from_secs(60));
+            let mut c = if transport {
+                GpuComm::new_through_transport(&g, ctx.clone(), slot, t).unwrap()
+            } else {
+                GpuComm::new(&g, ctx.clone(), slot, t).unwrap()
+            };
+            assert_eq!(c.through_transport(), transport, "{c:?}");
+            assert_eq!(c.host_slots(), transport, "{c:?}");
+            let stream = ctx.stream().unwrap();
+            f(rank, &g, &ctx, &mut c, &stream);
+            g.barrier(None).unwrap();
+            drop(c);
+        });
+    }
+}
+
+/// Runs `f(rank, group, ctx)` on `n` thread ranks of one group (60 s
+/// timeouts), each with device 0's context; panics naming the rank (and
+/// `what`) that failed.
+fn thread_ranks(n: usize, what: &str, f: impl Fn(usize, Group, Arc<Context>) + Send + Sync + Copy + 'static) {
+    let store: Arc<dyn Store> = Arc::new(HashStore::new());
+    let handles: Vec<_> = (0..n)
+        .map(|rank| {
+            let store = store.clone();
+            std::thread::spawn(move || {
+                let opts = GroupOptions::new().timeout(Duration::from_secs(60));
+                let g = Group::with_options(rank, n, store, opts).unwrap();
+                f(rank, g, Context::open_shared(0).unwrap());
             })
-            .collect();
-        for (rank, h) in handles.into_iter().enumerate() {
-            if h.join().is_err() {
-                panic!("rank {rank} failed ({})", if transport { "transport mode" } else { "IPC" });
-            }
-        }
+        })
+        .collect();
+    for (rank, h) in handles.into_iter().enumerate() {
+        assert!(h.join().is_ok(), "rank {rank} failed ({what})");
     }
 }
 
@@ -386,40 +392,27 @@ fn gpu_call_failing_midway_stops_the_communicator() {
     if !ready() {
         return;
     }
-    let store: Arc<dyn Store> = Arc::new(HashStore::new());
-    let handles: Vec<_> = (0..2)
-        .map(|rank| {
-            let store = store.clone();
-            std::thread::spawn(move || {
-                let g =
-                    Group::with_options(rank, 2, store, GroupOptions::new().timeout(Duration::from_secs(60))).unwrap();
-                let ctx = Context::open_shared(0).unwrap();
-                let mut c =
-                    GpuComm::new_through_transport(&g, ctx.clone(), Some(4096), Duration::from_secs(2)).unwrap();
-                let stream = ctx.stream().unwrap();
-                let buf = ctx.alloc_shared(4 << 20).unwrap();
-                if rank == 0 {
-                    // SAFETY: buf holds 4 MiB and outlives the synchronize.
-                    let e = unsafe { c.all_reduce(buf.ptr(), 4 << 20, DType::F32, ReduceOp::Sum, &stream) };
-                    assert!(e.is_err(), "an all_reduce rank 1 never joined succeeded");
-                    // SAFETY: as above.
-                    let again = unsafe { c.all_reduce(buf.ptr(), 64, DType::F32, ReduceOp::Sum, &stream) }.unwrap_err();
-                    assert!(again.to_string().contains("stopped when an earlier call failed midway"), "{again}");
-                    // SAFETY: as above.
-                    let again = unsafe { c.send(buf.ptr(), 64, 1, &stream) }.unwrap_err();
-                    assert!(again.to_string().contains("stopped"), "{again}");
-                    stream.synchronize().unwrap();
-                }
-                g.barrier(None).unwrap();
-                drop(c);
-                g.barrier(None).unwrap();
-                drop(buf);
-            })
-        })
-        .collect();
-    for (rank, h) in handles.into_iter().enumerate() {
-        assert!(h.join().is_ok(), "rank {rank} failed");
-    }
+    thread_ranks(2, "a call failing midway", |rank, g, ctx| {
+        let mut c = GpuComm::new_through_transport(&g, ctx.clone(), Some(4096), Duration::from_secs(2)).unwrap();
+        let stream = ctx.stream().unwrap();
+        let buf = ctx.alloc_shared(4 << 20).unwrap();
+        if rank == 0 {
+            // SAFETY: buf holds 4 MiB and outlives the synchronize.
+            let e = unsafe { c.all_reduce(buf.ptr(), 4 << 20, DType::F32, ReduceOp::Sum, &stream) };
+            assert!(e.is_err(), "an all_reduce rank 1 never joined succeeded");
+            // SAFETY: as above.
+            let again = unsafe { c.all_reduce(buf.ptr(), 64, DType::F32, ReduceOp::Sum, &stream) }.unwrap_err();
+            assert!(again.to_string().contains("stopped when an earlier call failed midway"), "{again}");
+            // SAFETY: as above.
+            let again = unsafe { c.send(buf.ptr(), 64, 1, &stream) }.unwrap_err();
+            assert!(again.to_string().contains("stopped"), "{again}");
+            stream.synchronize().unwrap();
+        }
+        g.barrier(None).unwrap();
+        drop(c);
+        g.barrier(None).unwrap();
+        drop(buf);
+    });
 }
 
 /// CUDA graphs: in IPC mode collectives captured into a graph replay
@@ -583,59 +576,43 @@ fn gpu_collectives_without_stream_memory_operations() {
         return;
     }
     std::env::set_var("RMACOMM_STANDIN_NO_MEMOPS", "1");
-    let store: Arc<dyn Store> = Arc::new(HashStore::new());
-    let n = 3;
-    let handles: Vec<_> = (0..n)
-        .map(|rank| {
-            let store = store.clone();
-            std::thread::spawn(move || {
-                let opts = GroupOptions::new().timeout(Duration::from_secs(60));
-                let g = Group::with_options(rank, n, store, opts).unwrap();
-                let ctx = Context::open_shared(0).unwrap();
-                assert!(!ctx.stream_mem_ops().unwrap());
-                let t = Duration::from_secs(60);
-                let e = GpuComm::new_through_transport(&g, ctx.clone(), Some(64 << 10), t).unwrap_err();
-                assert!(e.to_string().contains("stream memory operations"), "{e}");
-                let mut c = GpuComm::new(&g, ctx.clone(), Some(64 << 10), t).unwrap();
-                let (s1, s2) = (ctx.stream().unwrap(), ctx.stream().unwrap());
-                let elems = 40_000usize;
-                let (buf, a, b) = (
-                    ctx.alloc_shared(elems * 4).unwrap(),
-                    ctx.alloc_shared(4000).unwrap(),
-                    ctx.alloc_shared(4000).unwrap(),
-                );
-                for (k, stream) in [&s1, &s2, &s1].into_iter().enumerate() {
-                    let x: Vec<f32> = (0..elems).map(|i| (rank * 10 + i % 7 + k) as f32).collect();
-                    buf.write_from(0, &as_bytes(&x)).unwrap();
-                    // SAFETY: buf holds elems f32 and outlives the synchronize.
-                    unsafe { c.all_reduce(buf.ptr(), elems * 4, DType::F32, ReduceOp::Sum, stream) }.unwrap();
-                    stream.synchronize().unwrap();
-                    let mut got = vec![0u8; elems * 4];
-                    buf.read_into(0, &mut got).unwrap();
-                    let want: Vec<f32> =
-                        (0..elems).map(|i| (0..n).map(|r| (r * 10 + i % 7 + k) as f32).sum()).collect();
-                    assert_eq!(got, as_bytes(&want), "rank {rank}: all_reduce {k}");
-                    let y: Vec<f32> = (0..1000).map(|i| (rank * 1000 + i + k) as f32).collect();
-                    a.write_from(0, &as_bytes(&y)).unwrap();
-                    // SAFETY: a holds 1000 f32 and outlives the synchronize.
-                    unsafe { c.broadcast(a.ptr(), 4000, 2, stream) }.unwrap();
-                    // SAFETY: a and b hold 1000 f32 and outlive the synchronize.
-                    unsafe { c.send(a.ptr(), 4000, (rank + 1) % n, stream) }.unwrap();
-                    // SAFETY: as above.
-                    unsafe { c.recv(b.ptr(), 4000, (rank + n - 1) % n, stream) }.unwrap();
-                    stream.synchronize().unwrap();
-                    let mut got = vec![0u8; 4000];
-                    b.read_into(0, &mut got).unwrap();
-                    let want: Vec<f32> = (0..1000).map(|i| (2000 + i + k) as f32).collect();
-                    assert_eq!(got, as_bytes(&want), "rank {rank}: broadcast then send/recv {k}");
-                }
-                g.barrier(None).unwrap();
-                drop(c);
-                g.barrier(None).unwrap();
-            })
-        })
-        .collect();
-    for (rank, h) in handles.into_iter().enumerate() {
-        assert!(h.join().is_ok(), "rank {rank} failed");
-    }
+    thread_ranks(3, "no stream memory operations", |rank, g, ctx| {
+        let n = 3;
+        assert!(!ctx.stream_mem_ops().unwrap());
+        let t = Duration::from_secs(60);
+        let e = GpuComm::new_through_transport(&g, ctx.clone(), Some(64 << 10), t).unwrap_err();
+        assert!(e.to_string().contains("stream memory operations"), "{e}");
+        let mut c = GpuComm::new(&g, ctx.clone(), Some(64 << 10), t).unwrap();
+        let (s1, s2) = (ctx.stream().unwrap(), ctx.stream().unwrap());
+        let elems = 40_000usize;
+        let (buf, a, b) =
+            (ctx.alloc_shared(elems * 4).unwrap(), ctx.alloc_shared(4000).unwrap(), ctx.alloc_shared(4000).unwrap());
+        for (k, stream) in [&s1, &s2, &s1].into_iter().enumerate() {
+            let x: Vec<f32> = (0..elems).map(|i| (rank * 10 + i % 7 + k) as f32).collect();
+            buf.write_from(0, &as_bytes(&x)).unwrap();
+            // SAFETY: buf holds elems f32 and outlives the synchronize.
+            unsafe { c.all_reduce(buf.ptr(), elems * 4, DType::F32, ReduceOp::Sum, stream) }.unwrap();
+            stream.synchronize().unwrap();
+            let mut got = vec![0u8; elems * 4];
+            buf.read_into(0, &mut got).unwrap();
+            let want: Vec<f32> = (0..elems).map(|i| (0..n).map(|r| (r * 10 + i % 7 + k) as f32).sum()).collect();
+            assert_eq!(got, as_bytes(&want), "rank {rank}: all_reduce {k}");
+            let y: Vec<f32> = (0..1000).map(|i| (rank * 1000 + i + k) as f32).collect();
+            a.write_from(0, &as_bytes(&y)).unwrap();
+            // SAFETY: a holds 1000 f32 and outlives the synchronize.
+            unsafe { c.broadcast(a.ptr(), 4000, 2, stream) }.unwrap();
+            // SAFETY: a and b hold 1000 f32 and outlive the synchronize.
+            unsafe { c.send(a.ptr(), 4000, (rank + 1) % n, stream) }.unwrap();
+            // SAFETY: as above.
+            unsafe { c.recv(b.ptr(), 4000, (rank + n - 1) % n, stream) }.unwrap();
+            stream.synchronize().unwrap();
+            let mut got = vec![0u8; 4000];
+            b.read_into(0, &mut got).unwrap();
+            let want: Vec<f32> = (0..1000).map(|i| (2000 + i + k) as f32).collect();
+            assert_eq!(got, as_bytes(&want), "rank {rank}: broadcast then send/recv {k}");
+        }
+        g.barrier(None).unwrap();
+        drop(c);
+        g.barrier(None).unwrap();
+    });
 }

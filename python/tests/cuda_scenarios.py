@@ -352,6 +352,26 @@ def nccl_collectives(arg: str) -> None:
     log(f"nccl_collectives ok ({n} rank(s))")
 
 
+def captured(what: str, body: Callable[[], None]) -> Any:
+    """`body` captured with torch.cuda.graph: the graph in IPC mode; None
+    in transport mode, where the capture must be refused (the stream proxy
+    is not capturable) before anything was queued."""
+    import torch
+
+    g = torch.cuda.CUDAGraph()
+    refused = ""
+    try:
+        with torch.cuda.graph(g):
+            body()
+    except Exception as e:  # noqa: BLE001 - the error's text is what is checked
+        refused = str(e)
+    if os.environ.get("RMACOMM_GPU_TRANSPORT") == "1":
+        expect("capturing a CUDA graph" in refused, f"native {what} under capture refused ({refused!r})")
+        return None
+    expect(refused == "", f"native {what} captured ({refused!r})")
+    return g
+
+
 def native_collectives(arg: str) -> None:
     """Collectives of CUDA tensors on an rdma communicator: the native
     backend (two processes on one GPU through CUDA IPC, the NVRTC kernels,
@@ -458,49 +478,33 @@ def native_collectives(arg: str) -> None:
     # transport mode (the stream proxy is not capturable) it is refused
     # before anything is queued, and the communicator goes on.
     x = torch.zeros(1000, device="cuda")
-    g = torch.cuda.CUDAGraph()
-    refused = ""
-    try:
-        with torch.cuda.graph(g):
-            comm.all_reduce(x, R.SUM)
-    except Exception as e:  # noqa: BLE001 - the error's text is what is checked
-        refused = str(e)
-    if os.environ.get("RMACOMM_GPU_TRANSPORT") == "1":
-        expect("capturing a CUDA graph" in refused, f"native all_reduce under capture refused ({refused!r})")
-    else:
-        expect(refused == "", f"native all_reduce captured ({refused!r})")
-        for k in range(5):
-            x.fill_(float(r + 1 + k))
-            g.replay()
-            torch.cuda.synchronize()
-            want = float(n * (n + 1) // 2 + n * k)
-            expect(torch.equal(x, torch.full_like(x, want)), f"native all_reduce graph replay {k}")
+    g = captured("all_reduce", lambda: comm.all_reduce(x, R.SUM))
+    for k in range(5 if g is not None else 0):
+        x.fill_(float(r + 1 + k))
+        g.replay()
+        torch.cuda.synchronize()
+        want = float(n * (n + 1) // 2 + n * k)
+        expect(torch.equal(x, torch.full_like(x, want)), f"native all_reduce graph replay {k}")
     # send/recv in a graph (the pair communicators exist: made by the eager
     # send/recv above), a ring of one chunk.
     a = torch.zeros(1000, device="cuda")
     b = torch.zeros(1000, device="cuda")
-    g2 = torch.cuda.CUDAGraph()
-    refused = ""
-    try:
-        with torch.cuda.graph(g2):
-            if r % 2 == 0:
-                comm.send(a, (r + 1) % n)
-                comm.recv(b, (r - 1) % n)
-            else:
-                comm.recv(b, (r - 1) % n)
-                comm.send(a, (r + 1) % n)
-    except Exception as e:  # noqa: BLE001 - the error's text is what is checked
-        refused = str(e)
-    if os.environ.get("RMACOMM_GPU_TRANSPORT") == "1":
-        expect("capturing a CUDA graph" in refused, f"native send/recv under capture refused ({refused!r})")
-    else:
-        expect(refused == "", f"native send/recv captured ({refused!r})")
-        for k in range(3):
-            a.fill_(float(100 * r + k))
-            g2.replay()
-            torch.cuda.synchronize()
-            want = float(100 * ((r - 1) % n) + k)
-            expect(torch.equal(b, torch.full_like(b, want)), f"native send/recv graph replay {k}")
+
+    def ring() -> None:
+        if r % 2 == 0:
+            comm.send(a, (r + 1) % n)
+            comm.recv(b, (r - 1) % n)
+        else:
+            comm.recv(b, (r - 1) % n)
+            comm.send(a, (r + 1) % n)
+
+    g2 = captured("send/recv", ring)
+    for k in range(3 if g2 is not None else 0):
+        a.fill_(float(100 * r + k))
+        g2.replay()
+        torch.cuda.synchronize()
+        want = float(100 * ((r - 1) % n) + k)
+        expect(torch.equal(b, torch.full_like(b, want)), f"native send/recv graph replay {k}")
     x = torch.full((1000,), float(r + 1), device="cuda")
     comm.all_reduce(x, R.SUM)
     expect(torch.equal(x, torch.full_like(x, float(n * (n + 1) // 2))), "native all_reduce after the capture")
