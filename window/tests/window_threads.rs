@@ -256,3 +256,45 @@ fn put_bytes_from_unregistered_memory() {
         });
     }
 }
+
+/// `Window::register_host` (what GpuComm's transport mode uses for its
+/// host slots): one shared segment of the window's, registered twice — as
+/// the tensor peers put into and as the source of this rank's puts — each
+/// registration keeping the segment alive; puts from the second land in
+/// the peer's first, over UNIFIED and SEPARATE pairs; a put past the end is
+/// refused; the provider is named.
+#[test]
+fn host_memory_registered_twice_serves_as_tensor_and_source() {
+    for unified in [true, false] {
+        ranks(2, move |rank, g| {
+            let opts = WindowOptions::new().timeout(Duration::from_secs(30)).unified(unified);
+            let mut w = Window::new(&g, opts).unwrap();
+            assert_eq!(w.provider(), "soft");
+            let seg = Arc::new(w.alloc(64 << 10).unwrap());
+            let (ptr, len) = (seg.as_ptr(), seg.len());
+            // SAFETY: the segment stays mapped while either registration
+            // lives (each keeps it alive).
+            let tensor = unsafe { w.register_host(ptr, len) }.unwrap().keep_alive(seg.clone());
+            // SAFETY: as above.
+            let src = Arc::new(unsafe { w.register_host(ptr, len) }.unwrap().keep_alive(seg.clone()));
+            assert!(!tensor.is_device() && !src.is_device() && tensor.device().is_none());
+            w.tensor_register(tensor, 1).unwrap();
+            let peer = 1 - rank;
+            let mine: Vec<u8> = (0..5000).map(|i| (i * 3 + rank) as u8).collect();
+            src.write_from(0, &mine).unwrap();
+            w.put(src.view(0, mine.len()).unwrap(), peer, 8192, false).unwrap();
+            w.signal(peer, false).unwrap();
+            w.wait_signal(peer, None).unwrap();
+            let mut got = vec![0u8; mine.len()];
+            seg.read_into(8192, &mut got).unwrap();
+            let want: Vec<u8> = (0..5000).map(|i| (i * 3 + peer) as u8).collect();
+            assert!(got == want, "unified {unified}: the peer's put through its second registration");
+            let e = w.put(src.view(0, 16).unwrap(), peer, len - 8, false).unwrap_err();
+            assert!(matches!(e, Error::Bounds { op: "put", .. }), "{e}");
+            g.barrier(None).unwrap();
+            drop(w.tensor_deregister().unwrap());
+            drop(src);
+            assert_eq!(Arc::strong_count(&seg), 1, "every registration let the segment go");
+        });
+    }
+}
