@@ -96,7 +96,6 @@ use std::time::Duration;
 use rmacomm_kernels::{DType, ReduceOp};
 use rmacomm_window::cuda::device::{DeviceMemory, HostRegistration, SharedModule, Stream};
 use rmacomm_window::cuda::driver::{Arg, Context, DevicePtr};
-use rmacomm_window::cuda::nvrtc::Output;
 use rmacomm_window::{Group, Window, WindowOptions};
 
 use crate::error::{Error, Result};
@@ -203,10 +202,7 @@ impl Graphs {
     /// and the taken counts, zeroed.
     fn new(op: &'static str, win: &Window, ctx: &Arc<Context>, n: usize) -> Result<Graphs> {
         let signals = rmacomm_kernels::cuda::compile_signals(&ctx.arch()).map_err(|e| e.to_string()).and_then(|out| {
-            let image = match &*out {
-                Output::Cubin(b) => b.clone(),
-                Output::Ptx(p) => format!("{p}\0").into_bytes(),
-            };
+            let image = out.image();
             // SAFETY: an image NVRTC just compiled for this device.
             unsafe { SharedModule::load(ctx, &image) }.map_err(|e| e.to_string())
         });
@@ -426,10 +422,7 @@ impl GpuComm {
             Some(g)
         };
         let out = rmacomm_kernels::cuda::compile(&ctx.arch()).map_err(|source| Error::Kernel { op: OP, source })?;
-        let image = match &*out {
-            Output::Cubin(b) => b.clone(),
-            Output::Ptx(p) => format!("{p}\0").into_bytes(),
-        };
+        let image = out.image();
         // SAFETY: a cubin NVRTC just wrote for this device's architecture.
         let module = unsafe { SharedModule::load(&ctx, &image) }.map_err(cuda(OP))?;
         let table = ctx.alloc_shared(8 * size).map_err(cuda(OP))?;

@@ -62,6 +62,17 @@ pub enum Output {
     Cubin(Vec<u8>),
 }
 
+impl Output {
+    /// The image `cuModuleLoadData` takes: the cubin, or the PTX with its
+    /// terminating NUL.
+    pub fn image(&self) -> Vec<u8> {
+        match self {
+            Output::Cubin(b) => b.clone(),
+            Output::Ptx(p) => format!("{p}\0").into_bytes(),
+        }
+    }
+}
+
 impl Nvrtc {
     /// Loads NVRTC (see the crate docs for where it is looked for).
     pub fn load() -> Result<Nvrtc> {
@@ -204,5 +215,16 @@ impl Drop for ProgGuard<'_> {
     fn drop(&mut self) {
         // SAFETY: created by nvrtcCreateProgram, destroyed once.
         unsafe { (self.fns.destroy)(&mut self.prog) };
+    }
+}
+
+#[cfg(test)]
+mod image_tests {
+    use super::Output;
+
+    #[test]
+    fn ptx_images_end_in_a_nul_and_cubins_are_as_compiled() {
+        assert_eq!(Output::Ptx(".version 8.0".into()).image(), b".version 8.0\0");
+        assert_eq!(Output::Cubin(b"\x7fELF..".to_vec()).image(), b"\x7fELF..");
     }
 }

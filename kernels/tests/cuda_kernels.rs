@@ -193,10 +193,7 @@ fn same(d: DType, gpu: &[u8], cpu: &[u8]) -> Result<(), String> {
 #[test]
 fn gpu_kernels_match_the_cpu_kernels() {
     let Some(ctx) = gpu() else { return };
-    let image = match &*cuda::compile(&ctx.arch()).unwrap() {
-        Output::Cubin(b) => b.clone(),
-        Output::Ptx(p) => format!("{p}\0").into_bytes(),
-    };
+    let image = cuda::compile(&ctx.arch()).unwrap().image();
     // SAFETY: NVRTC's own output.
     let module = unsafe { ctx.load_module(&image) }.unwrap();
     let launch = |name: &str, grid: u32, block: u32, args: &[rmacomm_cuda::driver::Arg]| {

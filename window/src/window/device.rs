@@ -39,7 +39,6 @@ use rmacomm_cuda::device::{
     DeviceMemory, DeviceView, HostRegistration, IpcHandle, IpcMapping, MemoryType, SharedModule, Stream,
 };
 use rmacomm_cuda::driver::{Arg, Context, DevicePtr};
-use rmacomm_cuda::nvrtc::Output;
 
 use super::Window;
 use crate::error::{Error, Result};
@@ -148,10 +147,7 @@ impl DeviceRegistration {
     /// where NVRTC is missing, only kernel signals fail.
     fn signal_module(&self) -> &std::result::Result<SharedModule, String> {
         self.signal_module.get_or_init(|| {
-            let image = match &*rmacomm_kernels::cuda::compile_signals(&self.ctx.arch()).map_err(|e| e.to_string())? {
-                Output::Cubin(b) => b.clone(),
-                Output::Ptx(p) => format!("{p}\0").into_bytes(),
-            };
+            let image = rmacomm_kernels::cuda::compile_signals(&self.ctx.arch()).map_err(|e| e.to_string())?.image();
             // SAFETY: an image NVRTC just compiled for this device.
             unsafe { SharedModule::load(&self.ctx, &image) }.map_err(|e| e.to_string())
         })
