@@ -154,7 +154,7 @@ impl Context {
         let mut ptr = 0;
         // SAFETY: a valid out-pointer; the context is current.
         self.check("cuMemAlloc", unsafe { (self.api.mem_alloc)(&mut ptr, len.max(1)) })?;
-        let mem = DeviceMemory { ctx: self.clone(), ptr, len };
+        let mem = DeviceMemory { ctx: self.clone(), ptr, len, vmm: None };
         // Zeroed on a stream of its own, not the context: a context-wide
         // synchronize would wait for other threads' streams too (ranks as
         // threads: one that waits for this thread's signal).
@@ -213,7 +213,13 @@ impl Context {
             match guard.get_or_insert_with(Default::default).get_mut(&key) {
                 Some((ptr, refs)) if *refs > 0 => {
                     *refs += 1;
-                    return Ok(IpcMapping { ctx: self.clone(), ptr: *ptr, key });
+                    return Ok(IpcMapping {
+                        ctx: self.clone(),
+                        ptr: *ptr,
+                        key: Some(key),
+                        vmm: Vec::new(),
+                        reserved: 0,
+                    });
                 }
                 Some(_) => {
                     let now = std::time::Instant::now();
@@ -239,7 +245,7 @@ impl Context {
         // SAFETY: a valid out-pointer; the handle is passed by value.
         self.check("cuIpcOpenMemHandle", unsafe { (self.api.ipc_open)(&mut ptr, *handle, IPC_LAZY_PEER) })?;
         opened.insert(key, (ptr, 1));
-        Ok(IpcMapping { ctx: self.clone(), ptr, key })
+        Ok(IpcMapping { ctx: self.clone(), ptr, key: Some(key), vmm: Vec::new(), reserved: 0 })
     }
 
     /// Page-locks `len` bytes of host memory at `ptr` (widened to whole
@@ -317,6 +323,9 @@ pub struct DeviceMemory {
     ctx: Arc<Context>,
     ptr: DevicePtr,
     len: usize,
+    /// VMM memory ([`Context::alloc_vmm`]): its mappings, undone on drop
+    /// (instead of `cuMemFree`).
+    vmm: Option<IpcMapping>,
 }
 
 impl fmt::Debug for DeviceMemory {
@@ -383,6 +392,23 @@ impl DeviceMemory {
         s.synchronize()
     }
 
+    /// Whether this is VMM memory ([`Context::alloc_vmm`]).
+    pub fn is_vmm(&self) -> bool {
+        self.vmm.is_some()
+    }
+
+    /// VMM memory made of `mapping`'s first `len` bytes, zeroed.
+    pub(crate) fn from_vmm(mapping: IpcMapping, len: usize) -> Result<DeviceMemory> {
+        let ctx = mapping.ctx.clone();
+        let ptr = mapping.ptr;
+        let mem = DeviceMemory { ctx: ctx.clone(), ptr, len, vmm: Some(mapping) };
+        let s = ctx.stream()?;
+        // SAFETY: mapped, accessible memory of at least `len` bytes.
+        ctx.check("cuMemsetD8Async", unsafe { (ctx.api.memset_d8)(ptr, 0, len, s.s) })?;
+        s.synchronize()?;
+        Ok(mem)
+    }
+
     fn outside(&self, call: &'static str, offset: usize, n: usize) -> CudaError {
         invalid(call, format!("{n} bytes at offset {offset} do not fit device memory of {} bytes", self.len))
     }
@@ -390,6 +416,9 @@ impl DeviceMemory {
 
 impl Drop for DeviceMemory {
     fn drop(&mut self) {
+        if self.vmm.is_some() {
+            return;
+        }
         let _ = self.ctx.bind();
         // SAFETY: allocated by cuMemAlloc, freed once.
         unsafe { (self.ctx.api.mem_free)(self.ptr) };
@@ -432,7 +461,12 @@ impl DeviceView<'_> {
 pub struct IpcMapping {
     ctx: Arc<Context>,
     ptr: DevicePtr,
-    key: (i32, IpcHandle),
+    /// A CUDA IPC mapping's key (counted in `OPENED`); `None` for VMM.
+    key: Option<(i32, IpcHandle)>,
+    /// VMM: the lengths of the mappings made so far, from `ptr` on, and the
+    /// length of the address range reserved for them.
+    vmm: Vec<usize>,
+    reserved: usize,
 }
 
 impl IpcMapping {
@@ -440,13 +474,48 @@ impl IpcMapping {
     pub fn ptr(&self) -> DevicePtr {
         self.ptr
     }
+
+    /// How many bytes are mapped from [`ptr`](Self::ptr) on, for VMM
+    /// memory (an [`Export::Vmm`](crate::vmm::Export)); `None` for a CUDA
+    /// IPC mapping (its allocation's size, which the driver reports).
+    pub fn mapped_len(&self) -> Option<usize> {
+        self.key.is_none().then(|| self.vmm_mapped())
+    }
+
+    pub(crate) fn vmm(ctx: Arc<Context>, ptr: DevicePtr, reserved: usize) -> IpcMapping {
+        IpcMapping { ctx, ptr, key: None, vmm: Vec::new(), reserved }
+    }
+
+    pub(crate) fn vmm_mapped(&self) -> usize {
+        self.vmm.iter().sum()
+    }
+
+    pub(crate) fn vmm_push(&mut self, size: usize) {
+        self.vmm.push(size);
+    }
+
+    fn drop_vmm(&mut self) {
+        let Some(api) = self.ctx.api.vmm else { return };
+        let _ = self.ctx.bind();
+        let mut at = self.ptr;
+        for &size in &self.vmm {
+            // SAFETY: a mapping made at `at` (cuMemMap, whole allocation),
+            // unmapped once; the allocation goes with its last mapping.
+            unsafe { (api.unmap)(at, size) };
+            at += size as u64;
+        }
+        // SAFETY: the reservation made for these mappings, freed once,
+        // after they are gone.
+        unsafe { (api.address_free)(self.ptr, self.reserved) };
+    }
 }
 
 impl Drop for IpcMapping {
     fn drop(&mut self) {
+        let Some(key) = self.key else { return self.drop_vmm() };
         let mut opened = OPENED.lock().unwrap_or_else(|e| e.into_inner());
         let Some(map) = opened.as_mut() else { return };
-        let last = match map.get_mut(&self.key) {
+        let last = match map.get_mut(&key) {
             Some((_, refs)) if *refs > 1 => {
                 *refs -= 1;
                 false
@@ -469,7 +538,7 @@ impl Drop for IpcMapping {
             unsafe { (self.ctx.api.ipc_close)(self.ptr) };
             let mut opened = OPENED.lock().unwrap_or_else(|e| e.into_inner());
             if let Some(map) = opened.as_mut() {
-                map.remove(&self.key);
+                map.remove(&key);
             }
             drop(opened);
             CLOSED.notify_all();

@@ -158,6 +158,8 @@ pub(crate) struct Api {
     /// DMA-BUF export).
     pub(crate) range_handle:
         Option<unsafe extern "C" fn(*mut std::ffi::c_void, DevicePtr, usize, c_int, u64) -> CuResult>,
+    /// The virtual memory management calls (optional as a set).
+    pub(crate) vmm: Option<crate::vmm::VmmApi>,
     pub(crate) launch: unsafe extern "C" fn(
         CuFunction,
         u32,
@@ -244,6 +246,7 @@ impl Context {
                 graph_exec_destroy: lib.get("cuGraphExecDestroy\0")?,
                 graph_destroy: lib.get("cuGraphDestroy\0")?,
                 range_handle: lib.get("cuMemGetHandleForAddressRange\0").ok(),
+                vmm: crate::vmm::VmmApi::load(lib),
             }
         };
         let mut c = Context { api, dev: 0, ctx: std::ptr::null_mut(), name: String::new(), cc: (0, 0) };

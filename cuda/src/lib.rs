@@ -24,7 +24,8 @@
 //! # Organization
 //! `driver` (libcuda: version and devices, a context, kernels), `device`
 //! (memory that outlives a borrow, CUDA IPC, registered host memory,
-//! streams with value writes and waits, graph capture), `nvrtc` (CUDA C to PTX or
+//! streams with value writes and waits, graph capture), `vmm` (cuMem/VMM
+//! memory shared between processes as descriptors), `nvrtc` (CUDA C to PTX or
 //! cubin, no GPU needed), `nccl` (NCCL/RCCL version probes for the fallback
 //! backends), `loader` (the search above), `error`.
 
@@ -39,6 +40,7 @@ pub mod nccl_comm;
 pub mod nvrtc;
 pub mod reaper;
 pub mod staging;
+pub mod vmm;
 
 pub use error::{CudaError, Result};
 

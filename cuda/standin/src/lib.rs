@@ -12,6 +12,11 @@
 //!   writes, waits that poll until the value is reached); the legacy default
 //!   stream (0) runs work in the caller; capture records a stream's work
 //!   into a graph that launches replay;
+//! - VMM memory (`cuMemCreate`, `cuMemMap`, ...) is a memfd per
+//!   allocation, mapped into a host range that shadows the reserved device
+//!   range (so contiguous mappings are contiguous on the host); exporting
+//!   hands out a duplicate of the memfd (the POSIX descriptor handle type);
+//!   a host access to a mapping whose access was never set aborts;
 //! - host registration maps host memory at its own address;
 //! - under `RMACOMM_STANDIN_STRICT=1` (or 2), a call that takes a real driver's
 //!   lock (host registration, IPC open and close, freeing memory) made by
@@ -167,13 +172,19 @@ fn word(addr: u64) -> &'static AtomicU64 {
 /// allocation or an opened IPC mapping) its segment's mapping, else
 /// `addr` itself (host memory, registered or not).
 fn host(addr: u64) -> u64 {
-    with(|st| {
-        st.device_ranges
-            .range(..=addr)
-            .next_back()
-            .filter(|(base, (_, len))| addr < *base + (*len).max(1) as u64)
-            .map_or(addr, |(base, (h, _))| h + (addr - base))
-    })
+    let (h, unset) = with(|st| {
+        let found =
+            st.device_ranges.range(..=addr).next_back().filter(|(base, (_, len))| addr < *base + (*len).max(1) as u64);
+        match found {
+            Some((base, (h, _))) => (h + (addr - base), st.no_access.contains(base)),
+            None => (addr, false),
+        }
+    });
+    if unset {
+        eprintln!("CUDA stand-in: {addr:#x} is VMM memory mapped without cuMemSetAccess: a GPU faults here");
+        std::process::abort();
+    }
+    h
 }
 
 /// Reserves `len` bytes of address space with no access: a device range.
@@ -266,6 +277,15 @@ struct State {
     opened_names: std::collections::BTreeSet<CString>,
     /// Registered host ranges: base → length.
     registered: BTreeMap<u64, usize>,
+    /// VMM (cuMemCreate) allocations by handle, mappings of them by device
+    /// address (→ handle, length), reserved address ranges (→ length, the
+    /// host range that shadows it), and
+    /// mappings whose access was never set (a host access there aborts: a
+    /// GPU faults).
+    vmm: BTreeMap<u64, Vmm>,
+    vmm_maps: BTreeMap<u64, (u64, usize)>,
+    reserved: BTreeMap<u64, (usize, u64)>,
+    no_access: std::collections::BTreeSet<u64>,
     streams: Vec<Arc<Stream>>,
     next: u64,
 }
@@ -858,16 +878,25 @@ impl Kernel {
 #[no_mangle]
 pub unsafe extern "C" fn cuPointerGetAttribute(out: *mut c_void, attr: c_int, p: u64) -> CuResult {
     strict_any("cuPointerGetAttribute");
-    // Allocations of this process and IPC mappings opened here.
-    let found = with(|st| st.device_ranges.range(..=p).next_back().map(|(b, (_, len))| (*b, *len)));
-    let Some((base, len)) = found.filter(|(b, l)| p < b + (*l).max(1) as u64) else { return INVALID_VALUE };
+    // Allocations of this process, IPC mappings and VMM mappings opened
+    // here: (base, length, legacy IPC capable, VMM handle types).
+    let found = with(|st| {
+        let (b, (_, len)) = st.device_ranges.range(..=p).next_back()?;
+        let vmm = st.vmm_maps.get(b).and_then(|(h, _)| st.vmm.get(h)).map(|v| v.handle_types);
+        Some((*b, *len, st.allocs.contains_key(b), vmm))
+    });
+    let Some((base, len, legacy, vmm)) = found.filter(|(b, l, ..)| p < b + (*l).max(1) as u64) else {
+        return INVALID_VALUE;
+    };
     // SAFETY: the caller's out-pointer, of the attribute's type.
     unsafe {
         match attr {
             2 => *out.cast::<c_uint>() = 2,
             9 => *out.cast::<c_int>() = 0,
-            11 => *out.cast::<u64>() = base,
-            12 => *out.cast::<usize>() = len,
+            10 => *out.cast::<c_int>() = c_int::from(legacy),
+            11 | 19 => *out.cast::<u64>() = base,
+            12 | 18 => *out.cast::<usize>() = len,
+            14 => *out.cast::<c_int>() = vmm.unwrap_or(0),
             _ => return INVALID_VALUE,
         }
     }
@@ -1156,5 +1185,342 @@ pub unsafe extern "C" fn cuGraphDestroy(g: *mut c_void) -> CuResult {
     strict_any("cuGraphDestroy");
     // SAFETY: made by Box::into_raw in cuStreamEndCapture.
     drop(unsafe { Box::from_raw(g.cast::<Vec<Op>>()) });
+    OK
+}
+
+// ---- Virtual memory management (cuMemCreate and friends) ----------------
+//
+// An allocation is a memfd (its "physical memory"). A reserved device
+// range has a host range of the same length that shadows it; mapping an
+// allocation at a device address maps its memfd at the same place of the
+// shadow, so contiguous device mappings are contiguous on the host too (a
+// copy may span them). Exporting hands out a duplicate of the memfd (the
+// POSIX file descriptor handle type); importing keeps the received one.
+
+/// A VMM allocation: its memfd, length, the handle types it was created
+/// for, and its references (the unreleased handle and each mapping); freed
+/// when they reach zero.
+#[derive(Debug)]
+struct Vmm {
+    fd: std::os::fd::OwnedFd,
+    len: usize,
+    handle_types: c_int,
+    refs: usize,
+}
+
+/// `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`.
+const POSIX_FD: c_int = 1;
+/// The allocation granularity the stand-in reports (a real GPU's: 2 MiB).
+const GRANULARITY: usize = 2 << 20;
+
+fn vmm_new(fd: std::os::fd::OwnedFd, len: usize, handle_types: c_int) -> u64 {
+    with(|st| {
+        st.next += 1;
+        let h = st.next;
+        st.vmm.insert(h, Vmm { fd, len, handle_types, refs: 1 });
+        h
+    })
+}
+
+/// Drops one reference of allocation `h`; the last one unmaps it.
+fn vmm_unref(st: &mut State, h: u64) {
+    let Some(v) = st.vmm.get_mut(&h) else { return };
+    v.refs -= 1;
+    if v.refs == 0 {
+        st.vmm.remove(&h);
+    }
+}
+
+/// `cuMemGetAllocationGranularity`.
+///
+/// # Safety
+/// `g` is a valid out-pointer.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemGetAllocationGranularity(g: *mut usize, _prop: *const c_void, _flags: c_int) -> CuResult {
+    strict_any("cuMemGetAllocationGranularity");
+    // SAFETY: the caller's out-pointer.
+    unsafe { *g = GRANULARITY };
+    OK
+}
+
+/// `cuMemCreate`: a memfd of `len` bytes (a multiple of the granularity);
+/// the handle types requested are read from the properties (bytes 4..8).
+///
+/// # Safety
+/// `h` is a valid out-pointer; `prop` points to a `CUmemAllocationProp`.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemCreate(h: *mut u64, len: usize, prop: *const c_int, _flags: u64) -> CuResult {
+    strict("cuMemCreate");
+    if len == 0 || !len.is_multiple_of(GRANULARITY) || prop.is_null() {
+        return INVALID_VALUE;
+    }
+    // SAFETY: the caller's properties: type, requestedHandleTypes, ...
+    let (kind, types) = unsafe { (*prop, *prop.add(1)) };
+    if kind != 1 {
+        return INVALID_VALUE;
+    }
+    // SAFETY: a NUL-terminated name; the result is checked.
+    let fd = unsafe { libc::memfd_create(c"rmacomm-standin-vmm".as_ptr(), libc::MFD_CLOEXEC) };
+    if fd < 0 {
+        return OUT_OF_MEMORY;
+    }
+    // SAFETY: a new descriptor, ours.
+    let fd = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+    // SAFETY: our memfd.
+    if unsafe { libc::ftruncate(std::os::fd::AsRawFd::as_raw_fd(&fd), len as libc::off_t) } != 0 {
+        return OUT_OF_MEMORY;
+    }
+    let handle = vmm_new(fd, len, types);
+    // SAFETY: the caller's out-pointer.
+    unsafe { *h = handle };
+    OK
+}
+
+/// `cuMemRelease`.
+#[no_mangle]
+pub extern "C" fn cuMemRelease(h: u64) -> CuResult {
+    strict("cuMemRelease");
+    with(|st| {
+        if !st.vmm.contains_key(&h) {
+            return INVALID_HANDLE;
+        }
+        vmm_unref(st, h);
+        OK
+    })
+}
+
+/// `cuMemAddressReserve`: a range with no access at all.
+///
+/// # Safety
+/// `p` is a valid out-pointer.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemAddressReserve(
+    p: *mut u64,
+    len: usize,
+    _align: usize,
+    _addr: u64,
+    _flags: u64,
+) -> CuResult {
+    strict("cuMemAddressReserve");
+    if len == 0 || !len.is_multiple_of(GRANULARITY) {
+        return INVALID_VALUE;
+    }
+    let Some(base) = reserve(len) else { return OUT_OF_MEMORY };
+    let Some(shadow) = reserve(len) else {
+        // SAFETY: the range just reserved, undone once.
+        unsafe { libc::munmap(base as *mut c_void, len) };
+        return OUT_OF_MEMORY;
+    };
+    with(|st| st.reserved.insert(base, (len, shadow)));
+    // SAFETY: the caller's out-pointer.
+    unsafe { *p = base };
+    OK
+}
+
+/// `cuMemAddressFree`: refused while any of the range is mapped.
+#[no_mangle]
+pub extern "C" fn cuMemAddressFree(p: u64, len: usize) -> CuResult {
+    strict("cuMemAddressFree");
+    let shadow = with(|st| {
+        let (l, shadow) = *st.reserved.get(&p)?;
+        if l != len || st.vmm_maps.range(p..p + len as u64).next().is_some() {
+            return None;
+        }
+        st.reserved.remove(&p);
+        Some(shadow)
+    });
+    let Some(shadow) = shadow else { return INVALID_VALUE };
+    // SAFETY: the reservation made by cuMemAddressReserve and its shadow,
+    // unmapped once.
+    unsafe {
+        libc::munmap(p as *mut c_void, len);
+        libc::munmap(shadow as *mut c_void, len);
+    }
+    OK
+}
+
+/// `cuMemMap`: the whole allocation (offset 0) at `p`, inside a
+/// reservation, over nothing mapped; no access until `cuMemSetAccess`.
+#[no_mangle]
+pub extern "C" fn cuMemMap(p: u64, len: usize, offset: usize, h: u64, _flags: u64) -> CuResult {
+    strict("cuMemMap");
+    with(|st| {
+        let Some(v) = st.vmm.get_mut(&h) else { return INVALID_HANDLE };
+        if offset != 0 || len != v.len {
+            return INVALID_VALUE;
+        }
+        let Some((base, (_, shadow))) =
+            st.reserved.range(..=p).next_back().filter(|(b, (l, _))| p + len as u64 <= *b + *l as u64)
+        else {
+            return INVALID_VALUE;
+        };
+        let end = p + len as u64;
+        if st.vmm_maps.range(..end).next_back().is_some_and(|(b, (_, l))| b + *l as u64 > p) {
+            return INVALID_VALUE;
+        }
+        let host = shadow + (p - base);
+        // SAFETY: the memfd over its place in the shadow range (reserved,
+        // nothing mapped there: checked above).
+        let m = unsafe {
+            libc::mmap(
+                host as *mut c_void,
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED | libc::MAP_FIXED,
+                std::os::fd::AsRawFd::as_raw_fd(&v.fd),
+                0,
+            )
+        };
+        if m == libc::MAP_FAILED {
+            return OUT_OF_MEMORY;
+        }
+        v.refs += 1;
+        st.vmm_maps.insert(p, (h, len));
+        st.device_ranges.insert(p, (host, len));
+        st.no_access.insert(p);
+        OK
+    })
+}
+
+/// `cuMemSetAccess`: `count` descriptors, for mappings covering the range
+/// exactly.
+///
+/// # Safety
+/// `desc` points to `count` `CUmemAccessDesc`s.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemSetAccess(p: u64, len: usize, desc: *const c_int, count: usize) -> CuResult {
+    strict("cuMemSetAccess");
+    if desc.is_null() || count == 0 {
+        return INVALID_VALUE;
+    }
+    // SAFETY: the caller's descriptors: location type, id, flags.
+    let (loc, flags) = unsafe { (*desc, *desc.add(2)) };
+    if loc != 1 || flags != 3 {
+        return INVALID_VALUE;
+    }
+    with(|st| {
+        let end = p + len as u64;
+        let mut at = p;
+        let mut bases = Vec::new();
+        while at < end {
+            let Some((_, l)) = st.vmm_maps.get(&at) else { return INVALID_VALUE };
+            bases.push(at);
+            at += *l as u64;
+        }
+        if at != end {
+            return INVALID_VALUE;
+        }
+        for b in bases {
+            st.no_access.remove(&b);
+        }
+        OK
+    })
+}
+
+/// `cuMemUnmap`: one whole mapping.
+#[no_mangle]
+pub extern "C" fn cuMemUnmap(p: u64, len: usize) -> CuResult {
+    strict("cuMemUnmap");
+    cuCtxSynchronize();
+    with(|st| {
+        let Some((h, l)) = st.vmm_maps.get(&p).copied() else { return INVALID_VALUE };
+        if l != len {
+            return INVALID_VALUE;
+        }
+        st.vmm_maps.remove(&p);
+        let host = st.device_ranges.remove(&p).map_or(0, |r| r.0);
+        st.no_access.remove(&p);
+        // SAFETY: the memfd's mapping in the shadow range, made inaccessible
+        // again (the range stays reserved).
+        unsafe {
+            libc::mmap(
+                host as *mut c_void,
+                len,
+                libc::PROT_NONE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE | libc::MAP_FIXED,
+                -1,
+                0,
+            )
+        };
+        vmm_unref(st, h);
+        OK
+    })
+}
+
+/// `cuMemRetainAllocationHandle`: the handle mapped at an address of a
+/// mapping (one more reference, released with `cuMemRelease`).
+///
+/// # Safety
+/// `h` is a valid out-pointer.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemRetainAllocationHandle(h: *mut u64, addr: *mut c_void) -> CuResult {
+    strict_any("cuMemRetainAllocationHandle");
+    let a = addr as u64;
+    let found = with(|st| {
+        let (_, (handle, _)) = st.vmm_maps.range(..=a).next_back().filter(|(b, (_, l))| a < *b + *l as u64)?;
+        let handle = *handle;
+        st.vmm.get_mut(&handle)?.refs += 1;
+        Some(handle)
+    });
+    let Some(handle) = found else { return INVALID_VALUE };
+    // SAFETY: the caller's out-pointer.
+    unsafe { *h = handle };
+    OK
+}
+
+/// `cuMemExportToShareableHandle`: a new descriptor of the allocation's
+/// memfd, for an allocation created with that handle type requested.
+///
+/// # Safety
+/// `out` points to an `int` (the POSIX descriptor type).
+#[no_mangle]
+pub unsafe extern "C" fn cuMemExportToShareableHandle(out: *mut c_void, h: u64, kind: c_int, _flags: u64) -> CuResult {
+    strict_any("cuMemExportToShareableHandle");
+    if kind != POSIX_FD {
+        return NOT_SUPPORTED;
+    }
+    let fd = with(|st| {
+        let v = st.vmm.get(&h).ok_or(INVALID_HANDLE)?;
+        if v.handle_types & POSIX_FD == 0 {
+            return Err(INVALID_VALUE);
+        }
+        v.fd.try_clone().map_err(|_| OUT_OF_MEMORY)
+    });
+    match fd {
+        // SAFETY: the caller's out-pointer, an int.
+        Ok(fd) => unsafe { *out.cast::<c_int>() = std::os::fd::IntoRawFd::into_raw_fd(fd) },
+        Err(e) => return e,
+    }
+    OK
+}
+
+/// `cuMemImportFromShareableHandle`: maps the memfd the descriptor names
+/// (the caller keeps its descriptor).
+///
+/// # Safety
+/// `h` is a valid out-pointer.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemImportFromShareableHandle(h: *mut u64, os: *mut c_void, kind: c_int) -> CuResult {
+    strict("cuMemImportFromShareableHandle");
+    if kind != POSIX_FD {
+        return NOT_SUPPORTED;
+    }
+    let raw = os as usize as c_int;
+    // SAFETY: a descriptor the caller owns, borrowed for the duplicate.
+    let Ok(fd) = unsafe { std::os::fd::BorrowedFd::borrow_raw(raw) }.try_clone_to_owned() else { return INVALID_VALUE };
+    // SAFETY: stat is written by fstat.
+    let len = unsafe {
+        let mut stat: libc::stat = std::mem::zeroed();
+        if libc::fstat(raw, &mut stat) != 0 {
+            return INVALID_VALUE;
+        }
+        stat.st_size as usize
+    };
+    if len == 0 || !len.is_multiple_of(GRANULARITY) {
+        return INVALID_VALUE;
+    }
+    let handle = vmm_new(fd, len, POSIX_FD);
+    // SAFETY: the caller's out-pointer.
+    unsafe { *h = handle };
     OK
 }
