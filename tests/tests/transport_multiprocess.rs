@@ -69,6 +69,16 @@ fn cuda_memory_same_host() {
     }
 }
 
+/// The same on cuMem/VMM memory (2 MiB mappings, as PyTorch's expandable
+/// segments): the client maps the server's memory through its mappings'
+/// descriptors (the server's descriptor server), not an IPC handle.
+#[test]
+fn cuda_vmm_memory_same_host() {
+    if let Some(direct) = cuda(&[], &[], "auto", "vmm") {
+        assert!(direct >= 2 * (64 << 20), "the client copied {direct} bytes through the VMM mapping");
+    }
+}
+
 #[test]
 fn cuda_memory_same_host_tcp_mixed() {
     // Over tcp nothing is opened: the server's engine places every byte.

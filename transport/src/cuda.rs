@@ -10,8 +10,10 @@
 //! chunk's DMA beside the other's CPU copy. Peers on the same host open
 //! it through CUDA IPC (the region publishes its allocation's handle; see
 //! `ibverbx::DeviceIpc`) and copy into and out of it themselves, through
-//! their own pinned chunks, without this process's engine; memory IPC
-//! cannot export (cuMem/VMM allocations) is reached through the connection.
+//! their own pinned chunks, without this process's engine. cuMem/VMM
+//! memory (PyTorch's expandable segments) exports its mappings'
+//! descriptors instead of an IPC handle (`rmacomm_cuda::vmm`); memory
+//! that exports neither is reached through the connection.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -60,14 +62,14 @@ impl DeviceMemory for CudaMemory {
     fn ipc_export(&self, addr: u64, len: usize) -> Option<Result<Vec<u8>, String>> {
         let ctx = self.staging.context();
         Some((|| {
-            let info = ctx.pointer_info(addr).map_err(|e| e.to_string())?;
-            let handle = ctx.ipc_handle(info.base).map_err(|e| e.to_string())?;
+            // cuMemAlloc memory: its IPC handle; VMM memory: its mappings'
+            // descriptors, from this process's descriptor server.
+            let (export, offset) = ctx.export_range(addr, len).map_err(|e| e.to_string())?;
             Ok(format!(
-                "{IPC_MAGIC} {} {} {} {} {addr} {len}",
+                "{IPC_MAGIC} {} {} {} {offset} {addr} {len}",
                 std::process::id(),
                 self.ordinal,
-                handle.to_hex(),
-                addr - info.base
+                export.to_text()
             )
             .into_bytes())
         })())
@@ -101,14 +103,14 @@ impl ibverbx::DeviceIpc for CudaIpc {
                 Some((
                     f[1].parse::<u32>().ok()?,
                     f[2].parse::<u32>().ok()?,
-                    rmacomm_cuda::device::IpcHandle::from_hex(f[3])?,
+                    rmacomm_cuda::vmm::Export::from_text(f[3])?,
                     f[4].parse::<u64>().ok()?,
                     f[5].parse::<u64>().ok()?,
                     f[6].parse::<u64>().ok()?,
                 ))
             })
             .flatten();
-        let Some((owner, ordinal, handle, offset, addr, len)) = parsed else {
+        let Some((owner, ordinal, export, offset, addr, len)) = parsed else {
             return Err(format!("not an export this build reads: {text:?}"));
         };
         if owner != pid {
@@ -132,9 +134,17 @@ impl ibverbx::DeviceIpc for CudaIpc {
             check(addr)?;
             return Ok(Arc::new(PeerCuda { dev, ptr: addr, len, map: None }));
         }
-        let map = dev.staging.context().open_ipc(&handle).map_err(|e| e.to_string())?;
+        let map = dev.staging.context().open_export(&export, owner).map_err(|e| e.to_string())?;
         let ptr = map.ptr().checked_add(offset).ok_or("the export's offset overflows")?;
-        check(ptr)?;
+        match map.mapped_len() {
+            // VMM memory, mapped here whole: the range must lie in it.
+            Some(mapped) => {
+                if offset.checked_add(len).is_none_or(|end| end > mapped as u64) {
+                    return Err(format!("{len} bytes at offset {offset} run past the {mapped} bytes mapped"));
+                }
+            }
+            None => check(ptr)?,
+        }
         Ok(Arc::new(PeerCuda { ptr, dev, len, map: Some(map) }))
     }
 }
@@ -229,22 +239,18 @@ pub(crate) unsafe fn register(
         return Err(TransportError::invalid(OP, "length 0"));
     }
     let dev = device(OP, ordinal)?;
-    let info =
-        dev.staging.context().pointer_info(ptr).map_err(|e| {
-            TransportError::invalid(OP, format!("{ptr:#x} is not CUDA memory of device {ordinal}: {e}"))
-        })?;
-    let end = info.base + info.size as u64;
-    if info.memory_type != MemoryType::Device
-        || info.device != ordinal as i32
-        || ptr.checked_add(len as u64).is_none_or(|e| e > end)
-    {
+    // One allocation (cuMemAlloc), or contiguous VMM mappings (PyTorch's
+    // expandable segments), of this device.
+    let ext = dev.staging.context().device_extent(ptr, len).map_err(|e| {
+        TransportError::invalid(
+            OP,
+            format!("{len} bytes at {ptr:#x} are not device memory of CUDA device {ordinal}: {e}"),
+        )
+    })?;
+    if ext.info.device != ordinal as i32 {
         return Err(TransportError::invalid(
             OP,
-            format!(
-                "{len} bytes at {ptr:#x} are not device memory of CUDA device {ordinal} (the driver reports {:?} on \
-                 device {}, allocation {:#x}+{})",
-                info.memory_type, info.device, info.base, info.size
-            ),
+            format!("{len} bytes at {ptr:#x} are memory of CUDA device {}, not {ordinal}", ext.info.device),
         ));
     }
     // SAFETY: checked device memory of this context; its lifetime is the

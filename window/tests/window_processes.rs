@@ -150,7 +150,7 @@ fn device_memory_ring_over_cuda_ipc() {
     }
 }
 
-/// The device-memory ring, the bandwidth and signal-latency scenarios and
+/// The device-memory ring (on cuMemAlloc and on VMM memory), the bandwidth and signal-latency scenarios and
 /// the stream proxy's (`proxy`: stream-ordered operations through the
 /// transport) included, against the CUDA
 /// stand-in on 2, 3 and 4 ranks: rmacomm's side of device windows (IPC
@@ -159,14 +159,18 @@ fn device_memory_ring_over_cuda_ipc() {
 #[test]
 fn device_memory_ring_against_the_cuda_standin() {
     let Some(lib) = rmacomm_window::cuda::standin_for_tests() else { return };
-    for (n, args) in [
-        (2, &["ring"][..]),
-        (3, &["ring"]),
-        (4, &["ring"]),
-        (2, &["bw", "1048576"]),
-        (2, &["lat"]),
-        (2, &["proxy"]),
-        (3, &["proxy"]),
+    // `vmm`: every registered tensor is cuMem/VMM memory in 2 MiB mappings
+    // (PyTorch's expandable segments), mapped by peers through descriptors.
+    for (n, args, alloc) in [
+        (2, &["ring"][..], "cuMemAlloc"),
+        (3, &["ring"], "cuMemAlloc"),
+        (4, &["ring"], "cuMemAlloc"),
+        (2, &["ring"], "vmm"),
+        (3, &["ring"], "vmm"),
+        (2, &["bw", "1048576"], "cuMemAlloc"),
+        (2, &["lat"], "cuMemAlloc"),
+        (2, &["proxy"], "cuMemAlloc"),
+        (3, &["proxy"], "cuMemAlloc"),
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_rmacomm-run"))
             .args(["--nproc-per-node", &n.to_string(), env!("CARGO_BIN_EXE_gpu-window-scenario")])
@@ -174,6 +178,7 @@ fn device_memory_ring_against_the_cuda_standin() {
             .env_remove("MASTER_ADDR")
             .env_remove("MASTER_PORT")
             .env("RMACOMM_TIMEOUT_SECONDS", "60")
+            .env("GPU_WINDOW_ALLOC", alloc)
             .env("RMACOMM_CUDA_LIB", &lib)
             .env("RMACOMM_EXPECT_GPU", "1")
             // No thread a stream waits for may take a driver lock while it

@@ -1,6 +1,6 @@
 //! An `RdmaTransport` peer process for multi-process tests.
 //!
-//! `transport_peer server|client [--sizes N,...] [--mem host|cuda|mixed]`,
+//! `transport_peer server|client [--sizes N,...] [--mem host|cuda|vmm|mixed]`,
 //! `transport_peer hold`,
 //! `transport_peer stream`. Each prints `{"url":…, "rb":…}`, reads the
 //! peer's line, connects, and runs its part: the client writes each size
@@ -8,7 +8,9 @@
 //! the server waits for each notification and verifies every byte. `hold`
 //! connects and waits to be killed; `stream` writes until an error and
 //! reports which. `--mem cuda`: every buffer is CUDA device memory
-//! (`RdmaMemory::alloc_cuda`, GPU 0); `mixed`: the server's and the
+//! (`RdmaMemory::alloc_cuda`, GPU 0); `vmm`: every buffer is cuMem/VMM
+//! device memory in 2 MiB mappings (PyTorch's expandable segments),
+//! registered with `RdmaMemory::register_cuda`; `mixed`: the server's and the
 //! client's source are device memory, the client's read-back buffer host
 //! memory.
 
@@ -48,7 +50,16 @@ async fn main() {
     let t = RdmaTransport::new(cfg).unwrap_or_else(|e| fail(format!("new: {e}")));
     let kind = opt("--mem").unwrap_or_else(|| "host".into());
     let alloc = |device: bool| {
-        if device {
+        if device && kind == "vmm" {
+            let ctx =
+                rmacomm_window::cuda::driver::Context::open_shared(0).unwrap_or_else(|e| fail(format!("CUDA: {e}")));
+            let vmm = ctx.alloc_vmm(total, 2 << 20).unwrap_or_else(|e| fail(format!("alloc_vmm: {e}")));
+            // SAFETY: the memory lives as long as the process (leaked below).
+            let mem = unsafe { RdmaMemory::register_cuda(vmm.ptr(), total, 0) }
+                .unwrap_or_else(|e| fail(format!("register_cuda of VMM memory: {e}")));
+            Box::leak(Box::new(vmm));
+            mem
+        } else if device {
             RdmaMemory::alloc_cuda(total, 0).unwrap_or_else(|e| fail(format!("alloc_cuda: {e}")))
         } else {
             RdmaMemory::alloc(total).unwrap_or_else(|e| fail(format!("alloc: {e}")))
@@ -82,7 +93,7 @@ async fn main() {
             println!("{}", serde_json::json!({ "ok": true }));
         }
         "client" => {
-            let back = alloc(kind == "cuda");
+            let back = alloc(kind == "cuda" || kind == "vmm");
             for (i, &n) in sizes.iter().enumerate() {
                 let off = offsets[i];
                 let data = pattern(n, i as u64);

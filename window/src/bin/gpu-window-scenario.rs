@@ -30,6 +30,10 @@
 //!   puts from the host, and signal round trips through the proxy beside
 //!   host signals; JSON lines on stdout.
 //!
+//! With `GPU_WINDOW_ALLOC=vmm` every registered tensor is cuMem/VMM memory
+//! in 2 MiB mappings (as PyTorch's expandable segments are): peers map it
+//! through its mappings' descriptors instead of a CUDA IPC handle.
+//!
 //! Without a GPU each rank prints why and succeeds, unless
 //! `RMACOMM_EXPECT_GPU=1` (the GPU suite), where that is a failure.
 
@@ -94,6 +98,17 @@ fn setup() -> Result<(Group, Window), String> {
     Ok((g, w))
 }
 
+/// Memory for a registered tensor: cuMemAlloc, or VMM in 2 MiB mappings
+/// under `GPU_WINDOW_ALLOC=vmm`.
+fn tensor_mem(ctx: &Arc<Context>, len: usize) -> Result<DeviceMemory, String> {
+    if std::env::var("GPU_WINDOW_ALLOC").is_ok_and(|v| v == "vmm") {
+        let mem = ctx.alloc_vmm(len, 2 << 20).map_err(s)?;
+        ensure(mem.is_vmm(), || "alloc_vmm gave no VMM memory".into())?;
+        return Ok(mem);
+    }
+    ctx.alloc_shared(len).map_err(s)
+}
+
 fn f32s(value: usize, count: usize) -> Vec<u8> {
     (value as f32).to_le_bytes().repeat(count)
 }
@@ -118,7 +133,7 @@ fn ring(g: &Group, mut w: Window, ctx: &Arc<Context>) -> R {
     let stream = ctx.stream().map_err(s)?;
     let start = Instant::now();
     for count in [1usize, 1000, 1 << 20] {
-        w.tensor_register_device(ctx.alloc_shared(size * count * 4).map_err(s)?, 4).map_err(s)?;
+        w.tensor_register_device(tensor_mem(ctx, size * count * 4).map_err(s)?, 4).map_err(s)?;
         ensure(w.get_device() == "cuda" && w.get_size() == size * count * 4, || "get_device / get_size".into())?;
         let src = ctx.alloc_shared(count * 4).map_err(s)?;
         for it in 0..5 {
@@ -198,7 +213,7 @@ fn graph(g: &Group, w: &mut Window, ctx: &Arc<Context>, stream: &Stream) -> R {
     let (rank, size) = (g.rank(), g.size());
     let (right, left) = ((rank + 1) % size, (rank + size - 1) % size);
     const COUNT: usize = 4096;
-    w.tensor_register_device(ctx.alloc_shared(size * COUNT * 4).map_err(s)?, 4).map_err(s)?;
+    w.tensor_register_device(tensor_mem(ctx, size * COUNT * 4).map_err(s)?, 4).map_err(s)?;
     let src = ctx.alloc_shared(COUNT * 4).map_err(s)?;
     stream.begin_capture().map_err(s)?;
     let put = w.device_put(src.all(), right, rank * COUNT, Some(stream));
@@ -243,7 +258,7 @@ fn graph_signals(g: &Group, ctx: &Arc<Context>) -> R {
     const COUNT: usize = 4096;
     let stream = ctx.stream().map_err(s)?;
     let mut w = Window::new(g, WindowOptions::new().timeout(Duration::from_secs(30))).map_err(s)?;
-    w.tensor_register_device(ctx.alloc_shared(size * COUNT * 4).map_err(s)?, 4).map_err(s)?;
+    w.tensor_register_device(tensor_mem(ctx, size * COUNT * 4).map_err(s)?, 4).map_err(s)?;
     let src = ctx.alloc_shared(COUNT * 4).map_err(s)?;
     let round = |w: &Window, what: &str| -> R {
         w.signal_on_stream(right, &stream).map_err(s)?;
@@ -281,7 +296,7 @@ fn graph_signals(g: &Group, ctx: &Arc<Context>) -> R {
     w.tensor_deregister_device().map_err(s)?;
     // The counts the device kept go back to the host for the window's
     // next registration (stream memory operations again, where there are).
-    w.tensor_register_device(ctx.alloc_shared(size * COUNT * 4).map_err(s)?, 4).map_err(s)?;
+    w.tensor_register_device(tensor_mem(ctx, size * COUNT * 4).map_err(s)?, 4).map_err(s)?;
     round(&w, "a stream round in the next registration")?;
     w.signal(right, false).map_err(s)?;
     w.wait_signal(left, None).map_err(|e| format!("a host round in the next registration: {e}"))?;
@@ -299,7 +314,7 @@ fn two_windows_one_allocation(g: &Group, ctx: &Arc<Context>) -> R {
     let (right, left) = ((rank + 1) % size, (rank + size - 1) % size);
     const COUNT: usize = 256;
     let half = size * COUNT * 4;
-    let mem = ctx.alloc_shared(2 * half).map_err(s)?;
+    let mem = tensor_mem(ctx, 2 * half)?;
     let mut wins = Vec::new();
     for h in 0..2 {
         let mut w = Window::new(g, WindowOptions::new().timeout(Duration::from_secs(30))).map_err(s)?;
@@ -331,7 +346,7 @@ fn lat(g: &Group, mut w: Window, ctx: &Arc<Context>) -> R {
     let rank = g.rank();
     ensure(g.size() == 2, || "lat runs on 2 ranks".into())?;
     let peer = 1 - rank;
-    w.tensor_register_device(ctx.alloc_shared(4096).map_err(s)?, 1).map_err(s)?;
+    w.tensor_register_device(tensor_mem(ctx, 4096).map_err(s)?, 1).map_err(s)?;
     let stream = ctx.stream().map_err(s)?;
     let what = || "stream round trips".to_string();
     let host = |w: &Window| -> R {
@@ -398,7 +413,7 @@ fn bw(g: &Group, mut w: Window, ctx: &Arc<Context>, max: Result<usize, String>) 
     ensure(max >= 64 << 10, || "MAX_BYTES is at least 64 KiB".into())?;
     // Bytes moved per point: 8 GiB at the default, less for a small MAX.
     let budget = (8usize << 30).min(max * 64);
-    w.tensor_register_device(ctx.alloc_shared(max).map_err(s)?, 1).map_err(s)?;
+    w.tensor_register_device(tensor_mem(ctx, max).map_err(s)?, 1).map_err(s)?;
     g.barrier(None).map_err(s)?;
     if rank == 0 {
         let src: DeviceMemory = ctx.alloc_shared(max).map_err(s)?;

@@ -35,10 +35,9 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 
-use rmacomm_cuda::device::{
-    DeviceMemory, DeviceView, HostRegistration, IpcHandle, IpcMapping, MemoryType, SharedModule, Stream,
-};
+use rmacomm_cuda::device::{DeviceMemory, DeviceView, HostRegistration, IpcMapping, SharedModule, Stream};
 use rmacomm_cuda::driver::{Arg, Context, DevicePtr};
+use rmacomm_cuda::vmm::Export;
 
 use super::Window;
 use crate::error::{Error, Result};
@@ -271,16 +270,10 @@ impl Window {
                      tensor_register: the transport moves it)"
                 ));
             }
-            let info = ctx.pointer_info(ptr).map_err(|e| e.to_string())?;
-            if info.memory_type != MemoryType::Device {
-                return Err(format!("{ptr:#x} is {:?} memory, not device memory from cuMemAlloc", info.memory_type));
-            }
-            let offset = ptr - info.base;
-            if offset as usize + len > info.size {
-                return Err(format!("{len} bytes at {ptr:#x} run past its allocation of {} bytes", info.size));
-            }
-            let handle = ctx.ipc_handle(info.base).map_err(|e| e.to_string())?;
-            Ok(format!("ok {} {offset} {len} {elem_size} {} {ptr}", handle.to_hex(), std::process::id()))
+            // cuMemAlloc memory exports its IPC handle; VMM memory (PyTorch's
+            // expandable segments) its mappings' descriptors.
+            let (export, offset) = ctx.export_range(ptr, len).map_err(|e| e.to_string())?;
+            Ok(format!("ok {} {offset} {len} {elem_size} {} {ptr}", export.to_text(), std::process::id()))
         };
         let blob = offer().unwrap_or_else(|why| format!("err {why}"));
         let all = self.group.exchange(OP, blob.as_bytes())?;
@@ -294,7 +287,7 @@ impl Window {
             let parsed = (f.len() == 7 && f[0] == "ok")
                 .then(|| {
                     Some((
-                        IpcHandle::from_hex(f[1])?,
+                        Export::from_text(f[1])?,
                         f[2].parse::<u64>().ok()?,
                         f[3].parse::<usize>().ok()?,
                         f[4].parse::<usize>().ok()?,
@@ -309,13 +302,14 @@ impl Window {
         // shares the address space, so its pointer is used as it is.
         let mapped = || -> Result<(Vec<DevicePtr>, Vec<Mapping>)> {
             let (mut ptrs, mut ipc) = (Vec::with_capacity(n), Vec::new());
-            for (p, &(handle, offset, _, _, pid, their_ptr)) in offers.iter().enumerate() {
+            for (p, (export, offset, _, _, pid, their_ptr)) in offers.iter().enumerate() {
+                let (offset, pid, their_ptr) = (*offset, *pid, *their_ptr);
                 if p == me || pid == std::process::id() {
                     ptrs.push(their_ptr);
                     ipc.push(None);
                     continue;
                 }
-                let m = ctx.open_ipc(&handle).map_err(|source| Error::Unsupported {
+                let m = ctx.open_export(export, pid).map_err(|source| Error::Unsupported {
                     op: OP,
                     reason: format!("rank {p}'s memory cannot be mapped here (CUDA IPC): {source}"),
                 })?;
