@@ -114,6 +114,11 @@ PY
     timeout "$(lim 90)" "$bin/rmacomm-run" --nproc-per-node 2 "$bin/gpu-window-scenario" $sc 2>&1 |
       tee "$out/window_device_$sc.log" || rc=1
   done
+  # The same ring on cuMem/VMM memory in 2 MiB mappings (as PyTorch's
+  # expandable segments): peers map it through its mappings' descriptors.
+  echo "# window on VMM device memory: ring (at ${SECONDS}s)"
+  GPU_WINDOW_ALLOC=vmm timeout "$(lim 90)" "$bin/rmacomm-run" --nproc-per-node 2 "$bin/gpu-window-scenario" ring 2>&1 |
+    tee "$out/window_device_ring_vmm.log" || rc=1
   grep -h '"window_device_put"' "$out/window_device_bw.log" | sed 's/^\[[0-9]*\] //' > "$out/window_device_bw.jsonl" || true
   grep -h '"window_device_signal_rtt"' "$out/window_device_lat.log" | sed 's/^\[[0-9]*\] //' > "$out/window_device_lat.jsonl" || true
   grep -h '"window_proxy_' "$out/window_device_proxy.log" | sed 's/^\[[0-9]*\] //' > "$out/window_proxy.jsonl" || true
@@ -153,6 +158,11 @@ PY
     echo "# python: window ring on CUDA tensors (at ${SECONDS}s)"
     timeout "$(lim 90)" "$py" -m rmacomm.run --nproc-per-node 2 "$suite/python/cuda_scenarios.py" window_ring_cuda 2>&1 |
       tee "$out/python_window_ring_cuda.log" || rc=1
+    # The same ring with PyTorch's expandable segments (cuMem/VMM memory:
+    # no CUDA IPC handle; peers map it through descriptors).
+    echo "# python: window ring on CUDA tensors from expandable segments (at ${SECONDS}s)"
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "$(lim 90)" "$py" -m rmacomm.run --nproc-per-node 2 \
+      "$suite/python/cuda_scenarios.py" window_ring_cuda 2>&1 | tee "$out/python_window_ring_cuda_expandable.log" || rc=1
     # The same ring through the transport (unified=False: what a peer on
     # another host gets), staged through pinned chunks.
     echo "# python: window ring on CUDA tensors, staged through the transport (at ${SECONDS}s)"
