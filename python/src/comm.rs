@@ -209,7 +209,9 @@ pub(crate) fn new_comm(
             return Err(Failure::new(
                 ErrKind::Unavailable,
                 format!(
-                    "device {d:?}: the rdma backend moves CPU memory only (CUDA tensors: windows, or                      backend=\"nccl\"); use device=\"cpu\""
+                    "device {d:?}: an rdma communicator's device is CPU memory only (CUDA tensors work \
+                     with it as they are: windows and native GPU collectives; or backend=\"nccl\"); use \
+                     device=\"cpu\""
                 ),
             )
             .into());
