@@ -102,6 +102,9 @@ pub(crate) struct AccessDesc {
     flags: c_int,
 }
 
+// The driver's layouts (cuda.h, CUDA 12 and 13).
+const _: () = assert!(std::mem::size_of::<AllocProp>() == 32 && std::mem::size_of::<AccessDesc>() == 12);
+
 /// `CU_MEM_ALLOCATION_TYPE_PINNED`, `CU_MEM_LOCATION_TYPE_DEVICE`,
 /// `CU_MEM_ACCESS_FLAGS_PROT_READWRITE`,
 /// `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`,
