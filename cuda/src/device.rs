@@ -218,6 +218,7 @@ impl Context {
                         ptr: *ptr,
                         key: Some(key),
                         vmm: Vec::new(),
+                        mapped: 0,
                         reserved: 0,
                     });
                 }
@@ -245,7 +246,7 @@ impl Context {
         // SAFETY: a valid out-pointer; the handle is passed by value.
         self.check("cuIpcOpenMemHandle", unsafe { (self.api.ipc_open)(&mut ptr, *handle, IPC_LAZY_PEER) })?;
         opened.insert(key, (ptr, 1));
-        Ok(IpcMapping { ctx: self.clone(), ptr, key: Some(key), vmm: Vec::new(), reserved: 0 })
+        Ok(IpcMapping { ctx: self.clone(), ptr, key: Some(key), vmm: Vec::new(), mapped: 0, reserved: 0 })
     }
 
     /// Page-locks `len` bytes of host memory at `ptr` (widened to whole
@@ -282,12 +283,14 @@ impl Context {
         let f = self.api.range_handle?;
         Some((|| {
             self.bind()?;
-            let info = self.pointer_info(ptr)?;
+            // One allocation, or contiguous VMM mappings.
+            let info = self.device_extent(ptr, len)?.info;
             let page = 4096u64;
             let start = ptr & !(page - 1);
             let end = (ptr + len.max(1) as u64).div_ceil(page) * page;
             // The pages must lie in the allocation (cuMemAlloc's are whole
-            // pages, larger ones 2 MiB-aligned).
+            // pages, larger ones 2 MiB-aligned; VMM mappings whole
+            // granules).
             let alloc_end = (info.base + info.size as u64).div_ceil(page) * page;
             if start < info.base || end > alloc_end {
                 return Err(invalid(
@@ -466,6 +469,7 @@ pub struct IpcMapping {
     /// VMM: the lengths of the mappings made so far, from `ptr` on, and the
     /// length of the address range reserved for them.
     vmm: Vec<usize>,
+    mapped: usize,
     reserved: usize,
 }
 
@@ -483,15 +487,16 @@ impl IpcMapping {
     }
 
     pub(crate) fn vmm(ctx: Arc<Context>, ptr: DevicePtr, reserved: usize) -> IpcMapping {
-        IpcMapping { ctx, ptr, key: None, vmm: Vec::new(), reserved }
+        IpcMapping { ctx, ptr, key: None, vmm: Vec::new(), mapped: 0, reserved }
     }
 
     pub(crate) fn vmm_mapped(&self) -> usize {
-        self.vmm.iter().sum()
+        self.mapped
     }
 
     pub(crate) fn vmm_push(&mut self, size: usize) {
         self.vmm.push(size);
+        self.mapped += size;
     }
 
     fn drop_vmm(&mut self) {

@@ -114,6 +114,8 @@ const LOCATION_DEVICE: c_int = 1;
 const PROT_READWRITE: c_int = 3;
 pub(crate) const POSIX_FD: c_int = 1;
 const GRANULARITY_MINIMUM: c_int = 0;
+/// `CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED`.
+const ATTR_GDR_WITH_VMM: c_int = 110;
 
 /// `CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE`, `_ALLOWED_HANDLE_TYPES`,
 /// `_MAPPING_SIZE`, `_MAPPING_BASE_ADDR`.
@@ -227,7 +229,7 @@ impl Export {
         for run in runs.split(',') {
             let (len, n) = run.split_once('*')?;
             let (len, n) = (len.parse::<usize>().ok()?, n.parse::<usize>().ok()?);
-            if len == 0 || n == 0 || sizes.len() + n > MAX_MAPPINGS {
+            if len == 0 || n == 0 || n > MAX_MAPPINGS - sizes.len() {
                 return None;
             }
             sizes.extend(std::iter::repeat_n(len, n));
@@ -367,7 +369,6 @@ impl Context {
         };
         let api = self.vmm_api(CALL)?;
         self.bind()?;
-        let fds = fetch(v, owner).map_err(|why| invalid(CALL, format!("VMM memory of pid {owner}: {why}")))?;
         // Imported handles, released on every path below (a mapping keeps
         // its allocation).
         struct Handles(VmmApi, Vec<u64>);
@@ -379,16 +380,19 @@ impl Context {
                 }
             }
         }
-        let mut handles = Handles(api, Vec::with_capacity(fds.len()));
-        for fd in &fds {
+        let mut handles = Handles(api, Vec::with_capacity(v.sizes.len()));
+        // Each descriptor is imported as it arrives and closed (a large
+        // tensor in small mappings must not hold thousands open).
+        fetch(v, owner, |fd| {
             let mut h = 0u64;
             // SAFETY: a valid out-pointer; the descriptor (ours, open) is
             // passed as the driver's POSIX handle, by value in a pointer.
             let st = unsafe { (api.import)(&mut h, fd.as_raw_fd() as usize as *mut c_void, POSIX_FD) };
-            self.check(CALL, st)?;
+            self.check(CALL, st).map_err(|e| e.to_string())?;
             handles.1.push(h);
-        }
-        drop(fds);
+            Ok(())
+        })
+        .map_err(|why| invalid(CALL, format!("VMM memory of pid {owner}: {why}")))?;
         let total = v.len();
         let mut ptr = 0;
         // SAFETY: a valid out-pointer; default alignment, any address.
@@ -443,8 +447,16 @@ impl Context {
             (api.granularity)(&mut gran, &prop, GRANULARITY_MINIMUM)
         })?;
         let gran = gran.max(1);
-        let seg = segment.max(1).div_ceil(gran) * gran;
-        let total = len.max(1).div_ceil(seg) * seg;
+        let too_big = || invalid("cuMemCreate", format!("{len} bytes in {segment}-byte mappings overflow"));
+        let seg = segment.max(1).div_ceil(gran).checked_mul(gran).ok_or_else(too_big)?;
+        let total = len.max(1).div_ceil(seg).checked_mul(seg).ok_or_else(too_big)?;
+        // GPUDirect RDMA on VMM memory must be asked for at creation (as
+        // PyTorch does where the device allows it): an HCA can then
+        // register the memory.
+        let mut gdr: c_int = 0;
+        // SAFETY: a valid out-pointer and device.
+        let st = unsafe { (self.api.device_attr)(&mut gdr, ATTR_GDR_WITH_VMM, self.dev) };
+        let prop = AllocProp { gpu_direct_rdma: u8::from(st == 0 && gdr != 0), ..prop };
         let mut ptr = 0;
         // SAFETY: a valid out-pointer.
         self.check("cuMemAddressReserve", unsafe { (api.reserve)(&mut ptr, total, 0, 0, 0) })?;
@@ -524,9 +536,16 @@ fn start() -> std::io::Result<Arc<Server>> {
 fn accept(srv: &Arc<Server>, listener: UnixListener) {
     static ACTIVE: AtomicUsize = AtomicUsize::new(0);
     for conn in listener.incoming() {
-        let Ok(conn) = conn else { continue };
+        let Ok(conn) = conn else {
+            // Out of descriptors (or an aborted connection): not a busy loop.
+            std::thread::sleep(Duration::from_millis(10));
+            continue;
+        };
         if ACTIVE.fetch_add(1, Ordering::SeqCst) >= MAX_CONCURRENT {
             ACTIVE.fetch_sub(1, Ordering::SeqCst);
+            // A fresh socket's buffer takes the short reply at once.
+            let _ = conn.set_nonblocking(true);
+            let _ = reply(&conn, Err(format!("busy: {MAX_CONCURRENT} connections are being served; try again")));
             continue;
         }
         let srv = srv.clone();
@@ -552,9 +571,9 @@ fn serve(srv: &Server, mut conn: UnixStream) {
     let _ = conn.set_read_timeout(Some(DEADLINE));
     let _ = conn.set_write_timeout(Some(DEADLINE));
     let euid = rustix::process::geteuid().as_raw();
-    let Ok(cred) = rustix::net::sockopt::socket_peercred(&conn) else { return };
-    if cred.uid.as_raw() != euid && cred.uid.as_raw() != 0 {
-        let _ = reply(&conn, Err(format!("uid {} is not this process's user", cred.uid.as_raw())));
+    let Ok((_, uid)) = peer_cred(&conn) else { return };
+    if uid != euid && uid != 0 {
+        let _ = reply(&conn, Err(format!("uid {uid} is not this process's user")));
         return;
     }
     let mut req = [0u8; REQ_LEN];
@@ -620,21 +639,41 @@ fn reply(conn: &UnixStream, answer: std::result::Result<OwnedFd, String>) -> std
     (&*conn).write_all(&frame[n..])
 }
 
+/// The peer's (pid, uid) (`SO_PEERCRED`); pid 0 where the peer is in a PID
+/// namespace this process cannot see. Read with libc: rustix's `UCred`
+/// holds the pid as a non-zero value.
+fn peer_cred(conn: &UnixStream) -> std::io::Result<(u32, u32)> {
+    let mut cred = libc::ucred { pid: 0, uid: 0, gid: 0 };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: a live socket; `cred` and `len` are valid out-pointers of
+    // the option's type and size.
+    let st = unsafe {
+        libc::getsockopt(conn.as_raw_fd(), libc::SOL_SOCKET, libc::SO_PEERCRED, (&raw mut cred).cast(), &mut len)
+    };
+    if st != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok((cred.pid.max(0) as u32, cred.uid))
+}
+
 /// Fetches every mapping's descriptor of `v` from its server, which must
-/// be process `owner`.
-fn fetch(v: &VmmExport, owner: u32) -> std::result::Result<Vec<OwnedFd>, String> {
+/// be process `owner`, and hands each to `take` as it arrives (so that
+/// no more than one is open at a time).
+fn fetch(
+    v: &VmmExport,
+    owner: u32,
+    mut take: impl FnMut(OwnedFd) -> std::result::Result<(), String>,
+) -> std::result::Result<(), String> {
     use std::os::linux::net::SocketAddrExt;
     let addr = std::os::unix::net::SocketAddr::from_abstract_name(v.server.as_bytes()).map_err(|e| e.to_string())?;
     let mut conn = UnixStream::connect_addr(&addr)
         .map_err(|e| format!("its descriptor server {:?} does not answer ({e}): has it exited?", v.server))?;
     conn.set_read_timeout(Some(DEADLINE)).map_err(|e| e.to_string())?;
     conn.set_write_timeout(Some(DEADLINE)).map_err(|e| e.to_string())?;
-    let cred = rustix::net::sockopt::socket_peercred(&conn).map_err(|e| format!("SO_PEERCRED: {e}"))?;
-    let pid = cred.pid.as_raw_nonzero().get() as u32;
+    let (pid, _) = peer_cred(&conn).map_err(|e| format!("SO_PEERCRED: {e}"))?;
     if pid != owner {
         return Err(format!("its descriptor server {:?} is process {pid}, not {owner}", v.server));
     }
-    let mut fds = Vec::with_capacity(v.sizes.len());
     let mut at = v.base;
     for &size in &v.sizes {
         let mut req = [0u8; REQ_LEN];
@@ -647,13 +686,13 @@ fn fetch(v: &VmmExport, owner: u32) -> std::result::Result<Vec<OwnedFd>, String>
         let (status, why, fd) =
             recv_reply(&conn).map_err(|e| format!("reply to the request for {at:#x}+{size}: {e}"))?;
         match (status, fd) {
-            (0, Some(fd)) => fds.push(fd),
+            (0, Some(fd)) => take(fd)?,
             (0, None) => return Err(format!("the reply for {at:#x}+{size} carried no descriptor")),
             _ => return Err(format!("the mapping {at:#x}+{size} was refused: {why}")),
         }
         at += size as u64;
     }
-    Ok(fds)
+    Ok(())
 }
 
 fn recv_reply(mut conn: &UnixStream) -> std::io::Result<(u32, String, Option<OwnedFd>)> {
@@ -664,7 +703,10 @@ fn recv_reply(mut conn: &UnixStream) -> std::io::Result<(u32, String, Option<Own
         let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
         let mut cmsg = RecvAncillaryBuffer::new(&mut space);
         let mut iov = [IoSliceMut::new(&mut head[got..])];
-        let r = rustix::net::recvmsg(conn, &mut iov, &mut cmsg, RecvFlags::CMSG_CLOEXEC)?;
+        let r = match rustix::net::recvmsg(conn, &mut iov, &mut cmsg, RecvFlags::CMSG_CLOEXEC) {
+            Err(rustix::io::Errno::INTR) => continue,
+            r => r?,
+        };
         for m in cmsg.drain() {
             if let RecvAncillaryMessage::ScmRights(rights) = m {
                 fds.extend(rights);
@@ -725,6 +767,7 @@ mod tests {
             "vmm:s:0707070707070707070707070707070z:0:10:4096*1",
             "vmm:s:07070707070707070707070707070707:0:ffffffffffffffff:4096*1",
             "vmm:s:07070707070707070707070707070707:0:10:4096*99999999",
+            "vmm:s:07070707070707070707070707070707:0:10:4096*1,4096*18446744073709551615",
         ] {
             assert_eq!(Export::from_text(bad), None, "{bad}");
         }

@@ -130,8 +130,12 @@ impl ibverbx::DeviceIpc for CudaIpc {
         };
         if owner == std::process::id() {
             // This process's own memory (contexts of one process): its
-            // address works as it is (IPC refuses it).
-            check(addr)?;
+            // address works as it is (IPC refuses it); one allocation or
+            // contiguous VMM mappings.
+            let ext = dev.staging.context().device_extent(addr, len as usize).map_err(|e| e.to_string())?;
+            if usize::try_from(len).is_err() || ext.info.memory_type != MemoryType::Device {
+                return Err(format!("{len} bytes at {addr:#x} are not device memory"));
+            }
             return Ok(Arc::new(PeerCuda { dev, ptr: addr, len, map: None }));
         }
         let map = dev.staging.context().open_export(&export, owner).map_err(|e| e.to_string())?;
@@ -295,6 +299,16 @@ mod tests {
         let e = CudaIpc.open(&export(mem.ptr(), 8192), me + 1).unwrap_err();
         assert!(e.contains("the peer is pid"), "{e}");
         assert!(CudaIpc.open(b"something else", me).is_err());
+        // VMM memory in 2 MiB mappings: a range over several of them is
+        // one region (exported by descriptors); past the mappings it is not.
+        let ctx = dev.staging.context();
+        let vmm = ctx.alloc_vmm(5 << 20, 2 << 20).unwrap();
+        let ipc = dev.ipc_export(vmm.ptr() + 4096, 5 << 20).unwrap().unwrap();
+        assert!(String::from_utf8_lossy(&ipc).contains(" vmm:"), "{}", String::from_utf8_lossy(&ipc));
+        let region = CudaIpc.open(&ipc, me).unwrap();
+        assert_eq!((region.len(), region.device_addr()), (5 << 20, Some(vmm.ptr() + 4096)));
+        let e = dev.ipc_export(vmm.ptr() + (2 << 20), 5 << 20).unwrap().unwrap_err();
+        assert!(e.contains("run past mapped device memory"), "{e}");
     }
 
     /// The staging buffers are made when the device is first used, on

@@ -302,8 +302,8 @@ impl Window {
         // shares the address space, so its pointer is used as it is.
         let mapped = || -> Result<(Vec<DevicePtr>, Vec<Mapping>)> {
             let (mut ptrs, mut ipc) = (Vec::with_capacity(n), Vec::new());
-            for (p, (export, offset, _, _, pid, their_ptr)) in offers.iter().enumerate() {
-                let (offset, pid, their_ptr) = (*offset, *pid, *their_ptr);
+            for (p, (export, offset, their_len, _, pid, their_ptr)) in offers.iter().enumerate() {
+                let (offset, their_len, pid, their_ptr) = (*offset, *their_len, *pid, *their_ptr);
                 if p == me || pid == std::process::id() {
                     ptrs.push(their_ptr);
                     ipc.push(None);
@@ -313,6 +313,14 @@ impl Window {
                     op: OP,
                     reason: format!("rank {p}'s memory cannot be mapped here (CUDA IPC): {source}"),
                 })?;
+                // VMM memory is mapped here whole: the peer's range must lie
+                // in it (an IPC mapping is the allocation the driver named).
+                let fits = |mapped: usize| offset.checked_add(their_len as u64).is_some_and(|end| end <= mapped as u64);
+                if let Some(mapped) = m.mapped_len().filter(|&mapped| !fits(mapped)) {
+                    return Err(Error::Protocol(format!(
+                        "{OP}: rank {p} offered {their_len} bytes at offset {offset} of the {mapped} bytes it exported"
+                    )));
+                }
                 ptrs.push(m.ptr() + offset);
                 ipc.push(Some(Arc::new(m)));
             }
