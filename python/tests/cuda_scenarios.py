@@ -22,6 +22,19 @@ def expect(cond: bool, what: str) -> None:
         raise AssertionError(what)
 
 
+def legacy_ipc_capable(t: Any) -> bool:
+    """Whether the CUDA driver can export `t`'s memory with a CUDA IPC handle
+    (CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE); False for cuMem/VMM
+    memory (PyTorch's expandable segments)."""
+    import ctypes
+
+    cuda = ctypes.CDLL("libcuda.so.1")
+    v = ctypes.c_int(-1)
+    st = cuda.cuPointerGetAttribute(ctypes.byref(v), 10, ctypes.c_uint64(t.data_ptr()))
+    expect(st == 0, f"cuPointerGetAttribute(IS_LEGACY_CUDA_IPC_CAPABLE) failed: {st}")
+    return v.value != 0
+
+
 def ring_rounds(comm: Any, win: Any, buf: Any, count: int, side: Any, what: str) -> Any:
     """Four ring rounds on `win` (registered `buf`, `count` elements per
     rank): each rank puts into its right neighbour at its own slot, signals
@@ -71,6 +84,11 @@ def window_ring_cuda(_: str) -> None:
         for count in (1, 1000, 1 << 20):
             buf = comm.empty(n * count, dt, device="cuda")
             expect(buf.is_cuda and buf.dtype == dt and not buf.any(), "comm.empty(device=cuda)")
+            if "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
+                # The stage is about VMM memory: make sure that is what it is.
+                expect(not legacy_ipc_capable(buf), "expandable segments gave memory with a CUDA IPC handle")
+                if count == 1 and dt == torch.float32:
+                    log(f"[{r}] expandable segments: cuMem/VMM memory (no CUDA IPC handle)")
             win = comm.new_window()
             win.tensor_register(buf)
             expect(win.get_device() == "cuda", "get_device of a CUDA window")
