@@ -246,10 +246,7 @@ pub(crate) unsafe fn register(
     // One allocation (cuMemAlloc), or contiguous VMM mappings (PyTorch's
     // expandable segments), of this device.
     let ext = dev.staging.context().device_extent(ptr, len).map_err(|e| {
-        TransportError::invalid(
-            OP,
-            format!("{len} bytes at {ptr:#x} are not device memory of CUDA device {ordinal}: {e}"),
-        )
+        TransportError::invalid(OP, format!("{len} bytes at {ptr:#x} are not CUDA memory of device {ordinal}: {e}"))
     })?;
     if ext.info.device != ordinal as i32 {
         return Err(TransportError::invalid(

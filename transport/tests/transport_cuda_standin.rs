@@ -105,7 +105,7 @@ async fn misuse_is_refused_by_name() {
     let mut v = vec![0u8; 4096];
     // SAFETY: refused before anything is registered.
     let e = unsafe { RdmaMemory::register_cuda_for(&a, v.as_mut_ptr() as u64, 4096, 0) }.unwrap_err();
-    assert!(e.to_string().contains("are not device memory of CUDA device 0"), "{e}");
+    assert!(e.to_string().contains("are not CUDA memory of device 0"), "{e}");
     // A range past the end of its allocation.
     let mem = RdmaMemory::alloc_cuda_for(&a, 8192, 0).unwrap();
     let p = mem.as_ptr() as u64;
