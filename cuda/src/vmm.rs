@@ -321,9 +321,11 @@ impl Context {
             return Err(invalid(
                 "cuMemExportToShareableHandle",
                 format!(
-                    "the VMM memory at {ptr:#x} was allocated without CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR \
-                     among its requested handle types, so no other process can map it (allocate it with that \
-                     type, or use cuMemAlloc memory)"
+                    "the memory at {ptr:#x} has no CUDA IPC handle and does not allow \
+                     CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR (VMM memory created without that handle type, or \
+                     stream-ordered pool memory from cudaMallocAsync, e.g. PyTorch's backend:cudaMallocAsync), so \
+                     no other process can map it; use cudaMalloc/cuMemAlloc memory, or VMM memory with that type \
+                     (PyTorch's expandable segments)"
                 ),
             ));
         }
