@@ -39,7 +39,7 @@ import json, sys, shutil
 for line in sys.stdin:
     m = json.loads(line)
     exe = m.get("executable")
-    if m.get("reason") == "compiler-artifact" and exe and m["target"]["name"] in ("probes", "cuda_kernels"):
+    if m.get("reason") == "compiler-artifact" and exe and m["target"]["name"] in ("probes", "cuda_kernels", "vmm"):
         shutil.copy(exe, sys.argv[1] + "/bin/" + m["target"]["name"])
 ' "$suite"
   for b in "$suite"/bin/*; do strip --strip-debug "$b" 2>/dev/null || true; done
@@ -97,7 +97,9 @@ PY
     python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version())' 2>&1 | tail -1 || true
     echo "RMACOMM_CUDA_LIB_DIRS=$RMACOMM_CUDA_LIB_DIRS"; } | tee "$out/machine.txt"
   local rc=0
-  for t in probes cuda_kernels; do
+  # vmm: cuMem/VMM memory exported as descriptors and mapped again (the
+  # real driver's side of what the stand-in tests in CI).
+  for t in probes cuda_kernels vmm; do
     echo "# $t (at ${SECONDS}s)"
     timeout "$(lim 150)" "$bin/$t" --nocapture --test-threads 1 2>&1 | tee "$out/$t.log" || rc=1
   done

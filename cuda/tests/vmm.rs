@@ -1,12 +1,13 @@
 //! cuMem/VMM memory between processes (`rmacomm_cuda::vmm`) against the
-//! CUDA stand-in (`cuda/standin`, loaded through `RMACOMM_CUDA_LIB`): an
+//! CUDA stand-in (`cuda/standin`, loaded through `RMACOMM_CUDA_LIB`), or
+//! the real driver under `RMACOMM_EXPECT_GPU=1` (the GPU suite runs this
+//! binary): an
 //! allocation made of several mappings (as PyTorch's expandable segments
 //! are) exported and mapped by another process through the descriptor
 //! server, bytes both ways; ranges spanning mappings; and every misuse —
 //! a wrong owner, a wrong secret, a server that is gone, a range past
 //! mapped memory, memory with no shareable handle type — refused naming
-//! it. What the stand-in cannot show (the real driver's descriptors and
-//! mappings) is the GPU suite's.
+//! it.
 
 use std::process::Command;
 use std::sync::Arc;
@@ -19,7 +20,12 @@ const MIB: usize = 1 << 20;
 /// Set in a child: the test runs its child part.
 const CHILD: &str = "RMACOMM_VMM_CHILD";
 
+/// Device 0 of the real driver (under `RMACOMM_EXPECT_GPU=1`) or of the
+/// stand-in (`None`, with the reason printed, where it is not built).
 fn ctx() -> Option<Arc<Context>> {
+    if std::env::var("RMACOMM_EXPECT_GPU").is_ok_and(|v| v == "1") {
+        return Some(Context::open_shared(0).expect("RMACOMM_EXPECT_GPU=1: device 0 opens"));
+    }
     static SET: std::sync::Once = std::sync::Once::new();
     let lib = rmacomm_cuda::standin_for_tests()?;
     SET.call_once(|| std::env::set_var("RMACOMM_CUDA_LIB", &lib));
