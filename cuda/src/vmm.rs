@@ -254,10 +254,15 @@ impl Context {
         })
     }
 
-    fn attr<T: Default>(&self, attr: c_int, ptr: DevicePtr) -> std::result::Result<T, CuResult> {
+    /// `cuPointerGetAttribute(attr, ptr)`.
+    ///
+    /// # Safety
+    /// `T` must be the attribute's C type (the driver writes that many
+    /// bytes).
+    unsafe fn attr<T: Default>(&self, attr: c_int, ptr: DevicePtr) -> std::result::Result<T, CuResult> {
         let mut v = T::default();
-        // SAFETY: a valid out-pointer of the attribute's type (T is picked
-        // per attribute by the callers below).
+        // SAFETY: a valid out-pointer of the attribute's type (the caller's
+        // contract).
         let st = unsafe { (self.api.ptr_attr)((&raw mut v).cast(), attr, ptr) };
         if st == 0 {
             Ok(v)
@@ -281,7 +286,8 @@ impl Context {
             .checked_add(len.max(1) as u64)
             .ok_or_else(|| invalid(CALL, format!("{len} bytes at {ptr:#x} wrap around")))?;
         // Drivers without the attribute know only cuMemAlloc memory.
-        let legacy = self.attr::<c_int>(PA_LEGACY_IPC, ptr).unwrap_or(1) != 0;
+        // SAFETY: the attribute is an int (a boolean).
+        let legacy = unsafe { self.attr::<c_int>(PA_LEGACY_IPC, ptr) }.unwrap_or(1) != 0;
         if legacy {
             if end > info.base + info.size as u64 {
                 return Err(invalid(
@@ -293,9 +299,15 @@ impl Context {
         }
         let mapping = |at: DevicePtr| -> Result<(DevicePtr, usize, c_int)> {
             let gone = |st| crate::driver::call_error(self.api.err_name, CALL, st);
-            let base = self.attr::<u64>(PA_MAPPING_BASE, at).map_err(gone)?;
-            let size = self.attr::<usize>(PA_MAPPING_SIZE, at).map_err(gone)?;
-            let types = self.attr::<c_int>(PA_HANDLE_TYPES, at).map_err(gone)?;
+            // SAFETY: a CUdeviceptr, a size_t and a CUmemAllocationHandleType
+            // (an int-sized enum), as cuda.h declares them.
+            let (base, size, types) = unsafe {
+                (
+                    self.attr::<u64>(PA_MAPPING_BASE, at).map_err(gone)?,
+                    self.attr::<usize>(PA_MAPPING_SIZE, at).map_err(gone)?,
+                    self.attr::<c_int>(PA_HANDLE_TYPES, at).map_err(gone)?,
+                )
+            };
             Ok((base, size, types))
         };
         let (base, size, types) = mapping(ptr)?;

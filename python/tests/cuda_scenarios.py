@@ -35,6 +35,18 @@ def legacy_ipc_capable(t: Any) -> bool:
     return v.value != 0
 
 
+def send_recv_ring(comm: Any, x: Any, y: Any) -> None:
+    """One ring step of native send/recv: `x` to the right neighbour, `y`
+    from the left one (even ranks send first, odd ranks receive first)."""
+    r, n = comm.get_rank(), comm.get_size()
+    if r % 2 == 0:
+        comm.send(x, (r + 1) % n)
+        comm.recv(y, (r - 1) % n)
+    else:
+        comm.recv(y, (r - 1) % n)
+        comm.send(x, (r + 1) % n)
+
+
 def ring_rounds(comm: Any, win: Any, buf: Any, count: int, side: Any, what: str) -> Any:
     """Four ring rounds on `win` (registered `buf`, `count` elements per
     rank): each rank puts into its right neighbour at its own slot, signals
@@ -478,12 +490,7 @@ def native_collectives(arg: str) -> None:
     for count in (1, 1000, 3 << 20):
         x = torch.arange(count, device="cuda", dtype=torch.float32) + 100 * r
         y = torch.empty_like(x)
-        if r % 2 == 0:
-            comm.send(x, (r + 1) % n)
-            comm.recv(y, (r - 1) % n)
-        else:
-            comm.recv(y, (r - 1) % n)
-            comm.send(x, (r + 1) % n)
+        send_recv_ring(comm, x, y)
         want = torch.arange(count, device="cuda", dtype=torch.float32) + 100 * ((r - 1) % n)
         expect(torch.equal(y, want), f"native send/recv of {count}")
         comm.barrier()
@@ -508,15 +515,7 @@ def native_collectives(arg: str) -> None:
     a = torch.zeros(1000, device="cuda")
     b = torch.zeros(1000, device="cuda")
 
-    def ring() -> None:
-        if r % 2 == 0:
-            comm.send(a, (r + 1) % n)
-            comm.recv(b, (r - 1) % n)
-        else:
-            comm.recv(b, (r - 1) % n)
-            comm.send(a, (r + 1) % n)
-
-    g2 = captured("send/recv", ring)
+    g2 = captured("send/recv", lambda: send_recv_ring(comm, a, b))
     for k in range(3 if g2 is not None else 0):
         a.fill_(float(100 * r + k))
         g2.replay()

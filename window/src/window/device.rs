@@ -313,10 +313,14 @@ impl Window {
                     op: OP,
                     reason: format!("rank {p}'s memory cannot be mapped here (CUDA IPC): {source}"),
                 })?;
-                // VMM memory is mapped here whole: the peer's range must lie
-                // in it (an IPC mapping is the allocation the driver named).
-                let fits = |mapped: usize| offset.checked_add(their_len as u64).is_some_and(|end| end <= mapped as u64);
-                if let Some(mapped) = m.mapped_len().filter(|&mapped| !fits(mapped)) {
+                // The peer's range must lie in what is mapped here: the VMM
+                // mappings (mapped whole), or the allocation the IPC handle
+                // named (its size as the driver reports it).
+                let mapped = match m.mapped_len() {
+                    Some(mapped) => mapped,
+                    None => ctx.pointer_info(m.ptr()).map(|i| i.size).map_err(cuda(OP))?,
+                };
+                if offset.checked_add(their_len as u64).is_none_or(|end| end > mapped as u64) {
                     return Err(Error::Protocol(format!(
                         "{OP}: rank {p} offered {their_len} bytes at offset {offset} of the {mapped} bytes it exported"
                     )));
