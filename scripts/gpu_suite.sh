@@ -121,6 +121,13 @@ PY
   echo "# window on VMM device memory: ring (at ${SECONDS}s)"
   GPU_WINDOW_ALLOC=vmm timeout "$(lim 90)" "$bin/rmacomm-run" --nproc-per-node 2 "$bin/gpu-window-scenario" ring 2>&1 |
     tee "$out/window_device_ring_vmm.log" || rc=1
+  # NCCL's own window API (2.29+: ncclPutSignal, ncclSignal,
+  # ncclWaitSignal) through NcclRma, one rank (NCCL refuses two on one GPU):
+  # the ring on the rank itself; a library older than 2.29 is refused,
+  # naming its version (the rank prints "refused: ...").
+  echo "# NCCL windows: gpu-window-scenario nccl, one rank (at ${SECONDS}s)"
+  timeout "$(lim 60)" "$bin/rmacomm-run" --nproc-per-node 1 "$bin/gpu-window-scenario" nccl 2>&1 |
+    tee "$out/window_nccl.log" || rc=1
   grep -h '"window_device_put"' "$out/window_device_bw.log" | sed 's/^\[[0-9]*\] //' > "$out/window_device_bw.jsonl" || true
   grep -h '"window_device_signal_rtt"' "$out/window_device_lat.log" | sed 's/^\[[0-9]*\] //' > "$out/window_device_lat.jsonl" || true
   grep -h '"window_proxy_' "$out/window_device_proxy.log" | sed 's/^\[[0-9]*\] //' > "$out/window_proxy.jsonl" || true

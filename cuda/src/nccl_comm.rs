@@ -3,12 +3,12 @@
 //! stream. The unique id needs no GPU (rank 0 makes it, the bootstrap
 //! group carries it); everything else needs the device.
 
-use std::ffi::{c_char, c_int, c_void, CStr};
+use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::sync::Arc;
 
-use crate::device::Stream;
+use crate::device::{DeviceMemory, Stream};
 use crate::driver::{Context, DevicePtr};
-use crate::nccl::{Flavor, Library};
+use crate::nccl::{Flavor, Library, WINDOW_API};
 use crate::{CudaError, Result};
 
 type NcclResult = c_int;
@@ -86,6 +86,158 @@ type Reduce =
 type Gather = unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, NcclComm_, CuStream) -> NcclResult;
 type P2p = unsafe extern "C" fn(*const c_void, usize, c_int, c_int, NcclComm_, CuStream) -> NcclResult;
 type P2pMut = unsafe extern "C" fn(*mut c_void, usize, c_int, c_int, NcclComm_, CuStream) -> NcclResult;
+type InitConfig = unsafe extern "C" fn(*mut NcclComm_, c_int, UniqueId, c_int, *mut Config) -> NcclResult;
+
+/// `ncclConfig_t` as NCCL 2.29 lays it out (`ncclConfig_v22900`: 88 bytes,
+/// `numRmaCtx` last). NCCL reads a config by the `size` and `version` it
+/// carries, so later versions (2.30 appends fields) take this one too.
+#[repr(C)]
+struct Config {
+    size: usize,
+    magic: c_uint,
+    version: c_uint,
+    blocking: c_int,
+    cga_cluster_size: c_int,
+    min_ctas: c_int,
+    max_ctas: c_int,
+    net_name: *const c_char,
+    split_share: c_int,
+    traffic_class: c_int,
+    comm_name: *const c_char,
+    collnet_enable: c_int,
+    cta_policy: c_int,
+    shrink_share: c_int,
+    nvls_ctas: c_int,
+    n_channels_per_net_peer: c_int,
+    nvlink_centric_sched: c_int,
+    graph_usage_mode: c_int,
+    num_rma_ctx: c_int,
+}
+
+const _: () = assert!(std::mem::size_of::<Config>() == 88);
+
+impl Config {
+    /// Every field NCCL's default (`NCCL_CONFIG_UNDEF_*`) but one RMA
+    /// context: what the one-sided calls need (NCCL's own example of them
+    /// sets `numRmaCtx = 1`).
+    fn one_rma_context() -> Config {
+        const UNDEF: c_int = c_int::MIN;
+        Config {
+            size: std::mem::size_of::<Config>(),
+            magic: 0xcafe_beef,
+            version: 22900,
+            blocking: UNDEF,
+            cga_cluster_size: UNDEF,
+            min_ctas: UNDEF,
+            max_ctas: UNDEF,
+            net_name: std::ptr::null(),
+            split_share: UNDEF,
+            traffic_class: UNDEF,
+            comm_name: std::ptr::null(),
+            collnet_enable: UNDEF,
+            cta_policy: UNDEF,
+            shrink_share: UNDEF,
+            nvls_ctas: UNDEF,
+            n_channels_per_net_peer: UNDEF,
+            nvlink_centric_sched: UNDEF,
+            graph_usage_mode: UNDEF,
+            num_rma_ctx: 1,
+        }
+    }
+}
+
+/// Whether communicators of a library with the window API are made with an
+/// RMA context (`RMACOMM_NCCL_RMA`, default on; `0` makes them as before
+/// 2.29, with `ncclCommInitRank`, and the one-sided calls then fail).
+fn rma_wanted() -> bool {
+    std::env::var("RMACOMM_NCCL_RMA").map_or(true, |v| v != "0")
+}
+
+/// `ncclWaitSignalDesc_t`.
+#[repr(C)]
+struct WaitDesc {
+    op_cnt: c_int,
+    peer: c_int,
+    sig_idx: c_int,
+    ctx: c_int,
+}
+
+/// NCCL's window API (2.29+): registration and the host-initiated
+/// one-sided calls.
+#[derive(Clone, Copy)]
+struct RmaApi {
+    register: unsafe extern "C" fn(NcclComm_, *mut c_void, usize, *mut *mut c_void, c_int) -> NcclResult,
+    deregister: unsafe extern "C" fn(NcclComm_, *mut c_void) -> NcclResult,
+    #[allow(clippy::type_complexity)]
+    put_signal: unsafe extern "C" fn(
+        *const c_void,
+        usize,
+        c_int,
+        c_int,
+        *mut c_void,
+        usize,
+        c_int,
+        c_int,
+        c_uint,
+        NcclComm_,
+        CuStream,
+    ) -> NcclResult,
+    signal: unsafe extern "C" fn(c_int, c_int, c_int, c_uint, NcclComm_, CuStream) -> NcclResult,
+    wait_signal: unsafe extern "C" fn(c_int, *mut WaitDesc, NcclComm_, CuStream) -> NcclResult,
+}
+
+impl RmaApi {
+    fn of(lib: &Library) -> Result<RmaApi> {
+        lib.require(WINDOW_API, "windows (ncclCommWindowRegister, ncclPutSignal, ncclSignal, ncclWaitSignal)")?;
+        let l = &lib.lib;
+        // SAFETY: each type is the function's C signature in nccl.h 2.29+
+        // (ncclWindow_t is a pointer; flags are unsigned ints).
+        unsafe {
+            Ok(RmaApi {
+                register: l.get("ncclCommWindowRegister\0")?,
+                deregister: l.get("ncclCommWindowDeregister\0")?,
+                put_signal: l.get("ncclPutSignal\0")?,
+                signal: l.get("ncclSignal\0")?,
+                wait_signal: l.get("ncclWaitSignal\0")?,
+            })
+        }
+    }
+}
+
+/// `NCCL_WIN_COLL_SYMMETRIC`: every rank registers its buffer together
+/// (what the one-sided calls need).
+const WIN_COLL_SYMMETRIC: c_int = 1;
+
+/// One rank's registration of a buffer in an NCCL window
+/// ([`NcclComm::window_register`]); deregistered by
+/// [`NcclComm::window_deregister`] (or with the communicator).
+#[derive(Debug)]
+pub struct NcclWindow {
+    raw: *mut c_void,
+    ptr: DevicePtr,
+    len: usize,
+}
+
+// SAFETY: the handle is an opaque NCCL pointer, used only through the
+// communicator's calls (which take it by reference).
+unsafe impl Send for NcclWindow {}
+
+impl NcclWindow {
+    /// The registered buffer's device address.
+    pub fn ptr(&self) -> DevicePtr {
+        self.ptr
+    }
+
+    /// Its length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
 
 #[derive(Clone, Copy)]
 struct Api {
@@ -173,6 +325,8 @@ pub struct NcclComm {
     comm: NcclComm_,
     rank: usize,
     size: usize,
+    /// Made with an RMA context (2.29+, `RMACOMM_NCCL_RMA` not 0).
+    rma: bool,
 }
 
 impl std::fmt::Debug for NcclComm {
@@ -193,9 +347,22 @@ impl NcclComm {
         ctx.bind()?;
         let mut comm: NcclComm_ = std::ptr::null_mut();
         let (n, r) = (c_int::try_from(size).unwrap_or(c_int::MAX), c_int::try_from(rank).unwrap_or(c_int::MAX));
-        // SAFETY: a valid out-pointer; the id by value.
-        api.check(&lib, "ncclCommInitRank", unsafe { (api.init_rank)(&mut comm, n, *id, r) })?;
-        Ok(NcclComm { api, lib, ctx, comm, rank, size })
+        // With the window API, one RMA context (the one-sided calls fail
+        // without one); every rank decides alike (same library, same
+        // environment), as a collective init needs.
+        let rma = lib.version() >= WINDOW_API && rma_wanted();
+        if rma {
+            // SAFETY: ncclCommInitRankConfig's signature (nccl.h, 2.14+).
+            let init: InitConfig = unsafe { lib.lib.get("ncclCommInitRankConfig\0")? };
+            let mut config = Config::one_rma_context();
+            // SAFETY: a valid out-pointer, the id by value, a config of the
+            // size and version it states.
+            api.check(&lib, "ncclCommInitRankConfig", unsafe { init(&mut comm, n, *id, r, &mut config) })?;
+        } else {
+            // SAFETY: a valid out-pointer; the id by value.
+            api.check(&lib, "ncclCommInitRank", unsafe { (api.init_rank)(&mut comm, n, *id, r) })?;
+        }
+        Ok(NcclComm { api, lib, ctx, comm, rank, size, rma })
     }
 
     /// This rank.
@@ -364,6 +531,107 @@ impl NcclComm {
         // SAFETY: no arguments.
         let end = self.api.check(&self.lib, "ncclGroupEnd", unsafe { (self.api.group_end)() });
         first_err.and(end)
+    }
+
+    /// NCCL's window API on this communicator: the library is 2.29 or
+    /// later, has the calls, and the communicator was made with an RMA
+    /// context; else an error saying which is missing.
+    fn rma_api(&self) -> Result<RmaApi> {
+        let api = RmaApi::of(&self.lib)?;
+        if !self.rma {
+            return Err(CudaError::Call {
+                lib: lib_name(&self.lib),
+                call: "ncclCommInitRankConfig",
+                code: 5,
+                name: "this communicator was made without an RMA context (RMACOMM_NCCL_RMA=0): NCCL's one-sided \
+                       calls need one"
+                    .into(),
+            });
+        }
+        Ok(api)
+    }
+
+    /// Whether NCCL's window API can be used ([`rma_api`](Self::rma_api)'s
+    /// error if not): check before a collective registration, so every
+    /// rank can learn of any rank's refusal.
+    pub fn window_api(&self) -> Result<()> {
+        self.rma_api().map(drop)
+    }
+
+    /// `ncclCommWindowRegister` of `mem` with `NCCL_WIN_COLL_SYMMETRIC`
+    /// (collective: every rank registers its buffer in the same order).
+    /// NCCL wants cuMem/VMM memory (`ncclMemAlloc`, PyTorch's expandable
+    /// segments) and refuses other memory with its error. Keep `mem`
+    /// allocated until the window is deregistered.
+    pub fn window_register(&mut self, mem: &DeviceMemory) -> Result<NcclWindow> {
+        let api = self.rma_api()?;
+        let mut raw: *mut c_void = std::ptr::null_mut();
+        let (c, ptr, len) = (self.comm, mem.ptr(), mem.len());
+        // SAFETY: live device memory (the caller keeps it allocated while
+        // registered); a valid out-pointer.
+        self.call("ncclCommWindowRegister", || unsafe {
+            (api.register)(c, ptr as *mut c_void, len, &mut raw, WIN_COLL_SYMMETRIC)
+        })?;
+        Ok(NcclWindow { raw, ptr, len })
+    }
+
+    /// `ncclCommWindowDeregister` (collective, as registration was).
+    pub fn window_deregister(&mut self, win: NcclWindow) -> Result<()> {
+        let api = self.rma_api()?;
+        let c = self.comm;
+        // SAFETY: a window this communicator registered, deregistered once
+        // (taken by value).
+        self.call("ncclCommWindowDeregister", || unsafe { (api.deregister)(c, win.raw) })
+    }
+
+    /// `ncclPutSignal`: `len` bytes at `src` (inside a window this rank
+    /// registered, as NCCL requires) into `peer`'s buffer of `win` at byte
+    /// `offset`, then one signal to `peer` (NCCL's signal 0, context 0),
+    /// queued on `stream`. NCCL counts the put among `peer`'s signals from
+    /// this rank. NCCL checks the source and the range against the windows
+    /// (rmacomm's `NcclRma` checks them before it calls this).
+    pub fn put_signal(
+        &mut self,
+        src: DevicePtr,
+        len: usize,
+        peer: usize,
+        win: &NcclWindow,
+        offset: usize,
+        stream: &Stream,
+    ) -> Result<()> {
+        let api = self.rma_api()?;
+        let (c, s, w) = (self.comm, stream.raw() as CuStream, win.raw);
+        let peer = c_int::try_from(peer).unwrap_or(c_int::MAX);
+        // SAFETY: NCCL reads `src` only as registered window memory (it
+        // refuses other addresses) and writes only inside `win`; bytes as
+        // ncclUint8.
+        self.call("ncclPutSignal", || unsafe {
+            (api.put_signal)(src as *const c_void, len, DataType::U8 as c_int, peer, w, offset, 0, 0, 0, c, s)
+        })
+    }
+
+    /// `ncclSignal` to `peer` (signal 0, context 0), queued on `stream`.
+    pub fn signal(&mut self, peer: usize, stream: &Stream) -> Result<()> {
+        let api = self.rma_api()?;
+        let (c, s) = (self.comm, stream.raw() as CuStream);
+        let peer = c_int::try_from(peer).unwrap_or(c_int::MAX);
+        // SAFETY: no buffers; a live communicator and stream.
+        self.call("ncclSignal", || unsafe { (api.signal)(peer, 0, 0, 0, c, s) })
+    }
+
+    /// `ncclWaitSignal` for `count` more signals (puts included) from
+    /// `peer`, queued on `stream`.
+    pub fn wait_signal(&mut self, peer: usize, count: u32, stream: &Stream) -> Result<()> {
+        let api = self.rma_api()?;
+        let (c, s) = (self.comm, stream.raw() as CuStream);
+        let mut desc = WaitDesc {
+            op_cnt: c_int::try_from(count).unwrap_or(c_int::MAX),
+            peer: c_int::try_from(peer).unwrap_or(c_int::MAX),
+            sig_idx: 0,
+            ctx: 0,
+        };
+        // SAFETY: one valid descriptor, read during the call.
+        self.call("ncclWaitSignal", || unsafe { (api.wait_signal)(1, &mut desc, c, s) })
     }
 }
 

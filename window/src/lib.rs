@@ -154,6 +154,7 @@ mod group;
 mod hash_store;
 mod host_id;
 mod launch_env;
+pub mod nccl_rma;
 mod nodelist;
 mod prefix_store;
 mod store;

@@ -217,3 +217,59 @@ fn device_memory_ring_against_the_cuda_standin() {
         .unwrap();
     assert_every_rank_ok(3, &out);
 }
+
+/// NCCL's window API (2.29+) through `NcclRma`, against the stand-in (the
+/// CUDA stand-in's library also stands in for NCCL's one-sided calls):
+/// the ring whose rounds put several pieces before one signal (a wait that
+/// counted NCCL's signals wrong passes early and finds old data) on 1, 2
+/// and 3 ranks, on cuMemAlloc and on VMM memory, and the refusals; then a
+/// library that says it is 2.28.9, and a communicator made without an RMA
+/// context, each refused on every rank naming why.
+#[test]
+fn nccl_windows_against_the_standin() {
+    let Some(lib) = rmacomm_window::cuda::standin_for_tests() else { return };
+    let run = |n: usize, alloc: &str, env: &[(&str, &str)]| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_rmacomm-run"));
+        cmd.args(["--nproc-per-node", &n.to_string(), env!("CARGO_BIN_EXE_gpu-window-scenario"), "nccl"])
+            .env_remove("MASTER_ADDR")
+            .env_remove("MASTER_PORT")
+            .env("RMACOMM_TIMEOUT_SECONDS", "60")
+            .env("GPU_WINDOW_ALLOC", alloc)
+            .env("RMACOMM_CUDA_LIB", &lib)
+            .env("RMACOMM_NCCL_LIB", &lib)
+            .env("RMACOMM_EXPECT_GPU", "1")
+            .env_remove("RMACOMM_NCCL_RMA")
+            .env_remove("RMACOMM_STANDIN_NCCL_VERSION");
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let out = cmd.output().unwrap();
+        assert_every_rank_ok(n, &out)
+    };
+    // One rank: puts to itself (what the GPU suite runs: one GPU, one rank).
+    for (n, alloc) in [(1, "cuMemAlloc"), (2, "cuMemAlloc"), (3, "cuMemAlloc"), (2, "vmm"), (3, "vmm")] {
+        let stdout = run(n, alloc, &[]);
+        for r in 0..n {
+            assert!(
+                stdout.contains(&format!("[{r}] rank {r}: NCCL windows (NCCL (libnccl.so.2) 2.30.7) ring")),
+                "{stdout}"
+            );
+        }
+    }
+    let stdout = run(2, "cuMemAlloc", &[("RMACOMM_STANDIN_NCCL_VERSION", "22809")]);
+    for r in 0..2 {
+        let line = stdout
+            .lines()
+            .find(|l| l.starts_with(&format!("[{r}] rank {r} refused:")))
+            .unwrap_or_else(|| panic!("{stdout}"));
+        assert!(line.contains("2.28.9") && line.contains("2.29"), "{line}");
+    }
+    let stdout = run(2, "cuMemAlloc", &[("RMACOMM_NCCL_RMA", "0")]);
+    for r in 0..2 {
+        let line = stdout
+            .lines()
+            .find(|l| l.starts_with(&format!("[{r}] rank {r} refused:")))
+            .unwrap_or_else(|| panic!("{stdout}"));
+        assert!(line.contains("without an RMA context"), "{line}");
+    }
+}

@@ -41,6 +41,8 @@ use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+pub mod nccl;
+
 type CuResult = c_int;
 const OK: CuResult = 0;
 const INVALID_VALUE: CuResult = 1;
@@ -62,6 +64,7 @@ enum Op {
     Copy { dst: u64, src: u64, len: usize },
     Set { dst: u64, value: u8, len: usize },
     Write { addr: u64, value: u64 },
+    Add { addr: u64, value: u64 },
     WaitGeq { addr: u64, value: u64 },
     Kernel(Box<Kernel>),
     Upload { dst: u64, bytes: Vec<u8> },
@@ -81,6 +84,7 @@ impl Op {
             // SAFETY: as for copies.
             Op::Set { dst, value, len } => unsafe { std::ptr::write_bytes(host(dst) as *mut u8, value, len) },
             Op::Write { addr, value } => word(addr).store(value, Ordering::SeqCst),
+            Op::Add { addr, value } => drop(word(addr).fetch_add(value, Ordering::SeqCst)),
             Op::WaitGeq { addr, value } => {
                 let w = word(addr);
                 if w.load(Ordering::SeqCst) >= value {
@@ -1523,4 +1527,37 @@ pub unsafe extern "C" fn cuMemImportFromShareableHandle(h: *mut u64, os: *mut c_
     // SAFETY: the caller's out-pointer.
     unsafe { *h = handle };
     OK
+}
+
+/// Where the device memory at `p..p + len` of this process lives, for
+/// another process to map: (file, offset in it, bytes) per piece, in
+/// order — one for `cuMemAlloc` memory (its shared-memory segment), one
+/// per VMM mapping the range touches (its memfd, through `/proc`). `None`
+/// when the range is not all device memory of this process.
+fn backing(p: u64, len: usize) -> Option<Vec<(String, u64, usize)>> {
+    with(|st| {
+        let end = p.checked_add(len as u64)?;
+        if let Some((base, a)) = st.allocs.range(..=p).next_back() {
+            if end <= base + a.len as u64 {
+                return Some(vec![(format!("/dev/shm{}", a.name.to_str().ok()?), p - base, len)]);
+            }
+        }
+        let mut pieces = Vec::new();
+        let mut at = p;
+        while at < end || pieces.is_empty() {
+            let (base, (h, l)) = st.vmm_maps.range(..=at).next_back()?;
+            let stop = base + *l as u64;
+            if at >= stop {
+                return None;
+            }
+            let fd = std::os::fd::AsRawFd::as_raw_fd(&st.vmm.get(h)?.fd);
+            let upto = stop.min(end);
+            pieces.push((format!("/proc/{}/fd/{fd}", std::process::id()), at - base, (upto - at) as usize));
+            at = upto;
+            if len == 0 {
+                break;
+            }
+        }
+        Some(pieces)
+    })
 }

@@ -30,6 +30,17 @@
 //!   puts from the host, and signal round trips through the proxy beside
 //!   host signals; JSON lines on stdout.
 //!
+//! - `nccl`: NCCL's own one-sided API (2.29+) through
+//!   `rmacomm_window::nccl_rma::NcclRma`: a ring of three rounds, round k
+//!   putting k + 1 pieces before one signal, rank 0's last piece held back
+//!   on its stream until after the signal, so a wait that counted NCCL's
+//!   signals wrong passes early and finds old data; then the refusals (a rank outside the communicator, a
+//!   put past the peer's buffer, a source past this rank's, a window not
+//!   registered, a signal that never comes). With a library older than
+//!   2.29, or a communicator made without an RMA context
+//!   (`RMACOMM_NCCL_RMA=0`), each rank prints `refused: ...` and succeeds:
+//!   the caller checks the reason. One rank per GPU (NCCL's rule).
+//!
 //! With `GPU_WINDOW_ALLOC=vmm` every registered tensor is cuMem/VMM memory
 //! in 2 MiB mappings (as PyTorch's expandable segments are): peers map it
 //! through its mappings' descriptors instead of a CUDA IPC handle.
@@ -79,6 +90,10 @@ fn main() {
             Some("proxy") => {
                 drop(w);
                 proxy(&g, &ctx)
+            }
+            Some("nccl") => {
+                drop(w);
+                nccl(&g, &ctx)
             }
             other => Err(format!("unknown scenario {other:?}")),
         }),
@@ -552,5 +567,111 @@ fn proxy(g: &Group, ctx: &Arc<Context>) -> R {
     if let Some(e) = w.stream_error() {
         return Err(format!("a stream operation failed: {e}"));
     }
+    Ok(())
+}
+
+/// NCCL's window API through `NcclRma` (module docs: `nccl`).
+fn nccl(g: &Group, ctx: &Arc<Context>) -> R {
+    use rmacomm_window::cuda::nccl::{Flavor, Library};
+    use rmacomm_window::cuda::nccl_comm::{self, NcclComm, UniqueId};
+    use rmacomm_window::nccl_rma::NcclRma;
+
+    let (rank, size) = (g.rank(), g.size());
+    let (right, left) = ((rank + 1) % size, (rank + size - 1) % size);
+    let lib = Arc::new(Library::load(Flavor::Nccl).map_err(s)?);
+    let id = if rank == 0 {
+        nccl_comm::unique_id(&lib).map_err(s)?.0.iter().map(|b| format!("{b:02x}")).collect::<String>()
+    } else {
+        String::new()
+    };
+    let all = g.exchange("nccl_id", id.as_bytes()).map_err(s)?;
+    let mut raw = [0u8; 128];
+    for (i, b) in raw.iter_mut().enumerate() {
+        *b = u8::from_str_radix(std::str::from_utf8(&all[0][2 * i..2 * i + 2]).map_err(s)?, 16).map_err(s)?;
+    }
+    let comm = NcclComm::init(lib.clone(), ctx.clone(), &UniqueId(raw), rank, size).map_err(s)?;
+    let mut rma = match NcclRma::new(comm, g, Duration::from_secs(5)) {
+        Ok(r) => r,
+        Err(e) => {
+            println!("rank {rank} refused: {e}");
+            return Ok(());
+        }
+    };
+    let stream = ctx.stream().map_err(s)?;
+    let count = 4096usize;
+    let dst_mem = Arc::new(tensor_mem(ctx, size * count * 4).map_err(s)?);
+    let dst = rma.register(g, dst_mem.clone()).map_err(s)?;
+    let src_mem = Arc::new(tensor_mem(ctx, count * 4).map_err(s)?);
+    let src = rma.register(g, src_mem.clone()).map_err(s)?;
+    // The gate: a host word rank 0's stream waits on.
+    let gate = Box::new(std::sync::atomic::AtomicU64::new(0));
+    #[allow(unsafe_code)]
+    // SAFETY: the word outlives the registration (dropped first, below).
+    let gate_reg = unsafe { ctx.register_host(gate.as_ptr().cast(), 8) }.map_err(s)?;
+    let start = Instant::now();
+    for round in 0..3usize {
+        let value = |r: usize| 1000 * round + r + 1;
+        let what = || format!("NCCL window ring, round {round}");
+        let fail = |e: Error| format!("{}: {e}", what());
+        src_mem.write_from(0, &f32s(value(rank), count)).map_err(s)?;
+        let pieces = round + 1;
+        let per = count.div_ceil(pieces);
+        for p in 0..pieces {
+            let (a, b) = (p * per, ((p + 1) * per).min(count));
+            if p == pieces - 1 && pieces > 1 && rank == 0 {
+                // Rank 0's last piece runs only when its host opens the
+                // gate, after it has queued the signal and paused: rank 1
+                // waits for it, and a wait that passed early (counting
+                // NCCL's signals wrong) reads the old data meanwhile.
+                #[allow(unsafe_code)]
+                // SAFETY: a registered host word, live until the stream
+                // is synchronized (below).
+                unsafe { stream.wait_value64_geq(gate_reg.device_ptr(), round as u64) }.map_err(s)?;
+            }
+            rma.put(src, a * 4, (b - a) * 4, right, dst, (rank * count + a) * 4, &stream).map_err(fail)?;
+        }
+        rma.signal(right, &stream).map_err(fail)?;
+        if pieces > 1 && rank == 0 {
+            std::thread::sleep(Duration::from_millis(300));
+            gate.store(round as u64, std::sync::atomic::Ordering::SeqCst);
+        }
+        rma.wait_signal(left, &stream).map_err(fail)?;
+        wait_stream(&stream, &what)?;
+        let mut got = vec![0u8; count * 4];
+        dst_mem.read_into(left * count * 4, &mut got).map_err(s)?;
+        let want = f32s(value(left), count);
+        if got != want {
+            let bad = got.chunks(4).zip(want.chunks(4)).position(|(a, b)| a != b).unwrap();
+            return Err(format!(
+                "{}: element {bad} from rank {left} is {:?}, want {}",
+                what(),
+                &got[bad * 4..][..4],
+                value(left)
+            ));
+        }
+        g.barrier(None).map_err(s)?;
+    }
+    let refused = |what: &str, r: Result<(), Error>, want: &str| -> R {
+        match r {
+            Err(e) if e.to_string().contains(want) => Ok(()),
+            other => Err(format!("{what}: {other:?}, want an error saying {want:?}")),
+        }
+    };
+    refused("a rank outside", rma.put(src, 0, 4, size, dst, 0, &stream), "not below the communicator's size")?;
+    refused("past the peer's buffer", rma.put(src, 0, 8, right, dst, size * count * 4 - 4, &stream), "out of bounds")?;
+    refused("past the source", rma.put(src, count * 4 - 4, 8, right, dst, 0, &stream), "past this rank's")?;
+    let gone = rma.register(g, Arc::new(tensor_mem(ctx, 4096).map_err(s)?)).map_err(s)?;
+    rma.deregister(gone).map_err(s)?;
+    refused("a deregistered window", rma.put(src, 0, 4, right, gone, 0, &stream), "not registered")?;
+    refused("a signal never sent", rma.wait_signal(left, &stream), &format!("from rank {left}"))?;
+    drop(gate_reg);
+    g.barrier(None).map_err(s)?;
+    rma.deregister(src).map_err(s)?;
+    rma.deregister(dst).map_err(s)?;
+    println!(
+        "rank {rank}: NCCL windows ({}) ring of 3 rounds and refusals in {:?}",
+        rma.comm().library(),
+        start.elapsed()
+    );
     Ok(())
 }

@@ -1,0 +1,602 @@
+//! A stand-in for NCCL's window API (2.29+), in the same library as the
+//! CUDA stand-in (`RMACOMM_NCCL_LIB` points at it), so rmacomm's side of
+//! NCCL windows — the version gate, the RMA context at init, registration,
+//! bounds, the signal counts a put adds, stream order — runs in CI:
+//!
+//! - `ncclGetVersion` reports `RMACOMM_STANDIN_NCCL_VERSION` (default
+//!   23007, NCCL 2.30.7, the header CI's venv carries);
+//! - a communicator is a shared-memory segment its unique id names: a
+//!   join count, a signal counter per (source, destination) pair and, per
+//!   window and rank, where that rank's buffer lives (files another
+//!   process maps: see `backing`);
+//! - `ncclCommInitRankConfig` reads `numRmaCtx` from a config of NCCL
+//!   2.29's layout; `ncclCommInitRank` makes a communicator without an RMA
+//!   context, on which the one-sided calls fail with
+//!   `ncclInvalidArgument` (as NCCL's do without host RMA support);
+//! - `ncclPutSignal` queues, on the stand-in stream, a copy into the
+//!   peer's buffer and then one increment of the (self, peer) counter;
+//!   `ncclSignal` the increment alone; `ncclWaitSignal` a wait until the
+//!   (peer, self) counter reaches what this rank's waits so far add up to.
+//!   Both check what NCCL checks: signal index, context and flags 0, a
+//!   peer in range, a registered window, the put within the peer's buffer,
+//!   its source inside a window this rank registered.
+//!
+//! Collectives and point-to-point calls are refused (`ncclInvalidUsage`):
+//! nothing here stands in for them.
+
+use std::ffi::{c_char, c_int, c_uint, c_void, CString};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use crate::{backing, enqueue, Op};
+
+type NcclResult = c_int;
+const SUCCESS: NcclResult = 0;
+const SYSTEM_ERROR: NcclResult = 2;
+const INTERNAL_ERROR: NcclResult = 3;
+const INVALID_ARGUMENT: NcclResult = 4;
+const INVALID_USAGE: NcclResult = 5;
+
+const MAX_RANKS: usize = 16;
+const MAX_WINDOWS: usize = 32;
+const BLOB: usize = 2040;
+/// How long a rank waits for the others at init and at registration.
+const JOIN: Duration = Duration::from_secs(60);
+const ID_TAG: &[u8] = b"rmacomm-standin-nccl ";
+
+/// `ncclUniqueId`, by value as C passes it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct UniqueId([u8; 128]);
+
+/// One rank's part of one window: `ready` 1 once `blob` holds its
+/// length and pieces as text (`len\npath offset bytes\n...`), 2 once
+/// it has mapped every rank's.
+#[repr(C)]
+struct Entry {
+    ready: AtomicU64,
+    blob: [u8; BLOB],
+}
+
+/// The communicator's shared segment.
+#[repr(C)]
+struct Shared {
+    joined: AtomicU64,
+    /// `signals[src * MAX_RANKS + dst]`: signals (puts included) src sent dst.
+    signals: [AtomicU64; MAX_RANKS * MAX_RANKS],
+    wins: [Entry; MAX_WINDOWS * MAX_RANKS],
+}
+
+struct Comm {
+    shared: *mut Shared,
+    rank: usize,
+    n: usize,
+    rma: bool,
+    /// Per source: the signals this rank's waits so far add up to.
+    expected: Mutex<Vec<u64>>,
+    windows: AtomicUsize,
+    /// This rank's registered buffers (device address, length).
+    local: Mutex<Vec<(u64, usize)>>,
+}
+
+impl Comm {
+    fn shared(&self) -> &Shared {
+        // SAFETY: mapped for the communicator's life.
+        unsafe { &*self.shared }
+    }
+
+    fn counter(&self, src: usize, dst: usize) -> u64 {
+        &self.shared().signals[src * MAX_RANKS + dst] as *const AtomicU64 as u64
+    }
+}
+
+/// A window: this rank's buffer and every rank's, mapped here.
+struct Win {
+    comm: *const Comm,
+    base: u64,
+    len: usize,
+    /// Per rank: host address of its buffer here, its length.
+    peers: Vec<(u64, usize)>,
+    /// Mappings to undo: (address, length).
+    maps: Vec<(u64, usize)>,
+}
+
+fn comm<'a>(c: *mut c_void) -> Option<&'a Comm> {
+    // SAFETY: a communicator this library made (the caller's contract).
+    (!c.is_null()).then(|| unsafe { &*(c as *const Comm) })
+}
+
+/// `ncclGetVersion`.
+///
+/// # Safety
+/// `v` is a valid out-pointer.
+#[no_mangle]
+pub unsafe extern "C" fn ncclGetVersion(v: *mut c_int) -> NcclResult {
+    let code = std::env::var("RMACOMM_STANDIN_NCCL_VERSION").ok().and_then(|s| s.parse().ok()).unwrap_or(23007);
+    // SAFETY: the caller's out-pointer.
+    unsafe { *v = code };
+    SUCCESS
+}
+
+/// `ncclGetErrorString`.
+#[no_mangle]
+pub extern "C" fn ncclGetErrorString(code: NcclResult) -> *const c_char {
+    let s: &'static [u8] = match code {
+        0 => b"no error\0",
+        2 => b"unhandled system error (stand-in)\0",
+        3 => b"internal error (stand-in)\0",
+        4 => b"invalid argument (stand-in)\0",
+        5 => b"invalid usage (stand-in)\0",
+        _ => b"unknown result code (stand-in)\0",
+    };
+    s.as_ptr().cast()
+}
+
+/// `ncclGetUniqueId`: names a fresh shared segment.
+///
+/// # Safety
+/// `id` points to 128 writable bytes.
+#[no_mangle]
+pub unsafe extern "C" fn ncclGetUniqueId(id: *mut UniqueId) -> NcclResult {
+    static N: AtomicU64 = AtomicU64::new(0);
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
+    let name = format!("/rmacomm-nccl-{}-{nanos:08x}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed));
+    let mut out = [0u8; 128];
+    out[..ID_TAG.len()].copy_from_slice(ID_TAG);
+    out[ID_TAG.len()..ID_TAG.len() + name.len()].copy_from_slice(name.as_bytes());
+    // SAFETY: the caller's 128 bytes.
+    unsafe { *id = UniqueId(out) };
+    SUCCESS
+}
+
+fn init(out: *mut *mut c_void, n: c_int, UniqueId(id): UniqueId, rank: c_int, rma: bool) -> NcclResult {
+    let (Ok(n), Ok(rank)) = (usize::try_from(n), usize::try_from(rank)) else { return INVALID_ARGUMENT };
+    if n == 0 || n > MAX_RANKS || rank >= n || !id.starts_with(ID_TAG) {
+        return INVALID_ARGUMENT;
+    }
+    let name: Vec<u8> = id[ID_TAG.len()..].iter().copied().take_while(|&b| b != 0).collect();
+    let Ok(name) = CString::new(name) else { return INVALID_ARGUMENT };
+    let len = std::mem::size_of::<Shared>();
+    // SAFETY: a NUL-terminated name; the fd is closed below.
+    let fd = unsafe { libc::shm_open(name.as_ptr(), libc::O_RDWR | libc::O_CREAT, 0o600) };
+    if fd < 0 {
+        return SYSTEM_ERROR;
+    }
+    // SAFETY: our fd; every rank sets the same size.
+    let p = unsafe {
+        if libc::ftruncate(fd, len as libc::off_t) != 0 {
+            libc::close(fd);
+            return SYSTEM_ERROR;
+        }
+        let p = libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0);
+        libc::close(fd);
+        p
+    };
+    if p == libc::MAP_FAILED {
+        return SYSTEM_ERROR;
+    }
+    let c = Box::new(Comm {
+        shared: p.cast(),
+        rank,
+        n,
+        rma,
+        expected: Mutex::new(vec![0; n]),
+        windows: AtomicUsize::new(0),
+        local: Mutex::new(Vec::new()),
+    });
+    c.shared().joined.fetch_add(1, Ordering::AcqRel);
+    let start = Instant::now();
+    while c.shared().joined.load(Ordering::Acquire) < n as u64 {
+        if start.elapsed() > JOIN {
+            eprintln!("NCCL stand-in: rank {rank}: not every rank of {n} joined within {JOIN:?}");
+            return SYSTEM_ERROR;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    if rank == 0 {
+        // Every rank has mapped it: the name can go.
+        // SAFETY: a NUL-terminated name.
+        unsafe { libc::shm_unlink(name.as_ptr()) };
+    }
+    // SAFETY: the caller's out-pointer.
+    unsafe { *out = Box::into_raw(c).cast() };
+    SUCCESS
+}
+
+/// `ncclCommInitRank`: without an RMA context.
+///
+/// # Safety
+/// `out` is a valid out-pointer.
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommInitRank(out: *mut *mut c_void, n: c_int, id: UniqueId, rank: c_int) -> NcclResult {
+    init(out, n, id, rank, false)
+}
+
+/// `ncclCommInitRankConfig`: `numRmaCtx` read from NCCL 2.29's layout
+/// (offset 84 of 88 bytes); a config without the magic, or smaller, is
+/// refused.
+///
+/// # Safety
+/// `out` is a valid out-pointer; `config` points to a config of the size it
+/// states.
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommInitRankConfig(
+    out: *mut *mut c_void,
+    n: c_int,
+    id: UniqueId,
+    rank: c_int,
+    config: *const u8,
+) -> NcclResult {
+    if config.is_null() {
+        return init(out, n, id, rank, false);
+    }
+    // SAFETY: the config's header (size, magic, version), then, when it
+    // says it is large enough, its numRmaCtx.
+    let (size, magic, version, rma_ctx) = unsafe {
+        let size = (config as *const usize).read_unaligned();
+        let magic = (config.add(8) as *const c_uint).read_unaligned();
+        let version = (config.add(12) as *const c_uint).read_unaligned();
+        let rma_ctx = if size >= 88 { (config.add(84) as *const c_int).read_unaligned() } else { c_int::MIN };
+        (size, magic, version, rma_ctx)
+    };
+    if magic != 0xcafe_beef || size < 16 || version < 21400 {
+        return INVALID_ARGUMENT;
+    }
+    init(out, n, id, rank, version >= 22900 && rma_ctx >= 1)
+}
+
+fn free(c: *mut c_void) -> NcclResult {
+    if c.is_null() {
+        return INVALID_ARGUMENT;
+    }
+    // SAFETY: a communicator this library made, freed once (the caller's
+    // contract), and its mapping.
+    unsafe {
+        let c = Box::from_raw(c as *mut Comm);
+        libc::munmap(c.shared.cast(), std::mem::size_of::<Shared>());
+    }
+    SUCCESS
+}
+
+/// `ncclCommDestroy`.
+#[no_mangle]
+pub extern "C" fn ncclCommDestroy(c: *mut c_void) -> NcclResult {
+    free(c)
+}
+
+/// `ncclCommAbort`.
+#[no_mangle]
+pub extern "C" fn ncclCommAbort(c: *mut c_void) -> NcclResult {
+    free(c)
+}
+
+/// `ncclCommGetAsyncError`: never an error.
+///
+/// # Safety
+/// `st` is a valid out-pointer.
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommGetAsyncError(_c: *mut c_void, st: *mut NcclResult) -> NcclResult {
+    // SAFETY: the caller's out-pointer.
+    unsafe { *st = SUCCESS };
+    SUCCESS
+}
+
+/// `ncclGroupStart`.
+#[no_mangle]
+pub extern "C" fn ncclGroupStart() -> NcclResult {
+    SUCCESS
+}
+
+/// `ncclGroupEnd`.
+#[no_mangle]
+pub extern "C" fn ncclGroupEnd() -> NcclResult {
+    SUCCESS
+}
+
+macro_rules! refused {
+    ($($name:ident),*) => {$(
+        /// Refused: the stand-in has no collectives or point-to-point calls.
+        #[no_mangle]
+        pub extern "C" fn $name() -> NcclResult {
+            INVALID_USAGE
+        }
+    )*};
+}
+refused!(ncclAllReduce, ncclReduceScatter, ncclBroadcast, ncclReduce, ncclAllGather, ncclSend, ncclRecv);
+
+/// Maps `pieces` (from another rank's blob) contiguously; returns the
+/// buffer's start and the mappings to undo.
+fn map_pieces(pieces: &[(String, u64, usize)], len: usize) -> Option<(u64, Vec<(u64, usize)>)> {
+    // SAFETY: sysconf has no preconditions.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as u64;
+    let first = pieces.first()?;
+    let delta = first.1 % page;
+    let total = (delta as usize + len.max(1)).next_multiple_of(page as usize);
+    // SAFETY: a fresh reservation the pieces are mapped over.
+    let base = unsafe {
+        libc::mmap(std::ptr::null_mut(), total, libc::PROT_NONE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0)
+    };
+    if base == libc::MAP_FAILED {
+        return None;
+    }
+    let base = base as u64;
+    let mut at = base;
+    for (i, (path, off, n)) in pieces.iter().enumerate() {
+        let aligned = off - off % page;
+        let span = ((off - aligned) as usize + n).next_multiple_of(page as usize);
+        let Ok(cpath) = CString::new(path.as_str()) else { return None };
+        // SAFETY: a NUL-terminated path; the fd is closed at once; the
+        // mapping lands inside the reservation (sizes add up to `total`).
+        let ok = unsafe {
+            let fd = libc::open(cpath.as_ptr(), libc::O_RDWR);
+            if fd < 0 {
+                false
+            } else {
+                let m = libc::mmap(
+                    at as *mut c_void,
+                    span,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_SHARED | libc::MAP_FIXED,
+                    fd,
+                    aligned as libc::off_t,
+                );
+                libc::close(fd);
+                m != libc::MAP_FAILED
+            }
+        };
+        if !ok || (i > 0 && off % page != 0) {
+            // SAFETY: our reservation.
+            unsafe { libc::munmap(base as *mut c_void, total) };
+            return None;
+        }
+        at += span as u64;
+    }
+    Some((base + delta, vec![(base, total)]))
+}
+
+/// A buffer's pieces: (file, offset in it, bytes).
+type Pieces = Vec<(String, u64, usize)>;
+
+fn parse_blob(blob: &[u8]) -> Option<(usize, Pieces)> {
+    let text = std::str::from_utf8(blob.split(|&b| b == 0).next()?).ok()?;
+    let mut lines = text.lines();
+    let len = lines.next()?.parse().ok()?;
+    let mut pieces = Vec::new();
+    for l in lines {
+        let mut f = l.split(' ');
+        pieces.push((f.next()?.to_string(), f.next()?.parse().ok()?, f.next()?.parse().ok()?));
+    }
+    Some((len, pieces))
+}
+
+/// `ncclCommWindowRegister` (collective): publishes where this rank's
+/// buffer lives, waits for every rank's, maps them.
+///
+/// # Safety
+/// `win` is a valid out-pointer; `buff` device memory of this process.
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommWindowRegister(
+    c: *mut c_void,
+    buff: *mut c_void,
+    size: usize,
+    win: *mut *mut c_void,
+    _flags: c_int,
+) -> NcclResult {
+    let Some(cm) = comm(c) else { return INVALID_ARGUMENT };
+    let Some(pieces) = backing(buff as u64, size) else {
+        eprintln!("NCCL stand-in: window register: {buff:?} (+{size}) is not device memory of this process");
+        return INVALID_ARGUMENT;
+    };
+    let idx = cm.windows.fetch_add(1, Ordering::AcqRel);
+    if idx >= MAX_WINDOWS {
+        return INTERNAL_ERROR;
+    }
+    let mut text = format!("{size}\n");
+    for (path, off, n) in &pieces {
+        text.push_str(&format!("{path} {off} {n}\n"));
+    }
+    if text.len() >= BLOB {
+        return INTERNAL_ERROR;
+    }
+    let me = &cm.shared().wins[idx * MAX_RANKS + cm.rank];
+    // SAFETY: this rank's entry, written only here, before `ready`.
+    unsafe {
+        let blob = me.blob.as_ptr() as *mut u8;
+        std::ptr::write_bytes(blob, 0, BLOB);
+        std::ptr::copy_nonoverlapping(text.as_ptr(), blob, text.len());
+    }
+    me.ready.store(1, Ordering::Release);
+    let mut peers = Vec::with_capacity(cm.n);
+    let mut maps = Vec::new();
+    let start = Instant::now();
+    for r in 0..cm.n {
+        let e = &cm.shared().wins[idx * MAX_RANKS + r];
+        while e.ready.load(Ordering::Acquire) == 0 {
+            if start.elapsed() > JOIN {
+                eprintln!("NCCL stand-in: window register: rank {r} did not register within {JOIN:?}");
+                return SYSTEM_ERROR;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let Some((len, pieces)) = parse_blob(&e.blob) else { return INTERNAL_ERROR };
+        let Some((at, m)) = map_pieces(&pieces, len) else {
+            eprintln!("NCCL stand-in: window register: cannot map rank {r}'s buffer ({pieces:?})");
+            return SYSTEM_ERROR;
+        };
+        peers.push((at, len));
+        maps.extend(m);
+    }
+    // Every rank has mapped every buffer before any returns (NCCL's
+    // registration is collective too): a rank that deregistered and freed
+    // its buffer at once would leave nothing to map.
+    me.ready.store(2, Ordering::Release);
+    for r in 0..cm.n {
+        let e = &cm.shared().wins[idx * MAX_RANKS + r];
+        while e.ready.load(Ordering::Acquire) < 2 {
+            if start.elapsed() > JOIN {
+                eprintln!("NCCL stand-in: window register: rank {r} did not map the buffers within {JOIN:?}");
+                return SYSTEM_ERROR;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+    cm.local.lock().unwrap().push((buff as u64, size));
+    let w = Box::new(Win { comm: cm, base: buff as u64, len: size, peers, maps });
+    // SAFETY: the caller's out-pointer.
+    unsafe { *win = Box::into_raw(w).cast() };
+    SUCCESS
+}
+
+/// `ncclCommWindowDeregister`.
+#[no_mangle]
+pub extern "C" fn ncclCommWindowDeregister(c: *mut c_void, win: *mut c_void) -> NcclResult {
+    let Some(cm) = comm(c) else { return INVALID_ARGUMENT };
+    if win.is_null() {
+        return INVALID_ARGUMENT;
+    }
+    // SAFETY: a window this library made, freed once (the caller's
+    // contract), and its mappings.
+    unsafe {
+        let w = Box::from_raw(win as *mut Win);
+        cm.local.lock().unwrap().retain(|&(b, l)| (b, l) != (w.base, w.len));
+        for (a, l) in &w.maps {
+            libc::munmap(*a as *mut c_void, *l);
+        }
+    }
+    SUCCESS
+}
+
+fn dtype_size(dt: c_int) -> Option<usize> {
+    Some(match dt {
+        0 | 1 => 1,
+        6 | 9 => 2,
+        2 | 3 | 7 => 4,
+        4 | 5 | 8 => 8,
+        _ => return None,
+    })
+}
+
+/// Checks common to the one-sided calls.
+fn one_sided(c: *mut c_void, peer: c_int, sig: c_int, ctx: c_int, flags: c_uint) -> Result<&'static Comm, NcclResult> {
+    let cm = comm(c).ok_or(INVALID_ARGUMENT)?;
+    if !cm.rma || sig != 0 || ctx != 0 || flags != 0 {
+        return Err(INVALID_ARGUMENT);
+    }
+    usize::try_from(peer).ok().filter(|&p| p < cm.n).ok_or(INVALID_ARGUMENT)?;
+    Ok(cm)
+}
+
+/// `ncclPutSignal`.
+///
+/// # Safety
+/// As NCCL's: `localbuff` device memory live until the stream runs the put.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn ncclPutSignal(
+    localbuff: *const c_void,
+    count: usize,
+    dt: c_int,
+    peer: c_int,
+    win: *mut c_void,
+    offset: usize,
+    sig: c_int,
+    ctx: c_int,
+    flags: c_uint,
+    c: *mut c_void,
+    stream: *mut c_void,
+) -> NcclResult {
+    let cm = match one_sided(c, peer, sig, ctx, flags) {
+        Ok(cm) => cm,
+        Err(e) => return e,
+    };
+    if win.is_null() {
+        return INVALID_ARGUMENT;
+    }
+    // SAFETY: a window this library made (the caller's contract).
+    let w = unsafe { &*(win as *const Win) };
+    if !std::ptr::eq(w.comm, cm) {
+        return INVALID_ARGUMENT;
+    }
+    let Some(bytes) = dtype_size(dt).and_then(|s| s.checked_mul(count)) else { return INVALID_ARGUMENT };
+    let peer = peer as usize;
+    let (dst, dlen) = w.peers[peer];
+    if offset.checked_add(bytes).is_none_or(|e| e > dlen) {
+        eprintln!("NCCL stand-in: put of {bytes} bytes at {offset} past rank {peer}'s {dlen}-byte window");
+        return INVALID_ARGUMENT;
+    }
+    let src = localbuff as u64;
+    let in_window = cm.local.lock().unwrap().iter().any(|&(b, l)| src >= b && src + bytes as u64 <= b + l as u64);
+    if !in_window {
+        eprintln!("NCCL stand-in: put source {src:#x} (+{bytes}) is in no window this rank registered");
+        return INVALID_ARGUMENT;
+    }
+    enqueue(stream, Op::Copy { dst: dst + offset as u64, src, len: bytes });
+    enqueue(stream, Op::Add { addr: cm.counter(cm.rank, peer), value: 1 });
+    SUCCESS
+}
+
+/// `ncclSignal`.
+#[no_mangle]
+pub extern "C" fn ncclSignal(
+    peer: c_int,
+    sig: c_int,
+    ctx: c_int,
+    flags: c_uint,
+    c: *mut c_void,
+    stream: *mut c_void,
+) -> NcclResult {
+    let cm = match one_sided(c, peer, sig, ctx, flags) {
+        Ok(cm) => cm,
+        Err(e) => return e,
+    };
+    enqueue(stream, Op::Add { addr: cm.counter(cm.rank, peer as usize), value: 1 });
+    SUCCESS
+}
+
+/// `ncclWaitSignalDesc_t`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct WaitDesc {
+    op_cnt: c_int,
+    peer: c_int,
+    sig_idx: c_int,
+    ctx: c_int,
+}
+
+/// `ncclWaitSignal`.
+///
+/// # Safety
+/// `descs` points to `n` descriptors.
+#[no_mangle]
+pub unsafe extern "C" fn ncclWaitSignal(
+    n: c_int,
+    descs: *const WaitDesc,
+    c: *mut c_void,
+    stream: *mut c_void,
+) -> NcclResult {
+    let Ok(n) = usize::try_from(n) else { return INVALID_ARGUMENT };
+    if descs.is_null() && n > 0 {
+        return INVALID_ARGUMENT;
+    }
+    let mut waits = Vec::with_capacity(n);
+    for i in 0..n {
+        // SAFETY: the caller's descriptors, read once each.
+        let d = unsafe { descs.add(i).read() };
+        let cm = match one_sided(c, d.peer, d.sig_idx, d.ctx, 0) {
+            Ok(cm) => cm,
+            Err(e) => return e,
+        };
+        let Ok(k) = u64::try_from(d.op_cnt) else { return INVALID_ARGUMENT };
+        waits.push((cm, d.peer as usize, k));
+    }
+    for (cm, peer, k) in waits {
+        let target = {
+            let mut e = cm.expected.lock().unwrap();
+            e[peer] += k;
+            e[peer]
+        };
+        enqueue(stream, Op::WaitGeq { addr: cm.counter(peer, cm.rank), value: target });
+    }
+    SUCCESS
+}
