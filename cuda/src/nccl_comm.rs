@@ -86,73 +86,6 @@ type Reduce =
 type Gather = unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, NcclComm_, CuStream) -> NcclResult;
 type P2p = unsafe extern "C" fn(*const c_void, usize, c_int, c_int, NcclComm_, CuStream) -> NcclResult;
 type P2pMut = unsafe extern "C" fn(*mut c_void, usize, c_int, c_int, NcclComm_, CuStream) -> NcclResult;
-type InitConfig = unsafe extern "C" fn(*mut NcclComm_, c_int, UniqueId, c_int, *mut Config) -> NcclResult;
-
-/// `ncclConfig_t` as NCCL 2.29 lays it out (`ncclConfig_v22900`: 88 bytes,
-/// `numRmaCtx` last). NCCL reads a config by the `size` and `version` it
-/// carries, so later versions (2.30 appends fields) take this one too.
-#[repr(C)]
-struct Config {
-    size: usize,
-    magic: c_uint,
-    version: c_uint,
-    blocking: c_int,
-    cga_cluster_size: c_int,
-    min_ctas: c_int,
-    max_ctas: c_int,
-    net_name: *const c_char,
-    split_share: c_int,
-    traffic_class: c_int,
-    comm_name: *const c_char,
-    collnet_enable: c_int,
-    cta_policy: c_int,
-    shrink_share: c_int,
-    nvls_ctas: c_int,
-    n_channels_per_net_peer: c_int,
-    nvlink_centric_sched: c_int,
-    graph_usage_mode: c_int,
-    num_rma_ctx: c_int,
-}
-
-const _: () = assert!(std::mem::size_of::<Config>() == 88);
-
-impl Config {
-    /// Every field NCCL's default (`NCCL_CONFIG_UNDEF_*`) but one RMA
-    /// context: what the one-sided calls need (NCCL's own example of them
-    /// sets `numRmaCtx = 1`).
-    fn one_rma_context() -> Config {
-        const UNDEF: c_int = c_int::MIN;
-        Config {
-            size: std::mem::size_of::<Config>(),
-            magic: 0xcafe_beef,
-            version: 22900,
-            blocking: UNDEF,
-            cga_cluster_size: UNDEF,
-            min_ctas: UNDEF,
-            max_ctas: UNDEF,
-            net_name: std::ptr::null(),
-            split_share: UNDEF,
-            traffic_class: UNDEF,
-            comm_name: std::ptr::null(),
-            collnet_enable: UNDEF,
-            cta_policy: UNDEF,
-            shrink_share: UNDEF,
-            nvls_ctas: UNDEF,
-            n_channels_per_net_peer: UNDEF,
-            nvlink_centric_sched: UNDEF,
-            graph_usage_mode: UNDEF,
-            num_rma_ctx: 1,
-        }
-    }
-}
-
-/// Whether communicators of a library with the window API are made with an
-/// RMA context (`RMACOMM_NCCL_RMA`, default on; `0` makes them as before
-/// 2.29, with `ncclCommInitRank`, and the one-sided calls then fail).
-fn rma_wanted() -> bool {
-    std::env::var("RMACOMM_NCCL_RMA").map_or(true, |v| v != "0")
-}
-
 /// `ncclWaitSignalDesc_t`.
 #[repr(C)]
 struct WaitDesc {
@@ -164,7 +97,7 @@ struct WaitDesc {
 
 /// NCCL's window API (2.29+): registration and the host-initiated
 /// one-sided calls.
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Debug)]
 struct RmaApi {
     register: unsafe extern "C" fn(NcclComm_, *mut c_void, usize, *mut *mut c_void, c_int) -> NcclResult,
     deregister: unsafe extern "C" fn(NcclComm_, *mut c_void) -> NcclResult,
@@ -325,8 +258,9 @@ pub struct NcclComm {
     comm: NcclComm_,
     rank: usize,
     size: usize,
-    /// Made with an RMA context (2.29+, `RMACOMM_NCCL_RMA` not 0).
-    rma: bool,
+    /// NCCL's window API, resolved at init: its calls, or why there are none
+    /// (older than 2.29, a missing symbol).
+    rma: std::result::Result<RmaApi, CudaError>,
 }
 
 impl std::fmt::Debug for NcclComm {
@@ -347,21 +281,11 @@ impl NcclComm {
         ctx.bind()?;
         let mut comm: NcclComm_ = std::ptr::null_mut();
         let (n, r) = (c_int::try_from(size).unwrap_or(c_int::MAX), c_int::try_from(rank).unwrap_or(c_int::MAX));
-        // With the window API, one RMA context (the one-sided calls fail
-        // without one); every rank decides alike (same library, same
-        // environment), as a collective init needs.
-        let rma = lib.version() >= WINDOW_API && rma_wanted();
-        if rma {
-            // SAFETY: ncclCommInitRankConfig's signature (nccl.h, 2.14+).
-            let init: InitConfig = unsafe { lib.lib.get("ncclCommInitRankConfig\0")? };
-            let mut config = Config::one_rma_context();
-            // SAFETY: a valid out-pointer, the id by value, a config of the
-            // size and version it states.
-            api.check(&lib, "ncclCommInitRankConfig", unsafe { init(&mut comm, n, *id, r, &mut config) })?;
-        } else {
-            // SAFETY: a valid out-pointer; the id by value.
-            api.check(&lib, "ncclCommInitRank", unsafe { (api.init_rank)(&mut comm, n, *id, r) })?;
-        }
+        // SAFETY: a valid out-pointer; the id by value. (From 2.29 NCCL
+        // gives a communicator one RMA context by default, what its
+        // one-sided calls need; NCCL_NUM_RMA_CTX=0 takes it away.)
+        api.check(&lib, "ncclCommInitRank", unsafe { (api.init_rank)(&mut comm, n, *id, r) })?;
+        let rma = RmaApi::of(&lib);
         Ok(NcclComm { api, lib, ctx, comm, rank, size, rma })
     }
 
@@ -533,22 +457,10 @@ impl NcclComm {
         first_err.and(end)
     }
 
-    /// NCCL's window API on this communicator: the library is 2.29 or
-    /// later, has the calls, and the communicator was made with an RMA
-    /// context; else an error saying which is missing.
+    /// NCCL's window API: the library is 2.29 or later and has the calls;
+    /// else an error saying which is missing.
     fn rma_api(&self) -> Result<RmaApi> {
-        let api = RmaApi::of(&self.lib)?;
-        if !self.rma {
-            return Err(CudaError::Call {
-                lib: lib_name(&self.lib),
-                call: "ncclCommInitRankConfig",
-                code: 5,
-                name: "this communicator was made without an RMA context (RMACOMM_NCCL_RMA=0): NCCL's one-sided \
-                       calls need one"
-                    .into(),
-            });
-        }
-        Ok(api)
+        self.rma.clone()
     }
 
     /// Whether NCCL's window API can be used ([`rma_api`](Self::rma_api)'s
@@ -561,9 +473,14 @@ impl NcclComm {
     /// `ncclCommWindowRegister` of `mem` with `NCCL_WIN_COLL_SYMMETRIC`
     /// (collective: every rank registers its buffer in the same order).
     /// NCCL wants cuMem/VMM memory (`ncclMemAlloc`, PyTorch's expandable
-    /// segments) and refuses other memory with its error. Keep `mem`
-    /// allocated until the window is deregistered.
-    pub fn window_register(&mut self, mem: &DeviceMemory) -> Result<NcclWindow> {
+    /// segments), 4096-byte aligned, of one size on every rank. A
+    /// communicator without symmetric window support (or
+    /// `NCCL_WIN_ENABLE=0`) gives no window: an error here.
+    ///
+    /// # Safety
+    /// `mem` stays allocated until the window is deregistered (peers write
+    /// it until then).
+    pub unsafe fn window_register(&mut self, mem: &DeviceMemory) -> Result<NcclWindow> {
         let api = self.rma_api()?;
         let mut raw: *mut c_void = std::ptr::null_mut();
         let (c, ptr, len) = (self.comm, mem.ptr(), mem.len());
@@ -572,6 +489,15 @@ impl NcclComm {
         self.call("ncclCommWindowRegister", || unsafe {
             (api.register)(c, ptr as *mut c_void, len, &mut raw, WIN_COLL_SYMMETRIC)
         })?;
+        if raw.is_null() {
+            return Err(CudaError::Call {
+                lib: lib_name(&self.lib),
+                call: "ncclCommWindowRegister",
+                code: 0,
+                name: "NCCL gave no window: this communicator has no symmetric window support (or NCCL_WIN_ENABLE=0)"
+                    .into(),
+            });
+        }
         Ok(NcclWindow { raw, ptr, len })
     }
 
@@ -588,9 +514,13 @@ impl NcclComm {
     /// registered, as NCCL requires) into `peer`'s buffer of `win` at byte
     /// `offset`, then one signal to `peer` (NCCL's signal 0, context 0),
     /// queued on `stream`. NCCL counts the put among `peer`'s signals from
-    /// this rank. NCCL checks the source and the range against the windows
-    /// (rmacomm's `NcclRma` checks them before it calls this).
-    pub fn put_signal(
+    /// this rank.
+    ///
+    /// # Safety
+    /// `src..src + len` lies in a window this rank registered and stays
+    /// live until the stream has run the put; `offset + len` fits `peer`'s
+    /// buffer of `win` (NCCL does not check it: rmacomm's `NcclRma` does).
+    pub unsafe fn put_signal(
         &mut self,
         src: DevicePtr,
         len: usize,
@@ -602,9 +532,7 @@ impl NcclComm {
         let api = self.rma_api()?;
         let (c, s, w) = (self.comm, stream.raw() as CuStream, win.raw);
         let peer = c_int::try_from(peer).unwrap_or(c_int::MAX);
-        // SAFETY: NCCL reads `src` only as registered window memory (it
-        // refuses other addresses) and writes only inside `win`; bytes as
-        // ncclUint8.
+        // SAFETY: the caller's contract; bytes as ncclUint8.
         self.call("ncclPutSignal", || unsafe {
             (api.put_signal)(src as *const c_void, len, DataType::U8 as c_int, peer, w, offset, 0, 0, 0, c, s)
         })

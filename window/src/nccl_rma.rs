@@ -3,26 +3,34 @@
 //! `ncclSignal`, waits with `ncclWaitSignal`, all queued on CUDA streams —
 //! copy engines over NVLink/PCIe and NCCL's proxy over the network, no SMs.
 //!
-//! rmacomm's window semantics hold here as on its own windows: the n-th
+//! rmacomm's signal rule holds here as on its own windows: the n-th
 //! `signal(d)` of rank s satisfies the n-th `wait_signal(s)` on d, and
 //! every put s made to d before that signal is in place when the wait is
 //! over. NCCL counts differently: each `ncclPutSignal` is a signal too, and
 //! `ncclWaitSignal` waits for a number of them. So `signal(d)` tells d,
 //! through the group's store, how many NCCL signals it closes (its puts to
 //! d since the previous signal, plus itself), and `wait_signal(s)` reads
-//! that count before it queues the wait: its host call returns once s has
-//! *queued* that signal (not once it ran; the stream wait does that), or
-//! fails after the timeout naming s. (torchcomms' NCCL window waits for one
-//! NCCL signal per `wait_signal`; after a put and a signal in one round the
-//! next round's wait can pass early.)
+//! that count before it queues the wait. Two consequences, unlike
+//! rmacomm's own windows: the host call of `wait_signal(s)` returns only
+//! once s has *queued* its signal (the stream wait then waits for it to
+//! run), or fails after the timeout naming s — a program that queues a
+//! wait before the matching signal on both ranks' hosts (on different
+//! streams) waits for the timeout; and a rank's puts to a peer and its
+//! signal to that peer go on one stream (NCCL orders them there; across
+//! streams, order them with events). torchcomms' NCCL window waits for one
+//! NCCL signal per `wait_signal`: after a put and a signal in one round,
+//! the next round's wait can pass before its data arrives.
 //!
-//! NCCL's rules, checked here before NCCL sees them: a put's source is in
-//! a window this rank registered (a put names it by window and offset),
-//! the target range fits the peer's buffer
-//! (sizes exchanged at registration; nothing is sent otherwise), peers are
-//! ranks of the communicator. NCCL wants cuMem/VMM memory for windows
-//! (`ncclMemAlloc`, PyTorch's expandable segments) and says so with its
-//! error. One-sided calls are not capturable in CUDA graphs (NCCL's note).
+//! Refused before NCCL sees it, on every rank where it is collective:
+//! buffers of different sizes, memory that is not cuMem/VMM (NCCL's rule
+//! for windows: `ncclMemAlloc`, PyTorch's expandable segments,
+//! `Context::alloc_vmm`) or not 4096-byte aligned; and, with nothing
+//! queued, a put whose target range leaves the peer's buffer, whose source
+//! (named by window and offset: NCCL puts only from registered memory)
+//! leaves this rank's, a window not registered, a rank outside the
+//! communicator. After an NCCL call failed (it may have been counted),
+//! every later one-sided call fails naming it: make a new communicator.
+//! One-sided calls are not capturable in CUDA graphs (NCCL's note).
 //!
 //! The library must be 2.29 or later ([`rmacomm_cuda::nccl::WINDOW_API`]);
 //! an older one is refused on every rank, naming its version.
@@ -35,6 +43,9 @@ use rmacomm_cuda::nccl_comm::{NcclComm, NcclWindow};
 
 use crate::{Error, Group, Result, Store};
 
+/// `NCCL_WIN_REQUIRED_ALIGNMENT`.
+const ALIGN: u64 = 4096;
+
 /// A window registered on an [`NcclRma`]: an index into it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct WindowId(usize);
@@ -43,8 +54,8 @@ struct Registered {
     win: NcclWindow,
     /// Kept alive while registered.
     _mem: Arc<DeviceMemory>,
-    /// Every rank's buffer length, by rank.
-    sizes: Vec<usize>,
+    /// Every rank's buffer length (one size).
+    len: usize,
 }
 
 /// NCCL's one-sided API on one communicator, with rmacomm's signal
@@ -64,16 +75,15 @@ pub struct NcclRma {
     /// Per destination: signals sent; per source: signals waited for.
     sent: Vec<u64>,
     waited: Vec<u64>,
+    /// The first NCCL call that failed (NCCL may have counted it, so the
+    /// counts can no longer be trusted).
+    broken: Option<(&'static str, rmacomm_cuda::CudaError)>,
 }
 
 impl std::fmt::Debug for NcclRma {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "NcclRma(rank {} of {}, {:?})", self.rank, self.size, self.comm)
     }
-}
-
-fn nccl(op: &'static str) -> impl Fn(rmacomm_cuda::CudaError) -> Error {
-    move |source| Error::Cuda { op, source }
 }
 
 impl NcclRma {
@@ -124,7 +134,43 @@ impl NcclRma {
             pending: vec![0; n],
             sent: vec![0; n],
             waited: vec![0; n],
+            broken: None,
         })
+    }
+
+    /// Changes how long [`wait_signal`](Self::wait_signal) waits for a
+    /// peer's signal count.
+    pub fn set_timeout(&mut self, timeout: Duration) {
+        self.timeout = timeout;
+    }
+
+    fn check_group(&self, op: &'static str, group: &Group) -> Result<()> {
+        if group.size() != self.size || group.rank() != self.rank {
+            return Err(Error::invalid(
+                op,
+                "the group is not the one this NcclRma was made with (rank or size differ)",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Fails when an earlier NCCL call failed.
+    fn usable(&self, op: &'static str, peer: usize) -> Result<()> {
+        match &self.broken {
+            None => Ok(()),
+            Some((first, e)) => {
+                Err(Error::StreamFailed { op, peer, earlier: Box::new(Error::Cuda { op: first, source: e.clone() }) })
+            }
+        }
+    }
+
+    /// An NCCL one-sided call's error: remembered (later calls fail with
+    /// it), then returned.
+    fn failed(&mut self, op: &'static str, e: rmacomm_cuda::CudaError) -> Error {
+        if self.broken.is_none() {
+            self.broken = Some((op, e.clone()));
+        }
+        Error::Cuda { op, source: e }
     }
 
     /// The communicator (for its collectives).
@@ -134,21 +180,78 @@ impl NcclRma {
 
     /// Registers `mem` as this rank's buffer of a new window (collective
     /// over the group given to [`new`](Self::new): every rank registers, in
-    /// the same order; lengths may differ by rank). The memory stays
-    /// allocated while registered.
+    /// the same order, a buffer of the same size). Before NCCL is called,
+    /// every rank learns every rank's size, memory kind and alignment, and
+    /// all refuse together (naming the rank) if any is wrong; after it,
+    /// whether every rank got a window. The memory stays allocated while
+    /// registered.
     pub fn register(&mut self, group: &Group, mem: Arc<DeviceMemory>) -> Result<WindowId> {
-        let all = group.exchange("nccl_rma_register", mem.len().to_string().as_bytes())?;
-        let sizes = all
-            .iter()
-            .enumerate()
-            .map(|(r, v)| {
-                String::from_utf8_lossy(v)
-                    .parse::<usize>()
-                    .map_err(|_| Error::Protocol(format!("rank {r}'s NCCL window length is malformed")))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let win = self.comm.window_register(&mem).map_err(nccl("register (ncclCommWindowRegister)"))?;
-        self.windows.push(Some(Registered { win, _mem: mem, sizes }));
+        const OP: &str = "register";
+        self.check_group(OP, group)?;
+        let mine = format!("{} {} {}", mem.len(), u8::from(mem.is_vmm()), u8::from(mem.ptr().is_multiple_of(ALIGN)));
+        let all = group.exchange("nccl_rma_register", mine.as_bytes())?;
+        let mut len = None;
+        for (r, v) in all.iter().enumerate() {
+            let text = String::from_utf8_lossy(v);
+            let f: Vec<&str> = text.split(' ').collect();
+            let Some(n) = f.first().and_then(|n| n.parse::<usize>().ok()).filter(|_| f.len() == 3) else {
+                return Err(Error::Protocol(format!("register: rank {r}'s NCCL window description is malformed")));
+            };
+            if f[1] != "1" {
+                return Err(Error::PeerFailed {
+                    op: OP,
+                    peer: r,
+                    reason: "its buffer is not cuMem/VMM memory, which NCCL windows need (ncclMemAlloc, PyTorch's \
+                             expandable segments, Context::alloc_vmm)"
+                        .into(),
+                });
+            }
+            if f[2] != "1" {
+                return Err(Error::PeerFailed {
+                    op: OP,
+                    peer: r,
+                    reason: format!("its buffer is not {ALIGN}-byte aligned (NCCL_WIN_REQUIRED_ALIGNMENT)"),
+                });
+            }
+            match len {
+                None => len = Some(n),
+                Some(l) if l != n => {
+                    return Err(Error::Mismatch {
+                        op: "register (NCCL window)".into(),
+                        detail: format!("rank 0's buffer is {l} bytes, rank {r}'s {n}: NCCL windows are one size"),
+                    })
+                }
+                Some(_) => {}
+            }
+        }
+        #[allow(unsafe_code)]
+        // SAFETY: `mem` is kept (in `Registered`) until deregistration.
+        let got = unsafe { self.comm.window_register(&mem) };
+        let blob = match &got {
+            Ok(_) => "ok".to_string(),
+            Err(e) => format!("err {e}"),
+        };
+        let all = group.exchange("nccl_rma_registered", blob.as_bytes());
+        let failed = |e: rmacomm_cuda::CudaError| Error::Cuda { op: "register (ncclCommWindowRegister)", source: e };
+        let win = match (got, all) {
+            (Ok(win), Ok(all)) => {
+                let bad = all
+                    .iter()
+                    .enumerate()
+                    .find_map(|(r, v)| String::from_utf8_lossy(v).strip_prefix("err ").map(|why| (r, why.to_string())));
+                if let Some((peer, reason)) = bad {
+                    let _ = self.comm.window_deregister(win);
+                    return Err(Error::PeerFailed { op: OP, peer, reason });
+                }
+                win
+            }
+            (Ok(win), Err(e)) => {
+                let _ = self.comm.window_deregister(win);
+                return Err(e);
+            }
+            (Err(e), _) => return Err(failed(e)),
+        };
+        self.windows.push(Some(Registered { win, _mem: mem, len: len.unwrap_or(0) }));
         Ok(WindowId(self.windows.len() - 1))
     }
 
@@ -163,7 +266,9 @@ impl NcclRma {
     pub fn deregister(&mut self, id: WindowId) -> Result<()> {
         self.window("deregister", id)?;
         let r = self.windows[id.0].take().expect("checked");
-        self.comm.window_deregister(r.win).map_err(nccl("deregister (ncclCommWindowDeregister)"))
+        self.comm
+            .window_deregister(r.win)
+            .map_err(|e| Error::Cuda { op: "deregister (ncclCommWindowDeregister)", source: e })
     }
 
     fn peer(&self, op: &'static str, peer: usize) -> Result<()> {
@@ -191,19 +296,19 @@ impl NcclRma {
     ) -> Result<()> {
         const OP: &str = "put";
         self.peer(OP, dst)?;
+        self.usable(OP, dst)?;
         let source = self.window(OP, src)?;
-        if src_offset.checked_add(len).is_none_or(|end| end > source.win.len()) {
+        if src_offset.checked_add(len).is_none_or(|end| end > source.len) {
             return Err(Error::invalid(
                 OP,
                 format!(
                     "the source, {len} bytes at offset {src_offset}, is past this rank's {}-byte buffer of window {}",
-                    source.win.len(),
-                    src.0
+                    source.len, src.0
                 ),
             ));
         }
         let from = source.win.ptr() + src_offset as u64;
-        let cap = self.window(OP, target)?.sizes[dst];
+        let cap = self.window(OP, target)?.len;
         if offset.checked_add(len).is_none_or(|end| end > cap) {
             return Err(Error::Bounds {
                 op: OP,
@@ -219,7 +324,12 @@ impl NcclRma {
             ));
         }
         let win = &self.windows[target.0].as_ref().expect("checked").win;
-        self.comm.put_signal(from, len, dst, win, offset, stream).map_err(nccl("put (ncclPutSignal)"))?;
+        #[allow(unsafe_code)]
+        // SAFETY: the source lies in this rank's registered window (kept
+        // allocated while registered) and the target range in the peer's
+        // (every rank's buffer is `cap` bytes), both checked above.
+        let r = unsafe { self.comm.put_signal(from, len, dst, win, offset, stream) };
+        r.map_err(|e| self.failed("put (ncclPutSignal)", e))?;
         self.pending[dst] += 1;
         Ok(())
     }
@@ -234,10 +344,17 @@ impl NcclRma {
     pub fn signal(&mut self, dst: usize, stream: &Stream) -> Result<()> {
         const OP: &str = "signal";
         self.peer(OP, dst)?;
-        self.comm.signal(dst, stream).map_err(nccl("signal (ncclSignal)"))?;
+        self.usable(OP, dst)?;
+        let r = self.comm.signal(dst, stream);
+        r.map_err(|e| self.failed("signal (ncclSignal)", e))?;
         let count = self.pending[dst] + 1;
         let key = self.key(self.rank, dst, self.sent[dst]);
-        self.store.set(&key, count.to_string().as_bytes())?;
+        if let Err(e) = self.store.set(&key, count.to_string().as_bytes()) {
+            // The NCCL signal is queued but unannounced: the next signal
+            // to `dst` closes it too.
+            self.pending[dst] = count;
+            return Err(e);
+        }
         self.sent[dst] += 1;
         self.pending[dst] = 0;
         Ok(())
@@ -249,6 +366,7 @@ impl NcclRma {
     pub fn wait_signal(&mut self, src: usize, stream: &Stream) -> Result<()> {
         const OP: &str = "wait_signal";
         self.peer(OP, src)?;
+        self.usable(OP, src)?;
         let n = self.waited[src];
         let key = self.key(src, self.rank, n);
         let raw = self.store.get(&key, self.timeout).map_err(|e| match e {
@@ -260,10 +378,16 @@ impl NcclRma {
         })?;
         let count = String::from_utf8_lossy(&raw)
             .parse::<u32>()
-            .map_err(|_| Error::Protocol(format!("wait_signal: rank {src}'s signal count is malformed")))?;
-        self.comm.wait_signal(src, count, stream).map_err(nccl("wait_signal (ncclWaitSignal)"))?;
+            .ok()
+            .filter(|c| (1..=i32::MAX as u32).contains(c))
+            .ok_or_else(|| Error::Protocol(format!("wait_signal: rank {src}'s signal count is malformed")))?;
+        let r = self.comm.wait_signal(src, count, stream);
+        r.map_err(|e| self.failed("wait_signal (ncclWaitSignal)", e))?;
         self.waited[src] += 1;
-        self.store.delete(&key)?;
+        // The wait is queued: a key left behind costs store memory only.
+        if let Err(e) = self.store.delete(&key) {
+            tracing::warn!("NCCL window: could not delete {key} from the store: {e}");
+        }
         Ok(())
     }
 }

@@ -219,57 +219,53 @@ fn device_memory_ring_against_the_cuda_standin() {
 }
 
 /// NCCL's window API (2.29+) through `NcclRma`, against the stand-in (the
-/// CUDA stand-in's library also stands in for NCCL's one-sided calls):
-/// the ring whose rounds put several pieces before one signal (a wait that
-/// counted NCCL's signals wrong passes early and finds old data) on 1, 2
-/// and 3 ranks, on cuMemAlloc and on VMM memory, and the refusals; then a
-/// library that says it is 2.28.9, and a communicator made without an RMA
-/// context, each refused on every rank naming why.
+/// CUDA stand-in's library also stands in for NCCL's one-sided calls): the
+/// ring whose rounds put to two peers and two windows, one of them in
+/// several pieces before one signal (a wait that counted NCCL's signals
+/// wrong passes early and finds old data) on 1, 2 and 3 ranks, and the
+/// refusals; then a library that says it is 2.28.9 (refused on every rank
+/// naming the versions), a communicator without an RMA context
+/// (`NCCL_NUM_RMA_CTX=0`: the first put fails naming `ncclPutSignal`), and
+/// one without symmetric windows (`NCCL_WIN_ENABLE=0`: registration fails
+/// on every rank saying NCCL gave no window).
 #[test]
 fn nccl_windows_against_the_standin() {
     let Some(lib) = rmacomm_window::cuda::standin_for_tests() else { return };
-    let run = |n: usize, alloc: &str, env: &[(&str, &str)]| {
+    let run = |n: usize, env: &[(&str, &str)]| {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_rmacomm-run"));
         cmd.args(["--nproc-per-node", &n.to_string(), env!("CARGO_BIN_EXE_gpu-window-scenario"), "nccl"])
             .env_remove("MASTER_ADDR")
             .env_remove("MASTER_PORT")
             .env("RMACOMM_TIMEOUT_SECONDS", "60")
-            .env("GPU_WINDOW_ALLOC", alloc)
             .env("RMACOMM_CUDA_LIB", &lib)
             .env("RMACOMM_NCCL_LIB", &lib)
             .env("RMACOMM_EXPECT_GPU", "1")
-            .env_remove("RMACOMM_NCCL_RMA")
+            .env_remove("NCCL_NUM_RMA_CTX")
+            .env_remove("NCCL_WIN_ENABLE")
             .env_remove("RMACOMM_STANDIN_NCCL_VERSION");
         for (k, v) in env {
             cmd.env(k, v);
         }
-        let out = cmd.output().unwrap();
-        assert_every_rank_ok(n, &out)
+        cmd.output().unwrap()
     };
     // One rank: puts to itself (what the GPU suite runs: one GPU, one rank).
-    for (n, alloc) in [(1, "cuMemAlloc"), (2, "cuMemAlloc"), (3, "cuMemAlloc"), (2, "vmm"), (3, "vmm")] {
-        let stdout = run(n, alloc, &[]);
+    for n in [1, 2, 3] {
+        let stdout = assert_every_rank_ok(n, &run(n, &[]));
         for r in 0..n {
-            assert!(
-                stdout.contains(&format!("[{r}] rank {r}: NCCL windows (NCCL (libnccl.so.2) 2.30.7) ring")),
-                "{stdout}"
-            );
+            let want = format!("[{r}] rank {r}: NCCL windows (NCCL (libnccl.so.2) 2.30.7) ring");
+            assert!(stdout.contains(&want), "{stdout}");
         }
     }
-    let stdout = run(2, "cuMemAlloc", &[("RMACOMM_STANDIN_NCCL_VERSION", "22809")]);
+    let stdout = assert_every_rank_ok(2, &run(2, &[("RMACOMM_STANDIN_NCCL_VERSION", "22809")]));
     for r in 0..2 {
-        let line = stdout
-            .lines()
-            .find(|l| l.starts_with(&format!("[{r}] rank {r} refused:")))
-            .unwrap_or_else(|| panic!("{stdout}"));
+        let line = stdout.lines().find(|l| l.starts_with(&format!("[{r}] rank {r} refused:")));
+        let line = line.unwrap_or_else(|| panic!("{stdout}"));
         assert!(line.contains("2.28.9") && line.contains("2.29"), "{line}");
     }
-    let stdout = run(2, "cuMemAlloc", &[("RMACOMM_NCCL_RMA", "0")]);
-    for r in 0..2 {
-        let line = stdout
-            .lines()
-            .find(|l| l.starts_with(&format!("[{r}] rank {r} refused:")))
-            .unwrap_or_else(|| panic!("{stdout}"));
-        assert!(line.contains("without an RMA context"), "{line}");
+    for (env, want) in [("NCCL_NUM_RMA_CTX", "put (ncclPutSignal)"), ("NCCL_WIN_ENABLE", "NCCL gave no window")] {
+        let out = run(2, &[(env, "0")]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{env}=0 passed:\n{stderr}");
+        assert!(stderr.contains(want), "{env}=0: no {want:?} in:\n{stderr}");
     }
 }

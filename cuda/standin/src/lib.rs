@@ -64,7 +64,6 @@ enum Op {
     Copy { dst: u64, src: u64, len: usize },
     Set { dst: u64, value: u8, len: usize },
     Write { addr: u64, value: u64 },
-    Add { addr: u64, value: u64 },
     WaitGeq { addr: u64, value: u64 },
     Kernel(Box<Kernel>),
     Upload { dst: u64, bytes: Vec<u8> },
@@ -84,7 +83,6 @@ impl Op {
             // SAFETY: as for copies.
             Op::Set { dst, value, len } => unsafe { std::ptr::write_bytes(host(dst) as *mut u8, value, len) },
             Op::Write { addr, value } => word(addr).store(value, Ordering::SeqCst),
-            Op::Add { addr, value } => drop(word(addr).fetch_add(value, Ordering::SeqCst)),
             Op::WaitGeq { addr, value } => {
                 let w = word(addr);
                 if w.load(Ordering::SeqCst) >= value {

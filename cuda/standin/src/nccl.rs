@@ -9,17 +9,22 @@
 //!   join count, a signal counter per (source, destination) pair and, per
 //!   window and rank, where that rank's buffer lives (files another
 //!   process maps: see `backing`);
-//! - `ncclCommInitRankConfig` reads `numRmaCtx` from a config of NCCL
-//!   2.29's layout; `ncclCommInitRank` makes a communicator without an RMA
-//!   context, on which the one-sided calls fail with
-//!   `ncclInvalidArgument` (as NCCL's do without host RMA support);
+//! - `ncclCommInitRank` gives one RMA context unless `NCCL_NUM_RMA_CTX=0`
+//!   (NCCL's default and switch); without one the one-sided calls fail
+//!   with `ncclInvalidArgument` (as NCCL's do without host RMA support);
+//! - `ncclCommWindowRegister` wants cuMem/VMM memory, 4096-byte aligned,
+//!   one size on every rank (else `ncclInvalidArgument`), and gives no
+//!   window (success, NULL) under `NCCL_WIN_ENABLE=0`, as NCCL does
+//!   without symmetric support;
 //! - `ncclPutSignal` queues, on the stand-in stream, a copy into the
-//!   peer's buffer and then one increment of the (self, peer) counter;
-//!   `ncclSignal` the increment alone; `ncclWaitSignal` a wait until the
-//!   (peer, self) counter reaches what this rank's waits so far add up to.
-//!   Both check what NCCL checks: signal index, context and flags 0, a
-//!   peer in range, a registered window, the put within the peer's buffer,
-//!   its source inside a window this rank registered.
+//!   peer's buffer and then a write of the (self, peer) counter's next
+//!   value (NCCL writes sequence numbers, not increments: a signal on
+//!   another stream can overtake a put); `ncclSignal` the write alone;
+//!   `ncclWaitSignal` a wait until the (peer, self) counter reaches what
+//!   this rank's waits so far add up to. Both check what NCCL checks:
+//!   signal index, context and flags 0, a peer in range, a registered
+//!   window, the put within the peer's buffer, its source inside a window
+//!   this rank registered.
 //!
 //! Collectives and point-to-point calls are refused (`ncclInvalidUsage`):
 //! nothing here stands in for them.
@@ -75,6 +80,8 @@ struct Comm {
     rma: bool,
     /// Per source: the signals this rank's waits so far add up to.
     expected: Mutex<Vec<u64>>,
+    /// Per destination: signals (puts included) queued to it so far.
+    sent: Mutex<Vec<u64>>,
     windows: AtomicUsize,
     /// This rank's registered buffers (device address, length).
     local: Mutex<Vec<(u64, usize)>>,
@@ -84,6 +91,13 @@ impl Comm {
     fn shared(&self) -> &Shared {
         // SAFETY: mapped for the communicator's life.
         unsafe { &*self.shared }
+    }
+
+    /// The value the next signal to `dst` writes.
+    fn next_seq(&self, dst: usize) -> u64 {
+        let mut s = self.sent.lock().unwrap();
+        s[dst] += 1;
+        s[dst]
     }
 
     fn counter(&self, src: usize, dst: usize) -> u64 {
@@ -182,6 +196,7 @@ fn init(out: *mut *mut c_void, n: c_int, UniqueId(id): UniqueId, rank: c_int, rm
         n,
         rma,
         expected: Mutex::new(vec![0; n]),
+        sent: Mutex::new(vec![0; n]),
         windows: AtomicUsize::new(0),
         local: Mutex::new(Vec::new()),
     });
@@ -190,6 +205,11 @@ fn init(out: *mut *mut c_void, n: c_int, UniqueId(id): UniqueId, rank: c_int, rm
     while c.shared().joined.load(Ordering::Acquire) < n as u64 {
         if start.elapsed() > JOIN {
             eprintln!("NCCL stand-in: rank {rank}: not every rank of {n} joined within {JOIN:?}");
+            // SAFETY: our mapping and name, undone once.
+            unsafe {
+                libc::munmap(p, len);
+                libc::shm_unlink(name.as_ptr());
+            }
             return SYSTEM_ERROR;
         }
         std::thread::sleep(Duration::from_millis(1));
@@ -204,46 +224,14 @@ fn init(out: *mut *mut c_void, n: c_int, UniqueId(id): UniqueId, rank: c_int, rm
     SUCCESS
 }
 
-/// `ncclCommInitRank`: without an RMA context.
+/// `ncclCommInitRank`: one RMA context unless `NCCL_NUM_RMA_CTX=0`.
 ///
 /// # Safety
 /// `out` is a valid out-pointer.
 #[no_mangle]
 pub unsafe extern "C" fn ncclCommInitRank(out: *mut *mut c_void, n: c_int, id: UniqueId, rank: c_int) -> NcclResult {
-    init(out, n, id, rank, false)
-}
-
-/// `ncclCommInitRankConfig`: `numRmaCtx` read from NCCL 2.29's layout
-/// (offset 84 of 88 bytes); a config without the magic, or smaller, is
-/// refused.
-///
-/// # Safety
-/// `out` is a valid out-pointer; `config` points to a config of the size it
-/// states.
-#[no_mangle]
-pub unsafe extern "C" fn ncclCommInitRankConfig(
-    out: *mut *mut c_void,
-    n: c_int,
-    id: UniqueId,
-    rank: c_int,
-    config: *const u8,
-) -> NcclResult {
-    if config.is_null() {
-        return init(out, n, id, rank, false);
-    }
-    // SAFETY: the config's header (size, magic, version), then, when it
-    // says it is large enough, its numRmaCtx.
-    let (size, magic, version, rma_ctx) = unsafe {
-        let size = (config as *const usize).read_unaligned();
-        let magic = (config.add(8) as *const c_uint).read_unaligned();
-        let version = (config.add(12) as *const c_uint).read_unaligned();
-        let rma_ctx = if size >= 88 { (config.add(84) as *const c_int).read_unaligned() } else { c_int::MIN };
-        (size, magic, version, rma_ctx)
-    };
-    if magic != 0xcafe_beef || size < 16 || version < 21400 {
-        return INVALID_ARGUMENT;
-    }
-    init(out, n, id, rank, version >= 22900 && rma_ctx >= 1)
+    let rma = std::env::var("NCCL_NUM_RMA_CTX").map_or(true, |v| v.trim() != "0");
+    init(out, n, id, rank, rma)
 }
 
 fn free(c: *mut c_void) -> NcclResult {
@@ -384,10 +372,20 @@ pub unsafe extern "C" fn ncclCommWindowRegister(
     _flags: c_int,
 ) -> NcclResult {
     let Some(cm) = comm(c) else { return INVALID_ARGUMENT };
+    if std::env::var("NCCL_WIN_ENABLE").is_ok_and(|v| v.trim() == "0") {
+        // No symmetric support: success, and no window.
+        // SAFETY: the caller's out-pointer.
+        unsafe { *win = std::ptr::null_mut() };
+        return SUCCESS;
+    }
     let Some(pieces) = backing(buff as u64, size) else {
         eprintln!("NCCL stand-in: window register: {buff:?} (+{size}) is not device memory of this process");
         return INVALID_ARGUMENT;
     };
+    if !pieces.iter().all(|p| p.0.starts_with("/proc/")) || !(buff as u64).is_multiple_of(4096) {
+        eprintln!("NCCL stand-in: window register: {buff:?} is not 4096-byte aligned cuMem/VMM memory");
+        return INVALID_ARGUMENT;
+    }
     let idx = cm.windows.fetch_add(1, Ordering::AcqRel);
     if idx >= MAX_WINDOWS {
         return INTERNAL_ERROR;
@@ -409,19 +407,36 @@ pub unsafe extern "C" fn ncclCommWindowRegister(
     me.ready.store(1, Ordering::Release);
     let mut peers = Vec::with_capacity(cm.n);
     let mut maps = Vec::new();
+    let undo = |maps: &[(u64, usize)]| {
+        for (a, l) in maps {
+            // SAFETY: mappings made here, undone once.
+            unsafe { libc::munmap(*a as *mut c_void, *l) };
+        }
+    };
     let start = Instant::now();
+    let mut result = SUCCESS;
     for r in 0..cm.n {
         let e = &cm.shared().wins[idx * MAX_RANKS + r];
         while e.ready.load(Ordering::Acquire) == 0 {
             if start.elapsed() > JOIN {
                 eprintln!("NCCL stand-in: window register: rank {r} did not register within {JOIN:?}");
+                undo(&maps);
                 return SYSTEM_ERROR;
             }
             std::thread::sleep(Duration::from_millis(1));
         }
-        let Some((len, pieces)) = parse_blob(&e.blob) else { return INTERNAL_ERROR };
+        let Some((len, pieces)) = parse_blob(&e.blob) else {
+            undo(&maps);
+            return INTERNAL_ERROR;
+        };
+        if len != size {
+            // Every rank sees it: all fail (after the handshake below).
+            eprintln!("NCCL stand-in: window register: rank {r}'s buffer is {len} bytes, this rank's {size}");
+            result = INVALID_ARGUMENT;
+        }
         let Some((at, m)) = map_pieces(&pieces, len) else {
             eprintln!("NCCL stand-in: window register: cannot map rank {r}'s buffer ({pieces:?})");
+            undo(&maps);
             return SYSTEM_ERROR;
         };
         peers.push((at, len));
@@ -436,10 +451,15 @@ pub unsafe extern "C" fn ncclCommWindowRegister(
         while e.ready.load(Ordering::Acquire) < 2 {
             if start.elapsed() > JOIN {
                 eprintln!("NCCL stand-in: window register: rank {r} did not map the buffers within {JOIN:?}");
+                undo(&maps);
                 return SYSTEM_ERROR;
             }
             std::thread::sleep(Duration::from_millis(1));
         }
+    }
+    if result != SUCCESS {
+        undo(&maps);
+        return result;
     }
     cm.local.lock().unwrap().push((buff as u64, size));
     let w = Box::new(Win { comm: cm, base: buff as u64, len: size, peers, maps });
@@ -459,7 +479,11 @@ pub extern "C" fn ncclCommWindowDeregister(c: *mut c_void, win: *mut c_void) -> 
     // contract), and its mappings.
     unsafe {
         let w = Box::from_raw(win as *mut Win);
-        cm.local.lock().unwrap().retain(|&(b, l)| (b, l) != (w.base, w.len));
+        let mut local = cm.local.lock().unwrap();
+        if let Some(i) = local.iter().position(|&(b, l)| (b, l) == (w.base, w.len)) {
+            local.remove(i);
+        }
+        drop(local);
         for (a, l) in &w.maps {
             libc::munmap(*a as *mut c_void, *l);
         }
@@ -532,7 +556,7 @@ pub unsafe extern "C" fn ncclPutSignal(
         return INVALID_ARGUMENT;
     }
     enqueue(stream, Op::Copy { dst: dst + offset as u64, src, len: bytes });
-    enqueue(stream, Op::Add { addr: cm.counter(cm.rank, peer), value: 1 });
+    enqueue(stream, Op::Write { addr: cm.counter(cm.rank, peer), value: cm.next_seq(peer) });
     SUCCESS
 }
 
@@ -550,7 +574,7 @@ pub extern "C" fn ncclSignal(
         Ok(cm) => cm,
         Err(e) => return e,
     };
-    enqueue(stream, Op::Add { addr: cm.counter(cm.rank, peer as usize), value: 1 });
+    enqueue(stream, Op::Write { addr: cm.counter(cm.rank, peer as usize), value: cm.next_seq(peer as usize) });
     SUCCESS
 }
 

@@ -31,15 +31,19 @@
 //!   host signals; JSON lines on stdout.
 //!
 //! - `nccl`: NCCL's own one-sided API (2.29+) through
-//!   `rmacomm_window::nccl_rma::NcclRma`: a ring of three rounds, round k
-//!   putting k + 1 pieces before one signal, rank 0's last piece held back
-//!   on its stream until after the signal, so a wait that counted NCCL's
-//!   signals wrong passes early and finds old data; then the refusals (a rank outside the communicator, a
-//!   put past the peer's buffer, a source past this rank's, a window not
-//!   registered, a signal that never comes). With a library older than
-//!   2.29, or a communicator made without an RMA context
-//!   (`RMACOMM_NCCL_RMA=0`), each rank prints `refused: ...` and succeeds:
-//!   the caller checks the reason. One rank per GPU (NCCL's rule).
+//!   `rmacomm_window::nccl_rma::NcclRma`, on cuMem/VMM memory: a ring of
+//!   three rounds, each rank putting into its left neighbour's second
+//!   window, then round k putting k + 1 pieces into its right neighbour's
+//!   first, rank 0's last piece held back on its stream until after it has
+//!   signalled, so a wait that counted NCCL's signals wrong passes early
+//!   and finds old data; then the refusals (a rank outside the
+//!   communicator, a put past the peer's buffer, a source past this
+//!   rank's, a window not registered, cuMemAlloc memory, buffers of
+//!   different sizes, a signal that never comes). With a library older
+//!   than 2.29 each rank prints `refused: ...` and succeeds: the caller
+//!   checks the reason. One rank per GPU (NCCL's rule); one rank puts to
+//!   itself, which checks the calls but not the counting (one stream
+//!   orders everything).
 //!
 //! With `GPU_WINDOW_ALLOC=vmm` every registered tensor is cuMem/VMM memory
 //! in 2 MiB mappings (as PyTorch's expandable segments are): peers map it
@@ -590,7 +594,7 @@ fn nccl(g: &Group, ctx: &Arc<Context>) -> R {
         *b = u8::from_str_radix(std::str::from_utf8(&all[0][2 * i..2 * i + 2]).map_err(s)?, 16).map_err(s)?;
     }
     let comm = NcclComm::init(lib.clone(), ctx.clone(), &UniqueId(raw), rank, size).map_err(s)?;
-    let mut rma = match NcclRma::new(comm, g, Duration::from_secs(5)) {
+    let mut rma = match NcclRma::new(comm, g, Duration::from_secs(60)) {
         Ok(r) => r,
         Err(e) => {
             println!("rank {rank} refused: {e}");
@@ -599,9 +603,13 @@ fn nccl(g: &Group, ctx: &Arc<Context>) -> R {
     };
     let stream = ctx.stream().map_err(s)?;
     let count = 4096usize;
-    let dst_mem = Arc::new(tensor_mem(ctx, size * count * 4).map_err(s)?);
+    // NCCL windows are cuMem/VMM memory, one size on every rank.
+    let vmm = |len: usize| ctx.alloc_vmm(len, 2 << 20).map(Arc::new).map_err(s);
+    let dst_mem = vmm(size * count * 4)?;
     let dst = rma.register(g, dst_mem.clone()).map_err(s)?;
-    let src_mem = Arc::new(tensor_mem(ctx, count * 4).map_err(s)?);
+    let aux_mem = vmm(size * count * 4)?;
+    let aux = rma.register(g, aux_mem.clone()).map_err(s)?;
+    let src_mem = vmm(count * 4)?;
     let src = rma.register(g, src_mem.clone()).map_err(s)?;
     // The gate: a host word rank 0's stream waits on.
     let gate = Box::new(std::sync::atomic::AtomicU64::new(0));
@@ -609,11 +617,25 @@ fn nccl(g: &Group, ctx: &Arc<Context>) -> R {
     // SAFETY: the word outlives the registration (dropped first, below).
     let gate_reg = unsafe { ctx.register_host(gate.as_ptr().cast(), 8) }.map_err(s)?;
     let start = Instant::now();
+    let check_from = |mem: &DeviceMemory, from: usize, want: usize, what: &str| -> R {
+        let mut got = vec![0u8; count * 4];
+        mem.read_into(from * count * 4, &mut got).map_err(s)?;
+        let expect = f32s(want, count);
+        match got.chunks(4).zip(expect.chunks(4)).position(|(a, b)| a != b) {
+            None => Ok(()),
+            Some(bad) => {
+                Err(format!("{what}: element {bad} from rank {from} is {:?}, want {want}", &got[bad * 4..][..4]))
+            }
+        }
+    };
     for round in 0..3usize {
         let value = |r: usize| 1000 * round + r + 1;
         let what = || format!("NCCL window ring, round {round}");
         let fail = |e: Error| format!("{}: {e}", what());
         src_mem.write_from(0, &f32s(value(rank), count)).map_err(s)?;
+        // To the left, into the other window: two destinations (from 3
+        // ranks) and two target windows count apart.
+        rma.put(src, 0, count * 4, left, aux, rank * count * 4, &stream).map_err(fail)?;
         let pieces = round + 1;
         let per = count.div_ceil(pieces);
         for p in 0..pieces {
@@ -631,43 +653,49 @@ fn nccl(g: &Group, ctx: &Arc<Context>) -> R {
             rma.put(src, a * 4, (b - a) * 4, right, dst, (rank * count + a) * 4, &stream).map_err(fail)?;
         }
         rma.signal(right, &stream).map_err(fail)?;
+        if left != right {
+            rma.signal(left, &stream).map_err(fail)?;
+        }
         if pieces > 1 && rank == 0 {
             std::thread::sleep(Duration::from_millis(300));
             gate.store(round as u64, std::sync::atomic::Ordering::SeqCst);
         }
         rma.wait_signal(left, &stream).map_err(fail)?;
-        wait_stream(&stream, &what)?;
-        let mut got = vec![0u8; count * 4];
-        dst_mem.read_into(left * count * 4, &mut got).map_err(s)?;
-        let want = f32s(value(left), count);
-        if got != want {
-            let bad = got.chunks(4).zip(want.chunks(4)).position(|(a, b)| a != b).unwrap();
-            return Err(format!(
-                "{}: element {bad} from rank {left} is {:?}, want {}",
-                what(),
-                &got[bad * 4..][..4],
-                value(left)
-            ));
+        if left != right {
+            rma.wait_signal(right, &stream).map_err(fail)?;
         }
+        wait_stream(&stream, &what)?;
+        check_from(&dst_mem, left, value(left), &what())?;
+        check_from(&aux_mem, right, value(right), &format!("{} (the other window)", what()))?;
         g.barrier(None).map_err(s)?;
     }
+    drop(gate_reg);
     let refused = |what: &str, r: Result<(), Error>, want: &str| -> R {
         match r {
             Err(e) if e.to_string().contains(want) => Ok(()),
             other => Err(format!("{what}: {other:?}, want an error saying {want:?}")),
         }
     };
+    let (dlen, slen) = (dst_mem.len(), src_mem.len());
     refused("a rank outside", rma.put(src, 0, 4, size, dst, 0, &stream), "not below the communicator's size")?;
-    refused("past the peer's buffer", rma.put(src, 0, 8, right, dst, size * count * 4 - 4, &stream), "out of bounds")?;
-    refused("past the source", rma.put(src, count * 4 - 4, 8, right, dst, 0, &stream), "past this rank's")?;
-    let gone = rma.register(g, Arc::new(tensor_mem(ctx, 4096).map_err(s)?)).map_err(s)?;
+    refused("past the peer's buffer", rma.put(src, 0, 8, right, dst, dlen - 4, &stream), "out of bounds")?;
+    refused("past the source", rma.put(src, slen - 4, 8, right, dst, 0, &stream), "past this rank's")?;
+    let gone = rma.register(g, vmm(4096)?).map_err(s)?;
     rma.deregister(gone).map_err(s)?;
     refused("a deregistered window", rma.put(src, 0, 4, right, gone, 0, &stream), "not registered")?;
+    // Collective refusals, on every rank before NCCL is called.
+    let plain = Arc::new(ctx.alloc_shared(4096).map_err(s)?);
+    refused("cuMemAlloc memory", rma.register(g, plain).map(drop), "not cuMem/VMM memory")?;
+    if size > 1 {
+        let uneven = vmm(if rank == 0 { 4 << 20 } else { 2 << 20 })?;
+        refused("buffers of different sizes", rma.register(g, uneven).map(drop), "NCCL windows are one size")?;
+    }
+    rma.set_timeout(Duration::from_secs(2));
     refused("a signal never sent", rma.wait_signal(left, &stream), &format!("from rank {left}"))?;
-    drop(gate_reg);
     g.barrier(None).map_err(s)?;
-    rma.deregister(src).map_err(s)?;
-    rma.deregister(dst).map_err(s)?;
+    for w in [src, aux, dst] {
+        rma.deregister(w).map_err(s)?;
+    }
     println!(
         "rank {rank}: NCCL windows ({}) ring of 3 rounds and refusals in {:?}",
         rma.comm().library(),
