@@ -640,11 +640,12 @@ fn nccl(g: &Group, ctx: &Arc<Context>) -> R {
         let per = count.div_ceil(pieces);
         for p in 0..pieces {
             let (a, b) = (p * per, ((p + 1) * per).min(count));
-            if p == pieces - 1 && pieces > 1 && rank == 0 {
+            if p == pieces - 1 && pieces > 1 && rank == 0 && size > 1 {
                 // Rank 0's last piece runs only when its host opens the
                 // gate, after it has queued the signal and paused: rank 1
                 // waits for it, and a wait that passed early (counting
-                // NCCL's signals wrong) reads the old data meanwhile.
+                // NCCL's signals wrong) reads the old data meanwhile. (Not
+                // with one rank: its own wait follows on the same stream.)
                 #[allow(unsafe_code)]
                 // SAFETY: a registered host word, live until the stream
                 // is synchronized (below).
@@ -656,7 +657,7 @@ fn nccl(g: &Group, ctx: &Arc<Context>) -> R {
         if left != right {
             rma.signal(left, &stream).map_err(fail)?;
         }
-        if pieces > 1 && rank == 0 {
+        if pieces > 1 && rank == 0 && size > 1 {
             std::thread::sleep(Duration::from_millis(300));
             gate.store(round as u64, std::sync::atomic::Ordering::SeqCst);
         }
