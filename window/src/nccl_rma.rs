@@ -61,7 +61,9 @@ struct Registered {
 /// NCCL's one-sided API on one communicator, with rmacomm's signal
 /// semantics (module docs). Windows are registered on it collectively
 /// ([`register`](Self::register)); signals belong to the communicator, as
-/// NCCL's do, whatever windows the puts went to.
+/// NCCL's do, whatever windows the puts went to. Dropping it deregisters
+/// its windows, which NCCL does collectively: drop it on every rank. A
+/// signal never waited for leaves its count (a few bytes) in the store.
 pub struct NcclRma {
     comm: NcclComm,
     store: Arc<dyn Store>,
