@@ -463,9 +463,10 @@ impl NcclComm {
         self.rma.clone()
     }
 
-    /// Whether NCCL's window API can be used ([`rma_api`](Self::rma_api)'s
-    /// error if not): check before a collective registration, so every
-    /// rank can learn of any rank's refusal.
+    /// Whether NCCL's window API can be used (2.29 or later, with the
+    /// calls; else the error saying which is missing): check before a
+    /// collective registration, so every rank can learn of any rank's
+    /// refusal.
     pub fn window_api(&self) -> Result<()> {
         self.rma_api().map(drop)
     }
