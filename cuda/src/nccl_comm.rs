@@ -147,12 +147,14 @@ const WIN_COLL_SYMMETRIC: c_int = 1;
 #[derive(Debug)]
 pub struct NcclWindow {
     raw: *mut c_void,
+    /// The communicator that registered it (its calls refuse others').
+    comm: NcclComm_,
     ptr: DevicePtr,
     len: usize,
 }
 
-// SAFETY: the handle is an opaque NCCL pointer, used only through the
-// communicator's calls (which take it by reference).
+// SAFETY: the handles are opaque NCCL pointers, used only through the
+// registering communicator's calls.
 unsafe impl Send for NcclWindow {}
 
 impl NcclWindow {
@@ -283,7 +285,7 @@ impl NcclComm {
         let (n, r) = (c_int::try_from(size).unwrap_or(c_int::MAX), c_int::try_from(rank).unwrap_or(c_int::MAX));
         // SAFETY: a valid out-pointer; the id by value. (From 2.29 NCCL
         // gives a communicator one RMA context by default, what its
-        // one-sided calls need; NCCL_NUM_RMA_CTX=0 takes it away.)
+        // one-sided calls need; NCCL_NUM_RMA_CTX sets how many.)
         api.check(&lib, "ncclCommInitRank", unsafe { (api.init_rank)(&mut comm, n, *id, r) })?;
         let rma = RmaApi::of(&lib);
         Ok(NcclComm { api, lib, ctx, comm, rank, size, rma })
@@ -474,22 +476,23 @@ impl NcclComm {
     /// `ncclCommWindowRegister` of `mem` with `NCCL_WIN_COLL_SYMMETRIC`
     /// (collective: every rank registers its buffer in the same order).
     /// NCCL wants cuMem/VMM memory (`ncclMemAlloc`, PyTorch's expandable
-    /// segments), 4096-byte aligned, of one size on every rank. A
-    /// communicator without symmetric window support (or
-    /// `NCCL_WIN_ENABLE=0`) gives no window: an error here.
+    /// segments), 4096-byte aligned. A communicator without symmetric
+    /// window support (or `NCCL_WIN_ENABLE=0`) gives no window: an error
+    /// here.
     ///
     /// # Safety
     /// `mem` stays allocated until the window is deregistered (peers write
-    /// it until then).
+    /// it until then), and is in no other window of this communicator
+    /// (NCCL leaves registering a buffer twice undefined).
     pub unsafe fn window_register(&mut self, mem: &DeviceMemory) -> Result<NcclWindow> {
         let api = self.rma_api()?;
         let mut raw: *mut c_void = std::ptr::null_mut();
         let (c, ptr, len) = (self.comm, mem.ptr(), mem.len());
+        self.ctx.bind()?;
         // SAFETY: live device memory (the caller keeps it allocated while
         // registered); a valid out-pointer.
-        self.call("ncclCommWindowRegister", || unsafe {
-            (api.register)(c, ptr as *mut c_void, len, &mut raw, WIN_COLL_SYMMETRIC)
-        })?;
+        let st = unsafe { (api.register)(c, ptr as *mut c_void, len, &mut raw, WIN_COLL_SYMMETRIC) };
+        self.api.check(&self.lib, "ncclCommWindowRegister", st)?;
         if raw.is_null() {
             return Err(CudaError::Call {
                 lib: lib_name(&self.lib),
@@ -499,15 +502,39 @@ impl NcclComm {
                     .into(),
             });
         }
-        Ok(NcclWindow { raw, ptr, len })
+        let win = NcclWindow { raw, comm: c, ptr, len };
+        // Registered: an asynchronous error now must not lose the window.
+        if let Err(e) = self.call("ncclCommWindowRegister", || 0) {
+            // SAFETY: just registered, nothing queued uses it.
+            let _ = unsafe { self.window_deregister(win) };
+            return Err(e);
+        }
+        Ok(win)
     }
 
-    /// `ncclCommWindowDeregister` (collective, as registration was).
-    pub fn window_deregister(&mut self, win: NcclWindow) -> Result<()> {
+    fn mine(&self, call: &'static str, win: &NcclWindow) -> Result<()> {
+        if win.comm != self.comm {
+            return Err(CudaError::Call {
+                lib: lib_name(&self.lib),
+                call,
+                code: 4,
+                name: "the window belongs to another communicator".into(),
+            });
+        }
+        Ok(())
+    }
+
+    /// `ncclCommWindowDeregister` (local to this rank, as NCCL documents).
+    ///
+    /// # Safety
+    /// No queued operation of any stream uses the window (its buffer as a
+    /// put's source, or NCCL's mapping of a peer's buffer).
+    pub unsafe fn window_deregister(&mut self, win: NcclWindow) -> Result<()> {
         let api = self.rma_api()?;
+        self.mine("ncclCommWindowDeregister", &win)?;
         let c = self.comm;
         // SAFETY: a window this communicator registered, deregistered once
-        // (taken by value).
+        // (taken by value), unused (the caller's contract).
         self.call("ncclCommWindowDeregister", || unsafe { (api.deregister)(c, win.raw) })
     }
 
@@ -518,9 +545,10 @@ impl NcclComm {
     /// this rank.
     ///
     /// # Safety
-    /// `src..src + len` lies in a window this rank registered and stays
-    /// live until the stream has run the put; `offset + len` fits `peer`'s
-    /// buffer of `win` (NCCL does not check it: rmacomm's `NcclRma` does).
+    /// `src..src + len` lies in a window this rank registered; both
+    /// windows stay registered (and their memory allocated) until the
+    /// stream has run the put; `offset + len` fits `peer`'s buffer of `win`
+    /// (NCCL does not check it: rmacomm's `NcclRma` does).
     pub unsafe fn put_signal(
         &mut self,
         src: DevicePtr,
@@ -531,6 +559,7 @@ impl NcclComm {
         stream: &Stream,
     ) -> Result<()> {
         let api = self.rma_api()?;
+        self.mine("ncclPutSignal", win)?;
         let (c, s, w) = (self.comm, stream.raw() as CuStream, win.raw);
         let peer = c_int::try_from(peer).unwrap_or(c_int::MAX);
         // SAFETY: the caller's contract; bytes as ncclUint8.

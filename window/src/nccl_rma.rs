@@ -7,10 +7,10 @@
 //! `signal(d)` of rank s satisfies the n-th `wait_signal(s)` on d, and
 //! every put s made to d before that signal is in place when the wait is
 //! over. NCCL counts differently: each `ncclPutSignal` is a signal too, and
-//! `ncclWaitSignal` waits for a number of them. So `signal(d)` tells d,
-//! through the group's store, how many NCCL signals it closes (its puts to
-//! d since the previous signal, plus itself), and `wait_signal(s)` reads
-//! that count before it queues the wait. Two consequences, unlike
+//! `ncclWaitSignal` waits for a number of them. So `signal(d)` also
+//! publishes, through the group's store, how many NCCL signals s has queued
+//! to d in all (puts included), and `wait_signal(s)` reads that total and
+//! queues a wait for the ones not yet waited for. Two consequences, unlike
 //! rmacomm's own windows: the host call of `wait_signal(s)` returns only
 //! once s has *queued* its signal (the stream wait then waits for it to
 //! run), or fails after the timeout naming s — a program that queues a
@@ -21,16 +21,18 @@
 //! NCCL signal per `wait_signal`: after a put and a signal in one round,
 //! the next round's wait can pass before its data arrives.
 //!
-//! Refused before NCCL sees it, on every rank where it is collective:
-//! buffers of different sizes, memory that is not cuMem/VMM (NCCL's rule
-//! for windows: `ncclMemAlloc`, PyTorch's expandable segments,
-//! `Context::alloc_vmm`) or not 4096-byte aligned; and, with nothing
-//! queued, a put whose target range leaves the peer's buffer, whose source
-//! (named by window and offset: NCCL puts only from registered memory)
-//! leaves this rank's, a window not registered, a rank outside the
-//! communicator. After an NCCL call failed (it may have been counted),
-//! every later one-sided call fails naming it: make a new communicator.
-//! One-sided calls are not capturable in CUDA graphs (NCCL's note).
+//! Refused before NCCL sees it, on every rank (registration is
+//! collective): buffers of different sizes (rmacomm's rule, NCCL 2.29's),
+//! memory that is not cuMem/VMM (NCCL's rule for windows; here a
+//! [`DeviceMemory`] from `Context::alloc_vmm`) or not 4096-byte aligned,
+//! memory already in a window, an `NcclRma` broken by an earlier failure;
+//! and, with nothing queued, a put whose target range leaves the peer's
+//! buffer, whose source (named by window and offset: NCCL puts only from
+//! registered memory) leaves this rank's, a window not registered, a rank
+//! outside the communicator. After an NCCL one-sided call failed (NCCL may
+//! have counted it), every later one fails naming it: make a new
+//! communicator. The calls are not capturable in CUDA graphs (the counts
+//! go through the store when the call is made, not when a graph replays).
 //!
 //! The library must be 2.29 or later ([`rmacomm_cuda::nccl::WINDOW_API`]);
 //! an older one is refused on every rank, naming its version.
@@ -46,24 +48,31 @@ use crate::{Error, Group, Result, Store};
 /// `NCCL_WIN_REQUIRED_ALIGNMENT`.
 const ALIGN: u64 = 4096;
 
+/// ncclWaitSignal counts in a C int.
+const MAX_COUNT: u64 = i32::MAX as u64;
+
 /// A window registered on an [`NcclRma`]: an index into it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct WindowId(usize);
 
 struct Registered {
     win: NcclWindow,
-    /// Kept alive while registered.
-    _mem: Arc<DeviceMemory>,
-    /// Every rank's buffer length (one size).
-    len: usize,
+    /// Kept allocated while registered.
+    mem: Arc<DeviceMemory>,
+}
+
+impl Registered {
+    fn len(&self) -> usize {
+        self.win.len()
+    }
 }
 
 /// NCCL's one-sided API on one communicator, with rmacomm's signal
 /// semantics (module docs). Windows are registered on it collectively
 /// ([`register`](Self::register)); signals belong to the communicator, as
-/// NCCL's do, whatever windows the puts went to. Dropping it deregisters
-/// its windows, which NCCL does collectively: drop it on every rank. A
-/// signal never waited for leaves its count (a few bytes) in the store.
+/// NCCL's do, whatever windows the puts went to. Dropping it waits for its
+/// device's work, deregisters its windows and destroys the communicator. A
+/// signal never waited for leaves its total (a few bytes) in the store.
 pub struct NcclRma {
     comm: NcclComm,
     store: Arc<dyn Store>,
@@ -72,10 +81,14 @@ pub struct NcclRma {
     size: usize,
     timeout: Duration,
     windows: Vec<Option<Registered>>,
-    /// Per destination: puts since the last signal to it.
-    pending: Vec<u64>,
-    /// Per destination: signals sent; per source: signals waited for.
+    /// Per destination: NCCL signals queued to it (puts and signals), and
+    /// the total last published to it.
+    queued: Vec<u64>,
+    announced: Vec<u64>,
+    /// Per destination: signals published (the next key).
     sent: Vec<u64>,
+    /// Per source: NCCL signals waited for, and waits queued (the next key).
+    waited_total: Vec<u64>,
     waited: Vec<u64>,
     /// The first NCCL call that failed (NCCL may have counted it, so the
     /// counts can no longer be trusted).
@@ -93,7 +106,7 @@ impl NcclRma {
     /// communicator's): every rank checks that NCCL's window API is usable
     /// and learns whether every other rank's is; any refusal fails every
     /// rank, naming the rank and its reason. `timeout` bounds waits for a
-    /// peer's signal count.
+    /// peer's signal total.
     pub fn new(comm: NcclComm, group: &Group, timeout: Duration) -> Result<NcclRma> {
         const OP: &str = "NcclRma::new";
         if comm.size() != group.size() || comm.rank() != group.rank() {
@@ -133,17 +146,24 @@ impl NcclRma {
             size: n,
             timeout,
             windows: Vec::new(),
-            pending: vec![0; n],
+            queued: vec![0; n],
+            announced: vec![0; n],
             sent: vec![0; n],
+            waited_total: vec![0; n],
             waited: vec![0; n],
             broken: None,
         })
     }
 
     /// Changes how long [`wait_signal`](Self::wait_signal) waits for a
-    /// peer's signal count.
+    /// peer's signal total.
     pub fn set_timeout(&mut self, timeout: Duration) {
         self.timeout = timeout;
+    }
+
+    /// The library, as "NCCL (libnccl.so.2) 2.30.7".
+    pub fn library(&self) -> String {
+        self.comm.library()
     }
 
     fn check_group(&self, op: &'static str, group: &Group) -> Result<()> {
@@ -175,66 +195,75 @@ impl NcclRma {
         Error::Cuda { op, source: e }
     }
 
-    /// The communicator (for its collectives).
-    pub fn comm(&mut self) -> &mut NcclComm {
-        &mut self.comm
-    }
-
     /// Registers `mem` as this rank's buffer of a new window (collective
     /// over the group given to [`new`](Self::new): every rank registers, in
     /// the same order, a buffer of the same size). Before NCCL is called,
-    /// every rank learns every rank's size, memory kind and alignment, and
-    /// all refuse together (naming the rank) if any is wrong; after it,
-    /// whether every rank got a window. The memory stays allocated while
-    /// registered.
+    /// every rank learns every rank's size, memory kind, alignment, whether
+    /// the memory is in a window already and whether its `NcclRma` is
+    /// broken, and all refuse together (naming the rank) if any is wrong;
+    /// after it, whether every rank got a window. The memory stays
+    /// allocated while registered.
     pub fn register(&mut self, group: &Group, mem: Arc<DeviceMemory>) -> Result<WindowId> {
         const OP: &str = "register";
         self.check_group(OP, group)?;
-        let mine = format!("{} {} {}", mem.len(), u8::from(mem.is_vmm()), u8::from(mem.ptr().is_multiple_of(ALIGN)));
+        let (base, end) = (mem.ptr(), mem.ptr() + mem.len() as u64);
+        let fresh = !self.windows.iter().flatten().any(|w| {
+            let (b, e) = (w.win.ptr(), w.win.ptr() + w.len() as u64);
+            base < e && b < end
+        });
+        let mine = format!(
+            "{} {} {} {} {}",
+            mem.len(),
+            u8::from(mem.is_vmm()),
+            u8::from(mem.ptr().is_multiple_of(ALIGN)),
+            u8::from(fresh),
+            u8::from(self.broken.is_none())
+        );
         let all = group.exchange("nccl_rma_register", mine.as_bytes())?;
         let mut len = None;
         for (r, v) in all.iter().enumerate() {
             let text = String::from_utf8_lossy(v);
             let f: Vec<&str> = text.split(' ').collect();
-            let Some(n) = f.first().and_then(|n| n.parse::<usize>().ok()).filter(|_| f.len() == 3) else {
+            let Some(n) = f.first().and_then(|n| n.parse::<usize>().ok()).filter(|_| f.len() == 5) else {
                 return Err(Error::Protocol(format!("register: rank {r}'s NCCL window description is malformed")));
             };
+            let refuse = |reason: String| Err(Error::PeerFailed { op: OP, peer: r, reason });
             if f[1] != "1" {
-                return Err(Error::PeerFailed {
-                    op: OP,
-                    peer: r,
-                    reason: "its buffer is not cuMem/VMM memory, which NCCL windows need (ncclMemAlloc, PyTorch's \
-                             expandable segments, Context::alloc_vmm)"
+                return refuse(
+                    "its buffer is not cuMem/VMM memory, which NCCL windows need (ncclMemAlloc, \
+                     Context::alloc_vmm)"
                         .into(),
-                });
+                );
             }
             if f[2] != "1" {
-                return Err(Error::PeerFailed {
-                    op: OP,
-                    peer: r,
-                    reason: format!("its buffer is not {ALIGN}-byte aligned (NCCL_WIN_REQUIRED_ALIGNMENT)"),
-                });
+                return refuse(format!("its buffer is not {ALIGN}-byte aligned (NCCL_WIN_REQUIRED_ALIGNMENT)"));
+            }
+            if f[3] != "1" {
+                return refuse("its buffer overlaps one of its windows already (NCCL registers a buffer once)".into());
+            }
+            if f[4] != "1" {
+                return refuse("an earlier NCCL call of its NcclRma failed".into());
             }
             match len {
                 None => len = Some(n),
                 Some(l) if l != n => {
                     return Err(Error::Mismatch {
                         op: "register (NCCL window)".into(),
-                        detail: format!("rank 0's buffer is {l} bytes, rank {r}'s {n}: NCCL windows are one size"),
+                        detail: format!("rank 0's buffer is {l} bytes, rank {r}'s {n}: NCCL windows are one size here"),
                     })
                 }
                 Some(_) => {}
             }
         }
         #[allow(unsafe_code)]
-        // SAFETY: `mem` is kept (in `Registered`) until deregistration.
+        // SAFETY: `mem` is kept (in `Registered`) until deregistration and
+        // is in no other window (checked above).
         let got = unsafe { self.comm.window_register(&mem) };
         let blob = match &got {
             Ok(_) => "ok".to_string(),
             Err(e) => format!("err {e}"),
         };
         let all = group.exchange("nccl_rma_registered", blob.as_bytes());
-        let failed = |e: rmacomm_cuda::CudaError| Error::Cuda { op: "register (ncclCommWindowRegister)", source: e };
         let win = match (got, all) {
             (Ok(win), Ok(all)) => {
                 let bad = all
@@ -242,18 +271,22 @@ impl NcclRma {
                     .enumerate()
                     .find_map(|(r, v)| String::from_utf8_lossy(v).strip_prefix("err ").map(|why| (r, why.to_string())));
                 if let Some((peer, reason)) = bad {
-                    let _ = self.comm.window_deregister(win);
+                    #[allow(unsafe_code)]
+                    // SAFETY: just registered; nothing was queued on it.
+                    let _ = unsafe { self.comm.window_deregister(win) };
                     return Err(Error::PeerFailed { op: OP, peer, reason });
                 }
                 win
             }
             (Ok(win), Err(e)) => {
-                let _ = self.comm.window_deregister(win);
+                #[allow(unsafe_code)]
+                // SAFETY: as above.
+                let _ = unsafe { self.comm.window_deregister(win) };
                 return Err(e);
             }
-            (Err(e), _) => return Err(failed(e)),
+            (Err(e), _) => return Err(Error::Cuda { op: "register (ncclCommWindowRegister)", source: e }),
         };
-        self.windows.push(Some(Registered { win, _mem: mem, len: len.unwrap_or(0) }));
+        self.windows.push(Some(Registered { win, mem }));
         Ok(WindowId(self.windows.len() - 1))
     }
 
@@ -264,13 +297,21 @@ impl NcclRma {
             .ok_or_else(|| Error::invalid(op, format!("window {} is not registered here", id.0)))
     }
 
-    /// Deregisters a window (collective, as registration was).
-    pub fn deregister(&mut self, id: WindowId) -> Result<()> {
-        self.window("deregister", id)?;
+    /// Deregisters a window (collective over the group, so that no rank's
+    /// queued put still uses it): every rank waits for its device's work,
+    /// then for every other rank, then deregisters.
+    pub fn deregister(&mut self, group: &Group, id: WindowId) -> Result<()> {
+        const OP: &str = "deregister";
+        self.check_group(OP, group)?;
+        let ctx = self.window(OP, id)?.mem.context().clone();
+        ctx.synchronize().map_err(|e| Error::Cuda { op: "deregister (cuCtxSynchronize)", source: e })?;
+        group.barrier(None)?;
         let r = self.windows[id.0].take().expect("checked");
-        self.comm
-            .window_deregister(r.win)
-            .map_err(|e| Error::Cuda { op: "deregister (ncclCommWindowDeregister)", source: e })
+        #[allow(unsafe_code)]
+        // SAFETY: every rank's device work is done (synchronized before
+        // the barrier): nothing queued uses the window.
+        let done = unsafe { self.comm.window_deregister(r.win) };
+        done.map_err(|e| Error::Cuda { op: "deregister (ncclCommWindowDeregister)", source: e })
     }
 
     fn peer(&self, op: &'static str, peer: usize) -> Result<()> {
@@ -280,11 +321,21 @@ impl NcclRma {
         Ok(())
     }
 
+    /// Room for one more NCCL signal to `dst` before the next published
+    /// total (a wait counts them in a C int).
+    fn room(&self, op: &'static str, dst: usize) -> Result<()> {
+        if self.queued[dst] - self.announced[dst] >= MAX_COUNT - 1 {
+            return Err(Error::invalid(op, format!("too many puts to rank {dst} without a signal: signal it first")));
+        }
+        Ok(())
+    }
+
     /// Puts `len` bytes at byte `src_offset` of this rank's buffer of
     /// window `src` (NCCL puts from registered memory only) into `dst`'s
     /// buffer of window `target` at byte `offset`, queued on `stream`.
     /// Nothing is queued on an error. The source bytes are read when the
-    /// stream runs the put: leave them unchanged until then.
+    /// stream runs the put: leave them unchanged until then (windows stay
+    /// registered until then: [`deregister`](Self::deregister) waits).
     #[allow(clippy::too_many_arguments)]
     pub fn put(
         &mut self,
@@ -300,17 +351,19 @@ impl NcclRma {
         self.peer(OP, dst)?;
         self.usable(OP, dst)?;
         let source = self.window(OP, src)?;
-        if src_offset.checked_add(len).is_none_or(|end| end > source.len) {
+        if src_offset.checked_add(len).is_none_or(|end| end > source.len()) {
             return Err(Error::invalid(
                 OP,
                 format!(
                     "the source, {len} bytes at offset {src_offset}, is past this rank's {}-byte buffer of window {}",
-                    source.len, src.0
+                    source.len(),
+                    src.0
                 ),
             ));
         }
         let from = source.win.ptr() + src_offset as u64;
-        let cap = self.window(OP, target)?.len;
+        // Every rank's buffer of a window is this size (`register`).
+        let cap = self.window(OP, target)?.len();
         if offset.checked_add(len).is_none_or(|end| end > cap) {
             return Err(Error::Bounds {
                 op: OP,
@@ -318,21 +371,16 @@ impl NcclRma {
                 reason: format!("{len} bytes at offset {offset} of its {cap}-byte buffer of window {}", target.0),
             });
         }
-        if self.pending[dst] >= i32::MAX as u64 - 1 {
-            // ncclWaitSignal counts in a C int.
-            return Err(Error::invalid(
-                OP,
-                format!("{} puts to rank {dst} without a signal: signal it first", self.pending[dst]),
-            ));
-        }
+        self.room(OP, dst)?;
         let win = &self.windows[target.0].as_ref().expect("checked").win;
         #[allow(unsafe_code)]
-        // SAFETY: the source lies in this rank's registered window (kept
-        // allocated while registered) and the target range in the peer's
-        // (every rank's buffer is `cap` bytes), both checked above.
+        // SAFETY: the source lies in this rank's registered window and the
+        // target range in the peer's (every rank's buffer is `cap` bytes),
+        // both checked above; both stay registered until the stream ran it
+        // (`deregister` and `Drop` wait for the device first).
         let r = unsafe { self.comm.put_signal(from, len, dst, win, offset, stream) };
         r.map_err(|e| self.failed("put (ncclPutSignal)", e))?;
-        self.pending[dst] += 1;
+        self.queued[dst] += 1;
         Ok(())
     }
 
@@ -347,18 +395,17 @@ impl NcclRma {
         const OP: &str = "signal";
         self.peer(OP, dst)?;
         self.usable(OP, dst)?;
+        self.room(OP, dst)?;
         let r = self.comm.signal(dst, stream);
         r.map_err(|e| self.failed("signal (ncclSignal)", e))?;
-        let count = self.pending[dst] + 1;
+        self.queued[dst] += 1;
+        // The running total: a write the store took but reported failed,
+        // or one repeated, only leaves a stale key behind (the peer counts
+        // from totals, not from the values' sum).
         let key = self.key(self.rank, dst, self.sent[dst]);
-        if let Err(e) = self.store.set(&key, count.to_string().as_bytes()) {
-            // The NCCL signal is queued but unannounced: the next signal
-            // to `dst` closes it too.
-            self.pending[dst] = count;
-            return Err(e);
-        }
+        self.store.set(&key, self.queued[dst].to_string().as_bytes())?;
         self.sent[dst] += 1;
-        self.pending[dst] = 0;
+        self.announced[dst] = self.queued[dst];
         Ok(())
     }
 
@@ -378,13 +425,15 @@ impl NcclRma {
             },
             other => other,
         })?;
-        let count = String::from_utf8_lossy(&raw)
-            .parse::<u32>()
+        let done = self.waited_total[src];
+        let total = String::from_utf8_lossy(&raw)
+            .parse::<u64>()
             .ok()
-            .filter(|c| (1..=i32::MAX as u32).contains(c))
-            .ok_or_else(|| Error::Protocol(format!("wait_signal: rank {src}'s signal count is malformed")))?;
-        let r = self.comm.wait_signal(src, count, stream);
+            .filter(|t| *t > done && t - done <= MAX_COUNT)
+            .ok_or_else(|| Error::Protocol(format!("wait_signal: rank {src}'s signal total is malformed")))?;
+        let r = self.comm.wait_signal(src, (total - done) as u32, stream);
         r.map_err(|e| self.failed("wait_signal (ncclWaitSignal)", e))?;
+        self.waited_total[src] = total;
         self.waited[src] += 1;
         // The wait is queued: a key left behind costs store memory only.
         if let Err(e) = self.store.delete(&key) {
@@ -396,8 +445,14 @@ impl NcclRma {
 
 impl Drop for NcclRma {
     fn drop(&mut self) {
+        if let Some(ctx) = self.windows.iter().flatten().next().map(|w| w.mem.context().clone()) {
+            // Nothing queued may still use a window when it goes.
+            let _ = ctx.synchronize();
+        }
         for r in self.windows.drain(..).flatten() {
-            let _ = self.comm.window_deregister(r.win);
+            #[allow(unsafe_code)]
+            // SAFETY: the device's work is done (above).
+            let _ = unsafe { self.comm.window_deregister(r.win) };
         }
     }
 }

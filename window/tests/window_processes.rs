@@ -224,10 +224,10 @@ fn device_memory_ring_against_the_cuda_standin() {
 /// several pieces before one signal (a wait that counted NCCL's signals
 /// wrong passes early and finds old data) on 1, 2 and 3 ranks, and the
 /// refusals; then a library that says it is 2.28.9 (refused on every rank
-/// naming the versions), a communicator without an RMA context
-/// (`NCCL_NUM_RMA_CTX=0`: the first put fails naming `ncclPutSignal`), and
-/// one without symmetric windows (`NCCL_WIN_ENABLE=0`: registration fails
-/// on every rank saying NCCL gave no window).
+/// naming the versions), a communicator without symmetric windows
+/// (`NCCL_WIN_ENABLE=0`: registration fails on every rank saying NCCL gave
+/// no window), and a library whose puts fail (the `NcclRma` is then broken:
+/// later calls and registrations fail naming it).
 #[test]
 fn nccl_windows_against_the_standin() {
     let Some(lib) = rmacomm_window::cuda::standin_for_tests() else { return };
@@ -240,8 +240,9 @@ fn nccl_windows_against_the_standin() {
             .env("RMACOMM_CUDA_LIB", &lib)
             .env("RMACOMM_NCCL_LIB", &lib)
             .env("RMACOMM_EXPECT_GPU", "1")
-            .env_remove("NCCL_NUM_RMA_CTX")
             .env_remove("NCCL_WIN_ENABLE")
+            .env_remove("RMACOMM_STANDIN_NCCL_FAIL_PUT")
+            .env_remove("NCCL_SCENARIO_PUT_FAILS")
             .env_remove("RMACOMM_STANDIN_NCCL_VERSION");
         for (k, v) in env {
             cmd.env(k, v);
@@ -262,10 +263,13 @@ fn nccl_windows_against_the_standin() {
         let line = line.unwrap_or_else(|| panic!("{stdout}"));
         assert!(line.contains("2.28.9") && line.contains("2.29"), "{line}");
     }
-    for (env, want) in [("NCCL_NUM_RMA_CTX", "put (ncclPutSignal)"), ("NCCL_WIN_ENABLE", "NCCL gave no window")] {
-        let out = run(2, &[(env, "0")]);
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success(), "{env}=0 passed:\n{stderr}");
-        assert!(stderr.contains(want), "{env}=0: no {want:?} in:\n{stderr}");
+    let out = run(2, &[("NCCL_WIN_ENABLE", "0")]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "NCCL_WIN_ENABLE=0 passed:\n{stderr}");
+    assert!(stderr.contains("NCCL gave no window"), "NCCL_WIN_ENABLE=0:\n{stderr}");
+    let stdout =
+        assert_every_rank_ok(2, &run(2, &[("RMACOMM_STANDIN_NCCL_FAIL_PUT", "1"), ("NCCL_SCENARIO_PUT_FAILS", "1")]));
+    for r in 0..2 {
+        assert!(stdout.contains(&format!("[{r}] rank {r}: a failed put broke the NcclRma")), "{stdout}");
     }
 }

@@ -1,6 +1,6 @@
 //! A stand-in for NCCL's window API (2.29+), in the same library as the
 //! CUDA stand-in (`RMACOMM_NCCL_LIB` points at it), so rmacomm's side of
-//! NCCL windows — the version gate, the RMA context at init, registration,
+//! NCCL windows — the version gate, registration,
 //! bounds, the signal counts a put adds, stream order — runs in CI:
 //!
 //! - `ncclGetVersion` reports `RMACOMM_STANDIN_NCCL_VERSION` (default
@@ -9,9 +9,9 @@
 //!   join count, a signal counter per (source, destination) pair and, per
 //!   window and rank, where that rank's buffer lives (files another
 //!   process maps: see `backing`);
-//! - `ncclCommInitRank` gives one RMA context unless `NCCL_NUM_RMA_CTX=0`
-//!   (NCCL's default and switch); without one the one-sided calls fail
-//!   with `ncclInvalidArgument` (as NCCL's do without host RMA support);
+//! - `ncclCommInitRank` gives one RMA context (NCCL's default);
+//!   `RMACOMM_STANDIN_NCCL_FAIL_PUT=1` makes every `ncclPutSignal` fail
+//!   with `ncclInternalError` (for the callers' error paths);
 //! - `ncclCommWindowRegister` wants cuMem/VMM memory, 4096-byte aligned,
 //!   one size on every rank (else `ncclInvalidArgument`), and gives no
 //!   window (success, NULL) under `NCCL_WIN_ENABLE=0`, as NCCL does
@@ -77,7 +77,6 @@ struct Comm {
     shared: *mut Shared,
     rank: usize,
     n: usize,
-    rma: bool,
     /// Per source: the signals this rank's waits so far add up to.
     expected: Mutex<Vec<u64>>,
     /// Per destination: signals (puts included) queued to it so far.
@@ -164,7 +163,7 @@ pub unsafe extern "C" fn ncclGetUniqueId(id: *mut UniqueId) -> NcclResult {
     SUCCESS
 }
 
-fn init(out: *mut *mut c_void, n: c_int, UniqueId(id): UniqueId, rank: c_int, rma: bool) -> NcclResult {
+fn init(out: *mut *mut c_void, n: c_int, UniqueId(id): UniqueId, rank: c_int) -> NcclResult {
     let (Ok(n), Ok(rank)) = (usize::try_from(n), usize::try_from(rank)) else { return INVALID_ARGUMENT };
     if n == 0 || n > MAX_RANKS || rank >= n || !id.starts_with(ID_TAG) {
         return INVALID_ARGUMENT;
@@ -194,7 +193,6 @@ fn init(out: *mut *mut c_void, n: c_int, UniqueId(id): UniqueId, rank: c_int, rm
         shared: p.cast(),
         rank,
         n,
-        rma,
         expected: Mutex::new(vec![0; n]),
         sent: Mutex::new(vec![0; n]),
         windows: AtomicUsize::new(0),
@@ -224,14 +222,13 @@ fn init(out: *mut *mut c_void, n: c_int, UniqueId(id): UniqueId, rank: c_int, rm
     SUCCESS
 }
 
-/// `ncclCommInitRank`: one RMA context unless `NCCL_NUM_RMA_CTX=0`.
+/// `ncclCommInitRank`.
 ///
 /// # Safety
 /// `out` is a valid out-pointer.
 #[no_mangle]
 pub unsafe extern "C" fn ncclCommInitRank(out: *mut *mut c_void, n: c_int, id: UniqueId, rank: c_int) -> NcclResult {
-    let rma = std::env::var("NCCL_NUM_RMA_CTX").map_or(true, |v| v.trim() != "0");
-    init(out, n, id, rank, rma)
+    init(out, n, id, rank)
 }
 
 fn free(c: *mut c_void) -> NcclResult {
@@ -378,6 +375,12 @@ pub unsafe extern "C" fn ncclCommWindowRegister(
         unsafe { *win = std::ptr::null_mut() };
         return SUCCESS;
     }
+    // Taken before any check, so every rank's n-th registration is the
+    // n-th window whatever failed locally.
+    let idx = cm.windows.fetch_add(1, Ordering::AcqRel);
+    if idx >= MAX_WINDOWS {
+        return INTERNAL_ERROR;
+    }
     let Some(pieces) = backing(buff as u64, size) else {
         eprintln!("NCCL stand-in: window register: {buff:?} (+{size}) is not device memory of this process");
         return INVALID_ARGUMENT;
@@ -385,10 +388,6 @@ pub unsafe extern "C" fn ncclCommWindowRegister(
     if !pieces.iter().all(|p| p.0.starts_with("/proc/")) || !(buff as u64).is_multiple_of(4096) {
         eprintln!("NCCL stand-in: window register: {buff:?} is not 4096-byte aligned cuMem/VMM memory");
         return INVALID_ARGUMENT;
-    }
-    let idx = cm.windows.fetch_add(1, Ordering::AcqRel);
-    if idx >= MAX_WINDOWS {
-        return INTERNAL_ERROR;
     }
     let mut text = format!("{size}\n");
     for (path, off, n) in &pieces {
@@ -473,6 +472,11 @@ pub unsafe extern "C" fn ncclCommWindowRegister(
 pub extern "C" fn ncclCommWindowDeregister(c: *mut c_void, win: *mut c_void) -> NcclResult {
     let Some(cm) = comm(c) else { return INVALID_ARGUMENT };
     if win.is_null() {
+        // NCCL's answer to the window it never gave.
+        return SUCCESS;
+    }
+    // SAFETY: a window this library made (the caller's contract).
+    if !std::ptr::eq(unsafe { &*(win as *const Win) }.comm, cm) {
         return INVALID_ARGUMENT;
     }
     // SAFETY: a window this library made, freed once (the caller's
@@ -504,7 +508,7 @@ fn dtype_size(dt: c_int) -> Option<usize> {
 /// Checks common to the one-sided calls.
 fn one_sided(c: *mut c_void, peer: c_int, sig: c_int, ctx: c_int, flags: c_uint) -> Result<&'static Comm, NcclResult> {
     let cm = comm(c).ok_or(INVALID_ARGUMENT)?;
-    if !cm.rma || sig != 0 || ctx != 0 || flags != 0 {
+    if sig != 0 || ctx != 0 || flags != 0 {
         return Err(INVALID_ARGUMENT);
     }
     usize::try_from(peer).ok().filter(|&p| p < cm.n).ok_or(INVALID_ARGUMENT)?;
@@ -534,6 +538,9 @@ pub unsafe extern "C" fn ncclPutSignal(
         Ok(cm) => cm,
         Err(e) => return e,
     };
+    if std::env::var("RMACOMM_STANDIN_NCCL_FAIL_PUT").is_ok_and(|v| v == "1") {
+        return INTERNAL_ERROR;
+    }
     if win.is_null() {
         return INVALID_ARGUMENT;
     }
@@ -550,7 +557,8 @@ pub unsafe extern "C" fn ncclPutSignal(
         return INVALID_ARGUMENT;
     }
     let src = localbuff as u64;
-    let in_window = cm.local.lock().unwrap().iter().any(|&(b, l)| src >= b && src + bytes as u64 <= b + l as u64);
+    let Some(end) = src.checked_add(bytes as u64) else { return INVALID_ARGUMENT };
+    let in_window = cm.local.lock().unwrap().iter().any(|&(b, l)| src >= b && end <= b + l as u64);
     if !in_window {
         eprintln!("NCCL stand-in: put source {src:#x} (+{bytes}) is in no window this rank registered");
         return INVALID_ARGUMENT;

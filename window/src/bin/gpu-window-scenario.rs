@@ -35,11 +35,13 @@
 //!   three rounds, each rank putting into its left neighbour's second
 //!   window, then round k putting k + 1 pieces into its right neighbour's
 //!   first, rank 0's last piece held back on its stream until after it has
-//!   signalled, so a wait that counted NCCL's signals wrong passes early
+//!   queued its signal, so a wait that counted NCCL's signals wrong passes early
 //!   and finds old data; then the refusals (a rank outside the
 //!   communicator, a put past the peer's buffer, a source past this
-//!   rank's, a window not registered, cuMemAlloc memory, buffers of
-//!   different sizes, a signal that never comes). With a library older
+//!   rank's, a window not registered, memory in a window already,
+//!   cuMemAlloc memory, buffers of different sizes, a signal that never
+//!   comes). Under `NCCL_SCENARIO_PUT_FAILS=1` (with a library whose puts
+//!   fail) it checks instead that a failed put breaks the `NcclRma`. With a library older
 //!   than 2.29 each rank prints `refused: ...` and succeeds: the caller
 //!   checks the reason. One rank per GPU (NCCL's rule); one rank puts to
 //!   itself, which checks the calls but not the counting (one stream
@@ -611,11 +613,38 @@ fn nccl(g: &Group, ctx: &Arc<Context>) -> R {
     let aux = rma.register(g, aux_mem.clone()).map_err(s)?;
     let src_mem = vmm(count * 4)?;
     let src = rma.register(g, src_mem.clone()).map_err(s)?;
-    // The gate: a host word rank 0's stream waits on.
+    if std::env::var("NCCL_SCENARIO_PUT_FAILS").is_ok_and(|v| v == "1") {
+        // The library fails every put: the NcclRma is broken after the
+        // first, and says so for every later call, on every rank.
+        match rma.put(src, 0, 4, right, dst, 0, &stream) {
+            Err(e) if e.to_string().contains("put (ncclPutSignal)") => {}
+            other => return Err(format!("a failing put: {other:?}")),
+        }
+        match rma.signal(right, &stream) {
+            Err(e) if e.to_string().contains("earlier stream operation") => {}
+            other => return Err(format!("a signal after a failed put: {other:?}")),
+        }
+        match rma.register(g, vmm(4096)?) {
+            Err(e) if e.to_string().contains("an earlier NCCL call") => {}
+            other => return Err(format!("a registration after a failed put: {other:?}")),
+        }
+        println!("rank {rank}: a failed put broke the NcclRma");
+        return Ok(());
+    }
+    // The gate: a host word rank 0's stream waits on; opened on every way
+    // out (a stream must not be left waiting on unregistered memory).
+    struct Gate(Box<std::sync::atomic::AtomicU64>);
+    impl Drop for Gate {
+        fn drop(&mut self) {
+            self.0.store(u64::MAX, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
     let gate = Box::new(std::sync::atomic::AtomicU64::new(0));
     #[allow(unsafe_code)]
-    // SAFETY: the word outlives the registration (dropped first, below).
+    // SAFETY: the word outlives the registration (the guard below opens
+    // it, then the registration drops, then the word).
     let gate_reg = unsafe { ctx.register_host(gate.as_ptr().cast(), 8) }.map_err(s)?;
+    let gate = Gate(gate);
     let start = Instant::now();
     let check_from = |mem: &DeviceMemory, from: usize, want: usize, what: &str| -> R {
         let mut got = vec![0u8; count * 4];
@@ -642,7 +671,7 @@ fn nccl(g: &Group, ctx: &Arc<Context>) -> R {
             let (a, b) = (p * per, ((p + 1) * per).min(count));
             if p == pieces - 1 && pieces > 1 && rank == 0 && size > 1 {
                 // Rank 0's last piece runs only when its host opens the
-                // gate, after it has queued the signal and paused: rank 1
+                // gate, after it has queued its signal and paused: rank 1
                 // waits for it, and a wait that passed early (counting
                 // NCCL's signals wrong) reads the old data meanwhile. (Not
                 // with one rank: its own wait follows on the same stream.)
@@ -659,7 +688,7 @@ fn nccl(g: &Group, ctx: &Arc<Context>) -> R {
         }
         if pieces > 1 && rank == 0 && size > 1 {
             std::thread::sleep(Duration::from_millis(300));
-            gate.store(round as u64, std::sync::atomic::Ordering::SeqCst);
+            gate.0.store(round as u64, std::sync::atomic::Ordering::SeqCst);
         }
         rma.wait_signal(left, &stream).map_err(fail)?;
         if left != right {
@@ -670,6 +699,7 @@ fn nccl(g: &Group, ctx: &Arc<Context>) -> R {
         check_from(&aux_mem, right, value(right), &format!("{} (the other window)", what()))?;
         g.barrier(None).map_err(s)?;
     }
+    drop(gate);
     drop(gate_reg);
     let refused = |what: &str, r: Result<(), Error>, want: &str| -> R {
         match r {
@@ -682,9 +712,10 @@ fn nccl(g: &Group, ctx: &Arc<Context>) -> R {
     refused("past the peer's buffer", rma.put(src, 0, 8, right, dst, dlen - 4, &stream), "out of bounds")?;
     refused("past the source", rma.put(src, slen - 4, 8, right, dst, 0, &stream), "past this rank's")?;
     let gone = rma.register(g, vmm(4096)?).map_err(s)?;
-    rma.deregister(gone).map_err(s)?;
+    rma.deregister(g, gone).map_err(s)?;
     refused("a deregistered window", rma.put(src, 0, 4, right, gone, 0, &stream), "not registered")?;
     // Collective refusals, on every rank before NCCL is called.
+    refused("memory in a window already", rma.register(g, dst_mem.clone()).map(drop), "overlaps one of its windows")?;
     let plain = Arc::new(ctx.alloc_shared(4096).map_err(s)?);
     refused("cuMemAlloc memory", rma.register(g, plain).map(drop), "not cuMem/VMM memory")?;
     if size > 1 {
@@ -695,12 +726,8 @@ fn nccl(g: &Group, ctx: &Arc<Context>) -> R {
     refused("a signal never sent", rma.wait_signal(left, &stream), &format!("from rank {left}"))?;
     g.barrier(None).map_err(s)?;
     for w in [src, aux, dst] {
-        rma.deregister(w).map_err(s)?;
+        rma.deregister(g, w).map_err(s)?;
     }
-    println!(
-        "rank {rank}: NCCL windows ({}) ring of 3 rounds and refusals in {:?}",
-        rma.comm().library(),
-        start.elapsed()
-    );
+    println!("rank {rank}: NCCL windows ({}) ring of 3 rounds and refusals in {:?}", rma.library(), start.elapsed());
     Ok(())
 }
