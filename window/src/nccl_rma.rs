@@ -108,22 +108,21 @@ impl NcclRma {
     /// rank, naming the rank and its reason. `timeout` bounds waits for a
     /// peer's signal total.
     pub fn new(comm: NcclComm, group: &Group, timeout: Duration) -> Result<NcclRma> {
-        const OP: &str = "NcclRma::new";
-        if comm.size() != group.size() || comm.rank() != group.rank() {
-            return Err(Error::invalid(
-                OP,
-                format!(
-                    "the NCCL communicator is rank {} of {}, the group rank {} of {}",
-                    comm.rank(),
-                    comm.size(),
-                    group.rank(),
-                    group.size()
-                ),
-            ));
-        }
-        let mine = match comm.window_api() {
-            Ok(()) => format!("ok {:016x}", rand::random::<u64>()),
-            Err(e) => format!("err {e}"),
+        // Every refusal goes through the exchange, so every rank learns it
+        // (none is left waiting for a rank that gave up alone).
+        let mine = if comm.size() != group.size() || comm.rank() != group.rank() {
+            format!(
+                "err the NCCL communicator is rank {} of {}, the group rank {} of {}",
+                comm.rank(),
+                comm.size(),
+                group.rank(),
+                group.size()
+            )
+        } else {
+            match comm.window_api() {
+                Ok(()) => format!("ok {:016x}", rand::random::<u64>()),
+                Err(e) => format!("err {e}"),
+            }
         };
         let all = group.exchange("nccl_rma", mine.as_bytes())?;
         let mut prefix = None;
