@@ -27,7 +27,8 @@
 //! streams with value writes and waits, graph capture), `vmm` (cuMem/VMM
 //! memory shared between processes as descriptors), `nvrtc` (CUDA C to PTX or
 //! cubin, no GPU needed), `nccl` (NCCL/RCCL version probes for the fallback
-//! backends), `loader` (the search above), `error`.
+//! backends), `nccl_comm` (an NCCL/RCCL communicator: collectives, and from
+//! NCCL 2.29 its window calls), `loader` (the search above), `error`.
 
 #![deny(unsafe_op_in_unsafe_fn)]
 

@@ -86,6 +86,7 @@ type Reduce =
 type Gather = unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, NcclComm_, CuStream) -> NcclResult;
 type P2p = unsafe extern "C" fn(*const c_void, usize, c_int, c_int, NcclComm_, CuStream) -> NcclResult;
 type P2pMut = unsafe extern "C" fn(*mut c_void, usize, c_int, c_int, NcclComm_, CuStream) -> NcclResult;
+
 /// `ncclWaitSignalDesc_t`.
 #[repr(C)]
 struct WaitDesc {
@@ -459,18 +460,12 @@ impl NcclComm {
         first_err.and(end)
     }
 
-    /// NCCL's window API: the library is 2.29 or later and has the calls;
-    /// else an error saying which is missing.
-    fn rma_api(&self) -> Result<RmaApi> {
-        self.rma.clone()
-    }
-
     /// Whether NCCL's window API can be used (2.29 or later, with the
     /// calls; else the error saying which is missing): check before a
     /// collective registration, so every rank can learn of any rank's
     /// refusal.
     pub fn window_api(&self) -> Result<()> {
-        self.rma_api().map(drop)
+        self.rma.clone().map(drop)
     }
 
     /// `ncclCommWindowRegister` of `mem` with `NCCL_WIN_COLL_SYMMETRIC`
@@ -485,7 +480,7 @@ impl NcclComm {
     /// it until then), and is in no other window of this communicator
     /// (NCCL leaves registering a buffer twice undefined).
     pub unsafe fn window_register(&mut self, mem: &DeviceMemory) -> Result<NcclWindow> {
-        let api = self.rma_api()?;
+        let api = self.rma.clone()?;
         let mut raw: *mut c_void = std::ptr::null_mut();
         let (c, ptr, len) = (self.comm, mem.ptr(), mem.len());
         self.ctx.bind()?;
@@ -530,7 +525,7 @@ impl NcclComm {
     /// No queued operation of any stream uses the window (its buffer as a
     /// put's source, or NCCL's mapping of a peer's buffer).
     pub unsafe fn window_deregister(&mut self, win: NcclWindow) -> Result<()> {
-        let api = self.rma_api()?;
+        let api = self.rma.clone()?;
         self.mine("ncclCommWindowDeregister", &win)?;
         let c = self.comm;
         // SAFETY: a window this communicator registered, deregistered once
@@ -558,7 +553,7 @@ impl NcclComm {
         offset: usize,
         stream: &Stream,
     ) -> Result<()> {
-        let api = self.rma_api()?;
+        let api = self.rma.clone()?;
         self.mine("ncclPutSignal", win)?;
         let (c, s, w) = (self.comm, stream.raw() as CuStream, win.raw);
         let peer = c_int::try_from(peer).unwrap_or(c_int::MAX);
@@ -570,7 +565,7 @@ impl NcclComm {
 
     /// `ncclSignal` to `peer` (signal 0, context 0), queued on `stream`.
     pub fn signal(&mut self, peer: usize, stream: &Stream) -> Result<()> {
-        let api = self.rma_api()?;
+        let api = self.rma.clone()?;
         let (c, s) = (self.comm, stream.raw() as CuStream);
         let peer = c_int::try_from(peer).unwrap_or(c_int::MAX);
         // SAFETY: no buffers; a live communicator and stream.
@@ -578,16 +573,20 @@ impl NcclComm {
     }
 
     /// `ncclWaitSignal` for `count` more signals (puts included) from
-    /// `peer`, queued on `stream`.
+    /// `peer`, queued on `stream`. A count NCCL cannot take (above a C
+    /// int's range) is refused, not cut.
     pub fn wait_signal(&mut self, peer: usize, count: u32, stream: &Stream) -> Result<()> {
-        let api = self.rma_api()?;
-        let (c, s) = (self.comm, stream.raw() as CuStream);
-        let mut desc = WaitDesc {
-            op_cnt: c_int::try_from(count).unwrap_or(c_int::MAX),
-            peer: c_int::try_from(peer).unwrap_or(c_int::MAX),
-            sig_idx: 0,
-            ctx: 0,
+        let api = self.rma.clone()?;
+        let Ok(op_cnt) = c_int::try_from(count) else {
+            return Err(CudaError::Call {
+                lib: lib_name(&self.lib),
+                call: "ncclWaitSignal",
+                code: 4,
+                name: format!("a wait for {count} signals: NCCL counts in a C int"),
+            });
         };
+        let (c, s) = (self.comm, stream.raw() as CuStream);
+        let mut desc = WaitDesc { op_cnt, peer: c_int::try_from(peer).unwrap_or(c_int::MAX), sig_idx: 0, ctx: 0 };
         // SAFETY: one valid descriptor, read during the call.
         self.call("ncclWaitSignal", || unsafe { (api.wait_signal)(1, &mut desc, c, s) })
     }

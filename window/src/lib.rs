@@ -5,7 +5,8 @@
 //! size, host locality, `barrier`, `exchange` (all-gather of small blobs) and
 //! `split`. The [`Window`] is built on it: torchcomms' one-sided window
 //! (`put`, `signal`, `wait_signal`, `get`, `tensor_register`), over one
-//! transport per peer.
+//! transport per peer. [`nccl_rma::NcclRma`] gives the same signal rule
+//! over NCCL 2.29+'s own one-sided calls, on device memory.
 //!
 //! # Quick start: a window
 //!
