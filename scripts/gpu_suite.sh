@@ -142,9 +142,12 @@ PY
     timeout "$(lim 120)" "$bin/rdma_bench" $op -a --min 4K --max 64M --use-cuda 0 --provider soft --link auto \
       --out-json "$out/transport_cuda_ipc_$op.jsonl" 2>&1 | tee "$out/transport_cuda_ipc_$op.log" || rc=1
   done
-  # The same with 16 MiB fragments (the soft provider synchronizes a
-  # stream per fragment: ~50 us each on 2026-11-27's H200, so 1 MiB
-  # fragments held device to device at ~20 GB/s).
+  # The same with 16 MiB fragments. On 2026-11-27's H200 the soft provider
+  # synchronized a stream per fragment (~50 us each: 1 MiB fragments held
+  # device to device at ~20 GB/s); since then the engine queues the copies
+  # of consecutive WRs, merges contiguous ones and waits once per run
+  # (ibverbx soft requester, device_batch): compare both with
+  # copy_ceiling.jsonl's cuMemcpyDtoD.
   echo "# transport on device memory, same host (CUDA IPC), 16 MiB fragments (at ${SECONDS}s)"
   timeout "$(lim 120)" "$bin/rdma_bench" write -a --min 1M --max 64M --use-cuda 0 --provider soft --link auto --frag-size 16M \
     --out-json "$out/transport_cuda_ipc_write_frag16M.jsonl" 2>&1 | tee "$out/transport_cuda_ipc_write_frag16M.log" || rc=1

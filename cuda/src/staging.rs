@@ -104,6 +104,9 @@ impl Drop for Stage {
 pub struct Staging {
     ctx: Arc<Context>,
     pool: Mutex<Vec<Stage>>,
+    /// Where [`copy_device_queue`](Self::copy_device_queue) queues copies
+    /// (made with the stages, up front).
+    queue: Stream,
     /// Signalled when a stage goes back to the pool.
     freed: Condvar,
 }
@@ -121,7 +124,8 @@ impl Staging {
     /// for ([`POOL`]).
     pub fn new(ctx: Arc<Context>) -> Result<Staging> {
         let stages = (0..POOL).map(|_| Stage::new(&ctx)).collect::<Result<Vec<_>>>()?;
-        Ok(Staging { ctx, pool: Mutex::new(stages), freed: Condvar::new() })
+        let queue = ctx.stream()?;
+        Ok(Staging { ctx, pool: Mutex::new(stages), queue, freed: Condvar::new() })
     }
 
     /// Stages free now (for tests and diagnostics: [`POOL`] when no copy
@@ -212,6 +216,25 @@ impl Staging {
             unsafe { st.streams[0].copy_async(dst, src, len)? };
             st.streams[0].synchronize()
         })
+    }
+
+    /// Queues a copy of `len` bytes from device address `src` to `dst`
+    /// (as [`copy_device`](Self::copy_device)) on this context's copy
+    /// queue, one stream shared by every thread: done once a later
+    /// [`wait_queued`](Self::wait_queued) returns `Ok`.
+    ///
+    /// # Safety
+    /// Both ranges must be device memory valid in this context until the
+    /// wait returns.
+    pub unsafe fn copy_device_queue(&self, dst: DevicePtr, src: DevicePtr, len: usize) -> Result<()> {
+        // SAFETY: the caller's ranges, valid until its wait.
+        unsafe { self.queue.copy_async(dst, src, len) }
+    }
+
+    /// Waits for every copy queued so far by
+    /// [`copy_device_queue`](Self::copy_device_queue), on any thread.
+    pub fn wait_queued(&self) -> Result<()> {
+        self.queue.synchronize()
     }
 
     /// Copies device memory at `src` into `dst`: complete when this

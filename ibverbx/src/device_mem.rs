@@ -68,6 +68,29 @@ pub trait DeviceMemory: Send + Sync + fmt::Debug {
         let _ = (dst, src, len);
         None
     }
+
+    /// Queues [`copy_device`](Self::copy_device)'s copy without waiting
+    /// for it: placed once a later [`copy_device_wait`](Self::copy_device_wait)
+    /// returns `Ok`. Copies queued on one memory run in the order they
+    /// were queued (one stream), whichever thread queued them. The soft
+    /// provider queues a run of WRs' copies this way and waits once for
+    /// all of them, instead of once per WR. `None` (the default): no queue
+    /// (the caller copies with `copy_device`).
+    ///
+    /// # Safety
+    /// As for `copy_device`, and both ranges stay live until the wait
+    /// returns.
+    unsafe fn copy_device_queue(&self, dst: u64, src: u64, len: usize) -> Option<Result<(), String>> {
+        let _ = (dst, src, len);
+        None
+    }
+
+    /// Waits until every copy [`queued`](Self::copy_device_queue) on this
+    /// memory so far (by any thread) is done, visible to later device
+    /// work. An error: any of them may not have been placed.
+    fn copy_device_wait(&self) -> Result<(), String> {
+        Ok(())
+    }
 }
 
 /// The longest [`DeviceMemory::ipc_export`] description.

@@ -59,6 +59,16 @@ impl DeviceMemory for CudaMemory {
         Some(unsafe { self.staging.copy_device(dst, src, len) }.map_err(|e| e.to_string()))
     }
 
+    unsafe fn copy_device_queue(&self, dst: u64, src: u64, len: usize) -> Option<Result<(), String>> {
+        // SAFETY: as in copy_device; the caller keeps both ranges live
+        // until its copy_device_wait.
+        Some(unsafe { self.staging.copy_device_queue(dst, src, len) }.map_err(|e| e.to_string()))
+    }
+
+    fn copy_device_wait(&self) -> Result<(), String> {
+        self.staging.wait_queued().map_err(|e| e.to_string())
+    }
+
     fn ipc_export(&self, addr: u64, len: usize) -> Option<Result<Vec<u8>, String>> {
         let ctx = self.staging.context();
         Some((|| {

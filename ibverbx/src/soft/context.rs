@@ -56,6 +56,8 @@ pub(crate) struct CtxShared {
     pub(crate) inline_copied: std::sync::atomic::AtomicU64,
     /// Bytes copied into and out of same-host peers' device memory here.
     pub(crate) peer_device_bytes: std::sync::atomic::AtomicU64,
+    pub(crate) device_copies: std::sync::atomic::AtomicU64,
+    pub(crate) device_copy_waits: std::sync::atomic::AtomicU64,
     /// Request frames written by posting threads themselves.
     pub(crate) poster_frames: std::sync::atomic::AtomicU64,
     /// Request frames written by the progress engine.
@@ -161,6 +163,8 @@ impl CtxShared {
             segs_unmapped: std::sync::atomic::AtomicU64::new(0),
             inline_copied: std::sync::atomic::AtomicU64::new(0),
             peer_device_bytes: std::sync::atomic::AtomicU64::new(0),
+            device_copies: std::sync::atomic::AtomicU64::new(0),
+            device_copy_waits: std::sync::atomic::AtomicU64::new(0),
             poster_frames: std::sync::atomic::AtomicU64::new(0),
             engine_frames: std::sync::atomic::AtomicU64::new(0),
             attach_refused: std::sync::atomic::AtomicU64::new(0),

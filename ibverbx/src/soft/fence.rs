@@ -12,7 +12,11 @@
 //! peer sees the revocation and does not copy, or the owner sees the peer
 //! in the slot and waits for the copy to finish.
 //!
-//! Counters are never held across an await: a copy is synchronous. The
+//! Counters are held across an await only by the engine's batches of
+//! device copies (`requester::device_batch`), until the batch's wait for
+//! the device, which comes as soon as no further WR is already posted
+//! (at most 64 WRs, 256 MiB), and never while the engine waits for a peer;
+//! every other copy is synchronous. The
 //! owner's wait is bounded ([`WAIT_LIMIT`]): a peer that died between its
 //! increment and its decrement cannot block deregistration forever (a peer
 //! that may write our memory is trusted not to lie here on purpose).

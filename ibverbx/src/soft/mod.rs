@@ -101,6 +101,13 @@ pub struct SoftStats {
     /// device memory themselves (opened through the peer's IPC export),
     /// not through the connection.
     pub peer_device_bytes: u64,
+    /// Device-to-device copies with same-host peers' device memory this
+    /// context's QPs made (a run of WRs whose copies continue each other,
+    /// such as a fragmented message, is one copy).
+    pub device_copies: u64,
+    /// Waits for those copies: one per run of consecutive such WRs on a
+    /// QP (and one per device segment of a WR copied alone).
+    pub device_copy_waits: u64,
 }
 
 /// The counters of `ctx`, or `None` when it is not a soft-provider context.
@@ -120,6 +127,8 @@ pub fn stats(ctx: &crate::Context) -> Option<SoftStats> {
         attach_refused: s.attach_refused.load(Relaxed),
         handshakes_evicted: s.handshakes_evicted.load(Relaxed),
         peer_device_bytes: s.peer_device_bytes.load(Relaxed),
+        device_copies: s.device_copies.load(Relaxed),
+        device_copy_waits: s.device_copy_waits.load(Relaxed),
     })
 }
 

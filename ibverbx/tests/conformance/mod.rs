@@ -44,6 +44,16 @@ pub struct FakeDevice {
     /// Copies peers try through [`FakePeer`], and whether they fail.
     pub peer_attempts: std::sync::atomic::AtomicU64,
     pub peer_fails: std::sync::atomic::AtomicBool,
+    /// Device-to-device copies queued ([`DeviceMemory::copy_device_queue`])
+    /// and not yet waited for: they happen only at the wait, so bytes
+    /// looked at before it are the old ones.
+    queued: std::sync::Mutex<Vec<(u64, u64, usize)>>,
+    /// Waits that found copies queued.
+    pub queue_waits: std::sync::atomic::AtomicU64,
+    /// The next wait fails (dropping what was queued).
+    pub queue_fails: std::sync::atomic::AtomicBool,
+    /// While true, a wait with copies queued blocks (a device still busy).
+    pub hold: (std::sync::Mutex<bool>, std::sync::Condvar),
 }
 
 static NEXT_FAKE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
@@ -68,6 +78,10 @@ impl FakeDevice {
             copies: Default::default(),
             peer_attempts: Default::default(),
             peer_fails: Default::default(),
+            queued: Default::default(),
+            queue_waits: Default::default(),
+            queue_fails: Default::default(),
+            hold: Default::default(),
         });
         if exports {
             ibverbx::set_device_ipc(std::sync::Arc::new(FakeIpc));
@@ -117,10 +131,44 @@ impl DeviceMemory for FakeDevice {
         // SAFETY: bounds-checked fake memory (the fake panics outside it).
         Some(unsafe { from.read(src, &mut v).and_then(|()| to.write(dst, &v)) })
     }
+    unsafe fn copy_device_queue(&self, dst: u64, src: u64, len: usize) -> Option<Result<(), String>> {
+        let fake =
+            |a: u64| FAKES.lock().unwrap().iter().filter_map(|(_, w)| w.upgrade()).any(|d| d.range(a, len).is_ok());
+        if !fake(dst) || !fake(src) {
+            return None;
+        }
+        self.queued.lock().unwrap().push((dst, src, len));
+        Some(Ok(()))
+    }
+    fn copy_device_wait(&self) -> Result<(), String> {
+        let queued = std::mem::take(&mut *self.queued.lock().unwrap());
+        if queued.is_empty() {
+            return Ok(());
+        }
+        self.queue_waits.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let held = self.hold.0.lock().unwrap();
+        drop(self.hold.1.wait_while(held, |h| *h).unwrap());
+        if self.queue_fails.swap(false, std::sync::atomic::Ordering::Relaxed) {
+            return Err("fake queue failure".into());
+        }
+        for (dst, src, len) in queued {
+            // SAFETY: checked fake ranges (copy_device checks them again).
+            unsafe { self.copy_device(dst, src, len) }.expect("queued between fakes")?;
+        }
+        Ok(())
+    }
 }
 
 /// Device-to-device copies fake devices made (this process).
 pub static DEVICE_TO_DEVICE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+impl FakeDevice {
+    /// Holds (true) or lets go (false) this device's waits.
+    pub fn set_hold(&self, on: bool) {
+        *self.hold.0.lock().unwrap() = on;
+        self.hold.1.notify_all();
+    }
+}
 
 /// Opens [`FakeDevice`] exports (this process's: the tests' contexts share
 /// it).
@@ -692,6 +740,147 @@ pub fn device_ipc_copy_failure_falls_back(dev: &Device) {
     assert!(tried <= 1, "the failing peer copy was tried {tried} times");
 }
 
+/// WRITEs and READs between device memory and a same-host peer's exported
+/// device region, posted together: their copies are queued, merged where
+/// they continue each other, and waited for once per run (not per WR);
+/// no completion comes before its bytes are placed (the fake performs
+/// queued copies only at the wait), completions keep posting order, a WR
+/// of another kind ends the run first, and a failed wait executes the
+/// run's WRs again one by one.
+pub fn device_copies_batched(dev: &Device) {
+    if !fake_device_ok(dev) {
+        return;
+    }
+    let p = Pair::new(dev);
+    const N: usize = 64;
+    const PIECE: usize = 4096;
+    let acc = AccessFlags::all_remote();
+    let src = FakeDevice::with(N * PIECE, true);
+    let back = FakeDevice::with(N * PIECE, true);
+    let reg = |pd: &ProtectionDomain, d: &std::sync::Arc<FakeDevice>| {
+        // SAFETY: the fake owns its bytes and lives as long as the region.
+        unsafe { MemoryRegion::register_device(pd, d.clone(), d.base, N * PIECE, acc, None) }.unwrap()
+    };
+    let (s_mr, back_mr) = (reg(&p.a.pd, &src), reg(&p.a.pd, &back));
+    let dst = device_mr(&p.b.pd, N * PIECE + 1, acc, true);
+    let stats = || ibverbx::soft::stats(&p.a.ctx).unwrap();
+    // Every WR in one post, the device held meanwhile: the engine may
+    // start on the first WRs and wait for them, but every other WR is
+    // posted before that wait ends. So two runs at most, each one wait.
+    let post_all = |ops: &[(u64, SendOp, Sge)], dev: &FakeDevice| {
+        let sges: Vec<[Sge; 1]> = ops.iter().map(|o| [o.2]).collect();
+        let wrs: Vec<SendWr<'_>> = ops
+            .iter()
+            .zip(&sges)
+            .map(|(o, sg)| SendWr { wr_id: o.0, op: o.1, sg_list: sg, flags: SendFlags::SIGNALED })
+            .collect();
+        // Let go however the post ends (a failed unwrap must not leave
+        // the engine held).
+        struct Release<'a>(&'a FakeDevice);
+        impl Drop for Release<'_> {
+            fn drop(&mut self) {
+                self.0.set_hold(false);
+            }
+        }
+        dev.set_hold(true);
+        let _release = Release(dev);
+        p.a.qp.post_send(&wrs).unwrap();
+    };
+    let in_order = |n: usize, first: u64, what: &str| {
+        for i in 0..n as u64 {
+            let wc = wait1(&p.a.scq);
+            assert_eq!((wc.wr_id, wc.status), (first + i, WcStatus::Success), "{what}: completion {i}");
+        }
+    };
+    let writes = || -> Vec<_> {
+        (0..N)
+            .map(|i| {
+                let op = SendOp::RdmaWrite { remote_addr: dst.addr() + (i * PIECE) as u64, rkey: dst.rkey() };
+                (i as u64, op, s_mr.sge(i * PIECE, PIECE).unwrap())
+            })
+            .collect()
+    };
+    let same_host = |st: &ibverbx::soft::SoftStats| {
+        if st.peer_segments_mapped == 0 {
+            // Another host (tcp): nothing is copied device to device here.
+            assert_eq!((st.device_copies, st.device_copy_waits), (0, 0), "{st:?}");
+        }
+        st.peer_segments_mapped > 0
+    };
+    for round in 0..3u64 {
+        let data = pattern(N * PIECE, 300 + round);
+        s_mr.write(0, &data).unwrap();
+        dst.write(N * PIECE, &[0xA5]).unwrap();
+        let before = stats();
+        post_all(&writes(), &src);
+        in_order(N, 0, "writes");
+        assert!(contents(&dst, 0, N * PIECE) == data, "round {round}: batched WRITEs corrupted data");
+        assert_eq!(contents(&dst, N * PIECE, 1), [0xA5], "round {round}: a WRITE went past its end");
+        let mid = stats();
+        // READ it all back, the pieces in reverse order (nothing to merge).
+        let reads: Vec<_> = (0..N)
+            .rev()
+            .map(|i| {
+                let op = SendOp::RdmaRead { remote_addr: dst.addr() + (i * PIECE) as u64, rkey: dst.rkey() };
+                (100 + (N - 1 - i) as u64, op, back_mr.sge(i * PIECE, PIECE).unwrap())
+            })
+            .collect();
+        post_all(&reads, &back);
+        in_order(N, 100, "reads");
+        assert!(contents(&back_mr, 0, N * PIECE) == data, "round {round}: batched READs corrupted data");
+        let after = stats();
+        if !same_host(&after) {
+            return;
+        }
+        let delta = |a: &ibverbx::soft::SoftStats, b: &ibverbx::soft::SoftStats| {
+            (a.device_copies - b.device_copies, a.device_copy_waits - b.device_copy_waits)
+        };
+        assert_eq!(after.peer_device_bytes - before.peer_device_bytes, (2 * N * PIECE) as u64);
+        let (copies, waits) = delta(&mid, &before);
+        assert!(
+            (1..=2).contains(&copies) && (1..=2).contains(&waits),
+            "round {round}: writes: {copies} copies, {waits} waits"
+        );
+        let (copies, waits) = delta(&after, &mid);
+        assert!(copies == N as u64 && (1..=2).contains(&waits), "round {round}: reads: {copies} copies, {waits} waits");
+    }
+    // A WRITE_WITH_IMM behind a run: the run is placed before the
+    // notification is seen.
+    let data = pattern(N * PIECE, 400);
+    s_mr.write(0, &data).unwrap();
+    recv(&p.b.qp, 9, &[]);
+    let mut ops: Vec<_> = (0..N - 1)
+        .map(|i| {
+            let op = SendOp::RdmaWrite { remote_addr: dst.addr() + (i * PIECE) as u64, rkey: dst.rkey() };
+            (i as u64, op, s_mr.sge(i * PIECE, PIECE).unwrap())
+        })
+        .collect();
+    let last = (N - 1) * PIECE;
+    let op = SendOp::RdmaWriteWithImm { remote_addr: dst.addr() + last as u64, rkey: dst.rkey(), imm: 7 };
+    ops.push(((N - 1) as u64, op, s_mr.sge(last, PIECE).unwrap()));
+    post_all(&ops, &src);
+    let wc = wait1(&p.b.rcq);
+    assert_eq!((wc.status, wc.imm_data), (WcStatus::Success, Some(7)));
+    assert!(contents(&dst, 0, N * PIECE) == data, "the notification came before the batch was placed");
+    in_order(N, 0, "writes and a WRITE_WITH_IMM");
+    // A failed wait: every WR of the run again, one by one; right bytes.
+    let data = pattern(N * PIECE, 500);
+    s_mr.write(0, &data).unwrap();
+    src.queue_fails.store(true, std::sync::atomic::Ordering::Relaxed);
+    let before = stats();
+    post_all(&writes(), &src);
+    in_order(N, 0, "writes after a failed wait");
+    assert!(contents(&dst, 0, N * PIECE) == data, "a failed wait lost bytes");
+    let after = stats();
+    if same_host(&after) {
+        assert!(!src.queue_fails.load(std::sync::atomic::Ordering::Relaxed), "no wait failed");
+        // The failed wait, then the failed run's WRs again one by one (a
+        // copy and a wait each), then any run behind it.
+        assert!(after.device_copy_waits - before.device_copy_waits >= 2, "{after:?}");
+        assert_eq!(after.peer_device_bytes - before.peer_device_bytes, (N * PIECE) as u64);
+    }
+}
+
 /// Bad rkeys, out-of-bounds addresses, missing access and deregistered
 /// regions give REM_ACCESS_ERR, never a write; the QP goes to ERR and
 /// flushes what follows.
@@ -1012,6 +1201,10 @@ macro_rules! conformance_suite {
         #[test]
         fn device_mixed() {
             conformance::device_mixed(&$dev);
+        }
+        #[test]
+        fn device_copies_batched() {
+            conformance::device_copies_batched(&$dev);
         }
         #[test]
         fn remote_access_errors_heap_memory() {

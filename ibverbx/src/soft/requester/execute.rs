@@ -6,6 +6,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
+use super::device_batch::DeviceBatch;
 use super::doorbell_tx::{settle_db, settle_db_held};
 use super::inflight::{Expect, Inflight};
 use super::{with_psn, Link, Shared};
@@ -26,7 +27,7 @@ use crate::AccessFlags;
 /// and the key is checked again after that wait: the region may have been
 /// revoked meanwhile, and nothing is copied into a revoked region.
 #[allow(clippy::too_many_arguments)]
-async fn place(
+pub(super) async fn place(
     sh: &Shared,
     peer: Option<&PeerMap>,
     (peer_qpn, token): (u32, [u8; 16]),
@@ -204,7 +205,11 @@ fn device_copy(
                                 // WR) and the peer's checked range, opened
                                 // here (fence held).
                                 (Some(dst), Some(src)) if *n > 0 => match unsafe { d.copy_device(dst, src, *n) } {
-                                    Some(r) => r?,
+                                    Some(r) => {
+                                        r?;
+                                        sh.qp.ctx.device_copies.fetch_add(1, Ordering::Relaxed);
+                                        sh.qp.ctx.device_copy_waits.fetch_add(1, Ordering::Relaxed);
+                                    }
                                     // SAFETY: the checked local segment.
                                     None => unsafe { via_host(d, *a, *n, |p| host(at, p, *n), write)? },
                                 },
@@ -304,7 +309,7 @@ async fn memory_ordered(sh: &Shared) -> bool {
 /// Completes a WR that needs no response. An error waits until every
 /// earlier request has been answered: as a NAK acknowledges everything
 /// before it on hardware, earlier WRs still complete normally.
-async fn finish(sh: &Arc<Shared>, mut inf: Inflight, status: WcStatus) {
+pub(super) async fn finish(sh: &Arc<Shared>, mut inf: Inflight, status: WcStatus) {
     if status != WcStatus::Success && status != WcStatus::WrFlushErr {
         loop {
             let progressed = sh.progress.notified();
@@ -334,7 +339,21 @@ async fn finish(sh: &Arc<Shared>, mut inf: Inflight, status: WcStatus) {
     }
 }
 
-pub(super) async fn execute(sh: &Arc<Shared>, link: &mut Option<Link>, e: SqEntry) {
+/// Executes one posted WR: it joins the engine's batch of device copies
+/// ([`DeviceBatch`]) if it can (true), else the batch ends (its WRs
+/// finish) and the WR runs alone.
+pub(super) async fn execute(sh: &Arc<Shared>, link: &mut Option<Link>, e: SqEntry, batch: &mut DeviceBatch) -> bool {
+    let e = match batch.offer(link, e).await {
+        Ok(()) => return true,
+        Err(e) => e,
+    };
+    batch.drain(link).await;
+    execute_one(sh, link, e).await;
+    false
+}
+
+/// Executes one WR by itself: direct placement or a request frame.
+pub(super) async fn execute_one(sh: &Arc<Shared>, link: &mut Option<Link>, e: SqEntry) {
     // A doorbell record still pending goes first: claimed, or retracted and
     // put on the wire ahead of this WR.
     settle_db(sh, link).await;
@@ -516,7 +535,7 @@ pub(super) async fn execute(sh: &Arc<Shared>, link: &mut Option<Link>, e: SqEntr
     }
 }
 
-fn remote_pd(qp: &SoftQp) -> u32 {
+pub(super) fn remote_pd(qp: &SoftQp) -> u32 {
     qp.remote_pd()
 }
 

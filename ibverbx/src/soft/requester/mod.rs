@@ -12,11 +12,13 @@
 //! - `connect`: opening the connection (hello exchange, same-host peer)
 //! - `inflight`: the in-flight WRs and how they finish (emit, flush, fail)
 //! - `execute`: one WR on the engine (direct placement or a request frame)
+//! - `device_batch`: device-to-device copies of consecutive WRs, one wait
 //! - `responses`: the response reader; `watchdog`: the ACK timeout
 //! - `fast_notify`: requests written by the posting thread itself
 //! - `doorbell_tx`: the requesting side of the peer QP's doorbell
 
 mod connect;
+mod device_batch;
 mod doorbell_tx;
 mod execute;
 mod fast_notify;
@@ -162,6 +164,7 @@ pub(crate) async fn run(
             None
         }
     };
+    let mut batch = device_batch::DeviceBatch::new(sh.clone(), backlog.clone());
     let mut chaos = qp.ctx.config.chaos_seed.map(|seed| {
         static NTH: AtomicU64 = AtomicU64::new(0);
         rand::rngs::StdRng::seed_from_u64(
@@ -193,10 +196,21 @@ pub(crate) async fn run(
                     }
                 }
                 qp.ctx.touch();
-                execute(&sh, &mut link, e).await;
                 // On the wire (or finished): the posting thread may write
-                // the next request once nothing else waits here.
-                backlog.fetch_sub(1, Ordering::AcqRel);
+                // the next request once nothing else waits here. A WR that
+                // joined the batch of device copies leaves the backlog when
+                // the batch ends: it takes the WRs already posted behind
+                // it, then waits for the device, before anything else.
+                if !execute(&sh, &mut link, e, &mut batch).await {
+                    backlog.fetch_sub(1, Ordering::AcqRel);
+                }
+                while batch.open() {
+                    let Ok(e) = rx.try_recv() else { break };
+                    if !execute(&sh, &mut link, e, &mut batch).await {
+                        backlog.fetch_sub(1, Ordering::AcqRel);
+                    }
+                }
+                batch.drain(&mut link).await;
             }
         }
     }

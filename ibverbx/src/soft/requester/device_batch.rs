@@ -1,0 +1,285 @@
+//! Device-to-device copies with same-host peers, batched.
+//!
+//! A WRITE or READ between this process's device memory and a same-host
+//! peer's device region (opened through its IPC export) is one copy on the
+//! device. Done one WR at a time — queue the copy, wait for the device —
+//! every WR pays a device round trip (tens of µs with processes sharing a
+//! GPU: ~20 GB/s for 1 MiB fragments on an H200 whose copy engine does
+//! 2 TB/s). So the engine queues the copies of consecutive such WRs
+//! without waiting ([`DeviceMemory::copy_device_queue`]), merges copies
+//! that continue each other (a fragmented message's pieces become one
+//! copy, queued once it reaches [`RUN_MAX`] so the device starts while
+//! the engine goes on), and waits once when the run ends: the next WR is of another
+//! kind, no further WR is posted yet, or [`MAX_BATCH`] WRs (or
+//! [`MAX_BATCH_BYTES`]) wait. Their completions then go out, in posting
+//! order, before anything later happens on the QP (flushed instead if an
+//! earlier WR failed meanwhile); until then they count as not yet
+//! executed, so no posting thread's fast path overtakes them, and each
+//! holds its peer region's deregistration fence — so a WR joining an open
+//! run is checked without waiting for anything (a segment still to map
+//! ends the run).
+//!
+//! When a queued copy or the wait fails, every WR of the batch is executed
+//! again one by one ([`execute_one`]): device to device once more, through
+//! host memory or through the connection, as a lone WR would be (writes
+//! and reads are idempotent).
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+
+use super::execute::{execute_one, finish, place};
+use super::inflight::Inflight;
+use super::{Link, Shared};
+use crate::device_mem::{DeviceMemory, PeerDevice};
+use crate::qp_attr::QpState;
+use crate::soft::mr::Target;
+use crate::soft::peer::{Direct, Held};
+use crate::soft::qp::SqEntry;
+use crate::wc::WcStatus;
+use crate::wr::SendOp;
+use crate::AccessFlags;
+
+/// Most WRs one wait covers.
+pub(super) const MAX_BATCH: usize = 64;
+/// Most bytes one wait covers (a run holds its peers' deregistration
+/// fences until its wait: ~10 ms at PCIe speed, far below the owner's
+/// bound on waiting for them).
+const MAX_BATCH_BYTES: u64 = 256 << 20;
+/// A merged copy is queued once it reaches this many bytes, so the device
+/// copies while the engine takes the next WRs.
+const RUN_MAX: usize = 8 << 20;
+
+/// A queued WR: its entry (to execute again if the batch fails), the
+/// bytes it moves, and what keeps the peer's region while its copy may
+/// run.
+struct Pending {
+    e: SqEntry,
+    bytes: u64,
+    _dev: Arc<dyn PeerDevice>,
+    _held: Held,
+}
+
+/// One requester task's batch (empty between bursts of posted WRs).
+pub(super) struct DeviceBatch {
+    /// The local device memory whose queue holds the copies.
+    mem: Option<Arc<dyn DeviceMemory>>,
+    /// The copy being extended (dst, src, len), not yet queued.
+    run: Option<(u64, u64, usize)>,
+    wrs: Vec<Pending>,
+    /// A copy failed to queue: the batch is executed again at the drain.
+    failed: Option<String>,
+    /// The requester's count of WRs posted and not yet executed: queued
+    /// WRs stay in it until the drain.
+    backlog: Arc<AtomicU32>,
+    sh: Arc<Shared>,
+}
+
+impl DeviceBatch {
+    pub(super) fn new(sh: Arc<Shared>, backlog: Arc<AtomicU32>) -> DeviceBatch {
+        DeviceBatch { mem: None, run: None, wrs: Vec::new(), failed: None, backlog, sh }
+    }
+
+    /// Whether another WR could join (the run loop takes the next posted
+    /// WR at once while it could).
+    pub(super) fn open(&self) -> bool {
+        !self.wrs.is_empty() && self.wrs.len() < MAX_BATCH && self.failed.is_none()
+    }
+
+    /// Queues `e`'s copies when it is a plain WRITE or READ between local
+    /// device memory (all of its segments, on this batch's memory) and a
+    /// same-host peer's device region this process opened; gives `e` back
+    /// otherwise (nothing done).
+    pub(super) async fn offer(&mut self, link: &mut Option<Link>, e: SqEntry) -> Result<(), SqEntry> {
+        let sh = &self.sh.clone();
+        let (raddr, rkey, write) = match e.op {
+            SendOp::RdmaWrite { remote_addr, rkey } => (remote_addr, rkey, true),
+            SendOp::RdmaRead { remote_addr, rkey } => (remote_addr, rkey, false),
+            _ => return Err(e),
+        };
+        let bytes: u64 = self.wrs.iter().map(|p| p.bytes).sum();
+        let full = self.wrs.len() >= MAX_BATCH || (!self.wrs.is_empty() && bytes + e.len > MAX_BATCH_BYTES);
+        if e.fence || e.inline.is_some() || e.len == 0 || full || self.failed.is_some() {
+            return Err(e);
+        }
+        // Every local segment in device memory, on one memory (the batch's).
+        let mut locals = Vec::with_capacity(e.segs.len());
+        for s in &e.segs {
+            match s.target(sh.qp.pd, e.op.local_access()) {
+                Ok(Target::Device(d, a)) if self.mem.as_ref().is_none_or(|m| Arc::ptr_eq(m, &d)) => {
+                    if self.mem.is_none() {
+                        self.mem = Some(d);
+                    }
+                    locals.push((a, s.len as usize));
+                }
+                _ => break,
+            }
+        }
+        if locals.len() != e.segs.len() {
+            return Err(self.give_back(e));
+        }
+        // A doorbell record still pending is settled by execute_one first.
+        let db_pending = sh.qp.db_tx_pending.load(Ordering::Acquire) > 0;
+        if *sh.qp.state_tx.borrow() != QpState::Rts || sh.lock().broken.is_some() || db_pending {
+            return Err(self.give_back(e));
+        }
+        let Some(l) = link.as_ref() else { return Err(self.give_back(e)) };
+        let Some(peer) = l.peer.as_deref() else { return Err(self.give_back(e)) };
+        let need = if write { AccessFlags::REMOTE_WRITE } else { AccessFlags::REMOTE_READ };
+        let pd = super::execute::remote_pd(&sh.qp);
+        let placed = if self.wrs.is_empty() {
+            // The first WR of a run: mapped if need be, after every earlier
+            // staged request (nothing of the batch's is held yet).
+            place(sh, Some(peer), (l.peer_qpn, l.token), pd, rkey, raddr, e.len, need).await
+        } else {
+            // The run holds its WRs' fences: nothing may wait now (a
+            // segment to map is the lone path's, after the drain). Nothing
+            // staged was sent since the run's first WR waited for the
+            // earlier ones.
+            peer.resolve(pd, rkey, raddr, e.len, need)
+        };
+        let (dev, off, held) = match placed {
+            Ok(Direct::Device(dev, off, held)) => match dev.device_addr() {
+                Some(base) => (dev, base + off, held),
+                None => return Err(self.give_back(e)),
+            },
+            _ => return Err(self.give_back(e)),
+        };
+        let mut at = off;
+        for (a, n) in locals {
+            let (dst, src) = if write { (at, a) } else { (a, at) };
+            self.add(dst, src, n);
+            at += n as u64;
+        }
+        self.wrs.push(Pending { bytes: e.len, e, _dev: dev, _held: held });
+        Ok(())
+    }
+
+    /// `e` did not join: the batch forgets its memory if it is empty.
+    fn give_back(&mut self, e: SqEntry) -> SqEntry {
+        if self.wrs.is_empty() {
+            self.mem = None;
+        }
+        e
+    }
+
+    /// Extends the run with a copy, or queues the run and starts anew.
+    fn add(&mut self, dst: u64, src: u64, len: usize) {
+        if len == 0 {
+            return;
+        }
+        if let Some((d, s, n)) = &mut self.run {
+            let merged = (*n + len) as u64;
+            // Merged only where the one copy reads nothing it writes (as
+            // the two in order would not, unless they overlap).
+            let apart = *d + merged <= *s || *s + merged <= *d;
+            if *d + *n as u64 == dst && *s + *n as u64 == src && apart {
+                *n += len;
+                if *n >= RUN_MAX {
+                    let r = self.run.take().expect("extended above");
+                    self.queue(r);
+                }
+                return;
+            }
+        }
+        if let Some(r) = self.run.replace((dst, src, len)) {
+            self.queue(r);
+        }
+    }
+
+    /// Queues one copy on the batch's memory (copies it at once where the
+    /// memory has no queue).
+    fn queue(&mut self, (dst, src, len): (u64, u64, usize)) {
+        if self.failed.is_some() {
+            return;
+        }
+        let Some(mem) = &self.mem else { return };
+        // SAFETY: both ranges were checked (the local segments at post
+        // time, held by their entries; the peer's against its key, its
+        // fence held by the pending WR) and stay live until the drain's
+        // wait.
+        let r = unsafe { mem.copy_device_queue(dst, src, len) }.unwrap_or_else(|| {
+            // Not queued: copied now, after what was queued before it.
+            mem.copy_device_wait()?;
+            // SAFETY: as above.
+            unsafe { mem.copy_device(dst, src, len) }
+                .unwrap_or_else(|| Err(format!("{} copies nothing device to device", mem.describe())))
+        });
+        match r {
+            Ok(()) => {
+                self.sh.qp.ctx.device_copies.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(why) => self.failed = Some(why),
+        }
+    }
+
+    /// Ends the batch: queues the last run, waits for the device, and
+    /// completes every WR (or executes them again one by one when a copy
+    /// failed). Nothing is left pending when this returns.
+    pub(super) async fn drain(&mut self, link: &mut Option<Link>) {
+        let sh = &self.sh.clone();
+        if self.wrs.is_empty() {
+            self.mem = None;
+            return;
+        }
+        if let Some(r) = self.run.take() {
+            self.queue(r);
+        }
+        // Whatever was queued has run (or failed) before a fence is let go.
+        let waited = match self.mem.take() {
+            Some(mem) => {
+                sh.qp.ctx.device_copy_waits.fetch_add(1, Ordering::Relaxed);
+                mem.copy_device_wait()
+            }
+            None => Ok(()),
+        };
+        let waited = match self.failed.take() {
+            Some(why) => Err(why),
+            None => waited,
+        };
+        let wrs = std::mem::take(&mut self.wrs);
+        match waited {
+            Ok(()) => {
+                let bytes: u64 = wrs.iter().map(|p| p.bytes).sum();
+                sh.qp.ctx.peer_device_bytes.fetch_add(bytes, Ordering::Relaxed);
+                // An earlier WR failed meanwhile (its error is out, or on
+                // its way): the run is flushed behind it, as each of its WRs
+                // would have been alone.
+                let failed = sh.lock().broken.is_some() || *sh.qp.state_tx.borrow() == QpState::Err;
+                let status = if failed { WcStatus::WrFlushErr } else { WcStatus::Success };
+                for p in wrs {
+                    let e = p.e;
+                    let inf = Inflight::new(e.wr_id, e.op.wc_opcode(), e.signaled, e.len as u32);
+                    finish(sh, inf, status).await;
+                    self.backlog.fetch_sub(1, Ordering::AcqRel);
+                }
+            }
+            Err(why) => {
+                tracing::info!(
+                    "soft QP {:#x}: {} queued copies with a peer's device memory failed ({why}); each WR again",
+                    sh.qp.qpn,
+                    wrs.len()
+                );
+                for p in wrs {
+                    // The wait above ended the copies: the region and its
+                    // fence are let go before the WR runs again.
+                    let Pending { e, _dev, _held, .. } = p;
+                    drop((_dev, _held));
+                    execute_one(sh, link, e).await;
+                    self.backlog.fetch_sub(1, Ordering::AcqRel);
+                }
+            }
+        }
+    }
+}
+
+impl Drop for DeviceBatch {
+    fn drop(&mut self) {
+        // Drained at the end of every burst; a task dropped inside one
+        // (runtime shutdown) still lets no fence go while a copy runs.
+        if !self.wrs.is_empty() {
+            if let Some(mem) = &self.mem {
+                let _ = mem.copy_device_wait();
+            }
+        }
+    }
+}
