@@ -53,7 +53,7 @@ for line in sys.stdin:
   else
     echo "# no maturin (pip install maturin): the suite carries no Python wheel"
   fi
-  cp scripts/gpu_suite.sh scripts/gpu_stacks.sh "$suite/"
+  cp scripts/gpu_suite.sh scripts/gpu_stacks.sh scripts/gpu_summary.py "$suite/"
   # A gdb for gpu_stacks.sh (the device machines have none): Debian's
   # gdb-minimal with the libraries it links directly beyond the C and C++
   # runtimes (theirs in turn are common; 2026-11-27's H200 had them).
@@ -92,6 +92,17 @@ PY
   # them), so one hang costs that stage, not the device session.
   local scale=${RMACOMM_SUITE_STAGE_SCALE:-1}
   lim() { echo $(($1 * scale)); }
+  # A stage's command under its limit; a failure says so in the stage's log
+  # (a command that timeout kills prints nothing of its own), for
+  # scripts/gpu_summary.py to find.
+  stage() {
+    local r=0
+    timeout "$@" || r=$?
+    if [ "$r" -ne 0 ]; then
+      if [ "$r" -eq 124 ]; then echo "# FAILED: exit $r (timed out)"; else echo "# FAILED: exit $r"; fi
+    fi
+    return "$r"
+  }
   { nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv,noheader 2>/dev/null || echo "nvidia-smi: none"
     echo "cores: $(nproc)"
     python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version())' 2>&1 | tail -1 || true
@@ -101,32 +112,32 @@ PY
   # real driver's side of what the stand-in tests in CI).
   for t in probes cuda_kernels vmm; do
     echo "# $t (at ${SECONDS}s)"
-    timeout "$(lim 150)" "$bin/$t" --nocapture --test-threads 1 2>&1 | tee "$out/$t.log" || rc=1
+    stage "$(lim 150)" "$bin/$t" --nocapture --test-threads 1 2>&1 | tee "$out/$t.log" || rc=1
   done
   echo "# copy_ceiling (at ${SECONDS}s)"
-  timeout "$(lim 60)" "$bin/copy_ceiling" --json 2>&1 | tee "$out/copy_ceiling.jsonl" || rc=1
+  stage "$(lim 60)" "$bin/copy_ceiling" --json 2>&1 | tee "$out/copy_ceiling.jsonl" || rc=1
   # The per-call cost of the staged copies the soft provider's engine makes
   # for device memory (the transport moved 1 MiB fragments at ~50 us each
   # on 2026-11-27: how much of that is the copies?).
   echo "# copy_ceiling --staging (at ${SECONDS}s)"
-  timeout "$(lim 60)" "$bin/copy_ceiling" --staging --json 2>&1 | tee "$out/staging_copies.jsonl" || rc=1
+  stage "$(lim 60)" "$bin/copy_ceiling" --staging --json 2>&1 | tee "$out/staging_copies.jsonl" || rc=1
   # Windows on device memory: two processes on one GPU through CUDA IPC.
   for sc in ring bw lat proxy; do
     echo "# window on device memory: $sc (at ${SECONDS}s)"
-    timeout "$(lim 90)" "$bin/rmacomm-run" --nproc-per-node 2 "$bin/gpu-window-scenario" $sc 2>&1 |
+    stage "$(lim 90)" "$bin/rmacomm-run" --nproc-per-node 2 "$bin/gpu-window-scenario" $sc 2>&1 |
       tee "$out/window_device_$sc.log" || rc=1
   done
   # The same ring on cuMem/VMM memory in 2 MiB mappings (as PyTorch's
   # expandable segments): peers map it through its mappings' descriptors.
   echo "# window on VMM device memory: ring (at ${SECONDS}s)"
-  GPU_WINDOW_ALLOC=vmm timeout "$(lim 90)" "$bin/rmacomm-run" --nproc-per-node 2 "$bin/gpu-window-scenario" ring 2>&1 |
+  GPU_WINDOW_ALLOC=vmm stage "$(lim 90)" "$bin/rmacomm-run" --nproc-per-node 2 "$bin/gpu-window-scenario" ring 2>&1 |
     tee "$out/window_device_ring_vmm.log" || rc=1
   # NCCL's own window API (2.29+: ncclPutSignal, ncclSignal,
   # ncclWaitSignal) through NcclRma, one rank (NCCL refuses two on one GPU):
   # the ring on the rank itself; a library older than 2.29 is refused,
   # naming its version (the rank prints "refused: ...").
   echo "# NCCL windows: gpu-window-scenario nccl, one rank (at ${SECONDS}s)"
-  timeout "$(lim 60)" "$bin/rmacomm-run" --nproc-per-node 1 "$bin/gpu-window-scenario" nccl 2>&1 |
+  stage "$(lim 60)" "$bin/rmacomm-run" --nproc-per-node 1 "$bin/gpu-window-scenario" nccl 2>&1 |
     tee "$out/window_nccl.log" || rc=1
   grep -h '"window_device_put"' "$out/window_device_bw.log" | sed 's/^\[[0-9]*\] //' > "$out/window_device_bw.jsonl" || true
   grep -h '"window_device_signal_rtt"' "$out/window_device_lat.log" | sed 's/^\[[0-9]*\] //' > "$out/window_device_lat.jsonl" || true
@@ -139,7 +150,7 @@ PY
   # memory through CUDA IPC and copies device to device.
   for op in write read; do
     echo "# transport on device memory, same host (CUDA IPC): rdma_bench $op --use-cuda 0 (at ${SECONDS}s)"
-    timeout "$(lim 120)" "$bin/rdma_bench" $op -a --min 4K --max 64M --use-cuda 0 --provider soft --link auto \
+    stage "$(lim 120)" "$bin/rdma_bench" $op -a --min 4K --max 64M --use-cuda 0 --provider soft --link auto \
       --out-json "$out/transport_cuda_ipc_$op.jsonl" 2>&1 | tee "$out/transport_cuda_ipc_$op.log" || rc=1
   done
   # The same with 16 MiB fragments. On 2026-11-27's H200 the soft provider
@@ -149,13 +160,13 @@ PY
   # (ibverbx soft requester, device_batch): compare both with
   # copy_ceiling.jsonl's cuMemcpyDtoD.
   echo "# transport on device memory, same host (CUDA IPC), 16 MiB fragments (at ${SECONDS}s)"
-  timeout "$(lim 120)" "$bin/rdma_bench" write -a --min 1M --max 64M --use-cuda 0 --provider soft --link auto --frag-size 16M \
+  stage "$(lim 120)" "$bin/rdma_bench" write -a --min 1M --max 64M --use-cuda 0 --provider soft --link auto --frag-size 16M \
     --out-json "$out/transport_cuda_ipc_write_frag16M.jsonl" 2>&1 | tee "$out/transport_cuda_ipc_write_frag16M.log" || rc=1
   for op in write read; do
     echo "# transport on device memory: rdma_bench $op --use-cuda 0 (at ${SECONDS}s)"
-    timeout "$(lim 120)" "$bin/rdma_bench" $op -a --min 4K --max 64M --use-cuda 0 --provider soft --link tcp \
+    stage "$(lim 120)" "$bin/rdma_bench" $op -a --min 4K --max 64M --use-cuda 0 --provider soft --link tcp \
       --out-json "$out/transport_cuda_$op.jsonl" 2>&1 | tee "$out/transport_cuda_$op.log" || rc=1
-    timeout "$(lim 120)" "$bin/rdma_bench" $op -a --min 4K --max 64M --provider soft --link tcp \
+    stage "$(lim 120)" "$bin/rdma_bench" $op -a --min 4K --max 64M --provider soft --link tcp \
       --out-json "$out/transport_host_$op.jsonl" 2>&1 | tee "$out/transport_host_$op.log" || rc=1
   done
   # Python: the window ring on CUDA torch tensors, two processes.
@@ -168,32 +179,32 @@ PY
     export PYTHONPATH="$pydir${PYTHONPATH:+:$PYTHONPATH}"
     py=python3
     echo "# python: window ring on CUDA tensors (at ${SECONDS}s)"
-    timeout "$(lim 90)" "$py" -m rmacomm.run --nproc-per-node 2 "$suite/python/cuda_scenarios.py" window_ring_cuda 2>&1 |
+    stage "$(lim 90)" "$py" -m rmacomm.run --nproc-per-node 2 "$suite/python/cuda_scenarios.py" window_ring_cuda 2>&1 |
       tee "$out/python_window_ring_cuda.log" || rc=1
     # The same ring with PyTorch's expandable segments (cuMem/VMM memory:
     # no CUDA IPC handle; peers map it through descriptors).
     echo "# python: window ring on CUDA tensors from expandable segments (at ${SECONDS}s)"
-    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "$(lim 90)" "$py" -m rmacomm.run --nproc-per-node 2 \
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True stage "$(lim 90)" "$py" -m rmacomm.run --nproc-per-node 2 \
       "$suite/python/cuda_scenarios.py" window_ring_cuda 2>&1 | tee "$out/python_window_ring_cuda_expandable.log" || rc=1
     # The same ring through the transport (unified=False: what a peer on
     # another host gets), staged through pinned chunks.
     echo "# python: window ring on CUDA tensors, staged through the transport (at ${SECONDS}s)"
-    timeout "$(lim 90)" "$py" -m rmacomm.run --nproc-per-node 2 "$suite/python/cuda_scenarios.py" window_ring_cuda_staged 2>&1 |
+    stage "$(lim 90)" "$py" -m rmacomm.run --nproc-per-node 2 "$suite/python/cuda_scenarios.py" window_ring_cuda_staged 2>&1 |
       tee "$out/python_window_ring_cuda_staged.log" || rc=1
     # The transfer agent on CUDA tensors (KV blocks, two processes, IPC).
     echo "# python: transfer agent on CUDA tensors (at ${SECONDS}s)"
-    timeout "$(lim 90)" "$py" -m rmacomm.run --nproc-per-node 2 "$suite/python/cuda_scenarios.py" agent_cuda 2>&1 |
+    stage "$(lim 90)" "$py" -m rmacomm.run --nproc-per-node 2 "$suite/python/cuda_scenarios.py" agent_cuda 2>&1 |
       tee "$out/python_agent_cuda.log" || rc=1
     # The native backend's collectives on CUDA tensors (two processes, IPC),
     # checked, then all_reduce's bandwidth.
     echo "# python: native collectives on CUDA tensors (at ${SECONDS}s)"
-    timeout "$(lim 150)" "$py" -m rmacomm.run --nproc-per-node 2 "$suite/python/cuda_scenarios.py" native_collectives bench 2>&1 |
+    stage "$(lim 150)" "$py" -m rmacomm.run --nproc-per-node 2 "$suite/python/cuda_scenarios.py" native_collectives bench 2>&1 |
       tee "$out/python_native_collectives.log" || rc=1
     grep -h '"native_all_reduce"' "$out/python_native_collectives.log" | sed 's/^\[[0-9]*\] //' > "$out/native_all_reduce.jsonl" || true
     # The same with the signals in registered host memory (the window's
     # slots) instead of device memory.
     echo "# python: native collectives, RMACOMM_GPU_FLAGS=host (at ${SECONDS}s)"
-    RMACOMM_GPU_FLAGS=host timeout "$(lim 150)" "$py" -m rmacomm.run --nproc-per-node 2 "$suite/python/cuda_scenarios.py" native_collectives bench 2>&1 |
+    RMACOMM_GPU_FLAGS=host stage "$(lim 150)" "$py" -m rmacomm.run --nproc-per-node 2 "$suite/python/cuda_scenarios.py" native_collectives bench 2>&1 |
       tee "$out/python_native_collectives_hostflags.log" || rc=1
     grep -h '"native_all_reduce"' "$out/python_native_collectives_hostflags.log" | sed 's/^\[[0-9]*\] //' > "$out/native_all_reduce_hostflags.jsonl" || true
     # The same in transport mode (what ranks on different hosts get: data
@@ -202,7 +213,7 @@ PY
     # engines make no CUDA call (docs/gpu.md, "Known problem"), and CUDA's
     # default (lazy) module loading must not hang it...
     echo "# python: native collectives, RMACOMM_GPU_TRANSPORT=1 (host slots), CUDA's default module loading (at ${SECONDS}s)"
-    RMACOMM_GPU_TRANSPORT=1 timeout "$(lim 150)" "$py" -m rmacomm.run --nproc-per-node 2 "$suite/python/cuda_scenarios.py" native_collectives bench 2>&1 |
+    RMACOMM_GPU_TRANSPORT=1 stage "$(lim 150)" "$py" -m rmacomm.run --nproc-per-node 2 "$suite/python/cuda_scenarios.py" native_collectives bench 2>&1 |
       tee "$out/python_native_collectives_transport.log" || rc=1
     grep -h '"native_all_reduce"' "$out/python_native_collectives_transport.log" | sed 's/^\[[0-9]*\] //' > "$out/native_all_reduce_transport.jsonl" || true
     # ... and with device slots (what a verbs HCA gets; on the soft provider
@@ -210,11 +221,11 @@ PY
     # under lazy loading), with CUDA's modules loaded eagerly (the
     # workaround; a shorter limit: a hang lasts until the window's timeout).
     echo "# python: native collectives, RMACOMM_GPU_TRANSPORT=1 RMACOMM_GPU_SLOTS=device, CUDA_MODULE_LOADING=EAGER (at ${SECONDS}s)"
-    CUDA_MODULE_LOADING=EAGER RMACOMM_GPU_SLOTS=device RMACOMM_GPU_TRANSPORT=1 timeout "$(lim 90)" "$py" -m rmacomm.run --nproc-per-node 2 "$suite/python/cuda_scenarios.py" native_collectives 2>&1 |
+    CUDA_MODULE_LOADING=EAGER RMACOMM_GPU_SLOTS=device RMACOMM_GPU_TRANSPORT=1 stage "$(lim 90)" "$py" -m rmacomm.run --nproc-per-node 2 "$suite/python/cuda_scenarios.py" native_collectives 2>&1 |
       tee "$out/python_native_collectives_transport_device_slots.log" || rc=1
     # The NCCL backend: one rank (NCCL refuses two ranks on one GPU).
     echo "# python: the nccl backend's collectives, then all_reduce's bandwidth (at ${SECONDS}s)"
-    timeout "$(lim 90)" "$py" -m rmacomm.run --nproc-per-node 1 "$suite/python/cuda_scenarios.py" nccl_collectives bench 2>&1 |
+    stage "$(lim 90)" "$py" -m rmacomm.run --nproc-per-node 1 "$suite/python/cuda_scenarios.py" nccl_collectives bench 2>&1 |
       tee "$out/python_nccl_collectives.log" || rc=1
     grep -h '"nccl_all_reduce"' "$out/python_nccl_collectives.log" | sed 's/^\[[0-9]*\] //' > "$out/nccl_all_reduce.jsonl" || true
   else
@@ -222,6 +233,8 @@ PY
     rc=1
   fi
   echo "# done at ${SECONDS}s, rc $rc"
+  # The figures beside the same run's copy ceiling, and the failed stages.
+  python3 "$suite/gpu_summary.py" "$out" > "$out/summary.md" 2>&1 || true
   return $rc
 }
 

@@ -1,0 +1,196 @@
+#!/usr/bin/env python3
+"""Tables of a GPU suite run's figures, each beside the copy ceiling of the
+same run (`bash scripts/gpu_suite.sh run` writes them to $OUT; this reads
+that folder): window puts and the transport's device paths against
+cuMemcpyDtoD, all_reduce beside NCCL's single rank, and the stages that
+failed. Markdown on stdout, ready for docs/gpu.md. Standard library only
+(the GPU machines have python3 but no network).
+
+    python3 scripts/gpu_summary.py RESULTS_DIR
+"""
+
+import json
+import os
+import re
+import sys
+
+MIB = 1 << 20
+# rdma_bench reports MB/s with perftest's MB (2^20 bytes); GB/s here is 1e9 B/s.
+RDMA_MB = 1_048_576
+
+
+def lines(path):
+    """The JSON objects of a JSON-lines file (other lines skipped); [] if absent."""
+    out = []
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                line = re.sub(r"^\[\d+\] ", "", line.strip())
+                if line.startswith("{"):
+                    try:
+                        out.append(json.loads(line))
+                    except json.JSONDecodeError:
+                        pass
+    except FileNotFoundError:
+        pass
+    return out
+
+
+def size(n):
+    for unit, div in (("GiB", 1 << 30), ("MiB", MIB), ("KiB", 1 << 10)):
+        if n >= div and n % div == 0:
+            return f"{n // div} {unit}"
+    return f"{n} B"
+
+
+def num(x, digits=1):
+    return "–" if x is None else f"{x:,.{digits}f}"
+
+
+def ratio(a, b):
+    return None if a is None or not b else a / b
+
+
+def table(head, rows):
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def ceiling_of(d):
+    """cuMemcpyDtoD GB/s by size, from copy_ceiling.jsonl."""
+    return {r["bytes"]: r["GBps"] for r in lines(os.path.join(d, "copy_ceiling.jsonl")) if r.get("test") == "cuMemcpyDtoD"}
+
+
+def at(ceil, n):
+    """The ceiling at n bytes; None where copy_ceiling measured no such size
+    (small copies are bound by their per-call cost: no size stands in for
+    another)."""
+    return ceil.get(n)
+
+
+def machine(d):
+    p = os.path.join(d, "machine.txt")
+    if os.path.exists(p):
+        with open(p, encoding="utf-8", errors="replace") as f:
+            return "".join(f.readlines()[:12]).rstrip()
+    return None
+
+
+def failed_stages(d):
+    """The stages (`# ...` headers) whose output shows a failure, and the
+    suite's last line, from suite.log; None without one."""
+    p = os.path.join(d, "suite.log")
+    if not os.path.exists(p):
+        return None
+    bad, stage, done = [], None, None
+    # What a failing stage prints (cargo test, Rust panics, Python, the
+    # suite's own FAILED lines); passing output names errors it expects.
+    pat = re.compile(r"test result: FAILED|panicked at|Traceback \(most recent call last\)|\bFAILED\b|timed out")
+    with open(p, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if line.startswith("# done at"):
+                done = line[2:].strip()
+            elif line.startswith("# ") and "(at " in line:
+                stage = line[2:].split(" (at ")[0].strip()
+            elif stage and pat.search(line) and stage not in bad:
+                bad.append(stage)
+    return bad, done
+
+
+def main(d):
+    out = []
+    m = machine(d)
+    if m:
+        out += ["```", m, "```", ""]
+    ceil = ceiling_of(d)
+    if ceil:
+        out += ["**Copy ceiling** (`cuMemcpyDtoD`, same run), GB/s:", ""]
+        out += [table(["size", "GB/s"], [[size(n), num(g)] for n, g in sorted(ceil.items())]), ""]
+    else:
+        out += ["No copy_ceiling.jsonl: ratios below are missing.", ""]
+
+    w = [r for r in lines(os.path.join(d, "window_device_bw.jsonl")) if r.get("test") == "window_device_put"]
+    if w:
+        rows = []
+        for r in sorted(w, key=lambda r: r["bytes"]):
+            c = at(ceil, r["bytes"])
+            q = ratio(r.get("stream_GBps"), c)
+            mark = "" if r["bytes"] < MIB or q is None else (" ✓" if q >= 0.9 else " ✗")
+            rows.append([size(r["bytes"]), num(r.get("stream_GBps")), num(r.get("local_GBps")), num(c), num(q, 2) + mark])
+        out += ["**Window put, device to device** (queued on a stream; target ≥ 0.9× the ceiling from 1 MiB):", ""]
+        out += [table(["size", "put GB/s", "own-memory copies GB/s", "ceiling GB/s", "put / ceiling"], rows), ""]
+
+    runs = [("transport_cuda_ipc_write", "same host (CUDA IPC), write"),
+            ("transport_cuda_ipc_read", "same host (CUDA IPC), read"),
+            ("transport_cuda_ipc_write_frag16M", "same host (CUDA IPC), write, 16 MiB fragments"),
+            ("transport_cuda_write", "tcp (pinned staging), write"),
+            ("transport_cuda_read", "tcp (pinned staging), read"),
+            ("transport_host_write", "tcp, host memory, write"),
+            ("transport_host_read", "tcp, host memory, read")]
+    rows = []
+    for name, what in runs:
+        for r in sorted(lines(os.path.join(d, name + ".jsonl")), key=lambda r: r["bytes"]):
+            if r["bytes"] < 64 << 10 or r.get("bw_avg_MBps") is None:
+                continue
+            g = r["bw_avg_MBps"] * RDMA_MB / 1e9
+            c = at(ceil, r["bytes"])
+            rows.append([what, size(r["bytes"]), num(g, 2), num(c), num(ratio(g, c), 3)])
+    if rows:
+        out += ["**Transport on device memory** (`rdma_bench --use-cuda 0`, soft provider; average, GB/s):", ""]
+        out += [table(["path", "size", "GB/s", "ceiling GB/s", "/ ceiling"], rows), ""]
+
+    st = lines(os.path.join(d, "staging_copies.jsonl"))
+    if st:
+        rows = [[r["test"], size(r["bytes"]), num(r.get("us_per_call"), 2), num(r.get("GBps"))]
+                for r in sorted(st, key=lambda r: (r["test"], r["bytes"]))]
+        out += ["**Staged copies** (per call, `copy_ceiling --staging`):", ""]
+        out += [table(["copy", "size", "µs/call", "GB/s"], rows), ""]
+
+    pr = lines(os.path.join(d, "window_proxy.jsonl"))
+    for r in pr:
+        if r.get("test") == "window_proxy_put":
+            out += [f"Stream proxy: {size(r['bytes'])} puts queued on a stream {num(r['stream_MBps'] / 1000)} GB/s, "
+                    f"from the host {num(r['host_MBps'] / 1000)} GB/s "
+                    f"({num(ratio(r['stream_MBps'], r['host_MBps']), 2)}×)."]
+        elif r.get("test") == "window_proxy_signal_rtt":
+            out += [f"Proxied signal round trip: stream {num(r['stream_queued_us'])} µs, host {num(r['host_us'])} µs."]
+    for r in lines(os.path.join(d, "window_device_lat.jsonl")):
+        out += [f"Window signal round trip: host {num(r.get('host_us'), 2)} µs, stream queued "
+                f"{num(r.get('stream_queued_us'), 1)} µs, stream synchronized {num(r.get('stream_synced_us'), 1)} µs."]
+    if pr:
+        out += [""]
+
+    ar = {}
+    for name in ("native_all_reduce", "native_all_reduce_hostflags", "native_all_reduce_transport", "nccl_all_reduce"):
+        for r in lines(os.path.join(d, name + ".jsonl")):
+            ar.setdefault(r["bytes"], {})[name] = r
+    if ar:
+        cols = ["native_all_reduce", "native_all_reduce_hostflags", "native_all_reduce_transport", "nccl_all_reduce"]
+        rows = []
+        for n in sorted(ar):
+            cells = []
+            for c in cols:
+                r = ar[n].get(c)
+                cells.append("–" if r is None else f"{num(r['us'])} µs ({num(r['algbw_GBps'], 2)} GB/s)")
+            rows.append([size(n)] + cells)
+        out += ["**all_reduce** (µs per call, algorithm bandwidth; NCCL: one rank, the machine has one GPU):", ""]
+        out += [table(["size", "native (IPC)", "native, host flags", "native, transport mode", "NCCL, 1 rank"], rows), ""]
+
+    res = failed_stages(d)
+    if res is None:
+        out += ["No suite.log: stage outcomes unknown."]
+    else:
+        bad, done = res
+        out += [f"Suite: {done or 'no `# done` line (cut short?)'}."]
+        if bad:
+            out += ["Stages whose output shows a failure:", ""] + [f"- {s}" for s in bad]
+        else:
+            out += ["No stage's output shows a failure."]
+    print("\n".join(out))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2 or not os.path.isdir(sys.argv[1]):
+        sys.exit("usage: gpu_summary.py RESULTS_DIR (the folder gpu_suite.sh run wrote)")
+    main(sys.argv[1])
