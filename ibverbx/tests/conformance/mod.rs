@@ -878,6 +878,30 @@ pub fn device_copies_batched(dev: &Device) {
         // copy and a wait each), then any run behind it.
         assert!(after.device_copy_waits - before.device_copy_waits >= 2, "{after:?}");
         assert_eq!(after.peer_device_bytes - before.peer_device_bytes, (N * PIECE) as u64);
+        // The QP goes to ERR while the engine waits for a run: the run is
+        // flushed (as behind any error), never completed after it, and so
+        // is every WR behind it; completions keep posting order.
+        let waits = src.queue_waits.load(std::sync::atomic::Ordering::Relaxed);
+        src.set_hold(true);
+        let ops = writes();
+        let sges: Vec<[Sge; 1]> = ops.iter().map(|o| [o.2]).collect();
+        let wrs: Vec<SendWr<'_>> = ops
+            .iter()
+            .zip(&sges)
+            .map(|(o, sg)| SendWr { wr_id: o.0, op: o.1, sg_list: sg, flags: SendFlags::SIGNALED })
+            .collect();
+        p.a.qp.post_send(&wrs).unwrap();
+        let t = std::time::Instant::now();
+        while src.queue_waits.load(std::sync::atomic::Ordering::Relaxed) == waits {
+            assert!(t.elapsed() < WAIT, "the engine never waited for the device");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        p.a.qp.modify(&QpTransition::Err).unwrap();
+        src.set_hold(false);
+        for i in 0..N as u64 {
+            let wc = wait1(&p.a.scq);
+            assert_eq!((wc.wr_id, wc.status), (i, WcStatus::WrFlushErr), "completion {i} after ERR");
+        }
     }
 }
 
