@@ -229,12 +229,12 @@ PY
       tee "$out/python_nccl_collectives.log" || rc=1
     grep -h '"nccl_all_reduce"' "$out/python_nccl_collectives.log" | sed 's/^\[[0-9]*\] //' > "$out/nccl_all_reduce.jsonl" || true
   else
-    echo "# python: FAILED: no wheel in the suite or no torch on this machine" | tee "$out/python_window_ring_cuda.log"
+    echo "# python: FAILED: no wheel in the suite or no torch on this machine (at ${SECONDS}s)" | tee "$out/python_window_ring_cuda.log"
     rc=1
   fi
   echo "# done at ${SECONDS}s, rc $rc"
   # The figures beside the same run's copy ceiling, and the failed stages.
-  python3 "$suite/gpu_summary.py" "$out" > "$out/summary.md" 2>&1 || true
+  PYTHONIOENCODING=utf-8 python3 "$suite/gpu_summary.py" "$out" > "$out/summary.md" 2>&1 || true
   return $rc
 }
 

@@ -19,8 +19,9 @@ MIB = 1 << 20
 RDMA_MB = 1_048_576
 
 
-def lines(path):
-    """The JSON objects of a JSON-lines file (other lines skipped); [] if absent."""
+def lines(path, *need):
+    """The JSON objects of a JSON-lines file that have the fields `need`
+    (other lines skipped); [] if absent."""
     out = []
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
@@ -28,9 +29,11 @@ def lines(path):
                 line = re.sub(r"^\[\d+\] ", "", line.strip())
                 if line.startswith("{"):
                     try:
-                        out.append(json.loads(line))
+                        r = json.loads(line)
                     except json.JSONDecodeError:
-                        pass
+                        continue
+                    if isinstance(r, dict) and all(r.get(k) is not None for k in need):
+                        out.append(r)
     except FileNotFoundError:
         pass
     return out
@@ -59,7 +62,8 @@ def table(head, rows):
 
 def ceiling_of(d):
     """cuMemcpyDtoD GB/s by size, from copy_ceiling.jsonl."""
-    return {r["bytes"]: r["GBps"] for r in lines(os.path.join(d, "copy_ceiling.jsonl")) if r.get("test") == "cuMemcpyDtoD"}
+    recs = lines(os.path.join(d, "copy_ceiling.jsonl"), "bytes", "GBps")
+    return {r["bytes"]: r["GBps"] for r in recs if r.get("test") == "cuMemcpyDtoD"}
 
 
 def at(ceil, n):
@@ -77,25 +81,35 @@ def machine(d):
     return None
 
 
+# What a failing stage prints (cargo test, Rust panics, Python, the
+# suite's own `# FAILED` lines); passing output names errors it expects.
+FAILURE = re.compile(r"test result: FAILED|panicked at|Traceback \(most recent call last\)|\bFAILED\b|timed out")
+
+
 def failed_stages(d):
-    """The stages (`# ...` headers) whose output shows a failure, and the
-    suite's last line, from suite.log; None without one."""
+    """The stages whose output shows a failure, and the suite's last line:
+    from suite.log (the run's whole output, `# ... (at Ns)` stage headers)
+    where the caller kept one, else from every stage's own log."""
     p = os.path.join(d, "suite.log")
-    if not os.path.exists(p):
-        return None
     bad, stage, done = [], None, None
-    # What a failing stage prints (cargo test, Rust panics, Python, the
-    # suite's own FAILED lines); passing output names errors it expects.
-    pat = re.compile(r"test result: FAILED|panicked at|Traceback \(most recent call last\)|\bFAILED\b|timed out")
-    with open(p, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            if line.startswith("# done at"):
-                done = line[2:].strip()
-            elif line.startswith("# ") and "(at " in line:
-                stage = line[2:].split(" (at ")[0].strip()
-            elif stage and pat.search(line) and stage not in bad:
-                bad.append(stage)
-    return bad, done
+    if os.path.exists(p):
+        with open(p, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("# done at"):
+                    done = line[2:].strip()
+                elif line.startswith("# ") and "(at " in line:
+                    stage = line[2:].split(" (at ")[0].strip()
+                    if "FAILED" in stage and stage not in bad:
+                        bad.append(stage)
+                elif stage and FAILURE.search(line) and stage not in bad:
+                    bad.append(stage)
+        return bad, done
+    for name in sorted(os.listdir(d)):
+        if name.endswith((".log", ".jsonl")) and name != "summary.md":
+            with open(os.path.join(d, name), encoding="utf-8", errors="replace") as f:
+                if any(FAILURE.search(line) for line in f):
+                    bad.append(name)
+    return bad, None
 
 
 def main(d):
@@ -110,7 +124,7 @@ def main(d):
     else:
         out += ["No copy_ceiling.jsonl: ratios below are missing.", ""]
 
-    w = [r for r in lines(os.path.join(d, "window_device_bw.jsonl")) if r.get("test") == "window_device_put"]
+    w = [r for r in lines(os.path.join(d, "window_device_bw.jsonl"), "bytes") if r.get("test") == "window_device_put"]
     if w:
         rows = []
         for r in sorted(w, key=lambda r: r["bytes"]):
@@ -130,8 +144,8 @@ def main(d):
             ("transport_host_read", "tcp, host memory, read")]
     rows = []
     for name, what in runs:
-        for r in sorted(lines(os.path.join(d, name + ".jsonl")), key=lambda r: r["bytes"]):
-            if r["bytes"] < 64 << 10 or r.get("bw_avg_MBps") is None:
+        for r in sorted(lines(os.path.join(d, name + ".jsonl"), "bytes", "bw_avg_MBps"), key=lambda r: r["bytes"]):
+            if r["bytes"] < 64 << 10:
                 continue
             g = r["bw_avg_MBps"] * RDMA_MB / 1e9
             c = at(ceil, r["bytes"])
@@ -140,7 +154,7 @@ def main(d):
         out += ["**Transport on device memory** (`rdma_bench --use-cuda 0`, soft provider; average, GB/s):", ""]
         out += [table(["path", "size", "GB/s", "ceiling GB/s", "/ ceiling"], rows), ""]
 
-    st = lines(os.path.join(d, "staging_copies.jsonl"))
+    st = lines(os.path.join(d, "staging_copies.jsonl"), "test", "bytes")
     if st:
         rows = [[r["test"], size(r["bytes"]), num(r.get("us_per_call"), 2), num(r.get("GBps"))]
                 for r in sorted(st, key=lambda r: (r["test"], r["bytes"]))]
@@ -149,11 +163,11 @@ def main(d):
 
     pr = lines(os.path.join(d, "window_proxy.jsonl"))
     for r in pr:
-        if r.get("test") == "window_proxy_put":
+        if r.get("test") == "window_proxy_put" and all(r.get(k) is not None for k in ("bytes", "stream_MBps", "host_MBps")):
             out += [f"Stream proxy: {size(r['bytes'])} puts queued on a stream {num(r['stream_MBps'] / 1000)} GB/s, "
                     f"from the host {num(r['host_MBps'] / 1000)} GB/s "
                     f"({num(ratio(r['stream_MBps'], r['host_MBps']), 2)}×)."]
-        elif r.get("test") == "window_proxy_signal_rtt":
+        elif r.get("test") == "window_proxy_signal_rtt" and all(r.get(k) is not None for k in ("stream_queued_us", "host_us")):
             out += [f"Proxied signal round trip: stream {num(r['stream_queued_us'])} µs, host {num(r['host_us'])} µs."]
     for r in lines(os.path.join(d, "window_device_lat.jsonl")):
         out += [f"Window signal round trip: host {num(r.get('host_us'), 2)} µs, stream queued "
@@ -163,7 +177,7 @@ def main(d):
 
     ar = {}
     for name in ("native_all_reduce", "native_all_reduce_hostflags", "native_all_reduce_transport", "nccl_all_reduce"):
-        for r in lines(os.path.join(d, name + ".jsonl")):
+        for r in lines(os.path.join(d, name + ".jsonl"), "bytes", "us", "algbw_GBps"):
             ar.setdefault(r["bytes"], {})[name] = r
     if ar:
         cols = ["native_all_reduce", "native_all_reduce_hostflags", "native_all_reduce_transport", "nccl_all_reduce"]
@@ -177,16 +191,13 @@ def main(d):
         out += ["**all_reduce** (µs per call, algorithm bandwidth; NCCL: one rank, the machine has one GPU):", ""]
         out += [table(["size", "native (IPC)", "native, host flags", "native, transport mode", "NCCL, 1 rank"], rows), ""]
 
-    res = failed_stages(d)
-    if res is None:
-        out += ["No suite.log: stage outcomes unknown."]
+    bad, done = failed_stages(d)
+    if done:
+        out += [f"Suite: {done}."]
+    if bad:
+        out += ["Stages whose output shows a failure:", ""] + [f"- {s}" for s in bad]
     else:
-        bad, done = res
-        out += [f"Suite: {done or 'no `# done` line (cut short?)'}."]
-        if bad:
-            out += ["Stages whose output shows a failure:", ""] + [f"- {s}" for s in bad]
-        else:
-            out += ["No stage's output shows a failure."]
+        out += ["No stage's output shows a failure."]
     print("\n".join(out))
 
 

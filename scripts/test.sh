@@ -115,7 +115,7 @@ fi
 # The GPU suite's summary (scripts/gpu_summary.py) on a recorded run, the
 # H200's of 2026-11-27: its tables, and its one failed stage found.
 if command -v python3 >/dev/null; then
-  summary=$(python3 scripts/gpu_summary.py docs/gpu-results/2026-11-27-h200)
+  summary=$(PYTHONIOENCODING=utf-8 python3 scripts/gpu_summary.py docs/gpu-results/2026-11-27-h200)
   grep -q '| 16 MiB | 2,535.3 | 2,459.8 | 2,541.1 | 1.00 ✓ |' <<<"$summary"
   grep -q '^- python: native collectives, RMACOMM_GPU_TRANSPORT=1$' <<<"$summary"
   echo "# gpu_summary.py: the recorded H200 run summarized"

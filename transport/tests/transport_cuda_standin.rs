@@ -152,9 +152,15 @@ async fn device_to_device_fragments_share_waits() {
         let waits = after.device_copy_waits - before.device_copy_waits;
         let copies = after.device_copies - before.device_copies;
         println!("round {round}: {} fragments, {copies} copies, {waits} waits", 2 * FRAGS);
-        // One of each per fragment (64) before; now a few, depending on
-        // how far the poster runs ahead of the engine (the notification's
-        // fragment still waits alone: its immediate follows the bytes).
-        assert!(waits <= FRAGS as u64 / 2 && copies <= FRAGS as u64, "{copies} copies, {waits} waits: {after:?}");
+        // One of each per fragment (64) before; now typically 3 waits and
+        // 9 copies, more when the engine catches up with the poster (up to
+        // 23 waits seen on a loaded 2-core machine: every time the engine
+        // finds no WR posted, the run ends). The notification's fragment
+        // still waits alone (its immediate follows the bytes). The exact
+        // batching is tested deterministically by ibverbx's conformance
+        // suite (device_copies_batched); here: fewer than one each per
+        // fragment, through the real transport and the stand-in's streams.
+        let frags = 2 * FRAGS as u64;
+        assert!(waits < frags && copies < frags, "{copies} copies, {waits} waits for {frags} fragments: {after:?}");
     }
 }

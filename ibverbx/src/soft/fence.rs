@@ -15,7 +15,8 @@
 //! Counters are held across an await only by the engine's batches of
 //! device copies (`requester::device_batch`), until the batch's wait for
 //! the device, which comes as soon as no further WR is already posted
-//! (at most 64 WRs, 256 MiB), and never while the engine waits for a peer;
+//! (at most 64 WRs and 256 MiB, or one larger WR alone), and never while
+//! the engine waits for a peer;
 //! every other copy is synchronous. The
 //! owner's wait is bounded ([`WAIT_LIMIT`]): a peer that died between its
 //! increment and its decrement cannot block deregistration forever (a peer

@@ -52,6 +52,8 @@ pub struct FakeDevice {
     pub queue_waits: std::sync::atomic::AtomicU64,
     /// The next wait fails (dropping what was queued).
     pub queue_fails: std::sync::atomic::AtomicBool,
+    /// The next wait fails after it made the queued copies.
+    pub queue_fails_after: std::sync::atomic::AtomicBool,
     /// While true, a wait with copies queued blocks (a device still busy).
     pub hold: (std::sync::Mutex<bool>, std::sync::Condvar),
 }
@@ -81,6 +83,7 @@ impl FakeDevice {
             queued: Default::default(),
             queue_waits: Default::default(),
             queue_fails: Default::default(),
+            queue_fails_after: Default::default(),
             hold: Default::default(),
         });
         if exports {
@@ -154,6 +157,9 @@ impl DeviceMemory for FakeDevice {
         for (dst, src, len) in queued {
             // SAFETY: checked fake ranges (copy_device checks them again).
             unsafe { self.copy_device(dst, src, len) }.expect("queued between fakes")?;
+        }
+        if self.queue_fails_after.swap(false, std::sync::atomic::Ordering::Relaxed) {
+            return Err("fake failure after the copies".into());
         }
         Ok(())
     }
@@ -878,6 +884,27 @@ pub fn device_copies_batched(dev: &Device) {
         // copy and a wait each), then any run behind it.
         assert!(after.device_copy_waits - before.device_copy_waits >= 2, "{after:?}");
         assert_eq!(after.peer_device_bytes - before.peer_device_bytes, (N * PIECE) as u64);
+        // A READ into local memory, then a WRITE into what it read, posted
+        // together, and the wait fails after making the copies: the WRITE
+        // must not have joined the READ's run (the READ, executed again,
+        // would read the WRITE's bytes).
+        let (old_p, m) = (pattern(PIECE, 600), pattern(PIECE, 601));
+        dst.write(0, &old_p).unwrap();
+        s_mr.write(0, &[0u8; PIECE]).unwrap();
+        s_mr.write(PIECE, &m).unwrap();
+        src.queue_fails_after.store(true, std::sync::atomic::Ordering::Relaxed);
+        let p0 = dst.addr();
+        post_all(
+            &[
+                (0, SendOp::RdmaRead { remote_addr: p0, rkey: dst.rkey() }, s_mr.sge(0, PIECE).unwrap()),
+                (1, SendOp::RdmaWrite { remote_addr: p0, rkey: dst.rkey() }, s_mr.sge(PIECE, PIECE).unwrap()),
+            ],
+            &src,
+        );
+        in_order(2, 0, "a READ and a WRITE of the same bytes");
+        assert!(!src.queue_fails_after.load(std::sync::atomic::Ordering::Relaxed), "no wait failed");
+        assert!(contents(&s_mr, 0, PIECE) == old_p, "the READ, executed again, read the WRITE's bytes");
+        assert!(contents(&dst, 0, PIECE) == m, "the WRITE's bytes are not there");
         // The QP goes to ERR while the engine waits for a run: the run is
         // flushed (as behind any error), never completed after it, and so
         // is every WR behind it; completions keep posting order.

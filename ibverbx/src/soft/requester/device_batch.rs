@@ -21,8 +21,10 @@
 //!
 //! When a queued copy or the wait fails, every WR of the batch is executed
 //! again one by one ([`execute_one`]): device to device once more, through
-//! host memory or through the connection, as a lone WR would be (writes
-//! and reads are idempotent).
+//! host memory or through the connection, as a lone WR would be. That is
+//! the same as executing them once because a run never holds two WRs
+//! that depend on each other: a WR that writes what the run reads or
+//! writes, or reads what it writes, ends the run instead of joining it.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
@@ -68,6 +70,9 @@ pub(super) struct DeviceBatch {
     wrs: Vec<Pending>,
     /// A copy failed to queue: the batch is executed again at the drain.
     failed: Option<String>,
+    /// Device ranges the run's copies write and read (start, end).
+    writes: Vec<(u64, u64)>,
+    reads: Vec<(u64, u64)>,
     /// The requester's count of WRs posted and not yet executed: queued
     /// WRs stay in it until the drain.
     backlog: Arc<AtomicU32>,
@@ -76,7 +81,16 @@ pub(super) struct DeviceBatch {
 
 impl DeviceBatch {
     pub(super) fn new(sh: Arc<Shared>, backlog: Arc<AtomicU32>) -> DeviceBatch {
-        DeviceBatch { mem: None, run: None, wrs: Vec::new(), failed: None, backlog, sh }
+        DeviceBatch {
+            mem: None,
+            run: None,
+            wrs: Vec::new(),
+            failed: None,
+            writes: Vec::new(),
+            reads: Vec::new(),
+            backlog,
+            sh,
+        }
     }
 
     /// Whether another WR could join (the run loop takes the next posted
@@ -145,13 +159,36 @@ impl DeviceBatch {
             _ => return Err(self.give_back(e)),
         };
         let mut at = off;
-        for (a, n) in locals {
-            let (dst, src) = if write { (at, a) } else { (a, at) };
+        let copies: Vec<(u64, u64, usize)> = locals
+            .into_iter()
+            .map(|(a, n)| {
+                let c = if write { (at, a, n) } else { (a, at, n) };
+                at += n as u64;
+                c
+            })
+            .collect();
+        // A WR that writes what the run reads or writes, or reads what it
+        // writes, ends the run: within a run no copy depends on another,
+        // so running the run's WRs again after a failure (the drain) gives
+        // what running them once would have.
+        if copies.iter().any(|&(d, s, n)| self.conflicts(d, s, n as u64)) {
+            return Err(self.give_back(e));
+        }
+        for (dst, src, n) in copies {
+            self.writes.push((dst, dst + n as u64));
+            self.reads.push((src, src + n as u64));
             self.add(dst, src, n);
-            at += n as u64;
         }
         self.wrs.push(Pending { bytes: e.len, e, _dev: dev, _held: held });
         Ok(())
+    }
+
+    /// Whether a copy of `n` bytes from `src` to `dst` touches what the
+    /// run's copies write, or writes what they read.
+    fn conflicts(&self, dst: u64, src: u64, n: u64) -> bool {
+        let overlaps = |(a, b): (u64, u64), x: u64| a < x + n && x < b;
+        self.writes.iter().any(|&r| overlaps(r, dst) || overlaps(r, src))
+            || self.reads.iter().any(|&r| overlaps(r, dst))
     }
 
     /// `e` did not join: the batch forgets its memory if it is empty.
@@ -237,6 +274,8 @@ impl DeviceBatch {
             None => waited,
         };
         let wrs = std::mem::take(&mut self.wrs);
+        self.writes.clear();
+        self.reads.clear();
         match waited {
             Ok(()) => {
                 let bytes: u64 = wrs.iter().map(|p| p.bytes).sum();
@@ -259,11 +298,10 @@ impl DeviceBatch {
                     sh.qp.qpn,
                     wrs.len()
                 );
-                for p in wrs {
-                    // The wait above ended the copies: the region and its
-                    // fence are let go before the WR runs again.
-                    let Pending { e, _dev, _held, .. } = p;
-                    drop((_dev, _held));
+                // The wait above ended the copies: every region and fence
+                // is let go before any WR runs again (which may wait).
+                let entries: Vec<SqEntry> = wrs.into_iter().map(|p| p.e).collect();
+                for e in entries {
                     execute_one(sh, link, e).await;
                     self.backlog.fetch_sub(1, Ordering::AcqRel);
                 }
