@@ -176,6 +176,23 @@ impl FakeDevice {
     }
 }
 
+/// Holds a fake device's waits until dropped: a failed assertion meanwhile
+/// fails the test instead of leaving the engine held.
+pub struct DeviceHold<'a>(&'a FakeDevice);
+
+impl<'a> DeviceHold<'a> {
+    pub fn new(dev: &'a FakeDevice) -> DeviceHold<'a> {
+        dev.set_hold(true);
+        DeviceHold(dev)
+    }
+}
+
+impl Drop for DeviceHold<'_> {
+    fn drop(&mut self) {
+        self.0.set_hold(false);
+    }
+}
+
 /// Opens [`FakeDevice`] exports (this process's: the tests' contexts share
 /// it).
 #[derive(Debug)]
@@ -773,24 +790,18 @@ pub fn device_copies_batched(dev: &Device) {
     // Every WR in one post, the device held meanwhile: the engine may
     // start on the first WRs and wait for them, but every other WR is
     // posted before that wait ends. So two runs at most, each one wait.
-    let post_all = |ops: &[(u64, SendOp, Sge)], dev: &FakeDevice| {
+    let post_list = |ops: &[(u64, SendOp, Sge)]| {
         let sges: Vec<[Sge; 1]> = ops.iter().map(|o| [o.2]).collect();
         let wrs: Vec<SendWr<'_>> = ops
             .iter()
             .zip(&sges)
             .map(|(o, sg)| SendWr { wr_id: o.0, op: o.1, sg_list: sg, flags: SendFlags::SIGNALED })
             .collect();
-        // Let go however the post ends (a failed unwrap must not leave
-        // the engine held).
-        struct Release<'a>(&'a FakeDevice);
-        impl Drop for Release<'_> {
-            fn drop(&mut self) {
-                self.0.set_hold(false);
-            }
-        }
-        dev.set_hold(true);
-        let _release = Release(dev);
         p.a.qp.post_send(&wrs).unwrap();
+    };
+    let post_all = |ops: &[(u64, SendOp, Sge)], dev: &FakeDevice| {
+        let _hold = DeviceHold::new(dev);
+        post_list(ops);
     };
     let in_order = |n: usize, first: u64, what: &str| {
         for i in 0..n as u64 {
@@ -909,22 +920,15 @@ pub fn device_copies_batched(dev: &Device) {
         // flushed (as behind any error), never completed after it, and so
         // is every WR behind it; completions keep posting order.
         let waits = src.queue_waits.load(std::sync::atomic::Ordering::Relaxed);
-        src.set_hold(true);
-        let ops = writes();
-        let sges: Vec<[Sge; 1]> = ops.iter().map(|o| [o.2]).collect();
-        let wrs: Vec<SendWr<'_>> = ops
-            .iter()
-            .zip(&sges)
-            .map(|(o, sg)| SendWr { wr_id: o.0, op: o.1, sg_list: sg, flags: SendFlags::SIGNALED })
-            .collect();
-        p.a.qp.post_send(&wrs).unwrap();
+        let hold = DeviceHold::new(&src);
+        post_list(&writes());
         let t = std::time::Instant::now();
         while src.queue_waits.load(std::sync::atomic::Ordering::Relaxed) == waits {
             assert!(t.elapsed() < WAIT, "the engine never waited for the device");
             std::thread::sleep(Duration::from_millis(1));
         }
         p.a.qp.modify(&QpTransition::Err).unwrap();
-        src.set_hold(false);
+        drop(hold);
         for i in 0..N as u64 {
             let wc = wait1(&p.a.scq);
             assert_eq!((wc.wr_id, wc.status), (i, WcStatus::WrFlushErr), "completion {i} after ERR");
