@@ -51,12 +51,10 @@ const MAX_BATCH_BYTES: u64 = 256 << 20;
 /// copies while the engine takes the next WRs.
 const RUN_MAX: usize = 8 << 20;
 
-/// A queued WR: its entry (to execute again if the batch fails), the
-/// bytes it moves, and what keeps the peer's region while its copy may
-/// run.
+/// A queued WR: its entry (to execute again if the batch fails) and what
+/// keeps the peer's region while its copy may run.
 struct Pending {
     e: SqEntry,
-    bytes: u64,
     _dev: Arc<dyn PeerDevice>,
     _held: Held,
 }
@@ -68,6 +66,8 @@ pub(super) struct DeviceBatch {
     /// The copy being extended (dst, src, len), not yet queued.
     run: Option<(u64, u64, usize)>,
     wrs: Vec<Pending>,
+    /// Bytes the run's WRs move.
+    bytes: u64,
     /// A copy failed to queue: the batch is executed again at the drain.
     failed: Option<String>,
     /// Device ranges the run's copies write and read (start, end).
@@ -85,6 +85,7 @@ impl DeviceBatch {
             mem: None,
             run: None,
             wrs: Vec::new(),
+            bytes: 0,
             failed: None,
             writes: Vec::new(),
             reads: Vec::new(),
@@ -110,9 +111,10 @@ impl DeviceBatch {
             SendOp::RdmaRead { remote_addr, rkey } => (remote_addr, rkey, false),
             _ => return Err(e),
         };
-        let bytes: u64 = self.wrs.iter().map(|p| p.bytes).sum();
-        let full = self.wrs.len() >= MAX_BATCH || (!self.wrs.is_empty() && bytes + e.len > MAX_BATCH_BYTES);
-        if e.fence || e.inline.is_some() || e.len == 0 || full || self.failed.is_some() {
+        // Host memory (the common case) never joins: nothing more to check.
+        let device = |s: &crate::soft::mr::LocalSeg| s.mr.as_ref().is_some_and(|m| m.device.is_some());
+        let full = self.wrs.len() >= MAX_BATCH || (!self.wrs.is_empty() && self.bytes + e.len > MAX_BATCH_BYTES);
+        if !e.segs.iter().all(device) || e.fence || e.inline.is_some() || e.len == 0 || full || self.failed.is_some() {
             return Err(e);
         }
         // Every local segment in device memory, on one memory (the batch's).
@@ -179,7 +181,8 @@ impl DeviceBatch {
             self.reads.push((src, src + n as u64));
             self.add(dst, src, n);
         }
-        self.wrs.push(Pending { bytes: e.len, e, _dev: dev, _held: held });
+        self.bytes += e.len;
+        self.wrs.push(Pending { e, _dev: dev, _held: held });
         Ok(())
     }
 
@@ -274,11 +277,11 @@ impl DeviceBatch {
             None => waited,
         };
         let wrs = std::mem::take(&mut self.wrs);
+        let bytes = std::mem::take(&mut self.bytes);
         self.writes.clear();
         self.reads.clear();
         match waited {
             Ok(()) => {
-                let bytes: u64 = wrs.iter().map(|p| p.bytes).sum();
                 sh.qp.ctx.peer_device_bytes.fetch_add(bytes, Ordering::Relaxed);
                 // An earlier WR failed meanwhile (its error is out, or on
                 // its way): the run is flushed behind it, as each of its WRs
