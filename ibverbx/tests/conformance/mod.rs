@@ -861,6 +861,79 @@ pub fn device_copies_batched(dev: &Device) {
         let (copies, waits) = delta(&after, &mid);
         assert!(copies == N as u64 && (1..=2).contains(&waits), "round {round}: reads: {copies} copies, {waits} waits");
     }
+    // WRITEs of different sources over the same bytes (a benchmark writes
+    // one buffer again and again): one run, the last one's bytes stay —
+    // also when the wait fails after making the copies and the run is
+    // executed again.
+    let over = || -> Vec<_> {
+        (0..N)
+            .map(|i| {
+                let op = SendOp::RdmaWrite { remote_addr: dst.addr(), rkey: dst.rkey() };
+                (i as u64, op, s_mr.sge(i * PIECE, PIECE).unwrap())
+            })
+            .collect()
+    };
+    for fail in [false, true] {
+        let data = pattern(N * PIECE, 350 + u64::from(fail));
+        s_mr.write(0, &data).unwrap();
+        src.queue_fails_after.store(fail, std::sync::atomic::Ordering::Relaxed);
+        let before = stats();
+        post_all(&over(), &src);
+        in_order(N, 0, "writes over the same bytes");
+        assert!(
+            contents(&dst, 0, PIECE) == data[(N - 1) * PIECE..],
+            "writes over the same bytes (wait failing: {fail}): not the last one's bytes"
+        );
+        let after = stats();
+        if !same_host(&after) {
+            break;
+        }
+        let waits = after.device_copy_waits - before.device_copy_waits;
+        if fail {
+            assert!(!src.queue_fails_after.load(std::sync::atomic::Ordering::Relaxed), "no wait failed");
+        } else {
+            assert!((1..=2).contains(&waits), "writes over the same bytes: {waits} waits (one run expected)");
+        }
+    }
+    // READs into local memory, then WRITEs of what they read to other
+    // bytes of the peer (forwarding): one run too — also when the wait
+    // fails after making the copies and the run is executed again.
+    const H: usize = N / 2;
+    let forward = || -> Vec<_> {
+        let reads = (0..H).map(|i| {
+            let op = SendOp::RdmaRead { remote_addr: dst.addr() + (i * PIECE) as u64, rkey: dst.rkey() };
+            (i as u64, op, s_mr.sge(i * PIECE, PIECE).unwrap())
+        });
+        let writes = (0..H).map(|i| {
+            let op = SendOp::RdmaWrite { remote_addr: dst.addr() + ((H + i) * PIECE) as u64, rkey: dst.rkey() };
+            ((H + i) as u64, op, s_mr.sge(i * PIECE, PIECE).unwrap())
+        });
+        reads.chain(writes).collect()
+    };
+    for fail in [false, true] {
+        let data = pattern(H * PIECE, 360 + u64::from(fail));
+        dst.write(0, &data).unwrap();
+        s_mr.write(0, &pattern(N * PIECE, 370)).unwrap();
+        src.queue_fails_after.store(fail, std::sync::atomic::Ordering::Relaxed);
+        let before = stats();
+        post_all(&forward(), &src);
+        in_order(N, 0, "reads, then writes of what they read");
+        assert!(contents(&s_mr, 0, H * PIECE) == data, "forwarding (wait failing: {fail}): the READs' bytes");
+        assert!(
+            contents(&dst, H * PIECE, H * PIECE) == data,
+            "forwarding (wait failing: {fail}): the WRITEs did not send what the READs read"
+        );
+        let after = stats();
+        if !same_host(&after) {
+            break;
+        }
+        let waits = after.device_copy_waits - before.device_copy_waits;
+        if fail {
+            assert!(!src.queue_fails_after.load(std::sync::atomic::Ordering::Relaxed), "no wait failed");
+        } else {
+            assert!((1..=2).contains(&waits), "forwarding: {waits} waits (one run expected)");
+        }
+    }
     // A WRITE_WITH_IMM behind a run: the run is placed before the
     // notification is seen.
     let data = pattern(N * PIECE, 400);

@@ -22,9 +22,16 @@
 //! When a queued copy or the wait fails, every WR of the batch is executed
 //! again one by one ([`execute_one`]): device to device once more, through
 //! host memory or through the connection, as a lone WR would be. That is
-//! the same as executing them once because a run never holds two WRs
-//! that depend on each other: a WR that writes what the run reads or
-//! writes, or reads what it writes, ends the run instead of joining it.
+//! the same as executing them once because no copy of a run writes bytes
+//! that it or an earlier copy of the run reads: a WR that would ends the
+//! run instead of joining it. Copies on one queue run in order, so then
+//! every copy reads, the second time as the first, the bytes the earlier
+//! copies of the run left (or what was there before the run, which no
+//! copy of it changed), and the last write of a byte stays. Writes over
+//! the same bytes do join (a benchmark, like perftest, writes one buffer
+//! again and again: a run that ended at each of them waited once per WR),
+//! and so does a WR that reads what the run wrote (a READ into a buffer,
+//! then a WRITE of it to another peer).
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
@@ -70,8 +77,7 @@ pub(super) struct DeviceBatch {
     bytes: u64,
     /// A copy failed to queue: the batch is executed again at the drain.
     failed: Option<String>,
-    /// Device ranges the run's copies write and read (start, end).
-    writes: Vec<(u64, u64)>,
+    /// Device ranges the run's copies read (start, end).
     reads: Vec<(u64, u64)>,
     /// The requester's count of WRs posted and not yet executed: queued
     /// WRs stay in it until the drain.
@@ -81,17 +87,7 @@ pub(super) struct DeviceBatch {
 
 impl DeviceBatch {
     pub(super) fn new(sh: Arc<Shared>, backlog: Arc<AtomicU32>) -> DeviceBatch {
-        DeviceBatch {
-            mem: None,
-            run: None,
-            wrs: Vec::new(),
-            bytes: 0,
-            failed: None,
-            writes: Vec::new(),
-            reads: Vec::new(),
-            backlog,
-            sh,
-        }
+        DeviceBatch { mem: None, run: None, wrs: Vec::new(), bytes: 0, failed: None, reads: Vec::new(), backlog, sh }
     }
 
     /// Whether another WR could join (the run loop takes the next posted
@@ -169,29 +165,25 @@ impl DeviceBatch {
                 c
             })
             .collect();
-        // A WR that writes what the run reads or writes, or reads what it
-        // writes, ends the run: within a run no copy depends on another,
-        // so running the run's WRs again after a failure (the drain) gives
-        // what running them once would have.
-        if copies.iter().any(|&(d, s, n)| self.conflicts(d, s, n as u64)) {
-            return Err(self.give_back(e));
+        // A WR with a copy that writes what the run reads (its own copies
+        // and this one included) ends the run: then running the run's WRs
+        // again after a failure (the drain) gives what running them once
+        // would have (the module's doc says why).
+        let r0 = self.reads.len();
+        for &(dst, src, n) in &copies {
+            let w = (dst, dst + n as u64);
+            self.reads.push((src, src + n as u64));
+            if self.reads.iter().any(|&r| overlaps(r, w)) {
+                self.reads.truncate(r0);
+                return Err(self.give_back(e));
+            }
         }
         for (dst, src, n) in copies {
-            self.writes.push((dst, dst + n as u64));
-            self.reads.push((src, src + n as u64));
             self.add(dst, src, n);
         }
         self.bytes += e.len;
         self.wrs.push(Pending { e, _dev: dev, _held: held });
         Ok(())
-    }
-
-    /// Whether a copy of `n` bytes from `src` to `dst` touches what the
-    /// run's copies write, or writes what they read.
-    fn conflicts(&self, dst: u64, src: u64, n: u64) -> bool {
-        let overlaps = |(a, b): (u64, u64), x: u64| a < x + n && x < b;
-        self.writes.iter().any(|&r| overlaps(r, dst) || overlaps(r, src))
-            || self.reads.iter().any(|&r| overlaps(r, dst))
     }
 
     /// `e` did not join: the batch forgets its memory if it is empty.
@@ -278,7 +270,6 @@ impl DeviceBatch {
         };
         let wrs = std::mem::take(&mut self.wrs);
         let bytes = std::mem::take(&mut self.bytes);
-        self.writes.clear();
         self.reads.clear();
         match waited {
             Ok(()) => {
@@ -311,6 +302,11 @@ impl DeviceBatch {
             }
         }
     }
+}
+
+/// Whether the ranges `[a.0, a.1)` and `[b.0, b.1)` share a byte.
+fn overlaps(a: (u64, u64), b: (u64, u64)) -> bool {
+    a.0 < b.1 && b.0 < a.1
 }
 
 impl Drop for DeviceBatch {
