@@ -149,10 +149,15 @@ def main(d):
                 continue
             g = r["bw_avg_MBps"] * RDMA_MB / 1e9
             c = at(ceil, r["bytes"])
-            rows.append([what, size(r["bytes"]), num(g, 2), num(c), num(ratio(g, c), 3)])
+            # Device-to-device runs record the engine's waits for the device
+            # (rdma_bench from 2026-11-27 on): MiB moved per wait.
+            waits, moved = r.get("device_copy_waits"), r.get("peer_device_bytes")
+            per_wait = moved / waits / MIB if waits and moved is not None else None
+            rows.append([what, size(r["bytes"]), num(g, 2), num(c), num(ratio(g, c), 3), num(per_wait, 2)])
     if rows:
-        out += ["**Transport on device memory** (`rdma_bench --use-cuda 0`, soft provider; average, GB/s):", ""]
-        out += [table(["path", "size", "GB/s", "ceiling GB/s", "/ ceiling"], rows), ""]
+        out += ["**Transport on device memory** (`rdma_bench --use-cuda 0`, soft provider; average, GB/s; "
+                "MiB per wait: device-to-device bytes per wait of the engine for the device):", ""]
+        out += [table(["path", "size", "GB/s", "ceiling GB/s", "/ ceiling", "MiB per wait"], rows), ""]
 
     st = lines(os.path.join(d, "staging_copies.jsonl"), "test", "bytes")
     if st:

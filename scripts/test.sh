@@ -118,6 +118,14 @@ if command -v python3 >/dev/null; then
   summary=$(PYTHONIOENCODING=utf-8 python3 scripts/gpu_summary.py docs/gpu-results/2026-11-27-h200)
   grep -q '| 16 MiB | 2,535.3 | 2,459.8 | 2,541.1 | 1.00 ✓ |' <<<"$summary"
   grep -q '^- python: native collectives, RMACOMM_GPU_TRANSPORT=1$' <<<"$summary"
+  # A device-to-device transport record with the engine's waits (rdma_bench
+  # writes them since the recorded run): MiB per wait in its row.
+  synth=$(mktemp -d)
+  cp docs/gpu-results/2026-11-27-h200/copy_ceiling.jsonl "$synth/"
+  echo '{"op":"write","bytes":1048576,"iterations":100,"bw_avg_MBps":2000.0,"device_copies":110,"device_copy_waits":4,"peer_device_bytes":115343360}' \
+    > "$synth/transport_cuda_ipc_write.jsonl"
+  PYTHONIOENCODING=utf-8 python3 scripts/gpu_summary.py "$synth" | grep -q '| same host (CUDA IPC), write | 1 MiB | 2.10 | 193.1 | 0.011 | 27.50 |'
+  rm -rf "$synth"
   echo "# gpu_summary.py: the recorded H200 run summarized"
 fi
 

@@ -53,6 +53,11 @@ pub(crate) trait Engine {
     fn describe(&self) -> Option<String> {
         None
     }
+    /// The soft provider's device-copy counters so far (`None` where the
+    /// engine's memory is host memory or the provider is not soft).
+    fn device_counters(&self) -> Option<crate::report::DeviceCounters> {
+        None
+    }
     /// How many times a bandwidth test in `dir` needs the peer's answer
     /// (the server's `echo` of size 0, run alongside): the window's puts end
     /// each batch with a signal the peer answers. 0 by default.

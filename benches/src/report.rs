@@ -53,6 +53,41 @@ pub struct Record {
     pub qps: u32,
     /// Load balancing (`dqplb`, `spray`).
     pub lb: String,
+    /// Device-to-device copies the soft provider's engine made for this
+    /// size, warm-up included (`--use-cuda` with a same-host peer; merged
+    /// fragments count once); `null` where it made none.
+    #[serde(default)]
+    pub device_copies: Option<u64>,
+    /// Times the engine waited for the device for them (one per run of
+    /// WRs: far fewer than the messages when batching works).
+    #[serde(default)]
+    pub device_copy_waits: Option<u64>,
+    /// Bytes those copies moved with the peer's device memory.
+    #[serde(default)]
+    pub peer_device_bytes: Option<u64>,
+}
+
+/// The soft provider engine's device-to-device copy counters
+/// (`ibverbx::soft::SoftStats`), or their growth over a measurement.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DeviceCounters {
+    /// Copies queued or made.
+    pub copies: u64,
+    /// Waits for the device.
+    pub waits: u64,
+    /// Bytes moved with peers' device memory.
+    pub bytes: u64,
+}
+
+impl DeviceCounters {
+    /// What grew from `before` to `self`.
+    pub fn since(self, before: DeviceCounters) -> DeviceCounters {
+        DeviceCounters {
+            copies: self.copies.saturating_sub(before.copies),
+            waits: self.waits.saturating_sub(before.waits),
+            bytes: self.bytes.saturating_sub(before.bytes),
+        }
+    }
 }
 
 /// The settings every record of a run shares.
@@ -90,7 +125,21 @@ impl Record {
             link: info.link.clone(),
             qps: info.qps,
             lb: info.lb.clone(),
+            device_copies: None,
+            device_copy_waits: None,
+            peer_device_bytes: None,
         }
+    }
+
+    /// With the engine's device-copy counters of this size (`None`, or
+    /// nothing counted: left `null`).
+    pub fn with_device(mut self, c: Option<DeviceCounters>) -> Record {
+        if let Some(c) = c.filter(|c| c.copies > 0 || c.waits > 0) {
+            self.device_copies = Some(c.copies);
+            self.device_copy_waits = Some(c.waits);
+            self.peer_device_bytes = Some(c.bytes);
+        }
+        self
     }
 
     /// A bandwidth record.
@@ -236,6 +285,9 @@ mod tests {
             "link",
             "qps",
             "lb",
+            "device_copies",
+            "device_copy_waits",
+            "peer_device_bytes",
         ];
         let mut got = keys.clone();
         got.sort_unstable();
@@ -249,6 +301,30 @@ mod tests {
         assert_eq!(v["qps"], 2);
         assert_eq!(v["link"], "shm");
         assert_eq!(serde_json::from_str::<Record>(&r.to_json()).unwrap(), r);
+        assert!(v["device_copy_waits"].is_null());
+        // Records written before the device counters existed still read.
+        let mut old = v.clone();
+        for k in ["device_copies", "device_copy_waits", "peer_device_bytes"] {
+            old.as_object_mut().unwrap().remove(k);
+        }
+        assert_eq!(serde_json::from_value::<Record>(old).unwrap(), r);
+    }
+
+    /// The engine's device-copy counters of a size: in the record where it
+    /// counted any, `null` where it counted none.
+    #[test]
+    fn device_counters_in_records() {
+        let s = summarize_bandwidth(1 << 20, &two_ms()).unwrap();
+        let before = DeviceCounters { copies: 10, waits: 5, bytes: 1 << 30 };
+        let after = DeviceCounters { copies: 74, waits: 7, bytes: (1 << 30) + (64 << 20) };
+        let r = Record::bandwidth(&info(), 1 << 20, &s).with_device(Some(after.since(before)));
+        let v: serde_json::Value = serde_json::from_str(&r.to_json()).unwrap();
+        assert_eq!((v["device_copies"].as_u64(), v["device_copy_waits"].as_u64()), (Some(64), Some(2)));
+        assert_eq!(v["peer_device_bytes"].as_u64(), Some(64 << 20));
+        for none in [None, Some(DeviceCounters::default())] {
+            let r = Record::bandwidth(&info(), 1 << 20, &s).with_device(none);
+            assert_eq!((r.device_copies, r.device_copy_waits, r.peer_device_bytes), (None, None, None));
+        }
     }
 
     #[test]

@@ -542,6 +542,7 @@ fn client(op: Op, a: &BenchArgs) -> Result<()> {
     out.header(&table_header(op.kind(), a.report_gbits));
 
     let pb = progress(sizes.len(), a.json);
+    let mut copies = crate::report::DeviceCounters::default();
     for &size in &sizes {
         pb.set_message(format_size(size));
         // Fresh patterns on both sides, so that this size's check covers
@@ -564,7 +565,14 @@ fn client(op: Op, a: &BenchArgs) -> Result<()> {
                 } else if syncs > 0 {
                     ctl.send(&Request::Echo { size: 0, count: syncs })?;
                 }
+                let before = e.device_counters();
                 let times = e.bandwidth(op.dir(), size, p)?;
+                let device = e.device_counters().zip(before).map(|(after, before)| after.since(before));
+                if let Some(c) = device.filter(|c| c.waits > 0) {
+                    copies.copies += c.copies;
+                    copies.waits += c.waits;
+                    copies.bytes += c.bytes;
+                }
                 if !a.bidirectional && syncs > 0 {
                     match ctl.reply("the server's answers to the batch ends")? {
                         Reply::EchoDone => {}
@@ -581,7 +589,7 @@ fn client(op: Op, a: &BenchArgs) -> Result<()> {
                         other => return Err(BenchError::Run(format!("unexpected reply {other:?}"))),
                     }
                 }
-                Record::bandwidth(&info, size, &s)
+                Record::bandwidth(&info, size, &s).with_device(device)
             }
             Kind::Latency => {
                 let samples = latency(op, e.as_mut(), &mut ctl, size, p)?;
@@ -599,6 +607,14 @@ fn client(op: Op, a: &BenchArgs) -> Result<()> {
         format!("data verified: the {} each destination received match their source", format_size(sizes[0]))
     } else {
         "data verified: after every size, each destination matched its source".to_owned()
+    };
+    let msg = match copies.waits {
+        0 => msg,
+        w => format!(
+            "{msg}\n device to device with the peer (soft provider): {} copies, {w} waits for the device, {:.2} MiB per wait",
+            copies.copies,
+            copies.bytes as f64 / w as f64 / (1u64 << 20) as f64
+        ),
     };
     if out.json {
         eprintln!("{msg}");

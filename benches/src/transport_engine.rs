@@ -80,6 +80,16 @@ impl Engine for TransportEngine {
         self.mem.device().map(|d| format!("this side's buffer in {d} (--use-cuda)"))
     }
 
+    fn device_counters(&self) -> Option<crate::report::DeviceCounters> {
+        self.mem.device()?;
+        let st = self.t.soft_stats()?;
+        Some(crate::report::DeviceCounters {
+            copies: st.device_copies,
+            waits: st.device_copy_waits,
+            bytes: st.peer_device_bytes,
+        })
+    }
+
     fn connect(&mut self, peer: &SideInfo, _peer_host: &str) -> Result<()> {
         let url = peer.url.as_deref().ok_or_else(|| BenchError::run("the peer sent no transport URL"))?;
         self.rt.block_on(self.t.connect(url))?;

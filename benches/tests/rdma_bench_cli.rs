@@ -12,7 +12,7 @@ use rmacomm_tests::harness::NetnsPair;
 
 const BIN: &str = env!("CARGO_BIN_EXE_rdma_bench");
 
-const JSON_KEYS: [&str; 17] = [
+const JSON_KEYS: [&str; 20] = [
     "op",
     "bytes",
     "iterations",
@@ -30,6 +30,9 @@ const JSON_KEYS: [&str; 17] = [
     "link",
     "qps",
     "lb",
+    "device_copies",
+    "device_copy_waits",
+    "peer_device_bytes",
 ];
 
 /// Runs the binary (soft provider, whatever the environment says) and
@@ -689,6 +692,18 @@ fn use_cuda_moves_device_memory() {
         assert!(o.status.success(), "{op}: {out}\n{err}");
         assert!(out.contains("Memory          : this side's buffer in CUDA device 0"), "{out}");
         assert!(out.contains("data verified"), "{out}");
+    }
+    // Same host, device to device: the engine batches the copies of the
+    // messages in flight, though each writes the same bytes as the one
+    // before (when it did not, it waited for the device once per message).
+    for op in ["write", "read"] {
+        let o = run_with(&[op, "--local", "-s", "256K", "-n", "64", "--json", "--use-cuda", "0"], &env);
+        let (out, err) = text(&o);
+        assert!(o.status.success(), "{op}: {out}\n{err}");
+        let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("{e}: {out}"));
+        let (copies, waits) = (v["device_copies"].as_u64().unwrap(), v["device_copy_waits"].as_u64().unwrap());
+        assert!(copies >= 64 && waits * 2 <= copies, "{op}: {copies} copies, {waits} waits: {v}");
+        assert!(err.contains(&format!("{copies} copies, {waits} waits for the device")), "{err}");
     }
     let o = run_with(&["verbs_write", "-s", "4K", "--use-cuda", "0"], &env);
     let (out, err) = text(&o);
