@@ -165,18 +165,8 @@ impl DeviceBatch {
                 c
             })
             .collect();
-        // A WR with a copy that writes what the run reads (its own copies
-        // and this one included) ends the run: then running the run's WRs
-        // again after a failure (the drain) gives what running them once
-        // would have (the module's doc says why).
-        let r0 = self.reads.len();
-        for &(dst, src, n) in &copies {
-            let w = (dst, dst + n as u64);
-            self.reads.push((src, src + n as u64));
-            if self.reads.iter().any(|&r| overlaps(r, w)) {
-                self.reads.truncate(r0);
-                return Err(self.give_back(e));
-            }
+        if !admit(&mut self.reads, &copies) {
+            return Err(self.give_back(e));
         }
         for (dst, src, n) in copies {
             self.add(dst, src, n);
@@ -309,6 +299,26 @@ fn overlaps(a: (u64, u64), b: (u64, u64)) -> bool {
     a.0 < b.1 && b.0 < a.1
 }
 
+/// Takes a WR's copies `(dst, src, len)` into a run whose copies read
+/// `reads` (start, end), adding what they read; false (`reads` as it
+/// was) when one of them writes what the run reads, its own copies and
+/// itself included: the WR ends the run instead. Then running the run's
+/// WRs again after a failure (the drain) gives what running them once
+/// would have (the module's doc says why; `tests::a_run_runs_again_as_once`
+/// checks it).
+fn admit(reads: &mut Vec<(u64, u64)>, copies: &[(u64, u64, usize)]) -> bool {
+    let r0 = reads.len();
+    for &(dst, src, n) in copies {
+        let w = (dst, dst + n as u64);
+        reads.push((src, src + n as u64));
+        if reads.iter().any(|&r| overlaps(r, w)) {
+            reads.truncate(r0);
+            return false;
+        }
+    }
+    true
+}
+
 impl Drop for DeviceBatch {
     fn drop(&mut self) {
         // Drained at the end of every burst; a task dropped inside one
@@ -318,5 +328,102 @@ impl Drop for DeviceBatch {
                 let _ = mem.copy_device_wait();
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::admit;
+    use proptest::prelude::*;
+
+    /// A copy: (dst, src, len).
+    type Copy = (u64, u64, usize);
+
+    /// One copy of a model memory, in order, byte by byte; `torn`: only
+    /// the bytes it marks (a copy the device left half done).
+    fn copy(m: &mut [u8], (dst, src, n): Copy, torn: Option<&[bool]>) {
+        let bytes: Vec<u8> = m[src as usize..src as usize + n].to_vec();
+        for (i, b) in bytes.into_iter().enumerate() {
+            if torn.is_none_or(|t| t[i % t.len()]) {
+                m[dst as usize + i] = b;
+            }
+        }
+    }
+
+    fn wr() -> impl Strategy<Value = Vec<Copy>> {
+        prop::collection::vec((0u64..48, 0u64..48, 1usize..16), 1..4)
+    }
+
+    proptest! {
+        /// WRs grouped into runs by `admit`, as the engine does; each run
+        /// fails somewhere (some copies done, the next ones torn) and is
+        /// executed again from its start: the memory ends as if every WR
+        /// ran once.
+        #[test]
+        fn a_run_runs_again_as_once(
+            wrs in prop::collection::vec(wr(), 1..24),
+            fails in prop::collection::vec((0usize..8, prop::collection::vec(any::<bool>(), 1..9)), 24),
+        ) {
+            let start: Vec<u8> = (0..64u32).map(|i| (i * 37 + 11) as u8).collect();
+            let mut once = start.clone();
+            for w in &wrs {
+                for &c in w {
+                    copy(&mut once, c, None);
+                }
+            }
+            let mut m = start;
+            // (whether the run may fail and run again, its copies)
+            let mut runs: Vec<(bool, Vec<Copy>)> = Vec::new();
+            let mut reads = Vec::new();
+            for w in &wrs {
+                // As `execute`: a WR the open run refuses ends it and is
+                // executed alone (the lone path: once), and so is one whose
+                // copy reads what it writes; the next one opens a run.
+                let open = runs.last().is_some_and(|r| r.0);
+                if !open {
+                    reads.clear();
+                }
+                match admit(&mut reads, w) {
+                    true if open => runs.last_mut().unwrap().1.extend_from_slice(w),
+                    true => runs.push((true, w.clone())),
+                    false => runs.push((false, w.clone())),
+                }
+            }
+            for ((batched, run), (done, torn)) in runs.iter().zip(fails.iter().cycle()) {
+                if !batched {
+                    for &c in run {
+                        copy(&mut m, c, None);
+                    }
+                    continue;
+                }
+                let done = (*done).min(run.len());
+                for (i, &c) in run.iter().enumerate() {
+                    match i {
+                        _ if i < done => copy(&mut m, c, None),
+                        _ if i < done + 2 => copy(&mut m, c, Some(torn)),
+                        _ => {}
+                    }
+                }
+                for &c in run {
+                    copy(&mut m, c, None);
+                }
+            }
+            prop_assert_eq!(m, once);
+        }
+    }
+
+    /// What the rule refuses: a copy writing what the run reads, or what
+    /// it reads itself; what it takes: writes over written bytes, reads of
+    /// written bytes.
+    #[test]
+    fn admit_refuses_only_writes_over_what_is_read() {
+        let mut reads = Vec::new();
+        assert!(admit(&mut reads, &[(100, 0, 10)]));
+        assert!(admit(&mut reads, &[(100, 20, 10)]), "a write over written bytes");
+        assert!(admit(&mut reads, &[(200, 105, 10)]), "a read of written bytes");
+        assert!(!admit(&mut reads, &[(300, 50, 4), (5, 60, 4)]), "the second copy writes what the run reads");
+        assert_eq!(reads.len(), 3, "a refused WR adds nothing");
+        assert!(!admit(&mut Vec::new(), &[(10, 5, 10)]), "a copy that reads what it writes");
+        assert!(!admit(&mut Vec::new(), &[(0, 50, 8), (50, 70, 8)]), "a WR's copy writing what its first reads");
     }
 }
