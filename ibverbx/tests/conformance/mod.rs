@@ -54,6 +54,10 @@ pub struct FakeDevice {
     pub queue_fails: std::sync::atomic::AtomicBool,
     /// The next wait fails after it made the queued copies.
     pub queue_fails_after: std::sync::atomic::AtomicBool,
+    /// Every device-to-device copy made at once (not queued) fails.
+    pub copy_fails: std::sync::atomic::AtomicBool,
+    /// Bytes of the copies queued so far.
+    pub queued_bytes: std::sync::atomic::AtomicU64,
     /// While true, a wait with copies queued blocks (a device still busy).
     pub hold: (std::sync::Mutex<bool>, std::sync::Condvar),
 }
@@ -84,6 +88,8 @@ impl FakeDevice {
             queue_waits: Default::default(),
             queue_fails: Default::default(),
             queue_fails_after: Default::default(),
+            copy_fails: Default::default(),
+            queued_bytes: Default::default(),
             hold: Default::default(),
         });
         if exports {
@@ -129,6 +135,9 @@ impl DeviceMemory for FakeDevice {
             fakes.iter().filter_map(|(_, w)| w.upgrade()).find(|d| d.range(a, len).is_ok())
         };
         let (to, from) = (find(dst)?, find(src)?);
+        if self.copy_fails.load(std::sync::atomic::Ordering::Relaxed) {
+            return Some(Err("fake copy failure".into()));
+        }
         DEVICE_TO_DEVICE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let mut v = vec![0u8; len];
         // SAFETY: bounds-checked fake memory (the fake panics outside it).
@@ -141,6 +150,7 @@ impl DeviceMemory for FakeDevice {
             return None;
         }
         self.queued.lock().unwrap().push((dst, src, len));
+        self.queued_bytes.fetch_add(len as u64, std::sync::atomic::Ordering::Relaxed);
         Some(Ok(()))
     }
     fn copy_device_wait(&self) -> Result<(), String> {
@@ -154,10 +164,16 @@ impl DeviceMemory for FakeDevice {
         if self.queue_fails.swap(false, std::sync::atomic::Ordering::Relaxed) {
             return Err("fake queue failure".into());
         }
+        let fails = self.copy_fails.swap(false, std::sync::atomic::Ordering::Relaxed);
         for (dst, src, len) in queued {
             // SAFETY: checked fake ranges (copy_device checks them again).
-            unsafe { self.copy_device(dst, src, len) }.expect("queued between fakes")?;
+            let r = unsafe { self.copy_device(dst, src, len) }.expect("queued between fakes");
+            if let Err(e) = r {
+                self.copy_fails.store(fails, std::sync::atomic::Ordering::Relaxed);
+                return Err(e);
+            }
         }
+        self.copy_fails.store(fails, std::sync::atomic::Ordering::Relaxed);
         if self.queue_fails_after.swap(false, std::sync::atomic::Ordering::Relaxed) {
             return Err("fake failure after the copies".into());
         }
@@ -953,6 +969,47 @@ pub fn device_copies_batched(dev: &Device) {
     assert_eq!((wc.status, wc.imm_data), (WcStatus::Success, Some(7)));
     assert!(contents(&dst, 0, N * PIECE) == data, "the notification came before the batch was placed");
     in_order(N, 0, "writes and a WRITE_WITH_IMM");
+    // Every WR a WRITE_WITH_IMM (DQPLB's fragments, notifying messages):
+    // one run, each notification once, in order, after its bytes — also
+    // when the wait fails and the run is executed again.
+    for fail in [false, true] {
+        let data = pattern(N * PIECE, 410 + u64::from(fail));
+        s_mr.write(0, &data).unwrap();
+        dst.write(0, &vec![0u8; N * PIECE]).unwrap();
+        for i in 0..N as u64 {
+            recv(&p.b.qp, 1000 + i, &[]);
+        }
+        let ops: Vec<_> = (0..N)
+            .map(|i| {
+                let at = dst.addr() + (i * PIECE) as u64;
+                let op = SendOp::RdmaWriteWithImm { remote_addr: at, rkey: dst.rkey(), imm: i as u32 };
+                (i as u64, op, s_mr.sge(i * PIECE, PIECE).unwrap())
+            })
+            .collect();
+        src.queue_fails.store(fail, std::sync::atomic::Ordering::Relaxed);
+        let before = stats();
+        post_all(&ops, &src);
+        for i in 0..N {
+            let wc = wait1(&p.b.rcq);
+            assert_eq!((wc.wr_id, wc.status, wc.imm_data), (1000 + i as u64, WcStatus::Success, Some(i as u32)));
+            let piece = &data[i * PIECE..(i + 1) * PIECE];
+            assert!(
+                contents(&dst, i * PIECE, PIECE) == piece,
+                "notification {i} (wait failing: {fail}) before its bytes"
+            );
+        }
+        in_order(N, 0, "WRITE_WITH_IMMs");
+        none_within(&p.b.rcq, Duration::from_millis(20));
+        let after = stats();
+        if same_host(&after) {
+            let waits = after.device_copy_waits - before.device_copy_waits;
+            if fail {
+                assert!(!src.queue_fails.load(std::sync::atomic::Ordering::Relaxed), "no wait failed");
+            } else {
+                assert!((1..=2).contains(&waits), "WRITE_WITH_IMMs: {waits} waits (one run expected)");
+            }
+        }
+    }
     // A failed wait: every WR of the run again, one by one; right bytes.
     let data = pattern(N * PIECE, 500);
     s_mr.write(0, &data).unwrap();
@@ -1007,6 +1064,81 @@ pub fn device_copies_batched(dev: &Device) {
             assert_eq!((wc.wr_id, wc.status), (i, WcStatus::WrFlushErr), "completion {i} after ERR");
         }
     }
+}
+
+/// A run whose wait fails, and whose WRs' device copies then fail one by
+/// one too: each goes through the connection instead, and a WR that
+/// reads what an earlier WR of the run wrote (READs into local device
+/// memory, then WRITEs of it to other bytes of the peer) still sends what
+/// the READ read — executed again, the WRs keep the run's order.
+pub fn device_batch_executed_again_in_order(dev: &Device) {
+    if !fake_device_ok(dev) {
+        return;
+    }
+    const N: usize = 16;
+    const PIECE: usize = 4096;
+    let acc = AccessFlags::all_remote();
+    // The engine may start a run before the last WRs of the post are in
+    // (the first run then fails alone, the peer region is given up, and
+    // the rest go through the connection as lone WRs, where an unfenced
+    // WRITE of what a READ reads may send the old bytes, as on hardware):
+    // tried again, with a new pair, until one run held them all.
+    for attempt in 0..50 {
+        let p = Pair::new(dev);
+        let local = FakeDevice::with(N * PIECE, true);
+        // SAFETY: the fake owns its bytes and lives as long as the region.
+        let l_mr =
+            unsafe { MemoryRegion::register_device(&p.a.pd, local.clone(), local.base, N * PIECE, acc, None) }.unwrap();
+        let dst = device_mr(&p.b.pd, 2 * N * PIECE, acc, true);
+        // One lone WRITE maps the peer's segment: same host or not.
+        let w = SendOp::RdmaWrite { remote_addr: dst.addr() + (N * PIECE) as u64, rkey: dst.rkey() };
+        post(&p.a.qp, 1, w, &[l_mr.sge(0, PIECE).unwrap()], true);
+        ok(wait1(&p.a.scq), 1, WcOpcode::RdmaWrite);
+        if ibverbx::soft::stats(&p.a.ctx).unwrap().peer_segments_mapped == 0 {
+            println!("skipped: the peer is not on this host (tcp): no device batch");
+            return;
+        }
+        let data = pattern(N * PIECE, 700 + attempt);
+        dst.write(0, &data).unwrap();
+        l_mr.write(0, &vec![0u8; N * PIECE]).unwrap();
+        let reads = (0..N).map(|i| {
+            let op = SendOp::RdmaRead { remote_addr: dst.addr() + (i * PIECE) as u64, rkey: dst.rkey() };
+            (i as u64, op, l_mr.sge(i * PIECE, PIECE).unwrap())
+        });
+        let writes = (0..N).map(|i| {
+            let op = SendOp::RdmaWrite { remote_addr: dst.addr() + ((N + i) * PIECE) as u64, rkey: dst.rkey() };
+            ((N + i) as u64, op, l_mr.sge(i * PIECE, PIECE).unwrap())
+        });
+        let ops: Vec<(u64, SendOp, Sge)> = reads.chain(writes).collect();
+        let sges: Vec<[Sge; 1]> = ops.iter().map(|o| [o.2]).collect();
+        let wrs: Vec<SendWr<'_>> = ops
+            .iter()
+            .zip(&sges)
+            .map(|(o, sg)| SendWr { wr_id: o.0, op: o.1, sg_list: sg, flags: SendFlags::SIGNALED })
+            .collect();
+        local.queue_fails.store(true, std::sync::atomic::Ordering::Relaxed);
+        local.copy_fails.store(true, std::sync::atomic::Ordering::Relaxed);
+        let queued = local.queued_bytes.load(std::sync::atomic::Ordering::Relaxed);
+        {
+            let _hold = DeviceHold::new(&local);
+            p.a.qp.post_send(&wrs).unwrap();
+        }
+        for i in 0..2 * N as u64 {
+            let wc = wait1(&p.a.scq);
+            assert_eq!((wc.wr_id, wc.status), (i, WcStatus::Success), "completion {i}");
+        }
+        assert!(!local.queue_fails.load(std::sync::atomic::Ordering::Relaxed), "no wait failed");
+        assert!(contents(&l_mr, 0, N * PIECE) == data, "the READs, executed again, read the wrong bytes");
+        if local.queued_bytes.load(std::sync::atomic::Ordering::Relaxed) - queued < (2 * N * PIECE) as u64 {
+            continue;
+        }
+        assert!(
+            contents(&dst, N * PIECE, N * PIECE) == data,
+            "the WRITEs, executed again, sent their buffer before the READs before them had filled it"
+        );
+        return;
+    }
+    panic!("in 50 tries the engine never took the 32 WRs of one post into one run");
 }
 
 /// Bad rkeys, out-of-bounds addresses, missing access and deregistered
@@ -1333,6 +1465,10 @@ macro_rules! conformance_suite {
         #[test]
         fn device_copies_batched() {
             conformance::device_copies_batched(&$dev);
+        }
+        #[test]
+        fn device_batch_executed_again_in_order() {
+            conformance::device_batch_executed_again_in_order(&$dev);
         }
         #[test]
         fn remote_access_errors_heap_memory() {

@@ -1,6 +1,7 @@
 //! Device-to-device copies with same-host peers, batched.
 //!
-//! A WRITE or READ between this process's device memory and a same-host
+//! A WRITE (with or without an immediate) or READ between this process's
+//! device memory and a same-host
 //! peer's device region (opened through its IPC export) is one copy on the
 //! device. Done one WR at a time — queue the copy, wait for the device —
 //! every WR pays a device round trip (tens of µs with processes sharing a
@@ -13,7 +14,11 @@
 //! kind, no further WR is posted yet, or [`MAX_BATCH`] WRs (or
 //! [`MAX_BATCH_BYTES`]) wait. Their completions then go out, in posting
 //! order, before anything later happens on the QP (flushed instead if an
-//! earlier WR failed meanwhile); until then they count as not yet
+//! earlier WR failed meanwhile); a WRITE_WITH_IMM's notification goes to
+//! the peer then, after the wait (its bytes placed), as a lone one placed
+//! directly sends it, and it completes when the peer answers (a
+//! notifying message's last fragment, or every fragment of DQPLB over
+//! several QPs, no longer waits for the device alone). Until then they count as not yet
 //! executed, so no posting thread's fast path overtakes them, and each
 //! holds its peer region's deregistration fence — so a WR joining an open
 //! run is checked without waiting for anything (a segment still to map
@@ -27,7 +32,13 @@
 //! run instead of joining it. Copies on one queue run in order, so then
 //! every copy reads, the second time as the first, the bytes the earlier
 //! copies of the run left (or what was there before the run, which no
-//! copy of it changed), and the last write of a byte stays. Writes over
+//! copy of it changed), and the last write of a byte stays (the WRs
+//! executed again are fenced, so a READ that goes through the connection
+//! then still lands before a later WR reads its bytes). Before the
+//! completions, though, a byte written twice in the run may show its
+//! earlier value again while the run is executed again (verbs leaves
+//! target bytes undefined until the completion; a device copy failed, so
+//! the run is on its error path). Writes over
 //! the same bytes do join (a benchmark, like perftest, writes one buffer
 //! again and again: a run that ended at each of them waited once per WR),
 //! and so does a WR that reads what the run wrote (a READ into a buffer,
@@ -36,7 +47,7 @@
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
-use super::execute::{execute_one, finish, place};
+use super::execute::{execute_one, finish, place, send_request};
 use super::inflight::Inflight;
 use super::{Link, Shared};
 use crate::device_mem::{DeviceMemory, PeerDevice};
@@ -44,6 +55,7 @@ use crate::qp_attr::QpState;
 use crate::soft::mr::Target;
 use crate::soft::peer::{Direct, Held};
 use crate::soft::qp::SqEntry;
+use crate::soft::wire::Frame;
 use crate::wc::WcStatus;
 use crate::wr::SendOp;
 use crate::AccessFlags;
@@ -58,10 +70,12 @@ const MAX_BATCH_BYTES: u64 = 256 << 20;
 /// copies while the engine takes the next WRs.
 const RUN_MAX: usize = 8 << 20;
 
-/// A queued WR: its entry (to execute again if the batch fails) and what
-/// keeps the peer's region while its copy may run.
+/// A queued WR: its entry (to execute again if the batch fails), its
+/// immediate (a WRITE_WITH_IMM: notified once its bytes are placed) and
+/// what keeps the peer's region while its copy may run.
 struct Pending {
     e: SqEntry,
+    imm: Option<u32>,
     _dev: Arc<dyn PeerDevice>,
     _held: Held,
 }
@@ -102,9 +116,10 @@ impl DeviceBatch {
     /// otherwise (nothing done).
     pub(super) async fn offer(&mut self, link: &mut Option<Link>, e: SqEntry) -> Result<(), SqEntry> {
         let sh = &self.sh.clone();
-        let (raddr, rkey, write) = match e.op {
-            SendOp::RdmaWrite { remote_addr, rkey } => (remote_addr, rkey, true),
-            SendOp::RdmaRead { remote_addr, rkey } => (remote_addr, rkey, false),
+        let (raddr, rkey, write, imm) = match e.op {
+            SendOp::RdmaWrite { remote_addr, rkey } => (remote_addr, rkey, true, None),
+            SendOp::RdmaWriteWithImm { remote_addr, rkey, imm } => (remote_addr, rkey, true, Some(imm)),
+            SendOp::RdmaRead { remote_addr, rkey } => (remote_addr, rkey, false, None),
             _ => return Err(e),
         };
         // Host memory (the common case) never joins: nothing more to check.
@@ -172,7 +187,7 @@ impl DeviceBatch {
             self.add(dst, src, n);
         }
         self.bytes += e.len;
-        self.wrs.push(Pending { e, _dev: dev, _held: held });
+        self.wrs.push(Pending { e, imm, _dev: dev, _held: held });
         Ok(())
     }
 
@@ -264,15 +279,27 @@ impl DeviceBatch {
         match waited {
             Ok(()) => {
                 sh.qp.ctx.peer_device_bytes.fetch_add(bytes, Ordering::Relaxed);
-                // An earlier WR failed meanwhile (its error is out, or on
-                // its way): the run is flushed behind it, as each of its WRs
-                // would have been alone.
-                let failed = sh.lock().broken.is_some() || *sh.qp.state_tx.borrow() == QpState::Err;
-                let status = if failed { WcStatus::WrFlushErr } else { WcStatus::Success };
                 for p in wrs {
                     let e = p.e;
                     let inf = Inflight::new(e.wr_id, e.op.wc_opcode(), e.signaled, e.len as u32);
-                    finish(sh, inf, status).await;
+                    // An earlier WR failed meanwhile (its error is out, or
+                    // on its way; a notification of this run's included):
+                    // the rest of the run is flushed behind it, as each of
+                    // its WRs would have been alone.
+                    let failed = sh.lock().broken.is_some() || *sh.qp.state_tx.borrow() == QpState::Err;
+                    match p.imm {
+                        // Placed: the peer is told, as a lone WRITE_WITH_IMM
+                        // placed directly tells it (completed when the peer
+                        // answers).
+                        Some(imm) if !failed => {
+                            let notify = Frame::Notify { psn: 0, len: e.len as u32, imm };
+                            send_request(sh, link, inf, notify, &[], e.segs).await;
+                        }
+                        _ => {
+                            let status = if failed { WcStatus::WrFlushErr } else { WcStatus::Success };
+                            finish(sh, inf, status).await;
+                        }
+                    }
                     self.backlog.fetch_sub(1, Ordering::AcqRel);
                 }
             }
@@ -285,7 +312,12 @@ impl DeviceBatch {
                 // The wait above ended the copies: every region and fence
                 // is let go before any WR runs again (which may wait).
                 let entries: Vec<SqEntry> = wrs.into_iter().map(|p| p.e).collect();
-                for e in entries {
+                for (i, mut e) in entries.into_iter().enumerate() {
+                    // Fenced: a READ executed again may go through the
+                    // connection (its answer landing later), and a WR
+                    // behind it in the run may read what it writes, as the
+                    // run's copies did in order.
+                    e.fence |= i > 0;
                     execute_one(sh, link, e).await;
                     self.backlog.fetch_sub(1, Ordering::AcqRel);
                 }
@@ -362,7 +394,7 @@ mod tests {
         #[test]
         fn a_run_runs_again_as_once(
             wrs in prop::collection::vec(wr(), 1..24),
-            fails in prop::collection::vec((0usize..8, prop::collection::vec(any::<bool>(), 1..9)), 24),
+            fails in prop::collection::vec((0usize..64, prop::collection::vec(any::<bool>(), 1..9)), 24),
         ) {
             let start: Vec<u8> = (0..64u32).map(|i| (i * 37 + 11) as u8).collect();
             let mut once = start.clone();

@@ -357,7 +357,7 @@ pub(super) async fn execute_one(sh: &Arc<Shared>, link: &mut Option<Link>, e: Sq
     // A doorbell record still pending goes first: claimed, or retracted and
     // put on the wire ahead of this WR.
     settle_db(sh, link).await;
-    let mut inf = Inflight::new(e.wr_id, e.op.wc_opcode(), e.signaled, e.len as u32);
+    let inf = Inflight::new(e.wr_id, e.op.wc_opcode(), e.signaled, e.len as u32);
     if sh.qp.state_tx.borrow().eq(&QpState::Err) {
         return finish(sh, inf, WcStatus::WrFlushErr).await;
     }
@@ -494,7 +494,21 @@ pub(super) async fn execute_one(sh: &Arc<Shared>, link: &mut Option<Link>, e: Sq
             return finish(sh, inf, st).await;
         }
     }
-    // Stream request: PSN, queue entry and bytes on the wire in one turn.
+    send_request(sh, link, inf, frame, local, e.segs).await;
+}
+
+/// Sends `frame`, the request of the WR `inf`, on the connection: PSN,
+/// queue entry and bytes on the wire in one turn; the WR then waits for
+/// the answer. `local`: the pieces a payload comes from; `segs`: the local
+/// segments it holds until then.
+pub(super) async fn send_request(
+    sh: &Arc<Shared>,
+    link: &mut Option<Link>,
+    mut inf: Inflight,
+    frame: Frame,
+    local: &[(usize, usize)],
+    segs: Vec<LocalSeg>,
+) {
     while sh.wire_busy.compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed).is_err() {
         tokio::task::yield_now().await;
     }
@@ -519,7 +533,7 @@ pub(super) async fn execute_one(sh: &Arc<Shared>, link: &mut Option<Link>, e: Sq
     };
     inf.awaiting = Some((psn, expect));
     inf.touches_memory = !matches!(frame, Frame::Notify { .. });
-    inf.segs = e.segs;
+    inf.segs = segs;
     inf.sent_at = Instant::now();
     {
         let mut q = sh.lock();
