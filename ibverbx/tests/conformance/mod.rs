@@ -1141,6 +1141,58 @@ pub fn device_batch_executed_again_in_order(dev: &Device) {
     panic!("in 50 tries the engine never took the 32 WRs of one post into one run");
 }
 
+/// The peer goes away while a WRITE and a READ through the connection
+/// wait for their answers and a fenced WR waits for the READ: every WR
+/// completes (the first with the error, the rest flushed), none hangs —
+/// whether the peer stopped while a large WRITE was being written to it
+/// (the writer must give up too) or before small requests went out.
+pub fn fenced_wr_behind_a_dead_peer(dev: &Device) {
+    if !fake_device_ok(dev) {
+        return;
+    }
+    for (len, stop_first) in [(32usize << 20, false), (8, true)] {
+        let p = Pair::new(dev);
+        // Device memory the peer does not export: its engine stages every
+        // request, on any link.
+        let far = device_mr(&p.b.pd, 2 * len, AccessFlags::all_remote(), false);
+        let near = mr(&p.a.pd, Mem::Heap, 2 * len, AccessFlags::LOCAL_WRITE);
+        let (w, r) = (far.addr(), far.addr() + len as u64);
+        let wrs = [
+            (1, SendOp::RdmaWrite { remote_addr: w, rkey: far.rkey() }, near.sge(0, len).unwrap(), false),
+            (2, SendOp::RdmaRead { remote_addr: r, rkey: far.rkey() }, near.sge(len, len).unwrap(), false),
+            (3, SendOp::RdmaWrite { remote_addr: w, rkey: far.rkey() }, near.sge(len, 8).unwrap(), true),
+        ];
+        let sges: Vec<[Sge; 1]> = wrs.iter().map(|w| [w.2]).collect();
+        let list: Vec<SendWr<'_>> = wrs
+            .iter()
+            .zip(&sges)
+            .map(|(w, sg)| SendWr {
+                wr_id: w.0,
+                op: w.1,
+                sg_list: sg,
+                flags: SendFlags { fence: w.3, ..SendFlags::SIGNALED },
+            })
+            .collect();
+        let Pair { a, b } = p;
+        let b = if stop_first {
+            drop(b);
+            None
+        } else {
+            Some(b)
+        };
+        a.qp.post_send(&list).unwrap();
+        drop(b);
+        let mut statuses = Vec::new();
+        for i in 1..=3u64 {
+            let wc = wait1(&a.scq);
+            assert_eq!(wc.wr_id, i, "{len} bytes: completions in posting order: {wc:?}");
+            statuses.push(wc.status);
+        }
+        assert!(statuses.iter().any(|s| *s != WcStatus::Success), "the peer went away, yet {statuses:?}");
+        drop(far);
+    }
+}
+
 /// Bad rkeys, out-of-bounds addresses, missing access and deregistered
 /// regions give REM_ACCESS_ERR, never a write; the QP goes to ERR and
 /// flushes what follows.
@@ -1465,6 +1517,10 @@ macro_rules! conformance_suite {
         #[test]
         fn device_copies_batched() {
             conformance::device_copies_batched(&$dev);
+        }
+        #[test]
+        fn fenced_wr_behind_a_dead_peer() {
+            conformance::fenced_wr_behind_a_dead_peer(&$dev);
         }
         #[test]
         fn device_batch_executed_again_in_order() {

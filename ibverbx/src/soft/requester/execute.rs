@@ -376,10 +376,20 @@ pub(super) async fn execute_one(sh: &Arc<Shared>, link: &mut Option<Link>, e: Sq
         return finish(sh, inf, st).await;
     };
     if e.fence {
+        // Until every earlier READ and atomic is answered — or the link
+        // breaks or the QP fails, after which none is answered (the first
+        // unanswered WR carries the error, the rest are flushed, and so is
+        // this one below).
         loop {
             let notified = sh.progress.notified();
-            let pending =
-                sh.lock().inflight.iter().any(|f| matches!(f.awaiting, Some((_, Expect::Read(_) | Expect::Atomic))));
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let pending = {
+                let q = sh.lock();
+                q.broken.is_none()
+                    && *sh.qp.state_tx.borrow() != QpState::Err
+                    && q.inflight.iter().any(|f| matches!(f.awaiting, Some((_, Expect::Read(_) | Expect::Atomic))))
+            };
             if !pending {
                 break;
             }

@@ -110,6 +110,12 @@ impl Shared {
             break;
         }
         drop(q);
+        // A frame being written when the link failed (the watchdog's
+        // verdict on a peer that stopped reading) fails now, and the peer
+        // learns that this side is gone.
+        if let Some(fd) = self.sock.get() {
+            let _ = rustix::net::shutdown(fd, rustix::net::Shutdown::Both);
+        }
         self.qp.set_error(why);
         self.progress.notify_waiters();
     }
@@ -129,5 +135,9 @@ impl Shared {
             }
         }
         self.emit(&mut q);
+        drop(q);
+        // Whatever waits for an answer (a fence, direct placement behind
+        // staged requests) sees that none is awaited any more.
+        self.progress.notify_waiters();
     }
 }

@@ -78,6 +78,10 @@ pub(crate) struct Shared {
     db_watch_idle: AtomicBool,
     /// Doorbell records posted (activity, for the watcher).
     db_posts: AtomicU64,
+    /// The connection's socket (another descriptor of it): shut down when
+    /// the link fails, so that a frame being written to a peer that stopped
+    /// reading fails too, instead of holding the requester task forever.
+    sock: std::sync::OnceLock<std::os::fd::OwnedFd>,
 }
 
 impl Shared {
@@ -122,6 +126,7 @@ pub(crate) async fn run(
         db_wake: Notify::new(),
         db_watch_idle: AtomicBool::new(false),
         db_posts: AtomicU64::new(0),
+        sock: std::sync::OnceLock::new(),
     });
     let mut state_rx = qp.state_tx.subscribe();
     let mut link = match connect(&qp, &remote, rtr.remote.qpn, &rts, ack_timeout).await {
@@ -139,6 +144,9 @@ pub(crate) async fn run(
             }
             // The posting thread may write small requests itself (and, on
             // the same host, copy directly).
+            if let Some(fd) = dup.as_ref().and_then(|d| d.try_clone().ok()) {
+                let _ = sh.sock.set(fd);
+            }
             let notify = dup.map(|fd| Arc::new(FastNotify { sh: sh.clone(), fd }));
             if peer.is_some() || notify.is_some() {
                 qp.set_fast(Some(super::qp::FastPath { peer: peer.clone(), remote_pd: remote.pd, notify }));
