@@ -779,6 +779,32 @@ pub fn device_ipc_copy_failure_falls_back(dev: &Device) {
     assert!(tried <= 1, "the failing peer copy was tried {tried} times");
 }
 
+/// `n` READs of `far`'s pieces `i` into `near`'s pieces `i`, then `n`
+/// WRITEs of `near`'s pieces `i` to `far`'s pieces `n + i` (forwarding what
+/// was read), `piece` bytes each, wr_ids 0..2n.
+fn forwarding(n: usize, piece: usize, far: &MemoryRegion, near: &MemoryRegion) -> Vec<(u64, SendOp, Sge)> {
+    let reads = (0..n).map(|i| {
+        let op = SendOp::RdmaRead { remote_addr: far.addr() + (i * piece) as u64, rkey: far.rkey() };
+        (i as u64, op, near.sge(i * piece, piece).unwrap())
+    });
+    let writes = (0..n).map(|i| {
+        let op = SendOp::RdmaWrite { remote_addr: far.addr() + ((n + i) * piece) as u64, rkey: far.rkey() };
+        ((n + i) as u64, op, near.sge(i * piece, piece).unwrap())
+    });
+    reads.chain(writes).collect()
+}
+
+/// Posts `ops` (wr_id, opcode, one SGE; signaled) in one call.
+fn post_ops(qp: &QueuePair, ops: &[(u64, SendOp, Sge)]) {
+    let sges: Vec<[Sge; 1]> = ops.iter().map(|o| [o.2]).collect();
+    let wrs: Vec<SendWr<'_>> = ops
+        .iter()
+        .zip(&sges)
+        .map(|(o, sg)| SendWr { wr_id: o.0, op: o.1, sg_list: sg, flags: SendFlags::SIGNALED })
+        .collect();
+    qp.post_send(&wrs).unwrap();
+}
+
 /// WRITEs and READs between device memory and a same-host peer's exported
 /// device region, posted together: their copies are queued, merged where
 /// they continue each other, and waited for once per run (not per WR);
@@ -806,15 +832,7 @@ pub fn device_copies_batched(dev: &Device) {
     // Every WR in one post, the device held meanwhile: the engine may
     // start on the first WRs and wait for them, but every other WR is
     // posted before that wait ends. So two runs at most, each one wait.
-    let post_list = |ops: &[(u64, SendOp, Sge)]| {
-        let sges: Vec<[Sge; 1]> = ops.iter().map(|o| [o.2]).collect();
-        let wrs: Vec<SendWr<'_>> = ops
-            .iter()
-            .zip(&sges)
-            .map(|(o, sg)| SendWr { wr_id: o.0, op: o.1, sg_list: sg, flags: SendFlags::SIGNALED })
-            .collect();
-        p.a.qp.post_send(&wrs).unwrap();
-    };
+    let post_list = |ops: &[(u64, SendOp, Sge)]| post_ops(&p.a.qp, ops);
     let post_all = |ops: &[(u64, SendOp, Sge)], dev: &FakeDevice| {
         let _hold = DeviceHold::new(dev);
         post_list(ops);
@@ -877,6 +895,21 @@ pub fn device_copies_batched(dev: &Device) {
         let (copies, waits) = delta(&after, &mid);
         assert!(copies == N as u64 && (1..=2).contains(&waits), "round {round}: reads: {copies} copies, {waits} waits");
     }
+    // After a run posted together: one wait for it, or (`fail`: `flag`
+    // was set to fail its wait) that wait failed. False on another host.
+    let one_run = |before: &ibverbx::soft::SoftStats, fail: bool, flag: &std::sync::atomic::AtomicBool, what: &str| {
+        let after = stats();
+        if !same_host(&after) {
+            return false;
+        }
+        let waits = after.device_copy_waits - before.device_copy_waits;
+        if fail {
+            assert!(!flag.load(std::sync::atomic::Ordering::Relaxed), "{what}: no wait failed");
+        } else {
+            assert!((1..=2).contains(&waits), "{what}: {waits} waits (one run expected)");
+        }
+        true
+    };
     // WRITEs of different sources over the same bytes (a benchmark writes
     // one buffer again and again): one run, the last one's bytes stay —
     // also when the wait fails after making the copies and the run is
@@ -900,32 +933,15 @@ pub fn device_copies_batched(dev: &Device) {
             contents(&dst, 0, PIECE) == data[(N - 1) * PIECE..],
             "writes over the same bytes (wait failing: {fail}): not the last one's bytes"
         );
-        let after = stats();
-        if !same_host(&after) {
+        if !one_run(&before, fail, &src.queue_fails_after, "writes over the same bytes") {
             break;
-        }
-        let waits = after.device_copy_waits - before.device_copy_waits;
-        if fail {
-            assert!(!src.queue_fails_after.load(std::sync::atomic::Ordering::Relaxed), "no wait failed");
-        } else {
-            assert!((1..=2).contains(&waits), "writes over the same bytes: {waits} waits (one run expected)");
         }
     }
     // READs into local memory, then WRITEs of what they read to other
     // bytes of the peer (forwarding): one run too — also when the wait
     // fails after making the copies and the run is executed again.
     const H: usize = N / 2;
-    let forward = || -> Vec<_> {
-        let reads = (0..H).map(|i| {
-            let op = SendOp::RdmaRead { remote_addr: dst.addr() + (i * PIECE) as u64, rkey: dst.rkey() };
-            (i as u64, op, s_mr.sge(i * PIECE, PIECE).unwrap())
-        });
-        let writes = (0..H).map(|i| {
-            let op = SendOp::RdmaWrite { remote_addr: dst.addr() + ((H + i) * PIECE) as u64, rkey: dst.rkey() };
-            ((H + i) as u64, op, s_mr.sge(i * PIECE, PIECE).unwrap())
-        });
-        reads.chain(writes).collect()
-    };
+    let forward = || forwarding(H, PIECE, &dst, &s_mr);
     for fail in [false, true] {
         let data = pattern(H * PIECE, 360 + u64::from(fail));
         dst.write(0, &data).unwrap();
@@ -939,15 +955,8 @@ pub fn device_copies_batched(dev: &Device) {
             contents(&dst, H * PIECE, H * PIECE) == data,
             "forwarding (wait failing: {fail}): the WRITEs did not send what the READs read"
         );
-        let after = stats();
-        if !same_host(&after) {
+        if !one_run(&before, fail, &src.queue_fails_after, "forwarding") {
             break;
-        }
-        let waits = after.device_copy_waits - before.device_copy_waits;
-        if fail {
-            assert!(!src.queue_fails_after.load(std::sync::atomic::Ordering::Relaxed), "no wait failed");
-        } else {
-            assert!((1..=2).contains(&waits), "forwarding: {waits} waits (one run expected)");
         }
     }
     // A WRITE_WITH_IMM behind a run: the run is placed before the
@@ -1000,15 +1009,7 @@ pub fn device_copies_batched(dev: &Device) {
         }
         in_order(N, 0, "WRITE_WITH_IMMs");
         none_within(&p.b.rcq, Duration::from_millis(20));
-        let after = stats();
-        if same_host(&after) {
-            let waits = after.device_copy_waits - before.device_copy_waits;
-            if fail {
-                assert!(!src.queue_fails.load(std::sync::atomic::Ordering::Relaxed), "no wait failed");
-            } else {
-                assert!((1..=2).contains(&waits), "WRITE_WITH_IMMs: {waits} waits (one run expected)");
-            }
-        }
+        one_run(&before, fail, &src.queue_fails, "WRITE_WITH_IMMs");
     }
     // A failed wait: every WR of the run again, one by one; right bytes.
     let data = pattern(N * PIECE, 500);
@@ -1101,27 +1102,13 @@ pub fn device_batch_executed_again_in_order(dev: &Device) {
         let data = pattern(N * PIECE, 700 + attempt);
         dst.write(0, &data).unwrap();
         l_mr.write(0, &vec![0u8; N * PIECE]).unwrap();
-        let reads = (0..N).map(|i| {
-            let op = SendOp::RdmaRead { remote_addr: dst.addr() + (i * PIECE) as u64, rkey: dst.rkey() };
-            (i as u64, op, l_mr.sge(i * PIECE, PIECE).unwrap())
-        });
-        let writes = (0..N).map(|i| {
-            let op = SendOp::RdmaWrite { remote_addr: dst.addr() + ((N + i) * PIECE) as u64, rkey: dst.rkey() };
-            ((N + i) as u64, op, l_mr.sge(i * PIECE, PIECE).unwrap())
-        });
-        let ops: Vec<(u64, SendOp, Sge)> = reads.chain(writes).collect();
-        let sges: Vec<[Sge; 1]> = ops.iter().map(|o| [o.2]).collect();
-        let wrs: Vec<SendWr<'_>> = ops
-            .iter()
-            .zip(&sges)
-            .map(|(o, sg)| SendWr { wr_id: o.0, op: o.1, sg_list: sg, flags: SendFlags::SIGNALED })
-            .collect();
+        let ops = forwarding(N, PIECE, &dst, &l_mr);
         local.queue_fails.store(true, std::sync::atomic::Ordering::Relaxed);
         local.copy_fails.store(true, std::sync::atomic::Ordering::Relaxed);
         let queued = local.queued_bytes.load(std::sync::atomic::Ordering::Relaxed);
         {
             let _hold = DeviceHold::new(&local);
-            p.a.qp.post_send(&wrs).unwrap();
+            post_ops(&p.a.qp, &ops);
         }
         for i in 0..2 * N as u64 {
             let wc = wait1(&p.a.scq);
