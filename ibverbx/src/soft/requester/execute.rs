@@ -379,7 +379,7 @@ pub(super) async fn execute_one(sh: &Arc<Shared>, link: &mut Option<Link>, e: Sq
         // Until every earlier READ and atomic is answered — or the link
         // breaks or the QP fails, after which none is answered (the first
         // unanswered WR carries the error, the rest are flushed, and so is
-        // this one below).
+        // this one).
         loop {
             let notified = sh.progress.notified();
             tokio::pin!(notified);
@@ -394,6 +394,9 @@ pub(super) async fn execute_one(sh: &Arc<Shared>, link: &mut Option<Link>, e: Sq
                 break;
             }
             notified.await;
+        }
+        if sh.lock().broken.is_some() || *sh.qp.state_tx.borrow() == QpState::Err {
+            return finish(sh, inf, WcStatus::WrFlushErr).await;
         }
     }
     let len = e.len;

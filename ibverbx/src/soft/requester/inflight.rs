@@ -89,15 +89,22 @@ impl Shared {
     /// link and moves the QP to ERR.
     pub(super) fn fail_link(&self, status: WcStatus, why: &str) {
         let mut q = self.lock();
-        if q.broken.is_none() {
+        let first = q.broken.is_none();
+        if first {
             tracing::warn!(qpn = self.qp.qpn, "soft QP connection failed: {why}");
         }
         q.broken.get_or_insert(WcStatus::RetryExcErr);
         self.qp.set_fast(None);
         // The oldest unanswered request gets the status: a WR on the wire,
         // or a doorbell record the peer never claimed (one it claimed
-        // completes normally, and the next in line gets the status).
-        for f in q.inflight.iter_mut().filter(|f| f.status.is_none() && (f.awaiting.is_some() || f.db.is_some())) {
+        // completes normally, and the next in line gets the status). Only
+        // at the first failure: one that follows it (the response reader
+        // finding the socket shut down by the first) leaves the rest to
+        // the flush.
+        let unanswered = |f: &&mut super::inflight::Inflight| {
+            first && f.status.is_none() && (f.awaiting.is_some() || f.db.is_some())
+        };
+        for f in q.inflight.iter_mut().filter(unanswered) {
             if let Some((k, _)) = f.db.take() {
                 self.qp.db_tx_pending.fetch_sub(1, Ordering::AcqRel);
                 if self.db.get().is_some_and(|db| db.retract(k) == Err(true)) {
