@@ -1178,6 +1178,35 @@ pub fn fenced_wr_behind_a_dead_peer(dev: &Device) {
     }
 }
 
+/// A QP reset while connected and at once connected to another peer
+/// QP: the first link's end (its peer closing, its reader and watchdog
+/// outliving the reset) never takes the new connection to ERR.
+pub fn reset_and_reconnect_elsewhere(dev: &Device) {
+    let Pair { a, b } = Pair::new(dev);
+    let src = mr(&a.pd, Mem::Heap, 4096, AccessFlags::LOCAL_WRITE);
+    let mut peer = b;
+    for round in 0..20u64 {
+        let dst = mr(&peer.pd, Mem::Heap, 4096, AccessFlags::all_remote());
+        let w = SendOp::RdmaWrite { remote_addr: dst.addr(), rkey: dst.rkey() };
+        post(&a.qp, round, w, &[src.sge(0, 64).unwrap()], true);
+        ok(wait1(&a.scq), round, WcOpcode::RdmaWrite);
+        // Another peer QP, and this one reset and connected to it.
+        let next = side(dev, 64, QpCaps::default());
+        a.qp.modify(&QpTransition::Reset).unwrap();
+        let (ea, en) = (a.qp.endpoint().unwrap(), next.qp.endpoint().unwrap());
+        a.qp.connect_with(InitAttr::default(), RtrAttr::new(en), RtsAttr::default()).unwrap();
+        next.qp.connect_with(InitAttr::default(), RtrAttr::new(ea), RtsAttr::default()).unwrap();
+        drop(dst);
+        peer = next;
+        // The old link's end arrives meanwhile; the new one must not mind.
+        std::thread::sleep(Duration::from_millis(5));
+        assert_eq!(a.qp.state(), QpState::Rts, "round {round}: the old link's end took the new connection to ERR");
+    }
+    let dst = mr(&peer.pd, Mem::Heap, 4096, AccessFlags::all_remote());
+    post(&a.qp, 99, SendOp::RdmaWrite { remote_addr: dst.addr(), rkey: dst.rkey() }, &[src.sge(0, 64).unwrap()], true);
+    ok(wait1(&a.scq), 99, WcOpcode::RdmaWrite);
+}
+
 /// Bad rkeys, out-of-bounds addresses, missing access and deregistered
 /// regions give REM_ACCESS_ERR, never a write; the QP goes to ERR and
 /// flushes what follows.
@@ -1502,6 +1531,10 @@ macro_rules! conformance_suite {
         #[test]
         fn device_copies_batched() {
             conformance::device_copies_batched(&$dev);
+        }
+        #[test]
+        fn reset_and_reconnect_elsewhere() {
+            conformance::reset_and_reconnect_elsewhere(&$dev);
         }
         #[test]
         fn fenced_wr_behind_a_dead_peer() {

@@ -287,8 +287,21 @@ impl SoftQp {
     /// Moves the QP to ERR (from any engine task): flushes the receive queue
     /// and tells the requester to flush the send queue.
     pub(crate) fn set_error(&self, why: &str) {
+        self.set_error_if(None, why);
+    }
+
+    /// [`set_error`](Self::set_error) from a task of the QP's life `life`
+    /// (reset epoch): nothing if the QP was reset since (a link of an
+    /// earlier life ending is no news to the QP, which may be connected
+    /// again already).
+    pub(crate) fn set_error_in(&self, life: u64, why: &str) {
+        self.set_error_if(Some(life), why);
+    }
+
+    fn set_error_if(&self, life: Option<u64>, why: &str) {
         let mut st = self.lock();
-        if matches!(st.state, QpState::Err | QpState::Reset) {
+        // The epoch moves under this lock (modify's reset).
+        if matches!(st.state, QpState::Err | QpState::Reset) || life.is_some_and(|l| l != self.epoch()) {
             return;
         }
         tracing::debug!(qpn = self.qpn, "soft QP enters the error state: {why}");

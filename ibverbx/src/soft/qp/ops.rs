@@ -213,7 +213,8 @@ impl QpOps for SoftQp {
                         self.ctx.qps.lock().unwrap_or_else(|e| e.into_inner()).get(&self.qpn).and_then(|w| w.upgrade());
                     let me = me.ok_or_else(|| Error::state("modify_qp(RTS)", "QP is being destroyed"))?;
                     let rts: RtsAttr = *a;
-                    self.ctx.rt.spawn(crate::soft::requester::run(me, rx, backlog, rtr, rts));
+                    let life = self.epoch();
+                    self.ctx.rt.spawn(crate::soft::requester::run(me, rx, backlog, (rtr, rts), life));
                 }
             }
             QpTransition::Err => {

@@ -327,7 +327,7 @@ pub(super) async fn finish(sh: &Arc<Shared>, mut inf: Inflight, status: WcStatus
     }
     // The QP is in ERR before the error completion can be seen.
     if status != WcStatus::Success {
-        sh.qp.set_error(&format!("send WR failed: {status}"));
+        sh.qp.set_error_in(sh.life, &format!("send WR failed: {status}"));
     }
     inf.status = Some(status);
     let mut q = sh.lock();

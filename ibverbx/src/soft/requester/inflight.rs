@@ -88,6 +88,11 @@ impl Shared {
     /// Marks the first awaited request as failed with `status`, breaks the
     /// link and moves the QP to ERR.
     pub(super) fn fail_link(&self, status: WcStatus, why: &str) {
+        if self.stale() {
+            // The QP was reset: this link's end is no news to it (and it
+            // may be connected again already).
+            return;
+        }
         let mut q = self.lock();
         let first = q.broken.is_none();
         if first {
@@ -123,7 +128,7 @@ impl Shared {
         if let Some(fd) = self.sock.get() {
             let _ = rustix::net::shutdown(fd, rustix::net::Shutdown::Both);
         }
-        self.qp.set_error(why);
+        self.qp.set_error_in(self.life, why);
         self.progress.notify_waiters();
     }
 

@@ -82,11 +82,21 @@ pub(crate) struct Shared {
     /// the link fails, so that a frame being written to a peer that stopped
     /// reading fails too, instead of holding the requester task forever.
     sock: std::sync::OnceLock<std::os::fd::OwnedFd>,
+    /// The QP's life (reset epoch) this requester serves: once the QP is
+    /// reset, its tasks (the response reader and watchdog may outlive the
+    /// requester's) leave the QP alone — it may be connected again already.
+    life: u64,
 }
 
 impl Shared {
     fn lock(&self) -> std::sync::MutexGuard<'_, SqState> {
         self.q.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether the QP was reset since this requester began (its life is
+    /// over).
+    fn stale(&self) -> bool {
+        self.qp.epoch() != self.life
     }
 
     fn touch(&self) {
@@ -103,13 +113,14 @@ struct Link {
     token: [u8; 16],
 }
 
-/// The requester task of one QP; ends when the QP is reset or destroyed.
+/// The requester task of one QP in its life `life` (reset epoch); ends
+/// when the QP is reset or destroyed.
 pub(crate) async fn run(
     qp: Arc<SoftQp>,
     mut rx: mpsc::UnboundedReceiver<SqEntry>,
     backlog: Arc<AtomicU32>,
-    rtr: RtrAttr,
-    rts: RtsAttr,
+    (rtr, rts): (RtrAttr, RtsAttr),
+    life: u64,
 ) {
     let remote = rtr.remote.soft.clone().expect("checked at RTR");
     let ack_timeout = ack_timeout_duration(rts.timeout).map(|d| d * (rts.retry_cnt as u32 + 1));
@@ -127,6 +138,7 @@ pub(crate) async fn run(
         db_watch_idle: AtomicBool::new(false),
         db_posts: AtomicU64::new(0),
         sock: std::sync::OnceLock::new(),
+        life,
     });
     let mut state_rx = qp.state_tx.subscribe();
     let mut link = match connect(&qp, &remote, rtr.remote.qpn, &rts, ack_timeout).await {

@@ -301,7 +301,7 @@ pub(super) async fn read_responses(sh: Arc<Shared>, mut r: Reader, rnr_retry: u8
             // at once). The error completion is seen only after ERR.
             q.broken.get_or_insert(status);
             drop(q);
-            sh.qp.set_error(&format!("peer answered {status}"));
+            sh.qp.set_error_in(sh.life, &format!("peer answered {status}"));
             q = sh.lock();
         }
         sh.emit(&mut q);

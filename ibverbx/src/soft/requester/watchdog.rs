@@ -15,7 +15,7 @@ pub(super) async fn watchdog(sh: Arc<Shared>, timeout: Duration, reader: tokio::
     let tick = (timeout / 4).max(Duration::from_millis(5));
     loop {
         tokio::time::sleep(tick).await;
-        if reader.is_finished() || matches!(*sh.qp.state_tx.borrow(), QpState::Reset | QpState::Err) {
+        if sh.stale() || reader.is_finished() || matches!(*sh.qp.state_tx.borrow(), QpState::Reset | QpState::Err) {
             reader.abort();
             return;
         }
