@@ -1207,6 +1207,43 @@ pub fn reset_and_reconnect_elsewhere(dev: &Device) {
     ok(wait1(&a.scq), 99, WcOpcode::RdmaWrite);
 }
 
+/// A QP reset with its send queue full of WRs a stopped peer never
+/// answers (dropped without completions, as in verbs), then connected to
+/// another peer QP: its whole send queue is free again.
+pub fn reset_frees_the_send_queue(dev: &Device) {
+    const DEPTH: u32 = 8;
+    let caps = QpCaps { max_send_wr: DEPTH, ..QpCaps::default() };
+    let p = Pair::with(dev, 64, caps, RtsAttr::default(), 12);
+    let src = mr(&p.a.pd, Mem::Heap, 4096, AccessFlags::LOCAL_WRITE);
+    // Staged on every link (the peer's engine answers each), and the peer
+    // stopped first: nothing is answered.
+    let far = device_mr(&p.b.pd, 4096, AccessFlags::all_remote(), false);
+    let Pair { a, b } = p;
+    drop(b);
+    let w = SendOp::RdmaWrite { remote_addr: far.addr(), rkey: far.rkey() };
+    for i in 0..DEPTH as u64 {
+        post(&a.qp, i, w, &[src.sge(0, 64).unwrap()], true);
+    }
+    a.qp.modify(&QpTransition::Reset).unwrap();
+    let next = side(dev, 64, QpCaps::default());
+    let (ea, en) = (a.qp.endpoint().unwrap(), next.qp.endpoint().unwrap());
+    a.qp.connect_with(InitAttr::default(), RtrAttr::new(en), RtsAttr::default()).unwrap();
+    next.qp.connect_with(InitAttr::default(), RtrAttr::new(ea), RtsAttr::default()).unwrap();
+    let dst = mr(&next.pd, Mem::Heap, 4096, AccessFlags::all_remote());
+    let w = SendOp::RdmaWrite { remote_addr: dst.addr(), rkey: dst.rkey() };
+    for round in 0..3u64 {
+        for i in 0..DEPTH as u64 {
+            let wr = SendWr { wr_id: 100 + i, op: w, sg_list: &[src.sge(0, 64).unwrap()], flags: SendFlags::SIGNALED };
+            a.qp.post_send(&[wr]).unwrap_or_else(|e| panic!("round {round}, WR {i} after the reset: {e}"));
+        }
+        for i in 0..DEPTH as u64 {
+            ok(wait1(&a.scq), 100 + i, WcOpcode::RdmaWrite);
+        }
+    }
+    none_within(&a.scq, Duration::from_millis(50));
+    drop(far);
+}
+
 /// Bad rkeys, out-of-bounds addresses, missing access and deregistered
 /// regions give REM_ACCESS_ERR, never a write; the QP goes to ERR and
 /// flushes what follows.
@@ -1531,6 +1568,12 @@ macro_rules! conformance_suite {
         #[test]
         fn device_copies_batched() {
             conformance::device_copies_batched(&$dev);
+        }
+        #[test]
+        fn reset_frees_the_send_queue() {
+            if conformance::fake_device_ok(&$dev) {
+                conformance::reset_frees_the_send_queue(&$dev);
+            }
         }
         #[test]
         fn reset_and_reconnect_elsewhere() {

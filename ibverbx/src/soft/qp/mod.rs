@@ -290,6 +290,12 @@ impl SoftQp {
         self.set_error_if(None, why);
     }
 
+    /// Gives back `n` send-queue slots (never below zero: a reset may have
+    /// freed them all meanwhile).
+    pub(crate) fn sq_release(&self, n: u32) {
+        let _ = self.sq_outstanding.fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| Some(v.saturating_sub(n)));
+    }
+
     /// [`set_error`](Self::set_error) from a task of the QP's life `life`
     /// (reset epoch): nothing if the QP was reset since (a link of an
     /// earlier life ending is no news to the QP, which may be connected

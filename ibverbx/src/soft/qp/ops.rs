@@ -224,6 +224,10 @@ impl QpOps for SoftQp {
             }
             QpTransition::Reset => {
                 self.epoch.fetch_add(1, Ordering::AcqRel);
+                // Every outstanding WR is dropped without a completion: the
+                // whole send queue is free for the next life (the last
+                // life's tasks no longer release slots: `emit`).
+                self.sq_outstanding.store(0, Ordering::Release);
                 st.sq_tx = None;
                 st.rtr = None;
                 st.state = QpState::Reset;
@@ -285,7 +289,7 @@ impl QpOps for SoftQp {
                 if self.try_doorbell(&wrs[0], lens[0]) || self.try_fast_notify(&wrs[0], lens[0], true) {
                     return Ok(());
                 }
-                self.sq_outstanding.fetch_sub(1, Ordering::AcqRel);
+                self.sq_release(1);
             }
         } else if n == 1
             && st_is_rts
@@ -299,11 +303,11 @@ impl QpOps for SoftQp {
             if before < self.caps.max_send_wr && self.try_fast_notify(&wrs[0], lens[0], false) {
                 return Ok(());
             }
-            self.sq_outstanding.fetch_sub(1, Ordering::AcqRel);
+            self.sq_release(1);
         }
         let before = self.sq_outstanding.fetch_add(n, Ordering::AcqRel);
         if before + n > self.caps.max_send_wr {
-            self.sq_outstanding.fetch_sub(n, Ordering::AcqRel);
+            self.sq_release(n);
             return Err(Error::exhausted(
                 "post_send",
                 format!("send queue full: {before} outstanding, max_send_wr {}", self.caps.max_send_wr),
@@ -317,7 +321,7 @@ impl QpOps for SoftQp {
                 match self.copy_inline(wr.sg_list, len) {
                     Ok(data) => (Vec::new(), Some(data)),
                     Err(e) => {
-                        self.sq_outstanding.fetch_sub(n, Ordering::AcqRel);
+                        self.sq_release(n);
                         return Err(e);
                     }
                 }
@@ -339,7 +343,7 @@ impl QpOps for SoftQp {
             if let Err(mpsc::error::SendError(e)) = tx.send(e) {
                 // The engine is gone (context shutting down): flush.
                 backlog.fetch_sub(1, Ordering::AcqRel);
-                self.sq_outstanding.fetch_sub(1, Ordering::AcqRel);
+                self.sq_release(1);
                 self.push_send_wc(self.flush_wc(e.wr_id, e.op.wc_opcode()));
             }
         }

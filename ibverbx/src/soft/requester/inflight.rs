@@ -65,12 +65,18 @@ pub(super) struct SqState {
 impl Shared {
     /// Pops finished WRs from the head and emits their completions.
     pub(super) fn emit(&self, q: &mut SqState) {
+        if self.stale() {
+            // The QP was reset: its WRs of that life were dropped without
+            // completions (and their slots freed by the reset).
+            q.inflight.retain(|f| f.status.is_none());
+            return;
+        }
         while q.inflight.front().is_some_and(|f| f.status.is_some()) {
             let f = q.inflight.pop_front().expect("front exists");
             let status = f.status.expect("checked");
             // Free the slot before the completion is visible: a poster that
             // sees the completion may post again at once.
-            self.qp.sq_outstanding.fetch_sub(1, Ordering::AcqRel);
+            self.qp.sq_release(1);
             if status != WcStatus::Success || f.signaled {
                 self.qp.push_send_wc(WorkCompletion {
                     wr_id: f.wr_id,
