@@ -502,6 +502,10 @@ async fn take_recv<S: AsyncWrite + Unpin>(
         // A doorbell record of this connection is older than this request:
         // it takes its receive first.
         qp.db_claim();
+        if qp.epoch() != epoch {
+            // A connection of an earlier life takes no receive of this one.
+            return Ok(None);
+        }
         {
             let mut rq = qp.rq.lock().unwrap_or_else(|e| e.into_inner());
             if let Some(r) = rq.pop_front() {

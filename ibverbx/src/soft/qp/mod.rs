@@ -306,23 +306,55 @@ impl SoftQp {
 
     fn set_error_if(&self, life: Option<u64>, why: &str) {
         let mut st = self.lock();
-        // The epoch moves under this lock (modify's reset).
-        if matches!(st.state, QpState::Err | QpState::Reset) || life.is_some_and(|l| l != self.epoch()) {
+        // The epoch moves under this lock (modify's reset): no reset (and
+        // no next life) comes between this decision and the state it
+        // publishes.
+        let epoch = self.epoch();
+        if matches!(st.state, QpState::Err | QpState::Reset) || life.is_some_and(|l| l != epoch) {
             return;
         }
         tracing::debug!(qpn = self.qpn, "soft QP enters the error state: {why}");
         st.state = QpState::Err;
-        drop(st);
         self.db_open(false);
         self.set_fast(None);
         self.state_tx.send_replace(QpState::Err);
-        self.flush_rq();
+        drop(st);
+        self.flush_rq_in(Some(epoch));
+    }
+
+    /// Publishes a requester's link of life `life` (its fast path and
+    /// mapping target), unless the QP was reset since: false then.
+    pub(crate) fn publish_link(
+        &self,
+        life: u64,
+        fast: Option<FastPath>,
+        target: Option<Arc<crate::soft::remote::MapTarget>>,
+    ) -> bool {
+        let _st = self.lock();
+        if self.epoch() != life {
+            return false;
+        }
+        if fast.is_some() {
+            self.set_fast(fast);
+        }
+        self.map_target.send_replace(Some(target));
+        true
     }
 
     fn flush_rq(&self) {
+        self.flush_rq_in(None);
+    }
+
+    /// Flushes the receive queue — only the receives of life `life` when
+    /// given (a reset since cleared those, and the next life's are not
+    /// this error's).
+    fn flush_rq_in(&self, life: Option<u64>) {
         // Pushed under the RQ lock: a poster flushing its late receive (QP
         // already in ERR) cannot slip its completion between these.
         let mut rq = self.rq.lock().unwrap_or_else(|e| e.into_inner());
+        if life.is_some_and(|l| l != self.epoch()) {
+            return;
+        }
         self.db_note_rq(0);
         for r in rq.drain(..) {
             self.push_recv_wc(self.flush_wc(r.wr_id, WcOpcode::Recv));

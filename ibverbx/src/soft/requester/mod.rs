@@ -160,17 +160,24 @@ pub(crate) async fn run(
                 let _ = sh.sock.set(fd);
             }
             let notify = dup.map(|fd| Arc::new(FastNotify { sh: sh.clone(), fd }));
-            if peer.is_some() || notify.is_some() {
-                qp.set_fast(Some(super::qp::FastPath { peer: peer.clone(), remote_pd: remote.pd, notify }));
-            }
-            qp.map_target.send_replace(Some(peer.clone().map(|peer| {
+            let fast = (peer.is_some() || notify.is_some()).then(|| super::qp::FastPath {
+                peer: peer.clone(),
+                remote_pd: remote.pd,
+                notify,
+            });
+            let target = peer.clone().map(|peer| {
                 Arc::new(crate::soft::remote::MapTarget {
                     peer,
                     remote_pd: remote.pd,
                     peer_qpn: rtr.remote.qpn,
                     token: remote.token,
                 })
-            })));
+            });
+            // Connecting may take long (retries): a QP reset meanwhile is
+            // another life's, which this link must not serve.
+            if !qp.publish_link(life, fast, target) {
+                return;
+            }
             let reader = tokio::spawn(read_responses(sh.clone(), r, rts.rnr_retry));
             if let Some(t) = ack_timeout {
                 tokio::spawn(watchdog(sh.clone(), t, reader));
@@ -180,7 +187,9 @@ pub(crate) async fn run(
         Err(why) => {
             tracing::warn!(qpn = qp.qpn, "soft QP cannot reach its peer QP {:#x}: {why}", rtr.remote.qpn);
             sh.lock().broken = Some(WcStatus::RetryExcErr);
-            qp.map_target.send_replace(Some(None));
+            if !qp.publish_link(life, None, None) {
+                return;
+            }
             None
         }
     };
@@ -192,6 +201,11 @@ pub(crate) async fn run(
         )
     });
     loop {
+        if sh.stale() {
+            // Reset, and perhaps in its next life already (the Reset state
+            // itself unseen): this life's WRs are dropped.
+            return abandon_db(&sh);
+        }
         let state = *state_rx.borrow_and_update();
         match state {
             QpState::Reset => return abandon_db(&sh),
