@@ -380,22 +380,21 @@ pub(super) async fn execute_one(sh: &Arc<Shared>, link: &mut Option<Link>, e: Sq
         // breaks or the QP fails, after which none is answered (the first
         // unanswered WR carries the error, the rest are flushed, and so is
         // this one).
-        loop {
+        let closed = loop {
             let notified = sh.progress.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            let pending = {
+            let (closed, pending) = {
                 let q = sh.lock();
-                q.broken.is_none()
-                    && *sh.qp.state_tx.borrow() != QpState::Err
-                    && q.inflight.iter().any(|f| matches!(f.awaiting, Some((_, Expect::Read(_) | Expect::Atomic))))
+                let closed = q.broken.is_some() || *sh.qp.state_tx.borrow() == QpState::Err;
+                (closed, q.inflight.iter().any(|f| matches!(f.awaiting, Some((_, Expect::Read(_) | Expect::Atomic)))))
             };
-            if !pending {
-                break;
+            if closed || !pending {
+                break closed;
             }
             notified.await;
-        }
-        if sh.lock().broken.is_some() || *sh.qp.state_tx.borrow() == QpState::Err {
+        };
+        if closed {
             return finish(sh, inf, WcStatus::WrFlushErr).await;
         }
     }

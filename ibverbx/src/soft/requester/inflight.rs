@@ -112,20 +112,20 @@ impl Shared {
         // at the first failure: one that follows it (the response reader
         // finding the socket shut down by the first) leaves the rest to
         // the flush.
-        let unanswered = |f: &&mut super::inflight::Inflight| {
-            first && f.status.is_none() && (f.awaiting.is_some() || f.db.is_some())
-        };
-        for f in q.inflight.iter_mut().filter(unanswered) {
-            if let Some((k, _)) = f.db.take() {
-                self.qp.db_tx_pending.fetch_sub(1, Ordering::AcqRel);
-                if self.db.get().is_some_and(|db| db.retract(k) == Err(true)) {
-                    f.status = Some(WcStatus::Success);
-                    continue;
+        let unanswered = |f: &&mut Inflight| f.status.is_none() && (f.awaiting.is_some() || f.db.is_some());
+        if first {
+            for f in q.inflight.iter_mut().filter(unanswered) {
+                if let Some((k, _)) = f.db.take() {
+                    self.qp.db_tx_pending.fetch_sub(1, Ordering::AcqRel);
+                    if self.db.get().is_some_and(|db| db.retract(k) == Err(true)) {
+                        f.status = Some(WcStatus::Success);
+                        continue;
+                    }
                 }
+                f.status = Some(status);
+                f.awaiting = None;
+                break;
             }
-            f.status = Some(status);
-            f.awaiting = None;
-            break;
         }
         drop(q);
         // A frame being written when the link failed (the watchdog's
