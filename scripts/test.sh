@@ -124,7 +124,10 @@ if command -v python3 >/dev/null; then
   cp docs/gpu-results/2026-11-27-h200/copy_ceiling.jsonl "$synth/"
   echo '{"op":"write","bytes":1048576,"iterations":100,"bw_avg_MBps":2000.0,"device_copies":110,"device_copy_waits":4,"peer_device_bytes":115343360}' \
     > "$synth/transport_cuda_ipc_write.jsonl"
-  PYTHONIOENCODING=utf-8 python3 scripts/gpu_summary.py "$synth" | grep -q '| same host (CUDA IPC), write | 1 MiB | 2.10 | 193.1 | 0.011 | 27.50 |'
+  # Captured first, never piped: grep -q stops reading at its match, and the
+  # summary's writer then dies of a broken pipe (pipefail fails the run).
+  synth_summary=$(PYTHONIOENCODING=utf-8 python3 scripts/gpu_summary.py "$synth")
+  grep -q '| same host (CUDA IPC), write | 1 MiB | 2.10 | 193.1 | 0.011 | 27.50 |' <<<"$synth_summary"
   rm -rf "$synth"
   echo "# gpu_summary.py: the recorded H200 run summarized"
 fi
