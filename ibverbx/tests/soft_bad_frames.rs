@@ -10,7 +10,8 @@ use std::time::Duration;
 use ibverbx::soft::wire::{Frame, Hello, HelloStatus, HEADER_LEN, HELLO_LEN};
 use ibverbx::soft::{SoftConfig, SoftLink, SoftProvider};
 use ibverbx::{
-    AccessFlags, InitAttr, MemoryRegion, QpInitAttr, QpTransition, RtrAttr, SendFlags, SendOp, SendWr, WorkCompletion,
+    AccessFlags, InitAttr, MemoryRegion, QpInitAttr, QpTransition, RecvWr, RtrAttr, SendFlags, SendOp, SendWr,
+    WcStatus, WorkCompletion,
 };
 use rand::{Rng, SeedableRng};
 
@@ -186,4 +187,51 @@ fn random_and_truncated_frames_close_the_connection_only() {
     mem.read(0, &mut out).unwrap();
     assert_eq!(&out, b"still alive");
     assert_eq!(PANICS.load(Ordering::SeqCst), 0, "a malformed frame panicked a thread");
+}
+
+/// A SEND whose connection ends before all of it arrived (the requester
+/// died) consumes no receive: the receive it had taken goes back, so the
+/// QP's error still completes it, in posting order, as it completes every
+/// receive it holds.
+#[test]
+fn a_send_cut_short_keeps_its_receive() {
+    let _ = tracing_subscriber::fmt().with_env_filter("warn").with_test_writer().try_init();
+    let dev = SoftProvider::new(SoftConfig { link: SoftLink::Tcp, ..SoftConfig::default() }).device();
+    let ctx = dev.open().unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(16).unwrap();
+    let probe = pd.create_qp(&QpInitAttr::default(), &cq, &cq).unwrap();
+    let other = pd.create_qp(&QpInitAttr::default(), &cq, &cq).unwrap();
+    let other_ep = other.endpoint().unwrap();
+    probe.modify(&QpTransition::Init(InitAttr::default())).unwrap();
+    probe.modify(&QpTransition::Rtr(RtrAttr::new(other_ep.clone()))).unwrap();
+    let buf = MemoryRegion::alloc(&pd, 2 * 8192, AccessFlags::LOCAL_WRITE).unwrap();
+    for i in 0..2u64 {
+        let sge = [buf.sge(i as usize * 8192, 8192).unwrap()];
+        probe.post_recv(&[RecvWr { wr_id: 10 + i, sg_list: &sge }]).unwrap();
+    }
+    let ep = probe.endpoint().unwrap();
+    let soft = ep.soft.clone().unwrap();
+    let addr = *soft.tcp.iter().find(|a| a.ip().is_loopback()).unwrap();
+    let hello = Hello { src_qpn: other_ep.qpn, dst_qpn: ep.qpn, token: soft.token, rnr_retry: 0 };
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.write_all(&hello.encode()).unwrap();
+    let mut r = [0u8; HELLO_LEN];
+    s.read_exact(&mut r).unwrap();
+    assert_eq!(HelloStatus::decode(&r), Ok(HelloStatus::Ok));
+    // 100 of the 5000 bytes announced, then the requester is gone.
+    s.write_all(&Frame::Send { psn: 0, len: 5000, imm: None }.encode()).unwrap();
+    s.write_all(&[0xAB; 100]).unwrap();
+    s.shutdown(std::net::Shutdown::Write).unwrap();
+    expect_closed(&mut s, "cut SEND");
+    let mut wc = [WorkCompletion::empty(); 4];
+    assert_eq!(cq.poll(&mut wc).unwrap(), 0, "a cut SEND completed a receive: {:?}", wc[0]);
+    probe.modify(&QpTransition::Err).unwrap();
+    let mut got = Vec::new();
+    while got.len() < 2 {
+        let n = cq.wait(&mut wc, Some(Duration::from_secs(10)), Duration::ZERO).unwrap();
+        assert!(n > 0, "the QP's error completed {got:?} of the 2 receives posted");
+        got.extend(wc[..n].iter().map(|w| (w.wr_id, w.status)));
+    }
+    assert_eq!(got, [(10, WcStatus::WrFlushErr), (11, WcStatus::WrFlushErr)]);
 }

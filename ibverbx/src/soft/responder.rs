@@ -351,7 +351,7 @@ impl PolledRx for Gate {
                 // as a read error there would.
                 tracing::debug!("soft QP {:#x}: polled receive failed: {e}", qp.qpn);
                 if let Some(r) = recv {
-                    qp.rq.lock().unwrap_or_else(|e| e.into_inner()).push_front(r);
+                    qp.give_back_recv(self.epoch, r);
                 }
                 fd.shut();
                 break true;
@@ -592,8 +592,14 @@ where
             let Some(r) = take_recv(qp, s, acks, psn, epoch, rnr_retry, state_rx).await? else {
                 return Ok(Outcome::Close);
             };
+            // Every way out below completes `r` or gives it back: a receive
+            // taken for a SEND whose connection failed on the way (the
+            // requester died, or its link did) is the next message's.
             if (len as u64) > r.capacity() {
-                acks.flush(s, qp).await?;
+                if let Err(e) = acks.flush(s, qp).await {
+                    qp.give_back_recv(epoch, r);
+                    return Err(e);
+                }
                 qp.push_recv_wc(recv_wc(qp, &r, WcStatus::LocLenErr, WcOpcode::Recv, 0, None));
                 qp.set_error("receive too small for an incoming SEND");
                 return nak(qp, s, acks, psn, Syndrome::InvalidRequest, "SEND longer than the posted receive").await;
@@ -611,7 +617,10 @@ where
                         left -= n;
                     }
                     Err(st) => {
-                        acks.flush(s, qp).await?;
+                        if let Err(e) = acks.flush(s, qp).await {
+                            qp.give_back_recv(epoch, r);
+                            return Err(e);
+                        }
                         qp.push_recv_wc(recv_wc(qp, &r, st, WcOpcode::Recv, 0, None));
                         qp.set_error("receive buffer failed its key check");
                         return nak(qp, s, acks, psn, Syndrome::RemoteOp, "receive buffer is not a valid local region")
@@ -622,10 +631,16 @@ where
             for (t, n) in pieces {
                 // SAFETY: the target lies in a checked local MR kept alive by `r`.
                 if let Err(e) = unsafe { recv_to(s, &t, n).await } {
-                    if let Failed::Copy(_) = e {
-                        acks.flush(s, qp).await?;
-                        qp.push_recv_wc(recv_wc(qp, &r, WcStatus::LocProtErr, WcOpcode::Recv, 0, None));
-                        qp.set_error("a SEND into device memory failed its copy");
+                    match e {
+                        Failed::Io(_) => qp.give_back_recv(epoch, r),
+                        Failed::Copy(_) => {
+                            if let Err(e) = acks.flush(s, qp).await {
+                                qp.give_back_recv(epoch, r);
+                                return Err(e);
+                            }
+                            qp.push_recv_wc(recv_wc(qp, &r, WcStatus::LocProtErr, WcOpcode::Recv, 0, None));
+                            qp.set_error("a SEND into device memory failed its copy");
+                        }
                     }
                     return device_nak(qp, s, acks, psn, "SEND", e).await;
                 }

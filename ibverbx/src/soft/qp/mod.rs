@@ -345,6 +345,29 @@ impl SoftQp {
         self.flush_rq_in(None);
     }
 
+    /// Gives back receive `r`, taken in life `life` for a message whose
+    /// connection failed before it arrived whole: the next message of this
+    /// life takes it again (as an HCA keeps the WQE for the requester's
+    /// retry), a later error flushes it, and a reset since has discarded it.
+    /// Only the order of flush completions may differ from posting order,
+    /// when the error came between the taking and this.
+    pub(crate) fn give_back_recv(&self, life: u64, r: RecvEntry) {
+        // Under the RQ lock, as flush_rq_in: an error published before it
+        // flushed (or will flush, after this) the rest of the queue.
+        let mut rq = self.rq.lock().unwrap_or_else(|e| e.into_inner());
+        if self.epoch() != life {
+            return;
+        }
+        if *self.state_tx.borrow() == QpState::Err {
+            self.push_recv_wc(self.flush_wc(r.wr_id, WcOpcode::Recv));
+            return;
+        }
+        rq.push_front(r);
+        self.db_note_rq(rq.len());
+        drop(rq);
+        self.rq_notify.notify_waiters();
+    }
+
     /// Flushes the receive queue — only the receives of life `life` when
     /// given (a reset since cleared those, and the next life's are not
     /// this error's).
