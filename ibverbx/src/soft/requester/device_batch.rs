@@ -152,7 +152,7 @@ impl DeviceBatch {
         let Some(l) = link.as_ref() else { return Err(self.give_back(e)) };
         let Some(peer) = l.peer.as_deref() else { return Err(self.give_back(e)) };
         let need = if write { AccessFlags::REMOTE_WRITE } else { AccessFlags::REMOTE_READ };
-        let pd = super::execute::remote_pd(&sh.qp);
+        let pd = l.remote_pd;
         let placed = if self.wrs.is_empty() {
             // The first WR of a run: mapped if need be, after every earlier
             // staged request (nothing of the batch's is held yet).

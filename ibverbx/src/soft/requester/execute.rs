@@ -14,7 +14,7 @@ use crate::qp_attr::QpState;
 use crate::soft::device_io::{read_device, write_device, Failed};
 use crate::soft::mr::{LocalSeg, Target};
 use crate::soft::peer::{Direct, Held, PeerMap};
-use crate::soft::qp::{SoftQp, SqEntry};
+use crate::soft::qp::SqEntry;
 use crate::soft::raw_io::send_frame;
 use crate::soft::wire::Frame;
 use crate::wc::WcStatus;
@@ -399,7 +399,7 @@ pub(super) async fn execute_one(sh: &Arc<Shared>, link: &mut Option<Link>, e: Sq
         }
     }
     let len = e.len;
-    let pd = remote_pd(&sh.qp);
+    let pd = l.remote_pd;
     // Direct placement where the peer's memory is mapped here (after every
     // earlier staged request, and checked again after that wait).
     let (peer, at) = (l.peer.clone(), (l.peer_qpn, l.token));
@@ -559,10 +559,6 @@ pub(super) async fn send_request(
         sh.fail_link(WcStatus::RetryExcErr, &format!("write to peer: {err}"));
         sh.flush();
     }
-}
-
-pub(super) fn remote_pd(qp: &SoftQp) -> u32 {
-    qp.remote_pd()
 }
 
 pub(super) fn write_u64(p: usize, v: u64) {

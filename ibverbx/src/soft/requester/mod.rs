@@ -111,6 +111,10 @@ struct Link {
     /// present them).
     peer_qpn: u32,
     token: [u8; 16],
+    /// The peer QP's protection domain, from this life's RTR: its keys are
+    /// checked in it (never read from the QP again, whose RTR may be a
+    /// later life's by then).
+    remote_pd: u32,
 }
 
 /// The requester task of one QP in its life `life` (reset epoch); ends
@@ -182,7 +186,7 @@ pub(crate) async fn run(
             if let Some(t) = ack_timeout {
                 tokio::spawn(watchdog(sh.clone(), t, reader));
             }
-            Some(Link { writer: w, peer, peer_qpn: rtr.remote.qpn, token: remote.token })
+            Some(Link { writer: w, peer, peer_qpn: rtr.remote.qpn, token: remote.token, remote_pd: remote.pd })
         }
         Err(why) => {
             tracing::warn!(qpn = qp.qpn, "soft QP cannot reach its peer QP {:#x}: {why}", rtr.remote.qpn);
