@@ -195,6 +195,24 @@ fn random_and_truncated_frames_close_the_connection_only() {
 /// receive it holds.
 #[test]
 fn a_send_cut_short_keeps_its_receive() {
+    assert_eq!(send_cut_short(true), [(10, WcStatus::WrFlushErr), (11, WcStatus::WrFlushErr)]);
+}
+
+/// A SEND whose requester stops sending mid-way (a stalled process, its
+/// connection open) does not hold its receive past the QP's error: the
+/// error flushes both receives at once (the one being filled after the
+/// other, once nothing more is written into it).
+#[test]
+fn a_stalled_send_lets_the_error_flush_its_receive() {
+    let mut got = send_cut_short(false);
+    got.sort_by_key(|g| g.0);
+    assert_eq!(got, [(10, WcStatus::WrFlushErr), (11, WcStatus::WrFlushErr)]);
+}
+
+/// Two receives posted on a QP whose forged requester sends 100 bytes of a
+/// 5000-byte SEND, then closes its connection (`close`) or keeps it open;
+/// then the QP is moved to ERR. The receive completions, as they came.
+fn send_cut_short(close: bool) -> Vec<(u64, WcStatus)> {
     let _ = tracing_subscriber::fmt().with_env_filter("warn").with_test_writer().try_init();
     let dev = SoftProvider::new(SoftConfig { link: SoftLink::Tcp, ..SoftConfig::default() }).device();
     let ctx = dev.open().unwrap();
@@ -219,12 +237,18 @@ fn a_send_cut_short_keeps_its_receive() {
     let mut r = [0u8; HELLO_LEN];
     s.read_exact(&mut r).unwrap();
     assert_eq!(HelloStatus::decode(&r), Ok(HelloStatus::Ok));
-    // 100 of the 5000 bytes announced, then the requester is gone.
     s.write_all(&Frame::Send { psn: 0, len: 5000, imm: None }.encode()).unwrap();
     s.write_all(&[0xAB; 100]).unwrap();
-    s.shutdown(std::net::Shutdown::Write).unwrap();
-    expect_closed(&mut s, "cut SEND");
     let mut wc = [WorkCompletion::empty(); 4];
+    if close {
+        s.shutdown(std::net::Shutdown::Write).unwrap();
+        expect_closed(&mut s, "cut SEND");
+    } else {
+        // Time for the responder to take a receive and wait inside the
+        // SEND (were the error first, the SEND would find no receive and
+        // the stall would go untested).
+        std::thread::sleep(Duration::from_millis(200));
+    }
     assert_eq!(cq.poll(&mut wc).unwrap(), 0, "a cut SEND completed a receive: {:?}", wc[0]);
     probe.modify(&QpTransition::Err).unwrap();
     let mut got = Vec::new();
@@ -233,5 +257,8 @@ fn a_send_cut_short_keeps_its_receive() {
         assert!(n > 0, "the QP's error completed {got:?} of the 2 receives posted");
         got.extend(wc[..n].iter().map(|w| (w.wr_id, w.status)));
     }
-    assert_eq!(got, [(10, WcStatus::WrFlushErr), (11, WcStatus::WrFlushErr)]);
+    if !close {
+        expect_closed(&mut s, "stalled SEND after the QP's error");
+    }
+    got
 }

@@ -68,7 +68,8 @@ impl Acks {
     }
 
     /// Holds `wc` until the ACK of the request it completes is written.
-    fn defer(&mut self, wc: WorkCompletion) {
+    fn defer(&mut self, qp: &SoftQp, wc: WorkCompletion) {
+        qp.rx_held.fetch_add(1, Ordering::AcqRel);
         self.wcs.push(wc);
     }
 
@@ -101,11 +102,18 @@ impl Acks {
         self.release(qp);
     }
 
-    /// Makes the held completions visible (the connection ends).
+    /// Makes the held completions visible (the connection ends), then
+    /// claims the doorbell record that polls left behind them.
     fn release(&mut self, qp: &SoftQp) {
+        let n = self.wcs.len() as u32;
+        if n == 0 {
+            return;
+        }
         for wc in self.wcs.drain(..) {
             qp.push_recv_wc(wc);
         }
+        qp.rx_held.fetch_sub(n, Ordering::AcqRel);
+        qp.db_claim();
     }
 }
 
@@ -119,6 +127,17 @@ struct Gate {
     qp: Weak<SoftQp>,
     epoch: u64,
     max_msg: u32,
+}
+
+impl Drop for Gate {
+    fn drop(&mut self) {
+        // A connection's task cancelled with completions held (its runtime
+        // shutting down, its handshake aborted): they are still made
+        // visible, and the QP's count of held ones stays true.
+        if let Some(qp) = self.qp.upgrade() {
+            self.st.get_mut().acks.release(&qp);
+        }
+    }
 }
 
 #[derive(Default)]
@@ -333,6 +352,10 @@ impl PolledRx for Gate {
                 Some(_) => {
                     qp.db_claim();
                     let mut rq = qp.rq.lock().unwrap_or_else(|e| e.into_inner());
+                    // As take_recv: no receive of a later life.
+                    if qp.epoch() != self.epoch {
+                        break true;
+                    }
                     let Some(r) = rq.pop_front() else { break true };
                     qp.db_note_rq(rq.len());
                     Some(r)
@@ -358,7 +381,7 @@ impl PolledRx for Gate {
             }
             qp.ctx.touch();
             if let (Some(r), Some(imm)) = (recv, imm) {
-                g.acks.defer(recv_wc(&qp, &r, WcStatus::Success, WcOpcode::RecvRdmaWithImm, wc_len, Some(imm)));
+                g.acks.defer(&qp, recv_wc(&qp, &r, WcStatus::Success, WcOpcode::RecvRdmaWithImm, wc_len, Some(imm)));
             }
             g.acks.add(psn, payload);
             served += 1;
@@ -502,12 +525,14 @@ async fn take_recv<S: AsyncWrite + Unpin>(
         // A doorbell record of this connection is older than this request:
         // it takes its receive first.
         qp.db_claim();
-        if qp.epoch() != epoch {
-            // A connection of an earlier life takes no receive of this one.
-            return Ok(None);
-        }
         {
             let mut rq = qp.rq.lock().unwrap_or_else(|e| e.into_inner());
+            // A connection of an earlier life takes no receive of this one
+            // (checked under the RQ lock: a reset moves the epoch before it
+            // clears the queue, and the next life posts after that).
+            if qp.epoch() != epoch {
+                return Ok(None);
+            }
             if let Some(r) = rq.pop_front() {
                 qp.db_note_rq(rq.len());
                 return Ok(Some(r));
@@ -577,7 +602,7 @@ where
                 let Some(r) = take_recv(qp, s, acks, psn, epoch, rnr_retry, state_rx).await? else {
                     return Ok(Outcome::Close);
                 };
-                acks.defer(recv_wc(qp, &r, WcStatus::Success, WcOpcode::RecvRdmaWithImm, len, Some(imm)));
+                acks.defer(qp, recv_wc(qp, &r, WcStatus::Success, WcOpcode::RecvRdmaWithImm, len, Some(imm)));
             }
             acks.add(psn, len);
         }
@@ -585,7 +610,7 @@ where
             let Some(r) = take_recv(qp, s, acks, psn, epoch, rnr_retry, state_rx).await? else {
                 return Ok(Outcome::Close);
             };
-            acks.defer(recv_wc(qp, &r, WcStatus::Success, WcOpcode::RecvRdmaWithImm, len, Some(imm)));
+            acks.defer(qp, recv_wc(qp, &r, WcStatus::Success, WcOpcode::RecvRdmaWithImm, len, Some(imm)));
             acks.add(psn, 0);
         }
         Frame::Send { psn, len, imm } => {
@@ -629,8 +654,21 @@ where
                 }
             }
             for (t, n) in pieces {
-                // SAFETY: the target lies in a checked local MR kept alive by `r`.
-                if let Err(e) = unsafe { recv_to(s, &t, n).await } {
+                let got = tokio::select! {
+                    biased;
+                    // SAFETY: the target lies in a checked local MR kept
+                    // alive by `r`.
+                    got = unsafe { recv_to(s, &t, n) } => got,
+                    // The QP's error or reset while the rest has not come
+                    // (a stalled requester): nothing more is written into
+                    // the receive, which is flushed (or discarded) with the
+                    // others, and the connection ends.
+                    _ = dead(qp, epoch, state_rx) => {
+                        qp.give_back_recv(epoch, r);
+                        return Ok(Outcome::Close);
+                    }
+                };
+                if let Err(e) = got {
                     match e {
                         Failed::Io(_) => qp.give_back_recv(epoch, r),
                         Failed::Copy(_) => {
@@ -646,7 +684,7 @@ where
                 }
             }
             let opcode = WcOpcode::Recv;
-            acks.defer(recv_wc(qp, &r, WcStatus::Success, opcode, len, imm));
+            acks.defer(qp, recv_wc(qp, &r, WcStatus::Success, opcode, len, imm));
             acks.add(psn, len);
         }
         Frame::ReadReq { psn, raddr, rkey, len } => {

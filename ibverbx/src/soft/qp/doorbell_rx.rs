@@ -62,6 +62,19 @@ impl SoftQp {
         }
     }
 
+    /// [`db_claim`](Self::db_claim) for a poll of this QP's receive CQ:
+    /// nothing while the responder holds receive completions (`rx_held`).
+    /// Those are of requests older than any record posted (a requester
+    /// posts a record only once all it sent before is acknowledged, and the
+    /// responder releases them just after writing that ACK), so the
+    /// record's completion goes behind them: the responder claims it when
+    /// it releases them.
+    pub(crate) fn db_claim_polled(&self) {
+        if self.rx_held.load(Ordering::Acquire) == 0 {
+            self.db_claim();
+        }
+    }
+
     /// Picks up a doorbell record addressed to this QP when one is posted
     /// and a receive is there: pushes its receive completion, then rings
     /// the requester if it sleeps. Called by this QP's receive-CQ polls

@@ -94,6 +94,11 @@ pub(crate) struct SoftQp {
     pub(crate) rq: Mutex<VecDeque<RecvEntry>>,
     pub(crate) rq_notify: Notify,
     pub(crate) sq_outstanding: AtomicU32,
+    /// Receive completions that the responder holds until the ACK covering
+    /// them is written (`responder::Acks`): a receive-CQ poll claims no
+    /// doorbell record while there are any, as the record's completion
+    /// would overtake theirs ([`db_claim_polled`](Self::db_claim_polled)).
+    pub(crate) rx_held: AtomicU32,
     /// Incremented by every transition to RESET: connections accepted in an
     /// earlier epoch belong to a previous life of the QP and are closed.
     epoch: std::sync::atomic::AtomicU64,
@@ -170,6 +175,7 @@ impl SoftQp {
             rq: Mutex::new(VecDeque::new()),
             rq_notify: Notify::new(),
             sq_outstanding: AtomicU32::new(0),
+            rx_held: AtomicU32::new(0),
             epoch: std::sync::atomic::AtomicU64::new(0),
             fast: std::sync::RwLock::new(None),
             db,
@@ -241,11 +247,6 @@ impl SoftQp {
 
     pub(crate) fn remote_access(&self) -> AccessFlags {
         self.lock().access
-    }
-
-    /// The PD of the peer QP (same-host direct checks use it).
-    pub(crate) fn remote_pd(&self) -> u32 {
-        self.lock().rtr.as_ref().and_then(|r| r.remote.soft.as_ref()).map_or(0, |s| s.pd)
     }
 
     /// The RNR NAK period this QP (as a responder) reports at.
@@ -349,8 +350,10 @@ impl SoftQp {
     /// connection failed before it arrived whole: the next message of this
     /// life takes it again (as an HCA keeps the WQE for the requester's
     /// retry), a later error flushes it, and a reset since has discarded it.
-    /// Only the order of flush completions may differ from posting order,
-    /// when the error came between the taking and this.
+    /// Only the order of flush completions may differ from posting order:
+    /// when the error came while the message was arriving (a stalled
+    /// requester), this receive is flushed after the ones behind it, once
+    /// its responder has stopped writing into it.
     pub(crate) fn give_back_recv(&self, life: u64, r: RecvEntry) {
         // Under the RQ lock, as flush_rq_in: an error published before it
         // flushed (or will flush, after this) the rest of the queue.

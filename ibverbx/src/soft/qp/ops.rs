@@ -374,8 +374,13 @@ impl QpOps for SoftQp {
             rq.push_back(RecvEntry { wr_id: wr.wr_id, segs: self.resolve(wr.sg_list) });
         }
         self.db_note_rq(rq.len());
+        // The state as of now, under the RQ lock: an error published since
+        // the check above flushed the queue before these were in it
+        // (flush_rq_in takes this lock after publishing), so they are
+        // flushed here.
+        let err = *self.state_tx.borrow() == QpState::Err;
         drop(rq);
-        if state == QpState::Err {
+        if err {
             self.flush_rq();
         } else {
             self.rq_notify.notify_waiters();
