@@ -494,8 +494,12 @@ where
     let mut buf = [0u8; HELLO_LEN];
     let r = tokio::time::timeout(HELLO_DEADLINE, s.read_exact(&mut buf)).await;
     // From here on the connection is no longer an anonymous one: it is
-    // never evicted (it is closed below unless its token is right).
-    pending.lock().unwrap_or_else(|e| e.into_inner()).live.remove(&id);
+    // never evicted (it is closed below unless its token is right). One
+    // evicted meanwhile (its abort not yet effective, as this task was
+    // running) ends here, never at an await inside its responder.
+    if pending.lock().unwrap_or_else(|e| e.into_inner()).live.remove(&id).is_none() {
+        return tracing::debug!("soft connection from {peer}: evicted while it sent its hello; closing");
+    }
     match r {
         Ok(Ok(_)) => {}
         Ok(Err(e)) => return tracing::debug!("soft connection from {peer} closed during hello: {e}"),
