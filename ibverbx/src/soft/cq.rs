@@ -119,7 +119,7 @@ impl SoftCq {
             match arm {
                 false => {
                     if rx {
-                        qp.db_claim_polled();
+                        qp.db_claim_in_order();
                     }
                     if tx {
                         qp.db_check_tx();

@@ -459,6 +459,51 @@ mod tests {
         assert!(claimed + retracted > 0, "no record was used");
     }
 
+    /// Two threads posting on one QP (one may take the doorbell while the
+    /// other's WRs are on the wire): receive completions still come in the
+    /// order the receives were posted, whichever message took which.
+    #[test]
+    fn two_posting_threads_keep_receive_order() {
+        let p = pair(true);
+        let per = 120u32;
+        let recvs: Vec<RecvWr<'_>> = (0..2 * per).map(|i| RecvWr { wr_id: u64::from(i), sg_list: &[] }).collect();
+        p.b.post_recv(&recvs).unwrap();
+        std::thread::scope(|s| {
+            let rx = s.spawn(|| {
+                let mut got = Vec::new();
+                let mut wc = [WorkCompletion::empty(); 16];
+                while got.len() < 2 * per as usize {
+                    let k = p.cq_b.wait(&mut wc, LONG, Duration::from_secs(1)).unwrap();
+                    assert!(k > 0, "receive completions stopped at {}", got.len());
+                    got.extend(wc[..k].iter().map(|w| w.wr_id));
+                }
+                got
+            });
+            for t in 0..2u32 {
+                let p = &p;
+                s.spawn(move || {
+                    for i in 0..per {
+                        p.post(u64::from(t << 16 | i), t << 16 | i);
+                        if i % 3 == 2 {
+                            std::thread::yield_now();
+                        }
+                    }
+                });
+            }
+            let mut sent = 0;
+            let mut wc = [WorkCompletion::empty(); 16];
+            while sent < 2 * per as usize {
+                let k = p.cq_a.wait(&mut wc, LONG, Duration::from_millis(10)).unwrap();
+                assert!(k > 0, "send completions stopped at {sent}");
+                assert!(wc[..k].iter().all(|w| w.status == WcStatus::Success), "{:?}", &wc[..k]);
+                sent += k;
+            }
+            let got = rx.join().unwrap();
+            let want: Vec<u64> = (0..u64::from(2 * per)).collect();
+            assert_eq!(got, want, "receive completions out of posting order");
+        });
+    }
+
     #[test]
     fn a_receiver_that_goes_away_fails_the_write_in_time() {
         let p = pair(true);

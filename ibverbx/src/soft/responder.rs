@@ -277,6 +277,10 @@ async fn serve_conn<S>(
             Ok(Outcome::Continue) => {}
             Ok(Outcome::Close) => {
                 g.closed = true;
+                // What was placed is completed now, not after lingering on
+                // a stalled peer for seconds (with the QP in error or
+                // reset meanwhile).
+                g.acks.release(qp);
                 return linger(&mut s).await;
             }
             Err(e) => {
@@ -350,7 +354,7 @@ impl PolledRx for Gate {
             }
             let recv = match imm {
                 Some(_) => {
-                    qp.db_claim();
+                    qp.db_claim_in_order();
                     let mut rq = qp.rq.lock().unwrap_or_else(|e| e.into_inner());
                     // As take_recv: no receive of a later life.
                     if qp.epoch() != self.epoch {
@@ -523,8 +527,10 @@ async fn take_recv<S: AsyncWrite + Unpin>(
         tokio::pin!(notified);
         notified.as_mut().enable();
         // A doorbell record of this connection is older than this request:
-        // it takes its receive first.
-        qp.db_claim();
+        // it takes its receive first, unless completions of receives taken
+        // before are held (then it goes behind them, claimed as they are
+        // released, and this request's receive comes first).
+        qp.db_claim_in_order();
         {
             let mut rq = qp.rq.lock().unwrap_or_else(|e| e.into_inner());
             // A connection of an earlier life takes no receive of this one

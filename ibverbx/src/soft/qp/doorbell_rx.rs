@@ -62,14 +62,16 @@ impl SoftQp {
         }
     }
 
-    /// [`db_claim`](Self::db_claim) for a poll of this QP's receive CQ:
-    /// nothing while the responder holds receive completions (`rx_held`).
-    /// Those are of requests older than any record posted (a requester
-    /// posts a record only once all it sent before is acknowledged, and the
-    /// responder releases them just after writing that ACK), so the
-    /// record's completion goes behind them: the responder claims it when
-    /// it releases them.
-    pub(crate) fn db_claim_polled(&self) {
+    /// [`db_claim`](Self::db_claim), but nothing while the responder holds
+    /// receive completions (`rx_held`): their receives were taken before
+    /// any the record would take, so the record's completion goes behind
+    /// theirs, and the responder claims it when it releases them. (With
+    /// one posting thread, completions are held only for requests sent
+    /// before the record was posted: the requester posts a record once all
+    /// it sent before is acknowledged, and the responder releases just
+    /// after writing that ACK. With several threads posting on one QP, the
+    /// record may come after requests that are still held.)
+    pub(crate) fn db_claim_in_order(&self) {
         if self.rx_held.load(Ordering::Acquire) == 0 {
             self.db_claim();
         }

@@ -97,7 +97,7 @@ pub(crate) struct SoftQp {
     /// Receive completions that the responder holds until the ACK covering
     /// them is written (`responder::Acks`): a receive-CQ poll claims no
     /// doorbell record while there are any, as the record's completion
-    /// would overtake theirs ([`db_claim_polled`](Self::db_claim_polled)).
+    /// would overtake theirs ([`db_claim_in_order`](Self::db_claim_in_order)).
     pub(crate) rx_held: AtomicU32,
     /// Incremented by every transition to RESET: connections accepted in an
     /// earlier epoch belong to a previous life of the QP and are closed.

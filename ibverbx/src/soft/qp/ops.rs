@@ -351,7 +351,11 @@ impl QpOps for SoftQp {
     }
 
     fn post_recv(&self, wrs: &[RecvWr<'_>]) -> Result<()> {
-        let state = self.state();
+        // The state and the life (the epoch moves under the same lock).
+        let (state, life) = {
+            let st = self.lock();
+            (st.state, self.epoch())
+        };
         if state == QpState::Reset {
             return Err(Error::state("post_recv", format!("QP {:#x} is in RESET; move it to INIT first", self.qpn)));
         }
@@ -364,6 +368,14 @@ impl QpOps for SoftQp {
             }
         }
         let mut rq = self.rq.lock().unwrap_or_else(|e| e.into_inner());
+        if self.epoch() != life {
+            // A reset came since the check above (and cleared the queue
+            // under this lock): these would be a later life's receives.
+            return Err(Error::state(
+                "post_recv",
+                format!("QP {:#x} was reset while these receives were posted; none was posted", self.qpn),
+            ));
+        }
         if rq.len() + wrs.len() > self.caps.max_recv_wr as usize {
             return Err(Error::exhausted(
                 "post_recv",
