@@ -262,3 +262,113 @@ fn send_cut_short(close: bool) -> Vec<(u64, WcStatus)> {
     }
     got
 }
+
+/// A peer's RDMA WRITE whose payload is still arriving when the region's
+/// owner deregisters it: deregistration returns (it does not wait for the
+/// peer), and no byte of the payload lands after it has returned; the
+/// request is refused and its connection closed.
+#[test]
+fn a_write_arriving_as_its_region_is_deregistered_stops_there() {
+    let _ = tracing_subscriber::fmt().with_env_filter("warn").with_test_writer().try_init();
+    let dev = SoftProvider::new(SoftConfig { link: SoftLink::Tcp, ..SoftConfig::default() }).device();
+    let ctx = dev.open().unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(16).unwrap();
+    let probe = pd.create_qp(&QpInitAttr::default(), &cq, &cq).unwrap();
+    let other = pd.create_qp(&QpInitAttr::default(), &cq, &cq).unwrap();
+    let other_ep = other.endpoint().unwrap();
+    probe.modify(&QpTransition::Init(InitAttr { access: AccessFlags::all_remote(), ..InitAttr::default() })).unwrap();
+    probe.modify(&QpTransition::Rtr(RtrAttr::new(other_ep.clone()))).unwrap();
+    const LEN: usize = 1 << 16;
+    let mut buf = vec![0u8; LEN];
+    // SAFETY: `buf` outlives the region, which is dropped first below.
+    let mr = unsafe { MemoryRegion::register_raw(&pd, buf.as_mut_ptr(), LEN, AccessFlags::all_remote()) }.unwrap();
+    let (addr, rkey) = (mr.addr(), mr.rkey());
+    let ep = probe.endpoint().unwrap();
+    let soft = ep.soft.clone().unwrap();
+    let at = *soft.tcp.iter().find(|a| a.ip().is_loopback()).unwrap();
+    let hello = Hello { src_qpn: other_ep.qpn, dst_qpn: ep.qpn, token: soft.token, rnr_retry: 0 };
+    let mut s = TcpStream::connect(at).unwrap();
+    s.write_all(&hello.encode()).unwrap();
+    let mut r = [0u8; HELLO_LEN];
+    s.read_exact(&mut r).unwrap();
+    assert_eq!(HelloStatus::decode(&r), Ok(HelloStatus::Ok));
+    // The header and the first half in one write: the responder reads what
+    // is there when it wakes, then sleeps until the rest is all there.
+    let mut first = Frame::Write { psn: 0, raddr: addr, rkey, len: LEN as u32, imm: None }.encode().to_vec();
+    first.extend_from_slice(&[0xAB; LEN / 2]);
+    s.write_all(&first).unwrap();
+    // What landed of the first half (the responder writes as it reads).
+    let p = buf.as_ptr();
+    // SAFETY: in bounds; read volatile, as the responder writes meanwhile.
+    let landed = || (0..LEN).filter(|&i| unsafe { std::ptr::read_volatile(p.add(i)) } != 0).count();
+    let t = std::time::Instant::now();
+    while landed() < LEN / 2 && t.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(landed(), LEN / 2, "the first half of the payload did not land within 5 s");
+    drop(mr);
+    // SAFETY: as above.
+    let at_dereg: Vec<u8> = (0..LEN).map(|i| unsafe { std::ptr::read_volatile(p.add(i)) }).collect();
+    let _ = s.write_all(&[0xAB; LEN / 2]);
+    let _ = s.shutdown(std::net::Shutdown::Write);
+    expect_closed(&mut s, "WRITE into a deregistered region");
+    let changed = buf.iter().zip(&at_dereg).filter(|(a, b)| a != b).count();
+    assert_eq!(changed, 0, "{changed} bytes of a peer's WRITE landed after deregistration returned");
+}
+
+/// A peer's RDMA READ whose response is still being sent (the peer reads
+/// slowly) when the region's owner deregisters it: deregistration returns,
+/// and nothing read from the region after that reaches the peer (the
+/// owner refills it with a sentinel the moment deregistration returns);
+/// the torn response ends the connection.
+#[test]
+fn a_read_sent_as_its_region_is_deregistered_stops_there() {
+    let _ = tracing_subscriber::fmt().with_env_filter("warn").with_test_writer().try_init();
+    let dev = SoftProvider::new(SoftConfig { link: SoftLink::Tcp, ..SoftConfig::default() }).device();
+    let ctx = dev.open().unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(16).unwrap();
+    let probe = pd.create_qp(&QpInitAttr::default(), &cq, &cq).unwrap();
+    let other = pd.create_qp(&QpInitAttr::default(), &cq, &cq).unwrap();
+    let other_ep = other.endpoint().unwrap();
+    probe.modify(&QpTransition::Init(InitAttr { access: AccessFlags::all_remote(), ..InitAttr::default() })).unwrap();
+    probe.modify(&QpTransition::Rtr(RtrAttr::new(other_ep.clone()))).unwrap();
+    // Larger than what the sockets' buffers hold, so that the response is
+    // still being sent when the region goes.
+    const LEN: usize = 64 << 20;
+    let mut buf = vec![0x11u8; LEN];
+    // SAFETY: `buf` outlives the region, which is dropped first below.
+    let mr = unsafe { MemoryRegion::register_raw(&pd, buf.as_mut_ptr(), LEN, AccessFlags::all_remote()) }.unwrap();
+    let (addr, rkey) = (mr.addr(), mr.rkey());
+    let ep = probe.endpoint().unwrap();
+    let soft = ep.soft.clone().unwrap();
+    let at = *soft.tcp.iter().find(|a| a.ip().is_loopback()).unwrap();
+    let hello = Hello { src_qpn: other_ep.qpn, dst_qpn: ep.qpn, token: soft.token, rnr_retry: 0 };
+    let mut s = TcpStream::connect(at).unwrap();
+    s.write_all(&hello.encode()).unwrap();
+    let mut r = [0u8; HELLO_LEN];
+    s.read_exact(&mut r).unwrap();
+    assert_eq!(HelloStatus::decode(&r), Ok(HelloStatus::Ok));
+    s.write_all(&Frame::ReadReq { psn: 0, raddr: addr, rkey, len: LEN as u32 }.encode()).unwrap();
+    // Nothing read until the sockets' buffers are full and the responder
+    // waits to send more.
+    std::thread::sleep(Duration::from_millis(300));
+    drop(mr);
+    buf.fill(0xEE);
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut got = 0usize;
+    let mut chunk = vec![0u8; 1 << 16];
+    let mut sentinel = 0usize;
+    loop {
+        match s.read(&mut chunk) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => {
+                sentinel += chunk[..n].iter().filter(|&&b| b == 0xEE).count();
+                got += n;
+            }
+        }
+    }
+    assert_eq!(sentinel, 0, "{sentinel} bytes read from the region after its deregistration returned reached the peer");
+    assert!(got > 0 && got < HEADER_LEN + LEN, "the response was {got} bytes: not cut by the deregistration");
+}

@@ -12,7 +12,7 @@ use std::io;
 use std::sync::Mutex;
 
 use super::mr::Target;
-use super::raw_io::{recv_exact, HasSock};
+use super::raw_io::{recv_exact, recv_exact_while, HasSock};
 use crate::DeviceMemory;
 
 /// Bytes staged per copy: several of the device's own staging chunks
@@ -39,23 +39,32 @@ fn copy_failed(dev: &dyn DeviceMemory, e: String) -> Failed {
     Failed::Copy(format!("{}: {e}", dev.describe()))
 }
 
-/// Receives `len` bytes from `r` into device memory at `addr`.
+/// Receives `len` bytes from `r` into device memory at `addr`, with
+/// `enter` around each copy to the device, as in [`recv_exact_while`].
 ///
 /// # Safety
-/// `addr..addr + len` lies in a live region registered on `dev` (checked).
-pub(crate) async unsafe fn recv_to_device<R: HasSock + ?Sized>(
+/// `addr..addr + len` lies in a region registered on `dev` (checked), live
+/// for as long as `enter` returns guards.
+async unsafe fn recv_to_device<R, G, F>(
     r: &mut R,
     dev: &dyn DeviceMemory,
     addr: u64,
     len: usize,
-) -> Result<(), Failed> {
+    enter: F,
+) -> Result<(), Failed>
+where
+    R: HasSock + ?Sized,
+    F: Fn() -> Option<G>,
+{
     let mut chunk = vec![0u8; len.min(CHUNK)];
     let mut done = 0usize;
     while done < len {
         let n = (len - done).min(CHUNK);
         // SAFETY: the chunk is this function's own buffer of at least n bytes.
         unsafe { recv_exact(r, chunk.as_mut_ptr() as usize, n).await? };
-        // SAFETY: within the checked target (the caller's contract).
+        let Some(_registered) = enter() else { return Err(deregistered().into()) };
+        // SAFETY: within the checked target (the caller's contract), still
+        // registered while the guard is held.
         unsafe { dev.write(addr + done as u64, &chunk[..n]) }.map_err(|e| copy_failed(dev, e))?;
         done += n;
     }
@@ -68,15 +77,36 @@ pub(crate) async unsafe fn recv_to_device<R: HasSock + ?Sized>(
 /// The target must be `len` bytes of a live registration (host: writable)
 /// held by the caller until this returns.
 pub(crate) async unsafe fn recv_to<R: HasSock + ?Sized>(r: &mut R, t: &Target, len: usize) -> Result<(), Failed> {
+    // SAFETY: the caller's promise.
+    unsafe { recv_to_while(r, t, len, || Some(())).await }
+}
+
+/// [`recv_to`] into a region that its owner may deregister meanwhile (a
+/// peer's RDMA WRITE): `enter` is called before each write into the
+/// target, its guard held for that write only; `None` (deregistered) ends
+/// it with [`deregistered`]'s error, nothing more written.
+///
+/// # Safety
+/// As [`recv_to`], for as long as `enter` returns guards.
+pub(crate) async unsafe fn recv_to_while<R, G, F>(r: &mut R, t: &Target, len: usize, enter: F) -> Result<(), Failed>
+where
+    R: HasSock + ?Sized,
+    F: Fn() -> Option<G>,
+{
     match t {
         Target::Host(p) => {
             // SAFETY: the caller's promise.
-            unsafe { recv_exact(r, *p, len).await? };
+            unsafe { recv_exact_while(r, *p, len, enter).await? };
             Ok(())
         }
         // SAFETY: the caller's checked target.
-        Target::Device(dev, a) => unsafe { recv_to_device(r, &**dev, *a, len).await },
+        Target::Device(dev, a) => unsafe { recv_to_device(r, &**dev, *a, len, enter).await },
     }
+}
+
+/// The error of a write stopped because its region was deregistered.
+pub(crate) fn deregistered() -> io::Error {
+    io::Error::new(io::ErrorKind::PermissionDenied, "the memory was deregistered")
 }
 
 /// The `len` device bytes at `addr`, copied to the host.

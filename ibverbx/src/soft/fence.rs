@@ -60,6 +60,17 @@ impl FenceTable {
         self.seg.borrow_fd()
     }
 
+    /// Enters key `key`'s slot of this (the owner's own) table, as a
+    /// peer's [`FenceView::enter`] does: this process's responder holds it
+    /// while it writes a peer's payload into the region, so that the
+    /// owner's deregistration waits for that write (one system call or
+    /// device copy; the guard is never held across a wait).
+    pub(crate) fn enter(&self, key: u32) -> FenceGuard {
+        let keep: Arc<dyn Send + Sync> = self.seg.clone();
+        // SAFETY: the table's own mapping, of TABLE_BYTES, kept by `keep`.
+        unsafe { FenceView::new(self.seg.ptr(), keep) }.enter(key)
+    }
+
     /// After `key` was revoked: waits until no peer is inside a copy that
     /// checked it. False when the wait gave up after [`WAIT_LIMIT`].
     pub(crate) fn wait_idle(&self, key: u32) -> bool {

@@ -61,6 +61,16 @@ impl SoftMr {
         self
     }
 
+    /// While the guard lives, the region stays registered (its owner's
+    /// deregistration waits for it: see `fence.rs`); `None` once it was
+    /// deregistered. `fences` is the owning context's table.
+    pub(crate) fn hold(&self, fences: &super::fence::FenceTable) -> Option<super::fence::FenceGuard> {
+        // Counted first, then checked (the owner clears `valid`, then waits
+        // for the count): SeqCst fence between the two in `enter`.
+        let g = fences.enter(self.key);
+        self.valid.load(Ordering::Acquire).then_some(g)
+    }
+
     /// Checks an access of `len` bytes at `addr` by a QP of `pd` needing
     /// `need`; returns the pointer to use. Device memory is refused: the
     /// host cannot use its addresses ([`target`](Self::target) names it).

@@ -192,6 +192,24 @@ impl<T: AsyncWrite + HasSock + Unpin + Send> SockWrite for T {}
 /// then see torn data, as with a NIC), but nothing may hold a Rust
 /// reference to it.
 pub(crate) async unsafe fn recv_exact<R: HasSock + ?Sized>(r: &mut R, addr: usize, len: usize) -> io::Result<()> {
+    // SAFETY: the caller's contract.
+    unsafe { recv_exact_while(r, addr, len, || Some(())).await }
+}
+
+/// [`recv_exact`] into memory that may stop being registered meanwhile:
+/// `enter` is called before each receive into it and its guard held for
+/// that receive only (never across a wait); `None` (the memory is no
+/// longer registered) ends the read with [`io::ErrorKind::PermissionDenied`],
+/// nothing more written.
+///
+/// # Safety
+/// As [`recv_exact`], for as long as `enter` returns guards.
+pub(crate) async unsafe fn recv_exact_while<R, G, F>(r: &mut R, addr: usize, len: usize, enter: F) -> io::Result<()>
+where
+    R: HasSock + ?Sized,
+    F: Fn() -> Option<G>,
+{
+    let enter = &enter;
     let mut done = 0;
     let mut mark = Mark::new(r.sock(), len);
     let m = &mut mark;
@@ -201,9 +219,15 @@ pub(crate) async unsafe fn recv_exact<R: HasSock + ?Sized>(r: &mut R, addr: usiz
         let sock = r.sock();
         while done < len {
             let (at, want) = (addr + done, len - done);
-            // SAFETY: at..at+want is valid for writes (the caller's
-            // contract) and recv writes at most want bytes.
-            let op = move |fd| byte_count(unsafe { libc::recv(fd, at as *mut libc::c_void, want, 0) });
+            let op = move |fd| {
+                let Some(_registered) = enter() else {
+                    return Err(super::device_io::deregistered());
+                };
+                // SAFETY: at..at+want is valid for writes while the guard
+                // is held (the caller's contract) and recv writes at most
+                // want bytes.
+                byte_count(unsafe { libc::recv(fd, at as *mut libc::c_void, want, 0) })
+            };
             let n = match sock.try_now(op) {
                 Some(r) => r?,
                 None => {
@@ -306,13 +330,38 @@ pub(crate) async unsafe fn send_all<W: HasSock + ?Sized>(
     head: &[u8],
     pieces: &[(usize, usize)],
 ) -> io::Result<()> {
+    // SAFETY: the caller's contract.
+    unsafe { send_all_while(w, head, pieces, || Some(())).await }
+}
+
+/// [`send_all`] from memory that may stop being registered meanwhile, as
+/// [`recv_exact_while`] receives into it: `enter` around each `sendmsg`,
+/// `None` ends it with [`io::ErrorKind::PermissionDenied`] (the frame is
+/// then torn: the connection must close).
+///
+/// # Safety
+/// As [`send_all`], for as long as `enter` returns guards.
+pub(crate) async unsafe fn send_all_while<W, G, F>(
+    w: &mut W,
+    head: &[u8],
+    pieces: &[(usize, usize)],
+    enter: F,
+) -> io::Result<()>
+where
+    W: HasSock + ?Sized,
+    F: Fn() -> Option<G>,
+{
     let total = head.len() + pieces.iter().map(|p| p.1).sum::<usize>();
     let mut sent = 0;
+    let enter = &enter;
     // `move`: as in `recv_exact`.
     std::future::poll_fn(move |cx| {
         let sock = w.sock();
         while sent < total {
             let n = ready!(sock.poll_io(cx, Interest::WRITABLE, |fd| {
+                let Some(_registered) = enter() else {
+                    return Err(super::device_io::deregistered());
+                };
                 let mut iov = [libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }; MAX_IOV];
                 let all = std::iter::once((head.as_ptr() as usize, head.len())).chain(pieces.iter().copied());
                 let k = fill_iov(all, sent, &mut iov);
@@ -385,19 +434,40 @@ pub(crate) async fn send_frame<W: HasSock + ?Sized>(
     f: &Frame,
     payload: &[(usize, usize)],
 ) -> std::io::Result<()> {
+    send_frame_while(w, f, payload, || Some(())).await
+}
+
+/// [`send_frame`] of a payload in a region that its owner may deregister
+/// meanwhile (a READ response): `enter` around each read of it, as in
+/// [`send_all_while`].
+pub(crate) async fn send_frame_while<W, G, F>(
+    w: &mut W,
+    f: &Frame,
+    payload: &[(usize, usize)],
+    enter: F,
+) -> std::io::Result<()>
+where
+    W: HasSock + ?Sized,
+    F: Fn() -> Option<G>,
+{
     let hdr = f.encode();
     let total: usize = payload.iter().map(|p| p.1).sum();
     if total <= 4096 {
         let mut buf = Vec::with_capacity(HEADER_LEN + total);
         buf.extend_from_slice(&hdr);
-        // SAFETY: each piece is a checked, live registration (or inline copy).
-        unsafe { extend_raw(&mut buf, payload) };
+        {
+            let Some(_registered) = enter() else { return Err(super::device_io::deregistered()) };
+            // SAFETY: each piece is a checked, live registration (or inline
+            // copy), still registered while the guard is held.
+            unsafe { extend_raw(&mut buf, payload) };
+        }
         // SAFETY: no raw pieces.
         return unsafe { send_all(w, &buf, &[]).await };
     }
     // SAFETY: as above; the WR (or the responder's MR handle) keeps the
-    // regions alive until this returns.
-    unsafe { send_all(w, &hdr, payload).await }
+    // regions alive until this returns, and `enter` registered while each
+    // piece is read.
+    unsafe { send_all_while(w, &hdr, payload, enter).await }
 }
 
 #[cfg(test)]

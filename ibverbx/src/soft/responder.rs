@@ -12,11 +12,11 @@ use std::sync::{Arc, Weak};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::watch;
 
-use super::device_io::{device_atomic, read_device, recv_to, Failed};
+use super::device_io::{device_atomic, read_device, recv_to, recv_to_while, Failed};
 use super::mr::{SoftMr, Target};
 use super::polled_rx::{PolledRx, RxFd, POLLED_MAX};
 use super::qp::{RecvEntry, SoftQp};
-use super::raw_io::send_frame;
+use super::raw_io::send_frame_while;
 use super::raw_io::HasSock;
 use super::wire::{Frame, Hello, Syndrome, HEADER_LEN};
 use crate::provider::QpOps;
@@ -336,7 +336,11 @@ impl PolledRx for Gate {
                 Ok(Frame::Write { psn, raddr, rkey, len, imm }) if len <= POLLED_MAX => {
                     let dest = if len > 0 {
                         match check(&qp, rkey, raddr, len as u64, AccessFlags::REMOTE_WRITE) {
-                            Some((mr, Target::Host(p))) => Some((mr, p)),
+                            // Held registered until the payload is taken.
+                            Some((mr, Target::Host(p))) => match mr.hold(&qp.ctx.fences) {
+                                Some(registered) => Some((mr, p, registered)),
+                                None => break true,
+                            },
                             // Device memory (and a refused key) take the
                             // engine's path.
                             Some((_, Target::Device(..))) | None => break true,
@@ -367,10 +371,11 @@ impl PolledRx for Gate {
                 None => None,
             };
             // SAFETY: hdr is a live local; dest..+payload was checked
-            // against a live MR, held by `dest` until the read is done. Both
+            // against a live MR, held (and held registered) by `dest` until
+            // the read is done. Both
             // are waiting in the socket (peeked).
             let taken = unsafe {
-                let to = dest.as_ref().map_or(0, |(_mr, p)| *p);
+                let to = dest.as_ref().map_or(0, |(_mr, p, _registered)| *p);
                 fd.take(&[(hdr.as_mut_ptr() as usize, HEADER_LEN), (to, payload as usize)])
             };
             if let Err(e) = taken {
@@ -590,7 +595,7 @@ where
     match f {
         Frame::Write { psn, raddr, rkey, len, imm } => {
             if len > 0 {
-                let Some((_mr, t)) = check(qp, rkey, raddr, len as u64, AccessFlags::REMOTE_WRITE) else {
+                let Some((mr, t)) = check(qp, rkey, raddr, len as u64, AccessFlags::REMOTE_WRITE) else {
                     return nak(qp, s, acks, psn, Syndrome::RemoteAccess, "RDMA WRITE outside a writable region").await;
                 };
                 // A long payload takes a while: what it follows is
@@ -598,9 +603,23 @@ where
                 if u64::from(len) >= ACK_BATCH_BYTES {
                     acks.flush(s, qp).await?;
                 }
-                // SAFETY: the target was checked against a live MR, held by
-                // _mr until the read is done.
-                if let Err(e) = unsafe { recv_to(s, &t, len as usize).await } {
+                // SAFETY: the target was checked against a live MR; each
+                // write into it holds the region registered (its owner may
+                // deregister it while the payload arrives: nothing lands
+                // after that has returned).
+                let got = unsafe { recv_to_while(s, &t, len as usize, || mr.hold(&qp.ctx.fences)).await };
+                if let Err(e) = got {
+                    if !mr.valid.load(Ordering::Acquire) {
+                        return nak(
+                            qp,
+                            s,
+                            acks,
+                            psn,
+                            Syndrome::RemoteAccess,
+                            "RDMA WRITE into a region deregistered as it arrived",
+                        )
+                        .await;
+                    }
                     return device_nak(qp, s, acks, psn, "RDMA WRITE", e).await;
                 }
             }
@@ -701,36 +720,62 @@ where
                 let Some((mr, t)) = check(qp, rkey, raddr, len as u64, AccessFlags::REMOTE_READ) else {
                     return nak(qp, s, acks, psn, Syndrome::RemoteAccess, "RDMA READ outside a readable region").await;
                 };
-                keep = Some(mr);
                 src = match t {
                     Target::Host(p) => p,
-                    // SAFETY: checked against a live MR, held by `keep`.
-                    Target::Device(dev, a) => match unsafe { read_device(&*dev, a, len as usize) } {
-                        Ok(v) => {
-                            staged = v;
-                            staged.as_ptr() as usize
+                    Target::Device(dev, a) => {
+                        let Some(registered) = mr.hold(&qp.ctx.fences) else {
+                            return nak(qp, s, acks, psn, Syndrome::RemoteAccess, "RDMA READ of a deregistered region")
+                                .await;
+                        };
+                        // SAFETY: checked against a live MR, held by `mr`,
+                        // registered while `registered` lives.
+                        let read = unsafe { read_device(&*dev, a, len as usize) };
+                        drop(registered);
+                        match read {
+                            Ok(v) => {
+                                staged = v;
+                                staged.as_ptr() as usize
+                            }
+                            Err(e) => return device_nak(qp, s, acks, psn, "RDMA READ", e).await,
                         }
-                        Err(e) => return device_nak(qp, s, acks, psn, "RDMA READ", e).await,
-                    },
+                    }
                 };
+                keep = Some(mr);
             }
             let payload = [(src, len as usize)];
             acks.flush(s, qp).await?;
-            send_frame(s, &Frame::ReadResp { psn, len }, if len > 0 { &payload } else { &[] }).await?;
+            // Host memory is read as it is sent: each read holds the region
+            // registered (its owner may deregister it meanwhile; nothing is
+            // read after that has returned, and the torn response ends the
+            // connection). A staged copy needs nothing.
+            let host = staged.is_empty() && len > 0;
+            let registered = || match (&keep, host) {
+                (Some(mr), true) => mr.hold(&qp.ctx.fences).map(Some),
+                _ => Some(None),
+            };
+            let payload: &[(usize, usize)] = if len > 0 { &payload } else { &[] };
+            send_frame_while(s, &Frame::ReadResp { psn, len }, payload, registered).await?;
             drop((keep, staged));
         }
         Frame::Atomic { psn, raddr, rkey, cmp_swap, a, b } => {
             if raddr % 8 != 0 {
                 return nak(qp, s, acks, psn, Syndrome::InvalidRequest, "misaligned atomic").await;
             }
-            let Some((_mr, t)) = check(qp, rkey, raddr, 8, AccessFlags::REMOTE_ATOMIC) else {
+            let checked = check(qp, rkey, raddr, 8, AccessFlags::REMOTE_ATOMIC);
+            // Registered until the word is updated (the guard is dropped
+            // before any wait below).
+            let Some(((_mr, t), registered)) =
+                checked.and_then(|(mr, t)| mr.hold(&qp.ctx.fences).map(|g| ((mr, t), g)))
+            else {
                 return nak(qp, s, acks, psn, Syndrome::RemoteAccess, "atomic outside an atomic-enabled region").await;
             };
             let p = match t {
                 Target::Host(p) => p,
                 Target::Device(dev, at) => {
                     // SAFETY: a checked aligned word of a live MR (held).
-                    let orig = match unsafe { device_atomic(&*dev, at, cmp_swap, a, b) } {
+                    let orig = unsafe { device_atomic(&*dev, at, cmp_swap, a, b) };
+                    drop(registered);
+                    let orig = match orig {
                         Ok(v) => v,
                         Err(e) => return device_nak(qp, s, acks, psn, "atomic", e).await,
                     };
@@ -749,6 +794,7 @@ where
             } else {
                 cell.fetch_add(a, Ordering::AcqRel)
             };
+            drop(registered);
             acks.flush(s, qp).await?;
             s.write_all(&Frame::AtomicResp { psn, orig }.encode()).await?;
         }
