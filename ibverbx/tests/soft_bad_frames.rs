@@ -370,5 +370,6 @@ fn a_read_sent_as_its_region_is_deregistered_stops_there() {
         }
     }
     assert_eq!(sentinel, 0, "{sentinel} bytes read from the region after its deregistration returned reached the peer");
-    assert!(got > 0 && got < HEADER_LEN + LEN, "the response was {got} bytes: not cut by the deregistration");
+    // (Nothing at all when the deregistration came before the first send.)
+    assert!(got < HEADER_LEN + LEN, "the response was {got} bytes: not cut by the deregistration");
 }

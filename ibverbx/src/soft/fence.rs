@@ -65,10 +65,14 @@ impl FenceTable {
     /// while it writes a peer's payload into the region, so that the
     /// owner's deregistration waits for that write (one system call or
     /// device copy; the guard is never held across a wait).
-    pub(crate) fn enter(&self, key: u32) -> FenceGuard {
-        let keep: Arc<dyn Send + Sync> = self.seg.clone();
-        // SAFETY: the table's own mapping, of TABLE_BYTES, kept by `keep`.
-        unsafe { FenceView::new(self.seg.ptr(), keep) }.enter(key)
+    pub(crate) fn enter(&self, key: u32) -> LocalFence<'_> {
+        // SAFETY: the counter lies in our live mapping of TABLE_BYTES bytes
+        // (kept by `self`, which the guard borrows), accessed atomically.
+        let c = unsafe { &*counter(self.seg.ptr(), key) };
+        c.fetch_add(1, Ordering::SeqCst);
+        // Pairs with the fence in `wait_idle`, as in `FenceView::enter`.
+        fence(Ordering::SeqCst);
+        LocalFence(c)
     }
 
     /// After `key` was revoked: waits until no peer is inside a copy that
@@ -139,6 +143,15 @@ impl FenceView {
         // Pairs with the fence in `FenceTable::wait_idle`.
         fence(Ordering::SeqCst);
         FenceGuard { counter: c as usize, _keep: self.keep.clone() }
+    }
+}
+
+/// [`FenceTable::enter`]'s guard: the owner's own counter, borrowed.
+pub(crate) struct LocalFence<'a>(&'a AtomicU32);
+
+impl Drop for LocalFence<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Release);
     }
 }
 

@@ -64,7 +64,7 @@ impl SoftMr {
     /// While the guard lives, the region stays registered (its owner's
     /// deregistration waits for it: see `fence.rs`); `None` once it was
     /// deregistered. `fences` is the owning context's table.
-    pub(crate) fn hold(&self, fences: &super::fence::FenceTable) -> Option<super::fence::FenceGuard> {
+    pub(crate) fn hold<'a>(&self, fences: &'a super::fence::FenceTable) -> Option<super::fence::LocalFence<'a>> {
         // Counted first, then checked (the owner clears `valid`, then waits
         // for the count): SeqCst fence between the two in `enter`.
         let g = fences.enter(self.key);

@@ -743,6 +743,10 @@ where
                 keep = Some(mr);
             }
             let payload = [(src, len as usize)];
+            // Deregistered since the check: refused while nothing is sent.
+            if staged.is_empty() && keep.as_ref().is_some_and(|mr| mr.hold(&qp.ctx.fences).is_none()) {
+                return nak(qp, s, acks, psn, Syndrome::RemoteAccess, "RDMA READ of a deregistered region").await;
+            }
             acks.flush(s, qp).await?;
             // Host memory is read as it is sent: each read holds the region
             // registered (its owner may deregister it meanwhile; nothing is
