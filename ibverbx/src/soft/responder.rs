@@ -26,7 +26,12 @@ use crate::AccessFlags;
 
 enum Outcome {
     Continue,
+    /// The request was refused (or the connection must end): close, after
+    /// lingering for the peer to read the answer.
     Close,
+    /// The QP left service (error or reset) while a request was still
+    /// arriving: close at once.
+    Dead,
 }
 
 /// ACKs not sent yet. Consecutive WRITE, notify and SEND requests are
@@ -282,6 +287,14 @@ async fn serve_conn<S>(
                 // reset meanwhile).
                 g.acks.release(qp);
                 return linger(&mut s).await;
+            }
+            Ok(Outcome::Dead) => {
+                g.closed = true;
+                g.acks.release(qp);
+                return tracing::debug!(
+                    "soft QP {:#x}: left service while a request from {peer} was arriving; connection closed",
+                    qp.qpn
+                );
             }
             Err(e) => {
                 g.closed = true;
@@ -603,11 +616,18 @@ where
                 if u64::from(len) >= ACK_BATCH_BYTES {
                     acks.flush(s, qp).await?;
                 }
-                // SAFETY: the target was checked against a live MR; each
-                // write into it holds the region registered (its owner may
-                // deregister it while the payload arrives: nothing lands
-                // after that has returned).
-                let got = unsafe { recv_to_while(s, &t, len as usize, || mr.hold(&qp.ctx.fences)).await };
+                let got = tokio::select! {
+                    biased;
+                    // SAFETY: the target was checked against a live MR;
+                    // each write into it holds the region registered (its
+                    // owner may deregister it while the payload arrives:
+                    // nothing lands after that has returned).
+                    got = unsafe { recv_to_while(s, &t, len as usize, || mr.hold(&qp.ctx.fences)) } => got,
+                    // The QP's error or reset while a stalled peer's payload
+                    // is still due: the connection ends now, not when the
+                    // peer closes it.
+                    _ = dead(qp, epoch, state_rx) => return Ok(Outcome::Dead),
+                };
                 if let Err(e) = got {
                     if !mr.valid.load(Ordering::Acquire) {
                         return nak(
@@ -690,7 +710,7 @@ where
                     // others, and the connection ends.
                     _ = dead(qp, epoch, state_rx) => {
                         qp.give_back_recv(epoch, r);
-                        return Ok(Outcome::Close);
+                        return Ok(Outcome::Dead);
                     }
                 };
                 if let Err(e) = got {
