@@ -297,6 +297,18 @@ fn a_stalled_write_ends_with_the_qp() {
     expect_closed(&mut f.s, "stalled WRITE after the QP's error");
 }
 
+/// A peer that stops in the middle of a request's header does not keep its
+/// connection past the QP's error either.
+#[test]
+fn a_stalled_header_ends_with_the_qp() {
+    let mut f = forged();
+    let hdr = Frame::Write { psn: 0, raddr: 0, rkey: 0, len: 0, imm: None }.encode();
+    f.s.write_all(&hdr[..HEADER_LEN / 2]).unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    f.probe.modify(&QpTransition::Err).unwrap();
+    expect_closed(&mut f.s, "stalled header after the QP's error");
+}
+
 /// A peer's RDMA WRITE whose payload is still arriving when the region's
 /// owner deregisters it: deregistration returns (it does not wait for the
 /// peer), and no byte of the payload lands after it has returned; the

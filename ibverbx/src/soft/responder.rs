@@ -236,8 +236,14 @@ async fn serve_conn<S>(
         match s.sock().try_recv(&mut hdr) {
             Ok(0) => return,
             Ok(n) if n < HEADER_LEN => {
-                if s.read_exact(&mut hdr[n..]).await.is_err() {
-                    return;
+                // The rest of the header, unless the QP leaves service first
+                // (a peer stalled mid-header keeps nothing alive).
+                tokio::select! {
+                    biased;
+                    r = s.read_exact(&mut hdr[n..]) => if r.is_err() {
+                        return;
+                    },
+                    _ = dead(qp, epoch, state_rx) => return,
                 }
             }
             Ok(_) => {}
