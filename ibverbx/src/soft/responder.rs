@@ -715,13 +715,20 @@ where
                     // the receive, which is flushed (or discarded) with the
                     // others, and the connection ends.
                     _ = dead(qp, epoch, state_rx) => {
+                        // Earlier receives' held completions first: `r` was
+                        // taken after them.
+                        acks.release(qp);
                         qp.give_back_recv(epoch, r);
                         return Ok(Outcome::Dead);
                     }
                 };
                 if let Err(e) = got {
                     match e {
-                        Failed::Io(_) => qp.give_back_recv(epoch, r),
+                        Failed::Io(_) => {
+                            // As above: the held completions first.
+                            acks.release(qp);
+                            qp.give_back_recv(epoch, r);
+                        }
                         Failed::Copy(_) => {
                             if let Err(e) = acks.flush(s, qp).await {
                                 qp.give_back_recv(epoch, r);
