@@ -297,6 +297,35 @@ fn a_stalled_write_ends_with_the_qp() {
     expect_closed(&mut f.s, "stalled WRITE after the QP's error");
 }
 
+/// The QP's error while the responder holds a notification's completion
+/// for its ACK (a SEND behind it, stalled, kept the ACK back): that
+/// completion comes first, before the flushes of the receives behind it.
+#[test]
+fn the_error_completes_what_arrived_before_it_flushes() {
+    let mut f = forged();
+    let buf = MemoryRegion::alloc(&f.pd, 3 * 8192, AccessFlags::LOCAL_WRITE).unwrap();
+    for i in 0..3u64 {
+        let sge = [buf.sge(i as usize * 8192, 8192).unwrap()];
+        f.probe.post_recv(&[RecvWr { wr_id: 10 + i, sg_list: &sge }]).unwrap();
+    }
+    let mut wire = Frame::Notify { psn: 0, len: 0, imm: 7 }.encode().to_vec();
+    wire.extend_from_slice(&Frame::Send { psn: 1, len: 5000, imm: None }.encode());
+    wire.extend_from_slice(&[0xAB; 100]);
+    f.s.write_all(&wire).unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    f.probe.modify(&QpTransition::Err).unwrap();
+    let mut wc = [WorkCompletion::empty(); 4];
+    let mut got = Vec::new();
+    while got.len() < 3 {
+        let n = f.cq.wait(&mut wc, Some(Duration::from_secs(10)), Duration::ZERO).unwrap();
+        assert!(n > 0, "the QP's error completed {got:?} of the 3 receives posted");
+        got.extend(wc[..n].iter().map(|w| (w.wr_id, w.status)));
+    }
+    assert_eq!(got[0], (10, WcStatus::Success), "the notification's completion came after a flush: {got:?}");
+    got.sort_by_key(|g| g.0);
+    assert_eq!(got, [(10, WcStatus::Success), (11, WcStatus::WrFlushErr), (12, WcStatus::WrFlushErr)]);
+}
+
 /// A peer that stops in the middle of a request's header does not keep its
 /// connection past the QP's error either.
 #[test]

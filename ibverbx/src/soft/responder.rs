@@ -54,8 +54,6 @@ struct Acks {
     psn: Option<u32>,
     count: u32,
     bytes: u64,
-    /// Receive completions waiting for the ACK that covers them.
-    wcs: Vec<WorkCompletion>,
 }
 
 const ACK_BATCH: u32 = 16;
@@ -72,10 +70,10 @@ impl Acks {
         self.count >= ACK_BATCH || self.bytes >= ACK_BATCH_BYTES
     }
 
-    /// Holds `wc` until the ACK of the request it completes is written.
+    /// Holds `wc` until the ACK of the request it completes is written
+    /// (held by the QP: its error makes them visible too).
     fn defer(&mut self, qp: &SoftQp, wc: WorkCompletion) {
-        qp.rx_held.fetch_add(1, Ordering::AcqRel);
-        self.wcs.push(wc);
+        qp.rx_hold(wc);
     }
 
     async fn flush<S: AsyncWrite + Unpin>(&mut self, s: &mut S, qp: &SoftQp) -> std::io::Result<()> {
@@ -110,15 +108,7 @@ impl Acks {
     /// Makes the held completions visible (the connection ends), then
     /// claims the doorbell record that polls left behind them.
     fn release(&mut self, qp: &SoftQp) {
-        let n = self.wcs.len() as u32;
-        if n == 0 {
-            return;
-        }
-        for wc in self.wcs.drain(..) {
-            qp.push_recv_wc(wc);
-        }
-        qp.rx_held.fetch_sub(n, Ordering::AcqRel);
-        qp.db_claim();
+        qp.rx_release();
     }
 }
 
@@ -383,8 +373,7 @@ impl PolledRx for Gate {
                     if qp.epoch() != self.epoch {
                         break true;
                     }
-                    let Some(r) = rq.pop_front() else { break true };
-                    qp.db_note_rq(rq.len());
+                    let Some(r) = qp.rx_take(&mut rq) else { break true };
                     Some(r)
                 }
                 None => None,
@@ -563,8 +552,7 @@ async fn take_recv<S: AsyncWrite + Unpin>(
             if qp.epoch() != epoch {
                 return Ok(None);
             }
-            if let Some(r) = rq.pop_front() {
-                qp.db_note_rq(rq.len());
+            if let Some(r) = qp.rx_take(&mut rq) {
                 return Ok(Some(r));
             }
         }
@@ -676,7 +664,7 @@ where
                     qp.give_back_recv(epoch, r);
                     return Err(e);
                 }
-                qp.push_recv_wc(recv_wc(qp, &r, WcStatus::LocLenErr, WcOpcode::Recv, 0, None));
+                qp.rx_failed(recv_wc(qp, &r, WcStatus::LocLenErr, WcOpcode::Recv, 0, None));
                 qp.set_error("receive too small for an incoming SEND");
                 return nak(qp, s, acks, psn, Syndrome::InvalidRequest, "SEND longer than the posted receive").await;
             }
@@ -697,7 +685,7 @@ where
                             qp.give_back_recv(epoch, r);
                             return Err(e);
                         }
-                        qp.push_recv_wc(recv_wc(qp, &r, st, WcOpcode::Recv, 0, None));
+                        qp.rx_failed(recv_wc(qp, &r, st, WcOpcode::Recv, 0, None));
                         qp.set_error("receive buffer failed its key check");
                         return nak(qp, s, acks, psn, Syndrome::RemoteOp, "receive buffer is not a valid local region")
                             .await;
@@ -734,7 +722,7 @@ where
                                 qp.give_back_recv(epoch, r);
                                 return Err(e);
                             }
-                            qp.push_recv_wc(recv_wc(qp, &r, WcStatus::LocProtErr, WcOpcode::Recv, 0, None));
+                            qp.rx_failed(recv_wc(qp, &r, WcStatus::LocProtErr, WcOpcode::Recv, 0, None));
                             qp.set_error("a SEND into device memory failed its copy");
                         }
                     }
@@ -776,11 +764,13 @@ where
                 keep = Some(mr);
             }
             let payload = [(src, len as usize)];
-            // Deregistered since the check: refused while nothing is sent.
+            acks.flush(s, qp).await?;
+            // Deregistered since the check (or the ACK's write): refused
+            // while nothing of the response is sent. (One deregistered
+            // after this ends the connection: the response is torn.)
             if staged.is_empty() && keep.as_ref().is_some_and(|mr| mr.hold(&qp.ctx.fences).is_none()) {
                 return nak(qp, s, acks, psn, Syndrome::RemoteAccess, "RDMA READ of a deregistered region").await;
             }
-            acks.flush(s, qp).await?;
             // Host memory is read as it is sent: each read holds the region
             // registered (its owner may deregister it meanwhile; nothing is
             // read after that has returned, and the torn response ends the

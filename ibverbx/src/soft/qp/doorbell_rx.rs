@@ -63,16 +63,16 @@ impl SoftQp {
     }
 
     /// [`db_claim`](Self::db_claim), but nothing while the responder holds
-    /// receive completions (`rx_held`): their receives were taken before
-    /// any the record would take, so the record's completion goes behind
-    /// theirs, and the responder claims it when it releases them. (With
-    /// one posting thread, completions are held only for requests sent
-    /// before the record was posted: the requester posts a record once all
-    /// it sent before is acknowledged, and the responder releases just
-    /// after writing that ACK. With several threads posting on one QP, the
-    /// record may come after requests that are still held.)
+    /// receives it has not completed ([`rx_busy`](Self::rx_busy)): they
+    /// were taken before any the record would take, so the record's
+    /// completion goes behind theirs, and the responder claims it when it
+    /// releases them. (With one posting thread, the responder holds only
+    /// requests sent before the record was posted: the requester posts a
+    /// record once all it sent before is acknowledged, and the responder
+    /// releases just after writing that ACK. With several threads posting
+    /// on one QP, the record may come after requests still held.)
     pub(crate) fn db_claim_in_order(&self) {
-        if self.rx_held.load(Ordering::Acquire) == 0 {
+        if !self.rx_busy() {
             self.db_claim();
         }
     }

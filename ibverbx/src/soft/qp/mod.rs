@@ -44,6 +44,22 @@ pub(crate) struct SqEntry {
 
 /// A posted receive.
 #[derive(Debug)]
+/// What the responder holds of the receive queue. No doorbell record is
+/// claimed while `taken` is not zero ([`db_claim_in_order`](SoftQp::db_claim_in_order)):
+/// its completion would overtake those of receives taken before it. The
+/// held completions are made visible when their ACK is written
+/// ([`rx_release`](SoftQp::rx_release)), or, on the QP's error, before the
+/// queue's flush completions ([`flush_rq_in`](SoftQp::flush_rq_in)).
+#[derive(Default)]
+pub(crate) struct RxPending {
+    /// Taken off the queue and not yet completed (held or not) or given
+    /// back.
+    taken: u32,
+    /// Completions of received requests, in the order their receives were
+    /// taken, waiting for their ACK.
+    held: Vec<WorkCompletion>,
+}
+
 pub(crate) struct RecvEntry {
     pub(crate) wr_id: u64,
     pub(crate) segs: Vec<LocalSeg>,
@@ -94,11 +110,10 @@ pub(crate) struct SoftQp {
     pub(crate) rq: Mutex<VecDeque<RecvEntry>>,
     pub(crate) rq_notify: Notify,
     pub(crate) sq_outstanding: AtomicU32,
-    /// Receive completions that the responder holds until the ACK covering
-    /// them is written (`responder::Acks`): a receive-CQ poll claims no
-    /// doorbell record while there are any, as the record's completion
-    /// would overtake theirs ([`db_claim_in_order`](Self::db_claim_in_order)).
-    pub(crate) rx_held: AtomicU32,
+    /// The receives the responder has taken and not completed yet, and the
+    /// completions it holds until the ACK covering them is written
+    /// (`responder::Acks`): see [`RxPending`].
+    rx: Mutex<RxPending>,
     /// Incremented by every transition to RESET: connections accepted in an
     /// earlier epoch belong to a previous life of the QP and are closed.
     epoch: std::sync::atomic::AtomicU64,
@@ -175,7 +190,7 @@ impl SoftQp {
             rq: Mutex::new(VecDeque::new()),
             rq_notify: Notify::new(),
             sq_outstanding: AtomicU32::new(0),
-            rx_held: AtomicU32::new(0),
+            rx: Mutex::new(RxPending::default()),
             epoch: std::sync::atomic::AtomicU64::new(0),
             fast: std::sync::RwLock::new(None),
             db,
@@ -346,6 +361,56 @@ impl SoftQp {
         self.flush_rq_in(None);
     }
 
+    fn rx(&self) -> std::sync::MutexGuard<'_, RxPending> {
+        self.rx.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Pops the next receive for the responder (the caller holds the RQ
+    /// lock, as `rq`), counted as taken until it is completed
+    /// ([`rx_hold`](Self::rx_hold), [`rx_failed`](Self::rx_failed)) or
+    /// given back ([`give_back_recv`](Self::give_back_recv)).
+    pub(crate) fn rx_take(&self, rq: &mut VecDeque<RecvEntry>) -> Option<RecvEntry> {
+        let r = rq.pop_front()?;
+        self.rx().taken += 1;
+        self.db_note_rq(rq.len());
+        Some(r)
+    }
+
+    /// Holds the completion of a taken receive until its ACK is written.
+    pub(crate) fn rx_hold(&self, wc: WorkCompletion) {
+        self.rx().held.push(wc);
+    }
+
+    /// Completes a taken receive with an error at once.
+    pub(crate) fn rx_failed(&self, wc: WorkCompletion) {
+        let mut rx = self.rx();
+        self.push_recv_wc(wc);
+        rx.taken -= 1;
+    }
+
+    /// Makes the held completions visible (their ACK is written, or the
+    /// connection ended), then claims the doorbell record that polls left
+    /// behind them, if no receive is still being filled.
+    pub(crate) fn rx_release(&self) {
+        {
+            let mut rx = self.rx();
+            if rx.held.is_empty() {
+                return;
+            }
+            let n = rx.held.len() as u32;
+            for wc in rx.held.drain(..) {
+                self.push_recv_wc(wc);
+            }
+            rx.taken -= n;
+        }
+        self.db_claim_in_order();
+    }
+
+    /// Whether the responder holds receives (taken, not yet completed).
+    pub(crate) fn rx_busy(&self) -> bool {
+        self.rx().taken > 0
+    }
+
     /// Gives back receive `r`, taken in life `life` for a message whose
     /// connection failed before it arrived whole: the next message of this
     /// life takes it again (as an HCA keeps the WQE for the requester's
@@ -358,6 +423,8 @@ impl SoftQp {
         // Under the RQ lock, as flush_rq_in: an error published before it
         // flushed (or will flush, after this) the rest of the queue.
         let mut rq = self.rq.lock().unwrap_or_else(|e| e.into_inner());
+        let mut rx = self.rx();
+        rx.taken -= 1;
         if self.epoch() != life {
             return;
         }
@@ -365,10 +432,12 @@ impl SoftQp {
             self.push_recv_wc(self.flush_wc(r.wr_id, WcOpcode::Recv));
             return;
         }
+        drop(rx);
         rq.push_front(r);
         self.db_note_rq(rq.len());
         drop(rq);
         self.rq_notify.notify_waiters();
+        self.db_claim_in_order();
     }
 
     /// Flushes the receive queue — only the receives of life `life` when
@@ -380,6 +449,16 @@ impl SoftQp {
         let mut rq = self.rq.lock().unwrap_or_else(|e| e.into_inner());
         if life.is_some_and(|l| l != self.epoch()) {
             return;
+        }
+        // The completions held for their ACK first: their receives were
+        // taken before any still queued (the ACK will not come now).
+        {
+            let mut rx = self.rx();
+            let n = rx.held.len() as u32;
+            for wc in rx.held.drain(..) {
+                self.push_recv_wc(wc);
+            }
+            rx.taken -= n;
         }
         self.db_note_rq(0);
         for r in rq.drain(..) {
