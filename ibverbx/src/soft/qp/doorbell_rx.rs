@@ -72,6 +72,11 @@ impl SoftQp {
     /// releases just after writing that ACK. With several threads posting
     /// on one QP, the record may come after requests still held.)
     pub(crate) fn db_claim_in_order(&self) {
+        // Nothing to claim (the common case) is seen without a lock.
+        let Some(db) = &self.db else { return };
+        if db.slot.get().state.load(Ordering::Acquire) & 3 != crate::soft::doorbell::POSTED {
+            return;
+        }
         if !self.rx_busy() {
             self.db_claim();
         }

@@ -42,8 +42,6 @@ pub(crate) struct SqEntry {
     pub(crate) len: u64,
 }
 
-/// A posted receive.
-#[derive(Debug)]
 /// What the responder holds of the receive queue. No doorbell record is
 /// claimed while `taken` is not zero ([`db_claim_in_order`](SoftQp::db_claim_in_order)):
 /// its completion would overtake those of receives taken before it. The
@@ -60,6 +58,8 @@ pub(crate) struct RxPending {
     held: Vec<WorkCompletion>,
 }
 
+/// A posted receive.
+#[derive(Debug)]
 pub(crate) struct RecvEntry {
     pub(crate) wr_id: u64,
     pub(crate) segs: Vec<LocalSeg>,
@@ -422,21 +422,24 @@ impl SoftQp {
     pub(crate) fn give_back_recv(&self, life: u64, r: RecvEntry) {
         // Under the RQ lock, as flush_rq_in: an error published before it
         // flushed (or will flush, after this) the rest of the queue.
-        let mut rq = self.rq.lock().unwrap_or_else(|e| e.into_inner());
-        let mut rx = self.rx();
-        rx.taken -= 1;
-        if self.epoch() != life {
-            return;
+        {
+            let mut rq = self.rq.lock().unwrap_or_else(|e| e.into_inner());
+            let mut rx = self.rx();
+            rx.taken -= 1;
+            if self.epoch() != life {
+                // Discarded by the reset.
+            } else if *self.state_tx.borrow() == QpState::Err {
+                self.push_recv_wc(self.flush_wc(r.wr_id, WcOpcode::Recv));
+            } else {
+                drop(rx);
+                rq.push_front(r);
+                self.db_note_rq(rq.len());
+                drop(rq);
+                self.rq_notify.notify_waiters();
+            }
         }
-        if *self.state_tx.borrow() == QpState::Err {
-            self.push_recv_wc(self.flush_wc(r.wr_id, WcOpcode::Recv));
-            return;
-        }
-        drop(rx);
-        rq.push_front(r);
-        self.db_note_rq(rq.len());
-        drop(rq);
-        self.rq_notify.notify_waiters();
+        // A record that polls left while this receive was taken (of this
+        // life or the next).
         self.db_claim_in_order();
     }
 
