@@ -245,36 +245,60 @@ fn forged() -> Forged {
     Forged { _ctx: ctx, pd, cq, probe, _other: other, s }
 }
 
+impl Forged {
+    /// Posts receives `10..10 + n` of 8 KiB each (in the region returned).
+    fn post_recvs(&self, n: u64) -> MemoryRegion {
+        let buf = MemoryRegion::alloc(&self.pd, n as usize * 8192, AccessFlags::LOCAL_WRITE).unwrap();
+        for i in 0..n {
+            let sge = [buf.sge(i as usize * 8192, 8192).unwrap()];
+            self.probe.post_recv(&[RecvWr { wr_id: 10 + i, sg_list: &sge }]).unwrap();
+        }
+        buf
+    }
+
+    /// Sends `wire`, gives the responder time to read it (and stall on what
+    /// is missing), then moves the QP to ERR.
+    fn send_then_fail(&mut self, wire: &[u8]) {
+        self.s.write_all(wire).unwrap();
+        std::thread::sleep(Duration::from_millis(200));
+        self.probe.modify(&QpTransition::Err).unwrap();
+    }
+
+    /// The next `n` receive completions, as they come.
+    fn completions(&self, n: usize) -> Vec<(u64, WcStatus)> {
+        let mut wc = [WorkCompletion::empty(); 4];
+        let mut got = Vec::new();
+        while got.len() < n {
+            let k = self.cq.wait(&mut wc, Some(Duration::from_secs(10)), Duration::ZERO).unwrap();
+            assert!(k > 0, "the QP's error completed {got:?} of the {n} receives posted");
+            got.extend(wc[..k].iter().map(|w| (w.wr_id, w.status)));
+        }
+        got
+    }
+}
+
 /// Two receives posted on a QP whose forged requester sends 100 bytes of a
 /// 5000-byte SEND, then closes its connection (`close`) or keeps it open;
 /// then the QP is moved to ERR. The receive completions, as they came.
 fn send_cut_short(close: bool) -> Vec<(u64, WcStatus)> {
     let mut f = forged();
-    let buf = MemoryRegion::alloc(&f.pd, 2 * 8192, AccessFlags::LOCAL_WRITE).unwrap();
-    for i in 0..2u64 {
-        let sge = [buf.sge(i as usize * 8192, 8192).unwrap()];
-        f.probe.post_recv(&[RecvWr { wr_id: 10 + i, sg_list: &sge }]).unwrap();
-    }
-    f.s.write_all(&Frame::Send { psn: 0, len: 5000, imm: None }.encode()).unwrap();
-    f.s.write_all(&[0xAB; 100]).unwrap();
-    let mut wc = [WorkCompletion::empty(); 4];
+    let _buf = f.post_recvs(2);
+    let mut wire = Frame::Send { psn: 0, len: 5000, imm: None }.encode().to_vec();
+    wire.extend_from_slice(&[0xAB; 100]);
     if close {
+        f.s.write_all(&wire).unwrap();
         f.s.shutdown(std::net::Shutdown::Write).unwrap();
         expect_closed(&mut f.s, "cut SEND");
+        let mut wc = [WorkCompletion::empty(); 1];
+        assert_eq!(f.cq.poll(&mut wc).unwrap(), 0, "a cut SEND completed a receive: {:?}", wc[0]);
+        f.probe.modify(&QpTransition::Err).unwrap();
     } else {
-        // Time for the responder to take a receive and wait inside the
-        // SEND (were the error first, the SEND would find no receive and
-        // the stall would go untested).
-        std::thread::sleep(Duration::from_millis(200));
+        // The wait: time for the responder to take a receive and wait
+        // inside the SEND (were the error first, the SEND would find no
+        // receive and the stall would go untested).
+        f.send_then_fail(&wire);
     }
-    assert_eq!(f.cq.poll(&mut wc).unwrap(), 0, "a cut SEND completed a receive: {:?}", wc[0]);
-    f.probe.modify(&QpTransition::Err).unwrap();
-    let mut got = Vec::new();
-    while got.len() < 2 {
-        let n = f.cq.wait(&mut wc, Some(Duration::from_secs(10)), Duration::ZERO).unwrap();
-        assert!(n > 0, "the QP's error completed {got:?} of the 2 receives posted");
-        got.extend(wc[..n].iter().map(|w| (w.wr_id, w.status)));
-    }
+    let got = f.completions(2);
     if !close {
         expect_closed(&mut f.s, "stalled SEND after the QP's error");
     }
@@ -291,9 +315,7 @@ fn a_stalled_write_ends_with_the_qp() {
     let mut first =
         Frame::Write { psn: 0, raddr: mem.addr(), rkey: mem.rkey(), len: 1 << 16, imm: None }.encode().to_vec();
     first.extend_from_slice(&[0xAB; 100]);
-    f.s.write_all(&first).unwrap();
-    std::thread::sleep(Duration::from_millis(200));
-    f.probe.modify(&QpTransition::Err).unwrap();
+    f.send_then_fail(&first);
     expect_closed(&mut f.s, "stalled WRITE after the QP's error");
 }
 
@@ -303,24 +325,12 @@ fn a_stalled_write_ends_with_the_qp() {
 #[test]
 fn the_error_completes_what_arrived_before_it_flushes() {
     let mut f = forged();
-    let buf = MemoryRegion::alloc(&f.pd, 3 * 8192, AccessFlags::LOCAL_WRITE).unwrap();
-    for i in 0..3u64 {
-        let sge = [buf.sge(i as usize * 8192, 8192).unwrap()];
-        f.probe.post_recv(&[RecvWr { wr_id: 10 + i, sg_list: &sge }]).unwrap();
-    }
+    let _buf = f.post_recvs(3);
     let mut wire = Frame::Notify { psn: 0, len: 0, imm: 7 }.encode().to_vec();
     wire.extend_from_slice(&Frame::Send { psn: 1, len: 5000, imm: None }.encode());
     wire.extend_from_slice(&[0xAB; 100]);
-    f.s.write_all(&wire).unwrap();
-    std::thread::sleep(Duration::from_millis(200));
-    f.probe.modify(&QpTransition::Err).unwrap();
-    let mut wc = [WorkCompletion::empty(); 4];
-    let mut got = Vec::new();
-    while got.len() < 3 {
-        let n = f.cq.wait(&mut wc, Some(Duration::from_secs(10)), Duration::ZERO).unwrap();
-        assert!(n > 0, "the QP's error completed {got:?} of the 3 receives posted");
-        got.extend(wc[..n].iter().map(|w| (w.wr_id, w.status)));
-    }
+    f.send_then_fail(&wire);
+    let mut got = f.completions(3);
     assert_eq!(got[0], (10, WcStatus::Success), "the notification's completion came after a flush: {got:?}");
     got.sort_by_key(|g| g.0);
     assert_eq!(got, [(10, WcStatus::Success), (11, WcStatus::WrFlushErr), (12, WcStatus::WrFlushErr)]);
@@ -332,9 +342,7 @@ fn the_error_completes_what_arrived_before_it_flushes() {
 fn a_stalled_header_ends_with_the_qp() {
     let mut f = forged();
     let hdr = Frame::Write { psn: 0, raddr: 0, rkey: 0, len: 0, imm: None }.encode();
-    f.s.write_all(&hdr[..HEADER_LEN / 2]).unwrap();
-    std::thread::sleep(Duration::from_millis(200));
-    f.probe.modify(&QpTransition::Err).unwrap();
+    f.send_then_fail(&hdr[..HEADER_LEN / 2]);
     expect_closed(&mut f.s, "stalled header after the QP's error");
 }
 
