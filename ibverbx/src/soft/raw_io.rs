@@ -429,18 +429,26 @@ pub(crate) unsafe fn extend_raw(buf: &mut Vec<u8>, pieces: &[(usize, usize)]) {
 
 /// Writes a header and its payload, straight from registered memory.
 /// Small frames are staged and go out in one write.
-pub(crate) async fn send_frame<W: HasSock + ?Sized>(
+///
+/// # Safety
+/// Every payload piece `(addr, len)` must stay valid for reads until the
+/// returned future completes or is dropped.
+pub(crate) async unsafe fn send_frame<W: HasSock + ?Sized>(
     w: &mut W,
     f: &Frame,
     payload: &[(usize, usize)],
 ) -> std::io::Result<()> {
-    send_frame_while(w, f, payload, || Some(())).await
+    // SAFETY: the caller's contract.
+    unsafe { send_frame_while(w, f, payload, || Some(())).await }
 }
 
 /// [`send_frame`] of a payload in a region that its owner may deregister
 /// meanwhile (a READ response): `enter` around each read of it, as in
 /// [`send_all_while`].
-pub(crate) async fn send_frame_while<W, G, F>(
+///
+/// # Safety
+/// As [`send_frame`], for as long as `enter` returns guards.
+pub(crate) async unsafe fn send_frame_while<W, G, F>(
     w: &mut W,
     f: &Frame,
     payload: &[(usize, usize)],
@@ -457,16 +465,14 @@ where
         buf.extend_from_slice(&hdr);
         {
             let Some(_registered) = enter() else { return Err(super::device_io::deregistered()) };
-            // SAFETY: each piece is a checked, live registration (or inline
-            // copy), still registered while the guard is held.
+            // SAFETY: each piece is valid for reads while the guard is held
+            // (the caller's contract).
             unsafe { extend_raw(&mut buf, payload) };
         }
         // SAFETY: no raw pieces.
         return unsafe { send_all(w, &buf, &[]).await };
     }
-    // SAFETY: as above; the WR (or the responder's MR handle) keeps the
-    // regions alive until this returns, and `enter` registered while each
-    // piece is read.
+    // SAFETY: the caller's contract, passed on.
     unsafe { send_all_while(w, &hdr, payload, enter).await }
 }
 

@@ -781,7 +781,9 @@ where
                 _ => Some(None),
             };
             let payload: &[(usize, usize)] = if len > 0 { &payload } else { &[] };
-            send_frame_while(s, &Frame::ReadResp { psn, len }, payload, registered).await?;
+            // SAFETY: the payload is the checked range of the MR `keep`
+            // holds (valid while `registered` gives guards), or `staged`.
+            unsafe { send_frame_while(s, &Frame::ReadResp { psn, len }, payload, registered).await? };
             drop((keep, staged));
         }
         Frame::Atomic { psn, raddr, rkey, cmp_swap, a, b } => {

@@ -236,7 +236,8 @@ pub(super) async fn settle_db_held(sh: &Arc<Shared>, link: &mut Option<Link>) {
         let frame = Frame::Notify { psn, len, imm };
         sh.qp.ctx.engine_frames.fetch_add(1, Ordering::Relaxed);
         let sent = match link.as_mut() {
-            Some(l) => send_frame(&mut l.writer, &frame, &[]).await,
+            // SAFETY: no payload.
+            Some(l) => unsafe { send_frame(&mut l.writer, &frame, &[]).await },
             None => Err(std::io::Error::new(std::io::ErrorKind::NotConnected, "no connection")),
         };
         if let Err(err) = sent {

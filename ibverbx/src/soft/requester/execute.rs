@@ -553,7 +553,10 @@ pub(super) async fn send_request(
     }
     let payload: &[(usize, usize)] = if frame.payload_len() > 0 { local } else { &[] };
     sh.qp.ctx.engine_frames.fetch_add(1, Ordering::Relaxed);
-    let sent = send_frame(&mut l.writer, &frame, payload).await;
+    // SAFETY: the pieces are the WR's checked local segments (or its
+    // staging buffer or inline copy), kept alive by the WR until its
+    // completion, which comes after this returns.
+    let sent = unsafe { send_frame(&mut l.writer, &frame, payload).await };
     sh.wire_busy.store(false, Ordering::Release);
     if let Err(err) = sent {
         sh.fail_link(WcStatus::RetryExcErr, &format!("write to peer: {err}"));
