@@ -17,8 +17,9 @@
 //! holds for a whole frame: the thread takes it after the socket became
 //! readable and reads without blocking; the poller only tries it. Frames are
 //! therefore read whole and in order by one side at a time, and the
-//! responder's pending ACKs and held receive completions live under the
-//! gate too, so their order is the wire's whichever side read. The poller
+//! responder's pending ACKs live under the gate too (the receive
+//! completions they cover are held by the QP, taken and released in that
+//! order), so their order is the wire's whichever side read. The poller
 //! looks at a frame and what follows it (one `MSG_PEEK`), checks it and
 //! that all of it is there before it consumes anything: what it declines stays
 //! in the socket for the thread.

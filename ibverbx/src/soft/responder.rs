@@ -70,12 +70,6 @@ impl Acks {
         self.count >= ACK_BATCH || self.bytes >= ACK_BATCH_BYTES
     }
 
-    /// Holds `wc` until the ACK of the request it completes is written
-    /// (held by the QP: its error makes them visible too).
-    fn defer(&mut self, qp: &SoftQp, wc: WorkCompletion) {
-        qp.rx_hold(wc);
-    }
-
     async fn flush<S: AsyncWrite + Unpin>(&mut self, s: &mut S, qp: &SoftQp) -> std::io::Result<()> {
         let sent = match self.psn.take() {
             Some(psn) => {
@@ -87,7 +81,7 @@ impl Acks {
         };
         // The data is placed either way: a lost connection does not take
         // the receiver's completions with it.
-        self.release(qp);
+        qp.rx_release();
         sent
     }
 
@@ -102,19 +96,13 @@ impl Acks {
                 fd.shut();
             }
         }
-        self.release(qp);
-    }
-
-    /// Makes the held completions visible (the connection ends), then
-    /// claims the doorbell record that polls left behind them.
-    fn release(&mut self, qp: &SoftQp) {
         qp.rx_release();
     }
 }
 
 /// A connection's gate (see `polled_rx.rs`): held by whoever reads the
-/// connection, for a whole frame; the pending ACKs and held receive
-/// completions live under it.
+/// connection, for a whole frame; the pending ACKs live under it (the
+/// receive completions they cover are held by the QP, `SoftQp::rx_hold`).
 struct Gate {
     st: tokio::sync::Mutex<GateState>,
     /// Busy-pollers' descriptor of the socket (tcp only, when enabled).
@@ -130,7 +118,7 @@ impl Drop for Gate {
         // shutting down, its handshake aborted): they are still made
         // visible, and the QP's count of held ones stays true.
         if let Some(qp) = self.qp.upgrade() {
-            self.st.get_mut().acks.release(&qp);
+            qp.rx_release();
         }
     }
 }
@@ -169,7 +157,7 @@ where
     serve_conn(&qp, s, hello, peer, &mut state_rx, &gate).await;
     let mut g = gate.st.lock().await;
     g.closed = true;
-    g.acks.release(&qp);
+    qp.rx_release();
 }
 
 /// `run`'s loop; every way out leaves the held completions to `run`.
@@ -281,12 +269,12 @@ async fn serve_conn<S>(
                 // What was placed is completed now, not after lingering on
                 // a stalled peer for seconds (with the QP in error or
                 // reset meanwhile).
-                g.acks.release(qp);
+                qp.rx_release();
                 return linger(&mut s).await;
             }
             Ok(Outcome::Dead) => {
                 g.closed = true;
-                g.acks.release(qp);
+                qp.rx_release();
                 return tracing::debug!(
                     "soft QP {:#x}: left service while a request from {peer} was arriving; connection closed",
                     qp.qpn
@@ -398,7 +386,7 @@ impl PolledRx for Gate {
             }
             qp.ctx.touch();
             if let (Some(r), Some(imm)) = (recv, imm) {
-                g.acks.defer(&qp, recv_wc(&qp, &r, WcStatus::Success, WcOpcode::RecvRdmaWithImm, wc_len, Some(imm)));
+                qp.rx_hold(recv_wc(&qp, &r, WcStatus::Success, WcOpcode::RecvRdmaWithImm, wc_len, Some(imm)));
             }
             g.acks.add(psn, payload);
             served += 1;
@@ -641,7 +629,7 @@ where
                 let Some(r) = take_recv(qp, s, acks, psn, epoch, rnr_retry, state_rx).await? else {
                     return Ok(Outcome::Close);
                 };
-                acks.defer(qp, recv_wc(qp, &r, WcStatus::Success, WcOpcode::RecvRdmaWithImm, len, Some(imm)));
+                qp.rx_hold(recv_wc(qp, &r, WcStatus::Success, WcOpcode::RecvRdmaWithImm, len, Some(imm)));
             }
             acks.add(psn, len);
         }
@@ -649,7 +637,7 @@ where
             let Some(r) = take_recv(qp, s, acks, psn, epoch, rnr_retry, state_rx).await? else {
                 return Ok(Outcome::Close);
             };
-            acks.defer(qp, recv_wc(qp, &r, WcStatus::Success, WcOpcode::RecvRdmaWithImm, len, Some(imm)));
+            qp.rx_hold(recv_wc(qp, &r, WcStatus::Success, WcOpcode::RecvRdmaWithImm, len, Some(imm)));
             acks.add(psn, 0);
         }
         Frame::Send { psn, len, imm } => {
@@ -705,7 +693,7 @@ where
                     _ = dead(qp, epoch, state_rx) => {
                         // Earlier receives' held completions first: `r` was
                         // taken after them.
-                        acks.release(qp);
+                        qp.rx_release();
                         qp.give_back_recv(epoch, r);
                         return Ok(Outcome::Dead);
                     }
@@ -714,7 +702,7 @@ where
                     match e {
                         Failed::Io(_) => {
                             // As above: the held completions first.
-                            acks.release(qp);
+                            qp.rx_release();
                             qp.give_back_recv(epoch, r);
                         }
                         Failed::Copy(_) => {
@@ -730,7 +718,7 @@ where
                 }
             }
             let opcode = WcOpcode::Recv;
-            acks.defer(qp, recv_wc(qp, &r, WcStatus::Success, opcode, len, imm));
+            qp.rx_hold(recv_wc(qp, &r, WcStatus::Success, opcode, len, imm));
             acks.add(psn, len);
         }
         Frame::ReadReq { psn, raddr, rkey, len } => {

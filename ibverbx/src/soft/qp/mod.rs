@@ -392,18 +392,22 @@ impl SoftQp {
     /// connection ended), then claims the doorbell record that polls left
     /// behind them, if no receive is still being filled.
     pub(crate) fn rx_release(&self) {
-        {
-            let mut rx = self.rx();
-            if rx.held.is_empty() {
-                return;
-            }
-            let n = rx.held.len() as u32;
-            for wc in rx.held.drain(..) {
-                self.push_recv_wc(wc);
-            }
-            rx.taken -= n;
+        if self.push_held(&mut self.rx()) {
+            self.db_claim_in_order();
         }
-        self.db_claim_in_order();
+    }
+
+    /// Pushes the held completions (their receives leave `taken`); false
+    /// when there were none.
+    fn push_held(&self, rx: &mut RxPending) -> bool {
+        if rx.held.is_empty() {
+            return false;
+        }
+        rx.taken -= rx.held.len() as u32;
+        for wc in rx.held.drain(..) {
+            self.push_recv_wc(wc);
+        }
+        true
     }
 
     /// Whether the responder holds receives (taken, not yet completed).
@@ -455,14 +459,7 @@ impl SoftQp {
         }
         // The completions held for their ACK first: their receives were
         // taken before any still queued (the ACK will not come now).
-        {
-            let mut rx = self.rx();
-            let n = rx.held.len() as u32;
-            for wc in rx.held.drain(..) {
-                self.push_recv_wc(wc);
-            }
-            rx.taken -= n;
-        }
+        self.push_held(&mut self.rx());
         self.db_note_rq(0);
         for r in rq.drain(..) {
             self.push_recv_wc(self.flush_wc(r.wr_id, WcOpcode::Recv));
