@@ -1,4 +1,5 @@
-//! Deregistration fences: a same-host peer never copies into (or out of) a
+//! Deregistration fences: a same-host peer (or this process's own
+//! responder, [`FenceTable::enter`]) never copies into (or out of) a
 //! region after its owner's deregistration has returned.
 //!
 //! A peer checks a key in the owner's key table and then copies, with no
@@ -69,9 +70,7 @@ impl FenceTable {
         // SAFETY: the counter lies in our live mapping of TABLE_BYTES bytes
         // (kept by `self`, which the guard borrows), accessed atomically.
         let c = unsafe { &*counter(self.seg.ptr(), key) };
-        c.fetch_add(1, Ordering::SeqCst);
-        // Pairs with the fence in `wait_idle`, as in `FenceView::enter`.
-        fence(Ordering::SeqCst);
+        raise(c);
         LocalFence(c)
     }
 
@@ -108,6 +107,14 @@ impl FenceTable {
     }
 }
 
+/// Counts a copy into a slot, before its key is checked.
+fn raise(c: &AtomicU32) {
+    c.fetch_add(1, Ordering::SeqCst);
+    // Pairs with the fence in `FenceTable::wait_idle`: this store and the
+    // key check after it are ordered.
+    fence(Ordering::SeqCst);
+}
+
 /// A peer's fence table as mapped here.
 pub(crate) struct FenceView {
     base: usize,
@@ -139,9 +146,7 @@ impl FenceView {
     pub(crate) fn enter(&self, key: u32) -> FenceGuard {
         let c = counter(self.base as *const u8, key);
         // SAFETY: in the live mapping (kept by `keep`), accessed atomically.
-        unsafe { &*c }.fetch_add(1, Ordering::SeqCst);
-        // Pairs with the fence in `FenceTable::wait_idle`.
-        fence(Ordering::SeqCst);
+        raise(unsafe { &*c });
         FenceGuard { counter: c as usize, _keep: self.keep.clone() }
     }
 }
