@@ -66,7 +66,11 @@ impl Prepared {
         queue: Arc<Queue>,
         counters: Arc<Counters>,
     ) -> Result<Arc<Conn>, AgentError> {
-        if slots_out == 0 || slots_out > ring::MAX_SLOTS || ring_out.len < ring::ring_len(slots_out) as u64 {
+        if slots_out == 0
+            || slots_out > ring::MAX_SLOTS
+            || ring_out.len < ring::ring_len(slots_out) as u64
+            || !ring_out.is_addressable()
+        {
             return Err(AgentError::Unreachable {
                 peer: peer.into(),
                 reason: format!("its notification ring ({} bytes, {slots_out} slots) is malformed", ring_out.len),

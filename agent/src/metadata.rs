@@ -123,6 +123,9 @@ impl Metadata {
         if ids.windows(2).any(|w| w[0] == w[1]) {
             return Err(bad("it lists a region id twice".into()));
         }
+        if let Some(r) = m.regions.iter().find(|r| !r.remote().is_addressable()) {
+            return Err(bad(format!("region {} ({} bytes at {:#x}) ends past the top of memory", r.id, r.len, r.addr)));
+        }
         Ok(m)
     }
 
@@ -189,6 +192,12 @@ mod tests {
         let mut m = sample();
         m.v = 2;
         assert!(Metadata::decode(&m.encode()).unwrap_err().to_string().contains("version 2"));
+        // A region whose end wraps past the top of memory: a later
+        // transfer into it would compute a wrapped remote address.
+        let mut m = sample();
+        m.regions[0].addr = u64::MAX - 100;
+        let e = Metadata::decode(&m.encode()).unwrap_err();
+        assert!(e.to_string().contains("region 1") && e.to_string().contains("top of memory"), "{e}");
     }
 
     #[test]

@@ -106,13 +106,24 @@ struct State {
 impl State {
     /// Hands one notification to the oldest live waiter, or banks it.
     fn deliver_notification(&mut self, banked: &AtomicU64) {
-        while let Some(w) = self.waiters.pop_front() {
+        self.deliver_notifications(1, banked);
+    }
+
+    /// Hands `n` notifications to the oldest live waiters, one each, and
+    /// banks the rest at once: the work is bounded by the waiters, not by
+    /// `n` (a count a peer wrote into a shared page, whatever it says).
+    fn deliver_notifications(&mut self, mut n: u64, banked: &AtomicU64) {
+        while n > 0 {
+            let Some(w) = self.waiters.pop_front() else { break };
             if w.send(Ok(())).is_ok() {
-                return;
+                n -= 1;
+            } else {
+                self.abandoned = self.abandoned.saturating_sub(1);
             }
-            self.abandoned = self.abandoned.saturating_sub(1);
         }
-        banked.fetch_add(1, Ordering::Release);
+        if n > 0 {
+            banked.fetch_add(n, Ordering::Release);
+        }
     }
 
     /// What a `wait_for_write` that finds the transport broken returns: the
@@ -956,9 +967,7 @@ impl Inner {
                 Err(now) => seen = now,
             }
         };
-        for _ in seen..count {
-            st.deliver_notification(&self.banked);
-        }
+        st.deliver_notifications(count - seen, &self.banked);
         true
     }
 

@@ -429,3 +429,40 @@ async fn a_spinning_wait_ends_aborted_when_the_transport_is_dropped() {
     assert!(t.elapsed() < std::time::Duration::from_secs(10), "it spun on for {:?}", t.elapsed());
     drop(b);
 }
+
+/// The notification page a transport's URL names (where a same-host peer
+/// counts its notifications).
+fn notes_page(url: &str) -> RdmaRemoteBuffer {
+    use base64::Engine;
+    let (_, payload) = url.rsplit_once('/').unwrap();
+    let json: serde_json::Value =
+        serde_json::from_slice(&base64::engine::general_purpose::URL_SAFE_NO_PAD.decode(payload).unwrap()).unwrap();
+    serde_json::from_value(json["n"].clone()).expect("a soft transport's URL names its notification page")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_counting_absurdly_many_notifications_does_not_stall_the_waiter() {
+    common::link("shm");
+    let a = RdmaTransport::new(common::config()).unwrap();
+    let b = Arc::new(RdmaTransport::new(common::config()).unwrap());
+    let (ua, ub) = (a.bind().unwrap(), b.bind().unwrap());
+    let (ra, rb) = tokio::join!(a.connect(&ub), b.connect(&ua));
+    ra.unwrap();
+    rb.unwrap();
+    // A confused (or hostile) peer writes a huge count into the page: the
+    // waiter takes what it needs and banks the rest, in bounded work — it
+    // used to hand them out one by one under the transport's lock.
+    let m = a.map_remote(&notes_page(&ub)).await.unwrap().expect("same host: the page maps");
+    m.atomic_u64(0).unwrap().store(1 << 40, Ordering::SeqCst);
+    let waits = tokio::spawn({
+        let b = b.clone();
+        async move {
+            for _ in 0..3 {
+                b.wait_for_write_with_timeout(Some(std::time::Duration::from_millis(100))).await?;
+            }
+            Ok::<_, rmacomm_transport::TransportError>(())
+        }
+    });
+    let done = tokio::time::timeout(std::time::Duration::from_secs(20), waits).await;
+    done.expect("the waits returned").unwrap().unwrap();
+}
