@@ -20,8 +20,22 @@ pub struct RdmaMemory {
     mr: Arc<MemoryRegion>,
     pub(crate) domain: Arc<Domain>,
     /// What keeps the memory allocated, when the caller handed it over
-    /// ([`keep_alive`](Self::keep_alive)).
-    owner: Option<Box<dyn std::any::Any + Send + Sync>>,
+    /// ([`keep_alive`](Self::keep_alive)); shared with the operations in
+    /// flight on it, as `mr` is ([`Held`]).
+    owner: Option<Owner>,
+}
+
+/// What keeps a registration's memory allocated (a tensor, an allocation).
+type Owner = Arc<dyn std::any::Any + Send + Sync>;
+
+/// A registration as an operation in flight holds it: the registration and
+/// what keeps its memory allocated, so that a caller who drops its future
+/// and its [`RdmaMemory`] (a cancellation, a timeout) frees neither while
+/// the provider may still read or write the bytes. Deregistered first,
+/// then the owner goes (fields drop in order).
+pub(crate) struct Held {
+    _mr: Arc<MemoryRegion>,
+    _owner: Option<Owner>,
 }
 
 impl fmt::Debug for RdmaMemory {
@@ -163,8 +177,13 @@ impl RdmaMemory {
     /// allocation) alive as long as this value, e.g. while an operation
     /// that holds it runs after the caller let go.
     pub fn keep_alive(mut self, owner: impl std::any::Any + Send + Sync) -> RdmaMemory {
-        self.owner = Some(Box::new(owner));
+        self.owner = Some(Arc::new(owner));
         self
+    }
+
+    /// The registration and its owner, for an operation posted on them.
+    pub(crate) fn hold(&self) -> Held {
+        Held { _mr: self.mr.clone(), _owner: self.owner.clone() }
     }
 
     /// What device memory this is ("CUDA device 0 (NVIDIA H100 80GB

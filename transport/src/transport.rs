@@ -18,7 +18,7 @@ use tokio::sync::{oneshot, Notify, OwnedSemaphorePermit, Semaphore, TryAcquireEr
 
 use crate::direct::DirectMaps;
 use crate::domain::{domain, Domain};
-use crate::memory::{View, ViewMut};
+use crate::memory::{Held, View, ViewMut};
 use crate::notes::{self, Notes};
 use crate::{url, RdmaRemoteBuffer, TransportConfig, TransportError};
 
@@ -39,8 +39,9 @@ struct Pending {
     /// QP's planner included, so a caller that drops its future and then its
     /// `RdmaMemory` (a cancellation, a timeout) never has a fragment posted
     /// with a dead key (which would break the connection) nor a late READ
-    /// land in memory that went back to the allocator.
-    _mem: Option<Arc<MemoryRegion>>,
+    /// land in memory that went back to the allocator (nor, with the
+    /// registration's owner held too, memory a freed tensor gave back).
+    _mem: Option<Held>,
     /// The operation's in-flight slot, given back with the entry.
     _slot: OwnedSemaphorePermit,
 }
@@ -55,13 +56,7 @@ struct PendingSet {
 }
 
 impl PendingSet {
-    fn insert(
-        &mut self,
-        op: &'static str,
-        tx: Reply,
-        mem: Option<Arc<MemoryRegion>>,
-        slot: OwnedSemaphorePermit,
-    ) -> u64 {
+    fn insert(&mut self, op: &'static str, tx: Reply, mem: Option<Held>, slot: OwnedSemaphorePermit) -> u64 {
         // 31 bits: bit 63 of an id marks receives.
         let gen = self.next_gen & 0x7fff_ffff;
         self.next_gen = self.next_gen.wrapping_add(1);
@@ -777,7 +772,7 @@ impl RdmaTransport {
         self.check(name, mem, len, remote)?;
         let sge = mem.mr().sge(offset, len)?;
         // The registration is held (an Arc) only by an operation posted.
-        Ok((Op { name, op, sge: (len > 0).then_some(sge), mem: None, local_off: offset }, mem.mr()))
+        Ok((Op { name, op, sge: (len > 0).then_some(sge), mem: None, local_off: offset }, mem))
     }
 
     /// The future of a started operation: ready at once when it was copied
@@ -799,8 +794,8 @@ impl RdmaTransport {
     /// [`TransportConfig::direct_copy_max`]), else posts it now if a slot is
     /// free; else the caller's future waits for one.
     fn start(&self, prepared: Result<Prepared<'_>, TransportError>) -> Result<Start, TransportError> {
-        let (mut op, mr) = prepared?;
-        match self.inner.try_direct(&op, mr) {
+        let (mut op, mem) = prepared?;
+        match self.inner.try_direct(&op, mem.mr()) {
             Direct::Done => return Ok(Start::Done),
             // Copied and counted in; a zero-byte wake-up goes through the
             // QP, and the operation completes with it.
@@ -825,7 +820,7 @@ impl RdmaTransport {
                     Err(TryAcquireError::Closed) => Err(self.inner.closed_error(op.name)),
                 };
             }
-            Direct::No => op.mem = Some(mr.clone()),
+            Direct::No => op.mem = Some(mem.hold()),
         }
         match self.inner.slots.clone().try_acquire_owned() {
             Ok(slot) => self.inner.post(op, slot).map(Start::Posted),
@@ -1439,7 +1434,7 @@ async fn drive(inner: Arc<Inner>) {
 }
 
 /// A validated operation and the registration it names.
-type Prepared<'m> = (Op, &'m Arc<MemoryRegion>);
+type Prepared<'m> = (Op, &'m crate::RdmaMemory);
 
 /// A validated operation, waiting for its slot or being posted.
 struct Op {
@@ -1447,8 +1442,9 @@ struct Op {
     op: SendOp,
     /// `None` for zero bytes.
     sge: Option<Sge>,
-    /// The registration `sge` names (moved into the pending entry).
-    mem: Option<Arc<MemoryRegion>>,
+    /// The registration `sge` names, with its owner (moved into the
+    /// pending entry).
+    mem: Option<Held>,
     /// Where `sge` starts in `mem`.
     local_off: usize,
 }

@@ -162,3 +162,47 @@ t!(dropped_futures_and_memory_shm, SoftLink::Shm, None);
 t!(dropped_futures_and_memory_tcp, SoftLink::Tcp, None);
 t!(dropped_futures_and_memory_shm_chaos, SoftLink::Shm, Some(11));
 t!(dropped_futures_and_memory_tcp_chaos, SoftLink::Tcp, Some(12));
+
+/// Memory a caller handed over with `keep_alive` (a tensor, an allocation)
+/// stays allocated while an operation on it runs, though the caller dropped
+/// both its future and its `RdmaMemory`: the provider is still writing it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_read_keeps_the_memorys_owner_until_it_completes() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+
+    /// The allocation, and a flag raised when it goes back.
+    struct Owner {
+        _buf: Vec<u8>,
+        freed: Arc<AtomicBool>,
+    }
+    impl Drop for Owner {
+        fn drop(&mut self) {
+            self.freed.store(true, Ordering::SeqCst);
+        }
+    }
+
+    common::link("tcp");
+    let cfg = config(SoftLink::Tcp, None);
+    let (a, b) = common::pair_with(cfg.clone(), cfg).await;
+    const LEN: usize = 256 << 20;
+    let remote_mem = RdmaMemory::alloc_for(&b, LEN).unwrap();
+    let mut buf = vec![0u8; LEN];
+    let freed = Arc::new(AtomicBool::new(false));
+    // SAFETY: the Vec's heap block stays put when the Vec moves into its
+    // owner, which the registration keeps (the point of this test).
+    let mem = unsafe { RdmaMemory::register_raw_for(&a, buf.as_mut_ptr(), LEN) }
+        .unwrap()
+        .keep_alive(Owner { _buf: buf, freed: freed.clone() });
+    let read = a.read_owned(Arc::new(mem), 0, LEN, &remote_mem.remote_buffer());
+    // The caller gives up at once: its future and its last handle go.
+    drop(read);
+    // The owner goes only with the read's completion, which leaves the
+    // pending table first: an owner gone while the read is still pending
+    // was freed under the provider.
+    let gone = freed.load(Ordering::SeqCst);
+    let pending = a.in_flight();
+    assert!(!(gone && pending > 0), "the owner was freed while the read was in flight");
+    wait_idle(&a).await;
+    assert!(freed.load(Ordering::SeqCst), "the owner goes once the read completed");
+}
