@@ -23,7 +23,7 @@ const ADDRESS_TIMEOUT: Duration = Duration::from_secs(3);
 /// in its own task, so that dropping the caller leaves the link consistent.
 pub(crate) async fn connection(sh: Arc<Shared>, peer: String) -> Result<Arc<Conn>, AgentError> {
     let timeout = sh.config.connect_timeout;
-    let deadline = tokio::time::Instant::now() + timeout;
+    let deadline = tokio::time::Instant::from_std(ibverbx::deadline_after(timeout));
     let mut waited = false;
     loop {
         let mut changed = {

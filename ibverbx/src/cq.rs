@@ -80,7 +80,8 @@ impl CompletionQueue {
     /// completion channel (no CPU while idle). Returns 0 on timeout.
     pub fn wait(&self, out: &mut [WorkCompletion], timeout: Option<Duration>, busy_poll: Duration) -> Result<usize> {
         let start = Instant::now();
-        let deadline = timeout.map(|t| start + t);
+        // A timeout past what the clock counts is forever.
+        let deadline = timeout.and_then(|t| start.checked_add(t));
         let mut spins = 0u32;
         loop {
             let n = self.poll(out)?;

@@ -74,6 +74,7 @@
 mod access;
 mod context;
 mod cq;
+mod deadline;
 mod device;
 mod device_mem;
 mod endpoint;
@@ -96,6 +97,7 @@ use std::sync::Arc;
 pub use access::AccessFlags;
 pub use context::Context;
 pub use cq::CompletionQueue;
+pub use deadline::deadline_after;
 pub use device::{Device, DeviceAttr, DeviceInfo, Gid, LinkLayer, Mtu, PortAttr, PortState};
 pub use device_mem::{set_device_ipc, DeviceIpc, DeviceMemory, PeerDevice, IPC_EXPORT_MAX};
 #[doc(inline)]

@@ -438,3 +438,16 @@ fn a_large_write_is_not_copied_whole_by_the_posting_thread() {
     eprintln!("the post copied {by_post} of {LEN} bytes itself");
     assert!(by_post <= 1 << 20, "the posting thread copied {by_post} bytes of a {LEN}-byte write");
 }
+
+/// `Duration::MAX` as a wait's timeout ("forever", as callers say it) waits
+/// for the completion instead of overflowing the clock.
+#[test]
+fn a_wait_of_duration_max_waits_for_its_completion() {
+    let (a, b) = pair(&cfg(2, LoadBalancing::Dqplb), 4096, None);
+    let sg = [a.mr.sge(0, 64).unwrap()];
+    let op = SendOp::RdmaWrite { remote_addr: b.mr.addr(), rkey: b.mr.rkey() };
+    a.qp.post_send(&[SendWr { wr_id: 7, op, sg_list: &sg, flags: SendFlags::SIGNALED }]).unwrap();
+    let mut wc = [WorkCompletion::empty(); 1];
+    assert_eq!(a.cq.wait(&mut wc, Some(Duration::MAX), Duration::ZERO).unwrap(), 1);
+    assert!(wc[0].is_ok() && wc[0].wr_id == 7, "{:?}", wc[0]);
+}

@@ -1058,7 +1058,7 @@ impl Inner {
             // The clock is read only if the operation must wait.
             Start::Posted(rx) => (rx, timeout.map_or(Deadline::Never, Deadline::After)),
             Start::Waiting(o) => {
-                let deadline = timeout.map_or(Deadline::Never, |t| Deadline::At(t, tokio::time::Instant::now() + t));
+                let deadline = timeout.map_or(Deadline::Never, |t| Deadline::At(t, far(t)));
                 let acquire = self.slots.clone().acquire_owned();
                 let slot = match deadline {
                     Deadline::At(after, at) => match tokio::time::timeout_at(at, acquire).await {
@@ -1233,7 +1233,7 @@ impl Inner {
         // A caller that busy-polls reads the clock anyway: its time spinning
         // counts against its timeout.
         if let (Deadline::After(t), false) = (deadline, self.config.busy_poll.is_zero()) {
-            deadline = Deadline::At(t, tokio::time::Instant::now() + t);
+            deadline = Deadline::At(t, far(t));
         }
         // Reap here first (and, with busy_poll, keep reaping for a while):
         // no wake-up of the driver task is needed for what is found.
@@ -1242,7 +1242,7 @@ impl Inner {
         }
         let deadline = match deadline {
             Deadline::Never => None,
-            Deadline::After(t) => Some((t, tokio::time::Instant::now() + t)),
+            Deadline::After(t) => Some((t, far(t))),
             Deadline::At(t, at) => Some((t, at)),
         };
         let r = match deadline {
@@ -1447,6 +1447,12 @@ struct Op {
     mem: Option<Held>,
     /// Where `sge` starts in `mem`.
     local_off: usize,
+}
+
+/// The instant `t` from now (far away for a timeout past what the clock
+/// counts: `Duration::MAX` is how some callers say "never").
+fn far(t: Duration) -> tokio::time::Instant {
+    tokio::time::Instant::from_std(ibverbx::deadline_after(t))
 }
 
 /// When a pending operation gives up waiting.

@@ -206,3 +206,26 @@ async fn a_dropped_read_keeps_the_memorys_owner_until_it_completes() {
     wait_idle(&a).await;
     assert!(freed.load(Ordering::SeqCst), "the owner goes once the read completed");
 }
+
+/// `Duration::MAX` as an operation's or a wait's timeout ("never"): both
+/// wait, and complete, instead of overflowing the clock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_timeout_of_duration_max_waits_forever() {
+    common::link("tcp");
+    let cfg = config(SoftLink::Tcp, None).with_timeout(Some(Duration::MAX));
+    let (a, b) = common::pair_with(cfg.clone(), cfg).await;
+    const LEN: usize = 8 << 20;
+    let src = RdmaMemory::alloc_for(&a, LEN).unwrap();
+    let dst = RdmaMemory::alloc_for(&b, LEN).unwrap();
+    // Asleep before the write comes: its deadline is taken now.
+    let waiter = tokio::spawn({
+        let b = b.clone();
+        async move { b.wait_for_write_with_timeout(Some(Duration::MAX)).await }
+    });
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    a.write_with_timeout(src.view(0, LEN).unwrap(), &dst.remote_buffer(), true, Some(Duration::MAX)).await.unwrap();
+    waiter.await.unwrap().unwrap();
+    // The transport's own timeout, Duration::MAX too.
+    let back = RdmaMemory::alloc_for(&a, LEN).unwrap();
+    a.read(back.view_mut(0, LEN).unwrap(), &dst.remote_buffer()).await.unwrap();
+}

@@ -112,7 +112,7 @@ impl TcpStoreServer {
     /// Waits until at least `expected` clients have connected and all of them
     /// have hung up, or `linger` passes. Lets the host outlive the last reply.
     pub fn wait_for_clients_to_leave(&self, expected: usize, linger: Duration) -> bool {
-        let deadline = Instant::now() + linger;
+        let deadline = ibverbx::deadline_after(linger);
         loop {
             let s = &self.shared;
             if s.seen.load(Ordering::Acquire) >= expected && s.active.load(Ordering::Acquire) == 0 {

@@ -838,7 +838,7 @@ impl Window {
             Some(e) => Err(rma(e)),
             None => Ok(()),
         };
-        let deadline = Instant::now() + timeout;
+        let deadline = ibverbx::deadline_after(timeout);
         // A stream-ordered signal (device memory registered) writes the
         // slot without waking sleepers: they look again often.
         let slice = if self.dev.is_some() { ctran::SEPARATE_SLICE } else { crate::unified::SLICE };

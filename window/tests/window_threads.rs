@@ -298,3 +298,26 @@ fn host_memory_registered_twice_serves_as_tensor_and_source() {
         });
     }
 }
+
+/// `Duration::MAX` (how callers say "wait forever") as a wait's timeout or
+/// the window's: the waits return once signalled, on mapped and separate
+/// signal paths, instead of overflowing the clock.
+#[test]
+fn a_timeout_of_duration_max_waits_forever() {
+    for unified in [true, false] {
+        ranks(2, move |rank, g| {
+            let opts = WindowOptions::new().timeout(Duration::MAX).unified(unified);
+            let w = Window::allocate(&g, 64, 1, opts).unwrap();
+            let peer = 1 - rank;
+            w.signal(peer, false).unwrap();
+            w.wait_signal(peer, Some(Duration::MAX)).unwrap();
+            w.signal(peer, false).unwrap();
+            // The window's own timeout, Duration::MAX too.
+            w.wait_signal(peer, None).unwrap();
+            w.signal_value(0, 7, peer, rmacomm_window::SignalOp::Set, false).unwrap();
+            w.wait_signal_until(0, 7, rmacomm_window::Cmp::Ge, Some(Duration::MAX)).unwrap();
+            w.wait_signal_until(0, 7, rmacomm_window::Cmp::Eq, None).unwrap();
+            g.barrier(None).unwrap();
+        });
+    }
+}

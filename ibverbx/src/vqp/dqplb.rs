@@ -213,9 +213,9 @@ impl SeqTracker {
     }
 
     /// When [`check`](Self::check) would fail if nothing arrives, if a hole
-    /// is open.
+    /// is open (and the timeout is one the clock can count).
     pub fn deadline(&self) -> Option<Instant> {
-        self.gap_since.map(|t| t + self.timeout)
+        self.gap_since.and_then(|t| t.checked_add(self.timeout))
     }
 
     /// Fails when a hole has persisted for the timeout at `now`.

@@ -269,7 +269,8 @@ impl VirtualCq {
     /// (`None`: forever), busy-polling for `busy_poll` first; returns how
     /// many completions were moved into `out` (0 on timeout).
     pub fn wait(&self, out: &mut [WorkCompletion], timeout: Option<Duration>, busy_poll: Duration) -> Result<usize> {
-        let deadline = timeout.map(|t| Instant::now() + t);
+        // A timeout past what the clock counts is forever.
+        let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
         loop {
             let n = self.poll(out)?;
             if n > 0 || out.is_empty() {

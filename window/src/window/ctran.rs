@@ -5,7 +5,7 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use rmacomm_transport::TransportError;
 
@@ -201,7 +201,7 @@ impl Window {
         let ready = || cmp.holds(slot.value.load(Ordering::Acquire), value);
         // Any peer may write the slot: none being gone is no reason to fail,
         // so only the deadline ends the wait.
-        let deadline = Instant::now() + timeout;
+        let deadline = ibverbx::deadline_after(timeout);
         if slot.wait(self.spin, slice, deadline, ready, || Ok(()))? {
             return Ok(());
         }

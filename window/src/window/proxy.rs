@@ -365,7 +365,7 @@ impl StreamProxy {
             if q.shutdown {
                 return Err(unsupported(op, "the window's stream proxy has stopped"));
             }
-            let deadline = Instant::now() + self.timeout;
+            let deadline = ibverbx::deadline_after(self.timeout);
             while q.outstanding + q.poisoned >= RING {
                 let now = Instant::now();
                 if now >= deadline || q.poisoned >= RING {
@@ -515,7 +515,7 @@ fn run(
                             source: TransportError::Timeout { op, after: timeout },
                         }));
                     } else {
-                        let deadline = deadline.or(Some(now + timeout));
+                        let deadline = deadline.or(now.checked_add(timeout));
                         active.push(Pending { guard, job: Job::WaitSlot { slot, want, link }, deadline });
                     }
                 }
