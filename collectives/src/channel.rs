@@ -108,7 +108,7 @@ impl Channels {
     pub(crate) fn run(
         &mut self,
         op: &'static str,
-        code: u16,
+        code: u32,
         seq: u64,
         transfers: Vec<Transfer<'_>>,
         timeout: Duration,
@@ -228,7 +228,7 @@ impl Channels {
 
     /// Puts chunk `k` of `data` to `peer` if the slot is free.
     #[allow(clippy::too_many_arguments)]
-    fn try_send(&mut self, op: &'static str, code: u16, seq: u64, peer: usize, data: &[u8], k: u64) -> Result<bool> {
+    fn try_send(&mut self, op: &'static str, code: u32, seq: u64, peer: usize, data: &[u8], k: u64) -> Result<bool> {
         let n = self.sent[peer];
         if n >= DEPTH {
             let acked = self.win.read_signal(self.ack_disp(peer)).map_err(Error::window(op))?;
@@ -242,7 +242,7 @@ impl Channels {
         let at = self.slot_offset(me, n);
         let mut hdr = [0u8; HDR];
         hdr[0..4].copy_from_slice(&MAGIC.to_le_bytes());
-        hdr[4..6].copy_from_slice(&code.to_le_bytes());
+        hdr[4..8].copy_from_slice(&code.to_le_bytes());
         hdr[8..16].copy_from_slice(&seq.to_le_bytes());
         hdr[16..24].copy_from_slice(&(data.len() as u64).to_le_bytes());
         hdr[24..28].copy_from_slice(&(k as u32).to_le_bytes());
@@ -270,7 +270,7 @@ impl Channels {
     fn check_header(
         &self,
         op: &'static str,
-        code: u16,
+        code: u32,
         seq: u64,
         peer: usize,
         len: usize,
@@ -284,7 +284,7 @@ impl Channels {
         let u32_at = |i: usize| u32::from_le_bytes(hdr[i..i + 4].try_into().expect("4 bytes"));
         let u64_at = |i: usize| u64::from_le_bytes(hdr[i..i + 8].try_into().expect("8 bytes"));
         let (their_code, their_seq, their_total, their_k, their_len) =
-            (u16::from_le_bytes([hdr[4], hdr[5]]), u64_at(8), u64_at(16), u32_at(24) as u64, u32_at(28) as usize);
+            (u32_at(4), u64_at(8), u64_at(16), u32_at(24) as u64, u32_at(28) as usize);
         let want_len = len.saturating_sub(k as usize * self.slot_bytes).min(self.slot_bytes);
         if u32_at(0) != MAGIC {
             return Err(Error::Mismatch { op, seq, reason: format!("rank {peer} sent a chunk without a header") });
@@ -295,8 +295,9 @@ impl Channels {
                 seq,
                 reason: format!(
                     "rank {peer} sent {} #{their_seq} with {their_total} bytes for this rank (chunk {their_k}); this \
-                     rank expects {op} #{seq} with {len} bytes (chunk {k})",
-                    crate::ops::op_name(their_code)
+                     rank expects {} #{seq} with {len} bytes (chunk {k})",
+                    crate::ops::describe(their_code),
+                    crate::ops::describe(code)
                 ),
             });
         }
@@ -326,7 +327,7 @@ impl Channels {
     }
 
     /// Takes chunk `k` of `out` from `peer` if it came.
-    fn try_recv(&mut self, op: &'static str, code: u16, seq: u64, peer: usize, out: &mut [u8], k: u64) -> Result<bool> {
+    fn try_recv(&mut self, op: &'static str, code: u32, seq: u64, peer: usize, out: &mut [u8], k: u64) -> Result<bool> {
         if !self.arrived(op, peer)? {
             return Ok(false);
         }
@@ -344,7 +345,7 @@ impl Channels {
     fn try_reduce(
         &mut self,
         op: &'static str,
-        code: u16,
+        code: u32,
         seq: u64,
         peers: &[usize],
         out: &mut [u8],

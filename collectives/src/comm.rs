@@ -228,6 +228,11 @@ impl Comm {
         &self.group
     }
 
+    /// Fails every later operation with `Unusable` and `reason`.
+    pub(crate) fn mark_unusable(&mut self, reason: &str) {
+        self.unusable.get_or_insert_with(|| reason.to_owned());
+    }
+
     /// Ends the communicator (collective: a barrier); later operations fail.
     pub fn finalize(&mut self) -> Result<()> {
         self.barrier()?;
@@ -313,7 +318,7 @@ impl Comm {
     }
 
     /// Runs transfers of the current collective.
-    pub(crate) fn exchange(&mut self, op: &'static str, code: u16, transfers: Vec<Transfer<'_>>) -> Result<()> {
+    pub(crate) fn exchange(&mut self, op: &'static str, code: u32, transfers: Vec<Transfer<'_>>) -> Result<()> {
         let seq = self.seq;
         self.exchange_seq(op, code, seq, transfers)
     }
@@ -321,7 +326,7 @@ impl Comm {
     pub(crate) fn exchange_seq(
         &mut self,
         op: &'static str,
-        code: u16,
+        code: u32,
         seq: u64,
         transfers: Vec<Transfer<'_>>,
     ) -> Result<()> {

@@ -9,20 +9,20 @@ use crate::error::{Error, Result};
 
 // Operation codes carried in chunk headers (to name a mismatched peer's
 // call).
-pub(crate) const SEND: u16 = 1;
-pub(crate) const BROADCAST: u16 = 2;
-pub(crate) const REDUCE: u16 = 3;
-pub(crate) const ALL_REDUCE: u16 = 4;
-pub(crate) const ALL_GATHER: u16 = 5;
-pub(crate) const REDUCE_SCATTER: u16 = 6;
-pub(crate) const ALL_TO_ALL: u16 = 7;
-pub(crate) const SCATTER: u16 = 8;
-pub(crate) const GATHER: u16 = 9;
-pub(crate) const BARRIER: u16 = 10;
-pub(crate) const BATCH: u16 = 11;
+pub(crate) const SEND: u32 = 1;
+pub(crate) const BROADCAST: u32 = 2;
+pub(crate) const REDUCE: u32 = 3;
+pub(crate) const ALL_REDUCE: u32 = 4;
+pub(crate) const ALL_GATHER: u32 = 5;
+pub(crate) const REDUCE_SCATTER: u32 = 6;
+pub(crate) const ALL_TO_ALL: u32 = 7;
+pub(crate) const SCATTER: u32 = 8;
+pub(crate) const GATHER: u32 = 9;
+pub(crate) const BARRIER: u32 = 10;
+pub(crate) const BATCH: u32 = 11;
 
-pub(crate) fn op_name(code: u16) -> &'static str {
-    match code {
+pub(crate) fn op_name(code: u32) -> &'static str {
+    match code & 0xffff {
         SEND => "send/recv",
         BROADCAST => "broadcast",
         REDUCE => "reduce",
@@ -36,6 +36,44 @@ pub(crate) fn op_name(code: u16) -> &'static str {
         BATCH => "batch",
         _ => "an unknown operation",
     }
+}
+
+/// `code` of a reduction of `dtype` with `op`: the element type and the
+/// operation (not PREMUL_SUM's factor, which is each rank's own) ride in
+/// the upper half, so that ranks reducing the same bytes as different
+/// types, or with different operations, fail as mismatched instead of
+/// each combining the bytes its own way.
+pub(crate) fn reducing(code: u32, dtype: DType, op: ReduceOp) -> u32 {
+    let dt = DType::ALL.iter().position(|&d| d == dtype).expect("every dtype is listed") as u32 + 1;
+    let op = match op {
+        ReduceOp::Sum => 1,
+        ReduceOp::Product => 2,
+        ReduceOp::Min => 3,
+        ReduceOp::Max => 4,
+        ReduceOp::Band => 5,
+        ReduceOp::Bor => 6,
+        ReduceOp::Bxor => 7,
+        ReduceOp::Avg => 8,
+        ReduceOp::PremulSum(_) => 9,
+        // An operation added to the kernels later: named as unknown.
+        _ => 0xff,
+    };
+    code | dt << 16 | op << 24
+}
+
+/// The call a chunk header's `code` names: "all_reduce of F16 with Avg".
+pub(crate) fn describe(code: u32) -> String {
+    let name = op_name(code);
+    let (dt, op) = ((code >> 16) & 0xff, code >> 24);
+    if dt == 0 {
+        return name.to_owned();
+    }
+    let dtype = DType::ALL.get(dt as usize - 1).map_or_else(|| "an unknown type".to_owned(), |d| format!("{d:?}"));
+    let op = ["Sum", "Product", "Min", "Max", "Band", "Bor", "Bxor", "Avg", "PremulSum"]
+        .get((op as usize).wrapping_sub(1))
+        .copied()
+        .unwrap_or("an unknown operation");
+    format!("{name} of {dtype} with {op}")
 }
 
 /// An all-reduce algorithm (hint `rmacomm::algo`).
@@ -137,7 +175,7 @@ impl Comm {
     pub(crate) fn reduce_scatter_blocks(
         &mut self,
         name: &'static str,
-        code: u16,
+        code: u32,
         input: &[u8],
         blocks: &[(usize, usize)],
         out: &mut [u8],
@@ -166,7 +204,7 @@ impl Comm {
     pub(crate) fn all_gather_blocks(
         &mut self,
         name: &'static str,
-        code: u16,
+        code: u32,
         out: &mut [u8],
         blocks: &[(usize, usize)],
     ) -> Result<()> {
@@ -212,6 +250,7 @@ impl Comm {
         rmacomm_kernels::check(dtype, op).map_err(|source| Error::Kernel { op: OP, source })?;
         let n = self.size();
         let blocks = blocks(buf.len(), n, dtype.size());
+        let code = reducing(ALL_REDUCE, dtype, op);
         match self.all_reduce_algo(buf.len()) {
             AllReduceAlgo::Ring => self.all_reduce_ring(buf, &blocks, dtype, op),
             AllReduceAlgo::OneShot => {
@@ -224,16 +263,16 @@ impl Comm {
                 if !peers.is_empty() {
                     transfers.push(Transfer::Reduce { peers, out: &mut *buf, combine: &combine });
                 }
-                self.exchange(OP, ALL_REDUCE, transfers)?;
+                self.exchange(OP, code, transfers)?;
                 Self::finish(OP, dtype, op, n, buf)
             }
             AllReduceAlgo::Direct => {
                 let (at, len) = blocks[self.rank()];
                 let mut mine = vec![0u8; len];
-                self.reduce_scatter_blocks(OP, ALL_REDUCE, buf, &blocks, &mut mine, dtype, op)?;
+                self.reduce_scatter_blocks(OP, code, buf, &blocks, &mut mine, dtype, op)?;
                 Self::finish(OP, dtype, op, n, &mut mine)?;
                 buf[at..at + len].copy_from_slice(&mine);
-                self.all_gather_blocks(OP, ALL_REDUCE, buf, &blocks)
+                self.all_gather_blocks(OP, code, buf, &blocks)
             }
         }
     }
@@ -245,10 +284,11 @@ impl Comm {
     fn all_reduce_ring(&mut self, buf: &mut [u8], blocks: &[(usize, usize)], dtype: DType, op: ReduceOp) -> Result<()> {
         const OP: &str = "all_reduce";
         let (me, n) = (self.rank(), self.size());
-        self.reduce_scatter_ring(OP, ALL_REDUCE, buf, blocks, dtype, op)?;
+        let code = reducing(ALL_REDUCE, dtype, op);
+        self.reduce_scatter_ring(OP, code, buf, blocks, dtype, op)?;
         let (at, len) = blocks[me];
         Self::finish(OP, dtype, op, n, &mut buf[at..at + len])?;
-        self.all_gather_ring(OP, ALL_REDUCE, buf, blocks)
+        self.all_gather_ring(OP, code, buf, blocks)
     }
 
     /// Ring reduce-scatter in place: n - 1 steps, each sending one block of
@@ -259,7 +299,7 @@ impl Comm {
     fn reduce_scatter_ring(
         &mut self,
         name: &'static str,
-        code: u16,
+        code: u32,
         buf: &mut [u8],
         blocks: &[(usize, usize)],
         dtype: DType,
@@ -326,7 +366,7 @@ impl Comm {
                 Transfer::Send { peer: partner, data },
                 Transfer::Reduce { peers: vec![partner], out: acc, combine: &combine },
             ];
-            self.exchange(name, REDUCE_SCATTER, t)?;
+            self.exchange(name, reducing(REDUCE_SCATTER, dtype, op), t)?;
             (lo, hi) = keep;
             d /= 2;
         }
@@ -339,7 +379,7 @@ impl Comm {
     fn all_gather_ring(
         &mut self,
         name: &'static str,
-        code: u16,
+        code: u32,
         out: &mut [u8],
         blocks: &[(usize, usize)],
     ) -> Result<()> {
@@ -408,13 +448,13 @@ impl Comm {
         let (me, n) = (self.rank(), self.size());
         if me != root {
             let data: &[u8] = buf;
-            return self.exchange(OP, REDUCE, vec![Transfer::Send { peer: root, data }]);
+            return self.exchange(OP, reducing(REDUCE, dtype, op), vec![Transfer::Send { peer: root, data }]);
         }
         let combine = Self::combiner(OP, dtype, op)?;
         let peers: Vec<usize> = (0..n).filter(|&p| p != me).collect();
         let transfers =
             if peers.is_empty() { vec![] } else { vec![Transfer::Reduce { peers, out: &mut *buf, combine: &combine }] };
-        self.exchange(OP, REDUCE, transfers)?;
+        self.exchange(OP, reducing(REDUCE, dtype, op), transfers)?;
         Self::finish(OP, dtype, op, n, buf)
     }
 
@@ -510,7 +550,7 @@ impl Comm {
         if !peers.is_empty() {
             transfers.push(Transfer::Reduce { peers, out: &mut *output, combine: &combine });
         }
-        self.exchange(OP, REDUCE_SCATTER, transfers)?;
+        self.exchange(OP, reducing(REDUCE_SCATTER, dtype, op), transfers)?;
         Self::finish(OP, dtype, op, n, output)
     }
 
@@ -551,7 +591,7 @@ impl Comm {
             check_dtype(OP, output.len(), dtype)?;
             let mut work = input.to_vec();
             let blocks: Vec<(usize, usize)> = (0..n).map(|r| (r * output.len(), output.len())).collect();
-            self.reduce_scatter_ring(OP, REDUCE_SCATTER, &mut work, &blocks, dtype, op)?;
+            self.reduce_scatter_ring(OP, reducing(REDUCE_SCATTER, dtype, op), &mut work, &blocks, dtype, op)?;
             let me = self.rank();
             output.copy_from_slice(&work[me * output.len()..(me + 1) * output.len()]);
             return Self::finish(OP, dtype, op, n, output);
@@ -617,11 +657,13 @@ impl Comm {
     ) -> Result<()> {
         const OP: &str = "all_to_all_v_single";
         let n = self.size();
-        let sum = |v: &[usize]| v.iter().sum::<usize>();
+        // Checked: splits that overflow the sum must not wrap to a length
+        // that matches (and then split past the buffer's end).
+        let sum = |v: &[usize]| v.iter().try_fold(0usize, |a, &l| a.checked_add(l));
         if output_splits.len() != n || input_splits.len() != n {
             return Err(Error::invalid(OP, format!("splits must have {n} entries")));
         }
-        if sum(output_splits) != output.len() || sum(input_splits) != input.len() {
+        if sum(output_splits) != Some(output.len()) || sum(input_splits) != Some(input.len()) {
             return Err(Error::invalid(OP, "the splits do not add up to the buffers' lengths"));
         }
         let mut inputs: Vec<&[u8]> = Vec::with_capacity(n);

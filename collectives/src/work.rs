@@ -90,7 +90,14 @@ impl AsyncComm {
             .spawn(move || {
                 let mut comm = comm;
                 while let Ok(job) = rx.recv() {
-                    job(&mut comm);
+                    // A submitted closure that panics fails its own work
+                    // (its result sender goes with the unwinding) and leaves
+                    // the communicator unusable, possibly mid-collective;
+                    // the worker lives on to fail the later ones.
+                    let run = std::panic::AssertUnwindSafe(|| job(&mut comm));
+                    if std::panic::catch_unwind(run).is_err() {
+                        comm.mark_unusable("an operation submitted to it panicked");
+                    }
                 }
                 comm
             })
@@ -109,7 +116,12 @@ impl AsyncComm {
         let job: Job = Box::new(move |c: &mut Comm| {
             let _ = tx.send(op(c));
         });
-        self.tx.as_ref().expect("present until into_inner").send(job).expect("the worker thread lives while self does");
+        // The worker ends only with `self` (it catches panics): were it gone
+        // anyway, the job comes back and drops its sender, and the work's
+        // wait reports it.
+        if let Some(q) = &self.tx {
+            let _ = q.send(job);
+        }
         CommWork { rx, done: None }
     }
 

@@ -57,3 +57,57 @@ fn windows_allocated_and_dropped_back_to_back() {
     });
     assert_eq!(done, vec![true, true]);
 }
+
+/// Splits that overflow when summed are refused (they used to wrap to the
+/// buffer's length and split past its end: a panic), and a closure that
+/// panics on an `AsyncComm` fails its own work and the later ones, naming
+/// why, instead of killing the worker and then the caller's next submit.
+#[test]
+fn overflowing_splits_are_refused_and_a_panicking_job_fails_its_work() {
+    let opts = CommOptions::new().timeout(Duration::from_secs(30));
+    let done = two_ranks(opts, |_rank, mut comm| {
+        let e = comm.all_to_all_v_single(&mut [], &[], &[usize::MAX, 1], &[usize::MAX, 1]).unwrap_err();
+        assert!(e.to_string().contains("all_to_all_v_single") && e.to_string().contains("add up"), "{e}");
+        let e = comm.all_to_all_v_single(&mut [0u8; 4], &[0u8; 4], &[usize::MAX, 5], &[2, 2]).unwrap_err();
+        assert!(e.to_string().contains("add up"), "{e}");
+        // Still matched on both ranks: nothing was exchanged.
+        comm.barrier().unwrap();
+
+        let a = rmacomm_collectives::AsyncComm::new(comm);
+        let mut bad = a.submit(|_c| -> rmacomm_collectives::Result<()> { panic!("a bug in the caller's closure") });
+        let e = bad.wait(Some(Duration::from_secs(30))).unwrap_err();
+        assert!(e.to_string().contains("panicked"), "{e}");
+        let mut later = a.submit(|c| c.barrier());
+        let e = later.wait(Some(Duration::from_secs(30))).unwrap_err();
+        assert!(e.to_string().contains("panicked"), "{e}");
+        a.into_inner().rank()
+    });
+    assert_eq!(done, vec![0, 1]);
+}
+
+/// Ranks reducing the same bytes as different element types, or with
+/// different operations, fail as mismatched on every rank, naming the
+/// peer's call: each used to combine the bytes its own way and return Ok
+/// (different results on different ranks).
+#[test]
+fn a_reduction_with_another_type_or_operation_is_a_mismatch() {
+    use rmacomm_collectives::{DType, Error, ReduceOp};
+    let cases = [
+        ((DType::F32, ReduceOp::Sum), (DType::I32, ReduceOp::Sum), "all_reduce of I32 with Sum"),
+        ((DType::F32, ReduceOp::Sum), (DType::F32, ReduceOp::Max), "all_reduce of F32 with Max"),
+        ((DType::F16, ReduceOp::Avg), (DType::F16, ReduceOp::Sum), "all_reduce of F16 with Sum"),
+    ];
+    for (mine, theirs, named) in cases {
+        let opts = CommOptions::new().timeout(Duration::from_secs(30));
+        let errs = two_ranks(opts, move |rank, mut comm| {
+            let (dtype, op) = if rank == 0 { mine } else { theirs };
+            let mut buf = [0u8; 64];
+            comm.all_reduce(&mut buf, dtype, op).unwrap_err()
+        });
+        for (rank, e) in errs.iter().enumerate() {
+            assert!(matches!(e, Error::Mismatch { .. }), "rank {rank}: {e}");
+            assert!(e.to_string().contains(&format!("rank {}", 1 - rank)), "rank {rank}: {e}");
+        }
+        assert!(errs[0].to_string().contains(named), "{}", errs[0]);
+    }
+}
