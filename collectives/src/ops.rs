@@ -162,8 +162,34 @@ impl Comm {
         })
     }
 
-    /// The reduction's last step on this rank's result (AVG divides by the
-    /// world size, PREMUL_SUM multiplies by its factor).
+    /// Scales this rank's own contribution in place before it is combined
+    /// (PREMUL_SUM by its factor, a float AVG by 1/n: `kern::scaler`).
+    fn scale_own(op_name: &'static str, dtype: DType, op: ReduceOp, n: usize, buf: &mut [u8]) -> Result<()> {
+        match rmacomm_kernels::scaler(dtype, op, n).map_err(|source| Error::Kernel { op: op_name, source })? {
+            Some(s) => s.prepare(buf).map_err(|source| Error::Kernel { op: op_name, source }),
+            None => Ok(()),
+        }
+    }
+
+    /// [`scale_own`](Self::scale_own) of an input the caller keeps: a
+    /// scaled copy when the op scales, else the input itself.
+    fn scaled_own<'a>(
+        op_name: &'static str,
+        dtype: DType,
+        op: ReduceOp,
+        n: usize,
+        input: &'a [u8],
+    ) -> Result<std::borrow::Cow<'a, [u8]>> {
+        if rmacomm_kernels::scaler(dtype, op, n).map_err(|source| Error::Kernel { op: op_name, source })?.is_none() {
+            return Ok(std::borrow::Cow::Borrowed(input));
+        }
+        let mut v = input.to_vec();
+        Self::scale_own(op_name, dtype, op, n, &mut v)?;
+        Ok(std::borrow::Cow::Owned(v))
+    }
+
+    /// The reduction's last step on this rank's result (an integer AVG
+    /// divides by the world size).
     fn finish(op_name: &'static str, dtype: DType, op: ReduceOp, n: usize, out: &mut [u8]) -> Result<()> {
         let r = rmacomm_kernels::reducer(dtype, op).map_err(|source| Error::Kernel { op: op_name, source })?;
         rmacomm_kernels::finish(&r, n, out).map_err(|source| Error::Kernel { op: op_name, source })
@@ -251,6 +277,8 @@ impl Comm {
         let n = self.size();
         let blocks = blocks(buf.len(), n, dtype.size());
         let code = reducing(ALL_REDUCE, dtype, op);
+        // The result replaces `buf`: its own contribution is scaled there.
+        Self::scale_own(OP, dtype, op, n, buf)?;
         match self.all_reduce_algo(buf.len()) {
             AllReduceAlgo::Ring => self.all_reduce_ring(buf, &blocks, dtype, op),
             AllReduceAlgo::OneShot => {
@@ -447,9 +475,11 @@ impl Comm {
         rmacomm_kernels::check(dtype, op).map_err(|source| Error::Kernel { op: OP, source })?;
         let (me, n) = (self.rank(), self.size());
         if me != root {
-            let data: &[u8] = buf;
-            return self.exchange(OP, reducing(REDUCE, dtype, op), vec![Transfer::Send { peer: root, data }]);
+            // Left as it was: a scaled copy goes.
+            let data = Self::scaled_own(OP, dtype, op, n, buf)?;
+            return self.exchange(OP, reducing(REDUCE, dtype, op), vec![Transfer::Send { peer: root, data: &data }]);
         }
+        Self::scale_own(OP, dtype, op, n, buf)?;
         let combine = Self::combiner(OP, dtype, op)?;
         let peers: Vec<usize> = (0..n).filter(|&p| p != me).collect();
         let transfers =
@@ -539,9 +569,22 @@ impl Comm {
         check_dtype(OP, output.len(), dtype)?;
         rmacomm_kernels::check(dtype, op).map_err(|source| Error::Kernel { op: OP, source })?;
         output.copy_from_slice(inputs[me]);
+        Self::scale_own(OP, dtype, op, n, output)?;
+        // The caller's inputs stay as they were: scaled copies go.
+        let scaled = inputs
+            .iter()
+            .enumerate()
+            .map(|(p, &data)| {
+                if p == me {
+                    Ok(std::borrow::Cow::Borrowed(&[][..]))
+                } else {
+                    Self::scaled_own(OP, dtype, op, n, data)
+                }
+            })
+            .collect::<Result<Vec<_>>>()?;
         let combine = Self::combiner(OP, dtype, op)?;
         let mut transfers: Vec<Transfer<'_>> = Vec::with_capacity(n);
-        for (p, data) in inputs.iter().enumerate() {
+        for (p, data) in scaled.iter().enumerate() {
             if p != me {
                 transfers.push(Transfer::Send { peer: p, data });
             }
@@ -580,6 +623,7 @@ impl Comm {
             rmacomm_kernels::check(dtype, op).map_err(|source| Error::Kernel { op: OP, source })?;
             check_dtype(OP, output.len(), dtype)?;
             let mut work = input.to_vec();
+            Self::scale_own(OP, dtype, op, n, &mut work)?;
             self.reduce_scatter_halving(OP, &mut work, output.len(), dtype, op)?;
             let me = self.rank();
             output.copy_from_slice(&work[me * output.len()..(me + 1) * output.len()]);
@@ -590,6 +634,7 @@ impl Comm {
             rmacomm_kernels::check(dtype, op).map_err(|source| Error::Kernel { op: OP, source })?;
             check_dtype(OP, output.len(), dtype)?;
             let mut work = input.to_vec();
+            Self::scale_own(OP, dtype, op, n, &mut work)?;
             let blocks: Vec<(usize, usize)> = (0..n).map(|r| (r * output.len(), output.len())).collect();
             self.reduce_scatter_ring(OP, reducing(REDUCE_SCATTER, dtype, op), &mut work, &blocks, dtype, op)?;
             let me = self.rank();

@@ -111,3 +111,47 @@ fn a_reduction_with_another_type_or_operation_is_a_mismatch() {
         assert!(errs[0].to_string().contains(named), "{}", errs[0]);
     }
 }
+
+/// Float AVG and PREMUL_SUM scale each rank's contribution before the sum,
+/// as NCCL does: an f16 average of 40000 and 40000 is 40000 (summing first
+/// overflowed to inf), and ranks with different PREMUL_SUM factors agree
+/// on Σ fᵣ·xᵣ (each used to multiply the whole sum by its own factor) —
+/// under every algorithm, and in reduce and reduce_scatter too.
+#[test]
+fn avg_and_premul_sum_scale_each_contribution_before_the_sum() {
+    use half::f16;
+    use rmacomm_collectives::{DType, ReduceOp};
+    let f16s = |v: &[f32]| v.iter().flat_map(|&x| f16::from_f32(x).to_le_bytes()).collect::<Vec<u8>>();
+    let back = |b: &[u8]| b.chunks(2).map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32()).collect::<Vec<f32>>();
+    for algo in ["oneshot", "direct", "ring"] {
+        let opts = CommOptions::new().timeout(Duration::from_secs(30)).hint("rmacomm::algo", algo);
+        let got = two_ranks(opts, move |rank, mut comm| {
+            let mut avg = f16s(&[40000.0; 6]);
+            comm.all_reduce(&mut avg, DType::F16, ReduceOp::Avg).unwrap();
+            let mut half = f16s(&[40000.0; 6]);
+            comm.all_reduce(&mut half, DType::F16, ReduceOp::PremulSum(0.5)).unwrap();
+            // Rank 0 weighs its 1s by 1, rank 1 by 3: 4 on both.
+            let mut weighed = f16s(&[1.0; 6]);
+            comm.all_reduce(&mut weighed, DType::F16, ReduceOp::PremulSum(1.0 + 2.0 * rank as f64)).unwrap();
+            let mut root = f16s(&[40000.0; 6]);
+            comm.reduce(&mut root, DType::F16, ReduceOp::Avg, 0).unwrap();
+            let input = f16s(&[40000.0; 6]);
+            let mut out = vec![0u8; 6];
+            comm.reduce_scatter_single(&mut out, &input, DType::F16, ReduceOp::Avg).unwrap();
+            (back(&avg), back(&half), back(&weighed), back(&root), back(&out), back(&input))
+        });
+        for (rank, (avg, half, weighed, root, out, input)) in got.into_iter().enumerate() {
+            let at = format!("{algo}, rank {rank}");
+            assert_eq!(avg, vec![40000.0; 6], "{at}: all_reduce Avg");
+            assert_eq!(half, vec![40000.0; 6], "{at}: all_reduce PremulSum(0.5)");
+            assert_eq!(weighed, vec![4.0; 6], "{at}: all_reduce PremulSum(1 or 3)");
+            if rank == 0 {
+                assert_eq!(root, vec![40000.0; 6], "{at}: reduce Avg at the root");
+            } else {
+                assert_eq!(root, vec![40000.0; 6], "{at}: reduce left a non-root's buffer as it was");
+            }
+            assert_eq!(out, vec![40000.0; 3], "{at}: reduce_scatter_single Avg");
+            assert_eq!(input, vec![40000.0; 6], "{at}: the caller's input stays as it was");
+        }
+    }
+}
