@@ -132,6 +132,9 @@ pub const BOUNCE_CHUNK: usize = 1 << 20;
 /// puts relies on posting order (see [`Window::signal`]): so this is large.
 const MAX_IN_FLIGHT: usize = 1 << 16;
 
+/// The most a rank's signal words may take (64 Mi value-signal slots).
+const MAX_SIGNAL_BYTES: usize = 1 << 30;
+
 /// One peer's connection. For a peer the two are the same transport; for
 /// this rank itself they are a loopback pair in this process, so that
 /// put/signal/get to self take the same path as to anyone else.
@@ -272,27 +275,46 @@ impl Window {
         let bound = |t: &RdmaTransport| t.bind().map_err(|e| Error::Transport { op: OP, source: e });
         let signal_src =
             Arc::new(RdmaMemory::alloc_for(&links[me].out, 8).map_err(|e| Error::Transport { op: OP, source: e })?);
-        let signal_dst = RdmaMemory::alloc_for(&links[me].out, SLOT * (n + opts.signal_slots))
-            .map_err(|e| Error::Transport { op: OP, source: e })?;
-        // Line 0: my signal buffer; line 1 + p: the URL of my transport for p.
+        let signal_bytes = n
+            .checked_add(opts.signal_slots)
+            .and_then(|k| k.checked_mul(SLOT))
+            .filter(|&b| b <= MAX_SIGNAL_BYTES)
+            .ok_or_else(|| {
+                Error::invalid(OP, format!("signal_slots({}) is more than a window holds", opts.signal_slots))
+            })?;
+        let signal_dst =
+            RdmaMemory::alloc_for(&links[me].out, signal_bytes).map_err(|e| Error::Transport { op: OP, source: e })?;
+        // Line 0: my signal buffer; line 1 + p: the URL of my transport for
+        // p; last: my signal_slots (every rank must pass the same).
         let mut blob = signal_dst.remote_buffer().to_string();
         for link in &links {
             blob.push('\n');
             blob.push_str(&bound(&link.out)?);
         }
+        blob.push_str(&format!("\nsignal_slots {}", opts.signal_slots));
         let self_in_url = bound(&links[me].inbound)?;
         let all = group.exchange("window", blob.as_bytes())?;
         let mut peer_urls = Vec::with_capacity(n);
         let mut signal_slots = Vec::with_capacity(n);
         let mut signal_bufs = Vec::with_capacity(n);
-        for (p, value) in all.iter().enumerate() {
-            let text = String::from_utf8_lossy(value);
+        let texts: Vec<_> = all.iter().map(|v| String::from_utf8_lossy(v)).collect();
+        // Checked on every rank before any is used: a rank passing another
+        // signal_slots would signal into words its peer never waits on.
+        let slots_of = |t: &str| t.lines().last().and_then(|l| l.strip_prefix("signal_slots ")?.parse::<usize>().ok());
+        if let Some(p) = (0..n).find(|&p| slots_of(&texts[p]) != Some(opts.signal_slots)) {
+            let theirs = slots_of(&texts[p]).map_or_else(|| "no valid count".to_owned(), |k| k.to_string());
+            return Err(Error::Mismatch {
+                op: OP.to_owned(),
+                detail: format!("this rank ({me}) passed signal_slots {}, rank {p} {theirs}", opts.signal_slots),
+            });
+        }
+        for (p, text) in texts.iter().enumerate() {
             let lines: Vec<&str> = text.lines().collect();
             let bad = || Error::Protocol(format!("{OP}: rank {p} sent a malformed window descriptor"));
-            if lines.len() != n + 1 {
+            if lines.len() != n + 2 {
                 return Err(bad());
             }
-            let need = (SLOT * (n + opts.signal_slots)) as u64;
+            let need = signal_bytes as u64;
             let buf = RdmaRemoteBuffer::parse(lines[0]).filter(|rb| rb.len >= need).ok_or_else(bad)?;
             signal_slots.push(buf.slice((SLOT * me) as u64, 8).expect("checked"));
             signal_bufs.push(buf);
@@ -598,7 +620,10 @@ impl Window {
     ) -> Result<Work<'a>> {
         const OP: &str = "put";
         let remote = self.target(OP, dst_rank, target_offset_nelems, src.len())?;
-        if let Some((m, off)) = self.mapped(dst_rank, &remote) {
+        // Device memory is not the host's to copy: it takes the transport
+        // (a peer's mapped host buffer is a transport target too).
+        let mapped = if src.memory().is_device() { None } else { self.mapped(dst_rank, &remote) };
+        if let Some((m, off)) = mapped {
             let r = self.peer_alive(dst_rank).and_then(|()| m.put(src, off));
             return self.done(OP, dst_rank, r, async_op);
         }
@@ -666,7 +691,9 @@ impl Window {
     ) -> Result<Work<'a>> {
         const OP: &str = "get";
         let remote = self.target(OP, src_rank, source_offset_nelems, dst.len())?;
-        if let Some((m, off)) = self.mapped(src_rank, &remote) {
+        // As in `put`: device memory takes the transport.
+        let mapped = if dst.memory().is_device() { None } else { self.mapped(src_rank, &remote) };
+        if let Some((m, off)) = mapped {
             let r = self.peer_alive(src_rank).and_then(|()| m.get(dst, off));
             return self.done(OP, src_rank, r, async_op);
         }

@@ -224,6 +224,42 @@ fn device_tensors_through_the_transport() {
     }
 }
 
+/// Device memory as the source of a put, and the destination of a get,
+/// with a same-host peer whose tensor is host shared memory (mapped here):
+/// the host cannot copy device memory itself, so these take the transport
+/// (they failed, "the local region is device memory").
+#[test]
+fn device_sources_and_destinations_with_mapped_host_peers() {
+    if !use_standin() {
+        return;
+    }
+    ranks(2, move |rank, g| {
+        let peer = 1 - rank;
+        let mut w = window(&g);
+        const N: usize = (1 << 20) + 12;
+        w.tensor_register(w.alloc(2 * N).unwrap(), 1).unwrap();
+        assert!(w.local_tensor().unwrap().device().is_none());
+        let src = w.alloc_cuda(N, 0).unwrap();
+        let back = w.alloc_cuda(N, 0).unwrap();
+        let data = |r: usize| (0..N).map(|i| (i * 5 + r * 17) as u8).collect::<Vec<u8>>();
+        src.write_from(0, &data(rank)).unwrap();
+        for async_op in [false, true] {
+            w.put(src.view(0, N).unwrap(), peer, rank * N, async_op).unwrap().wait(None).unwrap();
+            w.signal(peer, false).unwrap();
+            w.wait_signal(peer, None).unwrap();
+            let mut got = vec![0u8; N];
+            w.local_tensor().unwrap().read_into(peer * N, &mut got).unwrap();
+            assert!(got == data(peer), "rank {rank}: what rank {peer} put (async {async_op})");
+            w.get(back.view_mut(0, N).unwrap(), peer, rank * N, async_op).unwrap().wait(None).unwrap();
+            let mut got = vec![0u8; N];
+            back.read_into(0, &mut got).unwrap();
+            assert!(got == data(rank), "rank {rank}: get from rank {peer} (async {async_op})");
+            g.barrier(None).unwrap();
+        }
+        w.tensor_deregister().unwrap();
+    });
+}
+
 /// A word of host memory the device reads (a gate a stream waits at).
 struct Gate {
     _reg: rmacomm_window::cuda::device::HostRegistration,

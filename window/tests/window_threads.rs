@@ -321,3 +321,21 @@ fn a_timeout_of_duration_max_waits_forever() {
         });
     }
 }
+
+/// Ranks passing different `signal_slots` fail on every rank, naming it
+/// (a rank's value signals went into words its peer never waits on), and a
+/// count too large to hold is refused before anything is allocated.
+#[test]
+fn ranks_disagreeing_on_signal_slots_fail_on_every_rank() {
+    ranks(2, |rank, g| {
+        let opts = WindowOptions::new().timeout(Duration::from_secs(30));
+        let e = Window::allocate(&g, 64, if rank == 0 { 4 } else { 0 }, opts).unwrap_err();
+        assert!(matches!(e, Error::Mismatch { .. }), "rank {rank}: {e}");
+        assert!(e.to_string().contains("signal_slots") && e.to_string().contains(&format!("rank {}", 1 - rank)), "{e}");
+    });
+    ranks(1, |_rank, g| {
+        let opts = WindowOptions::new().timeout(Duration::from_secs(30));
+        let e = Window::allocate(&g, 64, 1 << 60, opts).unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument { .. }) && e.to_string().contains("signal_slots"), "{e}");
+    });
+}
