@@ -216,6 +216,11 @@ pub struct Window {
     spin: Duration,
     /// Signal tasks not yet finished.
     signals_in_flight: Arc<AtomicUsize>,
+    /// Per peer reached through the transport: the end of the last value
+    /// signal issued to it (its sender drops when that signal's task ends).
+    /// Each value signal waits for the one before: two SETs in flight at
+    /// once could land in either order, the earlier value winning.
+    value_chain: Vec<std::sync::Mutex<Option<tokio::sync::oneshot::Receiver<()>>>>,
     /// Every connection has one QP (no striping): its writes are placed in
     /// posting order, so a SEPARATE signal needs no fence write.
     in_order: bool,
@@ -353,6 +358,7 @@ impl Window {
             value_slots: opts.signal_slots,
             spin: opts.spin,
             signals_in_flight: Arc::new(AtomicUsize::new(0)),
+            value_chain: (0..n).map(|_| std::sync::Mutex::new(None)).collect(),
             bounce: std::sync::Mutex::new(None),
             in_order,
             timeout,

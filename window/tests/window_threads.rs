@@ -339,3 +339,32 @@ fn ranks_disagreeing_on_signal_slots_fail_on_every_rank() {
         assert!(matches!(e, Error::InvalidArgument { .. }) && e.to_string().contains("signal_slots"), "{e}");
     });
 }
+
+/// Async value SETs to one peer take effect in call order, over striped,
+/// reordering connections: the last value stays (two SETs in flight at
+/// once used to land in either order, an earlier value winning and the
+/// waiter for the last one timing out).
+#[test]
+fn async_value_sets_land_in_call_order() {
+    for seed in [3, 11] {
+        ranks(2, move |rank, g| {
+            let w = Window::allocate(&g, 8, 1, chaotic(LoadBalancing::Spray, seed)).unwrap();
+            assert!(!w.all_unified(), "the test needs transport signals");
+            if rank == 0 {
+                let works: Vec<_> = (1..=200u64)
+                    .map(|v| w.signal_value(0, v, 1, rmacomm_window::SignalOp::Set, true).unwrap())
+                    .collect();
+                for k in works {
+                    k.wait(None).unwrap();
+                }
+            } else {
+                w.wait_signal_until(0, 200, rmacomm_window::Cmp::Eq, Some(Duration::from_secs(20))).unwrap();
+            }
+            g.barrier(None).unwrap();
+            // Still 200 once everything has landed.
+            if rank == 1 {
+                assert_eq!(w.read_signal(0).unwrap(), 200);
+            }
+        });
+    }
+}

@@ -131,6 +131,8 @@ impl Window {
     /// this rank's counting slot at the peer, waited for (the fence: every
     /// earlier put is placed once it completes), then an RDMA write of the
     /// value (`Set`) or an RDMA fetch-and-add (`Add`); the waiter polls.
+    /// Value signals to one peer take effect in call order (async ones
+    /// too: each starts when the one before has ended).
     pub fn signal_value(
         &self,
         signal_disp: usize,
@@ -160,8 +162,16 @@ impl Window {
         word.write_from(0, &value.to_le_bytes()).map_err(|source| Error::Transport { op: OP, source })?;
         let in_order = self.in_order;
         let counter = InFlight::enter(&self.signals_in_flight);
+        // In call order: this signal starts once the previous one to this
+        // peer has ended (its value placed, or failed).
+        let (done, ended) = tokio::sync::oneshot::channel::<()>();
+        let previous = self.value_chain[dst_rank].lock().unwrap_or_else(|e| e.into_inner()).replace(ended);
         let task = self.rt.spawn(async move {
             let _counter = counter;
+            let _done = done;
+            if let Some(previous) = previous {
+                let _ = previous.await;
+            }
             if !in_order {
                 // Striped connections place writes in any order: a write
                 // waited for first proves every earlier put placed.
