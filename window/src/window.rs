@@ -485,8 +485,11 @@ impl Window {
         let mut peers = Vec::with_capacity(all.len());
         for (p, value) in all.iter().enumerate() {
             let text = String::from_utf8_lossy(value);
-            let parsed =
-                text.split_once('\n').and_then(|(rb, es)| Some((RdmaRemoteBuffer::parse(rb)?, es.parse().ok()?)));
+            // An element size of 0 is no registration's (it would divide
+            // by zero in bounds checks).
+            let parsed = text.split_once('\n').and_then(|(rb, es)| {
+                Some((RdmaRemoteBuffer::parse(rb)?, es.parse::<usize>().ok().filter(|&es| es > 0)?))
+            });
             peers.push(parsed.ok_or_else(|| Error::Protocol(format!("{OP}: rank {p} sent a malformed descriptor")))?);
         }
         // UNIFIED peers' tensors, mapped here when they are shared segments.
