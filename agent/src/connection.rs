@@ -208,7 +208,7 @@ impl Conn {
         if lane.queued > 0 || !lane.credit.has_room() {
             return None;
         }
-        Some(self.post_notification(lane, message))
+        self.post_notification(lane, message)
     }
 
     /// Hands `message` to the notifier, behind the notifications already
@@ -224,8 +224,14 @@ impl Conn {
         Ok(())
     }
 
-    /// Claims the next seq and posts its notification (the lane has room).
-    fn post_notification(&self, lane: &mut Lane, message: &[u8]) -> BoxFuture<'static, Result<(), AgentError>> {
+    /// Posts the notification of the next seq and claims the seq (the lane
+    /// has room) — only if the transport posts it now: `None`, with nothing
+    /// claimed or posted, when every in-flight slot is taken. A seq is
+    /// never claimed by a write still to be posted: the peer counts
+    /// notifications in the order they are posted, and one posted later
+    /// (when a dropped transfer's future was never polled again, or behind
+    /// the next one) would leave the peer reading a slot that holds none.
+    fn post_notification(&self, lane: &mut Lane, message: &[u8]) -> Option<BoxFuture<'static, Result<(), AgentError>>> {
         let seq = lane.credit.next();
         let image = ring::encode(seq, message);
         let at = ring::HEAD + (seq % u64::from(self.slots_out)) as usize * ring::SLOT;
@@ -235,17 +241,19 @@ impl Conn {
             .expect("a slot fits the ring");
         let peer = self.peer.clone();
         if let Err(e) = self.staging.write_from(at, &image) {
-            return futures::future::ready(Err(AgentError::from_transport(&peer, e))).boxed();
+            return Some(futures::future::ready(Err(AgentError::from_transport(&peer, e))).boxed());
         }
+        let write = self.transport.try_write_owned(self.staging.clone(), at, image.len(), &dst, true)?;
         lane.credit.sent();
-        let write = self.transport.write_owned(self.staging.clone(), at, image.len(), &dst, true);
         let counters = self.counters.clone();
-        async move {
-            write.await.map_err(|e| AgentError::from_transport(&peer, e))?;
-            Counters::add(&counters.notifications_sent, 1);
-            Ok(())
-        }
-        .boxed()
+        Some(
+            async move {
+                write.await.map_err(|e| AgentError::from_transport(&peer, e))?;
+                Counters::add(&counters.notifications_sent, 1);
+                Ok(())
+            }
+            .boxed(),
+        )
     }
 }
 
@@ -275,20 +283,45 @@ async fn notifier(out: Outgoing, mut jobs: mpsc::UnboundedReceiver<Job>) {
     }
 }
 
-/// Waits for room in the peer's ring and posts the notification (taking
-/// it off the lane's queue count in the same step).
+/// A `Timeout` naming `op` once `timeout` has passed since `started`.
+fn check_timeout(peer: &str, started: Instant, timeout: Option<Duration>, op: &'static str) -> Result<(), AgentError> {
+    match timeout {
+        Some(t) if started.elapsed() >= t => Err(AgentError::Timeout { peer: peer.to_owned(), op, after: t }),
+        _ => Ok(()),
+    }
+}
+
+/// Waits for room in the peer's ring, and for an in-flight slot, and posts
+/// the notification (taking it off the lane's queue count in the same
+/// step).
 async fn post_one(out: &Outgoing, message: &[u8]) -> Result<BoxFuture<'static, Result<(), AgentError>>, AgentError> {
     let peer = out.peer.clone();
     let started = Instant::now();
     let mut backoff = Duration::from_micros(20);
     loop {
         let c = out.conn.upgrade().ok_or_else(|| AgentError::PeerRemoved { peer: peer.clone() })?;
-        {
+        let slots_taken = {
             let mut lane = c.lane();
             if lane.credit.has_room() {
-                lane.queued -= 1;
-                return Ok(c.post_notification(&mut lane, message));
+                match c.post_notification(&mut lane, message) {
+                    Some(posted) => {
+                        lane.queued -= 1;
+                        return Ok(posted);
+                    }
+                    None => true,
+                }
+            } else {
+                false
             }
+        };
+        if slots_taken {
+            // Every in-flight slot is taken (the transfers' pieces): look
+            // again shortly. Later notifications queue behind this one.
+            check_timeout(&peer, started, c.timeout, "notification (no in-flight slot frees)")?;
+            drop(c);
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(Duration::from_millis(2));
+            continue;
         }
         // The peer's agent has not (as far as we know) taken the
         // notification in the slot we need off its ring: ask how many it
@@ -304,15 +337,7 @@ async fn post_one(out: &Outgoing, message: &[u8]) -> Result<BoxFuture<'static, R
             lane.credit.has_room()
         };
         if !has_room {
-            if let Some(t) = c.timeout {
-                if started.elapsed() >= t {
-                    return Err(AgentError::Timeout {
-                        peer,
-                        op: "notification (the peer's ring stays full)",
-                        after: t,
-                    });
-                }
-            }
+            check_timeout(&peer, started, c.timeout, "notification (the peer's ring stays full)")?;
             drop(c);
             tokio::time::sleep(backoff).await;
             backoff = (backoff * 2).min(Duration::from_millis(2));

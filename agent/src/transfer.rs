@@ -227,19 +227,43 @@ fn post<'a>(peer: &str, conn: &Arc<Conn>, p: Posting<'a>) -> Result<Stage<'a>, A
             (LocalMem::Owned(mem), Op::Read) => named(name, t.read_owned(mem.clone(), off, len, &remote)),
         }
     };
+    // A write piece posted now, or `None` (nothing posted) when no in-flight
+    // slot is free.
+    let try_piece = |o: &PlannedOp| -> Option<Piece<'a>> {
+        let remote = remote_of(o);
+        let name = peer.to_owned();
+        let (off, len, t) = (o.local_off, o.len, &conn.transport);
+        match &p.locals[o.local] {
+            LocalMem::Borrowed(mem) => {
+                t.try_write(mem.view(off, len).expect("inside a view"), &remote, false).map(|f| named(name, f))
+            }
+            LocalMem::Owned(mem) => t.try_write_owned(mem.clone(), off, len, &remote, false).map(|f| named(name, f)),
+        }
+    };
     let pieces = FuturesUnordered::new();
     let behind =
         p.notify.is_some() && p.op == Op::Write && conn.ordered && conn.overflowing.load(Ordering::Acquire) == 0;
     if behind {
-        // Under the lane lock nobody else of this agent posts on the
-        // transport (one credit read of the notifier aside: the margin).
+        // The notification goes right behind the pieces only if every piece
+        // is posted now: others of this agent (requests without a
+        // notification, reads) post without the lane lock and may take the
+        // slots counted here, and a piece left to post later would be
+        // counted after the notification announcing it.
         let mut lane = conn.lane();
         if conn.transport.free_slots() >= p.plan.len() + 2 && conn.overflowing.load(Ordering::Acquire) == 0 {
+            let mut all_posted = true;
             for o in &p.plan {
-                pieces.push(piece(o));
+                let posted = if all_posted { try_piece(o) } else { None };
+                all_posted &= posted.is_some();
+                pieces.push(posted.unwrap_or_else(|| piece(o)));
             }
-            pieces.push(send_notification(conn, &mut lane, p.notify.expect("checked")));
-            return Ok(Stage::Moving { pieces, notify: None, _overflow: None });
+            if all_posted {
+                pieces.push(send_notification(conn, &mut lane, p.notify.expect("checked")));
+                return Ok(Stage::Moving { pieces, notify: None, _overflow: None });
+            }
+            // Some wait for a slot: the notification follows their
+            // completions instead.
+            return Ok(notify_after(conn, pieces, p.notify, None));
         }
     }
     let overflow = (p.plan.len() > conn.transport.free_slots()).then(|| {

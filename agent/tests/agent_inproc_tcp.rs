@@ -30,3 +30,8 @@ t!(tcp_peers_are_not_mapped, common::same_host_path(false));
 t!(tokens_never_show, common::tokens_never_show());
 t!(a_dropped_peer_region_fails_the_request, common::a_dropped_peer_region_fails_the_request());
 t!(owned_transfers_are_static, common::owned_transfers_are_static());
+t!(
+    a_notification_dropped_while_the_slots_are_taken_still_arrives,
+    common::a_notification_dropped_while_the_slots_are_taken_still_arrives()
+);
+t!(a_notification_never_overtakes_its_pieces, common::a_notification_never_overtakes_its_pieces());

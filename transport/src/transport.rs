@@ -492,11 +492,7 @@ impl RdmaTransport {
         notify: bool,
         timeout: Option<Duration>,
     ) -> impl Future<Output = Result<(), TransportError>> + Send + 'a {
-        let op = if notify {
-            SendOp::RdmaWriteWithImm { remote_addr: remote.addr, rkey: remote.key, imm: 0 }
-        } else {
-            SendOp::RdmaWrite { remote_addr: remote.addr, rkey: remote.key }
-        };
+        let op = write_op(remote, notify);
         let started = self.start(self.prepare("write", local.mem, local.offset, local.len, remote, op));
         self.run(started, "write", timeout, local)
     }
@@ -514,14 +510,50 @@ impl RdmaTransport {
         remote: &RdmaRemoteBuffer,
         notify: bool,
     ) -> impl Future<Output = Result<(), TransportError>> + Send + 'static {
-        let op = if notify {
-            SendOp::RdmaWriteWithImm { remote_addr: remote.addr, rkey: remote.key, imm: 0 }
-        } else {
-            SendOp::RdmaWrite { remote_addr: remote.addr, rkey: remote.key }
-        };
+        let op = write_op(remote, notify);
         let prepared = local.view(offset, len).and_then(|_| self.prepare("write", &local, offset, len, remote, op));
         let started = self.start(prepared);
         self.run(started, "write", self.inner.config.timeout, local)
+    }
+
+    /// [`write`](Self::write), only if it is posted (or copied) now:
+    /// `None` when every in-flight slot is taken, and then nothing was
+    /// posted. For a caller that must know its writes were posted in the
+    /// order it made them (a notification behind the data it announces):
+    /// `write` would post later, when its future is polled and a slot frees.
+    pub fn try_write<'a>(
+        &self,
+        local: View<'a>,
+        remote: &RdmaRemoteBuffer,
+        notify: bool,
+    ) -> Option<impl Future<Output = Result<(), TransportError>> + Send + 'a> {
+        let op = write_op(remote, notify);
+        let started = self.start(self.prepare("write", local.mem, local.offset, local.len, remote, op));
+        // Not posted: the operation (and the registration it held) goes.
+        if matches!(started, Ok(Start::Waiting(_))) {
+            return None;
+        }
+        Some(self.run(started, "write", self.inner.config.timeout, local))
+    }
+
+    /// [`write_owned`](Self::write_owned), only if it is posted (or
+    /// copied) now: `None` when every in-flight slot is taken, and then
+    /// nothing was posted (see [`try_write`](Self::try_write)).
+    pub fn try_write_owned(
+        &self,
+        local: Arc<crate::RdmaMemory>,
+        offset: usize,
+        len: usize,
+        remote: &RdmaRemoteBuffer,
+        notify: bool,
+    ) -> Option<impl Future<Output = Result<(), TransportError>> + Send + 'static> {
+        let op = write_op(remote, notify);
+        let prepared = local.view(offset, len).and_then(|_| self.prepare("write", &local, offset, len, remote, op));
+        let started = self.start(prepared);
+        if matches!(started, Ok(Start::Waiting(_))) {
+            return None;
+        }
+        Some(self.run(started, "write", self.inner.config.timeout, local))
     }
 
     /// Reads the peer's `remote` buffer into `local` (zero-copy). Posted when
@@ -1447,6 +1479,15 @@ struct Op {
     mem: Option<Held>,
     /// Where `sge` starts in `mem`.
     local_off: usize,
+}
+
+/// The WR of a write to `remote`, notifying (a WRITE_WITH_IMM) or not.
+fn write_op(remote: &RdmaRemoteBuffer, notify: bool) -> SendOp {
+    if notify {
+        SendOp::RdmaWriteWithImm { remote_addr: remote.addr, rkey: remote.key, imm: 0 }
+    } else {
+        SendOp::RdmaWrite { remote_addr: remote.addr, rkey: remote.key }
+    }
 }
 
 /// The instant `t` from now (far away for a timeout past what the clock

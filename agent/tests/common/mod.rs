@@ -656,3 +656,89 @@ pub async fn owned_transfers_are_static() {
     // Bounds are checked when the block is made.
     assert!(OwnedBlock::new(back.clone(), 16 * B - 8, 16).is_err());
 }
+
+/// A notification made while every in-flight slot is taken, and dropped
+/// before its future ran: it still reaches the peer, in its place, and the
+/// ones after it too. (Its ring seq used to be claimed before its write
+/// was posted, which then never happened: the next notification landed in
+/// the next slot, the peer found none in the one it expected and dropped
+/// the connection.)
+pub async fn a_notification_dropped_while_the_slots_are_taken_still_arrives() {
+    const B: usize = 1 << 20;
+    let few = config()
+        .with_transport(TransportConfig::default().with_timeout(Some(Duration::from_secs(30))).with_max_in_flight(4));
+    let (decode, prefill, _cache, region) = pair_with(config(), few, 128 * B);
+    let kv = prefill.alloc(64 * B).unwrap();
+    prefill.register(&kv).unwrap();
+    prefill.connect("decode").await.unwrap();
+    let pieces: Vec<_> =
+        (0..64).map(|b| (kv.view(b * B, B).unwrap(), RemoteBlock::new(region, (b * 2 * B) as u64, B as u64))).collect();
+    // Takes the four slots; the rest of its pieces wait to be polled.
+    let big = prefill.transfer(Op::Write, "decode", &pieces, None).unwrap();
+    let mut b = prefill.notify("decode", b"B").unwrap();
+    let _ = b.status();
+    drop(b);
+    big.await.unwrap();
+    prefill.notify("decode", b"C").unwrap().await.unwrap();
+    assert_eq!(next_notification(&decode).await.message, b"B");
+    assert_eq!(next_notification(&decode).await.message, b"C");
+    no_more_notifications(&decode).await;
+}
+
+/// A request whose notification goes right behind its pieces, while
+/// another task's requests take in-flight slots at the same time: the
+/// notification never arrives before the data it announces. (Pieces that
+/// lost their slot to the other task were posted later, behind the
+/// notification, which the peer then saw first.)
+pub async fn a_notification_never_overtakes_its_pieces() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    const B: usize = 4096;
+    let few = config()
+        .with_transport(TransportConfig::default().with_timeout(Some(Duration::from_secs(30))).with_max_in_flight(16));
+    let (decode, prefill, cache, region) = pair_with(config(), few, 64 * B);
+    let prefill = Arc::new(prefill);
+    let kv = Arc::new(prefill.alloc(64 * B).unwrap());
+    prefill.register(&kv).unwrap();
+    prefill.connect("decode").await.unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    // Task A: 12-piece writes without a notification into blocks 32..44.
+    let noise = tokio::spawn({
+        let (prefill, kv, stop) = (prefill.clone(), kv.clone(), stop.clone());
+        async move {
+            while !stop.load(Ordering::Relaxed) {
+                let pieces: Vec<_> = (0..12)
+                    .map(|b| {
+                        (
+                            kv.view((32 + b) * B, B).unwrap(),
+                            RemoteBlock::new(region, ((32 + 2 * b) * B) as u64, B as u64),
+                        )
+                    })
+                    .collect();
+                prefill.transfer(Op::Write, "decode", &pieces, None).unwrap().await.unwrap();
+            }
+        }
+    });
+    // Task B (here): 8-piece writes of round r's pattern into blocks 0..8,
+    // each announcing r; decode checks the blocks when r arrives.
+    let mut stream = decode.notifications();
+    for r in 0..600u64 {
+        let want = pattern(8 * B, r);
+        kv.write_from(0, &want).unwrap();
+        let pieces: Vec<_> =
+            (0..8).map(|b| (kv.view(b * B, B).unwrap(), RemoteBlock::new(region, (b * B) as u64, B as u64))).collect();
+        let t = prefill.transfer(Op::Write, "decode", &pieces, Some(&r.to_le_bytes())).unwrap();
+        // The transfer is polled meanwhile: a notification not sent right
+        // behind the pieces is sent once a poll sees them placed.
+        let check = async {
+            let n = tokio::time::timeout(Duration::from_secs(20), stream.next()).await.unwrap().unwrap();
+            (n, contents(&cache, 0, 8 * B))
+        };
+        let ((n, got), sent) = tokio::join!(check, t);
+        sent.unwrap();
+        assert_eq!(n.message, r.to_le_bytes());
+        assert!(got == want, "round {r}: the notification arrived before its data");
+    }
+    stop.store(true, Ordering::Relaxed);
+    noise.await.unwrap();
+}
