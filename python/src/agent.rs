@@ -454,7 +454,8 @@ impl PyTransferAgent {
         if let Some((peer, msg)) = self.unstash() {
             return Ok((peer, PyBytes::new(py, &msg)));
         }
-        let deadline = limit.map(|t| Instant::now() + t);
+        // Past the clock's range (timeout=sys.maxsize): no deadline, not a panic.
+        let deadline = limit.and_then(|t| Instant::now().checked_add(t));
         let mut stream = self.agent().notifications();
         let r = wait::sliced(py, deadline, |slice| {
             rt().block_on(async { tokio::time::timeout(slice, stream.next()).await.ok() })

@@ -131,7 +131,8 @@ impl PyAgentTransfer {
     #[pyo3(signature = (timeout=None))]
     fn wait(&self, py: Python<'_>, timeout: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
         let limit = timeout::duration(timeout, "timeout")?;
-        let deadline = limit.map(|t| Instant::now() + t);
+        // Past the clock's range (timeout=sys.maxsize): no deadline, not a panic.
+        let deadline = limit.and_then(|t| Instant::now().checked_add(t));
         let rx = self.rx.clone();
         let r = wait::sliced(py, deadline, |slice: Duration| {
             rt().block_on(async { tokio::time::timeout(slice, finished(rx.clone())).await.ok() })

@@ -119,6 +119,12 @@ pub(crate) fn parse_shape(obj: &Bound<'_, PyAny>) -> PyResult<Vec<usize>> {
     obj.extract::<Vec<usize>>().map_err(|_| PyValueError::new_err("shape must be an int or a sequence of ints >= 0"))
 }
 
+/// Bytes of an array of `shape` with elements `e`; `None` past `usize`
+/// (a size that wrapped would pass bounds checks it fails).
+pub(crate) fn nbytes(shape: &[usize], e: &Elem) -> Option<usize> {
+    shape.iter().try_fold(e.size, |a, &d| a.checked_mul(d))
+}
+
 /// The kind `like` asks for.
 pub(crate) fn kind_of(like: &Bound<'_, PyAny>) -> PyResult<Kind> {
     let py = like.py();
@@ -149,10 +155,7 @@ pub(crate) fn alloc<'py>(
         Some(l) => kind_of(l)?,
         None => dkind.unwrap_or(Kind::Numpy),
     };
-    let bytes = shape
-        .iter()
-        .try_fold(e.size, |a, &d| a.checked_mul(d))
-        .ok_or_else(|| PyValueError::new_err(format!("shape {shape:?} is too large")))?;
+    let bytes = nbytes(&shape, e).ok_or_else(|| PyValueError::new_err(format!("shape {shape:?} is too large")))?;
     let mem = py.detach(|| Registered::alloc(bytes)).map_err(py_err)?;
     let ptr = mem.mem.as_ptr();
     make(py, ptr, shape, e, kind, Keep::Alloc(mem))

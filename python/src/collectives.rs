@@ -424,7 +424,8 @@ impl PyComm {
         let o = Tensor::new(output, "output", true)?;
         let i = Tensor::new(input, "input", false)?;
         tensor::same_elem(&o, "output", i.elem, "input")?;
-        same_len(&o, "output", i.nbytes * self.shared.size, "all_gather_single needs size × input")?;
+        // Saturating: a product that wrapped could match a small output.
+        same_len(&o, "output", i.nbytes.saturating_mul(self.shared.size), "all_gather_single needs size × input")?;
         let (or, src) = (o.raw(), Src::new(i.raw(), &[o.raw()]));
         // SAFETY: alive until the end; the input is copied if it overlaps
         // the output.
@@ -504,7 +505,7 @@ impl PyComm {
         let o = Tensor::new(output, "output", true)?;
         let i = Tensor::new(input, "input", false)?;
         tensor::same_elem(&i, "input", o.elem, "output")?;
-        same_len(&i, "input", o.nbytes * self.shared.size, "reduce_scatter_single needs size × output")?;
+        same_len(&i, "input", o.nbytes.saturating_mul(self.shared.size), "reduce_scatter_single needs size × output")?;
         let (dt, op) = (reduction(&o, "output")?, op.op);
         let (or, src) = (o.raw(), Src::new(i.raw(), &[o.raw()]));
         // SAFETY: as in all_gather_single.
@@ -588,9 +589,20 @@ impl PyComm {
         let splits = |t: &mut Tensor<'_>, s: Option<Vec<usize>>, arg: &str| -> PyResult<Vec<usize>> {
             let row = t.row_bytes()?;
             match s.filter(|s| !s.is_empty()) {
-                Some(s) => Ok(s.iter().map(|r| r * row).collect()),
+                // Checked: a product that wrapped could look like a valid
+                // split (2**62 + 1 rows of 4 bytes are 4 bytes).
+                Some(s) => s
+                    .iter()
+                    .map(|&r| {
+                        r.checked_mul(row).ok_or_else(|| {
+                            PyValueError::new_err(format!(
+                                "all_to_all_v_single: {arg}: {r} rows of {row} bytes are past 2**64 bytes"
+                            ))
+                        })
+                    })
+                    .collect(),
                 None => {
-                    if !t.nbytes.is_multiple_of(n * row.max(1)) {
+                    if !t.nbytes.is_multiple_of(n.saturating_mul(row.max(1))) {
                         return Err(PyValueError::new_err(format!(
                             "{arg}: {} bytes do not split into {n} equal parts of whole rows",
                             t.nbytes
@@ -898,7 +910,10 @@ impl PyComm {
         (out_blocks, in_blocks): (usize, usize),
         red: Option<rmacomm_collectives::ReduceOp>,
     ) -> PyResult<()> {
-        if o.elem.name != i.elem.name || o.nbytes != block * out_blocks || i.nbytes != block * in_blocks {
+        if o.elem.name != i.elem.name
+            || o.nbytes != block.saturating_mul(out_blocks)
+            || i.nbytes != block.saturating_mul(in_blocks)
+        {
             return Err(crate::errors::Failure::new(
                 crate::errors::ErrKind::Argument,
                 format!(

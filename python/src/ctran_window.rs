@@ -18,7 +18,7 @@ use crate::errors::{py_err, ErrKind, Failure};
 use crate::memory::{Borrowed, Owner, Registered};
 use crate::tensor::{Kind, Tensor};
 use crate::timeout;
-use crate::window_core::WinCore;
+use crate::window_core::{sync_bound, WinCore};
 use crate::work::{PyWork, State};
 
 /// A window of the ctran form (torchcomms' ncclx `TorchCommWindow` from
@@ -67,7 +67,8 @@ impl PyCtranWindow {
 #[pymethods]
 impl PyCtranWindow {
     /// Writes `tensor` into `dst_rank`'s buffer at byte `target_disp`.
-    /// Without `async_op` it returns once the data is placed.
+    /// Without `async_op` it returns once the data is placed, or raises
+    /// `TimeoutError` when `timeout` passes first (the put goes on).
     #[pyo3(signature = (tensor, dst_rank, target_disp, async_op=false, hints=None, timeout=None))]
     #[allow(clippy::too_many_arguments)]
     fn put(
@@ -80,13 +81,16 @@ impl PyCtranWindow {
         hints: Option<HashMap<String, String>>,
         timeout: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyWork> {
-        let _ = (hints, timeout::duration(timeout, "timeout")?);
+        let _ = hints;
+        let bound = sync_bound(timeout, async_op)?;
         let t = Tensor::new(tensor, "tensor", false)?;
-        let st = self.core.put(py, &t, dst_rank, target_disp, async_op)?;
-        Ok(self.core.handle(st))
+        let st = self.core.put(py, &t, dst_rank, target_disp, async_op, bound.is_some())?;
+        self.core.finish(py, st, bound, "put", dst_rank)
     }
 
     /// Reads `src_rank`'s buffer at byte `source_disp` into `tensor`.
+    /// Without `async_op`, `timeout` bounds how long this waits
+    /// (`TimeoutError`; the get goes on and may still write `tensor`).
     #[pyo3(signature = (tensor, src_rank, source_disp, async_op=false, hints=None, timeout=None))]
     #[allow(clippy::too_many_arguments)]
     fn get(
@@ -99,15 +103,17 @@ impl PyCtranWindow {
         hints: Option<HashMap<String, String>>,
         timeout: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyWork> {
-        let _ = (hints, timeout::duration(timeout, "timeout")?);
+        let _ = hints;
+        let bound = sync_bound(timeout, async_op)?;
         let t = Tensor::new(tensor, "tensor", true)?;
-        let st = self.core.get(py, &t, src_rank, source_disp, async_op)?;
-        Ok(self.core.handle(st))
+        let st = self.core.get(py, &t, src_rank, source_disp, async_op, bound.is_some())?;
+        self.core.finish(py, st, bound, "get", src_rank)
     }
 
     /// Sets (`op=SignalOp.SET`) or adds to (`SignalOp.ADD`) `dst_rank`'s
     /// value slot `signal_disp`, once every put this rank issued to
-    /// `dst_rank` before it is placed.
+    /// `dst_rank` before it is placed. Without `async_op`, `timeout`
+    /// bounds how long this waits for it (`TimeoutError`; it goes on).
     #[pyo3(signature = (signal_disp, signal_val, dst_rank, async_op=false, op=SignalOp::Set, hints=None, timeout=None))]
     #[allow(clippy::too_many_arguments)]
     fn signal(
@@ -121,17 +127,20 @@ impl PyCtranWindow {
         hints: Option<HashMap<String, String>>,
         timeout: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyWork> {
-        let _ = (hints, timeout::duration(timeout, "timeout")?);
-        let blocking = !async_op && !self.core.unified(py, dst_rank);
+        let _ = hints;
+        let bound = sync_bound(timeout, async_op)?;
+        // Issued async when this call bounds its wait (`finish`).
+        let issue_async = async_op || bound.is_some();
+        let blocking = !issue_async && !self.core.unified(py, dst_rank);
         let core = self.core.clone();
         let st = self
             .core
             .with(py, blocking, move |w| {
-                w.signal_value(signal_disp, signal_val, dst_rank, op.into(), async_op)
+                w.signal_value(signal_disp, signal_val, dst_rank, op.into(), issue_async)
                     .map(|work| core.settle(work, None))
             })
             .map_err(py_err)?;
-        Ok(self.core.handle(st))
+        self.core.finish(py, st, bound, "signal", dst_rank)
     }
 
     /// Waits until this rank's slot `signal_disp` compares to `signal_val`
@@ -206,8 +215,19 @@ impl PyCtranWindow {
             None => (crate::elem::by_name("uint8").expect("in the table"), None),
         };
         let kind = kind.unwrap_or(Kind::Numpy);
-        let len = shape.iter().product::<usize>() * e.size;
-        let start = offset * e.size;
+        // Checked: a size or offset that wrapped would pass the bounds
+        // checks below (and the window's) and make a view outside the
+        // buffer.
+        let (len, start) = match (array::nbytes(&shape, e), offset.checked_mul(e.size)) {
+            (Some(len), Some(start)) if start.checked_add(len).is_some() => (len, start),
+            _ => {
+                return Err(PyValueError::new_err(format!(
+                    "get_tensor: {shape:?} elements of {} at element {offset} of rank {rank}'s buffer: the byte range \
+                     is past 2**64; the buffer has {} bytes",
+                    e.name, self.size
+                )))
+            }
+        };
         if rank == self.core.rank {
             if start + len > self.size {
                 return Err(PyValueError::new_err(format!(
@@ -223,10 +243,10 @@ impl PyCtranWindow {
         array::make(py, ptr, shape, e, kind, Keep::Peer(map))
     }
 
-    /// How this rank reaches `rank`'s buffer (`WinAccessType.UNIFIED`:
-    /// mapped here).
-    fn get_attr(&self, py: Python<'_>, rank: usize) -> PyResult<PyWindowAttr> {
-        let a = self.core.with(py, false, |w| w.get_attr(rank)).map_err(py_err)?;
+    /// How this rank reaches `peer_rank`'s buffer
+    /// (`WinAccessType.UNIFIED`: mapped here).
+    fn get_attr(&self, py: Python<'_>, peer_rank: usize) -> PyResult<PyWindowAttr> {
+        let a = self.core.with(py, false, |w| w.get_attr(peer_rank)).map_err(py_err)?;
         Ok(PyWindowAttr { access_type: a.access_type.into() })
     }
 

@@ -26,7 +26,7 @@ impl From<AccessType> for WinAccessType {
     }
 }
 
-/// What `win.get_attr(rank)` returns.
+/// What `win.get_attr(peer_rank)` returns.
 #[pyclass(frozen, module = "rmacomm", name = "WindowAttr")]
 pub(crate) struct PyWindowAttr {
     /// How this rank reaches the peer's buffer.

@@ -204,7 +204,7 @@ impl Call<'_> {
         i: &CudaTensor,
         size: usize,
     ) -> PyResult<()> {
-        self.same(i, o, i.nbytes * size, "output must be size × input, of the same dtype")?;
+        self.same(i, o, i.nbytes.saturating_mul(size), "output must be size × input, of the same dtype")?;
         let dt = data_type(self.op, i.elem)?;
         let (op_, ip, n) = (o.ptr, i.ptr, i.nbytes / i.elem.size);
         // SAFETY: as in all_reduce, for both tensors (sizes checked).
@@ -220,7 +220,7 @@ impl Call<'_> {
         op: ReduceOp,
         size: usize,
     ) -> PyResult<()> {
-        self.same(o, i, o.nbytes * size, "input must be size × output, of the same dtype")?;
+        self.same(o, i, o.nbytes.saturating_mul(size), "input must be size × output, of the same dtype")?;
         let (dt, ro) = (data_type(self.op, o.elem)?, red_op(self.op, op)?);
         let (op_, ip, n) = (o.ptr, i.ptr, o.nbytes / o.elem.size);
         // SAFETY: as in all_gather_single.

@@ -253,7 +253,11 @@ impl<'py> Tensor<'py> {
         let shape = self.shape()?;
         Ok(match shape.first() {
             Some(&rows) if rows > 0 => self.nbytes / rows,
-            Some(_) => shape[1..].iter().product::<usize>() * self.elem.size,
+            // No rows: the other dimensions may be anything (numpy does not
+            // bound them), so their product is checked.
+            Some(_) => crate::array::nbytes(&shape[1..], self.elem).ok_or_else(|| {
+                PyValueError::new_err(format!("a tensor of shape {shape:?}: its rows' byte size is past 2**64"))
+            })?,
             None => self.elem.size,
         })
     }

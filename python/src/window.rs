@@ -14,7 +14,7 @@ use crate::enums::PyWindowAttr;
 use crate::errors::py_err;
 use crate::tensor::Tensor;
 use crate::timeout;
-use crate::window_core::WinCore;
+use crate::window_core::{sync_bound, WinCore};
 use crate::work::{PyWork, State};
 
 /// A one-sided window over a communicator's ranks (torchcomms'
@@ -107,7 +107,8 @@ impl PyWindow {
 
     /// Writes `tensor` into `dst_rank`'s tensor at element
     /// `target_offset_nelems` (of `dst_rank`'s dtype). Without `async_op`
-    /// it returns once the data is placed. Does not signal.
+    /// it returns once the data is placed, or raises `TimeoutError` when
+    /// `timeout` passes first (the put goes on). Does not signal.
     ///
     /// A CUDA tensor (into a window of CUDA tensors) is copied device to
     /// device, queued on `stream` (default: torch's current stream); without
@@ -125,45 +126,51 @@ impl PyWindow {
         timeout: Option<&Bound<'_, PyAny>>,
         stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyWork> {
-        let _ = (hints, timeout::duration(timeout, "timeout")?);
+        let _ = hints;
+        let bound = sync_bound(timeout, async_op)?;
         if let Some(t) = cuda_tensor::of(tensor, "tensor")? {
             let st = self.core.put_cuda(py, &t, dst_rank, target_offset_nelems, async_op, stream)?;
             return Ok(self.core.handle(st));
         }
         self.host_only("put", stream)?;
         let t = Tensor::new(tensor, "tensor", false)?;
-        let st = self.core.put(py, &t, dst_rank, target_offset_nelems, async_op)?;
-        Ok(self.core.handle(st))
+        let st = self.core.put(py, &t, dst_rank, target_offset_nelems, async_op, bound.is_some())?;
+        self.core.finish(py, st, bound, "put", dst_rank)
     }
 
-    /// Signals `dst_rank`: satisfies one `wait_signal` for this rank there,
-    /// once every put this rank issued to `dst_rank` before it is placed.
-    /// On a window of CUDA tensors the signal is queued on `stream`
-    /// (default: torch's current stream), after the puts queued there.
-    #[pyo3(signature = (dst_rank, async_op=false, hints=None, timeout=None, stream=None))]
+    /// Signals `peer_rank`: satisfies one `wait_signal` for this rank
+    /// there, once every put this rank issued to `peer_rank` before it is
+    /// placed. Without `async_op`, `timeout` bounds how long this waits
+    /// for the signal to be placed (`TimeoutError`; it goes on). On a
+    /// window of CUDA tensors the signal is queued on `stream` (default:
+    /// torch's current stream), after the puts queued there.
+    #[pyo3(signature = (peer_rank, async_op=false, hints=None, timeout=None, stream=None))]
     #[allow(clippy::too_many_arguments)]
     fn signal(
         &self,
         py: Python<'_>,
-        dst_rank: usize,
+        peer_rank: usize,
         async_op: bool,
         hints: Option<HashMap<String, String>>,
         timeout: Option<&Bound<'_, PyAny>>,
         stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyWork> {
-        let _ = (hints, timeout::duration(timeout, "timeout")?);
+        let _ = hints;
+        let bound = sync_bound(timeout, async_op)?;
         if self.core.device().is_some() {
-            let st = self.core.signal_cuda(py, dst_rank, stream)?;
+            let st = self.core.signal_cuda(py, peer_rank, stream)?;
             return Ok(self.core.handle(st));
         }
         self.host_only("signal", stream)?;
-        let blocking = !async_op && !self.core.unified(py, dst_rank);
+        // Issued async when this call bounds its wait (`finish`).
+        let issue_async = async_op || bound.is_some();
+        let blocking = !issue_async && !self.core.unified(py, peer_rank);
         let core = self.core.clone();
         let st = self
             .core
-            .with(py, blocking, move |w| w.signal(dst_rank, async_op).map(|work| core.settle(work, None)))
+            .with(py, blocking, move |w| w.signal(peer_rank, issue_async).map(|work| core.settle(work, None)))
             .map_err(py_err)?;
-        Ok(self.core.handle(st))
+        self.core.finish(py, st, bound, "signal", peer_rank)
     }
 
     /// Waits for the next signal from `peer_rank` (the n-th wait takes the
@@ -214,8 +221,10 @@ impl PyWindow {
     }
 
     /// Reads `src_rank`'s tensor at element `source_offset_nelems` (of its
-    /// dtype) into `tensor`.
-    /// A CUDA tensor is filled device to device, queued on `stream`.
+    /// dtype) into `tensor`. Without `async_op`, `timeout` bounds how long
+    /// this waits (`TimeoutError`; the get goes on and may still write
+    /// `tensor`). A CUDA tensor is filled device to device, queued on
+    /// `stream`.
     #[pyo3(signature = (tensor, src_rank, source_offset_nelems, async_op=false, hints=None, timeout=None, stream=None))]
     #[allow(clippy::too_many_arguments)]
     fn get(
@@ -229,15 +238,16 @@ impl PyWindow {
         timeout: Option<&Bound<'_, PyAny>>,
         stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyWork> {
-        let _ = (hints, timeout::duration(timeout, "timeout")?);
+        let _ = hints;
+        let bound = sync_bound(timeout, async_op)?;
         if let Some(t) = cuda_tensor::of(tensor, "tensor")? {
             let st = self.core.get_cuda(py, &t, src_rank, source_offset_nelems, async_op, stream)?;
             return Ok(self.core.handle(st));
         }
         self.host_only("get", stream)?;
         let t = Tensor::new(tensor, "tensor", true)?;
-        let st = self.core.get(py, &t, src_rank, source_offset_nelems, async_op)?;
-        Ok(self.core.handle(st))
+        let st = self.core.get(py, &t, src_rank, source_offset_nelems, async_op, bound.is_some())?;
+        self.core.finish(py, st, bound, "get", src_rank)
     }
 
     /// `rank`'s registered tensor, aliasing its memory (zero-copy), with the
@@ -249,10 +259,10 @@ impl PyWindow {
         self.core.map_remote_tensor(py, rank)
     }
 
-    /// How this rank reaches `rank`'s tensor: `WindowAttr.access_type` is
-    /// `WinAccessType.UNIFIED` (mapped here) or `SEPARATE`.
-    fn get_attr(&self, py: Python<'_>, rank: usize) -> PyResult<PyWindowAttr> {
-        let a = self.core.with(py, false, |w| w.get_attr(rank)).map_err(py_err)?;
+    /// How this rank reaches `peer_rank`'s tensor: `WindowAttr.access_type`
+    /// is `WinAccessType.UNIFIED` (mapped here) or `SEPARATE`.
+    fn get_attr(&self, py: Python<'_>, peer_rank: usize) -> PyResult<PyWindowAttr> {
+        let a = self.core.with(py, false, |w| w.get_attr(peer_rank)).map_err(py_err)?;
         Ok(PyWindowAttr { access_type: a.access_type.into() })
     }
 

@@ -244,7 +244,10 @@ impl WinCore {
     }
 
     /// A put of `t` to `dst` at element (torchcomms form) or byte (ctran
-    /// form) offset `offset` of `dst`'s registration.
+    /// form) offset `offset` of `dst`'s registration. `bounded`: a
+    /// synchronous call with a timeout of its own, which waits for the
+    /// returned state itself ([`finish`](Self::finish)): the put is issued
+    /// async, from memory that may stay in use past the call.
     pub(crate) fn put(
         self: &Arc<Self>,
         py: Python<'_>,
@@ -252,16 +255,37 @@ impl WinCore {
         dst: usize,
         offset: usize,
         async_op: bool,
+        bounded: bool,
     ) -> PyResult<State> {
         let raw = t.raw();
-        let blocking = !(async_op || raw.len <= 64 << 10 && self.unified(py, dst));
+        let unified = self.unified(py, dst);
+        // The GIL is held only for a small copy into a peer's memory mapped
+        // here. Anything else may wait in the call, async_op or not: a put
+        // from memory nothing registers (put_bytes) is complete when it
+        // returns, and the window completes a put through the transport
+        // before it returns when the peer's signals are mapped (so that a
+        // later signal follows it).
+        let blocking = !(raw.len <= 64 << 10 && unified);
+        // Memory nothing registers, to a SEPARATE peer, for a bounded call:
+        // put_bytes cannot be left pending, so the bytes are copied into a
+        // registration of their own that the pending put keeps.
+        let staged = if bounded && !unified && self.with(py, false, |w| self.locate(w, raw).is_none()) {
+            Some(py.detach(|| stage(raw)).map_err(PyErr::from)?)
+        } else {
+            None
+        };
+        let issue_async = async_op || bounded;
         let core = self.clone();
         self.with(py, blocking, move |w| -> Result<State, Failure> {
-            match core.locate(w, raw) {
+            let local = match staged {
+                Some(r) => Some(Local::Reg(r, 0)),
+                None => core.locate(w, raw),
+            };
+            match local {
                 Some(local) => {
                     let (mem, keep) = local_mem(w, &local);
                     let view: View<'_> = mem.view(local_offset(&local), raw.len).map_err(Failure::from)?;
-                    let work = w.put(view, dst, offset, async_op).map_err(win_failure)?;
+                    let work = w.put(view, dst, offset, issue_async).map_err(win_failure)?;
                     Ok(core.settle(work, keep))
                 }
                 None => {
@@ -284,7 +308,8 @@ impl WinCore {
         .map_err(PyErr::from)
     }
 
-    /// A get into `t` from `src` at element / byte `offset`.
+    /// A get into `t` from `src` at element / byte `offset` (`bounded`: as
+    /// for [`put`](Self::put)).
     pub(crate) fn get(
         self: &Arc<Self>,
         py: Python<'_>,
@@ -292,9 +317,11 @@ impl WinCore {
         src: usize,
         offset: usize,
         async_op: bool,
+        bounded: bool,
     ) -> PyResult<State> {
         let raw = t.raw();
-        let blocking = !(async_op || raw.len <= 64 << 10 && self.unified(py, src));
+        // As for put: only a small copy from a mapped peer keeps the GIL.
+        let blocking = !(raw.len <= 64 << 10 && self.unified(py, src));
         // Memory nothing registers is registered for this one get, kept
         // alive by the tensor's reference until the get is done.
         let extra = {
@@ -309,6 +336,7 @@ impl WinCore {
                 Some(py.detach(|| Registered::register(b)).map_err(py_err)?)
             }
         };
+        let issue_async = async_op || bounded;
         let core = self.clone();
         self.with(py, blocking, move |w| -> Result<State, Failure> {
             let local = match extra {
@@ -319,10 +347,45 @@ impl WinCore {
             };
             let (mem, keep) = local_mem(w, &local);
             let view: ViewMut<'_> = mem.view_mut(local_offset(&local), raw.len).map_err(Failure::from)?;
-            let work = w.get(view, src, offset, async_op).map_err(win_failure)?;
+            let work = w.get(view, src, offset, issue_async).map_err(win_failure)?;
             Ok(core.settle(work, keep))
         })
         .map_err(PyErr::from)
+    }
+
+    /// The handle of a put, get or signal. A synchronous call with a
+    /// timeout of its own (`bound`: when the call started, and the
+    /// timeout) issued it async; it is waited for here until the timeout
+    /// has passed since the start, else `TimeoutError` naming `op` and
+    /// `peer` (the operation goes on: the window cannot take it back).
+    pub(crate) fn finish(
+        &self,
+        py: Python<'_>,
+        state: State,
+        bound: Option<(Instant, Duration)>,
+        op: &str,
+        peer: usize,
+    ) -> PyResult<crate::work::PyWork> {
+        let w = self.handle(state);
+        let Some((start, limit)) = bound else { return Ok(w) };
+        match w.cell.wait_within(py, Some(limit.saturating_sub(start.elapsed())))? {
+            Some(r) => r.map(|()| w).map_err(PyErr::from),
+            None => {
+                let what = match op {
+                    "put" => "its data may still land, so keep the source unchanged until then",
+                    "get" => "the tensor may still be written until then",
+                    _ => "the peer may still receive it",
+                };
+                Err(Failure::new(
+                    ErrKind::Timeout,
+                    format!(
+                        "{op} with rank {peer}: not complete within {limit:?} (this call's timeout); it goes on in \
+                         the background until it completes or fails ({what}); a Window's tensor_deregister waits for it"
+                    ),
+                )
+                .into())
+            }
+        }
     }
 
     /// Whether `rank`'s memory is mapped here (its operations are copies by
@@ -342,19 +405,19 @@ impl WinCore {
     }
 
     /// `wait_signal(peer)` in one step of at most `slice`, of a wait of
-    /// `total` ending at `end`.
+    /// `total` ending at `end` (`None`: never, `total` being past the
+    /// clock's range).
     pub(crate) fn wait_signal_slice(
         &self,
         peer: usize,
         slice: Duration,
-        end: Instant,
+        end: Option<Instant>,
         total: Duration,
     ) -> Option<Result<(), Failure>> {
-        let now = Instant::now();
-        let t = slice.min(end.saturating_duration_since(now));
+        let t = step(slice, end);
         match self.read_guard().wait_signal(peer, Some(t)) {
             Ok(()) => Some(Ok(())),
-            Err(e) if is_timeout(&e) => (Instant::now() >= end).then(|| {
+            Err(e) if is_timeout(&e) => passed(end).then(|| {
                 Err(Failure::new(
                     ErrKind::Timeout,
                     format!(
@@ -378,21 +441,20 @@ impl WinCore {
     }
 
     /// ctran's `wait_signal` in one step of at most `slice`, of a wait of
-    /// `total` ending at `end`.
+    /// `total` ending at `end` (`None`: never).
     pub(crate) fn wait_value_slice(
         &self,
         disp: usize,
         value: u64,
         cmp: Cmp,
         slice: Duration,
-        end: Instant,
+        end: Option<Instant>,
         total: Duration,
     ) -> Option<Result<(), Failure>> {
-        let now = Instant::now();
-        let t = slice.min(end.saturating_duration_since(now));
+        let t = step(slice, end);
         match self.read_guard().wait_signal_until(disp, value, cmp, Some(t)) {
             Ok(()) => Some(Ok(())),
-            Err(e) if is_timeout(&e) => (Instant::now() >= end).then(|| {
+            Err(e) if is_timeout(&e) => passed(end).then(|| {
                 let held = self.read_guard().read_signal(disp).map(|v| v.to_string()).unwrap_or_else(|_| "?".into());
                 Err(Failure::new(
                     ErrKind::Timeout,
@@ -463,6 +525,16 @@ impl WinCore {
         for (r, v) in all.iter().enumerate() {
             let (m, k) =
                 parse_meta(v).ok_or_else(|| PyValueError::new_err(format!("rank {r} sent a bad descriptor")))?;
+            // A peer's word, used later to size views of its memory: a
+            // shape whose byte count wrapped would make a small mapping
+            // look large enough for a huge array.
+            if array::nbytes(&m.shape, m.elem).is_none() {
+                return Err(PyValueError::new_err(format!(
+                    "tensor_register: rank {r} sent a descriptor of shape {:?} of {}, whose byte count is past \
+                     2**64; check that every rank runs the same rmacomm",
+                    m.shape, m.elem.name
+                )));
+            }
             peers.push(m);
             kinds.push(k);
         }
@@ -514,7 +586,11 @@ impl WinCore {
         if self.device().is_some() && !self.staged() {
             return self.map_remote_cuda(py, rank, &meta);
         }
-        let nbytes = meta.shape.iter().product::<usize>() * meta.elem.size;
+        // Checked when the descriptor came (exchange_meta); checked again
+        // rather than trusted to have been.
+        let nbytes = array::nbytes(&meta.shape, meta.elem).ok_or_else(|| {
+            PyValueError::new_err(format!("map_remote_tensor: rank {rank}'s shape {:?} is too large", meta.shape))
+        })?;
         let (map, ptr) = self.dup(py, |w| w.map_remote_tensor(rank).map(|m| (m.as_ptr() as usize, m.len())), nbytes)?;
         array::make(py, ptr, meta.shape, meta.elem, kind, Keep::Peer(map))
     }
@@ -543,6 +619,25 @@ impl WinCore {
     }
 }
 
+/// A per-call `timeout` of a put, get or signal: when the call started and
+/// the timeout, for a synchronous call (`finish` waits at most that long);
+/// `None` for an async one, whose call does not wait (`Work.wait(timeout=)`
+/// bounds its wait), and without a timeout (the window's bounds it).
+pub(crate) fn sync_bound(timeout: Option<&Bound<'_, PyAny>>, async_op: bool) -> PyResult<Option<(Instant, Duration)>> {
+    let limit = crate::timeout::duration(timeout, "timeout")?;
+    Ok(limit.filter(|_| !async_op).map(|l| (Instant::now(), l)))
+}
+
+/// A registered copy of `raw`, for a put that may stay pending past the
+/// call (the caller's tensor is free to change once this returns).
+fn stage(raw: Raw) -> Result<Arc<Registered>, Failure> {
+    let r = Registered::alloc(raw.len)?;
+    // SAFETY: the tensor is alive and not written during the call (the
+    // caller's argument; crate docs), as for put_bytes.
+    r.mem.write_from(0, unsafe { raw.slice() })?;
+    Ok(r)
+}
+
 /// The registered memory of a local location, and the registration to
 /// keep alive while an operation on it is pending.
 fn local_mem<'w>(w: &'w Window, local: &'w Local) -> (&'w RdmaMemory, Option<Arc<Registered>>) {
@@ -556,6 +651,16 @@ fn local_offset(local: &Local) -> usize {
     match local {
         Local::Window(o) | Local::Reg(_, o) => *o,
     }
+}
+
+/// How long one step of a wait ending at `end` (`None`: never) may wait.
+fn step(slice: Duration, end: Option<Instant>) -> Duration {
+    end.map_or(slice, |end| slice.min(end.saturating_duration_since(Instant::now())))
+}
+
+/// Whether a wait ending at `end` (`None`: never) has run out.
+fn passed(end: Option<Instant>) -> bool {
+    end.is_some_and(|end| Instant::now() >= end)
 }
 
 fn is_timeout(e: &rmacomm_window::Error) -> bool {

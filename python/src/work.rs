@@ -80,32 +80,7 @@ impl WorkCell {
     /// returns the result; a `TimeoutError` if `limit` passed first (the
     /// operation stays pending).
     pub(crate) fn wait(&self, py: Python<'_>, limit: Option<Duration>) -> PyResult<()> {
-        let start = Instant::now();
-        let deadline = limit.map(|l| start + l);
-        // The deadline of a lazy signal wait is fixed at its first wait.
-        let mut own: Option<Instant> = None;
-        let r = wait::sliced(py, deadline, |slice| {
-            let mut st = self.lock();
-            let done = match &mut *st {
-                State::Done(r) => return Some(r.clone()),
-                State::Coll(c) => c.wait_for(slice),
-                State::Win(p) => p.wait_slice(slice),
-                State::WaitSignal { core, peer, timeout } => {
-                    let total = timeout.unwrap_or(core.timeout);
-                    let end = *own.get_or_insert_with(|| start + total);
-                    core.wait_signal_slice(*peer, slice, end, total)
-                }
-                State::WaitValue { core, disp, value, cmp, timeout } => {
-                    let total = timeout.unwrap_or(core.timeout);
-                    let end = *own.get_or_insert_with(|| start + total);
-                    core.wait_value_slice(*disp, *value, *cmp, slice, end, total)
-                }
-            };
-            let r = done?;
-            *st = State::Done(r.clone());
-            Some(r)
-        })?;
-        match r {
+        match self.wait_within(py, limit)? {
             Some(r) => r.map_err(PyErr::from),
             None => Err(Failure::new(
                 ErrKind::Timeout,
@@ -117,6 +92,40 @@ impl WorkCell {
             )
             .into()),
         }
+    }
+
+    /// [`wait`](Self::wait), with `None` when `limit` passed first, for
+    /// callers that name the operation in their own timeout error.
+    pub(crate) fn wait_within(&self, py: Python<'_>, limit: Option<Duration>) -> PyResult<Option<Result<(), Failure>>> {
+        let start = Instant::now();
+        // A limit past what the clock can add (timeout=sys.maxsize, a
+        // common "forever") is no limit: `Instant + Duration` panics there.
+        let deadline = limit.and_then(|l| start.checked_add(l));
+        // The deadline of a lazy signal wait is fixed at its first wait
+        // (`Some(None)`: fixed as none, its timeout being past the clock's
+        // range).
+        let mut own: Option<Option<Instant>> = None;
+        wait::sliced(py, deadline, |slice| {
+            let mut st = self.lock();
+            let done = match &mut *st {
+                State::Done(r) => return Some(r.clone()),
+                State::Coll(c) => c.wait_for(slice),
+                State::Win(p) => p.wait_slice(slice),
+                State::WaitSignal { core, peer, timeout } => {
+                    let total = timeout.unwrap_or(core.timeout);
+                    let end = *own.get_or_insert_with(|| start.checked_add(total));
+                    core.wait_signal_slice(*peer, slice, end, total)
+                }
+                State::WaitValue { core, disp, value, cmp, timeout } => {
+                    let total = timeout.unwrap_or(core.timeout);
+                    let end = *own.get_or_insert_with(|| start.checked_add(total));
+                    core.wait_value_slice(*disp, *value, *cmp, slice, end, total)
+                }
+            };
+            let r = done?;
+            *st = State::Done(r.clone());
+            Some(r)
+        })
     }
 }
 

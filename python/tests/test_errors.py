@@ -1,9 +1,13 @@
 """Bad inputs raise before anything moves, with messages naming the argument."""
 
+import sys
+from datetime import timedelta
+
 import numpy as np
 import pytest
 
 import rmacomm
+from conftest import launch
 from rmacomm import ReduceOp
 
 
@@ -69,6 +73,12 @@ def test_window_errors(comm) -> None:
     assert not w.is_completed()
     win.signal(0)
     w.wait()
+    # torchcomms' keyword names.
+    win.signal(peer_rank=0, async_op=False)
+    win.wait_signal(peer_rank=0, async_op=False)
+    assert win.get_attr(peer_rank=0).access_type == rmacomm.WinAccessType.UNIFIED
+    win.put(np.arange(2), dst_rank=0, target_offset_nelems=1, async_op=False)
+    win.get(np.zeros(2, np.int64), src_rank=0, source_offset_nelems=1)
     with pytest.raises(TypeError, match="timeout must be"):
         win.signal(0, timeout="soon")
     win.tensor_deregister()
@@ -79,6 +89,57 @@ def test_window_errors(comm) -> None:
         cw.wait_signal(0, 1, timeout=0.05)
     with pytest.raises(ValueError, match="end past"):
         cw.get_tensor(0, 100, np.uint8)
+    assert cw.get_attr(peer_rank=0).access_type == rmacomm.WinAccessType.UNIFIED
+
+
+def test_sizes_that_overflow_are_value_errors(comm) -> None:
+    # Offsets and shapes whose byte counts pass 2**64 once wrapped to a
+    # small number that looked in bounds (a view before the buffer, or at
+    # the wrong place): refused, naming the call.
+    cw = comm.window_allocate(64, signal_size=1)
+    with pytest.raises(ValueError, match="get_tensor"):
+        cw.get_tensor(0, 1, np.uint8, offset=2**64 - 1)
+    with pytest.raises(ValueError, match="get_tensor"):
+        cw.get_tensor(0, 1, np.float32, offset=2**62 + 1)
+    with pytest.raises(ValueError, match="get_tensor"):
+        cw.get_tensor(0, [2**62 + 1, 4], np.float32)
+    assert cw.get_tensor(0, 16, np.float32, offset=0).shape == (16,)
+    # Split sizes count rows; rows × row bytes past 2**64 wrapped to a
+    # valid-looking 4 bytes.
+    out, inp = np.zeros(1, np.float32), np.ones(1, np.float32)
+    with pytest.raises(ValueError, match="input_split_sizes"):
+        comm.all_to_all_v_single(out, inp, [1], [2**62 + 1])
+    # Not a Rust panic (PanicException is a BaseException: it would pass
+    # through `Exception`).
+    with pytest.raises(Exception) as e:
+        comm.all_to_all_v_single(out, inp, [2**64 - 1, 1], [1, 1])
+    assert "output_split_sizes" in str(e.value), e.value
+
+
+def test_a_peer_descriptor_whose_size_overflows_is_refused(tmp_path) -> None:
+    out = launch(2, "peer_shape", env={"RMACOMM_TEST_STORE_DIR": str(tmp_path)})
+    assert out.count("peer_shape ok") == 2, out
+
+
+def test_a_huge_timeout_means_no_deadline(comm) -> None:
+    # sys.maxsize seconds is a common "forever": past what the clock can
+    # add, so it is no deadline (not a panic).
+    win = comm.new_window()
+    win.tensor_register(comm.empty(4, np.int64))
+    w = win.wait_signal(0, timeout=sys.maxsize, async_op=True)
+    win.signal(0)
+    w.wait(timeout=sys.maxsize)
+    win.signal(0)
+    win.wait_signal(0, timeout=sys.maxsize)
+    win.put(np.arange(2), 0, 0, timeout=sys.maxsize)
+    win.signal(0, timeout=timedelta.max)
+    win.wait_signal(0, timeout=timedelta.max)
+    win.tensor_deregister()
+    cw = comm.window_allocate(64, signal_size=1)
+    cw.signal(0, 1, 0)
+    cw.wait_signal(0, 1, timeout=sys.maxsize, async_op=True).wait(timeout=sys.maxsize)
+    comm.all_reduce(np.ones(4, np.float32), ReduceOp.SUM, timeout=sys.maxsize)
+    comm.barrier(async_op=True).wait(timeout=sys.maxsize)
 
 
 def test_unavailable_backend_and_device() -> None:

@@ -29,6 +29,15 @@ def test_a_rank_gone_or_silent_under_the_launcher(how: str) -> None:
     assert f"wait_signal: {err}" in out and f"all_reduce: {err}" in out, out
 
 
+
+def test_a_per_call_timeout_bounds_put_get_and_signal() -> None:
+    # Rank 1 is stopped (TCP link: nothing to it completes), so each call
+    # must raise its own TimeoutError, well before the window's 10 s.
+    out = launch(2, "op_timeout", env={"RMACOMM_SOFT_LINK": "tcp"}, timeout=120)
+    assert out.count("op_timeout ok") == 2, out
+    for op in ("put", "get", "signal"):
+        assert f"{op}: TimeoutError after" in out, out
+
 def test_ctrl_c_interrupts_a_blocking_wait() -> None:
     # One rank waits for a signal nobody sends (timeout 60 s); SIGINT after
     # 0.5 s must raise KeyboardInterrupt within a wait slice.
