@@ -49,3 +49,42 @@ def test_module_mode_and_script_arguments() -> None:
                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=60)
     assert p.returncode == 0, p.stderr
     assert p.stdout.decode().count("usage:") == 2
+
+
+def test_under_torchrun_beside_its_agent_store() -> None:
+    """torchrun itself (its default static rendezvous): its agent serves
+    torch's own TCPStore on MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE=True),
+    so rmacomm's store takes the next port; rank 0 used to fail binding
+    MASTER_PORT (EADDRINUSE)."""
+    import importlib.util
+    import os
+    import socket
+    import tempfile
+
+    import pytest
+
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("torch is not installed: torchrun is torch's")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = (
+        "import numpy as np, rmacomm\n"
+        "comm = rmacomm.new_comm('rdma', timeout=60)\n"
+        "x = np.ones(4, np.float32)\n"
+        "comm.all_reduce(x, rmacomm.ReduceOp.SUM)\n"
+        "assert (x == comm.get_size()).all(), x\n"
+        "print('ok', comm.get_rank(), flush=True)\n"
+    )
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write(code)
+    try:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+               "--master-addr", "127.0.0.1", "--master-port", str(port), f.name]
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=120, env=env)
+    finally:
+        os.unlink(f.name)
+    out = p.stdout.decode()
+    assert p.returncode == 0, p.stderr.decode()[-3000:]
+    assert sorted(out.split()) == sorted("ok 0 ok 1".split()), out

@@ -38,7 +38,9 @@ pub struct LaunchEnv {
     pub local_world_size: Option<usize>,
     /// Host of the store (rank 0's host).
     pub master_addr: String,
-    /// Port of the store.
+    /// Port of rmacomm's store: `RMACOMM_MASTER_PORT` when set, else
+    /// `MASTER_PORT` (the port after it under torchrun when its agent
+    /// serves torch's store there: `TORCHELASTIC_USE_AGENT_STORE=True`).
     pub master_port: u16,
 }
 
@@ -57,6 +59,12 @@ impl LaunchEnv {
     /// for what started this process:
     /// 1. `RANK` or `WORLD_SIZE` set: torchrun's variables (`LOCAL_RANK` and
     ///    `LOCAL_WORLD_SIZE` optional; `MASTER_ADDR`, `MASTER_PORT` required).
+    ///    Where torchrun's agent serves torch's own store on `MASTER_PORT`
+    ///    (`TORCHELASTIC_USE_AGENT_STORE=True`, its default rendezvous),
+    ///    rmacomm's store takes the next port.
+    ///
+    /// With any launcher, `RMACOMM_MASTER_PORT` (when set) is the port of
+    /// rmacomm's store, whatever `MASTER_PORT` says.
     /// 2. `OMPI_COMM_WORLD_RANK`: Open MPI (`OMPI_COMM_WORLD_SIZE`,
     ///    `..._LOCAL_RANK`, `..._LOCAL_SIZE`); mpirun has no notion of a store,
     ///    so pass `-x MASTER_ADDR -x MASTER_PORT`.
@@ -203,11 +211,35 @@ fn master_addr(lookup: Lookup<'_>, hint: &str) -> Result<String> {
     }
 }
 
+/// The store's port: `RMACOMM_MASTER_PORT` when set (a port of rmacomm's
+/// own), else `MASTER_PORT` — or the port after it where torchrun's agent
+/// already serves torch's own TCPStore on `MASTER_PORT`
+/// (`TORCHELASTIC_USE_AGENT_STORE=True`: torchrun's static rendezvous, and
+/// its c10d one since torch 2.4), which rank 0 could not bind and which
+/// speaks another protocol.
 fn master_port(lookup: Lookup<'_>) -> Result<Option<u16>> {
-    let Some(v) = lookup("MASTER_PORT") else { return Ok(None) };
+    if let Some(p) = port_var(lookup, "RMACOMM_MASTER_PORT")? {
+        return Ok(Some(p));
+    }
+    let Some(p) = port_var(lookup, "MASTER_PORT")? else { return Ok(None) };
+    let agent_store = lookup("TORCHELASTIC_USE_AGENT_STORE").is_some_and(|v| v.trim().eq_ignore_ascii_case("true"));
+    if !agent_store {
+        return Ok(Some(p));
+    }
+    p.checked_add(1).map(Some).ok_or_else(|| {
+        Error::env(
+            "RMACOMM_MASTER_PORT",
+            "not set, and torchrun's agent serves its store on MASTER_PORT=65535 (rmacomm's takes the next port); \
+             set RMACOMM_MASTER_PORT to a free port on rank 0's host",
+        )
+    })
+}
+
+fn port_var(lookup: Lookup<'_>, var: &str) -> Result<Option<u16>> {
+    let Some(v) = lookup(var) else { return Ok(None) };
     match v.trim().parse::<u16>() {
         Ok(p) if p > 0 => Ok(Some(p)),
-        _ => Err(Error::env("MASTER_PORT", format!("'{v}' is not a port number (1-65535)"))),
+        _ => Err(Error::env(var, format!("'{v}' is not a port number (1-65535)"))),
     }
 }
 

@@ -188,3 +188,23 @@ fn timeout_variable() {
         }
     }
 }
+
+/// Under torchrun's default rendezvous its agent serves torch's own store
+/// on MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE=True): rmacomm's store
+/// takes the next port (rank 0 could not bind MASTER_PORT: EADDRINUSE).
+/// RMACOMM_MASTER_PORT, with any launcher, names the port outright.
+#[test]
+fn torchruns_agent_store_leaves_rmacomm_the_next_port() {
+    let agent = with(TORCHRUN, &[("TORCHELASTIC_USE_AGENT_STORE", Some("True"))]);
+    assert_eq!(detect(&agent).unwrap().master_port, 29501);
+    let no_agent = with(TORCHRUN, &[("TORCHELASTIC_USE_AGENT_STORE", Some("False"))]);
+    assert_eq!(detect(&no_agent).unwrap().master_port, 29500);
+    let own = with(&agent, &[("RMACOMM_MASTER_PORT", Some("31000"))]);
+    assert_eq!(detect(&own).unwrap().master_port, 31000);
+    let top = with(&agent, &[("MASTER_PORT", Some("65535"))]);
+    assert_names(detect(&top), "RMACOMM_MASTER_PORT");
+    assert_names(detect(&with(TORCHRUN, &[("RMACOMM_MASTER_PORT", Some("x"))])), "RMACOMM_MASTER_PORT");
+    // Without MASTER_PORT, RMACOMM_MASTER_PORT alone serves.
+    let only_own = with(TORCHRUN, &[("MASTER_PORT", None), ("RMACOMM_MASTER_PORT", Some("31000"))]);
+    assert_eq!(detect(&only_own).unwrap().master_port, 31000);
+}
