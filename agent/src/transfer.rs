@@ -262,8 +262,11 @@ fn post<'a>(peer: &str, conn: &Arc<Conn>, p: Posting<'a>) -> Result<Stage<'a>, A
                 return Ok(Stage::Moving { pieces, notify: None, _overflow: None });
             }
             // Some wait for a slot: the notification follows their
-            // completions instead.
-            return Ok(notify_after(conn, pieces, p.notify, None));
+            // completions instead, and the request counts as overflowing
+            // while they wait.
+            conn.overflowing.fetch_add(1, Ordering::AcqRel);
+            let overflow = Some(Overflow(conn.overflowing.clone()));
+            return Ok(notify_after(conn, pieces, p.notify, overflow));
         }
     }
     let overflow = (p.plan.len() > conn.transport.free_slots()).then(|| {

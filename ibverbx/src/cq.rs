@@ -111,7 +111,9 @@ impl CompletionQueue {
                     if now >= d {
                         return Ok(0);
                     }
-                    (d - now).as_millis().min(i32::MAX as u128) as i32 + 1
+                    // At most i32::MAX (about 24.8 days: poll's limit; the loop
+                    // waits again).
+                    (d - now).as_millis().min(i32::MAX as u128 - 1) as i32 + 1
                 }
             };
             let mut pfd = libc::pollfd { fd: self.as_raw_fd(), events: libc::POLLIN, revents: 0 };

@@ -64,3 +64,32 @@ fn a_selection_that_matches_nothing_is_an_error_naming_the_variable() {
     let e = SoftProvider::new(config("^")).device().open().unwrap_err().to_string();
     assert!(e.contains("RMACOMM_SOCKET_IFNAME"), "{e}");
 }
+
+/// A wait whose timeout is longer than poll(2) counts (2^40 s here, past
+/// its i32 milliseconds) sleeps in pieces until the completion comes,
+/// instead of overflowing the millisecond count (a panic, or a negative
+/// timeout: a wait without end).
+#[test]
+fn a_wait_longer_than_poll_counts_still_returns_its_completion() {
+    let ctx = SoftProvider::new(SoftConfig::default()).device().open().unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(16).unwrap();
+    let a = pd.create_qp(&QpInitAttr::default(), &cq, &cq).unwrap();
+    let b = pd.create_qp(&QpInitAttr::default(), &cq, &cq).unwrap();
+    a.connect(&b.endpoint().unwrap()).unwrap();
+    b.connect(&a.endpoint().unwrap()).unwrap();
+    let src = MemoryRegion::alloc(&pd, 4096, AccessFlags::LOCAL_WRITE).unwrap();
+    let dst = MemoryRegion::alloc(&pd, 4096, AccessFlags::all_remote()).unwrap();
+    let sg = [src.sge(0, 8).unwrap()];
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            // Posted once the wait below is asleep.
+            std::thread::sleep(Duration::from_millis(200));
+            let op = SendOp::RdmaWrite { remote_addr: dst.addr(), rkey: dst.rkey() };
+            a.post_send(&[SendWr { wr_id: 9, op, sg_list: &sg, flags: SendFlags::SIGNALED }]).unwrap();
+        });
+        let mut wc = [WorkCompletion::empty(); 1];
+        assert_eq!(cq.wait(&mut wc, Some(Duration::from_secs(1 << 40)), Duration::ZERO).unwrap(), 1);
+        assert!(wc[0].is_ok() && wc[0].wr_id == 9, "{:?}", wc[0]);
+    });
+}

@@ -280,15 +280,13 @@ impl Window {
         let bound = |t: &RdmaTransport| t.bind().map_err(|e| Error::Transport { op: OP, source: e });
         let signal_src =
             Arc::new(RdmaMemory::alloc_for(&links[me].out, 8).map_err(|e| Error::Transport { op: OP, source: e })?);
-        let signal_bytes = n
-            .checked_add(opts.signal_slots)
-            .and_then(|k| k.checked_mul(SLOT))
-            .filter(|&b| b <= MAX_SIGNAL_BYTES)
-            .ok_or_else(|| {
-                Error::invalid(OP, format!("signal_slots({}) is more than a window holds", opts.signal_slots))
-            })?;
-        let signal_dst =
-            RdmaMemory::alloc_for(&links[me].out, signal_bytes).map_err(|e| Error::Transport { op: OP, source: e })?;
+        let signal_bytes =
+            n.checked_add(opts.signal_slots).and_then(|k| k.checked_mul(SLOT)).filter(|&b| b <= MAX_SIGNAL_BYTES);
+        // A count too large is refused after the exchange below, so that the
+        // peers learn of it (a Mismatch, or this error on every rank) rather
+        // than wait for this rank until their timeout.
+        let signal_dst = RdmaMemory::alloc_for(&links[me].out, signal_bytes.unwrap_or(SLOT * n))
+            .map_err(|e| Error::Transport { op: OP, source: e })?;
         // Line 0: my signal buffer; line 1 + p: the URL of my transport for
         // p; last: my signal_slots (every rank must pass the same).
         let mut blob = signal_dst.remote_buffer().to_string();
@@ -313,6 +311,9 @@ impl Window {
                 detail: format!("this rank ({me}) passed signal_slots {}, rank {p} {theirs}", opts.signal_slots),
             });
         }
+        let signal_bytes = signal_bytes.ok_or_else(|| {
+            Error::invalid(OP, format!("signal_slots({}) is more than a window holds", opts.signal_slots))
+        })?;
         for (p, text) in texts.iter().enumerate() {
             let lines: Vec<&str> = text.lines().collect();
             let bad = || Error::Protocol(format!("{OP}: rank {p} sent a malformed window descriptor"));

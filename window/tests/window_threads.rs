@@ -338,6 +338,15 @@ fn ranks_disagreeing_on_signal_slots_fail_on_every_rank() {
         let e = Window::allocate(&g, 64, 1 << 60, opts).unwrap_err();
         assert!(matches!(e, Error::InvalidArgument { .. }) && e.to_string().contains("signal_slots"), "{e}");
     });
+    // One rank's count too large: its peer hears of it (a Mismatch) at
+    // once, instead of waiting for it until the timeout.
+    ranks(2, |rank, g| {
+        let opts = WindowOptions::new().timeout(Duration::from_secs(30));
+        let t0 = std::time::Instant::now();
+        let e = Window::allocate(&g, 64, if rank == 0 { 1 << 60 } else { 1 }, opts).unwrap_err();
+        assert!(matches!(e, Error::Mismatch { .. }) && e.to_string().contains("signal_slots"), "rank {rank}: {e}");
+        assert!(t0.elapsed() < Duration::from_secs(20), "rank {rank} waited for the timeout: {e}");
+    });
 }
 
 /// Async value SETs to one peer take effect in call order, over striped,
