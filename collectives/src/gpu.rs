@@ -280,6 +280,16 @@ fn reduction(
     Ok((e, es))
 }
 
+/// The op that combines contributions already scaled by
+/// [`GpuComm::scale_own`]: PREMUL_SUM's sum with factor 1 (still rounded
+/// once), the op itself otherwise.
+fn combined(op: ReduceOp) -> ReduceOp {
+    match op {
+        ReduceOp::PremulSum(_) => ReduceOp::PremulSum(1.0),
+        op => op,
+    }
+}
+
 fn cuda(op: &'static str) -> impl Fn(rmacomm_window::cuda::CudaError) -> Error {
     move |source| Error::Window { op, source: rmacomm_window::Error::Cuda { op, source } }
 }
@@ -761,6 +771,13 @@ impl GpuComm {
         stream: &Stream,
     ) -> Result<u64> {
         self.blocks_in(op, input, len, off, clen, at, stream)?;
+        self.blocks_send(op, clen, at, stream)
+    }
+
+    /// Transport mode: the blocks staged at the region's start (by
+    /// [`blocks_in`](Self::blocks_in)) put to their ranks, then the
+    /// exchange (see [`blocks_out`](Self::blocks_out)).
+    fn blocks_send(&mut self, op: &'static str, clen: usize, at: u64, stream: &Stream) -> Result<u64> {
         let recv = at + (self.size * clen) as u64;
         for p in 0..self.size {
             self.put(op, at + (p * clen) as u64, clen, p, recv + (self.rank * clen) as u64, stream)?;
@@ -780,6 +797,28 @@ impl GpuComm {
     /// The elements of a chunk of `elems` that rank `r` reduces.
     fn share(&self, r: usize, elems: usize) -> (usize, usize) {
         (r * elems / self.size, (r + 1) * elems / self.size)
+    }
+
+    /// Scales this rank's own staged contribution (`count` elements at
+    /// `at`) in place by PREMUL_SUM's factor before any rank combines it:
+    /// each rank its own factor, NCCL's Σ fᵣ·xᵣ (the reduction then sums
+    /// them: [`combined`]). Nothing for the other ops.
+    fn scale_own(
+        &self,
+        what: &'static str,
+        e: &rmacomm_kernels::cuda::Entries,
+        op: ReduceOp,
+        at: DevicePtr,
+        count: usize,
+        stream: &Stream,
+    ) -> Result<()> {
+        match op {
+            // One input, this factor, in place (elementwise).
+            ReduceOp::PremulSum(f) if f != 1.0 && count > 0 => {
+                self.reduce_kernel(what, e, op, at, &[at], count, stream)
+            }
+            _ => Ok(()),
+        }
     }
 
     /// `out[i] = op(inputs[0][i], ..)` for `count` elements, queued: the
@@ -1146,18 +1185,21 @@ impl GpuComm {
         if self.through_transport() {
             let step = (self.slot / (2 * self.size) / es * es).max(es);
             return self.uses(OP, len, step, stream, |c, off, clen, at| {
-                let recv = c.blocks_out(OP, input, len, off, clen, at, stream)?;
+                c.blocks_in(OP, input, len, off, clen, at, stream)?;
+                c.scale_own(OP, &e, op, c.slots[c.rank] + at, c.size * clen / es, stream)?;
+                let recv = c.blocks_send(OP, clen, at, stream)?;
                 let own = c.slots[c.rank];
                 let inputs: Vec<DevicePtr> = (0..c.size).map(|p| own + recv + (p * clen) as u64).collect();
-                c.reduce_kernel(OP, &e, op, output + off as u64, &inputs, clen / es, stream)
+                c.reduce_kernel(OP, &e, combined(op), output + off as u64, &inputs, clen / es, stream)
             });
         }
         let step = (self.slot / self.size / es * es).max(es);
         self.uses(OP, len, step, stream, |c, off, clen, at| {
             c.blocks_in(OP, input, len, off, clen, at, stream)?;
+            c.scale_own(OP, &e, op, c.slots[c.rank] + at, c.size * clen / es, stream)?;
             c.exchange(OP, stream)?;
             let inputs: Vec<DevicePtr> = c.slots.iter().map(|s| s + at + (c.rank * clen) as u64).collect();
-            c.reduce_kernel(OP, &e, op, output + off as u64, &inputs, clen / es, stream)
+            c.reduce_kernel(OP, &e, combined(op), output + off as u64, &inputs, clen / es, stream)
         })
     }
 
@@ -1232,6 +1274,7 @@ impl GpuComm {
                 let (stage, inputs, results) = (at, at + clen as u64, at + clen as u64 + n as u64 * stride);
                 let own = c.slots[me];
                 c.copy(what, own + stage, buf + off as u64, clen, stream)?;
+                c.scale_own(what, &e, op, own + stage, elems, stream)?;
                 // Share p of my chunk to rank p, as its input from me.
                 for p in 0..n {
                     let (a, b) = c.share(p, elems);
@@ -1241,7 +1284,7 @@ impl GpuComm {
                 let (a, b) = c.share(me, elems);
                 if b > a {
                     let ins: Vec<DevicePtr> = (0..n).map(|r| own + inputs + r as u64 * stride).collect();
-                    c.reduce_kernel(what, &e, op, own + results + (a * es) as u64, &ins, b - a, stream)?;
+                    c.reduce_kernel(what, &e, combined(op), own + results + (a * es) as u64, &ins, b - a, stream)?;
                     // My reduced share to every rank that gets the result.
                     for p in (0..n).filter(|p| *p != me && root.is_none_or(|r| r == *p)) {
                         let at = results + (a * es) as u64;
@@ -1260,6 +1303,7 @@ impl GpuComm {
             // 1. My input.
             // SAFETY: inside the caller's buffer and my region.
             unsafe { stream.copy_async(c.slots[me] + at, buf + off as u64, clen) }.map_err(cuda(what))?;
+            c.scale_own(what, &e, op, c.slots[me] + at, elems, stream)?;
             // 2. Everyone's inputs are in place.
             c.exchange(what, stream)?;
             // 3. My share of every input, reduced in place into my share of
@@ -1268,7 +1312,7 @@ impl GpuComm {
             if s1 > s0 {
                 let share = at + (s0 * es) as u64;
                 let inputs: Vec<DevicePtr> = c.slots.iter().map(|p| p + share).collect();
-                c.reduce_kernel(what, &e, op, c.slots[me] + share, &inputs, s1 - s0, stream)?;
+                c.reduce_kernel(what, &e, combined(op), c.slots[me] + share, &inputs, s1 - s0, stream)?;
             }
             // 4. Everyone's results are in place.
             c.exchange(what, stream)?;

@@ -616,3 +616,54 @@ fn gpu_collectives_without_stream_memory_operations() {
         g.barrier(None).unwrap();
     });
 }
+
+/// PREMUL_SUM with a different factor on every rank (rank r weighs its
+/// input by r + 1): Σ fᵣ·xᵣ on every rank, as NCCL and the host collectives
+/// give — all_reduce, reduce_scatter_single and reduce's root. (The rank
+/// reducing a share used to apply its own factor to the whole sum.)
+#[test]
+fn gpu_premul_sum_takes_each_ranks_own_factor() {
+    if !ready() {
+        return;
+    }
+    three_ranks(|rank, g, ctx, c, stream| {
+        let (n, b) = (3usize, 30_000usize);
+        let (small, big) = (ctx.alloc_shared(b * 4).unwrap(), ctx.alloc_shared(n * b * 4).unwrap());
+        let read = |m: &rmacomm_window::cuda::device::DeviceMemory, len: usize| {
+            stream.synchronize().unwrap();
+            let mut v = vec![0u8; len];
+            m.read_into(0, &mut v).unwrap();
+            v
+        };
+        // The first element that differs (not the whole buffer).
+        let check = |got: Vec<u8>, want: &[f32], what: &str| {
+            let got: Vec<f32> = got.chunks(4).map(|c| f32::from_ne_bytes(c.try_into().unwrap())).collect();
+            if let Some(i) = (0..want.len()).find(|&i| got[i] != want[i]) {
+                panic!("rank {rank}: {what}: element {i} is {}, want {}", got[i], want[i]);
+            }
+        };
+        let x = |r: usize, i: usize| (r + 1 + i % 5) as f32;
+        let op = ReduceOp::PremulSum((rank + 1) as f64);
+        let want = |i: usize| (0..n).map(|r| (r + 1) as f32 * x(r, i)).sum::<f32>();
+        big.write_from(0, &as_bytes(&(0..n * b).map(|i| x(rank, i)).collect::<Vec<_>>())).unwrap();
+        // SAFETY: every buffer is large enough and outlives the synchronizations.
+        unsafe { c.all_reduce(big.ptr(), n * b * 4, DType::F32, op, stream) }.unwrap();
+        let expect: Vec<f32> = (0..n * b).map(want).collect();
+        check(read(&big, n * b * 4), &expect, "all_reduce");
+        big.write_from(0, &as_bytes(&(0..n * b).map(|i| x(rank, i)).collect::<Vec<_>>())).unwrap();
+        // SAFETY: as above.
+        unsafe { c.reduce_scatter(small.ptr(), big.ptr(), b * 4, DType::F32, op, stream) }.unwrap();
+        let expect: Vec<f32> = (0..b).map(|i| want(rank * b + i)).collect();
+        check(read(&small, b * 4), &expect, "reduce_scatter_single");
+        let mine: Vec<f32> = (0..b).map(|i| x(rank, i)).collect();
+        small.write_from(0, &as_bytes(&mine)).unwrap();
+        // SAFETY: as above.
+        unsafe { c.reduce(small.ptr(), b * 4, DType::F32, op, 0, stream) }.unwrap();
+        let got = read(&small, b * 4);
+        if rank == 0 {
+            check(got, &(0..b).map(want).collect::<Vec<_>>(), "reduce at the root");
+        }
+        g.barrier(None).unwrap();
+        drop((small, big));
+    });
+}
