@@ -59,7 +59,9 @@ pub struct QpInitAttr {
 /// RESET → INIT attributes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct InitAttr {
-    /// Physical port (1-based).
+    /// Physical port (1-based); 0 (the default) takes the context's default
+    /// port: for verbs the first port `RMACOMM_IB_HCA` names for the device,
+    /// else 1. The soft provider has no ports and ignores it.
     pub port_num: u8,
     /// P_Key index.
     pub pkey_index: u16,
@@ -70,10 +72,20 @@ pub struct InitAttr {
 impl Default for InitAttr {
     fn default() -> Self {
         InitAttr {
-            port_num: 1,
+            // Not 1: a device selected as `mlx5_0:2` must get port 2's QPs
+            // (and LID/GID) without every caller knowing about ports.
+            port_num: 0,
             pkey_index: 0,
             access: AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ | AccessFlags::REMOTE_ATOMIC,
         }
+    }
+}
+
+impl InitAttr {
+    /// These attributes with port 0 replaced by `default_port` (the
+    /// context's default port): what the INIT transition applies.
+    pub fn resolved(&self, default_port: u8) -> InitAttr {
+        InitAttr { port_num: if self.port_num == 0 { default_port } else { self.port_num }, ..*self }
     }
 }
 
@@ -188,5 +200,18 @@ pub fn ack_timeout_duration(code: u8) -> Option<Duration> {
         None
     } else {
         Some(Duration::from_nanos(4096u64 << code.min(31)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn port_zero_resolves_to_the_contexts_default_port() {
+        assert_eq!(InitAttr::default().port_num, 0);
+        assert_eq!(InitAttr::default().resolved(2).port_num, 2);
+        let explicit = InitAttr { port_num: 1, ..InitAttr::default() };
+        assert_eq!(explicit.resolved(2), explicit);
     }
 }

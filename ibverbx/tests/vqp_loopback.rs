@@ -277,7 +277,7 @@ fn first_error_wins_and_the_rest_flushes() {
         while let Ok(k @ 1..) = b.cq.wait(&mut buf, Some(Duration::from_millis(300)), Duration::ZERO) {
             seen += k;
         }
-        assert!(seen <= 10);
+        assert_eq!(seen, 10, "every receive completes exactly once ({lb:?})");
     }
 }
 
@@ -450,4 +450,108 @@ fn a_wait_of_duration_max_waits_for_its_completion() {
     let mut wc = [WorkCompletion::empty(); 1];
     assert_eq!(a.cq.wait(&mut wc, Some(Duration::MAX), Duration::ZERO).unwrap(), 1);
     assert!(wc[0].is_ok() && wc[0].wr_id == 7, "{:?}", wc[0]);
+}
+
+/// A DQPLB immediate still in the receiver's CQ when its virtual QP fails
+/// (its fragments unrouted, so its message never finished) must not hold
+/// up the receives flushed behind it: every receive completes once.
+#[test]
+fn a_late_immediate_does_not_hold_up_the_flushed_receives() {
+    let (a, b) = pair(&cfg(4, LoadBalancing::Dqplb), 64 << 10, None);
+    b.qp.post_recv(&[RecvWr { wr_id: 1, sg_list: &[] }, RecvWr { wr_id: 2, sg_list: &[] }]).unwrap();
+    let sge = [a.mr.sge(0, 64 << 10).unwrap()];
+    let op = SendOp::RdmaWriteWithImm { remote_addr: b.mr.addr(), rkey: b.mr.rkey(), imm: 5 };
+    a.qp.post_send(&[SendWr { wr_id: 9, op, sg_list: &sge, flags: SendFlags::SIGNALED }]).unwrap();
+    // Only A progresses: B's physical CQ keeps the fragments and the
+    // immediate, none of them routed yet.
+    let mut wc = [WorkCompletion::empty(); 1];
+    assert_eq!(a.cq.wait(&mut wc, Some(HANG), Duration::ZERO).unwrap(), 1);
+    assert_eq!((wc[0].wr_id, wc[0].status), (9, WcStatus::Success));
+    b.qp.fail();
+    let mut rx = Vec::new();
+    let mut buf = [WorkCompletion::empty(); 16];
+    while let Ok(k @ 1..) = b.cq.wait(&mut buf, Some(Duration::from_millis(300)), Duration::ZERO) {
+        rx.extend_from_slice(&buf[..k]);
+    }
+    // The message's fragments were never counted, so the receiver cannot
+    // vouch for its data: its receive is flushed like the one behind it.
+    assert_eq!(
+        rx.iter().map(|w| (w.wr_id, w.status)).collect::<Vec<_>>(),
+        vec![(1, WcStatus::WrFlushErr), (2, WcStatus::WrFlushErr)],
+        "{rx:?}"
+    );
+}
+
+fn invalid_reason(r: ibverbx::Result<()>) -> String {
+    match r {
+        Err(ibverbx::Error::InvalidArgument { verb: "post_send(virtual)", reason }) => reason,
+        other => panic!("expected post_send(virtual) to refuse the WR, got {other:?}"),
+    }
+}
+
+/// A WR that a physical QP would refuse fails `post_send` itself, before
+/// anything is queued, and leaves the virtual QP usable (it used to be
+/// accepted, refused when its physical WR was posted, and take the whole
+/// virtual QP to the error state).
+#[test]
+fn a_malformed_wr_fails_the_call_not_the_qp() {
+    let (a, b) = pair(&VirtualQpConfig::default(), 1 << 20, None);
+    let (raddr, rkey) = (b.mr.addr(), b.mr.rkey());
+    let post = |wr_id: u64, op: SendOp, sg: &[ibverbx::Sge], inline: bool| {
+        a.qp.post_send(&[SendWr { wr_id, op, sg_list: sg, flags: SendFlags { inline, ..SendFlags::SIGNALED } }])
+    };
+    let kib = [a.mr.sge(0, 1024).unwrap()];
+    let word = [a.mr.sge(4096, 8).unwrap()];
+    let half_word = [a.mr.sge(4096, 4).unwrap()];
+    let write = SendOp::RdmaWrite { remote_addr: raddr, rkey };
+    let fetch_add = |remote_addr| SendOp::Atomic { remote_addr, rkey, op: AtomicOp::FetchAdd { add: 1 } };
+    // 1 KiB fits a 1 MiB fragment but not the physical QPs' 256 inline bytes.
+    let r = invalid_reason(post(1, write, &kib, true));
+    assert!(r.contains("max_inline_data"), "{r}");
+    let r = invalid_reason(post(2, fetch_add(raddr + 4), &word, false));
+    assert!(r.contains("aligned"), "{r}");
+    let r = invalid_reason(post(3, fetch_add(raddr), &half_word, false));
+    assert!(r.contains("8-byte SGE"), "{r}");
+    let r = invalid_reason(post(4, SendOp::RdmaRead { remote_addr: raddr, rkey }, &word, true));
+    assert!(r.contains("inline"), "{r}");
+    assert_eq!(a.qp.error(), None);
+    assert_eq!(a.qp.outstanding(), 0);
+    // As with ibv_post_send's bad_wr: the WRs before the bad one are posted,
+    // those after it are not.
+    let ok = SendWr { wr_id: 5, op: write, sg_list: &kib, flags: SendFlags::SIGNALED };
+    let bad = SendWr { wr_id: 6, op: fetch_add(raddr + 4), sg_list: &word, flags: SendFlags::SIGNALED };
+    let after = SendWr { wr_id: 7, op: write, sg_list: &kib, flags: SendFlags::SIGNALED };
+    invalid_reason(a.qp.post_send(&[ok, bad, after]));
+    post(8, fetch_add(raddr + 8), &word, false).unwrap();
+    let wcs = collect_with(&a.cq, 2, &b.cq);
+    assert_eq!(
+        wcs.iter().map(|w| (w.wr_id, w.status)).collect::<Vec<_>>(),
+        vec![(5, WcStatus::Success), (8, WcStatus::Success)],
+        "{:?}",
+        a.qp.error()
+    );
+    assert_eq!(a.qp.outstanding(), 0);
+}
+
+/// No physical WR may exceed the device's `max_msg_sz`: a fragment size
+/// above it refuses striped WRs, and a SEND above it is refused whole.
+#[test]
+fn wrs_longer_than_the_devices_max_msg_sz_are_refused() {
+    let p = SoftProvider::new(SoftConfig { max_msg_size: 4096, ..SoftConfig::default() });
+    let c = VirtualQpConfig { max_msg_size: 8192, ..cfg(4, LoadBalancing::Dqplb) };
+    let (a, b) = (end(&p, &c, 1 << 16), end(&p, &c, 1 << 16));
+    a.qp.connect(&b.qp.endpoint().unwrap()).unwrap();
+    b.qp.connect(&a.qp.endpoint().unwrap()).unwrap();
+    let write = SendOp::RdmaWrite { remote_addr: b.mr.addr(), rkey: b.mr.rkey() };
+    let post = |wr_id, op, len| {
+        let sg = [a.mr.sge(0, len).unwrap()];
+        a.qp.post_send(&[SendWr { wr_id, op, sg_list: &sg, flags: SendFlags::SIGNALED }])
+    };
+    let r = invalid_reason(post(1, write, 8192));
+    assert!(r.contains("max_msg_sz 4096"), "{r}");
+    let r = invalid_reason(post(2, SendOp::Send, 5000));
+    assert!(r.contains("max_msg_sz 4096"), "{r}");
+    post(3, write, 4096).unwrap();
+    let wc = collect_with(&a.cq, 1, &b.cq)[0];
+    assert_eq!((wc.wr_id, wc.status), (3, WcStatus::Success), "{:?}", a.qp.error());
 }

@@ -15,7 +15,7 @@ use super::pd::PdShared;
 use super::wr_ring::WrRing;
 use crate::endpoint::QpEndpoint;
 use crate::provider::{CqOps, QpOps};
-use crate::qp_attr::{QpCaps, QpState, QpTransition};
+use crate::qp_attr::{InitAttr, QpCaps, QpState, QpTransition};
 use crate::wc::WcOpcode;
 use crate::wr::{AtomicOp, RecvWr, SendOp, SendWr};
 use crate::{Error, QpInitAttr, Result};
@@ -162,6 +162,13 @@ pub(crate) fn check_send_wr(wr: &SendWr<'_>, caps: &QpCaps) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The INIT attributes on a context whose default port is `default_port`:
+/// port 0 in `a` means that port (`RMACOMM_IB_HCA=mlx5_0:2` gives 2), so
+/// QPs made with default attributes use the port the device was chosen on.
+fn init_on(a: &InitAttr, default_port: u8) -> std::result::Result<(ibv_qp_attr, std::os::raw::c_int), String> {
+    init_attr(&a.resolved(default_port))
 }
 
 /// Chains `n` WRs at `base` (`next`) and points each at its `num_sge` SGEs,
@@ -386,9 +393,9 @@ impl QpOps for VerbsQp {
         let bad = |e: String| Error::invalid("modify_qp", e);
         let (mut attr, mask) = match t {
             QpTransition::Init(a) => {
-                ctx.check_port(a.port_num)?;
-                let r = init_attr(a).map_err(bad)?;
-                self.local().port = a.port_num;
+                let r = init_on(a, ctx.default_port()).map_err(bad)?;
+                ctx.check_port(r.0.port_num)?;
+                self.local().port = r.0.port_num;
                 r
             }
             QpTransition::Rtr(a) => {
@@ -621,6 +628,16 @@ mod tests {
         assert!(check_send_wr(&w(fa(8), leak(vec![sge(8)]), false), &caps).is_ok());
         assert!(check_send_wr(&w(fa(8), leak(vec![sge(4)]), false), &caps).is_err());
         assert!(check_send_wr(&w(fa(4), leak(vec![sge(8)]), false), &caps).is_err());
+    }
+
+    /// `RMACOMM_IB_HCA=mlx5_0:2` makes 2 the context's default port: a QP
+    /// moved to INIT with default attributes must use it, not port 1.
+    #[test]
+    fn default_init_attributes_use_the_contexts_port() {
+        let (a, _) = init_on(&InitAttr::default(), 2).unwrap();
+        assert_eq!(a.port_num, 2);
+        let (a, _) = init_on(&InitAttr { port_num: 1, ..InitAttr::default() }, 2).unwrap();
+        assert_eq!(a.port_num, 1, "an explicit port wins");
     }
 
     #[test]

@@ -26,8 +26,10 @@ struct Held {
 #[derive(Debug, Default)]
 pub struct RecvSequencer {
     held: VecDeque<Held>,
-    /// Finished USER messages whose control-QP arrival has not come yet.
+    /// Finished USER messages not yet matched with a released arrival.
     unmatched: u64,
+    /// The virtual QP failed: no message will finish any more.
+    failed: bool,
 }
 
 impl RecvSequencer {
@@ -38,8 +40,20 @@ impl RecvSequencer {
 
     /// A receive completion from the control QP. `needs_message`: it is a
     /// DQPLB immediate that may only be released once its message finished.
-    pub fn on_arrival(&mut self, wc: WorkCompletion, needs_message: bool) {
-        self.held.push_back(Held { wc, needs_message: needs_message && wc.status == WcStatus::Success });
+    ///
+    /// After [`fail`](Self::fail) no message finishes any more, so an
+    /// immediate that was still in the CQ then is released at once: as it
+    /// came if its message had already finished, else flushed. The
+    /// receiver cannot vouch for data it never saw complete (the virtual
+    /// WRITE_WITH_IMM did not complete), and holding it would keep every
+    /// flushed receive behind it from being reported.
+    pub fn on_arrival(&mut self, mut wc: WorkCompletion, needs_message: bool) {
+        let mut needs_message = needs_message && wc.status == WcStatus::Success;
+        if needs_message && self.failed && self.unmatched <= self.waiting() as u64 {
+            needs_message = false;
+            flush(&mut wc, WcStatus::WrFlushErr);
+        }
+        self.held.push_back(Held { wc, needs_message });
     }
 
     /// The tracker finished a message that carries the USER bit.
@@ -66,15 +80,21 @@ impl RecvSequencer {
 
     /// The virtual QP failed with `status`: the held immediates whose data
     /// never completed fail (the first with `status`, later ones flushed).
-    /// With `report` and nothing held, one completion with `status` and
+    /// With `report` and none of them, one completion with `status` and
     /// `wr_id` 0 is queued so that the receiver learns of the failure even
     /// without a receive in flight.
+    ///
+    /// The first `unmatched` held immediates are not failed: their messages
+    /// finished (a whole CQ batch is routed before the QP is drained, so a
+    /// message's last fragment and an unrelated error can come together),
+    /// and they are released as they came.
     pub fn fail(&mut self, status: WcStatus, qp_num: u32, report: bool) {
+        self.failed = true;
+        let finished = usize::try_from(self.unmatched).unwrap_or(usize::MAX);
         let mut first = report;
-        for h in self.held.iter_mut().filter(|h| h.needs_message) {
+        for h in self.held.iter_mut().filter(|h| h.needs_message).skip(finished) {
             h.needs_message = false;
-            h.wc.status = if first { status } else { WcStatus::WrFlushErr };
-            h.wc.byte_len = 0;
+            flush(&mut h.wc, if first { status } else { WcStatus::WrFlushErr });
             first = false;
         }
         if first {
@@ -92,6 +112,12 @@ impl RecvSequencer {
             });
         }
     }
+}
+
+/// Marks a held immediate failed: no data of its message is vouched for.
+fn flush(wc: &mut WorkCompletion, status: WcStatus) {
+    wc.status = status;
+    wc.byte_len = 0;
 }
 
 #[cfg(test)]
@@ -134,5 +160,50 @@ mod tests {
         assert_eq!(s.poll().map(|w| (w.wr_id, w.status, w.qp_num)), Some((0, WcStatus::RespTimeoutErr, 9)));
         s.fail(WcStatus::WrFlushErr, 9, false);
         assert_eq!(s.poll(), None);
+    }
+
+    /// `route` feeds a whole CQ batch before the virtual QP is drained: the
+    /// last fragment of a message and an unrelated error in one batch must
+    /// not cost the finished message its immediate.
+    #[test]
+    fn failure_spares_immediates_whose_message_finished() {
+        let mut s = RecvSequencer::new();
+        s.on_arrival(wc(1, WcOpcode::RecvRdmaWithImm), true);
+        s.on_arrival(wc(2, WcOpcode::RecvRdmaWithImm), true);
+        s.on_message_finished();
+        s.fail(WcStatus::RespTimeoutErr, 9, true);
+        assert_eq!(s.poll().map(|w| (w.wr_id, w.status, w.imm_data)), Some((1, WcStatus::Success, Some(1))));
+        assert_eq!(s.poll().map(|w| (w.wr_id, w.status)), Some((2, WcStatus::RespTimeoutErr)));
+        assert_eq!(s.poll(), None);
+
+        // Nothing left to blame: the failure is reported on its own.
+        let mut s = RecvSequencer::new();
+        s.on_arrival(wc(1, WcOpcode::RecvRdmaWithImm), true);
+        s.on_message_finished();
+        s.fail(WcStatus::RespTimeoutErr, 9, true);
+        assert_eq!(s.poll().map(|w| (w.wr_id, w.status)), Some((1, WcStatus::Success)));
+        assert_eq!(s.poll().map(|w| (w.wr_id, w.status, w.qp_num)), Some((0, WcStatus::RespTimeoutErr, 9)));
+        assert_eq!(s.poll(), None);
+    }
+
+    /// An immediate that reaches the sequencer after the failure (it was
+    /// still in the CQ) is flushed unless its message finished first; it
+    /// never holds up what is behind it.
+    #[test]
+    fn immediates_arriving_after_the_failure_do_not_wait() {
+        let mut s = RecvSequencer::new();
+        s.on_message_finished();
+        s.fail(WcStatus::WrFlushErr, 9, false);
+        assert_eq!(s.poll(), None);
+        // Its message had finished: the data is all there.
+        s.on_arrival(wc(1, WcOpcode::RecvRdmaWithImm), true);
+        // Its message never finished, and now never will.
+        s.on_arrival(wc(2, WcOpcode::RecvRdmaWithImm), true);
+        s.on_arrival(WorkCompletion { status: WcStatus::WrFlushErr, ..wc(3, WcOpcode::Recv) }, false);
+        assert_eq!(s.poll().map(|w| (w.wr_id, w.status)), Some((1, WcStatus::Success)));
+        assert_eq!(s.poll().map(|w| (w.wr_id, w.status, w.byte_len)), Some((2, WcStatus::WrFlushErr, 0)));
+        assert_eq!(s.poll().map(|w| (w.wr_id, w.status)), Some((3, WcStatus::WrFlushErr)));
+        assert_eq!(s.poll(), None);
+        assert_eq!(s.waiting(), 0);
     }
 }

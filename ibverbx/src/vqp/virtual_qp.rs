@@ -87,6 +87,11 @@ struct State {
     error: Option<(WcStatus, String)>,
     qp_num: u32,
     stats: VirtualQpStats,
+    /// The device's largest message (`max_msg_sz`): no physical WR may be
+    /// longer.
+    device_max_msg: u32,
+    /// The smallest `max_inline_data` the physical QPs were granted.
+    max_inline: u32,
 }
 
 /// Counters of a virtual QP, for tests and tuning.
@@ -108,6 +113,12 @@ fn encode_wr_id(vid: u64, part: Part) -> u64 {
 
 fn decode_wr_id(wr_id: u64) -> (u64, Part) {
     (wr_id >> 1, if wr_id & 1 == 1 { Part::Control } else { Part::Data })
+}
+
+/// Whether `op` is cut into fragments (and, with several QPs, striped);
+/// the rest goes whole on the control QP.
+fn is_striped(op: &SendOp) -> bool {
+    matches!(op, SendOp::RdmaWrite { .. } | SendOp::RdmaWriteWithImm { .. } | SendOp::RdmaRead { .. })
 }
 
 /// The SGEs that cover `len` bytes at `offset` of the concatenation of `sg`.
@@ -149,6 +160,7 @@ impl VirtualQp {
     /// Fails if `cq` cannot hold every completion they may have outstanding.
     pub fn new(pd: &ProtectionDomain, cq: &VirtualCq, cfg: &VirtualQpConfig) -> Result<VirtualQp> {
         cfg.validate()?;
+        let device_max_msg = pd.context().query_device()?.max_msg_sz;
         let n_data = cfg.total_qps as usize;
         let sep = cfg.has_notify_qp();
         let dqplb_multi = sep && cfg.load_balancing == LoadBalancing::Dqplb;
@@ -209,6 +221,7 @@ impl VirtualQp {
         let ctrl = if sep { n_data } else { 0 };
         let qp_num = qps[ctrl].qp_num();
         let qpns: Vec<u32> = qps.iter().map(QueuePair::qp_num).collect();
+        let max_inline = qps.iter().map(|q| q.caps().max_inline_data).min().unwrap_or(0);
         let st = State {
             cfg: *cfg,
             planner: FragmentPlanner::new(n_data, sep, cfg.max_msg_cnt_per_qp)
@@ -223,6 +236,8 @@ impl VirtualQp {
             error: None,
             qp_num,
             stats: VirtualQpStats::default(),
+            device_max_msg,
+            max_inline,
         };
         let shared = Arc::new(VqpShared { st: Mutex::new(st), qp_num, qpns, reserved });
         cq.register(&shared, &shared.qpns);
@@ -309,11 +324,16 @@ impl VirtualQp {
     /// (a region dropped earlier makes the fragments fail with a local
     /// protection error, never touch freed memory).
     ///
-    /// A WR that fails validation fails the call; the WRs before it were
-    /// posted (as with `ibv_post_send`'s `bad_wr`). An inline WR must fit
-    /// in one fragment and find room at once, since its bytes are copied at
-    /// post time. On a virtual QP in the error state, WRs complete at once
-    /// with `WrFlushErr`.
+    /// A WR that fails validation fails the call with `InvalidArgument`
+    /// and nothing of it is queued; the WRs before it were posted (as with
+    /// `ibv_post_send`'s `bad_wr`). Validation covers what a physical QP
+    /// would refuse: SGE count, a physical WR (fragment, or a whole SEND)
+    /// above the device's `max_msg_sz`, inline data above the physical
+    /// QPs' `max_inline_data` or one fragment, inline READs and atomics, an
+    /// atomic without one 8-byte SGE or at an unaligned address. An inline
+    /// WR must also find room at once (`Exhausted` otherwise), since its
+    /// bytes are copied at post time. On a virtual QP in the error state,
+    /// valid WRs complete at once with `WrFlushErr`.
     pub fn post_send(&self, wrs: &[SendWr<'_>]) -> Result<()> {
         let mut st = self.shared.lock();
         if !st.connected {
@@ -396,18 +416,62 @@ impl State {
         self.cfg.has_notify_qp()
     }
 
-    fn enqueue(&mut self, wr: &SendWr<'_>) -> Result<()> {
-        let verb = "post_send(virtual)";
+    /// Refuses a WR that a physical QP would refuse. The physical WRs are
+    /// posted later (from [`pump`](Self::pump), possibly in another call),
+    /// where a refusal can no longer fail this call and would take the
+    /// whole virtual QP down instead; so every check a provider makes on
+    /// the WR alone is made here, before anything is queued.
+    fn check_wr(&self, wr: &SendWr<'_>, len: u64) -> Result<()> {
+        let bad = |reason: String| Err(Error::InvalidArgument { verb: "post_send(virtual)", reason });
         if wr.sg_list.len() > self.cfg.max_send_sge as usize {
-            return Err(Error::InvalidArgument {
-                verb,
-                reason: format!("{} SGEs exceed max_send_sge {}", wr.sg_list.len(), self.cfg.max_send_sge),
-            });
+            return bad(format!("{} SGEs exceed max_send_sge {}", wr.sg_list.len(), self.cfg.max_send_sge));
         }
-        let len: u64 = wr.sg_list.iter().map(|s| s.length as u64).sum();
         if len > u32::MAX as u64 {
-            return Err(Error::InvalidArgument { verb, reason: format!("a {len}-byte message exceeds 4 GiB - 1") });
+            return bad(format!("a {len}-byte message exceeds 4 GiB - 1"));
         }
+        let max = self.cfg.max_msg_size as u64;
+        let striped = is_striped(&wr.op);
+        let physical_len = if striped { len.min(max) } else { len };
+        if physical_len > self.device_max_msg as u64 {
+            return bad(format!(
+                "a {physical_len}-byte {} exceeds the device's max_msg_sz {}; lower VirtualQpConfig::max_msg_size \
+                 (fragments) or send less at once",
+                if striped { "fragment" } else { "message" },
+                self.device_max_msg
+            ));
+        }
+        if wr.flags.inline {
+            if matches!(wr.op, SendOp::RdmaRead { .. } | SendOp::Atomic { .. }) {
+                return bad("RDMA READ and atomics cannot be inline".into());
+            }
+            if len > max {
+                return bad(format!(
+                    "an inline WR must fit one fragment: {len} bytes exceed max_msg_size {max}; register the buffer"
+                ));
+            }
+            if len > self.max_inline as u64 {
+                return bad(format!(
+                    "{len} inline bytes exceed the physical QPs' max_inline_data {}; register the buffer",
+                    self.max_inline
+                ));
+            }
+        }
+        if let SendOp::Atomic { remote_addr, .. } = wr.op {
+            if wr.sg_list.len() != 1 || wr.sg_list[0].length != 8 {
+                return bad("an atomic needs exactly one 8-byte SGE".into());
+            }
+            if remote_addr % 8 != 0 {
+                return bad(format!("atomic address {remote_addr:#x} is not 8-byte aligned"));
+            }
+        }
+        Ok(())
+    }
+
+    fn enqueue(&mut self, wr: &SendWr<'_>) -> Result<()> {
+        let len: u64 = wr.sg_list.iter().map(|s| s.length as u64).sum();
+        // Checked in the error state too: as with ibv_post_send, a
+        // malformed WR is refused rather than flushed.
+        self.check_wr(wr, len)?;
         let opcode = wr.op.wc_opcode();
         if self.error.is_some() {
             let vid = self.agg.begin(wr.wr_id, opcode, 0, wr.flags.signaled, 1, 0);
@@ -415,15 +479,14 @@ impl State {
             return Ok(());
         }
         let max = self.cfg.max_msg_size;
-        let striped =
-            matches!(wr.op, SendOp::RdmaWrite { .. } | SendOp::RdmaWriteWithImm { .. } | SendOp::RdmaRead { .. });
+        let striped = is_striped(&wr.op);
         let lane = if striped && self.multi() { Lane::Data } else { Lane::Control };
-        if wr.flags.inline && (len > max as u64 || !self.planner.can_post_now(lane)) {
+        if wr.flags.inline && !self.planner.can_post_now(lane) {
             return Err(Error::Exhausted {
-                verb,
-                reason:
-                    "an inline WR must fit one fragment and find room at once; post it later or register the buffer"
-                        .into(),
+                verb: "post_send(virtual)",
+                reason: "an inline WR must find room at once (its bytes are copied at post time); post it later or \
+                         register the buffer"
+                    .into(),
             });
         }
         let signaled = wr.flags.signaled;
@@ -517,6 +580,10 @@ impl State {
                 flags: SendFlags { signaled: true, inline: op.inline, fence: op.fence },
             };
             self.stats.physical_posted += 1;
+            // `check_wr` refused what the WR alone makes invalid; what is
+            // left (an inline SGE outside its registration, a QP the
+            // provider took down) fails the virtual QP, since the call that
+            // posted the WR may have returned long ago.
             if let Err(e) = self.qps[qp].post_send(&[wr]) {
                 self.planner.complete(qp);
                 self.agg.complete(op.vid, op.part, WcStatus::LocQpOpErr);
