@@ -219,7 +219,7 @@ impl Group {
     }
 
     /// The group's own key space in the store: free for the user's keys,
-    /// except those starting with `barrier/`, `exchange/`, `split/` and `join/`.
+    /// except those starting with `op/`, `split/` and `join/`.
     pub fn store(&self) -> Arc<dyn Store> {
         self.store.clone()
     }
@@ -234,23 +234,38 @@ impl Group {
 
     /// Returns once every rank of the group has called it (the n-th call on
     /// each rank meets the n-th on the others), or fails after `timeout`
-    /// (`None`: the group's). Two store round trips per rank.
+    /// (`None`: the group's). Three store round trips per rank. A rank that
+    /// called another operation at this point of the sequence makes it an
+    /// [`Error::Mismatch`] on every rank.
     pub fn barrier(&self, timeout: Option<Duration>) -> Result<()> {
         let timeout = timeout.unwrap_or(self.timeout);
         let n = self.next_op();
-        let count_key = format!("barrier/{n}/count");
-        let done_key = format!("barrier/{n}/done");
+        let count_key = op_key(n, "count");
+        let done_key = op_key(n, "done");
         let old = std::mem::take(&mut *self.garbage());
         let result = (|| {
             let arrived = self.store.add(&count_key, 1)?;
             if arrived == self.size as i64 {
+                // Only barriers count, so every rank called one: nothing to compare.
                 self.store.set(&done_key, b"")?;
                 // Every rank has added already; nobody reads the counter again.
                 self.store.delete(&count_key)?;
                 self.garbage().push(done_key.clone());
                 return Ok(());
             }
-            match self.store.wait(&[&done_key], timeout) {
+            // A rank that called another operation here reads this record
+            // (as it reads every rank's) and answers the mismatch in `done`,
+            // since the counter would never be complete.
+            self.publish(n, "barrier", b"")?;
+            match self.store.get(&done_key, timeout) {
+                Ok(verdict) if verdict.is_empty() => Ok(()),
+                Ok(detail) => {
+                    self.garbage().push(count_key.clone());
+                    Err(Error::Mismatch {
+                        op: format!("barrier #{n}"),
+                        detail: String::from_utf8_lossy(&detail).into_owned(),
+                    })
+                }
                 Err(Error::Timeout { after, .. }) => {
                     let count = self.store.try_get(&count_key).ok().flatten();
                     let count = count.map(|c| String::from_utf8_lossy(&c).into_owned()).unwrap_or_else(|| "?".into());
@@ -262,7 +277,7 @@ impl Group {
                         after,
                     })
                 }
-                other => other,
+                Err(e) => Err(e),
             }
         })();
         match result {
@@ -283,16 +298,71 @@ impl Group {
     /// All-gather of small blobs: every rank contributes `value` under the
     /// same `key` and gets every rank's value, indexed by rank. One store
     /// write and one multi-key read per rank, so a few hundred ranks cost a
-    /// few hundred keys, fetched in one round trip.
+    /// few hundred keys, fetched in one round trip. A rank that passed
+    /// another `key`, or called another operation at this point of the
+    /// sequence, makes it an [`Error::Mismatch`] on every rank.
     pub fn exchange(&self, key: &str, value: &[u8]) -> Result<Vec<Vec<u8>>> {
         let n = self.next_op();
-        let mine = format!("exchange/{n}/{key}/{}", self.rank);
-        self.store.set(&mine, value)?;
+        self.publish(n, &format!("exchange '{key}'"), value)?;
+        self.gather(n, &format!("exchange '{key}' (#{n})"))
+    }
+
+    /// Writes this rank's record of operation `n`: what it called (`call`,
+    /// as messages name it) and its data.
+    ///
+    /// Every operation keeps its records under `op/<n>/`, whatever it is,
+    /// so ranks that called different operations at `n` still meet and can
+    /// compare their calls instead of each waiting out the timeout for keys
+    /// the others never write.
+    fn publish(&self, n: u64, call: &str, payload: &[u8]) -> Result<()> {
+        let mine = op_key(n, &self.rank.to_string());
+        let mut record = Vec::with_capacity(4 + call.len() + payload.len());
+        record.extend_from_slice(&(call.len() as u32).to_le_bytes());
+        record.extend_from_slice(call.as_bytes());
+        record.extend_from_slice(payload);
+        self.store.set(&mine, &record)?;
         self.garbage().push(mine);
-        let keys: Vec<String> = (0..self.size).map(|r| format!("exchange/{n}/{key}/{r}")).collect();
-        self.store
+        Ok(())
+    }
+
+    /// Every rank's data for operation `n` (after [`publish`](Self::publish)),
+    /// or [`Error::Mismatch`] naming who called what when the calls differ.
+    /// `op` names this rank's call in errors.
+    fn gather(&self, n: u64, op: &str) -> Result<Vec<Vec<u8>>> {
+        let keys: Vec<String> = (0..self.size).map(|r| op_key(n, &r.to_string())).collect();
+        let records = self
+            .store
             .multi_get(&refs(&keys), self.timeout)
-            .map_err(|e| missing_ranks(&*self.store, e, &keys, || format!("exchange '{key}' (#{n})")))
+            .map_err(|e| missing_ranks(&*self.store, e, &keys, || op.to_string()))?;
+        let mut calls: Vec<(&[u8], Vec<usize>)> = Vec::new();
+        let mut payloads = Vec::with_capacity(self.size);
+        for (r, record) in records.iter().enumerate() {
+            let (call, payload) = split_record(record);
+            match calls.iter_mut().find(|(c, _)| *c == call) {
+                Some((_, ranks)) => ranks.push(r),
+                None => calls.push((call, vec![r])),
+            }
+            payloads.push(payload.to_vec());
+        }
+        if calls.len() == 1 {
+            return Ok(payloads);
+        }
+        // Every rank that reads the records words the verdict the same way.
+        const SHOWN: usize = 4;
+        let mut detail: Vec<String> = calls
+            .iter()
+            .take(SHOWN)
+            .map(|(call, ranks)| format!("{} called {}", Ranks(ranks), String::from_utf8_lossy(call)))
+            .collect();
+        if calls.len() > SHOWN {
+            detail.push(format!("and {} other calls", calls.len() - SHOWN));
+        }
+        let detail = detail.join(", ");
+        // Ranks in a barrier at `n` wait on its `done` key, not on the records.
+        let done = op_key(n, "done");
+        self.store.set(&done, detail.as_bytes())?;
+        self.garbage().push(done);
+        Err(Error::Mismatch { op: op.to_string(), detail })
     }
 
     /// Makes a group of the parent ranks listed in `ranks`, renumbered by
@@ -307,14 +377,8 @@ impl Group {
     pub fn split(&self, ranks: &[usize]) -> Result<Option<Group>> {
         let n = self.next_op();
         let digest = list_digest(ranks);
-        let mine = format!("split/{n}/list/{}", self.rank);
-        self.store.set(&mine, &digest)?;
-        self.garbage().push(mine);
-        let keys: Vec<String> = (0..self.size).map(|r| format!("split/{n}/list/{r}")).collect();
-        let digests = self
-            .store
-            .multi_get(&refs(&keys), self.timeout)
-            .map_err(|e| missing_ranks(&*self.store, e, &keys, || format!("split #{n}")))?;
+        self.publish(n, "split", &digest)?;
+        let digests = self.gather(n, &format!("split #{n}"))?;
         if digests.iter().any(|d| *d != digest) {
             let mut by_list: BTreeMap<&[u8], Vec<usize>> = BTreeMap::new();
             for (r, d) in digests.iter().enumerate() {
@@ -353,6 +417,22 @@ impl Group {
             garbage: Mutex::new(Vec::new()),
         }))
     }
+}
+
+/// Key `name` of the group's `n`-th operation.
+fn op_key(n: u64, name: &str) -> String {
+    format!("op/{n}/{name}")
+}
+
+/// A record from [`Group::publish`]: the call and the payload. Ranks run one
+/// build, so a record that does not parse is a call of its own, which
+/// differs from every real one.
+fn split_record(record: &[u8]) -> (&[u8], &[u8]) {
+    let parsed = record.split_first_chunk::<4>().and_then(|(len, rest)| {
+        let len = u32::from_le_bytes(*len) as usize;
+        (len <= rest.len()).then(|| rest.split_at(len))
+    });
+    parsed.unwrap_or((b"something unreadable", b""))
 }
 
 fn refs(keys: &[String]) -> Vec<&str> {

@@ -70,9 +70,23 @@ impl HashStore {
         }
     }
 
-    /// `multi_get` that reports a timeout as the missing key, for the TCP server.
-    pub(crate) fn multi_get_raw(&self, keys: &[&str], timeout: Duration) -> Result<Vec<Vec<u8>>, WaitError> {
+    /// `multi_get` that reports a timeout as the missing key, for the TCP
+    /// server, and refuses values adding up to more than `max_total` bytes.
+    ///
+    /// The sum is taken before anything is copied: keys may repeat, so one
+    /// small request can name a 64 MiB value 65,536 times, and copying first
+    /// would allocate terabytes under the lock before any size check.
+    pub(crate) fn multi_get_raw(
+        &self,
+        keys: &[&str],
+        timeout: Duration,
+        max_total: usize,
+    ) -> Result<Vec<Vec<u8>>, WaitError> {
         let st = self.wait_for("multi_get", keys, timeout)?;
+        let total = keys.iter().fold(0usize, |sum, k| sum.saturating_add(st.map[*k].len()));
+        if total > max_total {
+            return Err(WaitError::TooLarge { total });
+        }
         Ok(keys.iter().map(|k| st.map[*k].clone()).collect())
     }
 
@@ -81,11 +95,15 @@ impl HashStore {
     }
 }
 
-/// Why a wait ended without the keys.
+/// Why a wait ended without the keys (or, for `multi_get_raw`, without their values).
 #[derive(Debug)]
 pub(crate) enum WaitError {
     Timeout(String),
     Closed(&'static str),
+    /// The keys are all there, but their values add up to `total` bytes, over the caller's limit.
+    TooLarge {
+        total: usize,
+    },
 }
 
 impl WaitError {
@@ -93,6 +111,9 @@ impl WaitError {
         match self {
             WaitError::Timeout(key) => Error::key_timeout(&key, timeout),
             WaitError::Closed(op) => Error::Closed { op },
+            WaitError::TooLarge { total } => {
+                Error::invalid("multi_get", format!("the values add up to {total} bytes, more than one call returns"))
+            }
         }
     }
 }
@@ -113,7 +134,8 @@ impl Store for HashStore {
 
     fn multi_get(&self, keys: &[&str], timeout: Duration) -> Result<Vec<Vec<u8>>> {
         check_keys("multi_get", keys)?;
-        self.multi_get_raw(keys, timeout).map_err(|e| e.into_error(timeout))
+        // In-process, the caller's own memory is the only limit, as with any `Vec` it asks for.
+        self.multi_get_raw(keys, timeout, usize::MAX).map_err(|e| e.into_error(timeout))
     }
 
     fn wait(&self, keys: &[&str], timeout: Duration) -> Result<()> {

@@ -33,7 +33,8 @@ const MAX_WAIT: Duration = Duration::from_secs(7 * 24 * 3600);
 pub struct TcpStoreServer {
     shared: Arc<Shared>,
     addr: SocketAddr,
-    acceptor: Option<JoinHandle<()>>,
+    /// The accepting thread, and a second handle on its listening socket to wake it with.
+    acceptor: Option<(JoinHandle<()>, TcpListener)>,
 }
 
 struct Shared {
@@ -85,13 +86,15 @@ impl TcpStoreServer {
             seen: AtomicUsize::new(0),
             active: AtomicUsize::new(0),
         });
+        let waker =
+            listener.try_clone().map_err(|e| Error::Listen { addr: addr.to_string(), reason: e.to_string() })?;
         let s = shared.clone();
         let acceptor = thread::Builder::new()
             .name("rmacomm-store-accept".into())
             .spawn(move || accept_loop(listener, s))
             .map_err(|e| Error::Listen { addr: addr.to_string(), reason: format!("cannot start a thread: {e}") })?;
         tracing::debug!(%addr, "TCP store serving");
-        Ok(TcpStoreServer { shared, addr, acceptor: Some(acceptor) })
+        Ok(TcpStoreServer { shared, addr, acceptor: Some((acceptor, waker)) })
     }
 
     /// The address it listens on.
@@ -127,17 +130,13 @@ impl TcpStoreServer {
 
     /// Stops serving: no new connections, open ones closed, waiters woken.
     pub fn shutdown(&mut self) {
-        let Some(acceptor) = self.acceptor.take() else { return };
+        let Some((acceptor, waker)) = self.acceptor.take() else { return };
         self.shared.stop.store(true, Ordering::Release);
         self.shared.store.close();
-        // Wake the blocking accept with a connection of our own.
-        let wake = match self.addr {
-            SocketAddr::V6(a) if a.ip().is_unspecified() => SocketAddr::from((Ipv6Addr::LOCALHOST, a.port())),
-            SocketAddr::V4(a) if a.ip().is_unspecified() => SocketAddr::from((Ipv4Addr::LOCALHOST, a.port())),
-            a => a,
-        };
-        let _ = TcpStream::connect_timeout(&wake, Duration::from_secs(1));
+        wake_acceptor(&waker, self.addr);
         let _ = acceptor.join();
+        // The socket closes with its last handle: now, not when the server is dropped.
+        drop(waker);
         for (_, c) in self.shared.conns.lock().unwrap_or_else(|p| p.into_inner()).drain() {
             let _ = c.shutdown(Shutdown::Both);
         }
@@ -148,6 +147,34 @@ impl Drop for TcpStoreServer {
     fn drop(&mut self) {
         self.shutdown();
     }
+}
+
+/// Ends the acceptor's blocking `accept`.
+///
+/// Shutting the listening socket down for reading wakes it without a network
+/// path (on Linux `accept` then fails with `EINVAL`, and every later call
+/// too, so a wake cannot be missed). Where that is refused, a connection of
+/// our own does it; a listener on `[::]` may then have no IPv6 loopback to
+/// be reached on (IPv6 disabled by sysctl still lets it bind `[::]` and take
+/// IPv4 clients), so IPv4 loopback is tried after it.
+fn wake_acceptor(listener: &TcpListener, addr: SocketAddr) {
+    if rustix::net::shutdown(listener, rustix::net::Shutdown::Read).is_ok() {
+        return;
+    }
+    let port = addr.port();
+    let targets: Vec<SocketAddr> = match addr {
+        SocketAddr::V6(a) if a.ip().is_unspecified() => {
+            vec![(Ipv6Addr::LOCALHOST, port).into(), (Ipv4Addr::LOCALHOST, port).into()]
+        }
+        SocketAddr::V4(a) if a.ip().is_unspecified() => vec![(Ipv4Addr::LOCALHOST, port).into()],
+        a => vec![a],
+    };
+    for target in targets {
+        if TcpStream::connect_timeout(&target, Duration::from_secs(1)).is_ok() {
+            return;
+        }
+    }
+    tracing::warn!(%addr, "TCP store: could not wake the acceptor; shutdown waits for the next connection");
 }
 
 fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
@@ -236,21 +263,12 @@ fn handle(store: &HashStore, req: Request) -> Option<Response> {
     let result = match req {
         Request::Set { key, value } => store.set(&key, &value).map(|()| Response::Ok),
         Request::TryGet { key } => store.try_get(&key).map(Response::Value),
-        Request::MultiGet { keys, timeout_ms } => match store.multi_get_raw(&refs(&keys), wait_time(timeout_ms)) {
-            Ok(values) => {
-                let total: usize = values.iter().map(|v| v.len() + 4).sum();
-                if total + 16 > MAX_FRAME_LEN {
-                    Ok(Response::Error(format!(
-                        "the {} values add up to {total} bytes, more than one reply carries ({MAX_FRAME_LEN}); \
-                             fetch fewer keys per call",
-                        values.len()
-                    )))
-                } else {
-                    Ok(Response::Values(values))
-                }
+        Request::MultiGet { keys, timeout_ms } => {
+            match store.multi_get_raw(&refs(&keys), wait_time(timeout_ms), max_values_len(keys.len())) {
+                Ok(values) => Ok(Response::Values(values)),
+                Err(e) => wait_response(e).map(Ok)?,
             }
-            Err(e) => wait_response(e).map(Ok)?,
-        },
+        }
         Request::Wait { keys, timeout_ms } => match store.wait_raw(&refs(&keys), wait_time(timeout_ms)) {
             Ok(()) => Ok(Response::Ok),
             Err(e) => wait_response(e).map(Ok)?,
@@ -268,6 +286,12 @@ fn handle(store: &HashStore, req: Request) -> Option<Response> {
     }))
 }
 
+/// Most value bytes a `Values` reply to `n` keys carries: one frame, less
+/// its opcode, its count and each value's length field.
+fn max_values_len(n: usize) -> usize {
+    MAX_FRAME_LEN.saturating_sub(16 + 4 * n)
+}
+
 fn wait_time(ms: u64) -> Duration {
     Duration::from_millis(ms).min(MAX_WAIT)
 }
@@ -276,5 +300,9 @@ fn wait_response(e: WaitError) -> Option<Response> {
     match e {
         WaitError::Timeout(key) => Some(Response::Timeout { key }),
         WaitError::Closed(_) => None,
+        WaitError::TooLarge { total } => Some(Response::Error(format!(
+            "the values asked for add up to {total} bytes, more than one reply carries ({MAX_FRAME_LEN} bytes); \
+             fetch fewer keys per call"
+        ))),
     }
 }

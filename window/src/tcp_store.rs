@@ -118,23 +118,41 @@ impl TcpStore {
         }
     }
 
-    /// Sends one request and reads its reply; `wait` is how long the server may hold it.
-    fn call(&self, req: &Request, wait: Duration) -> Result<Response> {
+    /// Sends `op`'s request and reads its reply; `wait` is how long the server may hold it.
+    fn call(&self, op: &'static str, req: &Request, wait: Duration) -> Result<Response> {
         let Backend::Client(conn) = &self.backend else { unreachable!("host requests are served in-process") };
         let mut guard: MutexGuard<'_, Option<TcpStream>> = conn.lock().unwrap_or_else(|p| p.into_inner());
         if guard.is_none() {
             *guard = Some(connect_with_backoff(&self.addr, self.timeout)?);
         }
         let stream = guard.as_mut().expect("connected above");
-        let result = roundtrip(stream, req, wait.saturating_add(REPLY_SLACK).max(self.timeout));
+        let read_timeout = wait.saturating_add(REPLY_SLACK).max(self.timeout);
+        let result = roundtrip(stream, req, self.timeout, read_timeout);
         match result {
             Ok(resp) => Ok(resp),
             Err(e) => {
                 // The stream's position in the protocol is unknown now: drop it.
                 *guard = None;
+                let addr = self.addr.clone();
                 Err(match e {
-                    CallError::Io(e) => Error::Disconnected { addr: self.addr.clone(), reason: e.to_string() },
-                    CallError::Wire(e) => Error::Protocol(e.0),
+                    CallError::Send(e) if timed_out(&e) => Error::Disconnected {
+                        addr,
+                        reason: format!(
+                            "{op}: the request could not be sent within {:?}, the host stopped reading it (is rank \
+                             0 stopped or overloaded?)",
+                            self.timeout
+                        ),
+                    },
+                    CallError::Send(e) => {
+                        Error::Disconnected { addr, reason: format!("{op}: sending the request: {e}") }
+                    }
+                    CallError::Receive(e) if timed_out(&e) => {
+                        Error::Disconnected { addr, reason: format!("{op}: no reply within {read_timeout:?}") }
+                    }
+                    CallError::Receive(e) => {
+                        Error::Disconnected { addr, reason: format!("{op}: reading the reply: {e}") }
+                    }
+                    CallError::Wire(e) => Error::Protocol(format!("{op} reply from {addr}: {}", e.0)),
                 })
             }
         }
@@ -156,20 +174,38 @@ impl Drop for TcpStore {
 }
 
 enum CallError {
-    Io(io::Error),
+    Send(io::Error),
+    Receive(io::Error),
     Wire(wire::WireError),
 }
 
-fn roundtrip(stream: &mut TcpStream, req: &Request, read_timeout: Duration) -> Result<Response, CallError> {
-    stream.write_all(&wire::encode_request(req)).map_err(CallError::Io)?;
-    stream.set_read_timeout(Some(read_timeout.max(Duration::from_millis(1)))).map_err(CallError::Io)?;
+/// Whether a socket timeout (`SO_SNDTIMEO`/`SO_RCVTIMEO`) ended the call.
+fn timed_out(e: &io::Error) -> bool {
+    matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut)
+}
+
+/// One request and its reply. Both directions are bounded: a request larger
+/// than the socket buffers to a host that stopped reading (SIGSTOP, a hung
+/// rank 0) would otherwise block in `write_all` for ever. The send timeout
+/// applies to each `send`, so it bounds the time without progress, as the
+/// store timeout means "how long to wait for the host".
+fn roundtrip(
+    stream: &mut TcpStream,
+    req: &Request,
+    write_timeout: Duration,
+    read_timeout: Duration,
+) -> Result<Response, CallError> {
+    // A zero timeout means "none" to the socket: 1 ms is the shortest real one.
+    stream.set_write_timeout(Some(write_timeout.max(Duration::from_millis(1)))).map_err(CallError::Send)?;
+    stream.write_all(&wire::encode_request(req)).map_err(CallError::Send)?;
+    stream.set_read_timeout(Some(read_timeout.max(Duration::from_millis(1)))).map_err(CallError::Receive)?;
     let mut header = [0u8; 4];
-    stream.read_exact(&mut header).map_err(CallError::Io)?;
+    stream.read_exact(&mut header).map_err(CallError::Receive)?;
     let len = wire::frame_len(header).map_err(CallError::Wire)?;
     let mut body = Vec::new();
-    let got = stream.take(len as u64).read_to_end(&mut body).map_err(CallError::Io)?;
+    let got = stream.take(len as u64).read_to_end(&mut body).map_err(CallError::Receive)?;
     if got < len {
-        return Err(CallError::Io(io::Error::new(io::ErrorKind::UnexpectedEof, "reply cut short")));
+        return Err(CallError::Receive(io::Error::new(io::ErrorKind::UnexpectedEof, "reply cut short")));
     }
     wire::decode_response(&body).map_err(CallError::Wire)
 }
@@ -235,7 +271,7 @@ impl Store for TcpStore {
         }
         check_key("set", key)?;
         check_value("set", value)?;
-        match self.call(&Request::Set { key: key.into(), value: value.to_vec() }, Duration::ZERO)? {
+        match self.call("set", &Request::Set { key: key.into(), value: value.to_vec() }, Duration::ZERO)? {
             Response::Ok => Ok(()),
             r => Err(unexpected("set", r, self.timeout)),
         }
@@ -246,7 +282,7 @@ impl Store for TcpStore {
             return s.try_get(key);
         }
         check_key("try_get", key)?;
-        match self.call(&Request::TryGet { key: key.into() }, Duration::ZERO)? {
+        match self.call("try_get", &Request::TryGet { key: key.into() }, Duration::ZERO)? {
             Response::Value(v) => Ok(v),
             r => Err(unexpected("try_get", r, self.timeout)),
         }
@@ -257,7 +293,7 @@ impl Store for TcpStore {
             return s.multi_get(keys, timeout);
         }
         check_keys("multi_get", keys)?;
-        match self.call(&Request::MultiGet { keys: owned(keys), timeout_ms: millis(timeout) }, timeout)? {
+        match self.call("multi_get", &Request::MultiGet { keys: owned(keys), timeout_ms: millis(timeout) }, timeout)? {
             Response::Values(v) if v.len() == keys.len() => Ok(v),
             r => Err(unexpected("multi_get", r, timeout)),
         }
@@ -268,7 +304,7 @@ impl Store for TcpStore {
             return s.wait(keys, timeout);
         }
         check_keys("wait", keys)?;
-        match self.call(&Request::Wait { keys: owned(keys), timeout_ms: millis(timeout) }, timeout)? {
+        match self.call("wait", &Request::Wait { keys: owned(keys), timeout_ms: millis(timeout) }, timeout)? {
             Response::Ok => Ok(()),
             r => Err(unexpected("wait", r, timeout)),
         }
@@ -279,7 +315,7 @@ impl Store for TcpStore {
             return s.check(keys);
         }
         check_keys("check", keys)?;
-        match self.call(&Request::Check { keys: owned(keys) }, Duration::ZERO)? {
+        match self.call("check", &Request::Check { keys: owned(keys) }, Duration::ZERO)? {
             Response::Bool(b) => Ok(b),
             r => Err(unexpected("check", r, self.timeout)),
         }
@@ -290,7 +326,7 @@ impl Store for TcpStore {
             return s.add(key, delta);
         }
         check_key("add", key)?;
-        match self.call(&Request::Add { key: key.into(), delta }, Duration::ZERO)? {
+        match self.call("add", &Request::Add { key: key.into(), delta }, Duration::ZERO)? {
             Response::Int(v) => Ok(v),
             r => Err(unexpected("add", r, self.timeout)),
         }
@@ -307,7 +343,7 @@ impl Store for TcpStore {
         }
         let req =
             Request::CompareSet { key: key.into(), expected: expected.map(<[u8]>::to_vec), desired: desired.to_vec() };
-        match self.call(&req, Duration::ZERO)? {
+        match self.call("compare_set", &req, Duration::ZERO)? {
             Response::Value(v) => Ok(v),
             r => Err(unexpected("compare_set", r, self.timeout)),
         }
@@ -318,7 +354,7 @@ impl Store for TcpStore {
             return s.delete(key);
         }
         check_key("delete", key)?;
-        match self.call(&Request::Delete { key: key.into() }, Duration::ZERO)? {
+        match self.call("delete", &Request::Delete { key: key.into() }, Duration::ZERO)? {
             Response::Bool(b) => Ok(b),
             r => Err(unexpected("delete", r, self.timeout)),
         }

@@ -123,6 +123,74 @@ fn split_with_mismatched_lists_fails_on_every_rank() {
     }
 }
 
+/// A group timeout far longer than a mismatch should take to be found.
+const SLOW: Duration = Duration::from_secs(10);
+
+#[test]
+fn exchanges_under_different_keys_fail_at_once_on_every_rank() {
+    let start = Instant::now();
+    let results = on_ranks(
+        2,
+        Arc::new(HashStore::new()),
+        |_| GroupOptions::new().timeout(SLOW),
+        move |g| {
+            let e = g.exchange(if g.rank() == 0 { "a" } else { "b" }, b"v").unwrap_err();
+            let found = start.elapsed();
+            // The ranks stay in step: the next operation works.
+            assert_eq!(g.exchange("c", &[g.rank() as u8]).unwrap(), [[0], [1]]);
+            (e, found)
+        },
+    );
+    for (e, found) in results {
+        let msg = e.to_string();
+        assert!(matches!(e, Error::Mismatch { .. }), "{msg}");
+        assert!(msg.contains("rank [0] called exchange 'a'") && msg.contains("rank [1] called exchange 'b'"), "{msg}");
+        assert!(found < SLOW / 2, "found after {found:?}, the group timeout is {SLOW:?}: {msg}");
+    }
+}
+
+#[test]
+fn a_barrier_against_an_exchange_fails_at_once_on_every_rank() {
+    let start = Instant::now();
+    let results = on_ranks(
+        3,
+        Arc::new(HashStore::new()),
+        |_| GroupOptions::new().timeout(SLOW),
+        move |g| {
+            let e = if g.rank() == 2 { g.exchange("x", b"v").unwrap_err() } else { g.barrier(None).unwrap_err() };
+            let found = start.elapsed();
+            g.barrier(None).unwrap();
+            (e, found)
+        },
+    );
+    for (rank, (e, found)) in results.into_iter().enumerate() {
+        let msg = e.to_string();
+        assert!(matches!(e, Error::Mismatch { .. }), "rank {rank}: {msg}");
+        let mine = if rank == 2 { "exchange 'x' (#0)" } else { "barrier #0" };
+        assert!(
+            msg.starts_with(mine)
+                && msg.contains("ranks [0, 1] called barrier")
+                && msg.contains("rank [2] called exchange 'x'"),
+            "rank {rank}: {msg}"
+        );
+        assert!(found < SLOW / 2, "rank {rank} found it after {found:?}, the group timeout is {SLOW:?}: {msg}");
+    }
+}
+
+#[test]
+fn a_split_against_an_exchange_fails_at_once_on_every_rank() {
+    let results = on_ranks(
+        2,
+        Arc::new(HashStore::new()),
+        |_| GroupOptions::new().timeout(SLOW),
+        |g| if g.rank() == 0 { g.split(&[0, 1]).map(drop).unwrap_err() } else { g.exchange("x", b"v").unwrap_err() },
+    );
+    for e in results {
+        let msg = e.to_string();
+        assert!(matches!(e, Error::Mismatch { .. }) && msg.contains("rank [0] called split"), "{msg}");
+    }
+}
+
 #[test]
 fn invalid_split_lists_fail_on_every_rank() {
     for bad in [vec![0, 0], vec![0, 7], vec![]] {

@@ -1,10 +1,11 @@
 //! TcpStore and its server against real sockets and processes: garbage
-//! frames, reconnection, several processes, the host's linger.
+//! frames, reconnection, several processes, the host's linger, a host
+//! without IPv6, replies too large to build, a host that stopped reading.
 
-use std::io::{Read, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
-use std::process::Command;
-use std::sync::Arc;
+use std::process::{Child, Command, Stdio};
+use std::sync::{mpsc, Arc};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -195,4 +196,181 @@ fn a_taken_port_is_a_clear_error_for_the_host() {
         Err(e @ Error::Listen { .. }) => assert!(e.to_string().contains("MASTER_PORT"), "{e}"),
         other => panic!("{other:?}"),
     }
+}
+
+/// Tells a copy of this test binary, started by one of the tests below, which
+/// inner part to play (in a network namespace, under a memory limit).
+const ROLE: &str = "RMACOMM_STORE_TCP_ROLE";
+
+/// This test binary, running only `test` with `role`, behind `prefix` (e.g. `unshare -rn`).
+fn this_test_as(test: &str, role: &str, prefix: &[&str]) -> Command {
+    let exe = std::env::current_exe().unwrap();
+    let mut cmd = match prefix.split_first() {
+        Some((first, rest)) => {
+            let mut c = Command::new(first);
+            c.args(rest).arg(exe);
+            c
+        }
+        None => Command::new(exe),
+    };
+    cmd.args(["--exact", test, "--nocapture", "--test-threads=1"]).env(ROLE, role);
+    cmd
+}
+
+/// Waits for `child` until `limit`, then kills it: a regression must fail the test, not hang it.
+fn finish(mut child: Child, limit: Duration) -> (std::process::ExitStatus, String) {
+    let deadline = Instant::now() + limit;
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            let out = child.wait_with_output().unwrap();
+            panic!(
+                "the child test process still ran after {limit:?}; killed it. Its output:\n{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        thread::sleep(Duration::from_millis(50));
+    };
+    let out = child.wait_with_output().unwrap();
+    (status, format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
+}
+
+#[test]
+fn a_host_shuts_down_in_a_network_without_ipv6() {
+    const NAME: &str = "a_host_shuts_down_in_a_network_without_ipv6";
+    if std::env::var_os(ROLE).is_some() {
+        return host_shutdown_without_ipv6();
+    }
+    // A fresh network namespace (in a user namespace, so root is not needed
+    // where unprivileged user namespaces are allowed) has IPv6 to disable
+    // without touching the host's network.
+    let probe = Command::new("unshare").args(["-rn", "true"]).output();
+    if !probe.as_ref().is_ok_and(|o| o.status.success()) {
+        eprintln!("skipped: cannot make a network namespace with `unshare -rn` ({probe:?})");
+        return;
+    }
+    let child =
+        this_test_as(NAME, "netns", &["unshare", "-rn"]).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let (status, output) = finish(child, Duration::from_secs(120));
+    assert!(status.success(), "in the namespace without IPv6: {status}\n{output}");
+}
+
+/// Inside the namespace: IPv6 disabled by sysctl, the host's listener on
+/// `[::]` still serves IPv4 clients, and dropping the host must return.
+fn host_shutdown_without_ipv6() {
+    let up = Command::new("ip").args(["link", "set", "lo", "up"]).output().unwrap();
+    assert!(up.status.success(), "ip link set lo up: {}", String::from_utf8_lossy(&up.stderr));
+    let ipv6 = std::path::Path::new("/proc/sys/net/ipv6/conf");
+    if ipv6.exists() {
+        for dev in ["all", "default", "lo"] {
+            std::fs::write(ipv6.join(dev).join("disable_ipv6"), "1").unwrap();
+        }
+    }
+    let (tx, rx) = mpsc::channel();
+    thread::spawn(move || {
+        let mut host = TcpStore::new("127.0.0.1", 0, Some(2), true, T).unwrap();
+        host.set_linger(T);
+        let port = host.port();
+        // The case at hand: loopback IPv6 is gone, so nothing reaches the listener through [::1].
+        assert!(TcpStream::connect_timeout(&(std::net::Ipv6Addr::LOCALHOST, port).into(), T).is_err());
+        let client = TcpStore::connect("127.0.0.1", port, T).unwrap();
+        client.set("k", b"v").unwrap();
+        assert_eq!(host.get("k", T).unwrap(), b"v");
+        drop(client);
+        drop(host);
+        tx.send(()).unwrap();
+    });
+    rx.recv_timeout(Duration::from_secs(30))
+        .expect("dropping the hosting TcpStore did not return: its acceptor was never woken");
+}
+
+#[test]
+fn a_multi_get_too_large_for_one_reply_is_refused_before_copying() {
+    const NAME: &str = "a_multi_get_too_large_for_one_reply_is_refused_before_copying";
+    if std::env::var_os(ROLE).is_some() {
+        return serve_under_a_memory_limit();
+    }
+    // The server runs in a child whose address space is capped 1 GiB above
+    // what it uses at start: building the reply before checking its size
+    // (8 GiB of copies here) aborts it instead of swapping the test machine.
+    let mut child = this_test_as(NAME, "server", &[]).stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let (tx, rx) = mpsc::channel();
+    thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            // libtest may have started the line with the test's name.
+            if let Some((_, p)) = line.split_once("store port ") {
+                let _ = tx.send(p.trim().parse::<u16>().unwrap());
+            }
+        }
+    });
+    let port = rx.recv_timeout(Duration::from_secs(60)).expect("the server child did not say its port");
+    let client = TcpStore::connect("127.0.0.1", port, T).unwrap();
+    let big = vec![7u8; 16 << 20];
+    client.set("big", &big).unwrap();
+    // 512 names of one 16 MiB key: a 6 KB request asking for an 8 GiB reply.
+    let keys = vec!["big"; 512];
+    match client.multi_get(&keys, T) {
+        Err(e @ Error::InvalidArgument { op: "multi_get", .. }) => {
+            let msg = e.to_string();
+            assert!(msg.contains(&(512u64 << 24).to_string()) && msg.contains(&((65u64 << 20).to_string())), "{msg}");
+        }
+        other => panic!("expected the request to be refused, got {:?}", other.map(|v| v.len())),
+    }
+    // The same connection and server go on, and a reply that fits still comes.
+    assert_serving(&client, 1);
+    assert_eq!(client.multi_get(&["big", "alive"], T).unwrap()[0], big);
+    drop(child.stdin.take());
+    let (status, output) = finish(child, Duration::from_secs(30));
+    assert!(status.success(), "server child: {status}\n{output}");
+}
+
+/// The server child: serves on a free port until its stdin closes.
+fn serve_under_a_memory_limit() {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let vm_kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmSize:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap();
+    let cap = (vm_kib << 10) + (1 << 30);
+    rustix::process::setrlimit(
+        rustix::process::Resource::As,
+        rustix::process::Rlimit { current: Some(cap), maximum: Some(cap) },
+    )
+    .unwrap();
+    let server = TcpStoreServer::bind("127.0.0.1:0").unwrap();
+    println!("store port {}", server.local_addr().port());
+    std::io::stdout().flush().unwrap();
+    let _ = std::io::stdin().read_to_end(&mut Vec::new());
+}
+
+#[test]
+fn a_request_to_a_host_that_stopped_reading_times_out() {
+    // A host that accepted and then stopped reading (rank 0 stopped with
+    // SIGSTOP, or stuck): 32 MiB overflows the socket buffers on both sides.
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let client = TcpStore::connect("127.0.0.1", port, Duration::from_secs(2)).unwrap();
+    let (_stalled, _) = listener.accept().unwrap();
+    let (tx, rx) = mpsc::channel();
+    thread::spawn(move || {
+        let start = Instant::now();
+        let result = client.set("big", &vec![0u8; 32 << 20]);
+        let _ = tx.send((result, start.elapsed()));
+    });
+    let (result, took) =
+        rx.recv_timeout(Duration::from_secs(60)).expect("set blocked writing to a host that never reads");
+    match result {
+        Err(e @ Error::Disconnected { .. }) => {
+            let msg = e.to_string();
+            assert!(msg.contains("set") && msg.contains(&format!("127.0.0.1:{port}")), "{msg}");
+        }
+        other => panic!("expected a send timeout, got {other:?}"),
+    }
+    eprintln!("the send gave up after {took:?}");
 }
