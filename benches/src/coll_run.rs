@@ -92,6 +92,12 @@ fn validate(coll: Coll, a: &CollArgs, n: Option<usize>) -> Result<()> {
     if a.all && a.min > a.max {
         return cfg(format!("--min {} must not exceed --max {}", a.min, a.max));
     }
+    if a.all && sweep_sizes(a.min, a.max).is_empty() {
+        return cfg(format!(
+            "-a --min {} --max {}: no size to sweep (sizes are powers of two in that range)",
+            a.min, a.max
+        ));
+    }
     let biggest = if a.all { a.max } else { a.size.unwrap_or(DEFAULT_SIZE) };
     if biggest > MAX_SIZE || (!a.all && biggest == 0) {
         return cfg(format!("sizes must be 1 B .. 4 GiB (got {biggest})"));

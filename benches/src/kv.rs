@@ -34,7 +34,7 @@ pub fn shapes(blocks: Option<u64>, block_size: Option<u64>) -> Vec<(u64, u64)> {
             let mut v: Vec<(u64, u64)> = ns
                 .iter()
                 .flat_map(|&n| bs.iter().map(move |&b| (n, b)))
-                .filter(|&(n, b)| n * b <= SWEEP_MAX_BYTES)
+                .filter(|&(n, b)| n.checked_mul(b).is_some_and(|t| t <= SWEEP_MAX_BYTES))
                 .collect();
             v.sort_by_key(|&(n, b)| (b, n));
             v

@@ -658,6 +658,8 @@ fn collective_bad_arguments_are_clear_errors() {
     refused(&["all_reduce", "--nproc", "0"], "--nproc 0");
     refused(&["all_reduce", "-n", "0"], "-n 0");
     refused(&["all_reduce", "-a", "--min", "1M", "--max", "4K"], "--min 1048576 must not exceed --max 4096");
+    // No power of two between them: nothing to sweep (every rank panicked).
+    refused(&["all_reduce", "-a", "--min", "5", "--max", "7"], "no size to sweep");
     refused(&["all_reduce", "-c", "2"], "-c");
     refused(&["all_reduce", "-s", "4K", "--provider", "verbs"], "--provider verbs");
 }

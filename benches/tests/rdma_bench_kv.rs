@@ -168,3 +168,13 @@ fn a_damaged_block_fails_the_check() {
     assert_eq!(o.status.code(), Some(3), "{err}");
     assert!(err.contains("DATA VERIFICATION FAILED") && err.contains("block 0"), "{err}");
 }
+
+/// A request whose byte count passes 2^64 is refused as too large (it
+/// wrapped to 0 and passed the size guard, or panicked in a debug build).
+#[test]
+fn a_request_past_u64_bytes_is_refused() {
+    let o = kv(&["--blocks", "4294967296", "--block-size", "4294967296", "--local"], &[]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("more than this tool registers"), "{err}");
+}

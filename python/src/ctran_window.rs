@@ -82,7 +82,7 @@ impl PyCtranWindow {
         timeout: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyWork> {
         let _ = hints;
-        let bound = sync_bound(timeout, async_op)?;
+        let bound = sync_bound(timeout, async_op, self.core.timeout)?;
         let t = Tensor::new(tensor, "tensor", false)?;
         let st = self.core.put(py, &t, dst_rank, target_disp, async_op, bound.is_some())?;
         self.core.finish(py, st, bound, "put", dst_rank)
@@ -104,7 +104,7 @@ impl PyCtranWindow {
         timeout: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyWork> {
         let _ = hints;
-        let bound = sync_bound(timeout, async_op)?;
+        let bound = sync_bound(timeout, async_op, self.core.timeout)?;
         let t = Tensor::new(tensor, "tensor", true)?;
         let st = self.core.get(py, &t, src_rank, source_disp, async_op, bound.is_some())?;
         self.core.finish(py, st, bound, "get", src_rank)
@@ -128,7 +128,7 @@ impl PyCtranWindow {
         timeout: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyWork> {
         let _ = hints;
-        let bound = sync_bound(timeout, async_op)?;
+        let bound = sync_bound(timeout, async_op, self.core.timeout)?;
         // Issued async when this call bounds its wait (`finish`).
         let issue_async = async_op || bound.is_some();
         let blocking = !issue_async && !self.core.unified(py, dst_rank);

@@ -127,7 +127,7 @@ impl PyWindow {
         stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyWork> {
         let _ = hints;
-        let bound = sync_bound(timeout, async_op)?;
+        let bound = sync_bound(timeout, async_op, self.core.timeout)?;
         if let Some(t) = cuda_tensor::of(tensor, "tensor")? {
             let st = self.core.put_cuda(py, &t, dst_rank, target_offset_nelems, async_op, stream)?;
             return Ok(self.core.handle(st));
@@ -156,7 +156,7 @@ impl PyWindow {
         stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyWork> {
         let _ = hints;
-        let bound = sync_bound(timeout, async_op)?;
+        let bound = sync_bound(timeout, async_op, self.core.timeout)?;
         if self.core.device().is_some() {
             let st = self.core.signal_cuda(py, peer_rank, stream)?;
             return Ok(self.core.handle(st));
@@ -239,7 +239,7 @@ impl PyWindow {
         stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyWork> {
         let _ = hints;
-        let bound = sync_bound(timeout, async_op)?;
+        let bound = sync_bound(timeout, async_op, self.core.timeout)?;
         if let Some(t) = cuda_tensor::of(tensor, "tensor")? {
             let st = self.core.get_cuda(py, &t, src_rank, source_offset_nelems, async_op, stream)?;
             return Ok(self.core.handle(st));

@@ -259,21 +259,24 @@ impl WinCore {
     ) -> PyResult<State> {
         let raw = t.raw();
         let unified = self.unified(py, dst);
-        // The GIL is held only for a small copy into a peer's memory mapped
-        // here. Anything else may wait in the call, async_op or not: a put
-        // from memory nothing registers (put_bytes) is complete when it
+        let (located, signals_mapped) =
+            self.with(py, false, |w| (self.locate(w, raw).is_some(), w.signals_mapped(dst)));
+        // The GIL is let go whenever the call may wait, async_op or not: a
+        // put from memory nothing registers (put_bytes) is complete when it
         // returns, and the window completes a put through the transport
         // before it returns when the peer's signals are mapped (so that a
-        // later signal follows it).
-        let blocking = !(raw.len <= 64 << 10 && unified);
+        // later signal follows it); a large copy into a peer's mapped memory
+        // takes a while. It is kept for a small copy, and for an async put
+        // that only posts (letting it go and taking it back again can wait a
+        // switch interval behind a busy Python thread).
+        let only_posts = async_op && !bounded && !unified && located && !signals_mapped;
+        let small_copy = raw.len <= 64 << 10 && unified;
+        let blocking = !(small_copy || only_posts);
         // Memory nothing registers, to a SEPARATE peer, for a bounded call:
         // put_bytes cannot be left pending, so the bytes are copied into a
         // registration of their own that the pending put keeps.
-        let staged = if bounded && !unified && self.with(py, false, |w| self.locate(w, raw).is_none()) {
-            Some(py.detach(|| stage(raw)).map_err(PyErr::from)?)
-        } else {
-            None
-        };
+        let staged =
+            if bounded && !unified && !located { Some(py.detach(|| stage(raw)).map_err(PyErr::from)?) } else { None };
         let issue_async = async_op || bounded;
         let core = self.clone();
         self.with(py, blocking, move |w| -> Result<State, Failure> {
@@ -320,8 +323,11 @@ impl WinCore {
         bounded: bool,
     ) -> PyResult<State> {
         let raw = t.raw();
-        // As for put: only a small copy from a mapped peer keeps the GIL.
-        let blocking = !(raw.len <= 64 << 10 && self.unified(py, src));
+        // As for put: the GIL is kept for a small copy from a mapped peer,
+        // and for an async get through the transport (it only posts).
+        let unified = self.unified(py, src);
+        let (small_copy, only_posts) = (raw.len <= 64 << 10 && unified, async_op && !bounded && !unified);
+        let blocking = !(small_copy || only_posts);
         // Memory nothing registers is registered for this one get, kept
         // alive by the tensor's reference until the get is done.
         let extra = {
@@ -622,10 +628,17 @@ impl WinCore {
 /// A per-call `timeout` of a put, get or signal: when the call started and
 /// the timeout, for a synchronous call (`finish` waits at most that long);
 /// `None` for an async one, whose call does not wait (`Work.wait(timeout=)`
-/// bounds its wait), and without a timeout (the window's bounds it).
-pub(crate) fn sync_bound(timeout: Option<&Bound<'_, PyAny>>, async_op: bool) -> PyResult<Option<(Instant, Duration)>> {
+/// bounds its wait), and without a timeout or with one no shorter than the
+/// window's (the window's bounds it).
+pub(crate) fn sync_bound(
+    timeout: Option<&Bound<'_, PyAny>>,
+    async_op: bool,
+    window_timeout: Duration,
+) -> PyResult<Option<(Instant, Duration)>> {
     let limit = crate::timeout::duration(timeout, "timeout")?;
-    Ok(limit.filter(|_| !async_op).map(|l| (Instant::now(), l)))
+    // One no shorter than the window's bounds nothing more than the
+    // window's own (timeout=sys.maxsize: no staging, no detour).
+    Ok(limit.filter(|&l| !async_op && l < window_timeout).map(|l| (Instant::now(), l)))
 }
 
 /// A registered copy of `raw`, for a put that may stay pending past the

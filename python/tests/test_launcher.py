@@ -74,7 +74,7 @@ def test_under_torchrun_beside_its_agent_store() -> None:
         "x = np.ones(4, np.float32)\n"
         "comm.all_reduce(x, rmacomm.ReduceOp.SUM)\n"
         "assert (x == comm.get_size()).all(), x\n"
-        "print('ok', comm.get_rank(), flush=True)\n"
+        "import sys; sys.stdout.write(f'ok{comm.get_rank()}\\n'); sys.stdout.flush()\n"
     )
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
         f.write(code)
@@ -87,4 +87,4 @@ def test_under_torchrun_beside_its_agent_store() -> None:
         os.unlink(f.name)
     out = p.stdout.decode()
     assert p.returncode == 0, p.stderr.decode()[-3000:]
-    assert sorted(out.split()) == sorted("ok 0 ok 1".split()), out
+    assert sorted(out.split()) == ["ok0", "ok1"], out

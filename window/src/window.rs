@@ -408,6 +408,14 @@ impl Window {
             .map_err(|e| Error::Transport { op: "alloc_cuda", source: e })
     }
 
+    /// Whether `rank`'s signal words are mapped here (a same-host peer with
+    /// UNIFIED access on): a [`put`](Self::put) to it through the transport
+    /// is then complete when it returns (so that a later signal follows
+    /// it), async or not. False for a rank outside the window.
+    pub fn signals_mapped(&self, rank: usize) -> bool {
+        self.signal_maps.get(rank).is_some_and(|m| m.is_some())
+    }
+
     /// Whether every peer is UNIFIED (same host, signals in shared memory):
     /// what [`tensor_register_device`](Self::tensor_register_device) needs.
     pub fn all_unified(&self) -> bool {
