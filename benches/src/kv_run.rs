@@ -412,8 +412,8 @@ fn client(a: &KvArgs) -> Result<()> {
     if shapes.iter().any(|&(n, b)| n == 0 || b == 0) {
         return Err(BenchError::Config("--blocks and --block-size must be at least 1".into()));
     }
-    // Checked: a product past u64 would wrap to a small request.
-    let max = shapes.iter().map(|&(n, b)| n.checked_mul(b).unwrap_or(u64::MAX)).max().expect("shapes");
+    // Saturating: a product past u64 would wrap to a small request.
+    let max = shapes.iter().map(|&(n, b)| n.saturating_mul(b)).max().expect("shapes");
     if max > 16 << 30 {
         return Err(BenchError::Config(format!(
             "a request of {} is more than this tool registers (decode registers twice the largest request)",
