@@ -510,10 +510,21 @@ impl RdmaTransport {
         remote: &RdmaRemoteBuffer,
         notify: bool,
     ) -> impl Future<Output = Result<(), TransportError>> + Send + 'static {
-        let op = write_op(remote, notify);
-        let prepared = local.view(offset, len).and_then(|_| self.prepare("write", &local, offset, len, remote, op));
-        let started = self.start(prepared);
+        let started = self.start_owned_write(&local, offset, len, remote, notify);
         self.run(started, "write", self.inner.config.timeout, local)
+    }
+
+    /// Validates and starts a write from `local[offset..offset+len]`.
+    fn start_owned_write(
+        &self,
+        local: &crate::RdmaMemory,
+        offset: usize,
+        len: usize,
+        remote: &RdmaRemoteBuffer,
+        notify: bool,
+    ) -> Result<Start, TransportError> {
+        let op = write_op(remote, notify);
+        self.start(local.view(offset, len).and_then(|_| self.prepare("write", local, offset, len, remote, op)))
     }
 
     /// [`write`](Self::write), only if it is posted (or copied) now:
@@ -547,9 +558,7 @@ impl RdmaTransport {
         remote: &RdmaRemoteBuffer,
         notify: bool,
     ) -> Option<impl Future<Output = Result<(), TransportError>> + Send + 'static> {
-        let op = write_op(remote, notify);
-        let prepared = local.view(offset, len).and_then(|_| self.prepare("write", &local, offset, len, remote, op));
-        let started = self.start(prepared);
+        let started = self.start_owned_write(&local, offset, len, remote, notify);
         if matches!(started, Ok(Start::Waiting(_))) {
             return None;
         }
