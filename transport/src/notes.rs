@@ -135,6 +135,12 @@ impl Notes {
         }
     }
 
+    /// The peer's page if it is mapped already (a notifying write mapped
+    /// it).
+    pub(crate) fn peer_page_mapped(&self) -> Option<&MappedBuffer> {
+        self.peer_map.get().map(|m| &**m)
+    }
+
     /// The peer's page, mapped, once `map` found it (`map` is asked while it
     /// is not).
     pub(crate) fn peer_page(
@@ -151,6 +157,12 @@ impl Notes {
         }
         self.peer_map.get().map(|m| &**m)
     }
+}
+
+/// Whether the peer whose `page` this is dropped its transport (it marks
+/// the parked count for good: [`Notes::poison`]), or deregistered the page.
+pub(crate) fn closed(page: &MappedBuffer) -> bool {
+    !page.is_registered() || page.atomic_u64(PARKED).map_or(true, |p| p.load(Ordering::SeqCst) >= 1 << 32)
 }
 
 /// Counts one notification into the peer's `page`; true when one of the

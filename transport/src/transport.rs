@@ -937,18 +937,26 @@ impl Inner {
         {
             return Direct::No;
         }
+        // A notifying write needs the peer's page (mapped on first use); a
+        // plain write or read looks at it when a notifying write mapped it.
         let page = if notify {
-            let Some(page) = self.notes.peer_page(|p| self.cached_mapping(p).map(|(m, _)| m)) else {
-                return Direct::No;
-            };
-            // The peer's transport is gone: the QP says so.
-            if !page.is_registered() {
-                return Direct::No;
-            }
-            Some(page)
+            self.notes.peer_page(|p| self.cached_mapping(p).map(|(m, _)| m))
         } else {
-            None
+            self.notes.peer_page_mapped()
         };
+        // The peer dropped its transport (its page says so at once, before
+        // this side's driver sees the connection go): the connection is
+        // over. A copy would land in (or read) memory the peer may already
+        // use with another connection, and succeed; so would a WR its QP
+        // still serves until it is torn down.
+        if page.is_some_and(notes::closed) {
+            self.break_with(TransportError::PeerClosed { peer: self.peer() });
+            return Direct::No;
+        }
+        if notify && page.is_none() {
+            return Direct::No;
+        }
+        let page = page.filter(|_| notify);
         if len > 0 {
             let Some((m, off)) = self.cached_mapping(&RdmaRemoteBuffer { addr, len: len as u64, key }) else {
                 return Direct::No;

@@ -466,3 +466,23 @@ async fn a_peer_counting_absurdly_many_notifications_does_not_stall_the_waiter()
     let done = tokio::time::timeout(std::time::Duration::from_secs(20), waits).await;
     done.expect("the waits returned").unwrap().unwrap();
 }
+
+/// Plain writes and reads to a same-host peer that dropped its transport
+/// fail (through the QP) instead of being copied into, or out of, memory the
+/// peer may already use with another connection: they succeeded until this
+/// side's driver noticed the connection had gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plain_writes_and_reads_to_a_dropped_peer_fail() {
+    let (a, b, dst, src, rb) = notes_pair().await;
+    src.write_from(0, &[7u8; 64]).unwrap();
+    // Direct copies happen while b lives.
+    a.write(src.view(0, 64).unwrap(), &rb, false).await.unwrap();
+    assert_eq!(contents(&dst, 0, 64), vec![7u8; 64]);
+    dst.write_from(0, &[0u8; 64]).unwrap();
+    drop(b);
+    let w = a.write(src.view(0, 64).unwrap(), &rb, false).await;
+    assert!(w.is_err(), "a plain write to a dropped peer succeeded");
+    assert_eq!(contents(&dst, 0, 64), vec![0u8; 64], "it landed in the dropped peer's memory");
+    let back = RdmaMemory::alloc_for(&a, 64).unwrap();
+    assert!(a.read(back.view_mut(0, 64).unwrap(), &rb).await.is_err(), "a read from a dropped peer succeeded");
+}
