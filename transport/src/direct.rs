@@ -8,8 +8,11 @@
 //! to the hull of both (a key covers one contiguous region, so the hull of
 //! two slices it registers is registered too). A key that cannot be mapped (another host, memory
 //! outside a shared segment) or whose copy failed (the peer deregistered
-//! it) is never tried again: its operations take the QP, which reports what
-//! went wrong the way it always does.
+//! it) is not tried again: its operations take the QP, which reports what
+//! went wrong the way it always does. Every [`PRUNE_EVERY`] new keys the
+//! mappings of regions the peer deregistered since are dropped (a peer that
+//! allocates and frees per request would otherwise have every freed region
+//! kept mapped here), and the keys given up are forgotten.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, Weak};
@@ -19,6 +22,10 @@ use crate::{MappedBuffer, RdmaRemoteBuffer};
 
 /// Keys tracked at most; operations on further keys take the QP.
 const MAX_KEYS: usize = 4096;
+
+/// Every this many new keys, the mappings of regions the peer no longer
+/// registers are dropped (each holds the peer's freed memory mapped here).
+const PRUNE_EVERY: usize = 64;
 
 /// How long a mapping may take before its key is given up.
 const MAP_TIMEOUT: Duration = Duration::from_secs(30);
@@ -62,6 +69,19 @@ type Keys = HashMap<u32, Slot, std::hash::BuildHasherDefault<KeyHasher>>;
 #[derive(Default)]
 pub(crate) struct DirectMaps {
     by_key: Mutex<Keys>,
+    /// New keys since the last prune.
+    added: std::sync::atomic::AtomicUsize,
+}
+
+/// Drops the keys whose region the peer has deregistered (their mappings
+/// keep its freed memory mapped here, and they count against
+/// [`MAX_KEYS`]), and the keys given up (a later operation may try again).
+fn prune(keys: &mut Keys) {
+    keys.retain(|_, slot| match slot {
+        Slot::Mapped(m) => m.is_registered(),
+        Slot::Mapping { .. } => true,
+        Slot::Never => false,
+    });
 }
 
 /// Where `want` lies in `m`: its offset there, when `m` covers all of it.
@@ -101,8 +121,17 @@ impl DirectMaps {
             },
             Some(Slot::Mapping { have: Some(m) }) => return offset_in(m, want).map(|off| (m.clone(), off)),
             Some(Slot::Mapping { have: None } | Slot::Never) => return None,
-            None if keys.len() >= MAX_KEYS => return None,
-            None => *want,
+            None => {
+                use std::sync::atomic::Ordering;
+                if self.added.fetch_add(1, Ordering::Relaxed) + 1 >= PRUNE_EVERY || keys.len() >= MAX_KEYS {
+                    self.added.store(0, Ordering::Relaxed);
+                    prune(&mut keys);
+                }
+                if keys.len() >= MAX_KEYS {
+                    return None;
+                }
+                *want
+            }
         };
         let have = match keys.remove(&want.key) {
             Some(Slot::Mapped(m)) => Some(m),

@@ -486,3 +486,25 @@ async fn plain_writes_and_reads_to_a_dropped_peer_fail() {
     let back = RdmaMemory::alloc_for(&a, 64).unwrap();
     assert!(a.read(back.view_mut(0, 64).unwrap(), &rb).await.is_err(), "a read from a dropped peer succeeded");
 }
+
+/// A peer that allocates, is written once and frees, over and over: the
+/// mappings of its freed regions are dropped as new keys come (each kept
+/// the peer's freed memory mapped here, up to 4 096 of them, and then no
+/// new key was copied directly for the rest of the connection).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mappings_of_freed_peer_regions_are_dropped() {
+    common::link("shm");
+    let (a, b) = common::pair().await;
+    let src = RdmaMemory::alloc_for(&a, 4096).unwrap();
+    for _ in 0..300 {
+        let dst = RdmaMemory::alloc_for(&b, 64 << 10).unwrap();
+        let rb = dst.remote_buffer();
+        // The first write maps the region (through the QP meanwhile); the
+        // next ones are copies.
+        for _ in 0..3 {
+            a.write(src.view(0, 64).unwrap(), &rb, false).await.unwrap();
+        }
+        drop(dst);
+    }
+    assert!(a.direct_mappings() <= 2 * 64, "{} mappings kept of 300 freed regions", a.direct_mappings());
+}
