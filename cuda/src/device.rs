@@ -150,7 +150,7 @@ impl Context {
     /// `len` zeroed bytes of device memory, freed when the last user drops
     /// it.
     pub fn alloc_shared(self: &Arc<Self>, len: usize) -> Result<DeviceMemory> {
-        self.bind()?;
+        let _bound = self.bind()?;
         let mut ptr = 0;
         // SAFETY: a valid out-pointer; the context is current.
         self.check("cuMemAlloc", unsafe { (self.api.mem_alloc)(&mut ptr, len.max(1)) })?;
@@ -168,7 +168,7 @@ impl Context {
     /// What the driver knows of `ptr`: an error for an address no CUDA
     /// allocation holds.
     pub fn pointer_info(&self, ptr: DevicePtr) -> Result<PointerInfo> {
-        self.bind()?;
+        let _bound = self.bind()?;
         let (mut mt, mut dev, mut base, mut size) = (0u32, 0 as c_int, 0 as DevicePtr, 0usize);
         // SAFETY: each out-pointer has the attribute's type (unsigned int,
         // int, CUdeviceptr, size_t).
@@ -191,7 +191,7 @@ impl Context {
     /// The IPC handle of the allocation that starts at `base` (device
     /// memory from `cuMemAlloc`; not managed or VMM memory).
     pub fn ipc_handle(&self, base: DevicePtr) -> Result<IpcHandle> {
-        self.bind()?;
+        let _bound = self.bind()?;
         let mut h = IpcHandle([0; 64]);
         // SAFETY: a valid out-pointer of the handle's layout.
         self.check("cuIpcGetMemHandle", unsafe { (self.api.ipc_get)(&mut h, base) })?;
@@ -241,7 +241,7 @@ impl Context {
             }
         }
         let opened = guard.get_or_insert_with(Default::default);
-        self.bind()?;
+        let _bound = self.bind()?;
         let mut ptr = 0;
         // SAFETY: a valid out-pointer; the handle is passed by value.
         self.check("cuIpcOpenMemHandle", unsafe { (self.api.ipc_open)(&mut ptr, *handle, IPC_LAZY_PEER) })?;
@@ -256,7 +256,7 @@ impl Context {
     /// # Safety
     /// The range must stay mapped while the registration lives.
     pub unsafe fn register_host(self: &Arc<Self>, ptr: *mut u8, len: usize) -> Result<HostRegistration> {
-        self.bind()?;
+        let _bound = self.bind()?;
         let page = 4096usize;
         let start = (ptr as usize) & !(page - 1);
         let end = (ptr as usize + len.max(1)).div_ceil(page) * page;
@@ -282,7 +282,7 @@ impl Context {
     pub fn dmabuf(&self, ptr: DevicePtr, len: usize) -> Option<Result<(std::os::fd::OwnedFd, u64)>> {
         let f = self.api.range_handle?;
         Some((|| {
-            self.bind()?;
+            let _bound = self.bind()?;
             // One allocation, or contiguous VMM mappings.
             let info = self.device_extent(ptr, len)?.info;
             let page = 4096u64;
@@ -312,7 +312,7 @@ impl Context {
 
     /// A new non-blocking stream of this context.
     pub fn stream(self: &Arc<Self>) -> Result<Stream> {
-        self.bind()?;
+        let _bound = self.bind()?;
         let mut s: CuStream = std::ptr::null_mut();
         // SAFETY: a valid out-pointer.
         self.check("cuStreamCreate", unsafe { (self.api.stream_create)(&mut s, STREAM_NON_BLOCKING) })?;
@@ -374,6 +374,7 @@ impl DeviceMemory {
     /// legacy stream may return before its DMA ends).
     pub fn write_from(&self, offset: usize, src: &[u8]) -> Result<()> {
         let v = self.view(offset, src.len()).ok_or_else(|| self.outside("cuMemcpyHtoD", offset, src.len()))?;
+        let _bound = self.ctx.bind()?;
         let s = self.ctx.stream()?;
         // SAFETY: `src` is valid for its length, which fits the memory, and
         // outlives the copy (synchronized below).
@@ -387,6 +388,7 @@ impl DeviceMemory {
     /// for).
     pub fn read_into(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
         let v = self.view(offset, dst.len()).ok_or_else(|| self.outside("cuMemcpyDtoH", offset, dst.len()))?;
+        let _bound = self.ctx.bind()?;
         let s = self.ctx.stream()?;
         // SAFETY: `dst` is valid for writes of its length, which fits, and
         // outlives the copy (synchronized below).
@@ -405,6 +407,7 @@ impl DeviceMemory {
         let ctx = mapping.ctx.clone();
         let ptr = mapping.ptr;
         let mem = DeviceMemory { ctx: ctx.clone(), ptr, len, vmm: Some(mapping) };
+        let _bound = ctx.bind()?;
         let s = ctx.stream()?;
         // SAFETY: mapped, accessible memory of at least `len` bytes.
         ctx.check("cuMemsetD8Async", unsafe { (ctx.api.memset_d8)(ptr, 0, len, s.s) })?;
@@ -422,7 +425,7 @@ impl Drop for DeviceMemory {
         if self.vmm.is_some() {
             return;
         }
-        let _ = self.ctx.bind();
+        let _bound = self.ctx.bind();
         // SAFETY: allocated by cuMemAlloc, freed once.
         unsafe { (self.ctx.api.mem_free)(self.ptr) };
     }
@@ -501,7 +504,7 @@ impl IpcMapping {
 
     fn drop_vmm(&mut self) {
         let Some(api) = self.ctx.api.vmm else { return };
-        let _ = self.ctx.bind();
+        let _bound = self.ctx.bind();
         let mut at = self.ptr;
         for &size in &self.vmm {
             // SAFETY: a mapping made at `at` (cuMemMap, whole allocation),
@@ -537,7 +540,7 @@ impl Drop for IpcMapping {
             // Outside the lock: the close may synchronize the context
             // (wait for every stream), and opens of other allocations must
             // not wait for that.
-            let _ = self.ctx.bind();
+            let _bound = self.ctx.bind();
             // SAFETY: opened by cuIpcOpenMemHandle, closed once, by the
             // last mapping that used it.
             unsafe { (self.ctx.api.ipc_close)(self.ptr) };
@@ -577,7 +580,7 @@ impl HostRegistration {
 impl Drop for HostRegistration {
     fn drop(&mut self) {
         if self.owned {
-            let _ = self.ctx.bind();
+            let _bound = self.ctx.bind();
             // SAFETY: registered by this value, unregistered once.
             unsafe { (self.ctx.api.host_unregister)(self.base) };
         }
@@ -615,6 +618,31 @@ impl Stream {
         Stream { ctx, s: raw as CuStream, owned: false }
     }
 
+    /// Adopts `raw` as [`from_raw`](Self::from_raw) does, after checking
+    /// with the driver that it is a stream of `ctx` (0, the legacy default
+    /// stream, is the context's own): a stream of another GPU is an error
+    /// naming both devices, not work ordered on the wrong device.
+    ///
+    /// # Safety
+    /// `raw` must be a live stream handle (of any context), or 0, that
+    /// outlives this value.
+    pub unsafe fn from_raw_checked(ctx: Arc<Context>, raw: usize) -> Result<Stream> {
+        if raw != 0 {
+            let _bound = ctx.bind()?;
+            let mut of: *mut c_void = std::ptr::null_mut();
+            // SAFETY: a live stream (the caller's contract); a valid
+            // out-pointer.
+            ctx.check("cuStreamGetCtx", unsafe { (ctx.api.stream_ctx)(raw as CuStream, &mut of) })?;
+            if of != ctx.raw_context() {
+                return Err(invalid(
+                    "cuStreamGetCtx",
+                    format!("stream {raw:#x} is not a stream of CUDA device {} ({})", ctx.ordinal(), ctx.name()),
+                ));
+            }
+        }
+        Ok(Stream { ctx, s: raw as CuStream, owned: false })
+    }
+
     /// The `CUstream` handle.
     pub fn raw(&self) -> usize {
         self.s as usize
@@ -627,7 +655,7 @@ impl Stream {
 
     /// Waits for everything queued on the stream.
     pub fn synchronize(&self) -> Result<()> {
-        self.ctx.bind()?;
+        let _bound = self.ctx.bind()?;
         // SAFETY: a live stream of the current context.
         self.ctx.check("cuStreamSynchronize", unsafe { (self.ctx.api.stream_sync)(self.s) })
     }
@@ -638,7 +666,7 @@ impl Stream {
     /// Both ranges must be device memory (or device-mapped memory) that
     /// stays valid until the copy has run.
     pub unsafe fn copy_async(&self, dst: DevicePtr, src: DevicePtr, len: usize) -> Result<()> {
-        self.ctx.bind()?;
+        let _bound = self.ctx.bind()?;
         // SAFETY: the caller's contract.
         self.ctx.check("cuMemcpyDtoDAsync", unsafe { (self.ctx.api.dtod_async)(dst, src, len, self.s) })
     }
@@ -650,7 +678,7 @@ impl Stream {
     /// # Safety
     /// As for [`copy_async`](Self::copy_async).
     pub unsafe fn copy_any_async(&self, dst: DevicePtr, src: DevicePtr, len: usize) -> Result<()> {
-        self.ctx.bind()?;
+        let _bound = self.ctx.bind()?;
         // SAFETY: the caller's contract.
         self.ctx.check("cuMemcpyAsync", unsafe { (self.ctx.api.memcpy_async)(dst, src, len, self.s) })
     }
@@ -663,7 +691,7 @@ impl Stream {
     /// `addr` must be device memory or registered host memory that stays
     /// valid until the write has run.
     pub unsafe fn write_value64(&self, addr: DevicePtr, value: u64) -> Result<()> {
-        self.ctx.bind()?;
+        let _bound = self.ctx.bind()?;
         // SAFETY: the caller's contract.
         self.ctx
             .check("cuStreamWriteValue64", unsafe { (self.ctx.api.write_value64)(self.s, addr, value, WRITE_DEFAULT) })
@@ -675,7 +703,7 @@ impl Stream {
     /// # Safety
     /// As for [`write_value64`](Self::write_value64).
     pub unsafe fn wait_value64_geq(&self, addr: DevicePtr, value: u64) -> Result<()> {
-        self.ctx.bind()?;
+        let _bound = self.ctx.bind()?;
         // SAFETY: the caller's contract.
         self.ctx.check("cuStreamWaitValue64", unsafe { (self.ctx.api.wait_value64)(self.s, addr, value, WAIT_GEQ) })
     }
@@ -683,6 +711,8 @@ impl Stream {
     /// Whether the stream is capturing work into a graph now
     /// (`cuStreamIsCapturing`: active, or invalidated by an error).
     pub fn is_capturing(&self) -> Result<bool> {
+        // Bound: the legacy default stream (0) is the current context's.
+        let _bound = self.ctx.bind()?;
         let mut status: std::os::raw::c_int = 0;
         // SAFETY: a live stream and a valid out-pointer.
         self.ctx.check("cuStreamIsCapturing", unsafe { (self.ctx.api.is_capturing)(self.s, &mut status) })?;
@@ -691,14 +721,14 @@ impl Stream {
 
     /// Starts capturing the stream's work into a graph (relaxed mode).
     pub fn begin_capture(&self) -> Result<()> {
-        self.ctx.bind()?;
+        let _bound = self.ctx.bind()?;
         // SAFETY: a live stream.
         self.ctx.check("cuStreamBeginCapture", unsafe { (self.ctx.api.begin_capture)(self.s, CAPTURE_RELAXED) })
     }
 
     /// Ends the capture and instantiates what was captured.
     pub fn end_capture(&self) -> Result<Graph> {
-        self.ctx.bind()?;
+        let _bound = self.ctx.bind()?;
         let mut g: CuGraph = std::ptr::null_mut();
         // SAFETY: a valid out-pointer; a stream in capture.
         self.ctx.check("cuStreamEndCapture", unsafe { (self.ctx.api.end_capture)(self.s, &mut g) })?;
@@ -717,7 +747,7 @@ impl Stream {
 impl Drop for Stream {
     fn drop(&mut self) {
         if self.owned {
-            let _ = self.ctx.bind();
+            let _bound = self.ctx.bind();
             // SAFETY: created by cuStreamCreate, destroyed once.
             unsafe { (self.ctx.api.stream_destroy)(self.s) };
         }
@@ -731,7 +761,7 @@ impl Stream {
     /// `src` must be readable and `dst` device memory, both for `len` bytes
     /// until the copy has run (pinned `src`: the copy reads it later).
     pub unsafe fn upload_raw_async(&self, dst: DevicePtr, src: *const u8, len: usize) -> Result<()> {
-        self.ctx.bind()?;
+        let _bound = self.ctx.bind()?;
         // SAFETY: the caller's contract.
         self.ctx.check("cuMemcpyHtoDAsync", unsafe { (self.ctx.api.htod_async)(dst, src.cast(), len, self.s) })
     }
@@ -743,7 +773,7 @@ impl Stream {
     /// for an asynchronous copy), both for `len` bytes until the copy has
     /// run, and `dst` not borrowed meanwhile.
     pub unsafe fn download_raw_async(&self, dst: *mut u8, src: DevicePtr, len: usize) -> Result<()> {
-        self.ctx.bind()?;
+        let _bound = self.ctx.bind()?;
         // SAFETY: the caller's contract.
         self.ctx.check("cuMemcpyDtoHAsync", unsafe { (self.ctx.api.dtoh_async)(dst.cast(), src, len, self.s) })
     }
@@ -755,7 +785,7 @@ impl Stream {
     /// `dst` must be device memory of `bytes.len()` bytes valid until the
     /// copy has run.
     pub unsafe fn upload_async(&self, dst: DevicePtr, bytes: &[u8]) -> Result<()> {
-        self.ctx.bind()?;
+        let _bound = self.ctx.bind()?;
         // SAFETY: `bytes` is valid for its length during the call (a pageable
         // source is staged before the call returns); `dst` is the caller's.
         self.ctx.check("cuMemcpyHtoDAsync", unsafe {
@@ -816,7 +846,7 @@ impl SharedModule {
 
 impl Drop for SharedModule {
     fn drop(&mut self) {
-        let _ = self.ctx.bind();
+        let _bound = self.ctx.bind();
         // SAFETY: loaded once, unloaded once.
         unsafe { (self.ctx.api.module_unload)(self.m) };
     }
@@ -848,7 +878,7 @@ impl Graph {
     /// every buffer and mapping it uses must still be allocated (a replay
     /// after a window's deregistration would write memory no longer its).
     pub unsafe fn launch(&self, stream: &Stream) -> Result<()> {
-        self.ctx.bind()?;
+        let _bound = self.ctx.bind()?;
         // SAFETY: a live executable graph and stream; the memory it uses is
         // the caller's contract.
         self.ctx.check("cuGraphLaunch", unsafe { (self.ctx.api.graph_launch)(self.e, stream.s) })
@@ -857,7 +887,7 @@ impl Graph {
 
 impl Drop for Graph {
     fn drop(&mut self) {
-        let _ = self.ctx.bind();
+        let _bound = self.ctx.bind();
         // SAFETY: each made once above, destroyed once.
         unsafe {
             (self.ctx.api.graph_exec_destroy)(self.e);

@@ -42,6 +42,8 @@ pub(crate) fn call_error(err_name: ErrNameFn, call: &'static str, code: c_int) -
 
 /// `CUDA_ERROR_NO_DEVICE`.
 const NO_DEVICE: c_int = 100;
+/// `CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED`.
+const PEER_ACCESS_ALREADY_ENABLED: c_int = 704;
 
 /// What the driver reports.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -121,6 +123,11 @@ pub(crate) struct Api {
     pub(crate) ctx_retain: unsafe extern "C" fn(*mut CuContext, CuDevice) -> CuResult,
     pub(crate) ctx_release: unsafe extern "C" fn(CuDevice) -> CuResult,
     pub(crate) ctx_set: unsafe extern "C" fn(CuContext) -> CuResult,
+    pub(crate) ctx_get: unsafe extern "C" fn(*mut CuContext) -> CuResult,
+    pub(crate) device_uuid: unsafe extern "C" fn(*mut [u8; 16], CuDevice) -> CuResult,
+    pub(crate) can_access_peer: unsafe extern "C" fn(*mut c_int, CuDevice, CuDevice) -> CuResult,
+    pub(crate) enable_peer: unsafe extern "C" fn(CuContext, u32) -> CuResult,
+    pub(crate) stream_ctx: unsafe extern "C" fn(CuStream, *mut CuContext) -> CuResult,
     pub(crate) ctx_sync: unsafe extern "C" fn() -> CuResult,
     pub(crate) mem_alloc: unsafe extern "C" fn(*mut DevicePtr, usize) -> CuResult,
     pub(crate) mem_free: unsafe extern "C" fn(DevicePtr) -> CuResult,
@@ -211,6 +218,14 @@ impl Context {
                 ctx_retain: lib.get("cuDevicePrimaryCtxRetain\0")?,
                 ctx_release: lib.get("cuDevicePrimaryCtxRelease_v2\0")?,
                 ctx_set: lib.get("cuCtxSetCurrent\0")?,
+                ctx_get: lib.get("cuCtxGetCurrent\0")?,
+                device_uuid: match lib.get("cuDeviceGetUuid_v2\0") {
+                    Ok(f) => f,
+                    Err(_) => lib.get("cuDeviceGetUuid\0")?,
+                },
+                can_access_peer: lib.get("cuDeviceCanAccessPeer\0")?,
+                enable_peer: lib.get("cuCtxEnablePeerAccess\0")?,
+                stream_ctx: lib.get("cuStreamGetCtx\0")?,
                 ctx_sync: lib.get("cuCtxSynchronize\0")?,
                 mem_alloc: lib.get("cuMemAlloc_v2\0")?,
                 mem_free: lib.get("cuMemFree_v2\0")?,
@@ -274,7 +289,6 @@ impl Context {
             c.check("cuDevicePrimaryCtxRetain", (api.ctx_retain)(&mut ctx, c.dev))?;
             c.ctx = ctx;
         }
-        c.bind()?;
         Ok(c)
     }
 
@@ -285,10 +299,69 @@ impl Context {
         Err(call_error(self.api.err_name, call, st))
     }
 
-    /// Makes the context current on the calling thread.
-    pub fn bind(&self) -> Result<()> {
+    /// Makes the context current on the calling thread while the guard
+    /// lives; the context current before (the caller's: PyTorch's device,
+    /// or none) is current again when it drops. Every call of this crate
+    /// binds so, leaving the thread's current device as it found it
+    /// (`torch.cuda.current_device()` reads it).
+    pub fn bind(&self) -> Result<Bound<'_>> {
+        let mut cur: CuContext = std::ptr::null_mut();
+        // SAFETY: a valid out-pointer.
+        self.check("cuCtxGetCurrent", unsafe { (self.api.ctx_get)(&mut cur) })?;
+        if cur == self.ctx {
+            return Ok(Bound { ctx: self, prev: None, _thread: std::marker::PhantomData });
+        }
+        // SAFETY: a context retained by `open`.
+        self.check("cuCtxSetCurrent", unsafe { (self.api.ctx_set)(self.ctx) })?;
+        Ok(Bound { ctx: self, prev: Some(cur), _thread: std::marker::PhantomData })
+    }
+
+    /// The `CUcontext` handle.
+    pub(crate) fn raw_context(&self) -> CuContext {
+        self.ctx
+    }
+
+    /// Makes the context current on the calling thread and leaves it so
+    /// (what `torch.cuda.set_device` does); rmacomm's own calls never need
+    /// it ([`bind`](Self::bind)).
+    pub fn make_current(&self) -> Result<()> {
         // SAFETY: a context retained by `open`.
         self.check("cuCtxSetCurrent", unsafe { (self.api.ctx_set)(self.ctx) })
+    }
+
+    /// The device's UUID: the same GPU's in every process, whatever
+    /// `CUDA_VISIBLE_DEVICES` numbers it there (ordinals are per process).
+    pub fn uuid(&self) -> Result<[u8; 16]> {
+        let mut u = [0u8; 16];
+        // SAFETY: 16 writable bytes and a device of this driver.
+        self.check("cuDeviceGetUuid", unsafe { (self.api.device_uuid)(&mut u, self.dev) })?;
+        Ok(u)
+    }
+
+    /// Whether kernels of this device can touch `peer`'s memory once peer
+    /// access is enabled ([`enable_peer_access`](Self::enable_peer_access));
+    /// false for the device itself (it needs none).
+    pub fn can_access_peer(&self, peer: &Context) -> Result<bool> {
+        let mut can = 0;
+        // SAFETY: a valid out-pointer and two devices of this driver.
+        self.check("cuDeviceCanAccessPeer", unsafe { (self.api.can_access_peer)(&mut can, self.dev, peer.dev) })?;
+        Ok(can != 0)
+    }
+
+    /// Lets this context's kernels touch `peer`'s memory (in this process:
+    /// ranks as threads on different GPUs); enabled already is fine, the
+    /// device itself needs nothing. An error where the two cannot reach
+    /// each other.
+    pub fn enable_peer_access(&self, peer: &Context) -> Result<()> {
+        if peer.dev == self.dev {
+            return Ok(());
+        }
+        let _bound = self.bind()?;
+        // SAFETY: a retained context; flags 0.
+        match unsafe { (self.api.enable_peer)(peer.ctx, 0) } {
+            0 | PEER_ACCESS_ALREADY_ENABLED => Ok(()),
+            st => Err(call_error(self.api.err_name, "cuCtxEnablePeerAccess", st)),
+        }
     }
 
     /// The device's name ("NVIDIA H100 80GB HBM3").
@@ -308,7 +381,7 @@ impl Context {
 
     /// `len` bytes of device memory (uninitialised).
     pub fn alloc(&self, len: usize) -> Result<DeviceBuffer<'_>> {
-        self.bind()?;
+        let _bound = self.bind()?;
         let mut ptr = 0;
         // SAFETY: a valid out-pointer; the context is current.
         self.check("cuMemAlloc", unsafe { (self.api.mem_alloc)(&mut ptr, len.max(1)) })?;
@@ -317,7 +390,7 @@ impl Context {
 
     /// Waits for everything launched on the context.
     pub fn synchronize(&self) -> Result<()> {
-        self.bind()?;
+        let _bound = self.bind()?;
         // SAFETY: no arguments; the context is current.
         self.check("cuCtxSynchronize", unsafe { (self.api.ctx_sync)() })
     }
@@ -338,7 +411,7 @@ impl Context {
                 name: "the image is neither a cubin (ELF) nor NUL-terminated PTX".into(),
             });
         }
-        self.bind()?;
+        let _bound = self.bind()?;
         let mut m: CuModule = std::ptr::null_mut();
         // SAFETY: `image` outlives the call (the driver copies it); a cubin
         // is well-formed by the caller's contract, PTX ends in NUL (checked).
@@ -356,9 +429,52 @@ impl Context {
                 name: format!("{len} bytes do not fit buffers of {} and {}", dst.len, src.len),
             });
         }
-        self.bind()?;
+        let _bound = self.bind()?;
         // SAFETY: both ranges are inside live allocations of this context.
         self.check("cuMemcpyDtoD", unsafe { (self.api.dtod)(dst.ptr, src.ptr, len) })
+    }
+}
+
+/// The calling thread's current device: the ordinal of its current
+/// context's device, `None` when no context is current (or no driver).
+pub fn current_device() -> Result<Option<i32>> {
+    let lib = driver_lib()?;
+    // SAFETY: the C signatures in cuda.h.
+    let (get, device) = unsafe {
+        (
+            lib.get::<unsafe extern "C" fn(*mut CuContext) -> CuResult>("cuCtxGetCurrent\0")?,
+            lib.get::<unsafe extern "C" fn(*mut CuDevice) -> CuResult>("cuCtxGetDevice\0")?,
+        )
+    };
+    let mut cur: CuContext = std::ptr::null_mut();
+    // SAFETY: a valid out-pointer.
+    if unsafe { get(&mut cur) } != 0 || cur.is_null() {
+        return Ok(None);
+    }
+    let mut d: CuDevice = 0;
+    // SAFETY: a valid out-pointer; a context is current.
+    Ok((unsafe { device(&mut d) } == 0).then_some(d))
+}
+
+/// A [`Context`] made current by [`Context::bind`]; the context current
+/// before comes back on drop. Tied to its thread (the current context is
+/// per thread).
+#[must_use = "the context is current only while the guard lives"]
+#[derive(Debug)]
+pub struct Bound<'c> {
+    ctx: &'c Context,
+    /// The context to make current again; `None` when it was this one.
+    prev: Option<CuContext>,
+    _thread: std::marker::PhantomData<*const ()>,
+}
+
+impl Drop for Bound<'_> {
+    fn drop(&mut self) {
+        if let Some(prev) = self.prev {
+            // SAFETY: the context current when the guard was made (null: none),
+            // which its owner keeps alive while it is current.
+            unsafe { (self.ctx.api.ctx_set)(prev) };
+        }
     }
 }
 
@@ -398,7 +514,7 @@ impl DeviceBuffer<'_> {
     /// Copies `src` to the start of the buffer.
     pub fn upload(&self, src: &[u8]) -> Result<()> {
         self.fits("cuMemcpyHtoD", src.len())?;
-        self.ctx.bind()?;
+        let _bound = self.ctx.bind()?;
         // SAFETY: `src` is valid for its length, which fits the buffer.
         self.ctx.check("cuMemcpyHtoD", unsafe { (self.ctx.api.htod)(self.ptr, src.as_ptr().cast(), src.len()) })
     }
@@ -406,7 +522,7 @@ impl DeviceBuffer<'_> {
     /// Copies the start of the buffer into `dst`.
     pub fn download(&self, dst: &mut [u8]) -> Result<()> {
         self.fits("cuMemcpyDtoH", dst.len())?;
-        self.ctx.bind()?;
+        let _bound = self.ctx.bind()?;
         // SAFETY: `dst` is valid for writes of its length, which fits.
         self.ctx.check("cuMemcpyDtoH", unsafe { (self.ctx.api.dtoh)(dst.as_mut_ptr().cast(), self.ptr, dst.len()) })
     }
@@ -426,7 +542,7 @@ impl DeviceBuffer<'_> {
 
 impl Drop for DeviceBuffer<'_> {
     fn drop(&mut self) {
-        let _ = self.ctx.bind();
+        let _bound = self.ctx.bind();
         // SAFETY: allocated by cuMemAlloc, freed once.
         unsafe { (self.ctx.api.mem_free)(self.ptr) };
     }
@@ -490,7 +606,7 @@ pub(crate) unsafe fn launch_raw(
         code: 1,
         name: "the kernel name contains a NUL byte".into(),
     })?;
-    ctx.bind()?;
+    let _bound = ctx.bind()?;
     let mut f: CuFunction = std::ptr::null_mut();
     // SAFETY: a valid out-pointer, module and C string.
     let st = unsafe { (ctx.api.module_fn)(&mut f, m, c_name.as_ptr()) };
@@ -528,7 +644,7 @@ pub(crate) unsafe fn launch_raw(
 
 impl Drop for Module<'_> {
     fn drop(&mut self) {
-        let _ = self.ctx.bind();
+        let _bound = self.ctx.bind();
         // SAFETY: loaded by cuModuleLoadData, unloaded once.
         unsafe { (self.ctx.api.module_unload)(self.m) };
     }

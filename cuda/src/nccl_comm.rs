@@ -281,13 +281,14 @@ impl NcclComm {
     /// on `ctx`'s device (collective: every rank calls it).
     pub fn init(lib: Arc<Library>, ctx: Arc<Context>, id: &UniqueId, rank: usize, size: usize) -> Result<NcclComm> {
         let api = Api::of(&lib)?;
-        ctx.bind()?;
+        let bound = ctx.bind()?;
         let mut comm: NcclComm_ = std::ptr::null_mut();
         let (n, r) = (c_int::try_from(size).unwrap_or(c_int::MAX), c_int::try_from(rank).unwrap_or(c_int::MAX));
         // SAFETY: a valid out-pointer; the id by value. (From 2.29 NCCL
         // gives a communicator one RMA context by default, what its
         // one-sided calls need; NCCL_NUM_RMA_CTX sets how many.)
         api.check(&lib, "ncclCommInitRank", unsafe { (api.init_rank)(&mut comm, n, *id, r) })?;
+        drop(bound);
         let rma = RmaApi::of(&lib);
         Ok(NcclComm { api, lib, ctx, comm, rank, size, rma })
     }
@@ -308,7 +309,7 @@ impl NcclComm {
     }
 
     fn call(&self, call: &'static str, f: impl FnOnce() -> NcclResult) -> Result<()> {
-        self.ctx.bind()?;
+        let _bound = self.ctx.bind()?;
         self.api.check(&self.lib, call, f())?;
         // An error of earlier work (a peer gone, a network error) surfaces
         // here rather than as a hang later.
@@ -440,7 +441,7 @@ impl NcclComm {
         stream: &Stream,
     ) -> Result<()> {
         let (c, s) = (self.comm, stream.raw() as CuStream);
-        self.ctx.bind()?;
+        let _bound = self.ctx.bind()?;
         // SAFETY: no arguments.
         self.api.check(&self.lib, "ncclGroupStart", unsafe { (self.api.group_start)() })?;
         let mut first_err = Ok(());
@@ -483,10 +484,11 @@ impl NcclComm {
         let api = self.rma.clone()?;
         let mut raw: *mut c_void = std::ptr::null_mut();
         let (c, ptr, len) = (self.comm, mem.ptr(), mem.len());
-        self.ctx.bind()?;
+        let bound = self.ctx.bind()?;
         // SAFETY: live device memory (the caller keeps it allocated while
         // registered); a valid out-pointer.
         let st = unsafe { (api.register)(c, ptr as *mut c_void, len, &mut raw, WIN_COLL_SYMMETRIC) };
+        drop(bound);
         self.api.check(&self.lib, "ncclCommWindowRegister", st)?;
         if raw.is_null() {
             return Err(CudaError::Call {
@@ -594,7 +596,7 @@ impl NcclComm {
 
 impl Drop for NcclComm {
     fn drop(&mut self) {
-        let _ = self.ctx.bind();
+        let _bound = self.ctx.bind();
         let mut st = 0;
         // SAFETY: a live communicator, destroyed (or aborted, after an
         // asynchronous error, which destroy could wait on forever) once.

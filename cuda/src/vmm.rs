@@ -350,7 +350,7 @@ impl Context {
     /// start of what the export maps. VMM memory starts this process's
     /// descriptor server (once).
     pub fn export_range(self: &Arc<Self>, ptr: DevicePtr, len: usize) -> Result<(Export, u64)> {
-        self.bind()?;
+        let _bound = self.bind()?;
         let ext = self.device_extent(ptr, len)?;
         let offset = ptr - ext.info.base;
         let Some(sizes) = ext.vmm else {
@@ -382,7 +382,7 @@ impl Context {
             Export::Vmm(v) => v,
         };
         let api = self.vmm_api(CALL)?;
-        self.bind()?;
+        let _bound = self.bind()?;
         // Imported handles, released on every path below (a mapping keeps
         // its allocation).
         struct Handles(VmmApi, Vec<u64>);
@@ -443,7 +443,7 @@ impl Context {
 
     fn alloc_vmm_typed(self: &Arc<Self>, len: usize, segment: usize, types: c_int) -> Result<DeviceMemory> {
         let api = self.vmm_api("cuMemCreate")?;
-        self.bind()?;
+        let _bound = self.bind()?;
         let prop = AllocProp {
             kind: PINNED,
             handle_types: types,
@@ -614,7 +614,7 @@ fn answer(srv: &Server, req: &[u8; REQ_LEN]) -> std::result::Result<OwnedFd, Str
     let ctx = srv.contexts.lock().unwrap_or_else(|e| e.into_inner()).iter().find(|c| c.ordinal() == device).cloned();
     let ctx = ctx.ok_or_else(|| format!("no memory of device {device} was exported here"))?;
     let api = ctx.vmm_api("cuMemExportToShareableHandle").map_err(|e| e.to_string())?;
-    ctx.bind().map_err(|e| e.to_string())?;
+    let _bound = ctx.bind().map_err(|e| e.to_string())?;
     let ext = ctx.device_extent(base, size).map_err(|e| e.to_string())?;
     if ext.info.base != base || ext.vmm.as_deref() != Some(&[size][..]) {
         return Err(format!("{base:#x}+{size} is not one whole exportable VMM mapping here"));

@@ -18,6 +18,20 @@
 //!   hands out a duplicate of the memfd (the POSIX descriptor handle type);
 //!   a host access to a mapping whose access was never set aborts;
 //! - host registration maps host memory at its own address;
+//! - devices: `RMACOMM_STANDIN_DEVICES` of them (default 1), renumbered
+//!   per process by `CUDA_VISIBLE_DEVICES` as the driver does (physical
+//!   indices or the devices' UUIDs, `GPU-...`); each has a primary context,
+//!   current per thread (`cuCtxSetCurrent` / `cuCtxGetCurrent`), and memory
+//!   of its own. A kernel or stream memory operation that touches another
+//!   device's memory without peer access (`cuCtxEnablePeerAccess`, an IPC
+//!   mapping opened in the kernel's context, VMM access set for its device)
+//!   aborts the process, naming it, as a GPU would fault; calls that need a
+//!   current context fail without one; a kernel launched on a stream of
+//!   another context than the current one, or from a module of another, is
+//!   refused. `RMACOMM_STANDIN_P2P=0`: no peer access between devices (IPC
+//!   opens of another device's memory fail). `RMACOMM_STANDIN_ALLOWED_DEVICES`
+//!   (ordinals): a process that retains another device's context aborts
+//!   (a process that should never touch another GPU);
 //! - under `RMACOMM_STANDIN_STRICT=1` (or 2), a call that takes a real driver's
 //!   lock (host registration, IPC open and close, freeing memory) made by
 //!   a thread that stream operations depend on (a soft provider engine, a
@@ -51,6 +65,10 @@ const ALREADY_MAPPED: CuResult = 208;
 const INVALID_HANDLE: CuResult = 400;
 const ALREADY_REGISTERED: CuResult = 712;
 const NOT_SUPPORTED: CuResult = 801;
+const INVALID_DEVICE: CuResult = 101;
+const INVALID_CONTEXT: CuResult = 201;
+const PEER_ACCESS_UNSUPPORTED: CuResult = 217;
+const PEER_ACCESS_ALREADY_ENABLED: CuResult = 704;
 const STREAM_CAPTURE_UNSUPPORTED: CuResult = 900;
 
 /// A `CUipcMemHandle`: the segment's name, NUL-padded.
@@ -70,9 +88,10 @@ enum Op {
 }
 
 impl Op {
-    fn run(self) {
+    /// Runs the work as device `dev` (physical index) would.
+    fn run(self, dev: usize) {
         match self {
-            Op::Kernel(k) => k.run(),
+            Op::Kernel(k) => k.run(dev),
             // SAFETY: `dst` holds the bytes (the driver contract).
             Op::Upload { dst, bytes } => unsafe {
                 std::ptr::copy_nonoverlapping(bytes.as_ptr(), host(dst) as *mut u8, bytes.len())
@@ -82,8 +101,12 @@ impl Op {
             Op::Copy { dst, src, len } => unsafe { std::ptr::copy(host(src) as *const u8, host(dst) as *mut u8, len) },
             // SAFETY: as for copies.
             Op::Set { dst, value, len } => unsafe { std::ptr::write_bytes(host(dst) as *mut u8, value, len) },
-            Op::Write { addr, value } => word(addr).store(value, Ordering::SeqCst),
+            Op::Write { addr, value } => {
+                reach(addr, dev, "cuStreamWriteValue64");
+                word(addr).store(value, Ordering::SeqCst)
+            }
             Op::WaitGeq { addr, value } => {
+                reach(addr, dev, "cuStreamWaitValue64");
                 let w = word(addr);
                 if w.load(Ordering::SeqCst) >= value {
                     return;
@@ -163,6 +186,124 @@ fn strict_at(level: u8, call: &str) {
     }
 }
 
+/// The most devices the stand-in emulates.
+const MAX_DEVICES: usize = 8;
+
+/// The emulated devices: how many there are, which this process sees
+/// (ordinal → physical index), whether distinct devices reach each other
+/// (peer access), and which ordinals this process may retain.
+#[derive(Debug)]
+struct Devices {
+    count: usize,
+    visible: Vec<usize>,
+    p2p: bool,
+    allowed: Option<Vec<usize>>,
+}
+
+fn devices() -> &'static Devices {
+    static D: std::sync::OnceLock<Devices> = std::sync::OnceLock::new();
+    D.get_or_init(|| {
+        let count = std::env::var("RMACOMM_STANDIN_DEVICES")
+            .ok()
+            .and_then(|v| v.trim().parse::<usize>().ok())
+            .unwrap_or(1)
+            .clamp(1, MAX_DEVICES);
+        // As the driver reads CUDA_VISIBLE_DEVICES: indices or UUIDs, the
+        // list ending at the first entry that names no device (or repeats
+        // one).
+        let visible = match std::env::var("CUDA_VISIBLE_DEVICES") {
+            Err(_) => (0..count).collect(),
+            Ok(v) => {
+                let mut out: Vec<usize> = Vec::new();
+                for e in v.split(',').map(str::trim) {
+                    let k =
+                        e.parse::<usize>().ok().or_else(|| (0..count).find(|k| e.eq_ignore_ascii_case(&uuid_text(*k))));
+                    match k {
+                        Some(k) if k < count && !out.contains(&k) => out.push(k),
+                        _ => break,
+                    }
+                }
+                out
+            }
+        };
+        let p2p = std::env::var("RMACOMM_STANDIN_P2P").map_or(true, |v| v != "0");
+        let allowed = std::env::var("RMACOMM_STANDIN_ALLOWED_DEVICES")
+            .ok()
+            .map(|v| v.split(',').filter_map(|e| e.trim().parse::<usize>().ok()).collect());
+        Devices { count, visible, p2p, allowed }
+    })
+}
+
+/// Device `k`'s UUID: "rmacomm-standin" and the index.
+fn uuid(k: usize) -> [u8; 16] {
+    let mut u = [0u8; 16];
+    u[..15].copy_from_slice(b"rmacomm-standin");
+    u[15] = k as u8;
+    u
+}
+
+/// A UUID as `nvidia-smi -L` and `CUDA_VISIBLE_DEVICES` write them.
+fn uuid_text(k: usize) -> String {
+    let u = uuid(k);
+    let h: String = u.iter().map(|b| format!("{b:02x}")).collect();
+    format!("GPU-{}-{}-{}-{}-{}", &h[..8], &h[8..12], &h[12..16], &h[16..20], &h[20..])
+}
+
+/// The physical device of `ordinal` in this process.
+fn physical(ordinal: c_int) -> Option<usize> {
+    usize::try_from(ordinal).ok().and_then(|o| devices().visible.get(o).copied())
+}
+
+/// The ordinal of physical device `k` here, if it is visible.
+fn ordinal_of(k: usize) -> Option<c_int> {
+    devices().visible.iter().position(|v| *v == k).map(|o| o as c_int)
+}
+
+/// Primary context handles: an address per device (never dereferenced).
+static CONTEXTS: [u8; MAX_DEVICES] = [0; MAX_DEVICES];
+
+fn context_handle(k: usize) -> *mut c_void {
+    std::ptr::from_ref(&CONTEXTS[k]).cast_mut().cast()
+}
+
+fn context_device(ctx: *mut c_void) -> Option<usize> {
+    let base = CONTEXTS.as_ptr() as usize;
+    let at = (ctx as usize).checked_sub(base)?;
+    (at < devices().count).then_some(at)
+}
+
+thread_local! {
+    /// The physical device whose context is current on this thread.
+    static CURRENT: std::cell::Cell<Option<usize>> = const { std::cell::Cell::new(None) };
+}
+
+fn current() -> Option<usize> {
+    CURRENT.with(std::cell::Cell::get)
+}
+
+/// Peer access enabled: (from, to) physical devices.
+static PEERS: Mutex<Vec<(usize, usize)>> = Mutex::new(Vec::new());
+
+/// Aborts, naming `what`, when device `dev` may not touch `addr` (device
+/// memory of another device, without peer access): a GPU faults there.
+fn reach(addr: u64, dev: usize, what: &str) {
+    let found = with(|st| {
+        let (_, r) =
+            st.device_ranges.range(..=addr).next_back().filter(|(base, r)| addr < *base + r.len.max(1) as u64)?;
+        Some((r.dev, r.reach.clone(), r.peerable))
+    });
+    let Some((owner, reach, peerable)) = found else { return };
+    let peered = peerable && PEERS.lock().unwrap_or_else(|e| e.into_inner()).contains(&(dev, owner));
+    if !(reach.contains(&dev) || peered) {
+        eprintln!(
+            "CUDA stand-in: {what} on device {dev} touched {addr:#x}, memory of device {owner}, without peer access \
+             (cuCtxEnablePeerAccess, an IPC mapping opened in this device's context, or VMM access for it): a GPU \
+             faults here"
+        );
+        std::process::abort();
+    }
+}
+
 fn word(addr: u64) -> &'static AtomicU64 {
     // SAFETY: an 8-byte-aligned word of live memory (the driver contract of
     // the value write and wait calls), at its host address; AtomicU64 has
@@ -175,10 +316,9 @@ fn word(addr: u64) -> &'static AtomicU64 {
 /// `addr` itself (host memory, registered or not).
 fn host(addr: u64) -> u64 {
     let (h, unset) = with(|st| {
-        let found =
-            st.device_ranges.range(..=addr).next_back().filter(|(base, (_, len))| addr < *base + (*len).max(1) as u64);
+        let found = st.device_ranges.range(..=addr).next_back().filter(|(base, r)| addr < *base + r.len.max(1) as u64);
         match found {
-            Some((base, (h, _))) => (h + (addr - base), st.no_access.contains(base)),
+            Some((base, r)) => (r.host + (addr - base), r.reach.is_empty()),
             None => (addr, false),
         }
     });
@@ -215,6 +355,8 @@ enum Msg {
 struct Stream {
     tx: Mutex<Sender<Msg>>,
     capture: Mutex<Option<Vec<Op>>>,
+    /// The physical device of the context it was made in.
+    dev: usize,
 }
 
 impl std::fmt::Debug for Msg {
@@ -227,19 +369,19 @@ impl std::fmt::Debug for Msg {
 }
 
 impl Stream {
-    fn new() -> Stream {
+    fn new(dev: usize) -> Stream {
         let (tx, rx) = channel::<Msg>();
         std::thread::spawn(move || {
             for m in rx {
                 match m {
-                    Msg::Op(op) => op.run(),
+                    Msg::Op(op) => op.run(dev),
                     Msg::Fence(done) => {
                         let _ = done.send(());
                     }
                 }
             }
         });
-        Stream { tx: Mutex::new(tx), capture: Mutex::new(None) }
+        Stream { tx: Mutex::new(tx), capture: Mutex::new(None), dev }
     }
 
     fn push(&self, op: Op) {
@@ -266,28 +408,40 @@ struct Alloc {
     host: u64,
 }
 
+/// A device range of this process: where its bytes are on the host, which
+/// device's memory it is, the devices that reach it directly (its own; an
+/// IPC mapping's opener; VMM access as set: none, and a host access aborts
+/// too), and whether peer access between contexts reaches it (allocations).
+#[derive(Debug, Clone)]
+struct DevRange {
+    host: u64,
+    len: usize,
+    dev: usize,
+    reach: Vec<usize>,
+    peerable: bool,
+}
+
 #[derive(Debug, Default)]
 struct State {
     /// Allocations of this process by base address.
     allocs: BTreeMap<u64, Alloc>,
-    /// Device ranges (allocations and opened IPC mappings): device base →
-    /// (host mapping, length).
-    device_ranges: BTreeMap<u64, (u64, usize)>,
-    /// Opened IPC mappings: base → length, base → segment, segments.
+    /// Device ranges (allocations, opened IPC mappings, VMM mappings) by
+    /// device base.
+    device_ranges: BTreeMap<u64, DevRange>,
+    /// Opened IPC mappings: base → length, base → (opening device,
+    /// segment), and those pairs (one open per device context).
     opened: BTreeMap<u64, usize>,
-    opened_by_base: BTreeMap<u64, CString>,
-    opened_names: std::collections::BTreeSet<CString>,
+    opened_by_base: BTreeMap<u64, (usize, CString)>,
+    opened_names: std::collections::BTreeSet<(usize, CString)>,
     /// Registered host ranges: base → length.
     registered: BTreeMap<u64, usize>,
     /// VMM (cuMemCreate) allocations by handle, mappings of them by device
-    /// address (→ handle, length), reserved address ranges (→ length, the
-    /// host range that shadows it), and
-    /// mappings whose access was never set (a host access there aborts: a
-    /// GPU faults).
+    /// address (→ handle, length), and reserved address ranges (→ length,
+    /// the host range that shadows it). A mapping whose access was never
+    /// set has an empty `reach` (a host access there aborts: a GPU faults).
     vmm: BTreeMap<u64, Vmm>,
     vmm_maps: BTreeMap<u64, (u64, usize)>,
     reserved: BTreeMap<u64, (usize, u64)>,
-    no_access: std::collections::BTreeSet<u64>,
     streams: Vec<Arc<Stream>>,
     next: u64,
 }
@@ -310,7 +464,11 @@ fn stream(s: *mut c_void) -> Option<Arc<Stream>> {
 fn enqueue(s: *mut c_void, op: Op) -> CuResult {
     match stream(s) {
         Some(st) => st.push(op),
-        None => op.run(),
+        // The legacy default stream: the current context's.
+        None => match current() {
+            Some(dev) => op.run(dev),
+            None => return INVALID_CONTEXT,
+        },
     }
     OK
 }
@@ -367,7 +525,7 @@ pub unsafe extern "C" fn cuDriverGetVersion(v: *mut c_int) -> CuResult {
     OK
 }
 
-/// `cuDeviceGetCount`: one device.
+/// `cuDeviceGetCount`: the devices this process sees.
 ///
 /// # Safety
 /// `n` is a valid out-pointer.
@@ -375,7 +533,7 @@ pub unsafe extern "C" fn cuDriverGetVersion(v: *mut c_int) -> CuResult {
 pub unsafe extern "C" fn cuDeviceGetCount(n: *mut c_int) -> CuResult {
     strict_any("cuDeviceGetCount");
     // SAFETY: the caller's out-pointer.
-    unsafe { *n = 1 };
+    unsafe { *n = devices().visible.len() as c_int };
     OK
 }
 
@@ -389,6 +547,10 @@ pub unsafe extern "C" fn cuGetErrorName(code: CuResult, p: *mut *const c_char) -
     let name: &'static CStr = match code {
         OK => c"CUDA_SUCCESS",
         INVALID_VALUE => c"CUDA_ERROR_INVALID_VALUE",
+        INVALID_DEVICE => c"CUDA_ERROR_INVALID_DEVICE",
+        INVALID_CONTEXT => c"CUDA_ERROR_INVALID_CONTEXT",
+        PEER_ACCESS_UNSUPPORTED => c"CUDA_ERROR_PEER_ACCESS_UNSUPPORTED",
+        PEER_ACCESS_ALREADY_ENABLED => c"CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED",
         OUT_OF_MEMORY => c"CUDA_ERROR_OUT_OF_MEMORY",
         ALREADY_MAPPED => c"CUDA_ERROR_ALREADY_MAPPED",
         INVALID_HANDLE => c"CUDA_ERROR_INVALID_HANDLE",
@@ -409,11 +571,38 @@ pub unsafe extern "C" fn cuGetErrorName(code: CuResult, p: *mut *const c_char) -
 #[no_mangle]
 pub unsafe extern "C" fn cuDeviceGet(d: *mut c_int, ordinal: c_int) -> CuResult {
     strict_any("cuDeviceGet");
-    if ordinal != 0 {
-        return INVALID_VALUE;
+    if physical(ordinal).is_none() {
+        return INVALID_DEVICE;
     }
     // SAFETY: the caller's out-pointer.
-    unsafe { *d = 0 };
+    unsafe { *d = ordinal };
+    OK
+}
+
+/// `cuDeviceGetUuid_v2`: the device's 16 bytes.
+///
+/// # Safety
+/// `u` points to 16 writable bytes.
+#[no_mangle]
+pub unsafe extern "C" fn cuDeviceGetUuid_v2(u: *mut [u8; 16], dev: c_int) -> CuResult {
+    strict_any("cuDeviceGetUuid");
+    let Some(k) = physical(dev) else { return INVALID_DEVICE };
+    // SAFETY: the caller's 16 bytes.
+    unsafe { *u = uuid(k) };
+    OK
+}
+
+/// `cuDeviceCanAccessPeer`: distinct devices reach each other unless
+/// `RMACOMM_STANDIN_P2P=0`.
+///
+/// # Safety
+/// `can` is a valid out-pointer.
+#[no_mangle]
+pub unsafe extern "C" fn cuDeviceCanAccessPeer(can: *mut c_int, dev: c_int, peer: c_int) -> CuResult {
+    strict_any("cuDeviceCanAccessPeer");
+    let (Some(a), Some(b)) = (physical(dev), physical(peer)) else { return INVALID_DEVICE };
+    // SAFETY: the caller's out-pointer.
+    unsafe { *can = c_int::from(a != b && devices().p2p) };
     OK
 }
 
@@ -423,8 +612,11 @@ pub unsafe extern "C" fn cuDeviceGet(d: *mut c_int, ordinal: c_int) -> CuResult 
 /// # Safety
 /// `v` is a valid out-pointer.
 #[no_mangle]
-pub unsafe extern "C" fn cuDeviceGetAttribute(v: *mut c_int, attr: c_int, _dev: c_int) -> CuResult {
+pub unsafe extern "C" fn cuDeviceGetAttribute(v: *mut c_int, attr: c_int, dev: c_int) -> CuResult {
     strict_any("cuDeviceGetAttribute");
+    if physical(dev).is_none() {
+        return INVALID_DEVICE;
+    }
     // RMACOMM_STANDIN_NO_MEMOPS=1: a device without 64-bit stream memory
     // operations (attribute 122), for the kernel-signal fallback.
     let memops = std::env::var("RMACOMM_STANDIN_NO_MEMOPS").map_or(true, |v| v != "1");
@@ -443,9 +635,11 @@ pub unsafe extern "C" fn cuDeviceGetAttribute(v: *mut c_int, attr: c_int, _dev: 
 /// # Safety
 /// `buf` holds `len` bytes.
 #[no_mangle]
-pub unsafe extern "C" fn cuDeviceGetName(buf: *mut c_char, len: c_int, _dev: c_int) -> CuResult {
+pub unsafe extern "C" fn cuDeviceGetName(buf: *mut c_char, len: c_int, dev: c_int) -> CuResult {
     strict_any("cuDeviceGetName");
-    let name = c"rmacomm CUDA stand-in (host memory, no GPU)".to_bytes_with_nul();
+    let Some(k) = physical(dev) else { return INVALID_DEVICE };
+    let name = CString::new(format!("rmacomm CUDA stand-in {k} (host memory, no GPU)")).expect("no NUL");
+    let name = name.as_bytes_with_nul();
     let n = name.len().min(len.max(1) as usize);
     // SAFETY: `n` bytes fit the caller's buffer; the last is made NUL.
     unsafe {
@@ -455,41 +649,113 @@ pub unsafe extern "C" fn cuDeviceGetName(buf: *mut c_char, len: c_int, _dev: c_i
     OK
 }
 
-/// `cuDevicePrimaryCtxRetain`: one context, any non-null value.
+/// `cuDevicePrimaryCtxRetain`: the device's context (aborting where
+/// `RMACOMM_STANDIN_ALLOWED_DEVICES` leaves the device out).
 ///
 /// # Safety
 /// `ctx` is a valid out-pointer.
 #[no_mangle]
-pub unsafe extern "C" fn cuDevicePrimaryCtxRetain(ctx: *mut *mut c_void, _dev: c_int) -> CuResult {
+pub unsafe extern "C" fn cuDevicePrimaryCtxRetain(ctx: *mut *mut c_void, dev: c_int) -> CuResult {
     strict_any("cuDevicePrimaryCtxRetain");
+    let Some(k) = physical(dev) else { return INVALID_DEVICE };
+    if let Some(allowed) = &devices().allowed {
+        if !allowed.contains(&(dev as usize)) {
+            eprintln!(
+                "CUDA stand-in: this process retained device {dev}'s context, but RMACOMM_STANDIN_ALLOWED_DEVICES \
+                 allows only {allowed:?} (a context on another GPU costs that GPU memory)"
+            );
+            std::process::abort();
+        }
+    }
     // SAFETY: the caller's out-pointer.
-    unsafe { *ctx = std::ptr::dangling_mut::<u64>().cast() };
+    unsafe { *ctx = context_handle(k) };
     OK
 }
 
 /// `cuDevicePrimaryCtxRelease_v2`.
 #[no_mangle]
-pub extern "C" fn cuDevicePrimaryCtxRelease_v2(_dev: c_int) -> CuResult {
+pub extern "C" fn cuDevicePrimaryCtxRelease_v2(dev: c_int) -> CuResult {
     strict_any("cuDevicePrimaryCtxRelease");
+    if physical(dev).is_none() {
+        return INVALID_DEVICE;
+    }
     OK
 }
 
-/// `cuCtxSetCurrent`.
+/// `cuCtxSetCurrent`: this thread's current context (null: none).
 #[no_mangle]
-pub extern "C" fn cuCtxSetCurrent(_ctx: *mut c_void) -> CuResult {
+pub extern "C" fn cuCtxSetCurrent(ctx: *mut c_void) -> CuResult {
     strict_any("cuCtxSetCurrent");
+    if ctx.is_null() {
+        CURRENT.with(|c| c.set(None));
+        return OK;
+    }
+    let Some(k) = context_device(ctx) else { return INVALID_CONTEXT };
+    CURRENT.with(|c| c.set(Some(k)));
     OK
 }
 
-/// `cuCtxSynchronize`: every stream of the process drained.
+/// `cuCtxGetCurrent`.
+///
+/// # Safety
+/// `ctx` is a valid out-pointer.
+#[no_mangle]
+pub unsafe extern "C" fn cuCtxGetCurrent(ctx: *mut *mut c_void) -> CuResult {
+    strict_any("cuCtxGetCurrent");
+    // SAFETY: the caller's out-pointer.
+    unsafe { *ctx = current().map_or(std::ptr::null_mut(), context_handle) };
+    OK
+}
+
+/// `cuCtxGetDevice`: the current context's device.
+///
+/// # Safety
+/// `d` is a valid out-pointer.
+#[no_mangle]
+pub unsafe extern "C" fn cuCtxGetDevice(d: *mut c_int) -> CuResult {
+    strict_any("cuCtxGetDevice");
+    let Some(o) = current().and_then(ordinal_of) else { return INVALID_CONTEXT };
+    // SAFETY: the caller's out-pointer.
+    unsafe { *d = o };
+    OK
+}
+
+/// `cuCtxEnablePeerAccess`: the current context's kernels may touch
+/// `peer`'s device memory from now on.
+#[no_mangle]
+pub extern "C" fn cuCtxEnablePeerAccess(peer: *mut c_void, _flags: c_uint) -> CuResult {
+    strict_any("cuCtxEnablePeerAccess");
+    let Some(me) = current() else { return INVALID_CONTEXT };
+    let Some(other) = context_device(peer) else { return INVALID_CONTEXT };
+    if me == other {
+        return INVALID_DEVICE;
+    }
+    if !devices().p2p {
+        return PEER_ACCESS_UNSUPPORTED;
+    }
+    let mut peers = PEERS.lock().unwrap_or_else(|e| e.into_inner());
+    if peers.contains(&(me, other)) {
+        return PEER_ACCESS_ALREADY_ENABLED;
+    }
+    peers.push((me, other));
+    OK
+}
+
+/// `cuCtxSynchronize`: every stream of the current context drained.
 #[no_mangle]
 pub extern "C" fn cuCtxSynchronize() -> CuResult {
     strict_any("cuCtxSynchronize");
-    let streams = with(|st| st.streams.clone());
+    let Some(dev) = current() else { return INVALID_CONTEXT };
+    sync_device(dev);
+    OK
+}
+
+/// Drains every stream of device `dev`.
+fn sync_device(dev: usize) {
+    let streams = with(|st| st.streams.iter().filter(|s| s.dev == dev).cloned().collect::<Vec<_>>());
     for s in streams {
         s.sync();
     }
-    OK
 }
 
 /// `cuMemAlloc_v2`: a shared memory segment mapped at its address.
@@ -499,6 +765,7 @@ pub extern "C" fn cuCtxSynchronize() -> CuResult {
 #[no_mangle]
 pub unsafe extern "C" fn cuMemAlloc_v2(p: *mut u64, len: usize) -> CuResult {
     strict_any("cuMemAlloc");
+    let Some(dev) = current() else { return INVALID_CONTEXT };
     let n = with(|st| {
         st.next += 1;
         st.next
@@ -528,7 +795,7 @@ pub unsafe extern "C" fn cuMemAlloc_v2(p: *mut u64, len: usize) -> CuResult {
     };
     with(|st| {
         st.allocs.insert(base, Alloc { len, name, host: h });
-        st.device_ranges.insert(base, (h, len));
+        st.device_ranges.insert(base, DevRange { host: h, len, dev, reach: vec![dev], peerable: true });
     });
     // SAFETY: the caller's out-pointer.
     unsafe { *p = base };
@@ -539,7 +806,12 @@ pub unsafe extern "C" fn cuMemAlloc_v2(p: *mut u64, len: usize) -> CuResult {
 #[no_mangle]
 pub extern "C" fn cuMemFree_v2(p: u64) -> CuResult {
     strict("cuMemFree");
-    cuCtxSynchronize();
+    // The free waits for the memory's device (as cuMemFree synchronizes).
+    let Some(dev) = with(|st| st.allocs.contains_key(&p).then(|| st.device_ranges.get(&p).map(|r| r.dev)).flatten())
+    else {
+        return INVALID_VALUE;
+    };
+    sync_device(dev);
     let Some(a) = with(|st| {
         st.device_ranges.remove(&p);
         st.allocs.remove(&p)
@@ -585,7 +857,8 @@ pub extern "C" fn cuMemcpyDtoHAsync_v2(dst: *mut c_void, src: u64, len: usize, s
 #[no_mangle]
 pub extern "C" fn cuMemcpyHtoD_v2(dst: u64, src: *const c_void, len: usize) -> CuResult {
     strict_any("cuMemcpyHtoD");
-    Op::Copy { dst, src: src as u64, len }.run();
+    let Some(dev) = current() else { return INVALID_CONTEXT };
+    Op::Copy { dst, src: src as u64, len }.run(dev);
     OK
 }
 
@@ -593,7 +866,8 @@ pub extern "C" fn cuMemcpyHtoD_v2(dst: u64, src: *const c_void, len: usize) -> C
 #[no_mangle]
 pub extern "C" fn cuMemcpyDtoH_v2(dst: *mut c_void, src: u64, len: usize) -> CuResult {
     strict_any("cuMemcpyDtoH");
-    Op::Copy { dst: dst as u64, src, len }.run();
+    let Some(dev) = current() else { return INVALID_CONTEXT };
+    Op::Copy { dst: dst as u64, src, len }.run(dev);
     OK
 }
 
@@ -601,7 +875,8 @@ pub extern "C" fn cuMemcpyDtoH_v2(dst: *mut c_void, src: u64, len: usize) -> CuR
 #[no_mangle]
 pub extern "C" fn cuMemcpyDtoD_v2(dst: u64, src: u64, len: usize) -> CuResult {
     strict_any("cuMemcpyDtoD");
-    Op::Copy { dst, src, len }.run();
+    let Some(dev) = current() else { return INVALID_CONTEXT };
+    Op::Copy { dst, src, len }.run(dev);
     OK
 }
 
@@ -619,48 +894,68 @@ pub extern "C" fn cuMemcpyAsync(dst: u64, src: u64, len: usize, s: *mut c_void) 
     enqueue(s, Op::Copy { dst, src, len })
 }
 
-/// `cuModuleLoadData`: any image; kernels are emulated by name.
+/// `cuModuleLoadData`: any image; kernels are emulated by name. The
+/// module is its context's (the current one's) device, boxed.
 ///
 /// # Safety
 /// `m` is a valid out-pointer.
 #[no_mangle]
 pub unsafe extern "C" fn cuModuleLoadData(m: *mut *mut c_void, _image: *const c_void) -> CuResult {
     strict_any("cuModuleLoadData");
-    // SAFETY: the caller's out-pointer.
-    unsafe { *m = std::ptr::dangling_mut::<u64>().cast() };
+    let Some(dev) = current() else { return INVALID_CONTEXT };
+    // SAFETY: the caller's out-pointer; the box is freed by cuModuleUnload.
+    unsafe { *m = Box::into_raw(Box::new(dev)).cast() };
     OK
 }
 
 /// `cuModuleUnload`.
 #[no_mangle]
-pub extern "C" fn cuModuleUnload(_m: *mut c_void) -> CuResult {
+pub extern "C" fn cuModuleUnload(m: *mut c_void) -> CuResult {
     strict_any("cuModuleUnload");
+    if !m.is_null() {
+        // SAFETY: made by Box::into_raw in cuModuleLoadData, freed once.
+        drop(unsafe { Box::from_raw(m.cast::<usize>()) });
+    }
     OK
 }
 
-/// Kernel names handed out as `CUfunction`s (interned, never freed).
-static NAMES: Mutex<Vec<&'static CStr>> = Mutex::new(Vec::new());
+/// A kernel handed out as a `CUfunction`: its name and its module's
+/// device (interned, never freed).
+#[derive(Debug)]
+struct Function {
+    name: &'static CStr,
+    dev: usize,
+}
 
-/// `cuModuleGetFunction`: the function is its interned name.
+static FUNCTIONS: Mutex<Vec<&'static Function>> = Mutex::new(Vec::new());
+
+/// `cuModuleGetFunction`: the function is its interned name and device.
 ///
 /// # Safety
-/// `f` is a valid out-pointer, `name` a NUL-terminated string.
+/// `f` is a valid out-pointer, `m` a module of `cuModuleLoadData`, `name`
+/// a NUL-terminated string.
 #[no_mangle]
-pub unsafe extern "C" fn cuModuleGetFunction(f: *mut *mut c_void, _m: *mut c_void, name: *const c_char) -> CuResult {
+pub unsafe extern "C" fn cuModuleGetFunction(f: *mut *mut c_void, m: *mut c_void, name: *const c_char) -> CuResult {
     strict_any("cuModuleGetFunction");
+    if m.is_null() {
+        return INVALID_HANDLE;
+    }
+    // SAFETY: a live module (its device).
+    let dev = unsafe { *m.cast::<usize>() };
     // SAFETY: the caller's NUL-terminated string.
     let name = unsafe { CStr::from_ptr(name) };
-    let mut names = NAMES.lock().unwrap_or_else(|e| e.into_inner());
-    let interned = match names.iter().find(|n| **n == name) {
-        Some(n) => *n,
+    let mut fns = FUNCTIONS.lock().unwrap_or_else(|e| e.into_inner());
+    let interned = match fns.iter().find(|x| x.name == name && x.dev == dev) {
+        Some(x) => *x,
         None => {
-            let n: &'static CStr = Box::leak(name.to_owned().into_boxed_c_str());
-            names.push(n);
-            n
+            let x: &'static Function =
+                Box::leak(Box::new(Function { name: Box::leak(name.to_owned().into_boxed_c_str()), dev }));
+            fns.push(x);
+            x
         }
     };
     // SAFETY: the caller's out-pointer.
-    unsafe { *f = interned.as_ptr() as *mut c_void };
+    unsafe { *f = std::ptr::from_ref(interned).cast_mut().cast() };
     OK
 }
 
@@ -688,8 +983,15 @@ pub unsafe extern "C" fn cuLaunchKernel(
     _extra: *mut *mut c_void,
 ) -> CuResult {
     strict_any("cuLaunchKernel");
-    // SAFETY: an interned name (cuModuleGetFunction).
-    let name = unsafe { CStr::from_ptr(f as *const c_char) }.to_str().unwrap_or("");
+    // SAFETY: an interned function (cuModuleGetFunction).
+    let func = unsafe { &*f.cast::<Function>() };
+    // A kernel runs in the current context, on a stream of it, from a
+    // module loaded in it.
+    let Some(dev) = current() else { return INVALID_CONTEXT };
+    if func.dev != dev || stream(s).is_some_and(|st| st.dev != dev) {
+        return INVALID_HANDLE;
+    }
+    let name = func.name.to_str().unwrap_or("");
     // SAFETY: the caller's parameter array, read per the kernel's signature.
     let arg = |i: usize| unsafe { *params.add(i) };
     // SAFETY: as above: 8-byte and 4-byte parameters.
@@ -821,12 +1123,19 @@ macro_rules! float_elem {
 }
 float_elem!(f32, f64);
 
-fn run_kernel<T: Elem>(k: &Kernel) {
+fn run_kernel<T: Elem>(k: &Kernel, dev: usize) {
     let n = k.n as usize;
+    reach(k.inp, dev, "a reduction kernel's pointer table");
+    reach(k.out, dev, "a reduction kernel's output");
     let table = host(k.inp) as *const u64;
-    let inputs: Vec<*const T> =
-        // SAFETY: the pointer table: k device pointers, each translated.
-        (0..k.k as usize).map(|j| host(unsafe { *table.add(j) }) as *const T).collect();
+    let inputs: Vec<*const T> = (0..k.k as usize)
+        .map(|j| {
+            // SAFETY: the pointer table: k device pointers.
+            let at = unsafe { *table.add(j) };
+            reach(at, dev, "a reduction kernel's input");
+            host(at) as *const T
+        })
+        .collect();
     let out = host(k.out) as *mut T;
     for i in 0..n {
         // SAFETY: every input holds n elements (the kernel's contract).
@@ -843,30 +1152,36 @@ fn run_kernel<T: Elem>(k: &Kernel) {
 }
 
 impl Kernel {
-    fn run(&self) {
+    /// Runs on device `dev` (a signal kernel's words checked as its
+    /// reductions' pointers are).
+    fn run(&self, dev: usize) {
+        let signal = |addr: u64| {
+            reach(addr, dev, "a signal kernel");
+            word(addr)
+        };
         match (self.op, self.t.as_str()) {
             ("add", _) => {
-                word(self.out).fetch_add(self.n, Ordering::SeqCst);
+                signal(self.out).fetch_add(self.n, Ordering::SeqCst);
             }
-            ("wait", _) => Op::WaitGeq { addr: self.out, value: self.n }.run(),
+            ("wait", _) => Op::WaitGeq { addr: self.out, value: self.n }.run(dev),
             ("signal_next", _) => {
-                word(self.out).fetch_add(1, Ordering::SeqCst);
+                signal(self.out).fetch_add(1, Ordering::SeqCst);
             }
             ("wait_reach", _) => {
-                let want = word(self.inp).load(Ordering::SeqCst);
-                Op::WaitGeq { addr: self.out, value: want }.run();
+                let want = signal(self.inp).load(Ordering::SeqCst);
+                Op::WaitGeq { addr: self.out, value: want }.run(dev);
             }
             ("wait_next", _) => {
-                let want = word(self.out).load(Ordering::SeqCst) + 1;
-                Op::WaitGeq { addr: self.inp, value: want }.run();
+                let want = signal(self.out).load(Ordering::SeqCst) + 1;
+                Op::WaitGeq { addr: self.inp, value: want }.run(dev);
                 word(self.out).store(want, Ordering::SeqCst);
             }
-            (_, "f32") => run_kernel::<f32>(self),
-            (_, "f64") => run_kernel::<f64>(self),
-            (_, "i32") => run_kernel::<i32>(self),
-            (_, "i64") => run_kernel::<i64>(self),
-            (_, "i8") => run_kernel::<i8>(self),
-            _ => run_kernel::<u8>(self),
+            (_, "f32") => run_kernel::<f32>(self, dev),
+            (_, "f64") => run_kernel::<f64>(self, dev),
+            (_, "i32") => run_kernel::<i32>(self, dev),
+            (_, "i64") => run_kernel::<i64>(self, dev),
+            (_, "i8") => run_kernel::<i8>(self, dev),
+            _ => run_kernel::<u8>(self, dev),
         }
     }
 }
@@ -883,18 +1198,21 @@ pub unsafe extern "C" fn cuPointerGetAttribute(out: *mut c_void, attr: c_int, p:
     // Allocations of this process, IPC mappings and VMM mappings opened
     // here: (base, length, legacy IPC capable, VMM handle types).
     let found = with(|st| {
-        let (b, (_, len)) = st.device_ranges.range(..=p).next_back()?;
+        let (b, r) = st.device_ranges.range(..=p).next_back()?;
         let vmm = st.vmm_maps.get(b).and_then(|(h, _)| st.vmm.get(h)).map(|v| v.handle_types);
-        Some((*b, *len, st.allocs.contains_key(b), vmm))
+        // The ordinal of the memory's device here; a device this process
+        // does not see: the device that opened the mapping.
+        let ord = ordinal_of(r.dev).or_else(|| r.reach.iter().find_map(|d| ordinal_of(*d))).unwrap_or(0);
+        Some((*b, r.len, st.allocs.contains_key(b), vmm, ord))
     });
-    let Some((base, len, legacy, vmm)) = found.filter(|(b, l, ..)| p < b + (*l).max(1) as u64) else {
+    let Some((base, len, legacy, vmm, ord)) = found.filter(|(b, l, ..)| p < b + (*l).max(1) as u64) else {
         return INVALID_VALUE;
     };
     // SAFETY: the caller's out-pointer, of the attribute's type.
     unsafe {
         match attr {
             2 => *out.cast::<c_uint>() = 2,
-            9 => *out.cast::<c_int>() = 0,
+            9 => *out.cast::<c_int>() = ord,
             10 => *out.cast::<c_int>() = c_int::from(legacy),
             11 | 19 => *out.cast::<u64>() = base,
             12 | 18 => *out.cast::<usize>() = len,
@@ -912,29 +1230,47 @@ pub unsafe extern "C" fn cuPointerGetAttribute(out: *mut c_void, attr: c_int, p:
 #[no_mangle]
 pub unsafe extern "C" fn cuIpcGetMemHandle(h: *mut IpcHandle, p: u64) -> CuResult {
     strict_any("cuIpcGetMemHandle");
-    let Some(name) = with(|st| st.allocs.get(&p).map(|a| a.name.clone())) else { return INVALID_VALUE };
+    let Some((name, dev)) =
+        with(|st| st.allocs.get(&p).map(|a| (a.name.clone(), st.device_ranges.get(&p).map_or(0, |r| r.dev))))
+    else {
+        return INVALID_VALUE;
+    };
+    // The segment's name, NUL-padded, and the memory's device in the last
+    // byte.
     let mut out = [0u8; 64];
     out[..name.as_bytes().len()].copy_from_slice(name.as_bytes());
+    out[63] = dev as u8;
     // SAFETY: the caller's out-pointer.
     unsafe { *h = IpcHandle(out) };
     OK
 }
 
-/// `cuIpcOpenMemHandle_v2`: maps the named segment (refused for this
-/// process's own memory, as the driver does).
+/// `cuIpcOpenMemHandle_v2`: maps the named segment in the current
+/// context (refused for this process's own memory, as the driver does;
+/// another device's memory needs peer access between the two, which the
+/// mapping then has, as with `CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS`).
 ///
 /// # Safety
 /// `p` is a valid out-pointer.
 #[no_mangle]
 pub unsafe extern "C" fn cuIpcOpenMemHandle_v2(p: *mut u64, h: IpcHandle, _flags: c_uint) -> CuResult {
     strict("cuIpcOpenMemHandle");
-    let end = h.0.iter().position(|b| *b == 0).unwrap_or(64);
+    let Some(me) = current() else { return INVALID_CONTEXT };
+    let owner = usize::from(h.0[63]);
+    let end = h.0[..63].iter().position(|b| *b == 0).unwrap_or(63);
     let Ok(name) = CString::new(&h.0[..end]) else { return INVALID_VALUE };
+    if owner >= devices().count {
+        return INVALID_VALUE;
+    }
+    if owner != me && !devices().p2p {
+        return PEER_ACCESS_UNSUPPORTED;
+    }
     if with(|st| st.allocs.values().any(|a| a.name == name)) {
         return INVALID_VALUE;
     }
-    // Strict, as a driver may be: one open of an allocation per process.
-    if with(|st| st.opened_names.contains(&name)) {
+    // As the driver: one open of an allocation per device context in a
+    // process.
+    if with(|st| st.opened_names.contains(&(me, name.clone()))) {
         return ALREADY_MAPPED;
     }
     let Some(hm) = map_segment(&name, 0, false) else { return INVALID_HANDLE };
@@ -958,9 +1294,10 @@ pub unsafe extern "C" fn cuIpcOpenMemHandle_v2(p: *mut u64, h: IpcHandle, _flags
     };
     with(|st| {
         st.opened.insert(base, stat_len);
-        st.opened_by_base.insert(base, name.clone());
-        st.opened_names.insert(name);
-        st.device_ranges.insert(base, (hm, stat_len));
+        st.opened_by_base.insert(base, (me, name.clone()));
+        st.opened_names.insert((me, name));
+        let reach = if owner == me { vec![me] } else { vec![me, owner] };
+        st.device_ranges.insert(base, DevRange { host: hm, len: stat_len, dev: owner, reach, peerable: false });
     });
     // SAFETY: the caller's out-pointer.
     unsafe { *p = base };
@@ -971,12 +1308,15 @@ pub unsafe extern "C" fn cuIpcOpenMemHandle_v2(p: *mut u64, h: IpcHandle, _flags
 #[no_mangle]
 pub extern "C" fn cuIpcCloseMemHandle(p: u64) -> CuResult {
     strict("cuIpcCloseMemHandle");
-    cuCtxSynchronize();
+    // The close waits for the context that opened it.
+    if let Some((dev, _)) = with(|st| st.opened_by_base.get(&p).cloned()) {
+        sync_device(dev);
+    }
     let Some((len, hm)) = with(|st| {
         if let Some(n) = st.opened_by_base.remove(&p) {
             st.opened_names.remove(&n);
         }
-        let hm = st.device_ranges.remove(&p).map_or(0, |r| r.0);
+        let hm = st.device_ranges.remove(&p).map_or(0, |r| r.host);
         st.opened.remove(&p).map(|l| (l, hm))
     }) else {
         return INVALID_VALUE;
@@ -995,6 +1335,9 @@ pub extern "C" fn cuIpcCloseMemHandle(p: u64) -> CuResult {
 #[no_mangle]
 pub extern "C" fn cuMemHostRegister_v2(p: *mut c_void, len: usize, _flags: c_uint) -> CuResult {
     strict("cuMemHostRegister");
+    if current().is_none() {
+        return INVALID_CONTEXT;
+    }
     let (start, end) = (p as u64, p as u64 + len as u64);
     with(|st| {
         if st.registered.iter().any(|(b, l)| *b < end && start < b + *l as u64) {
@@ -1038,11 +1381,27 @@ pub unsafe extern "C" fn cuMemHostGetDevicePointer_v2(d: *mut u64, p: *mut c_voi
 #[no_mangle]
 pub unsafe extern "C" fn cuStreamCreate(s: *mut *mut c_void, _flags: c_uint) -> CuResult {
     strict_any("cuStreamCreate");
-    let st = Arc::new(Stream::new());
+    let Some(dev) = current() else { return INVALID_CONTEXT };
+    let st = Arc::new(Stream::new(dev));
     let p = Arc::as_ptr(&st) as *mut c_void;
     with(|state| state.streams.push(st));
     // SAFETY: the caller's out-pointer.
     unsafe { *s = p };
+    OK
+}
+
+/// `cuStreamGetCtx`: the context a stream was made in (the legacy
+/// default stream: the current one's).
+///
+/// # Safety
+/// `ctx` is a valid out-pointer.
+#[no_mangle]
+pub unsafe extern "C" fn cuStreamGetCtx(s: *mut c_void, ctx: *mut *mut c_void) -> CuResult {
+    strict_any("cuStreamGetCtx");
+    let dev = if s.is_null() { current() } else { stream(s).map(|st| st.dev) };
+    let Some(dev) = dev else { return if s.is_null() { INVALID_CONTEXT } else { INVALID_HANDLE } };
+    // SAFETY: the caller's out-pointer.
+    unsafe { *ctx = context_handle(dev) };
     OK
 }
 
@@ -1107,6 +1466,8 @@ pub unsafe extern "C" fn cuStreamIsCapturing(s: *mut c_void, status: *mut c_int)
     strict_any("cuStreamIsCapturing");
     let capturing = match stream(s) {
         Some(st) => st.capture.lock().unwrap().is_some(),
+        // The legacy default stream is the current context's.
+        None if current().is_none() => return INVALID_CONTEXT,
         None => false,
     };
     // SAFETY: the caller's out-pointer.
@@ -1208,6 +1569,8 @@ struct Vmm {
     len: usize,
     handle_types: c_int,
     refs: usize,
+    /// The physical device it was created on.
+    dev: usize,
 }
 
 /// `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`.
@@ -1215,13 +1578,19 @@ const POSIX_FD: c_int = 1;
 /// The allocation granularity the stand-in reports (a real GPU's: 2 MiB).
 const GRANULARITY: usize = 2 << 20;
 
-fn vmm_new(fd: std::os::fd::OwnedFd, len: usize, handle_types: c_int) -> u64 {
+fn vmm_new(fd: std::os::fd::OwnedFd, len: usize, handle_types: c_int, dev: usize) -> u64 {
     with(|st| {
         st.next += 1;
         let h = st.next;
-        st.vmm.insert(h, Vmm { fd, len, handle_types, refs: 1 });
+        st.vmm.insert(h, Vmm { fd, len, handle_types, refs: 1, dev });
         h
     })
+}
+
+/// The memfd name of VMM memory created on physical device `dev` (an
+/// importer reads the device back from it).
+fn vmm_name(dev: usize) -> CString {
+    CString::new(format!("rmacomm-standin-vmm-{dev}")).expect("no NUL")
 }
 
 /// Drops one reference of allocation `h`; the last one unmaps it.
@@ -1256,13 +1625,16 @@ pub unsafe extern "C" fn cuMemCreate(h: *mut u64, len: usize, prop: *const c_int
     if len == 0 || !len.is_multiple_of(GRANULARITY) || prop.is_null() {
         return INVALID_VALUE;
     }
-    // SAFETY: the caller's properties: type, requestedHandleTypes, ...
-    let (kind, types) = unsafe { (*prop, *prop.add(1)) };
-    if kind != 1 {
+    // SAFETY: the caller's properties: type, requestedHandleTypes,
+    // location type, location id (a device ordinal), ...
+    let (kind, types, loc, id) = unsafe { (*prop, *prop.add(1), *prop.add(2), *prop.add(3)) };
+    if kind != 1 || loc != 1 {
         return INVALID_VALUE;
     }
+    let Some(dev) = physical(id) else { return INVALID_DEVICE };
+    let name = vmm_name(dev);
     // SAFETY: a NUL-terminated name; the result is checked.
-    let fd = unsafe { libc::memfd_create(c"rmacomm-standin-vmm".as_ptr(), libc::MFD_CLOEXEC) };
+    let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
     if fd < 0 {
         return OUT_OF_MEMORY;
     }
@@ -1272,7 +1644,7 @@ pub unsafe extern "C" fn cuMemCreate(h: *mut u64, len: usize, prop: *const c_int
     if unsafe { libc::ftruncate(std::os::fd::AsRawFd::as_raw_fd(&fd), len as libc::off_t) } != 0 {
         return OUT_OF_MEMORY;
     }
-    let handle = vmm_new(fd, len, types);
+    let handle = vmm_new(fd, len, types, dev);
     // SAFETY: the caller's out-pointer.
     unsafe { *h = handle };
     OK
@@ -1377,9 +1749,9 @@ pub extern "C" fn cuMemMap(p: u64, len: usize, offset: usize, h: u64, _flags: u6
             return OUT_OF_MEMORY;
         }
         v.refs += 1;
+        let dev = v.dev;
         st.vmm_maps.insert(p, (h, len));
-        st.device_ranges.insert(p, (host, len));
-        st.no_access.insert(p);
+        st.device_ranges.insert(p, DevRange { host, len, dev, reach: Vec::new(), peerable: false });
         OK
     })
 }
@@ -1395,10 +1767,16 @@ pub unsafe extern "C" fn cuMemSetAccess(p: u64, len: usize, desc: *const c_int, 
     if desc.is_null() || count == 0 {
         return INVALID_VALUE;
     }
-    // SAFETY: the caller's descriptors: location type, id, flags.
-    let (loc, flags) = unsafe { (*desc, *desc.add(2)) };
-    if loc != 1 || flags != 3 {
-        return INVALID_VALUE;
+    // SAFETY: the caller's descriptors: location type, id, flags each.
+    let descs: Vec<(c_int, c_int, c_int)> =
+        (0..count).map(|i| unsafe { (*desc.add(3 * i), *desc.add(3 * i + 1), *desc.add(3 * i + 2)) }).collect();
+    let mut devs = Vec::new();
+    for (loc, id, flags) in descs {
+        if loc != 1 || flags != 3 {
+            return INVALID_VALUE;
+        }
+        let Some(d) = physical(id) else { return INVALID_DEVICE };
+        devs.push(d);
     }
     with(|st| {
         let end = p + len as u64;
@@ -1412,8 +1790,20 @@ pub unsafe extern "C" fn cuMemSetAccess(p: u64, len: usize, desc: *const c_int, 
         if at != end {
             return INVALID_VALUE;
         }
+        // Another device's memory needs peer access between the two.
+        if !devices().p2p
+            && bases.iter().any(|b| devs.iter().any(|d| st.device_ranges.get(b).is_some_and(|r| r.dev != *d)))
+        {
+            return PEER_ACCESS_UNSUPPORTED;
+        }
         for b in bases {
-            st.no_access.remove(&b);
+            if let Some(r) = st.device_ranges.get_mut(&b) {
+                for d in &devs {
+                    if !r.reach.contains(d) {
+                        r.reach.push(*d);
+                    }
+                }
+            }
         }
         OK
     })
@@ -1423,15 +1813,17 @@ pub unsafe extern "C" fn cuMemSetAccess(p: u64, len: usize, desc: *const c_int, 
 #[no_mangle]
 pub extern "C" fn cuMemUnmap(p: u64, len: usize) -> CuResult {
     strict("cuMemUnmap");
-    cuCtxSynchronize();
+    // The unmap waits for the devices that reach the mapping.
+    for d in with(|st| st.device_ranges.get(&p).map(|r| r.reach.clone()).unwrap_or_default()) {
+        sync_device(d);
+    }
     with(|st| {
         let Some((h, l)) = st.vmm_maps.get(&p).copied() else { return INVALID_VALUE };
         if l != len {
             return INVALID_VALUE;
         }
         st.vmm_maps.remove(&p);
-        let host = st.device_ranges.remove(&p).map_or(0, |r| r.0);
-        st.no_access.remove(&p);
+        let host = st.device_ranges.remove(&p).map_or(0, |r| r.host);
         // SAFETY: the memfd's mapping in the shadow range, made inaccessible
         // again (the range stays reserved).
         unsafe {
@@ -1521,7 +1913,13 @@ pub unsafe extern "C" fn cuMemImportFromShareableHandle(h: *mut u64, os: *mut c_
     if len == 0 || !len.is_multiple_of(GRANULARITY) {
         return INVALID_VALUE;
     }
-    let handle = vmm_new(fd, len, POSIX_FD);
+    // The device it was created on, from the memfd's name.
+    let link = std::fs::read_link(format!("/proc/self/fd/{raw}")).map(|p| p.to_string_lossy().into_owned());
+    let dev = link
+        .ok()
+        .and_then(|l| l.strip_prefix("/memfd:rmacomm-standin-vmm-").and_then(|r| r.split(' ').next()?.parse().ok()))
+        .unwrap_or(0);
+    let handle = vmm_new(fd, len, POSIX_FD, dev);
     // SAFETY: the caller's out-pointer.
     unsafe { *h = handle };
     OK
