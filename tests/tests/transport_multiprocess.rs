@@ -79,6 +79,94 @@ fn cuda_vmm_memory_same_host() {
     }
 }
 
+/// Two processes of a host with two GPUs (the stand-in's), each on its
+/// own: the client opens the server's memory through CUDA IPC in its own
+/// GPU's context and copies itself. Each process may retain only its own
+/// GPU's context (`RMACOMM_STANDIN_ALLOWED_DEVICES`: a context on the
+/// other GPU aborts it) — with both GPUs visible (`ALL`, ordinals 0 and 1),
+/// with one each (`CUDA_VISIBLE_DEVICES`: both see ordinal 0, different
+/// GPUs), and with the two numbered the other way round in the server.
+/// Opened by the owner's ordinal (before), the client made a context on
+/// the server's GPU in its engine (ALL), or opened on the wrong GPU.
+fn cuda_two_gpus(server: (&str, &str), client: (&str, &str), mem: &str) -> u64 {
+    let Some(lib) = rmacomm_cuda::standin_for_tests() else { return 2 * (64 << 20) };
+    let lib = lib.to_string_lossy().into_owned();
+    let env = [
+        ("RMACOMM_PROVIDER", "soft"),
+        ("RMACOMM_SOFT_LINK", "auto"),
+        ("RMACOMM_CUDA_LIB", lib.as_str()),
+        ("RMACOMM_STANDIN_DEVICES", "2"),
+    ];
+    // (CUDA_VISIBLE_DEVICES, the ordinal the process uses there).
+    let prefix = |(visible, gpu): (&str, &str)| -> Vec<String> {
+        let mut p = vec!["env".to_string(), format!("RMACOMM_STANDIN_ALLOWED_DEVICES={gpu}")];
+        if !visible.is_empty() {
+            p.push(format!("CUDA_VISIBLE_DEVICES={visible}"));
+        }
+        p
+    };
+    let extra =
+        |gpu: &str| vec!["--mem".to_string(), mem.to_string(), "--qps".into(), "2".into(), "--gpu".into(), gpu.into()];
+    let (se, ce) = (extra(server.1), extra(client.1));
+    let s = Peer::spawn(
+        "server",
+        PEER,
+        &prefix(server),
+        &[&["server"], &se.iter().map(String::as_str).collect::<Vec<_>>()[..]].concat(),
+        &env,
+    );
+    let c = Peer::spawn(
+        "client",
+        PEER,
+        &prefix(client),
+        &[&["client"], &ce.iter().map(String::as_str).collect::<Vec<_>>()[..]].concat(),
+        &env,
+    );
+    let (s, c) = introduce(s, c);
+    let (co, cok) = c.finish(Duration::from_secs(180));
+    let (so, sok) = s.finish(Duration::from_secs(30));
+    assert!(cok && sok, "client: {co:?}\nserver: {so:?}");
+    assert_eq!(so.iter().filter(|l| l.contains("verified")).count(), 9, "{so:?}");
+    let line = co.iter().find(|l| l.contains("peer_device_bytes")).unwrap_or_else(|| panic!("{co:?}"));
+    let v: serde_json::Value = serde_json::from_str(line).unwrap();
+    v["peer_device_bytes"].as_u64().unwrap()
+}
+
+#[test]
+fn cuda_memory_two_gpus_all_visible() {
+    let direct = cuda_two_gpus(("", "1"), ("", "0"), "cuda");
+    assert!(direct >= 2 * (64 << 20), "the client copied {direct} bytes through IPC");
+}
+
+#[test]
+fn cuda_memory_two_gpus_one_visible_each() {
+    let direct = cuda_two_gpus(("1", "0"), ("0", "0"), "cuda");
+    assert!(direct >= 2 * (64 << 20), "the client copied {direct} bytes through IPC");
+}
+
+/// Both GPUs visible to both, numbered the other way round in the server:
+/// its ordinal 0 is the client's ordinal 1.
+#[test]
+fn cuda_memory_two_gpus_numbered_differently() {
+    let direct = cuda_two_gpus(("1,0", "0"), ("1,0", "1"), "cuda");
+    assert!(direct >= 2 * (64 << 20), "the client copied {direct} bytes through IPC");
+}
+
+/// Both processes on one GPU, which each numbers differently (the
+/// server's ordinal 0 is the client's 1): the client opens the memory in
+/// that GPU's context, its own.
+#[test]
+fn cuda_memory_one_gpu_numbered_differently() {
+    let direct = cuda_two_gpus(("1,0", "0"), ("0,1", "1"), "cuda");
+    assert!(direct >= 2 * (64 << 20), "the client copied {direct} bytes through IPC");
+}
+
+#[test]
+fn cuda_vmm_memory_two_gpus_all_visible() {
+    let direct = cuda_two_gpus(("", "1"), ("", "0"), "vmm");
+    assert!(direct >= 2 * (64 << 20), "the client copied {direct} bytes through the VMM mapping");
+}
+
 #[test]
 fn cuda_memory_same_host_tcp_mixed() {
     // Over tcp nothing is opened: the server's engine places every byte.

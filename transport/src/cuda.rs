@@ -15,7 +15,6 @@
 //! descriptors instead of an IPC handle (`rmacomm_cuda::vmm`); memory
 //! that exports neither is reached through the connection.
 
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use ibverbx::{DeviceMemory, MemoryRegion};
@@ -30,6 +29,9 @@ use crate::{RdmaMemory, TransportError};
 #[derive(Debug)]
 pub(crate) struct CudaMemory {
     ordinal: u32,
+    /// The GPU's UUID (exports name the GPU by it: ordinals are per
+    /// process, `CUDA_VISIBLE_DEVICES` renumbers them).
+    uuid: [u8; 16],
     staging: Staging,
 }
 
@@ -78,7 +80,7 @@ impl DeviceMemory for CudaMemory {
             Ok(format!(
                 "{IPC_MAGIC} {} {} {} {offset} {addr} {len}",
                 std::process::id(),
-                self.ordinal,
+                hex(&self.uuid),
                 export.to_text()
             )
             .into_bytes())
@@ -87,7 +89,11 @@ impl DeviceMemory for CudaMemory {
 }
 
 /// What an export starts with (and its version).
-const IPC_MAGIC: &str = "rmacomm-cuda-ipc/1";
+const IPC_MAGIC: &str = "rmacomm-cuda-ipc/2";
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
 
 /// Opens same-host peers' CUDA memory exports (installed for the soft
 /// provider when this process first uses CUDA memory).
@@ -112,7 +118,7 @@ impl ibverbx::DeviceIpc for CudaIpc {
             .then(|| {
                 Some((
                     f[1].parse::<u32>().ok()?,
-                    f[2].parse::<u32>().ok()?,
+                    f[2].to_string(),
                     rmacomm_cuda::vmm::Export::from_text(f[3])?,
                     f[4].parse::<u64>().ok()?,
                     f[5].parse::<u64>().ok()?,
@@ -120,13 +126,19 @@ impl ibverbx::DeviceIpc for CudaIpc {
                 ))
             })
             .flatten();
-        let Some((owner, ordinal, export, offset, addr, len)) = parsed else {
+        let Some((owner, gpu, export, offset, addr, len)) = parsed else {
             return Err(format!("not an export this build reads: {text:?}"));
         };
         if owner != pid {
             return Err(format!("the export names pid {owner}, the peer is pid {pid}"));
         }
-        let dev = device("open a peer's CUDA memory", ordinal).map_err(|e| e.to_string())?;
+        // Opened in a context this process has already: the memory's own
+        // GPU where this process uses it, else the first GPU it uses (peer
+        // access reaches the memory from there). Never a new context here:
+        // this runs on an engine thread, which a stream may be waiting for,
+        // and a context on a GPU this process does not use costs that GPU
+        // memory (every rank of an 8-GPU host would hold one on each).
+        let dev = opener(&gpu).ok_or("this process uses no CUDA device to open it with")?;
         // The export comes from a segment peers can write: what it names is
         // checked with the driver (device memory, the whole range inside
         // one allocation) before any copy may use it.
@@ -196,21 +208,31 @@ impl ibverbx::PeerDevice for PeerCuda {
     }
 }
 
+/// The devices this process registered memory on, in the order it first
+/// did.
+static DEVICES: Mutex<Vec<Arc<CudaMemory>>> = Mutex::new(Vec::new());
+
+/// The device to open a peer's export of GPU `uuid` (hex) with: that GPU
+/// where this process uses it, else the first it used; `None` before any.
+fn opener(uuid: &str) -> Option<Arc<CudaMemory>> {
+    let devices = DEVICES.lock().unwrap_or_else(|e| e.into_inner());
+    devices.iter().find(|d| hex(&d.uuid) == uuid).or_else(|| devices.first()).cloned()
+}
+
 /// The device's memory object, shared by every region on it (and its
 /// staging buffers with them).
 fn device(op: &'static str, ordinal: u32) -> Result<Arc<CudaMemory>, TransportError> {
-    static DEVICES: Mutex<Option<HashMap<u32, Arc<CudaMemory>>>> = Mutex::new(None);
-    let mut g = DEVICES.lock().unwrap_or_else(|e| e.into_inner());
-    let map = g.get_or_insert_with(HashMap::new);
-    if let Some(d) = map.get(&ordinal) {
+    let mut devices = DEVICES.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(d) = devices.iter().find(|d| d.ordinal == ordinal) {
         return Ok(d.clone());
     }
     let ctx = Context::open_shared(ordinal).map_err(|e| TransportError::Unsupported(format!("{op}: {e}")))?;
+    let uuid = ctx.uuid().map_err(|e| TransportError::Unsupported(format!("{op}: {e}")))?;
     // The staging buffers are registered here, on the thread registering
     // memory, never on an engine thread a stream may be waiting for.
     let staging = Staging::new(ctx).map_err(|e| TransportError::Unsupported(format!("{op}: staging buffers: {e}")))?;
-    let d = Arc::new(CudaMemory { ordinal, staging });
-    map.insert(ordinal, d.clone());
+    let d = Arc::new(CudaMemory { ordinal, uuid, staging });
+    devices.push(d.clone());
     // Same-host peers' CUDA memory opens here from now on.
     ibverbx::set_device_ipc(Arc::new(CudaIpc));
     Ok(d)
@@ -287,7 +309,7 @@ mod tests {
         let me = std::process::id();
         let export = |addr: u64, len: u64| {
             let handle = dev.staging.context().ipc_handle(mem.ptr()).unwrap();
-            format!("{IPC_MAGIC} {me} 0 {} 0 {addr} {len}", handle.to_hex()).into_bytes()
+            format!("{IPC_MAGIC} {me} {} {} 0 {addr} {len}", hex(&dev.uuid), handle.to_hex()).into_bytes()
         };
         let ok = CudaIpc.open(&export(mem.ptr(), 8192), me).unwrap();
         assert_eq!(ok.len(), 8192);

@@ -8,7 +8,7 @@
 //! the server waits for each notification and verifies every byte. `hold`
 //! connects and waits to be killed; `stream` writes until an error and
 //! reports which. `--mem cuda`: every buffer is CUDA device memory
-//! (`RdmaMemory::alloc_cuda`, GPU 0); `vmm`: every buffer is cuMem/VMM
+//! (`RdmaMemory::alloc_cuda`, GPU 0, or `--gpu N`); `vmm`: every buffer is cuMem/VMM
 //! device memory in 2 MiB mappings (PyTorch's expandable segments),
 //! registered with `RdmaMemory::register_cuda`; `mixed`: the server's and the
 //! client's source are device memory, the client's read-back buffer host
@@ -49,18 +49,19 @@ async fn main() {
     let cfg = TransportConfig::default().with_qps(qps).with_timeout(Some(Duration::from_secs(60)));
     let t = RdmaTransport::new(cfg).unwrap_or_else(|e| fail(format!("new: {e}")));
     let kind = opt("--mem").unwrap_or_else(|| "host".into());
+    let gpu: u32 = opt("--gpu").map_or(0, |g| g.parse().expect("gpu"));
     let alloc = |device: bool| {
         if device && kind == "vmm" {
             let ctx =
-                rmacomm_window::cuda::driver::Context::open_shared(0).unwrap_or_else(|e| fail(format!("CUDA: {e}")));
+                rmacomm_window::cuda::driver::Context::open_shared(gpu).unwrap_or_else(|e| fail(format!("CUDA: {e}")));
             let vmm = ctx.alloc_vmm(total, 2 << 20).unwrap_or_else(|e| fail(format!("alloc_vmm: {e}")));
             // SAFETY: the memory lives as long as the process (leaked below).
-            let mem = unsafe { RdmaMemory::register_cuda(vmm.ptr(), total, 0) }
+            let mem = unsafe { RdmaMemory::register_cuda(vmm.ptr(), total, gpu) }
                 .unwrap_or_else(|e| fail(format!("register_cuda of VMM memory: {e}")));
             Box::leak(Box::new(vmm));
             mem
         } else if device {
-            RdmaMemory::alloc_cuda(total, 0).unwrap_or_else(|e| fail(format!("alloc_cuda: {e}")))
+            RdmaMemory::alloc_cuda(total, gpu).unwrap_or_else(|e| fail(format!("alloc_cuda: {e}")))
         } else {
             RdmaMemory::alloc(total).unwrap_or_else(|e| fail(format!("alloc: {e}")))
         }
