@@ -31,6 +31,9 @@ fn ready() -> bool {
         // waits (level 2: transport mode's host slots make none; the
         // stand-in aborts naming the call: docs/gpu.md).
         std::env::set_var("RMACOMM_STANDIN_STRICT", "2");
+        // Two devices: ranks may sit on either (device 0 unless a test
+        // says otherwise).
+        std::env::set_var("RMACOMM_STANDIN_DEVICES", "2");
     });
     true
 }
@@ -76,6 +79,16 @@ fn three_ranks(f: fn(usize, &Group, &Arc<Context>, &mut GpuComm, &rmacomm_window
 /// timeouts), each with device 0's context; panics naming the rank (and
 /// `what`) that failed.
 fn thread_ranks(n: usize, what: &str, f: impl Fn(usize, Group, Arc<Context>) + Send + Sync + Copy + 'static) {
+    thread_ranks_on(n, what, |_| 0, f)
+}
+
+/// [`thread_ranks`] with rank `r` on device `gpu(r)`.
+fn thread_ranks_on(
+    n: usize,
+    what: &str,
+    gpu: fn(usize) -> u32,
+    f: impl Fn(usize, Group, Arc<Context>) + Send + Sync + Copy + 'static,
+) {
     let store: Arc<dyn Store> = Arc::new(HashStore::new());
     let handles: Vec<_> = (0..n)
         .map(|rank| {
@@ -83,7 +96,7 @@ fn thread_ranks(n: usize, what: &str, f: impl Fn(usize, Group, Arc<Context>) + S
             std::thread::spawn(move || {
                 let opts = GroupOptions::new().timeout(Duration::from_secs(60));
                 let g = Group::with_options(rank, n, store, opts).unwrap();
-                f(rank, g, Context::open_shared(0).unwrap());
+                f(rank, g, Context::open_shared(gpu(rank)).unwrap());
             })
         })
         .collect();
@@ -156,6 +169,42 @@ fn gpu_all_reduce_through_the_slots_matches_the_host() {
         g.barrier(None).unwrap();
         drop(bufs);
     });
+}
+
+/// Ranks of one process on two GPUs (threads, ranks 0 and 2 on device 0,
+/// rank 1 on device 1), through CUDA IPC's path for same-process peers:
+/// their memory is reached with peer access, which registration enables
+/// (the stand-in aborts a kernel that touches another device's memory
+/// without it, as a GPU faults), and the all_reduce matches the host's.
+#[test]
+fn gpu_all_reduce_with_ranks_on_two_gpus() {
+    if !ready() {
+        return;
+    }
+    thread_ranks_on(
+        3,
+        "two GPUs",
+        |r| (r % 2) as u32,
+        |rank, g, ctx| {
+            let mut c = GpuComm::new(&g, ctx.clone(), Some(64 << 10), Duration::from_secs(60)).unwrap();
+            assert!(!c.through_transport(), "{c:?}");
+            assert_eq!(ctx.ordinal(), (rank % 2) as i32);
+            let stream = ctx.stream().unwrap();
+            let elems = 50_000;
+            let buf = ctx.alloc_shared(elems * 4).unwrap();
+            let f = |r: usize, i: usize| ((r + 1) * 10 + i % 7) as f32;
+            buf.write_from(0, &as_bytes(&(0..elems).map(|i| f(rank, i)).collect::<Vec<_>>())).unwrap();
+            // SAFETY: buf holds elems f32 and outlives the synchronize.
+            unsafe { c.all_reduce(buf.ptr(), elems * 4, DType::F32, ReduceOp::Sum, &stream) }.unwrap();
+            stream.synchronize().unwrap();
+            let mut got = vec![0u8; elems * 4];
+            buf.read_into(0, &mut got).unwrap();
+            let expect: Vec<f32> = (0..elems).map(|i| (0..3).map(|r| f(r, i)).sum()).collect();
+            assert_eq!(got, as_bytes(&expect), "rank {rank} on cuda:{}", ctx.ordinal());
+            g.barrier(None).unwrap();
+            drop((buf, c));
+        },
+    );
 }
 
 /// broadcast, all_gather_single, all_to_all_single and reduce_scatter_single

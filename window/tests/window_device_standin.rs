@@ -22,6 +22,8 @@ fn use_standin() -> bool {
         // No thread a stream waits for may take a driver lock while it
         // waits (the stand-in aborts naming the call: docs/gpu.md).
         std::env::set_var("RMACOMM_STANDIN_STRICT", "1");
+        // Two devices (device 0 unless a test says otherwise).
+        std::env::set_var("RMACOMM_STANDIN_DEVICES", "2");
     });
     true
 }
@@ -100,6 +102,48 @@ fn a_device_ring_of_threads_with_stream_ordered_signals() {
         g.barrier(None).unwrap();
         assert!(w.tensor_deregister_device().unwrap().is_some());
         assert_eq!(w.get_device(), "cpu");
+    });
+}
+
+/// Thread ranks on two GPUs: each puts into the other's memory from its
+/// own GPU's stream and signals it there (registration enables peer
+/// access between them, which GpuComm's kernels need:
+/// `gpu_all_reduce_with_ranks_on_two_gpus`); memory of another device
+/// than the context given with it is refused on every rank, naming the
+/// rank and both devices.
+#[test]
+fn device_windows_of_thread_ranks_on_two_gpus() {
+    if !use_standin() {
+        return;
+    }
+    ranks(2, |rank, g| {
+        let ctx = Context::open_shared(rank as u32).unwrap();
+        let mut w = window(&g);
+        w.tensor_register_device(ctx.alloc_shared(4096).unwrap(), 8).unwrap();
+        let stream = ctx.stream().unwrap();
+        let src = ctx.alloc_shared(4096).unwrap();
+        src.write_from(0, &[rank as u8 + 1; 4096]).unwrap();
+        w.device_put(src.all(), 1 - rank, 0, Some(&stream)).unwrap();
+        w.signal_on_stream(1 - rank, &stream).unwrap();
+        w.wait_signal_on_stream(1 - rank, &stream).unwrap();
+        stream.synchronize().unwrap();
+        let mut got = [0u8; 4096];
+        w.local_device_tensor().unwrap().read_into(0, &mut got).unwrap();
+        assert_eq!(got, [(1 - rank) as u8 + 1; 4096], "rank {rank}");
+        g.barrier(None).unwrap();
+        w.tensor_deregister_device().unwrap();
+        // Rank 1 offers cuda:1 memory with cuda:0's context.
+        let other = Context::open_shared(1).unwrap();
+        let mem = other.alloc_shared(4096).unwrap();
+        let given = if rank == 1 { Context::open_shared(0).unwrap() } else { ctx.clone() };
+        let mine = if rank == 1 { mem.ptr() } else { src.ptr() };
+        // SAFETY: both buffers outlive the window's registration attempt.
+        let e = unsafe { w.tensor_register_device_ptr(given, mine, 4096, 8) }.unwrap_err();
+        assert!(
+            matches!(e, Error::PeerFailed { peer: 1, .. }) && e.to_string().contains("memory of cuda:1, not of cuda:0"),
+            "rank {rank}: {e}"
+        );
+        g.barrier(None).unwrap();
     });
 }
 

@@ -168,6 +168,31 @@ fn cuda(op: &'static str) -> impl Fn(rmacomm_cuda::CudaError) -> Error {
     move |source| Error::Cuda { op, source }
 }
 
+/// Makes memory at `ptr` of rank `p`, a rank of this process, reachable by
+/// `ctx`'s kernels: nothing to do on the same GPU; peer access on another
+/// (ranks as threads on several GPUs), or why it cannot be.
+fn reach_local(ctx: &Arc<Context>, p: usize, ptr: DevicePtr, export: &Export) -> std::result::Result<(), String> {
+    let dev = ctx.pointer_info(ptr).map_err(|e| format!("rank {p}'s memory: {e}"))?.device;
+    if dev == ctx.ordinal() {
+        return Ok(());
+    }
+    if matches!(export, Export::Vmm(_)) {
+        return Err(format!(
+            "rank {p}'s memory is cuMem/VMM memory of cuda:{dev} in this process, and this rank is on cuda:{}: ranks \
+             of one process on different GPUs need cuMemAlloc memory (peer access does not reach VMM mappings)",
+            ctx.ordinal()
+        ));
+    }
+    let theirs = Context::open_shared(dev as u32).map_err(|e| format!("rank {p}'s GPU cuda:{dev}: {e}"))?;
+    if !ctx.can_access_peer(&theirs).map_err(|e| e.to_string())? {
+        return Err(format!(
+            "rank {p}'s memory is on cuda:{dev}, which cuda:{} cannot reach (no peer access between the two GPUs)",
+            ctx.ordinal()
+        ));
+    }
+    ctx.enable_peer_access(&theirs).map_err(|e| format!("peer access from cuda:{} to cuda:{dev}: {e}", ctx.ordinal()))
+}
+
 impl Window {
     /// Registers `len` bytes of the caller's CUDA device memory at `ptr` on
     /// GPU `gpu` (a tensor's `data_ptr()`) on this window's transports, as
@@ -270,6 +295,16 @@ impl Window {
                      tensor_register: the transport moves it)"
                 ));
             }
+            // The memory must be the context's device's: copies and signals
+            // are queued on that device's streams.
+            let info = ctx.pointer_info(ptr).map_err(|e| e.to_string())?;
+            if info.device != ctx.ordinal() {
+                return Err(format!(
+                    "{len} bytes at {ptr:#x} are memory of cuda:{}, not of cuda:{} (the device given with it)",
+                    info.device,
+                    ctx.ordinal()
+                ));
+            }
             // cuMemAlloc memory exports its IPC handle; VMM memory (PyTorch's
             // expandable segments) its mappings' descriptors.
             let (export, offset) = ctx.export_range(ptr, len).map_err(|e| e.to_string())?;
@@ -305,6 +340,12 @@ impl Window {
             for (p, (export, offset, their_len, _, pid, their_ptr)) in offers.iter().enumerate() {
                 let (offset, their_len, pid, their_ptr) = (*offset, *their_len, *pid, *their_ptr);
                 if p == me || pid == std::process::id() {
+                    if p != me {
+                        // A rank of this process on another GPU: its memory
+                        // is reached through peer access.
+                        reach_local(&ctx, p, their_ptr, export)
+                            .map_err(|reason| Error::Unsupported { op: OP, reason })?;
+                    }
                     ptrs.push(their_ptr);
                     ipc.push(None);
                     continue;
