@@ -204,7 +204,9 @@ pub(crate) fn new_comm(
     if let Some(d) = device.filter(|d| !d.is_none()) {
         let d = d.str()?.to_string();
         if gpu {
-            ordinal = Some(cuda_ordinal(&d)?);
+            // "cuda" alone is torch's current device, as torch.device("cuda")
+            // means (each rank of a host on its own GPU after set_device).
+            ordinal = cuda_ordinal(&d)?;
         } else if d != "cpu" && !d.starts_with("cpu:") {
             return Err(Failure::new(
                 ErrKind::Unavailable,
@@ -265,11 +267,12 @@ pub(crate) fn new_comm(
     Ok(c)
 }
 
-/// The ordinal of a device named "cuda", "cuda:N" (or a torch.device).
-fn cuda_ordinal(d: &str) -> PyResult<u32> {
+/// The ordinal of a device named "cuda:N" (or a torch.device); `None` for
+/// "cuda" (torch's current device).
+fn cuda_ordinal(d: &str) -> PyResult<Option<u32>> {
     match d.strip_prefix("cuda") {
-        Some("") => Ok(0),
-        Some(rest) => rest.strip_prefix(':').and_then(|n| n.parse().ok()).ok_or_else(|| {
+        Some("") => Ok(None),
+        Some(rest) => rest.strip_prefix(':').and_then(|n| n.parse().ok()).map(Some).ok_or_else(|| {
             Failure::new(ErrKind::Argument, format!("device {d:?}: expected \"cuda\" or \"cuda:N\"")).into()
         }),
         None => Err(Failure::new(

@@ -80,10 +80,29 @@ pub(crate) fn stream(py: Python<'_>, stream: Option<&Bound<'_, PyAny>>, ordinal:
         }
     };
     let ctx = context(ordinal)?;
-    // SAFETY: a stream torch made on this device (the primary context, which
-    // torch uses), alive while its Python object is: the caller holds it for
-    // the call, and work queued on it needs no handle afterwards.
-    Ok(unsafe { Stream::from_raw(ctx, raw) })
+    // SAFETY: a stream handle torch made (or the caller's raw handle),
+    // alive while its Python object is: the caller holds it for the call,
+    // and work queued on it needs no handle afterwards. Checked to be a
+    // stream of this device: work for this device's memory queued on
+    // another GPU's stream would not be ordered with this device's work.
+    unsafe { Stream::from_raw_checked(ctx, raw) }
+        .map_err(|e| Failure::new(ErrKind::Argument, format!("stream: {e}")).into())
+}
+
+/// Refuses a CUDA tensor on another device than the one `op` runs on (the
+/// registered tensor's): its work would be queued on the wrong GPU's
+/// stream, unordered with the work torch queues for the tensor.
+pub(crate) fn same_device(op: &str, t: &CudaTensor, device: u32, what: &str) -> Result<(), Failure> {
+    if t.device == device {
+        return Ok(());
+    }
+    Err(Failure::new(
+        ErrKind::Argument,
+        format!(
+            "{op}: the tensor is on cuda:{}, {what} on cuda:{device}; move it with .to(\"cuda:{device}\")",
+            t.device
+        ),
+    ))
 }
 
 /// Warns once per process (a `RuntimeWarning`) when stream operations that

@@ -100,6 +100,7 @@ impl WinCore {
         stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<State> {
         let dev = self.need_device("put")?;
+        cuda_tensor::same_device("put", t, dev, "the window's registered tensor")?;
         let s = cuda_tensor::stream(py, stream, dev)?;
         let (ptr, len) = (t.ptr, t.nbytes);
         if self.staged() {
@@ -128,6 +129,7 @@ impl WinCore {
         stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<State> {
         let dev = self.need_device("get")?;
+        cuda_tensor::same_device("get", t, dev, "the window's registered tensor")?;
         let s = cuda_tensor::stream(py, stream, dev)?;
         let (ptr, len) = (t.ptr, t.nbytes);
         if self.staged() {

@@ -321,9 +321,12 @@ def nccl_collectives(arg: str) -> None:
     bandwidth (the peer of the native backend's)."""
     import torch
 
-    comm = rmacomm.new_comm("nccl", timeout=60)
+    # device="cuda" is torch's current device (as torch.device("cuda")
+    # means), not GPU 0: each rank of a host on its own GPU.
+    comm = rmacomm.new_comm("nccl", device="cuda", timeout=60)
     r, n = comm.get_rank(), comm.get_size()
     expect(comm.get_backend() == "nccl" and comm.get_device().startswith("cuda:"), comm.get_device())
+    expect(comm.get_device() == f"cuda:{torch.cuda.current_device()}", f"device=cuda gave {comm.get_device()}")
     dev = comm.get_device()
     for dt in (torch.float32, torch.bfloat16, torch.int32, torch.float64):
         x = torch.full((1000,), r + 1, dtype=dt, device=dev)
