@@ -333,6 +333,25 @@ impl GpuComm {
             / 64
             * 64;
         let transport = transport || std::env::var("RMACOMM_GPU_TRANSPORT").is_ok_and(|v| v == "1");
+        // Every rank must lay its slot memory out alike and signal the same
+        // way: a peer's words are found at this rank's offsets (a larger
+        // slot on one rank put its writes past the other's memory), and a
+        // rank waiting on device flags never sees host signals.
+        let flags = std::env::var("RMACOMM_GPU_FLAGS").unwrap_or_default();
+        let mine = format!("slot {slot} bytes, flags {flags:?}, transport mode {transport}");
+        let all = group.exchange("GpuComm::new/layout", mine.as_bytes()).map_err(Error::window(OP))?;
+        if let Some((p, theirs)) = all.iter().enumerate().find(|(_, v)| v.as_slice() != mine.as_bytes()) {
+            return Err(Error::Mismatch {
+                op: OP,
+                seq: 0,
+                reason: format!(
+                    "rank {} has {mine}, rank {p} {} (slot_bytes, RMACOMM_GPU_SLOT_BYTES, RMACOMM_GPU_FLAGS and \
+                     RMACOMM_GPU_TRANSPORT must be the same on every rank)",
+                    group.rank(),
+                    String::from_utf8_lossy(theirs)
+                ),
+            });
+        }
         let opts = WindowOptions::new().timeout(timeout).unified(!transport);
         let mut win = Window::new(group, opts).map_err(Error::window(OP))?;
         // Every rank sees the same: all peers UNIFIED, or some rank not.

@@ -207,6 +207,23 @@ fn gpu_all_reduce_with_ranks_on_two_gpus() {
     );
 }
 
+/// Ranks whose slot memory is laid out differently (slot sizes differ)
+/// are refused on every rank, naming the other's layout: each rank found a
+/// peer's words at its own offsets (past the peer's memory).
+#[test]
+fn gpu_comms_with_different_slot_sizes_are_refused_on_every_rank() {
+    if !ready() {
+        return;
+    }
+    thread_ranks(2, "slot sizes", |rank, g, ctx| {
+        let slot = if rank == 0 { 64 << 10 } else { 128 << 10 };
+        let e = GpuComm::new(&g, ctx, Some(slot), Duration::from_secs(60)).unwrap_err();
+        let s = e.to_string();
+        assert!(matches!(e, rmacomm_collectives::Error::Mismatch { .. }), "rank {rank}: {e}");
+        assert!(s.contains("slot 65536") && s.contains("slot 131072"), "rank {rank}: {s}");
+    });
+}
+
 /// broadcast, all_gather_single, all_to_all_single and reduce_scatter_single
 /// of the native backend on three thread ranks through 64 KiB slots (blocks
 /// of 40,000 i32: several chunks each), every rank's result checked.
