@@ -31,15 +31,16 @@ build() {
   cargo build --release -q -p rmacomm-cuda --example copy_ceiling
   cargo build --release -q -p rmacomm-window --bin rmacomm-run --bin gpu-window-scenario
   cargo build --release -q -p rmacomm-bench --bin rdma_bench
+  cargo build --release -q -p rmacomm-collectives --bin coll-scenario
   cp target/release/examples/copy_ceiling target/release/rmacomm-run target/release/gpu-window-scenario \
-    target/release/rdma_bench "$suite/bin/"
+    target/release/rdma_bench target/release/coll-scenario "$suite/bin/"
   cargo test --release --no-run -q -p rmacomm-cuda -p rmacomm-kernels --message-format=json 2>/dev/null |
     python3 -c '
 import json, sys, shutil
 for line in sys.stdin:
     m = json.loads(line)
     exe = m.get("executable")
-    if m.get("reason") == "compiler-artifact" and exe and m["target"]["name"] in ("probes", "cuda_kernels", "vmm"):
+    if m.get("reason") == "compiler-artifact" and exe and m["target"]["name"] in ("probes", "cuda_kernels", "vmm", "devices"):
         shutil.copy(exe, sys.argv[1] + "/bin/" + m["target"]["name"])
 ' "$suite"
   for b in "$suite"/bin/*; do strip --strip-debug "$b" 2>/dev/null || true; done
@@ -109,8 +110,10 @@ PY
     echo "RMACOMM_CUDA_LIB_DIRS=$RMACOMM_CUDA_LIB_DIRS"; } | tee "$out/machine.txt"
   local rc=0
   # vmm: cuMem/VMM memory exported as descriptors and mapped again (the
-  # real driver's side of what the stand-in tests in CI).
-  for t in probes cuda_kernels vmm; do
+  # real driver's side of what the stand-in tests in CI); devices: several
+  # GPUs (the current device kept, UUIDs, streams of another GPU refused,
+  # peer access; skipped, saying so, with one GPU).
+  for t in probes cuda_kernels vmm devices; do
     echo "# $t (at ${SECONDS}s)"
     stage "$(lim 150)" "$bin/$t" --nocapture --test-threads 1 2>&1 | tee "$out/$t.log" || rc=1
   done
@@ -132,6 +135,14 @@ PY
   echo "# window on VMM device memory: ring (at ${SECONDS}s)"
   GPU_WINDOW_ALLOC=vmm stage "$(lim 90)" "$bin/rmacomm-run" --nproc-per-node 2 "$bin/gpu-window-scenario" ring 2>&1 |
     tee "$out/window_device_ring_vmm.log" || rc=1
+  # The native collectives (IPC mode) with a rank that dies while its
+  # peer's all_reduce waits for it on the stream: the watchdog releases the
+  # stream and the next call fails naming the rank. On a GPU this also
+  # shows what the released kernels meet in a dead process's IPC memory
+  # (still mapped, or a fault: CUDA does not document it).
+  echo "# native collectives: a rank that dies (coll-scenario gpu_killed, at ${SECONDS}s)"
+  stage "$(lim 60)" "$bin/rmacomm-run" --nproc-per-node 2 "$bin/coll-scenario" gpu_killed 2>&1 |
+    tee "$out/native_gpu_killed.log" || rc=1
   # NCCL's own window API (2.29+: ncclPutSignal, ncclSignal,
   # ncclWaitSignal) through NcclRma, one rank (NCCL refuses two on one GPU):
   # the ring on the rank itself; a library older than 2.29 is refused,
@@ -201,12 +212,12 @@ PY
     stage "$(lim 150)" "$py" -m rmacomm.run --nproc-per-node 2 "$suite/python/cuda_scenarios.py" native_collectives bench 2>&1 |
       tee "$out/python_native_collectives.log" || rc=1
     grep -h '"native_all_reduce"' "$out/python_native_collectives.log" | sed 's/^\[[0-9]*\] //' > "$out/native_all_reduce.jsonl" || true
-    # The same with the signals in registered host memory (the window's
-    # slots) instead of device memory.
-    echo "# python: native collectives, RMACOMM_GPU_FLAGS=host (at ${SECONDS}s)"
-    RMACOMM_GPU_FLAGS=host stage "$(lim 150)" "$py" -m rmacomm.run --nproc-per-node 2 "$suite/python/cuda_scenarios.py" native_collectives bench 2>&1 |
-      tee "$out/python_native_collectives_hostflags.log" || rc=1
-    grep -h '"native_all_reduce"' "$out/python_native_collectives_hostflags.log" | sed 's/^\[[0-9]*\] //' > "$out/native_all_reduce_hostflags.jsonl" || true
+    # The same with the signals in device memory (the flag area after the
+    # slots; no watchdog release) instead of registered host memory.
+    echo "# python: native collectives, RMACOMM_GPU_FLAGS=device (at ${SECONDS}s)"
+    RMACOMM_GPU_FLAGS=device stage "$(lim 150)" "$py" -m rmacomm.run --nproc-per-node 2 "$suite/python/cuda_scenarios.py" native_collectives bench 2>&1 |
+      tee "$out/python_native_collectives_deviceflags.log" || rc=1
+    grep -h '"native_all_reduce"' "$out/python_native_collectives_deviceflags.log" | sed 's/^\[[0-9]*\] //' > "$out/native_all_reduce_deviceflags.jsonl" || true
     # The same in transport mode (what ranks on different hosts get: data
     # put through the windows' stream proxies), between the two processes:
     # on the soft provider the slots are host memory the device maps, so the

@@ -181,11 +181,20 @@ def main(d):
         out += [""]
 
     ar = {}
-    for name in ("native_all_reduce", "native_all_reduce_hostflags", "native_all_reduce_transport", "nccl_all_reduce"):
+    # Runs before 2026-12-01 had device flags by default and a host-flags
+    # stage; later ones host words by default and a device-flags stage.
+    heads = {
+        "native_all_reduce": "native (IPC)",
+        "native_all_reduce_hostflags": "native, host flags",
+        "native_all_reduce_deviceflags": "native, device flags",
+        "native_all_reduce_transport": "native, transport mode",
+        "nccl_all_reduce": "NCCL, 1 rank",
+    }
+    for name in heads:
         for r in lines(os.path.join(d, name + ".jsonl"), "bytes", "us", "algbw_GBps"):
             ar.setdefault(r["bytes"], {})[name] = r
     if ar:
-        cols = ["native_all_reduce", "native_all_reduce_hostflags", "native_all_reduce_transport", "nccl_all_reduce"]
+        cols = [c for c in heads if any(c in v for v in ar.values())]
         rows = []
         for n in sorted(ar):
             cells = []
@@ -194,7 +203,7 @@ def main(d):
                 cells.append("–" if r is None else f"{num(r['us'])} µs ({num(r['algbw_GBps'], 2)} GB/s)")
             rows.append([size(n)] + cells)
         out += ["**all_reduce** (µs per call, algorithm bandwidth; NCCL: one rank, the machine has one GPU):", ""]
-        out += [table(["size", "native (IPC)", "native, host flags", "native, transport mode", "NCCL, 1 rank"], rows), ""]
+        out += [table(["size"] + [heads[c] for c in cols], rows), ""]
 
     bad, done = failed_stages(d)
     if done:

@@ -25,10 +25,16 @@
 //!    buffer.
 //!
 //! The signals are 64-bit counts written with `cuStreamWriteValue64` and
-//! waited for with `cuStreamWaitValue64` (≥): by default into a flag area
-//! after the slot regions, in device memory the peers write through their
-//! IPC mapping (`RMACOMM_GPU_FLAGS=host` uses the window's signal slots in
-//! registered host memory instead).
+//! waited for with `cuStreamWaitValue64` (≥), into host memory every rank
+//! of the host maps and registers with its device: the exchange's in the
+//! window's signal slots, send/recv's in its value slots, and this rank's
+//! `done` word in a segment of its own. So a watchdog can end the waits of
+//! a call whose peer died or never made it, with no driver call
+//! (`gpu_watch`: the call fails, naming the rank, within the timeout).
+//! `RMACOMM_GPU_FLAGS=device` puts them in a flag area after the slot
+//! regions instead, in device memory the peers write through their IPC
+//! mapping (as before 2026-12-01; measured the same on the H200), where
+//! nothing ends a wait for a peer that is gone.
 //!
 //! # Across hosts (transport mode)
 //!
@@ -149,6 +155,26 @@ pub struct GpuComm {
     own: Option<Own>,
     /// IPC mode: what CUDA graph capture needs (module docs: CUDA graphs).
     graphs: Option<Graphs>,
+    /// IPC mode with signals in host memory (module docs): where
+    /// send/recv's words and the `done` word are, and the watchdog.
+    host_words: Option<HostWords>,
+}
+
+/// IPC mode's words in host memory (module docs), and the watchdog that
+/// releases the streams waiting on them (`gpu_watch`).
+struct HostWords {
+    /// Stopped first (field order), before the memory goes.
+    watch: crate::gpu_watch::Watch,
+    /// `data[r][p]`: the device address (mapped here) of rank r's word
+    /// counting chunks p sent it; `credit[r][p]`: of its word counting
+    /// chunks p took of what r sent it (the window's value slots p and
+    /// n + p of rank r).
+    data: Vec<Vec<DevicePtr>>,
+    credit: Vec<Vec<DevicePtr>>,
+    /// The `done` word's registration for the device, dropped before the
+    /// segment.
+    done_dev: HostRegistration,
+    _done: Arc<RdmaMemory>,
 }
 
 /// CUDA graph capture in IPC mode (module docs): the signal kernels, the
@@ -167,6 +193,11 @@ struct Graphs {
 
 impl Drop for GpuComm {
     fn drop(&mut self) {
+        if let Some(h) = &self.host_words {
+            // Everything queued runs (or the watchdog releases it) before
+            // the memory it uses goes: a free would wait for it forever.
+            h.watch.drain();
+        }
         if self.host_slots() {
             // The device may still be reading or writing host slots (a free
             // of device memory synchronizes by itself; unmapping host memory
@@ -222,6 +253,31 @@ impl Graphs {
     /// (after the `n` counts of signals).
     fn recv_taken_ptr(&self, peer: usize) -> DevicePtr {
         self.taken_dev.device_ptr() + 8 * (self.ranks + peer) as u64
+    }
+}
+
+impl HostWords {
+    /// The words of this rank and its peers (`win` has a device
+    /// registration: every peer UNIFIED), this rank's `done` word, and the
+    /// watchdog (module docs).
+    fn new(op: &'static str, win: &Window, ctx: &Arc<Context>, timeout: Duration) -> Result<HostWords> {
+        let n = win.size();
+        let word = |r: usize, disp: usize| win.device_value_slot(r, disp).map_err(Error::window(op));
+        let table = |base: usize| -> Result<Vec<Vec<DevicePtr>>> {
+            (0..n).map(|r| (0..n).map(|p| word(r, base + p)).collect()).collect()
+        };
+        let (data, credit) = (table(0)?, table(n)?);
+        let done = Arc::new(win.alloc(64).map_err(Error::window(op))?);
+        // SAFETY: the segment is kept by `_done`, dropped after the
+        // registration (field order).
+        let done_dev = unsafe { ctx.register_host(done.as_ptr(), done.len()) }.map_err(cuda(op))?;
+        let mem = done.clone();
+        let read = Arc::new(move || mem.atomic_u64(0).map_or(0, |w| w.load(std::sync::atomic::Ordering::Acquire)));
+        let watch =
+            crate::gpu_watch::Watch::start(read, timeout, win.peer_watch(), win.stream_release(), n).map_err(|e| {
+                Error::Unavailable { backend: "native GPU".into(), reason: format!("{op}: the watchdog thread: {e}") }
+            })?;
+        Ok(HostWords { watch, data, credit, done_dev, _done: done })
     }
 }
 
@@ -352,12 +408,14 @@ impl GpuComm {
                 ),
             });
         }
-        let opts = WindowOptions::new().timeout(timeout).unified(!transport);
+        let n = group.size();
+        // IPC mode's send/recv words: the window's value slots p (chunks
+        // from p) and n + p (chunks p took).
+        let opts = WindowOptions::new().timeout(timeout).unified(!transport).signal_slots(2 * n);
         let mut win = Window::new(group, opts).map_err(Error::window(OP))?;
         // Every rank sees the same: all peers UNIFIED, or some rank not.
         let transport = transport || !win.all_unified();
-        let mut device_flags = std::env::var("RMACOMM_GPU_FLAGS").map_or(true, |v| v != "host");
-        let n = group.size();
+        let mut device_flags = std::env::var("RMACOMM_GPU_FLAGS").is_ok_and(|v| v == "device");
         if slot < 16 * (n + 2) {
             return Err(Error::invalid(
                 OP,
@@ -419,6 +477,7 @@ impl GpuComm {
             let slots = (0..size).map(|p| win.map_remote_device(p).map(|m| m.0)).collect::<Result<Vec<_>, _>>();
             (slots.map_err(Error::window(OP))?, None, None)
         };
+        let host_words = if transport || device_flags { None } else { Some(HostWords::new(OP, &win, &ctx, timeout)?) };
         let memops = ctx.stream_mem_ops().unwrap_or(false);
         let graphs = if transport {
             if !memops {
@@ -479,7 +538,24 @@ impl GpuComm {
             src,
             own,
             graphs,
+            host_words,
         })
+    }
+
+    /// Calls queued so far (the n-th is call number n), outside CUDA graph
+    /// captures: what [`call_done`](Self::call_done) takes.
+    pub fn calls_queued(&self) -> u64 {
+        self.calls
+    }
+
+    /// Whether call number `call` has run on its stream, read from host
+    /// memory with no driver call: `Some(Ok(()))` once it has,
+    /// `Some(Err(_))` once the watchdog failed the communicator (a peer
+    /// gone, or the timeout passed: module docs), `None` meanwhile — and
+    /// always where nothing watches (`RMACOMM_GPU_FLAGS=device`, transport
+    /// mode: there the window's stream proxy fails what waits too long).
+    pub fn call_done(&self, call: u64) -> Option<Result<()>> {
+        self.host_words.as_ref().and_then(|h| h.watch.call_done(call))
     }
 
     /// Whether this communicator moves data through the transport (module
@@ -579,9 +655,12 @@ impl GpuComm {
         Ok(())
     }
 
-    /// This rank's `done` word (last in its flag area).
+    /// This rank's `done` word (host memory; else last in its flag area).
     fn done_word(&self) -> DevicePtr {
-        self.slots[self.rank] + (2 * self.slot + 8 * self.size) as u64
+        match &self.host_words {
+            Some(h) => h.done_dev.device_ptr(),
+            None => self.slots[self.rank] + (2 * self.slot + 8 * self.size) as u64,
+        }
     }
 
     /// Before a call's work: on a stream other than the last call's, wait
@@ -617,6 +696,9 @@ impl GpuComm {
         .map_err(cuda(op))?;
         self.calls += 1;
         self.last_stream = Some(stream.raw());
+        if let Some(h) = &self.host_words {
+            h.watch.issued(self.calls, op);
+        }
         Ok(())
     }
 
@@ -734,6 +816,9 @@ impl GpuComm {
     /// A call that failed midway leaves the ranks' counts out of step:
     /// every later call fails, saying so.
     fn usable(&self, op: &'static str) -> Result<()> {
+        if let Some(e) = self.host_words.as_ref().and_then(|h| h.watch.error()) {
+            return Err(e.clone());
+        }
         match &self.broken {
             Some(why) => Err(Error::Unavailable {
                 backend: "native GPU".into(),
@@ -912,16 +997,42 @@ impl GpuComm {
         self.p2p_word(self.size + from)
     }
 
+    /// The device address (mapped here) of rank `at`'s word counting chunks
+    /// `from` sent it: host memory (module docs), or `at`'s flag area.
+    fn data_at(&self, at: usize, from: usize) -> DevicePtr {
+        match &self.host_words {
+            Some(h) => h.data[at][from],
+            None => self.slots[at] + self.data_word(from),
+        }
+    }
+
+    /// The device address of rank `at`'s word counting chunks `from` took
+    /// of what `at` sent it.
+    fn credit_at(&self, at: usize, from: usize) -> DevicePtr {
+        match &self.host_words {
+            Some(h) => h.credit[at][from],
+            None => self.slots[at] + self.credit_word(from),
+        }
+    }
+
     /// Offset in a rank's slot memory of its inbox for chunks from `from`
     /// (this rank's own is the transport mode's outbox).
     fn inbox(&self, from: usize) -> u64 {
         (2 * self.slot + flag_bytes(self.size) + from * p2p_chunk(self.slot, self.size)) as u64
     }
 
-    /// Writes `value` into word `word` (an offset) of rank `p`'s slot
-    /// memory, on the stream: through the IPC mapping, or, in transport
-    /// mode, staged in this rank's own copy of that word and put.
-    fn post_word(&self, op: &'static str, p: usize, word: u64, value: u64, stream: &Stream) -> Result<()> {
+    /// Writes `value` into send/recv word `word` (an offset in the flag
+    /// area, `addr` where it is mapped here) of rank `p`, on the stream:
+    /// through the mapping, or, in transport mode, staged in this rank's
+    /// own copy of that word and put.
+    fn post_word(
+        &self,
+        op: &'static str,
+        p: usize,
+        (word, addr): (u64, DevicePtr),
+        value: u64,
+        stream: &Stream,
+    ) -> Result<()> {
         if self.through_transport() {
             // This rank's own copy of the word is not used otherwise (its
             // data and credit words for itself): the put reads it after
@@ -930,9 +1041,8 @@ impl GpuComm {
             unsafe { stream.write_value64(self.slots[self.rank] + word, value) }.map_err(cuda(op))?;
             return self.put(op, word, 8, p, word, stream);
         }
-        // SAFETY: a word of the peer's flag area, mapped while the window
-        // lives.
-        unsafe { stream.write_value64(self.slots[p] + word, value) }.map_err(cuda(op))
+        // SAFETY: the peer's word, mapped while the window lives.
+        unsafe { stream.write_value64(addr, value) }.map_err(cuda(op))
     }
 
     /// Sends `len` bytes at `buf` (device memory) to rank `dst`'s matching
@@ -957,8 +1067,8 @@ impl GpuComm {
                 // The signal kernels (module docs: CUDA graphs): wait until
                 // dst took every chunk this rank sent it (its count here
                 // reaching this rank's count there), copy, count one more.
-                let sent = c.slots[dst] + c.data_word(c.rank);
-                let args = [Arg::U64(c.slots[c.rank] + c.credit_word(dst)), Arg::U64(sent)];
+                let sent = c.data_at(dst, c.rank);
+                let args = [Arg::U64(c.credit_at(c.rank, dst)), Arg::U64(sent)];
                 // SAFETY: a word of this rank's flag area and this rank's
                 // word of dst's, mapped while the window lives.
                 unsafe { m.launch_on(stream, "rmacomm_wait_reach", 1, 32, &args) }.map_err(cuda(OP))?;
@@ -971,8 +1081,11 @@ impl GpuComm {
             let n = c.p2p_sent[dst] + 1;
             if n > 1 {
                 // dst took the chunk before: its inbox is free again.
-                let at = c.slots[c.rank] + c.credit_word(dst);
-                // SAFETY: a word of this rank's flag area.
+                let at = c.credit_at(c.rank, dst);
+                if let Some(h) = &c.host_words {
+                    h.watch.expect_p2p(dst, None, Some(n - 1));
+                }
+                // SAFETY: a word of this rank's (flag area or host words).
                 unsafe { stream.wait_value64_geq(at, n - 1) }.map_err(cuda(OP))?;
             }
             let to = c.inbox(c.rank);
@@ -982,7 +1095,7 @@ impl GpuComm {
             } else {
                 c.copy(OP, c.slots[dst] + to, buf + off as u64, clen, stream)?;
             }
-            c.post_word(OP, dst, c.data_word(c.rank), n, stream)?;
+            c.post_word(OP, dst, (c.data_word(c.rank), c.data_at(dst, c.rank)), n, stream)?;
             c.p2p_sent[dst] = n;
             Ok(())
         })
@@ -1000,23 +1113,26 @@ impl GpuComm {
             if let (Some(m), Some(g)) = (c.kernels(), c.graphs.as_ref()) {
                 // The signal kernels: wait for one more chunk than the
                 // device counted taken, copy, count it taken at src.
-                let args = [Arg::U64(g.recv_taken_ptr(src)), Arg::U64(own + c.data_word(src))];
+                let args = [Arg::U64(g.recv_taken_ptr(src)), Arg::U64(c.data_at(c.rank, src))];
                 // SAFETY: this rank's count of src's chunks taken (host memory
                 // mapped for the device) and src's word of this rank's flag
                 // area.
                 unsafe { m.launch_on(stream, "rmacomm_wait_next", 1, 32, &args) }.map_err(cuda(OP))?;
                 c.copy(OP, buf + off as u64, own + c.inbox(src), clen, stream)?;
-                let credit = c.slots[src] + c.credit_word(c.rank);
+                let credit = c.credit_at(src, c.rank);
                 // SAFETY: this rank's word of src's flag area, mapped while
                 // the window lives.
                 return unsafe { m.launch_on(stream, "rmacomm_signal_next", 1, 32, &[Arg::U64(credit)]) }
                     .map_err(cuda(OP));
             }
             let n = c.p2p_recv[src] + 1;
-            // SAFETY: a word of this rank's flag area.
-            unsafe { stream.wait_value64_geq(own + c.data_word(src), n) }.map_err(cuda(OP))?;
+            if let Some(h) = &c.host_words {
+                h.watch.expect_p2p(src, Some(n), None);
+            }
+            // SAFETY: a word of this rank's (flag area or host words).
+            unsafe { stream.wait_value64_geq(c.data_at(c.rank, src), n) }.map_err(cuda(OP))?;
             c.copy(OP, buf + off as u64, own + c.inbox(src), clen, stream)?;
-            c.post_word(OP, src, c.credit_word(c.rank), n, stream)?;
+            c.post_word(OP, src, (c.credit_word(c.rank), c.credit_at(src, c.rank)), n, stream)?;
             c.p2p_recv[src] = n;
             Ok(())
         })

@@ -86,6 +86,24 @@ fn a_rank_that_dies_fails_the_others_within_the_timeout() {
     assert!(out.contains("[0] killed error"), "{out}");
 }
 
+/// The native GPU collectives (IPC mode, the CUDA stand-in) with a rank
+/// that dies while rank 0's all_reduce waits for it on its stream: the
+/// stream is released and the call fails naming the rank, well before the
+/// timeout (`coll-scenario gpu_killed`). Skipped, saying so, without the
+/// stand-in or NVRTC (the test command's NVRTC stage runs it).
+#[test]
+fn a_gpu_rank_that_dies_releases_the_others_streams() {
+    let Some(lib) = rmacomm_window::cuda::standin_for_tests() else { return };
+    if let Err(e) = rmacomm_window::cuda::nvrtc::Nvrtc::get() {
+        assert!(std::env::var("RMACOMM_EXPECT_NVRTC").map_or(true, |v| v != "1"), "RMACOMM_EXPECT_NVRTC=1 but {e}");
+        return println!("skipped: no NVRTC to compile the GPU kernels ({e})");
+    }
+    std::env::set_var("RMACOMM_CUDA_LIB", &lib);
+    let (ok, out) = run(2, "unified", &["gpu_killed"]);
+    assert!(ok, "{out}");
+    assert!(out.contains("[0] gpu_killed error after") && out.contains("[0] rank 0 ok"), "{out}");
+}
+
 #[test]
 fn unknown_and_gpu_backends_are_clear_errors() {
     let e = rmacomm_collectives::new_comm("nccl", rmacomm_collectives::CommOptions::new()).unwrap_err().to_string();

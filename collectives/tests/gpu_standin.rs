@@ -50,14 +50,21 @@ fn as_bytes<T: Copy>(v: &[T]) -> Vec<u8> {
 }
 
 /// Runs `f(rank, group, ctx, comm, stream)` on three thread ranks, each with
-/// a GpuComm of 64 KiB slots, twice: through CUDA IPC (the ranks share a
-/// host), then in transport mode (what ranks on different hosts get: puts
-/// through the window's stream proxy); drops the comm after a barrier (a
-/// free synchronizes the whole device: no rank may still be waiting; `f`
-/// frees its buffers after a barrier too).
+/// a GpuComm of 64 KiB slots, three times: through CUDA IPC (the ranks
+/// share a host) with the signals in host memory (the default), again with
+/// them in device memory (`RMACOMM_GPU_FLAGS=device`), then in transport
+/// mode (what ranks on different hosts get: puts through the window's
+/// stream proxy); drops the comm after a barrier (a free synchronizes the
+/// whole device: no rank may still be waiting; `f` frees its buffers after
+/// a barrier too).
 fn three_ranks(f: fn(usize, &Group, &Arc<Context>, &mut GpuComm, &rmacomm_window::cuda::device::Stream)) {
-    for transport in [false, true] {
-        let mode = if transport { "transport mode" } else { "IPC" };
+    for (mode, transport) in [("IPC", false), ("IPC, device flags", false), ("transport mode", true)] {
+        // Read by every rank's GpuComm::new (the threads of the mode
+        // before have ended).
+        match mode {
+            "IPC, device flags" => std::env::set_var("RMACOMM_GPU_FLAGS", "device"),
+            _ => std::env::remove_var("RMACOMM_GPU_FLAGS"),
+        }
         thread_ranks(3, mode, move |rank, g, ctx| {
             let (slot, t) = (Some(64 << 10), Duration::from_secs(60));
             let mut c = if transport {
@@ -201,10 +208,76 @@ fn gpu_all_reduce_with_ranks_on_two_gpus() {
             buf.read_into(0, &mut got).unwrap();
             let expect: Vec<f32> = (0..elems).map(|i| (0..3).map(|r| f(r, i)).sum()).collect();
             assert_eq!(got, as_bytes(&expect), "rank {rank} on cuda:{}", ctx.ordinal());
+            // The call's end, read from host memory (what a handle polls).
+            assert_eq!((c.calls_queued(), c.call_done(1).map(|r| r.is_ok())), (1, Some(true)));
             g.barrier(None).unwrap();
             drop((buf, c));
         },
     );
+}
+
+/// A rank that never makes the call (IPC mode, a 2 s timeout): the
+/// watchdog fails rank 0's all_reduce once the timeout has passed since it
+/// was queued and releases its stream (its synchronize returns instead of
+/// waiting forever; the data is garbage), naming rank 1; every later call
+/// fails with it, and the drop returns. Send and recv likewise: a send of
+/// three chunks to a rank that never receives.
+#[test]
+fn a_rank_that_never_calls_is_timed_out_and_the_stream_released() {
+    if !ready() {
+        return;
+    }
+    for what in ["all_reduce", "send"] {
+        thread_ranks(2, what, move |rank, g, ctx| {
+            let t = Duration::from_secs(2);
+            let mut c = GpuComm::new(&g, ctx.clone(), Some(64 << 10), t).unwrap();
+            let stream = ctx.stream().unwrap();
+            let buf = ctx.alloc_shared(200_000).unwrap();
+            if rank == 0 {
+                let t0 = std::time::Instant::now();
+                // SAFETY: buf holds 200 kB (50,000 f32) and outlives the
+                // synchronize.
+                unsafe {
+                    match what {
+                        "all_reduce" => c.all_reduce(buf.ptr(), 200_000, DType::F32, ReduceOp::Sum, &stream),
+                        _ => c.send(buf.ptr(), 200_000, 1, &stream),
+                    }
+                }
+                .unwrap();
+                let (tx, rx) = std::sync::mpsc::channel();
+                let s2 = ctx.stream().unwrap();
+                let raw = stream.raw();
+                let ctx2 = ctx.clone();
+                std::thread::spawn(move || {
+                    // SAFETY: the stream outlives this (the test waits for
+                    // the answer before dropping it).
+                    let s = unsafe { rmacomm_window::cuda::device::Stream::from_raw(ctx2, raw) };
+                    let _ = tx.send(s.synchronize());
+                    drop(s2);
+                });
+                let synced = rx.recv_timeout(Duration::from_secs(30));
+                assert!(matches!(synced, Ok(Ok(()))), "{what}: the stream was not released: {synced:?}");
+                let after = t0.elapsed();
+                assert!(after >= Duration::from_millis(1900), "{what}: released after {after:?}, before the timeout");
+                // SAFETY: refused before anything is queued.
+                let e = unsafe { c.all_reduce(buf.ptr(), 4, DType::F32, ReduceOp::Sum, &stream) }.unwrap_err();
+                let msg = e.to_string();
+                assert!(
+                    matches!(&e, rmacomm_collectives::Error::Timeout { missing, .. } if missing == &[1])
+                        && msg.contains(what),
+                    "{what}: {msg}"
+                );
+                assert!(matches!(c.call_done(1), Some(Err(_))), "{what}: call 1 is not reported failed");
+                eprintln!("{what}: released after {after:?}: {msg}");
+            }
+            g.barrier(None).unwrap();
+            let t0 = std::time::Instant::now();
+            drop(c);
+            assert!(t0.elapsed() < Duration::from_secs(10), "{what}: the drop took {:?}", t0.elapsed());
+            g.barrier(None).unwrap();
+            drop(buf);
+        });
+    }
 }
 
 /// Ranks whose slot memory is laid out differently (slot sizes differ)
@@ -492,17 +565,6 @@ fn gpu_call_failing_midway_stops_the_communicator() {
 #[test]
 fn gpu_collectives_captured_in_a_graph_replay_correctly_or_are_refused() {
     if ready() {
-        three_ranks(captured_and_replayed);
-    }
-}
-
-/// The same with the exchange's signals in the window's signal slots
-/// (`RMACOMM_GPU_FLAGS=host`): the window's own switch to its signal
-/// kernels at the capture.
-#[test]
-fn gpu_collectives_captured_with_host_flags_replay_correctly() {
-    if ready() {
-        std::env::set_var("RMACOMM_GPU_FLAGS", "host");
         three_ranks(captured_and_replayed);
     }
 }

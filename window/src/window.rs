@@ -20,9 +20,11 @@ mod ctran;
 mod device;
 #[allow(unsafe_code)]
 mod proxy;
+mod release;
 use crate::work::Work;
 pub use ctran::{Cmp, SignalOp};
 pub use proxy::stream_proxy_blocks;
+pub use release::{PeerWatch, StreamRelease};
 
 /// How this rank reaches a peer's registered buffer (torchcomms'
 /// `get_attr(rank).access_type`).
@@ -198,14 +200,18 @@ pub struct Window {
     /// The 8 bytes every signal writes (their content is not read).
     signal_src: Arc<RdmaMemory>,
     /// Peers' signals land here, one [`SLOT`] per source rank.
-    signal_dst: RdmaMemory,
+    signal_dst: Arc<RdmaMemory>,
+    /// Why a watchdog released the streams waiting on `signal_dst`
+    /// (`release` module), after which its slots are no signals.
+    released: Arc<std::sync::OnceLock<Error>>,
     /// Per peer: this rank's slot in the peer's signal buffer.
     signal_slots: Vec<RdmaRemoteBuffer>,
     /// Per peer: its signal buffer mapped here, for UNIFIED pairs (both
     /// sides mapped the other's): then signals are atomics on the slot.
     signal_maps: Vec<Option<MappedBuffer>>,
-    /// Per source: signals taken by `wait_signal` on UNIFIED pairs.
-    consumed: Vec<AtomicU64>,
+    /// Per source: signals taken by `wait_signal` on UNIFIED pairs (and
+    /// waited for by streams; shared with `StreamRelease`).
+    consumed: Arc<Vec<AtomicU64>>,
     /// Per destination: signals sent on UNIFIED pairs (the value a
     /// stream-ordered signal writes).
     sent: Vec<AtomicU64>,
@@ -285,8 +291,10 @@ impl Window {
         // A count too large is refused after the exchange below, so that the
         // peers learn of it (a Mismatch, or this error on every rank) rather
         // than wait for this rank until their timeout.
-        let signal_dst = RdmaMemory::alloc_for(&links[me].out, signal_bytes.unwrap_or(SLOT * n))
-            .map_err(|e| Error::Transport { op: OP, source: e })?;
+        let signal_dst = Arc::new(
+            RdmaMemory::alloc_for(&links[me].out, signal_bytes.unwrap_or(SLOT * n))
+                .map_err(|e| Error::Transport { op: OP, source: e })?,
+        );
         // Line 0: my signal buffer; line 1 + p: the URL of my transport for
         // p; last: my signal_slots (every rank must pass the same).
         let mut blob = signal_dst.remote_buffer().to_string();
@@ -351,9 +359,10 @@ impl Window {
             links,
             signal_src,
             signal_dst,
+            released: Arc::new(std::sync::OnceLock::new()),
             signal_slots,
             signal_maps,
-            consumed: (0..n).map(|_| AtomicU64::new(0)).collect(),
+            consumed: Arc::new((0..n).map(|_| AtomicU64::new(0)).collect()),
             sent: (0..n).map(|_| AtomicU64::new(0)).collect(),
             signal_bufs,
             value_slots: opts.signal_slots,
@@ -887,8 +896,10 @@ impl Window {
         // A stream-ordered signal (device memory registered) writes the
         // slot without waking sleepers: they look again often.
         let slice = if self.dev.is_some() { ctran::SEPARATE_SLICE } else { crate::unified::SLICE };
+        // A released slot holds no signal (`release` module).
+        self.not_released(OP, peer)?;
         if slot.wait(self.spin, slice, deadline, take, alive)? {
-            return Ok(());
+            return self.not_released(OP, peer);
         }
         Err(rma(TransportError::Timeout { op: OP, after: timeout }))
     }

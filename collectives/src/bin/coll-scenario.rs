@@ -47,6 +47,7 @@ pub fn main() {
         Some("mismatch") => mismatch(),
         Some("killed") => killed(),
         Some("gpu") => gpu(),
+        Some("gpu_killed") => gpu_killed(),
         Some("time") => time(&args[1..]),
         other => Err(format!("unknown scenario {other:?}")),
     };
@@ -357,6 +358,55 @@ fn killed() -> R {
     println!("killed error after {:?}: {msg}", t0.elapsed());
     ensure(msg.contains("all_reduce") && msg.contains('1'), || msg.clone())?;
     ensure(t0.elapsed() < Duration::from_secs(15), || format!("took {:?}", t0.elapsed()))
+}
+
+/// The native GPU collectives (IPC mode) with a rank that dies: rank 1
+/// exits once its GpuComm is made; rank 0's all_reduce, queued after, waits
+/// on its stream for rank 1's signals until the watchdog sees the
+/// connection to rank 1 break (well before the 60 s timeout), fails the
+/// call and releases the stream (its synchronize returns); the next call
+/// fails naming rank 1, and the drop returns.
+fn gpu_killed() -> R {
+    use rmacomm_collectives::GpuComm;
+    use rmacomm_window::cuda::driver::Context;
+    let g = rmacomm_window::Group::from_env_with(rmacomm_window::GroupOptions::new().timeout(Duration::from_secs(60)))
+        .map_err(s)?;
+    let ctx = match Context::open_shared(0) {
+        Ok(c) => c,
+        Err(e) => {
+            println!("gpu skipped: no CUDA driver ({e})");
+            return Ok(());
+        }
+    };
+    if let Err(e) = rmacomm_window::cuda::nvrtc::Nvrtc::get() {
+        println!("gpu skipped: no NVRTC for the kernels ({e})");
+        return Ok(());
+    }
+    let mut c = GpuComm::new(&g, ctx.clone(), Some(64 << 10), Duration::from_secs(60)).map_err(s)?;
+    ensure(!c.through_transport(), || "the two ranks are not in IPC mode".into())?;
+    let stream = ctx.stream().map_err(s)?;
+    let buf = ctx.alloc_shared(200_000).map_err(s)?;
+    g.barrier(None).map_err(s)?;
+    if g.rank() == 1 {
+        println!("rank 1 ok (dying)");
+        // No destructor runs (as in a crash): the kernel closes its sockets.
+        std::process::exit(0);
+    }
+    let t0 = Instant::now();
+    // SAFETY: buf holds 50,000 f32 and outlives the synchronize.
+    unsafe { c.all_reduce(buf.ptr(), 200_000, DType::F32, ReduceOp::Sum, &stream) }.map_err(s)?;
+    stream.synchronize().map_err(s)?;
+    let released = t0.elapsed();
+    // SAFETY: refused before anything is queued.
+    let e = unsafe { c.all_reduce(buf.ptr(), 4, DType::F32, ReduceOp::Sum, &stream) };
+    let msg = e.err().map(|e| e.to_string()).ok_or("an all_reduce after rank 1 died succeeded")?;
+    println!("gpu_killed error after {released:?}: {msg}");
+    ensure(msg.contains("rank 1 is gone") && msg.contains("all_reduce"), || msg.clone())?;
+    ensure(released < Duration::from_secs(20), || format!("released after {released:?}"))?;
+    let t1 = Instant::now();
+    drop(c);
+    ensure(t1.elapsed() < Duration::from_secs(20), || format!("the drop took {:?}", t1.elapsed()))?;
+    Ok(())
 }
 
 /// Not a test: `time OP ALGO SIZES...` prints the mean time of `OP`

@@ -111,7 +111,7 @@ impl Window {
         })
     }
 
-    fn value_slot_index(&self, op: &'static str, peer: usize, disp: usize) -> Result<usize> {
+    pub(super) fn value_slot_index(&self, op: &'static str, peer: usize, disp: usize) -> Result<usize> {
         if disp >= self.value_slots {
             return Err(Error::Bounds {
                 op,
@@ -212,8 +212,9 @@ impl Window {
         // Any peer may write the slot: none being gone is no reason to fail,
         // so only the deadline ends the wait.
         let deadline = ibverbx::deadline_after(timeout);
+        self.not_released(OP, me)?;
         if slot.wait(self.spin, slice, deadline, ready, || Ok(()))? {
-            return Ok(());
+            return self.not_released(OP, me);
         }
         Err(Error::Timeout {
             waiting_for: format!(

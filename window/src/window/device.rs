@@ -635,6 +635,7 @@ impl Window {
 
     fn stream_slots(&self, op: &'static str, rank: usize, stream: &Stream) -> Result<(DevicePtr, DevicePtr)> {
         self.check_rank(op, rank)?;
+        self.not_released(op, rank)?;
         let reg = self.device_reg(op)?;
         if !Arc::ptr_eq(stream.context(), &reg.ctx) && stream.context().ordinal() != reg.ctx.ordinal() {
             return Err(Error::invalid(op, "the stream belongs to another device than the registered memory"));
@@ -642,6 +643,25 @@ impl Window {
         let slots = reg.slots.as_ref().map_err(|why| Error::Unsupported { op, reason: why.clone() })?;
         self.peer_alive(rank).map_err(|source| Error::Rma { op, peer: rank, source })?;
         Ok(slots[rank])
+    }
+
+    /// The device address (as this rank reaches it) of value slot `disp`
+    /// of `rank`'s signal buffer (the ctran form's slots: a window made
+    /// with [`WindowOptions::signal_slots`](crate::WindowOptions::signal_slots)),
+    /// for stream memory operations and kernels: host memory every rank of
+    /// the device registration maps, which a
+    /// [`StreamRelease`](super::StreamRelease) can release.
+    pub fn device_value_slot(&self, rank: usize, disp: usize) -> Result<DevicePtr> {
+        const OP: &str = "device_value_slot";
+        self.check_rank(OP, rank)?;
+        let off = self.value_slot_index(OP, rank, disp)?;
+        let slots =
+            self.device_reg(OP)?.slots.as_ref().map_err(|why| Error::Unsupported { op: OP, reason: why.clone() })?;
+        let me = self.rank();
+        // Slot `me` of a peer's buffer (where this rank signals it), slot
+        // `me` of this rank's own: the buffers' starts follow.
+        let base = if rank == me { slots[me].1 } else { slots[rank].0 } - (SLOT * me) as u64;
+        Ok(base + off as u64)
     }
 
     /// The signal kernels when this window's stream signals are kernels
