@@ -377,3 +377,48 @@ fn async_value_sets_land_in_call_order() {
         });
     }
 }
+
+/// A window whose streams a watchdog released (`Window::stream_release`):
+/// every slot of the releasing rank's signal buffer holds `u64::MAX`, and
+/// its host waits, taken and ctran, fail with the reason instead of
+/// reading that as signals; a sleeper is woken. Peers whose pair is not
+/// released go on.
+#[test]
+fn a_released_window_fails_its_waits_instead_of_reading_poison() {
+    ranks(2, |rank, g| {
+        let w = Window::new(&g, WindowOptions::new().timeout(Duration::from_secs(30)).signal_slots(2)).unwrap();
+        let peer = 1 - rank;
+        if rank == 0 {
+            let r = w.stream_release();
+            assert!(r.released().is_none());
+            // A sleeper on rank 0 is woken by the release.
+            let why = Error::Unsupported { op: "test", reason: "the watchdog".into() };
+            let t0 = std::time::Instant::now();
+            std::thread::scope(|s| {
+                let h = s.spawn(|| w.wait_signal(peer, Some(Duration::from_secs(20))));
+                std::thread::sleep(Duration::from_millis(200));
+                r.release(&why);
+                let e = h.join().unwrap().unwrap_err();
+                assert!(
+                    matches!(&e, Error::StreamFailed { peer: 1, .. }) && e.to_string().contains("the watchdog"),
+                    "{e}"
+                );
+            });
+            assert!(t0.elapsed() < Duration::from_secs(10), "the sleeper was not woken: {:?}", t0.elapsed());
+            assert_eq!(r.value(0), Some(u64::MAX));
+            assert_eq!(r.value(1), Some(u64::MAX));
+            let e = w.wait_signal_until(0, 1, rmacomm_window::Cmp::Ge, None).unwrap_err();
+            assert!(matches!(e, Error::StreamFailed { .. }), "{e}");
+            assert!(r.signals_missing().is_empty());
+        }
+        g.barrier(None).unwrap();
+        // Rank 1's own buffer was not released: a signal from rank 0 works.
+        if rank == 0 {
+            w.signal(1, false).unwrap();
+        } else {
+            w.wait_signal(0, None).unwrap();
+            assert!(w.stream_release().released().is_none());
+        }
+        g.barrier(None).unwrap();
+    });
+}
