@@ -30,7 +30,8 @@
 //! window's signal slots, send/recv's in its value slots, and this rank's
 //! `done` word in a segment of its own. So a watchdog can end the waits of
 //! a call whose peer died or never made it, with no driver call
-//! (`gpu_watch`: the call fails, naming the rank, within the timeout).
+//! (the window's `StreamWatch`: the call fails, naming the rank, within
+//! the timeout).
 //! `RMACOMM_GPU_FLAGS=device` puts them in a flag area after the slot
 //! regions instead, in device memory the peers write through their IPC
 //! mapping (as before 2026-12-01; measured the same on the H200), where
@@ -96,6 +97,7 @@
 //! (replaying on the stream they use, as `torch.cuda.graph` does, orders
 //! them), as with NCCL.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -161,10 +163,15 @@ pub struct GpuComm {
 }
 
 /// IPC mode's words in host memory (module docs), and the watchdog that
-/// releases the streams waiting on them (`gpu_watch`).
+/// releases the streams waiting on them (`Window`'s `StreamWatch`: one
+/// lane, the calls, whose progress is the `done` word).
 struct HostWords {
     /// Stopped first (field order), before the memory goes.
-    watch: crate::gpu_watch::Watch,
+    watch: rmacomm_window::StreamWatch,
+    /// Per peer: the send/recv chunks this rank's stream waits for from it
+    /// (data) and the chunks it waits for it to have taken (credit), for
+    /// naming whom a timed-out call waited for.
+    expect: Arc<Vec<(AtomicU64, AtomicU64)>>,
     /// `data[r][p]`: the device address (mapped here) of rank r's word
     /// counting chunks p sent it; `credit[r][p]`: of its word counting
     /// chunks p took of what r sent it (the window's value slots p and
@@ -272,12 +279,63 @@ impl HostWords {
         // registration (field order).
         let done_dev = unsafe { ctx.register_host(done.as_ptr(), done.len()) }.map_err(cuda(op))?;
         let mem = done.clone();
-        let read = Arc::new(move || mem.atomic_u64(0).map_or(0, |w| w.load(std::sync::atomic::Ordering::Acquire)));
+        let read = Arc::new(move |_lane: usize| mem.atomic_u64(0).map_or(0, |w| w.load(Ordering::Acquire)));
+        let expect: Arc<Vec<(AtomicU64, AtomicU64)>> =
+            Arc::new((0..n).map(|_| (AtomicU64::new(0), AtomicU64::new(0))).collect());
+        let (release, e) = (win.stream_release(), expect.clone());
+        // Peers whose send/recv counts (value slots p and n + p here) are
+        // behind what the stream waits for.
+        let missing = Arc::new(move || {
+            let behind = |disp: usize, want: u64| want > 0 && release.value(disp).is_some_and(|v| v < want);
+            (0..n)
+                .filter(|&p| behind(p, e[p].0.load(Ordering::Acquire)) || behind(n + p, e[p].1.load(Ordering::Acquire)))
+                .collect()
+        });
         let watch =
-            crate::gpu_watch::Watch::start(read, timeout, win.peer_watch(), win.stream_release(), n).map_err(|e| {
-                Error::Unavailable { backend: "native GPU".into(), reason: format!("{op}: the watchdog thread: {e}") }
-            })?;
-        Ok(HostWords { watch, data, credit, done_dev, _done: done })
+            rmacomm_window::StreamWatch::start(read, timeout, win.peer_watch(), win.stream_release(), Some(missing))
+                .map_err(|e| Error::Unavailable {
+                    backend: "native GPU".into(),
+                    reason: format!("{op}: the watchdog thread: {e}"),
+                })?;
+        Ok(HostWords { watch, expect, data, credit, done_dev, _done: done })
+    }
+
+    /// The stream will wait for `n` chunks from `peer` in all (recv), or
+    /// for `peer` to have taken `n` (send).
+    fn expect(&self, peer: usize, data: Option<u64>, credit: Option<u64>) {
+        let (d, c) = &self.expect[peer];
+        if let Some(n) = data {
+            d.store(n, Ordering::Release);
+        }
+        if let Some(n) = credit {
+            c.store(n, Ordering::Release);
+        }
+    }
+
+    /// Why the watchdog failed the communicator, as the collective's error.
+    fn error(&self) -> Option<Error> {
+        let s = self.watch.stalled()?;
+        let (op, seq) = (s.op, s.seq);
+        Some(match &s.stall {
+            rmacomm_window::Stall::Overdue { missing, after } => Error::Timeout {
+                op,
+                seq,
+                missing: missing.clone(),
+                waiting_for: format!(
+                    "call #{seq} of this GPU communicator to run on its stream; its streams were released: what \
+                     they computed since is garbage, make a new communicator"
+                ),
+                after: *after,
+            },
+            rmacomm_window::Stall::Gone { peer, error } => Error::Unusable {
+                op,
+                reason: format!(
+                    "rank {peer} is gone ({error}) while call #{seq} ({op}) of this GPU communicator waited for it; \
+                     its streams were released (what they computed since is garbage): make a new communicator"
+                ),
+            },
+            _ => Error::Unusable { op, reason: s.to_string() },
+        })
     }
 }
 
@@ -411,7 +469,9 @@ impl GpuComm {
         let n = group.size();
         // IPC mode's send/recv words: the window's value slots p (chunks
         // from p) and n + p (chunks p took).
-        let opts = WindowOptions::new().timeout(timeout).unified(!transport).signal_slots(2 * n);
+        // GpuComm watches its calls itself (HostWords).
+        let opts =
+            WindowOptions::new().timeout(timeout).unified(!transport).signal_slots(2 * n).watch_stream_waits(false);
         let mut win = Window::new(group, opts).map_err(Error::window(OP))?;
         // Every rank sees the same: all peers UNIFIED, or some rank not.
         let transport = transport || !win.all_unified();
@@ -555,7 +615,11 @@ impl GpuComm {
     /// always where nothing watches (`RMACOMM_GPU_FLAGS=device`, transport
     /// mode: there the window's stream proxy fails what waits too long).
     pub fn call_done(&self, call: u64) -> Option<Result<()>> {
-        self.host_words.as_ref().and_then(|h| h.watch.call_done(call))
+        let h = self.host_words.as_ref()?;
+        match h.watch.done(0, call)? {
+            Ok(()) => Some(Ok(())),
+            Err(_) => h.error().map(Err),
+        }
     }
 
     /// Whether this communicator moves data through the transport (module
@@ -697,7 +761,7 @@ impl GpuComm {
         self.calls += 1;
         self.last_stream = Some(stream.raw());
         if let Some(h) = &self.host_words {
-            h.watch.issued(self.calls, op);
+            h.watch.issued(0, self.calls, op);
         }
         Ok(())
     }
@@ -816,8 +880,8 @@ impl GpuComm {
     /// A call that failed midway leaves the ranks' counts out of step:
     /// every later call fails, saying so.
     fn usable(&self, op: &'static str) -> Result<()> {
-        if let Some(e) = self.host_words.as_ref().and_then(|h| h.watch.error()) {
-            return Err(e.clone());
+        if let Some(e) = self.host_words.as_ref().and_then(HostWords::error) {
+            return Err(e);
         }
         match &self.broken {
             Some(why) => Err(Error::Unavailable {
@@ -1083,7 +1147,7 @@ impl GpuComm {
                 // dst took the chunk before: its inbox is free again.
                 let at = c.credit_at(c.rank, dst);
                 if let Some(h) = &c.host_words {
-                    h.watch.expect_p2p(dst, None, Some(n - 1));
+                    h.expect(dst, None, Some(n - 1));
                 }
                 // SAFETY: a word of this rank's (flag area or host words).
                 unsafe { stream.wait_value64_geq(at, n - 1) }.map_err(cuda(OP))?;
@@ -1127,7 +1191,7 @@ impl GpuComm {
             }
             let n = c.p2p_recv[src] + 1;
             if let Some(h) = &c.host_words {
-                h.watch.expect_p2p(src, Some(n), None);
+                h.expect(src, Some(n), None);
             }
             // SAFETY: a word of this rank's (flag area or host words).
             unsafe { stream.wait_value64_geq(c.data_at(c.rank, src), n) }.map_err(cuda(OP))?;

@@ -4,7 +4,6 @@ mod channel;
 mod comm;
 mod error;
 mod gpu;
-mod gpu_watch;
 mod kern;
 mod ops;
 mod work;

@@ -178,8 +178,8 @@ pub use store::{Store, MAX_KEYS, MAX_KEY_LEN, MAX_VALUE_LEN};
 pub use tcp_server::{TcpStoreServer, MAX_CLIENTS};
 pub use tcp_store::TcpStore;
 pub use window::{
-    stream_proxy_blocks, AccessType, Cmp, MappedTensor, PeerWatch, SignalOp, StreamRelease, Window, WindowAttr,
-    WindowOptions, BOUNCE_CHUNK, DEFAULT_SPIN,
+    stream_proxy_blocks, AccessType, Cmp, MappedTensor, MissingFn, PeerWatch, ProgressFn, SignalOp, Stall, Stalled,
+    StreamRelease, StreamWatch, Window, WindowAttr, WindowOptions, BOUNCE_CHUNK, DEFAULT_SPIN,
 };
 pub use work::Work;
 

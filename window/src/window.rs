@@ -21,10 +21,12 @@ mod device;
 #[allow(unsafe_code)]
 mod proxy;
 mod release;
+mod watch;
 use crate::work::Work;
 pub use ctran::{Cmp, SignalOp};
 pub use proxy::stream_proxy_blocks;
 pub use release::{PeerWatch, StreamRelease};
+pub use watch::{MissingFn, ProgressFn, Stall, Stalled, StreamWatch};
 
 /// How this rank reaches a peer's registered buffer (torchcomms'
 /// `get_attr(rank).access_type`).
@@ -57,6 +59,7 @@ pub struct WindowOptions {
     unified: bool,
     spin: Duration,
     signal_slots: usize,
+    watch_stream_waits: bool,
 }
 
 /// How long a UNIFIED `wait_signal` spins before it sleeps (default).
@@ -71,6 +74,7 @@ impl Default for WindowOptions {
             unified: true,
             spin: DEFAULT_SPIN,
             signal_slots: 0,
+            watch_stream_waits: true,
         }
     }
 }
@@ -122,6 +126,15 @@ impl WindowOptions {
     /// the transports' completion drivers and the signals' tasks.
     pub fn worker_threads(mut self, n: usize) -> Self {
         self.worker_threads = n.max(1);
+        self
+    }
+
+    /// Whether a device registration's `wait_signal_on_stream`s are watched
+    /// (default true: a watchdog releases them when the peer is gone or the
+    /// timeout passed; `watch` module). Off where the caller watches its
+    /// streams itself (GpuComm watches its calls).
+    pub fn watch_stream_waits(mut self, on: bool) -> Self {
+        self.watch_stream_waits = on;
         self
     }
 }
@@ -219,6 +232,8 @@ pub struct Window {
     signal_bufs: Vec<RdmaRemoteBuffer>,
     /// Value-signal slots per rank (the ctran form).
     value_slots: usize,
+    /// Whether device registrations watch their stream waits.
+    watch_stream_waits: bool,
     spin: Duration,
     /// Signal tasks not yet finished.
     signals_in_flight: Arc<AtomicUsize>,
@@ -366,6 +381,7 @@ impl Window {
             sent: (0..n).map(|_| AtomicU64::new(0)).collect(),
             signal_bufs,
             value_slots: opts.signal_slots,
+            watch_stream_waits: opts.watch_stream_waits,
             spin: opts.spin,
             signals_in_flight: Arc::new(AtomicUsize::new(0)),
             value_chain: (0..n).map(|_| std::sync::Mutex::new(None)).collect(),

@@ -147,6 +147,43 @@ fn device_windows_of_thread_ranks_on_two_gpus() {
     });
 }
 
+/// A stream wait for a signal that never comes (rank 1 never signals;
+/// a 2 s window timeout): the watchdog releases rank 0's stream once the
+/// timeout has passed since the wait was queued (its synchronize returns),
+/// and the window's later stream operations and host waits fail with the
+/// reason instead of taking the poisoned slots for signals.
+#[test]
+fn a_stream_wait_for_a_signal_that_never_comes_is_released_after_the_timeout() {
+    if !use_standin() {
+        return;
+    }
+    ranks(2, |rank, g| {
+        let ctx = Context::open_shared(0).unwrap();
+        let mut w = Window::new(&g, WindowOptions::new().timeout(Duration::from_secs(2))).unwrap();
+        w.tensor_register_device(ctx.alloc_shared(4096).unwrap(), 8).unwrap();
+        if rank == 0 {
+            let stream = ctx.stream().unwrap();
+            let t0 = std::time::Instant::now();
+            w.wait_signal_on_stream(1, &stream).unwrap();
+            stream.synchronize().unwrap();
+            let after = t0.elapsed();
+            assert!(
+                after >= Duration::from_millis(1900) && after < Duration::from_secs(20),
+                "released after {after:?}"
+            );
+            let e = w.wait_signal_on_stream(1, &stream).unwrap_err();
+            assert!(
+                matches!(e, Error::StreamFailed { peer: 1, .. }) && e.to_string().contains("waiting for ranks [1]"),
+                "{e}"
+            );
+            let e = w.wait_signal(1, None).unwrap_err();
+            assert!(matches!(e, Error::StreamFailed { .. }), "{e}");
+        }
+        g.barrier(None).unwrap();
+        w.tensor_deregister_device().unwrap();
+    });
+}
+
 /// Misuse: operations before registration (stream signals need none: with
 /// no device registration they go through the stream proxy, tested
 /// below), registering twice or host

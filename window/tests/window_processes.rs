@@ -156,6 +156,27 @@ fn device_memory_ring_over_cuda_ipc() {
 /// stand-in on 2, 3 and 4 ranks: rmacomm's side of device windows (IPC
 /// handle exchange, offsets, bounds, signal counts, stream order, graph
 /// replay) on every CI run. CUDA itself is the GPU suite's to check.
+/// A device window (the CUDA stand-in, two processes) whose peer dies
+/// while this rank's stream waits for its signal: the watchdog releases the
+/// stream within moments and the next stream operation fails naming the
+/// rank (`gpu-window-scenario dead`); before, the stream waited forever.
+#[test]
+fn a_dead_peer_releases_device_stream_waits() {
+    let Some(lib) = rmacomm_window::cuda::standin_for_tests() else { return };
+    let out = Command::new(env!("CARGO_BIN_EXE_rmacomm-run"))
+        .args(["--nproc-per-node", "2", env!("CARGO_BIN_EXE_gpu-window-scenario"), "dead"])
+        .env_remove("MASTER_ADDR")
+        .env_remove("MASTER_PORT")
+        .env("RMACOMM_TIMEOUT_SECONDS", "60")
+        .env("RMACOMM_CUDA_LIB", &lib)
+        .env("RMACOMM_EXPECT_GPU", "1")
+        .env("RMACOMM_STANDIN_STRICT", "1")
+        .output()
+        .unwrap();
+    let stdout = assert_every_rank_ok(2, &out);
+    assert!(stdout.contains("dead: released after"), "{stdout}");
+}
+
 #[test]
 fn device_memory_ring_against_the_cuda_standin() {
     let Some(lib) = rmacomm_window::cuda::standin_for_tests() else { return };

@@ -101,6 +101,7 @@ fn main() {
                 drop(w);
                 nccl(&g, &ctx)
             }
+            Some("dead") => dead(&g, w, &ctx),
             other => Err(format!("unknown scenario {other:?}")),
         }),
     };
@@ -111,6 +112,34 @@ fn main() {
             std::process::exit(1);
         }
     }
+}
+
+/// A device window whose peer dies: rank 1 exits once registered (and
+/// prints its line first); rank 0's `wait_signal_on_stream` for it is
+/// released by the window's watchdog as soon as the connection breaks
+/// (well inside the 30 s timeout): the stream's synchronize returns, and
+/// the next stream operation fails with the reason, naming rank 1.
+fn dead(g: &Group, mut w: Window, ctx: &Arc<Context>) -> R {
+    w.tensor_register_device(ctx.alloc_shared(4096).map_err(s)?, 4).map_err(s)?;
+    g.barrier(None).map_err(s)?;
+    if g.rank() == 1 {
+        println!("rank 1 ok");
+        // No destructor runs (as in a crash): the kernel closes its sockets.
+        std::process::exit(0);
+    }
+    let stream = ctx.stream().map_err(s)?;
+    let t0 = Instant::now();
+    w.wait_signal_on_stream(1, &stream).map_err(s)?;
+    stream.synchronize().map_err(s)?;
+    let released = t0.elapsed();
+    let e = w.wait_signal_on_stream(1, &stream).err().ok_or("a stream wait after rank 1 died was queued")?;
+    println!("dead: released after {released:?}; then: {e}");
+    ensure(matches!(&e, Error::StreamFailed { peer: 1, .. }) && e.to_string().contains("rank 1"), || e.to_string())?;
+    ensure(released < Duration::from_secs(15), || format!("released after {released:?}"))?;
+    // The deregistration (which synchronizes the device) returns too.
+    let t1 = Instant::now();
+    drop(w);
+    ensure(t1.elapsed() < Duration::from_secs(15), || format!("the drop took {:?}", t1.elapsed()))
 }
 
 fn setup() -> Result<(Group, Window), String> {

@@ -84,7 +84,66 @@ pub(super) struct DeviceRegistration {
     taken: PinnedWords,
     /// The signal kernels, compiled and loaded at registration.
     signal_module: OnceLock<std::result::Result<SharedModule, String>>,
+    /// The watchdog of stream waits (`watch` module), where it could be
+    /// started.
+    watch: Option<WaitWatch>,
     _host: Vec<HostRegistration>,
+}
+
+/// Streams whose waits the watchdog follows, at most this many per
+/// registration (those beyond are not watched).
+const LANES: usize = 64;
+
+/// `wait_signal_on_stream`'s watchdog (`super::watch`): each stream a lane
+/// whose progress word (registered host memory) the stream writes after
+/// each of its waits.
+struct WaitWatch {
+    watch: super::StreamWatch,
+    progress: Arc<PinnedWords>,
+    /// Per lane: the stream (its handle) and the last number written.
+    lanes: std::sync::Mutex<Vec<(usize, u64)>>,
+}
+
+impl WaitWatch {
+    fn start(w: &Window, ctx: &Arc<Context>) -> std::result::Result<WaitWatch, String> {
+        let progress = Arc::new(PinnedWords::new(ctx, LANES)?);
+        let words = progress.clone();
+        let read = Arc::new(move |lane: usize| words.word(lane).load(Ordering::Acquire));
+        let watch = super::StreamWatch::start(read, w.timeout, w.peer_watch(), w.stream_release(), None)
+            .map_err(|e| format!("the watchdog thread: {e}"))?;
+        Ok(WaitWatch { watch, progress, lanes: std::sync::Mutex::new(Vec::new()) })
+    }
+
+    /// After a wait queued on `stream` (by `op`): the stream writes the
+    /// next number of its lane, which the watchdog then expects. A stream
+    /// beyond the lanes is not watched (logged once).
+    fn after_wait(&self, op: &'static str, stream: &Stream) -> Result<()> {
+        let mut lanes = self.lanes.lock().unwrap_or_else(|e| e.into_inner());
+        let lane = match lanes.iter().position(|(s, _)| *s == stream.raw()) {
+            Some(l) => l,
+            None if lanes.len() < LANES => {
+                lanes.push((stream.raw(), 0));
+                lanes.len() - 1
+            }
+            None => {
+                static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+                if !WARNED.swap(true, Ordering::Relaxed) {
+                    tracing::warn!(
+                        "{op}: more than {LANES} streams wait on one window: waits of the others are not watched"
+                    );
+                }
+                return Ok(());
+            }
+        };
+        let seq = lanes[lane].1 + 1;
+        // SAFETY: word `lane` of the progress words, registered host memory
+        // alive with the registration (deregistration synchronizes first).
+        unsafe { stream.write_value64(self.progress.device_ptr(lane), seq) }.map_err(cuda(op))?;
+        lanes[lane].1 = seq;
+        drop(lanes);
+        self.watch.issued(lane, seq, op);
+        Ok(())
+    }
 }
 
 /// Zeroed 64-bit words in page-aligned host memory registered with the
@@ -397,6 +456,14 @@ impl Window {
         for p in 0..n {
             taken.word(p).store(self.consumed[p].load(Ordering::Acquire), Ordering::Release);
         }
+        let watch = match self.watch_stream_waits.then(|| WaitWatch::start(self, &ctx)) {
+            None => None,
+            Some(Ok(w)) => Some(w),
+            Some(Err(why)) => {
+                tracing::warn!("{OP}: stream waits are not watched ({why}): a peer that dies leaves them waiting");
+                None
+            }
+        };
         self.dev = Some(DeviceRegistration {
             tensor,
             ctx,
@@ -408,6 +475,7 @@ impl Window {
             kernel_signals: AtomicBool::new(!memops),
             taken,
             signal_module: OnceLock::new(),
+            watch,
             _host: host,
         });
         if let Some(d) = &self.dev {
@@ -739,11 +807,15 @@ impl Window {
 
     /// Queues a wait for the next signal from `peer_rank` on `stream`: work
     /// queued there after this runs once the signal has arrived (the n-th
-    /// wait, host or stream, takes the n-th signal). The stream waits
-    /// without a timeout; a peer that never signals leaves it waiting.
-    /// Inside a CUDA graph capture (and from then on) it is a kernel that
-    /// waits for one more signal than the device has counted taken, so
-    /// every replay waits again (module docs).
+    /// wait, host or stream, takes the n-th signal). A watchdog
+    /// (`watch` module) ends the wait once `peer_rank`'s connection broke
+    /// (it died) or the window's timeout has passed since the wait was
+    /// queued: it releases every stream waiting on this rank's signal
+    /// buffer, and the window's later operations fail with the reason
+    /// ([`Error::StreamFailed`]). Inside a CUDA graph capture (and from
+    /// then on) it is a kernel that waits for one more signal than the
+    /// device has counted taken, so every replay waits again (module docs);
+    /// those waits are not watched.
     ///
     /// With no device tensor registered, the stream waits until the
     /// window's stream proxy has taken the peer's next signal; the proxy
@@ -769,6 +841,10 @@ impl Window {
         unsafe { stream.wait_value64_geq(at, want) }.map_err(|e| {
             self.consumed[peer_rank].fetch_sub(1, Ordering::AcqRel);
             Error::Cuda { op: OP, source: e }
-        })
+        })?;
+        match &self.device_reg(OP)?.watch {
+            Some(w) => w.after_wait(OP, stream),
+            None => Ok(()),
+        }
     }
 }
