@@ -136,6 +136,9 @@ fn dead(g: &Group, mut w: Window, ctx: &Arc<Context>) -> R {
     println!("dead: released after {released:?}; then: {e}");
     ensure(matches!(&e, Error::StreamFailed { peer: 1, .. }) && e.to_string().contains("rank 1"), || e.to_string())?;
     ensure(released < Duration::from_secs(15), || format!("released after {released:?}"))?;
+    // Its memory is no one's any more: no new view of it.
+    let e = w.map_remote_device(1).err().ok_or("map_remote_device of a dead rank succeeded")?;
+    ensure(matches!(e, Error::Rma { peer: 1, .. }), || e.to_string())?;
     // The deregistration (which synchronizes the device) returns too.
     let t1 = Instant::now();
     drop(w);

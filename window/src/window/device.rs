@@ -559,12 +559,22 @@ impl Window {
     /// Where `rank`'s registered device memory is mapped in this process
     /// and its length (the device form of
     /// [`map_remote_tensor`](Self::map_remote_tensor): kernels may load and
-    /// store there).
+    /// store there). A peer whose connection broke (it died) is an error:
+    /// its memory is no one's any more. (A view taken earlier gives no such
+    /// guarantee.)
     pub fn map_remote_device(&self, rank: usize) -> Result<(DevicePtr, usize)> {
         const OP: &str = "map_remote_device";
         self.check_rank(OP, rank)?;
         let reg = self.device_reg(OP)?;
+        self.live_peer(OP, rank)?;
         Ok((reg.ptrs[rank], reg.peers[rank].0))
+    }
+
+    fn live_peer(&self, op: &'static str, rank: usize) -> Result<()> {
+        if rank == self.rank() {
+            return Ok(());
+        }
+        self.peer_alive(rank).map_err(|source| Error::Rma { op, peer: rank, source })
     }
 
     /// The mapping of `rank`'s allocation in this process, to keep it
@@ -574,7 +584,9 @@ impl Window {
     pub fn device_mapping(&self, rank: usize) -> Result<Option<Arc<IpcMapping>>> {
         const OP: &str = "map_remote_device";
         self.check_rank(OP, rank)?;
-        Ok(self.device_reg(OP)?.ipc[rank].clone())
+        let reg = self.device_reg(OP)?;
+        self.live_peer(OP, rank)?;
+        Ok(reg.ipc[rank].clone())
     }
 
     fn device_reg(&self, op: &'static str) -> Result<&DeviceRegistration> {
