@@ -24,16 +24,16 @@
 use std::sync::mpsc::{channel, Sender};
 use std::sync::{Condvar, Mutex, MutexGuard, OnceLock};
 
-type Item = Box<dyn Send>;
+type Item = (Box<dyn Send>, &'static str);
 
-/// Stream waits on host threads outstanding, and whether the reaper is
-/// dropping something now.
+/// Stream waits on host threads outstanding, and what the reaper is
+/// dropping now (its type) and since when.
 struct Gate {
     waits: usize,
-    dropping: bool,
+    dropping: Option<(&'static str, std::time::Instant)>,
 }
 
-static GATE: Mutex<Gate> = Mutex::new(Gate { waits: 0, dropping: false });
+static GATE: Mutex<Gate> = Mutex::new(Gate { waits: 0, dropping: None });
 static GATE_CV: Condvar = Condvar::new();
 
 fn gate() -> MutexGuard<'static, Gate> {
@@ -51,11 +51,32 @@ pub struct HostWait(());
 /// host).
 pub fn host_wait() -> HostWait {
     let mut g = gate();
-    while g.dropping {
+    while g.dropping.is_some() {
         g = GATE_CV.wait(g).unwrap_or_else(|e| e.into_inner());
     }
     g.waits += 1;
     HostWait(())
+}
+
+/// [`host_wait`] until `deadline` at most: a drop that waits for the device
+/// longer (a stream of this process that never drains: another library's,
+/// or one whose peer is gone) is an error naming what is being dropped and
+/// for how long, instead of a caller blocked forever.
+pub fn host_wait_until(deadline: std::time::Instant) -> Result<HostWait, String> {
+    let mut g = gate();
+    while let Some((what, since)) = g.dropping {
+        let now = std::time::Instant::now();
+        if now >= deadline {
+            return Err(format!(
+                "the CUDA reaper has been dropping {what} for {:?}, which waits for the device: a stream of this \
+                 process does not drain",
+                now - since
+            ));
+        }
+        g = GATE_CV.wait_timeout(g, deadline - now).unwrap_or_else(|e| e.into_inner()).0;
+    }
+    g.waits += 1;
+    Ok(HostWait(()))
 }
 
 impl Drop for HostWait {
@@ -81,15 +102,15 @@ fn sender() -> Option<Sender<Item>> {
     let tx = TX.get_or_init(|| {
         let (tx, rx) = channel::<Item>();
         let spawned = std::thread::Builder::new().name("rmacomm-cuda-reaper".into()).spawn(move || {
-            for item in rx {
+            for (item, what) in rx {
                 let mut g = gate();
                 while g.waits > 0 {
                     g = GATE_CV.wait(g).unwrap_or_else(|e| e.into_inner());
                 }
-                g.dropping = true;
+                g.dropping = Some((what, std::time::Instant::now()));
                 drop(g);
                 drop(item);
-                gate().dropping = false;
+                gate().dropping = None;
                 GATE_CV.notify_all();
             }
         });
@@ -102,7 +123,7 @@ fn sender() -> Option<Sender<Item>> {
 /// cannot be started), once no stream of this process waits for a host
 /// thread ([`HostWait`]).
 pub fn defer<T: Send + 'static>(item: T) {
-    let item: Item = Box::new(item);
+    let item: Item = (Box::new(item), std::any::type_name::<T>());
     if let Some(tx) = sender() {
         if let Err(back) = tx.send(item) {
             drop(back.0);
@@ -124,6 +145,34 @@ mod tests {
             assert_ne!(std::thread::current().id(), self.1, "dropped on the caller's thread");
             self.0.store(true, Ordering::Release);
         }
+    }
+
+    /// A drop that never ends (here: one blocked on a channel) makes
+    /// `host_wait_until` an error naming the item's type at its deadline,
+    /// not a wait forever; once the drop ends, waits are taken again.
+    #[test]
+    fn a_drop_that_never_ends_fails_host_waits_at_their_deadline() {
+        struct Stuck(std::sync::mpsc::Receiver<()>);
+        impl Drop for Stuck {
+            fn drop(&mut self) {
+                let _ = self.0.recv();
+            }
+        }
+        let (tx, rx) = std::sync::mpsc::channel();
+        super::defer(Stuck(rx));
+        let t = std::time::Instant::now();
+        while super::gate().dropping.is_none() {
+            assert!(t.elapsed().as_secs() < 10, "the reaper never started the drop");
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        let t0 = std::time::Instant::now();
+        let e = super::host_wait_until(t0 + std::time::Duration::from_millis(200)).unwrap_err();
+        let waited = t0.elapsed();
+        assert!(e.contains("Stuck") && e.contains("does not drain"), "{e}");
+        assert!(waited >= std::time::Duration::from_millis(190) && waited.as_secs() < 5, "{waited:?}");
+        tx.send(()).unwrap();
+        let w = super::host_wait_until(std::time::Instant::now() + std::time::Duration::from_secs(10)).unwrap();
+        drop(w);
     }
 
     #[test]

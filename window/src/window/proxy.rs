@@ -356,7 +356,9 @@ impl StreamProxy {
     ) -> Result<oneshot::Receiver<Result<()>>> {
         // Before the stream can wait for this operation (outside the
         // queue's lock: it waits while the reaper is dropping something).
-        let host = rmacomm_cuda::reaper::host_wait();
+        let host = rmacomm_cuda::reaper::host_wait_until(ibverbx::deadline_after(self.timeout)).map_err(|why| {
+            Error::Timeout { waiting_for: format!("{op} with rank {peer}: {why}"), after: self.timeout }
+        })?;
         let seq = {
             let mut q = self.shared.lock();
             if let Some(e) = &q.failed {
