@@ -95,7 +95,8 @@
 //! alternate the regions. A captured call stays out of the `done` word's
 //! count: the caller orders its replays with the communicator's other calls
 //! (replaying on the stream they use, as `torch.cuda.graph` does, orders
-//! them), as with NCCL.
+//! them), as with NCCL. Replays are not watched: a replay whose peer is
+//! gone waits for it (the watchdog knows only the host's calls).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -141,6 +142,8 @@ pub struct GpuComm {
     /// another stream first waits for that word (the regions' reuse rests
     /// on stream order).
     calls: u64,
+    /// A call has entered and not yet left (its `done` write not queued).
+    open: bool,
     last_stream: Option<usize>,
     /// Device memory for the k-input kernel's pointer table.
     table: DeviceMemory,
@@ -327,6 +330,13 @@ impl HostWords {
                 ),
                 after: *after,
             },
+            rmacomm_window::Stall::PeerReleased { peer } => Error::Unusable {
+                op,
+                reason: format!(
+                    "rank {peer} failed call #{seq} ({op}) of this GPU communicator and released its streams (what \
+                     they computed since, here too, is garbage): make a new communicator"
+                ),
+            },
             rmacomm_window::Stall::Gone { peer, error } => Error::Unusable {
                 op,
                 reason: format!(
@@ -451,8 +461,8 @@ impl GpuComm {
         // way: a peer's words are found at this rank's offsets (a larger
         // slot on one rank put its writes past the other's memory), and a
         // rank waiting on device flags never sees host signals.
-        let flags = std::env::var("RMACOMM_GPU_FLAGS").unwrap_or_default();
-        let mine = format!("slot {slot} bytes, flags {flags:?}, transport mode {transport}");
+        let flags = if std::env::var("RMACOMM_GPU_FLAGS").is_ok_and(|v| v == "device") { "device" } else { "host" };
+        let mine = format!("slot {slot} bytes, {flags} flags, transport mode {transport}");
         let all = group.exchange("GpuComm::new/layout", mine.as_bytes()).map_err(Error::window(OP))?;
         if let Some((p, theirs)) = all.iter().enumerate().find(|(_, v)| v.as_slice() != mine.as_bytes()) {
             return Err(Error::Mismatch {
@@ -475,7 +485,7 @@ impl GpuComm {
         let mut win = Window::new(group, opts).map_err(Error::window(OP))?;
         // Every rank sees the same: all peers UNIFIED, or some rank not.
         let transport = transport || !win.all_unified();
-        let mut device_flags = std::env::var("RMACOMM_GPU_FLAGS").is_ok_and(|v| v == "device");
+        let mut device_flags = flags == "device";
         if slot < 16 * (n + 2) {
             return Err(Error::invalid(
                 OP,
@@ -537,7 +547,26 @@ impl GpuComm {
             let slots = (0..size).map(|p| win.map_remote_device(p).map(|m| m.0)).collect::<Result<Vec<_>, _>>();
             (slots.map_err(Error::window(OP))?, None, None)
         };
-        let host_words = if transport || device_flags { None } else { Some(HostWords::new(OP, &win, &ctx, timeout)?) };
+        let host_words = if transport || device_flags {
+            None
+        } else {
+            // Every rank learns whether every rank has its words: one that
+            // failed alone would leave its peers waiting in their first call.
+            let words = HostWords::new(OP, &win, &ctx, timeout);
+            let verdict = words.as_ref().err().map(ToString::to_string).unwrap_or_default();
+            let all = group.exchange("GpuComm::new/host words", verdict.as_bytes()).map_err(Error::window(OP))?;
+            if let Some((p, why)) = all.iter().enumerate().find(|(_, v)| !v.is_empty()) {
+                return Err(Error::Unavailable {
+                    backend: "native GPU".into(),
+                    reason: format!(
+                        "{OP}: rank {p} cannot keep its signals in host memory ({}); RMACOMM_GPU_FLAGS=device on every \
+                         rank keeps them in device memory",
+                        String::from_utf8_lossy(why)
+                    ),
+                });
+            }
+            Some(words?)
+        };
         let memops = ctx.stream_mem_ops().unwrap_or(false);
         let graphs = if transport {
             if !memops {
@@ -590,6 +619,7 @@ impl GpuComm {
             p2p_recv,
             broken: None,
             calls: 0,
+            open: false,
             last_stream: None,
             memops,
             table,
@@ -727,9 +757,14 @@ impl GpuComm {
         }
     }
 
-    /// Before a call's work: on a stream other than the last call's, wait
-    /// for the last call to have run.
+    /// Before a call's work: the watchdog learns of it (before any of its
+    /// waits is queued); on a stream other than the last call's, wait for
+    /// the last call to have run.
     fn enter(&mut self, op: &'static str, stream: &Stream) -> Result<()> {
+        if let Some(h) = &self.host_words {
+            h.watch.issued(0, self.calls + 1, op);
+        }
+        self.open = true;
         if self.last_stream.is_some_and(|s| s != stream.raw()) {
             let (done, calls) = (self.done_word(), self.calls);
             if !self.memops {
@@ -759,11 +794,20 @@ impl GpuComm {
         }
         .map_err(cuda(op))?;
         self.calls += 1;
+        self.open = false;
         self.last_stream = Some(stream.raw());
-        if let Some(h) = &self.host_words {
-            h.watch.issued(0, self.calls, op);
-        }
         Ok(())
+    }
+
+    /// A call that failed after [`enter`](Self::enter) still writes its
+    /// number into the `done` word, after whatever it queued: its waits may
+    /// be queued already, and the watchdog, which releases them, knows the
+    /// call is over when the number lands.
+    fn close_failed(&mut self, op: &'static str, stream: &Stream, r: Result<()>) -> Result<()> {
+        if r.is_err() && self.open {
+            let _ = self.leave(op, stream);
+        }
+        r
     }
 
     /// Runs a collective call's uses (module docs): `f(self, off, clen,
@@ -813,6 +857,7 @@ impl GpuComm {
             self.leave(op, stream)
         };
         let r = run();
+        let r = self.close_failed(op, stream, r);
         self.mark(op, r)
     }
 
@@ -1241,6 +1286,7 @@ impl GpuComm {
             self.leave(op, stream)
         };
         let r = run();
+        let r = self.close_failed(op, stream, r);
         self.mark(op, r)
     }
 

@@ -278,6 +278,9 @@ impl Context {
     /// whose mappings cannot be exported as descriptors).
     pub fn device_extent(&self, ptr: DevicePtr, len: usize) -> Result<Extent> {
         const CALL: &str = "cuPointerGetAttribute";
+        // Bound for every attribute below (a thread with no context current
+        // may get CUDA_ERROR_INVALID_CONTEXT).
+        let _bound = self.bind()?;
         let info = self.pointer_info(ptr)?;
         if info.memory_type != MemoryType::Device {
             return Err(invalid(CALL, format!("{ptr:#x} is {:?} memory, not device memory", info.memory_type)));

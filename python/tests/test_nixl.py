@@ -172,6 +172,11 @@ from rmacomm.nixl import nixl_agent, nixl_agent_config
 
 cu = ctypes.CDLL(os.environ["RMACOMM_CUDA_LIB"])
 assert cu.cuInit(0) == 0
+# Device 0's primary context current on this thread, as torch makes it:
+# allocations and copies need one (the driver's rule, the stand-in's too).
+ctx = ctypes.c_void_p()
+assert cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 0) == 0
+assert cu.cuCtxSetCurrent(ctx) == 0
 
 def dev_alloc(n):
     p = ctypes.c_uint64()

@@ -221,7 +221,7 @@ pub struct Window {
     signal_slots: Vec<RdmaRemoteBuffer>,
     /// Per peer: its signal buffer mapped here, for UNIFIED pairs (both
     /// sides mapped the other's): then signals are atomics on the slot.
-    signal_maps: Vec<Option<MappedBuffer>>,
+    signal_maps: Vec<Option<Arc<MappedBuffer>>>,
     /// Per source: signals taken by `wait_signal` on UNIFIED pairs (and
     /// waited for by streams; shared with `StreamRelease`).
     consumed: Arc<Vec<AtomicU64>>,
@@ -301,13 +301,18 @@ impl Window {
         let bound = |t: &RdmaTransport| t.bind().map_err(|e| Error::Transport { op: OP, source: e });
         let signal_src =
             Arc::new(RdmaMemory::alloc_for(&links[me].out, 8).map_err(|e| Error::Transport { op: OP, source: e })?);
-        let signal_bytes =
-            n.checked_add(opts.signal_slots).and_then(|k| k.checked_mul(SLOT)).filter(|&b| b <= MAX_SIGNAL_BYTES);
+        // Counting slots, value slots, then one control slot (where a peer
+        // that released its streams says so: `release` module).
+        let signal_bytes = n
+            .checked_add(opts.signal_slots)
+            .and_then(|k| k.checked_add(1))
+            .and_then(|k| k.checked_mul(SLOT))
+            .filter(|&b| b <= MAX_SIGNAL_BYTES);
         // A count too large is refused after the exchange below, so that the
         // peers learn of it (a Mismatch, or this error on every rank) rather
         // than wait for this rank until their timeout.
         let signal_dst = Arc::new(
-            RdmaMemory::alloc_for(&links[me].out, signal_bytes.unwrap_or(SLOT * n))
+            RdmaMemory::alloc_for(&links[me].out, signal_bytes.unwrap_or(SLOT * (n + 1)))
                 .map_err(|e| Error::Transport { op: OP, source: e })?,
         );
         // Line 0: my signal buffer; line 1 + p: the URL of my transport for
@@ -366,7 +371,8 @@ impl Window {
             });
             futures::future::try_join_all(connects).await
         })?;
-        let signal_maps = unify(&group, &rt, &links, &signal_bufs, opts.unified)?;
+        let signal_maps =
+            unify(&group, &rt, &links, &signal_bufs, opts.unified)?.into_iter().map(|m| m.map(Arc::new)).collect();
         Ok(Window {
             proxy: std::sync::Mutex::new(None),
             reg: None,
@@ -906,7 +912,7 @@ impl Window {
         let link = &self.links[peer].inbound;
         let alive = || match link.error() {
             Some(e) => Err(rma(e)),
-            None => Ok(()),
+            None => self.not_released(OP, peer),
         };
         let deadline = ibverbx::deadline_after(timeout);
         // A stream-ordered signal (device memory registered) writes the

@@ -184,6 +184,77 @@ fn a_stream_wait_for_a_signal_that_never_comes_is_released_after_the_timeout() {
     });
 }
 
+/// What the watchdog must not take for a failure, and what it must pass
+/// on (four thread ranks, a 3 s window timeout):
+/// - rank 2 drops its window (its connections break) while rank 0's stream
+///   waits for rank 1, which signals after 1 s: nothing is released (a
+///   peer gone counts only when the work waits for it);
+/// - two waits for rank 1 queued at once, signalled 2 s and 4 s later:
+///   the second's clock starts when the first is through, so neither is
+///   overdue (counted from when it was queued, the second would be);
+/// - then rank 0's stream waits for rank 3, which never signals: released
+///   after the timeout, and rank 0 marks rank 1, whose window is failed too
+///   (its next stream operation refused), though rank 1 itself waited for
+///   no one.
+#[test]
+fn the_watchdog_fails_only_what_waits_and_tells_the_peers() {
+    if !use_standin() {
+        return;
+    }
+    ranks(4, |rank, g| {
+        let ctx = Context::open_shared(0).unwrap();
+        let mut w = Window::new(&g, WindowOptions::new().timeout(Duration::from_secs(3))).unwrap();
+        w.tensor_register_device(ctx.alloc_shared(4096).unwrap(), 8).unwrap();
+        g.barrier(None).unwrap();
+        let stream = ctx.stream().unwrap();
+        match rank {
+            0 => {
+                w.wait_signal_on_stream(1, &stream).unwrap();
+                stream.synchronize().unwrap();
+                assert!(w.stream_release().released().is_none(), "released for a peer it did not wait for");
+                let t0 = std::time::Instant::now();
+                w.wait_signal_on_stream(1, &stream).unwrap();
+                w.wait_signal_on_stream(1, &stream).unwrap();
+                stream.synchronize().unwrap();
+                assert!(t0.elapsed() >= Duration::from_millis(3800), "{:?}", t0.elapsed());
+                assert!(w.stream_release().released().is_none(), "the second wait was taken for overdue");
+                w.wait_signal_on_stream(3, &stream).unwrap();
+                stream.synchronize().unwrap();
+                let e = w.wait_signal_on_stream(3, &stream).unwrap_err();
+                assert!(matches!(e, Error::StreamFailed { .. }) && e.to_string().contains("ranks [3]"), "{e}");
+                g.barrier(None).unwrap();
+            }
+            1 => {
+                std::thread::sleep(Duration::from_secs(1));
+                w.signal(0, false).unwrap();
+                std::thread::sleep(Duration::from_secs(2));
+                w.signal(0, false).unwrap();
+                std::thread::sleep(Duration::from_secs(2));
+                w.signal(0, false).unwrap();
+                g.barrier(None).unwrap();
+                // Rank 0 released and marked this rank: its window is failed.
+                let t0 = std::time::Instant::now();
+                while w.stream_release().released().is_none() {
+                    assert!(t0.elapsed() < Duration::from_secs(10), "rank 0's release never reached rank 1");
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                let e = w.wait_signal_on_stream(0, &stream).unwrap_err();
+                assert!(matches!(e, Error::StreamFailed { .. }) && e.to_string().contains("rank 0"), "{e}");
+            }
+            2 => {
+                drop(w);
+                g.barrier(None).unwrap();
+                return;
+            }
+            _ => {
+                // Alive, never signalling; failed once rank 0 marks it.
+                g.barrier(None).unwrap();
+            }
+        }
+        drop(w);
+    });
+}
+
 /// Misuse: operations before registration (stream signals need none: with
 /// no device registration they go through the stream proxy, tested
 /// below), registering twice or host

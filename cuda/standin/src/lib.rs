@@ -210,9 +210,12 @@ fn devices() -> &'static Devices {
             .clamp(1, MAX_DEVICES);
         // As the driver reads CUDA_VISIBLE_DEVICES: indices or UUIDs, the
         // list ending at the first entry that names no device (or repeats
-        // one).
-        let visible = match std::env::var("CUDA_VISIBLE_DEVICES") {
-            Err(_) => (0..count).collect(),
+        // one). Only where the device count is set too: a machine's own
+        // CUDA_VISIBLE_DEVICES (naming its real GPUs) must not empty the
+        // stand-in under the tests.
+        let named = std::env::var_os("RMACOMM_STANDIN_DEVICES").is_some();
+        let visible = match std::env::var("CUDA_VISIBLE_DEVICES").ok().filter(|_| named).ok_or(()) {
+            Err(()) => (0..count).collect(),
             Ok(v) => {
                 let mut out: Vec<usize> = Vec::new();
                 for e in v.split(',').map(str::trim) {
@@ -750,6 +753,14 @@ pub extern "C" fn cuCtxSynchronize() -> CuResult {
     OK
 }
 
+/// Drains every stream of the process.
+fn sync_all() {
+    let streams = with(|st| st.streams.clone());
+    for s in streams {
+        s.sync();
+    }
+}
+
 /// Drains every stream of device `dev`.
 fn sync_device(dev: usize) {
     let streams = with(|st| st.streams.iter().filter(|s| s.dev == dev).cloned().collect::<Vec<_>>());
@@ -806,12 +817,12 @@ pub unsafe extern "C" fn cuMemAlloc_v2(p: *mut u64, len: usize) -> CuResult {
 #[no_mangle]
 pub extern "C" fn cuMemFree_v2(p: u64) -> CuResult {
     strict("cuMemFree");
-    // The free waits for the memory's device (as cuMemFree synchronizes).
-    let Some(dev) = with(|st| st.allocs.contains_key(&p).then(|| st.device_ranges.get(&p).map(|r| r.dev)).flatten())
-    else {
+    // The free waits for every stream (as cuMemFree synchronizes): a
+    // stream of another device may read the memory through peer access.
+    if !with(|st| st.allocs.contains_key(&p)) {
         return INVALID_VALUE;
-    };
-    sync_device(dev);
+    }
+    sync_all();
     let Some(a) = with(|st| {
         st.device_ranges.remove(&p);
         st.allocs.remove(&p)
@@ -1195,6 +1206,10 @@ impl Kernel {
 #[no_mangle]
 pub unsafe extern "C" fn cuPointerGetAttribute(out: *mut c_void, attr: c_int, p: u64) -> CuResult {
     strict_any("cuPointerGetAttribute");
+    // As strict as a driver may be: a context must be current.
+    if current().is_none() {
+        return INVALID_CONTEXT;
+    }
     // Allocations of this process, IPC mappings and VMM mappings opened
     // here: (base, length, legacy IPC capable, VMM handle types).
     let found = with(|st| {
@@ -1296,8 +1311,9 @@ pub unsafe extern "C" fn cuIpcOpenMemHandle_v2(p: *mut u64, h: IpcHandle, _flags
         st.opened.insert(base, stat_len);
         st.opened_by_base.insert(base, (me, name.clone()));
         st.opened_names.insert((me, name));
-        let reach = if owner == me { vec![me] } else { vec![me, owner] };
-        st.device_ranges.insert(base, DevRange { host: hm, len: stat_len, dev: owner, reach, peerable: false });
+        // Reached by the context that opened it (lazy peer access from it).
+        st.device_ranges
+            .insert(base, DevRange { host: hm, len: stat_len, dev: owner, reach: vec![me], peerable: false });
     });
     // SAFETY: the caller's out-pointer.
     unsafe { *p = base };
@@ -1308,10 +1324,8 @@ pub unsafe extern "C" fn cuIpcOpenMemHandle_v2(p: *mut u64, h: IpcHandle, _flags
 #[no_mangle]
 pub extern "C" fn cuIpcCloseMemHandle(p: u64) -> CuResult {
     strict("cuIpcCloseMemHandle");
-    // The close waits for the context that opened it.
-    if let Some((dev, _)) = with(|st| st.opened_by_base.get(&p).cloned()) {
-        sync_device(dev);
-    }
+    // The close waits for every stream (any may use the mapping).
+    sync_all();
     let Some((len, hm)) = with(|st| {
         if let Some(n) = st.opened_by_base.remove(&p) {
             st.opened_names.remove(&n);
@@ -1398,8 +1412,11 @@ pub unsafe extern "C" fn cuStreamCreate(s: *mut *mut c_void, _flags: c_uint) -> 
 #[no_mangle]
 pub unsafe extern "C" fn cuStreamGetCtx(s: *mut c_void, ctx: *mut *mut c_void) -> CuResult {
     strict_any("cuStreamGetCtx");
-    let dev = if s.is_null() { current() } else { stream(s).map(|st| st.dev) };
-    let Some(dev) = dev else { return if s.is_null() { INVALID_CONTEXT } else { INVALID_HANDLE } };
+    // 0, CU_STREAM_LEGACY (1) and CU_STREAM_PER_THREAD (2): the current
+    // context's.
+    let special = (s as usize) <= 2;
+    let dev = if special { current() } else { stream(s).map(|st| st.dev) };
+    let Some(dev) = dev else { return if special { INVALID_CONTEXT } else { INVALID_HANDLE } };
     // SAFETY: the caller's out-pointer.
     unsafe { *ctx = context_handle(dev) };
     OK

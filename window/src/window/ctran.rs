@@ -189,6 +189,8 @@ impl Window {
     /// The value of this rank's value slot `signal_disp` now.
     pub fn read_signal(&self, signal_disp: usize) -> Result<u64> {
         let off = self.value_slot_index("read_signal", self.rank(), signal_disp)?;
+        // A released slot holds no value (`release` module).
+        self.not_released("read_signal", self.rank())?;
         let v = self.signal_dst.atomic_u64(off).map_err(|source| Error::Transport { op: "read_signal", source })?;
         Ok(v.load(Ordering::Acquire))
     }
@@ -213,7 +215,9 @@ impl Window {
         // so only the deadline ends the wait.
         let deadline = ibverbx::deadline_after(timeout);
         self.not_released(OP, me)?;
-        if slot.wait(self.spin, slice, deadline, ready, || Ok(()))? {
+        // A release ends the wait with its reason (its poison may not
+        // compare as asked).
+        if slot.wait(self.spin, slice, deadline, ready, || self.not_released(OP, me))? {
             return self.not_released(OP, me);
         }
         Err(Error::Timeout {
@@ -229,6 +233,8 @@ impl Window {
     /// no one is signalled).
     pub fn reset_signal(&self, signal_disp: usize, value: u64) -> Result<()> {
         let off = self.value_slot_index("reset_signal", self.rank(), signal_disp)?;
+        // Not over a release's poison (a stream may still wait on it).
+        self.not_released("reset_signal", self.rank())?;
         let v = self.signal_dst.atomic_u64(off).map_err(|source| Error::Transport { op: "reset_signal", source })?;
         v.store(value, Ordering::Release);
         Ok(())

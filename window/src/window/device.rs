@@ -94,14 +94,19 @@ pub(super) struct DeviceRegistration {
 /// registration (those beyond are not watched).
 const LANES: usize = 64;
 
+/// A stream as a watchdog lane: its handle, and the thread for the
+/// per-thread default stream.
+type LaneKey = (usize, Option<std::thread::ThreadId>);
+
 /// `wait_signal_on_stream`'s watchdog (`super::watch`): each stream a lane
 /// whose progress word (registered host memory) the stream writes after
 /// each of its waits.
 struct WaitWatch {
     watch: super::StreamWatch,
     progress: Arc<PinnedWords>,
-    /// Per lane: the stream (its handle) and the last number written.
-    lanes: std::sync::Mutex<Vec<(usize, u64)>>,
+    /// Per lane: the stream (its handle, and the thread for a per-thread
+    /// default stream) and the last number issued.
+    lanes: std::sync::Mutex<Vec<(LaneKey, u64)>>,
 }
 
 impl WaitWatch {
@@ -114,15 +119,19 @@ impl WaitWatch {
         Ok(WaitWatch { watch, progress, lanes: std::sync::Mutex::new(Vec::new()) })
     }
 
-    /// After a wait queued on `stream` (by `op`): the stream writes the
-    /// next number of its lane, which the watchdog then expects. A stream
-    /// beyond the lanes is not watched (logged once).
-    fn after_wait(&self, op: &'static str, stream: &Stream) -> Result<()> {
+    /// Queues `wait` (a stream wait on `stream`, by `op`) watched: the
+    /// watchdog learns of the lane's next number first, then the wait is
+    /// queued, then the stream writes the number (also when queueing the
+    /// wait failed, so that the lane goes on). A stream beyond the lanes is
+    /// not watched (logged once).
+    fn watched(&self, op: &'static str, stream: &Stream, wait: impl FnOnce() -> Result<()>) -> Result<()> {
+        // CU_STREAM_PER_THREAD (2) is another stream on each thread.
+        let key = (stream.raw(), if stream.raw() == 2 { Some(std::thread::current().id()) } else { None });
         let mut lanes = self.lanes.lock().unwrap_or_else(|e| e.into_inner());
-        let lane = match lanes.iter().position(|(s, _)| *s == stream.raw()) {
+        let lane = match lanes.iter().position(|(k, _)| *k == key) {
             Some(l) => l,
             None if lanes.len() < LANES => {
-                lanes.push((stream.raw(), 0));
+                lanes.push((key, 0));
                 lanes.len() - 1
             }
             None => {
@@ -132,17 +141,18 @@ impl WaitWatch {
                         "{op}: more than {LANES} streams wait on one window: waits of the others are not watched"
                     );
                 }
-                return Ok(());
+                drop(lanes);
+                return wait();
             }
         };
         let seq = lanes[lane].1 + 1;
+        self.watch.issued(lane, seq, op);
+        let r = wait();
         // SAFETY: word `lane` of the progress words, registered host memory
         // alive with the registration (deregistration synchronizes first).
-        unsafe { stream.write_value64(self.progress.device_ptr(lane), seq) }.map_err(cuda(op))?;
+        let written = unsafe { stream.write_value64(self.progress.device_ptr(lane), seq) }.map_err(cuda(op));
         lanes[lane].1 = seq;
-        drop(lanes);
-        self.watch.issued(lane, seq, op);
-        Ok(())
+        r.and(written)
     }
 }
 
@@ -341,6 +351,11 @@ impl Window {
         // the other in the same exchange, so a failure never leaves a peer
         // waiting.
         let offer = || -> std::result::Result<String, String> {
+            // A released window's signals are gone for good (every rank
+            // learns it here, in the exchange).
+            if let Some(why) = self.released.get() {
+                return Err(format!("this window's streams were released ({why}): make a new window"));
+            }
             if len == 0 || len.checked_rem(elem_size) != Some(0) {
                 return Err(format!(
                     "{len} bytes of elements of {elem_size} bytes: both must be positive, the length a multiple of \
@@ -849,14 +864,16 @@ impl Window {
                 .map_err(cuda(OP));
         }
         let want = self.consumed[peer_rank].fetch_add(1, Ordering::AcqRel) + 1;
-        // SAFETY: as for signal_on_stream.
-        unsafe { stream.wait_value64_geq(at, want) }.map_err(|e| {
-            self.consumed[peer_rank].fetch_sub(1, Ordering::AcqRel);
-            Error::Cuda { op: OP, source: e }
-        })?;
+        let wait = || {
+            // SAFETY: as for signal_on_stream.
+            unsafe { stream.wait_value64_geq(at, want) }.map_err(|e| {
+                self.consumed[peer_rank].fetch_sub(1, Ordering::AcqRel);
+                Error::Cuda { op: OP, source: e }
+            })
+        };
         match &self.device_reg(OP)?.watch {
-            Some(w) => w.after_wait(OP, stream),
-            None => Ok(()),
+            Some(w) => w.watched(OP, stream, wait),
+            None => wait(),
         }
     }
 }

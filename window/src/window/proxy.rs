@@ -712,6 +712,7 @@ impl Window {
     pub(super) fn proxy_signal(&self, dst_rank: usize, stream: &Stream) -> Result<Work<'_>> {
         const OP: &str = "signal_on_stream";
         self.check_rank(OP, dst_rank)?;
+        self.not_released(OP, dst_rank)?;
         let Some(proxy) = self.stream_proxy(OP, stream)? else {
             stream.synchronize().map_err(|source| Error::Cuda { op: OP, source })?;
             self.signal(dst_rank, false)?;
@@ -749,6 +750,8 @@ impl Window {
     pub(super) fn proxy_wait(&self, peer_rank: usize, stream: &Stream) -> Result<Work<'_>> {
         const OP: &str = "wait_signal_on_stream";
         self.check_rank(OP, peer_rank)?;
+        // A released slot holds no signal (`release` module).
+        self.not_released(OP, peer_rank)?;
         let Some(proxy) = self.stream_proxy(OP, stream)? else {
             stream.synchronize().map_err(|source| Error::Cuda { op: OP, source })?;
             self.wait_signal(peer_rank, None)?;

@@ -1,21 +1,31 @@
 //! Releasing the streams that wait on this rank's signal buffer, for a
-//! watchdog (GpuComm's) that found a peer gone or a call overdue.
+//! watchdog (`watch` module) that found a peer gone or work overdue.
 //!
 //! A stream's `cuStreamWaitValue64` (or a signal kernel) on a slot of this
 //! rank's signal buffer waits for a value a peer writes; a peer that died
 //! or never makes the call leaves it waiting forever, and with it every
 //! synchronize, free and drop behind it. The buffer is host memory, so a
 //! host thread can end those waits without any driver call: it stores
-//! `u64::MAX` into every slot (every wait is "at least"). The window is
-//! *released* from then on: its host waits and stream operations fail with
-//! the reason instead of reading the poisoned slots as signals.
+//! `u64::MAX` into every counting and value slot (every wait is "at
+//! least"). The window is *released* from then on: its host waits and
+//! stream operations fail with the reason instead of reading the poisoned
+//! slots as signals.
+//!
+//! A released stream runs on through the work queued behind its waits,
+//! writing what it computed (garbage) and its signals into its peers'
+//! memory. So before poisoning its own slots, the releasing rank marks
+//! itself in every same-host peer's *control* slot (the last of each
+//! buffer): a peer's watchdog fails its own calls when it sees the mark
+//! (and releases in turn), and counts as sound only those of its calls
+//! that had finished before it last saw no mark.
 //!
 //! [`PeerWatch`] tells the watchdog which peer is gone (its connection
 //! broke: a same-host peer's death closes it).
 
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, OnceLock};
 
-use rmacomm_transport::{RdmaMemory, RdmaTransport, TransportError};
+use rmacomm_transport::{MappedBuffer, RdmaMemory, RdmaTransport, TransportError};
 
 use super::Window;
 use crate::error::{Error, Result};
@@ -26,21 +36,34 @@ use crate::unified::{Slot, SLOT};
 #[derive(Debug, Clone)]
 pub struct StreamRelease {
     mem: Arc<RdmaMemory>,
+    /// Counting and value slots (the control slot follows them).
     slots: usize,
     released: Arc<OnceLock<Error>>,
-    /// Per peer: signals waited for (the window's count), and whether the
-    /// pair is UNIFIED.
+    /// Per peer: signals waited for (the window's count).
     consumed: Arc<Vec<std::sync::atomic::AtomicU64>>,
-    unified: Vec<bool>,
+    /// Per peer: its signal buffer mapped here (same-host pairs).
+    peers: Vec<Option<Arc<MappedBuffer>>>,
+    me: usize,
 }
 
 impl StreamRelease {
-    /// Marks the window released for `why` (the first reason stays) and
-    /// stores `u64::MAX` into every slot of its signal buffer, waking host
-    /// sleepers. Peers may still write their counts over it: call it again
-    /// until the streams have drained.
+    /// Marks the window released for `why` (the first reason stays), marks
+    /// this rank in every same-host peer's control slot, then stores
+    /// `u64::MAX` into every counting and value slot of its own buffer,
+    /// waking host sleepers. Peers may still write their counts over it:
+    /// call it again until the streams have drained.
     pub fn release(&self, why: &Error) {
         let _ = self.released.set(why.clone());
+        let control = SLOT * self.slots;
+        for (_, m) in self.peers.iter().enumerate().filter(|(p, _)| *p != self.me) {
+            let Some(m) = m else { continue };
+            if let Ok(slot) = Slot::at(control, |o| m.atomic_u64(o), |o| m.atomic_u32(o)) {
+                // The lowest rank's mark stays (any says enough).
+                if slot.value.load(Ordering::Acquire) == 0 {
+                    slot.set(self.me as u64 + 1);
+                }
+            }
+        }
         for i in 0..self.slots {
             if let Ok(slot) = Slot::at(SLOT * i, |o| self.mem.atomic_u64(o), |o| self.mem.atomic_u32(o)) {
                 slot.set(u64::MAX);
@@ -53,12 +76,18 @@ impl StreamRelease {
         self.released.get()
     }
 
-    /// The UNIFIED peers from which fewer signals have arrived than this
+    /// The peer that released its streams and marked this rank (module
+    /// docs), if one did.
+    pub fn released_by(&self) -> Option<usize> {
+        let v = self.mem.atomic_u64(SLOT * self.slots).map_or(0, |w| w.load(Ordering::SeqCst));
+        (v != 0).then(|| (v - 1) as usize)
+    }
+
+    /// The same-host peers from which fewer signals have arrived than this
     /// rank has taken or queued waits for: whom its waits wait on now.
     pub fn signals_missing(&self) -> Vec<usize> {
-        use std::sync::atomic::Ordering;
-        (0..self.unified.len())
-            .filter(|&p| self.unified[p])
+        (0..self.peers.len())
+            .filter(|&p| p != self.me && self.peers[p].is_some())
             .filter(|&p| {
                 let have = self.mem.atomic_u64(SLOT * p).map_or(u64::MAX, |w| w.load(Ordering::Acquire));
                 have < self.consumed[p].load(Ordering::Acquire)
@@ -69,9 +98,9 @@ impl StreamRelease {
     /// Value slot `disp` of this rank's buffer (after the counting slots),
     /// as it stands.
     pub fn value(&self, disp: usize) -> Option<u64> {
-        let n = self.unified.len();
+        let n = self.peers.len();
         (n + disp < self.slots)
-            .then(|| self.mem.atomic_u64(SLOT * (n + disp)).ok().map(|w| w.load(std::sync::atomic::Ordering::Acquire)))
+            .then(|| self.mem.atomic_u64(SLOT * (n + disp)).ok().map(|w| w.load(Ordering::Acquire)))
             .flatten()
     }
 }
@@ -87,7 +116,12 @@ pub struct PeerWatch {
 impl PeerWatch {
     /// The first peer whose connection has failed, and how.
     pub fn gone(&self) -> Option<(usize, TransportError)> {
-        self.links.iter().enumerate().filter(|(p, _)| *p != self.me).find_map(|(p, l)| l.error().map(|e| (p, e)))
+        self.gone_among(&(0..self.links.len()).collect::<Vec<_>>())
+    }
+
+    /// The first of `peers` whose connection has failed, and how.
+    pub fn gone_among(&self, peers: &[usize]) -> Option<(usize, TransportError)> {
+        peers.iter().filter(|p| **p != self.me).find_map(|&p| self.links.get(p)?.error().map(|e| (p, e)))
     }
 }
 
@@ -95,13 +129,13 @@ impl Window {
     /// A handle that releases the streams waiting on this rank's signal
     /// buffer (module docs).
     pub fn stream_release(&self) -> StreamRelease {
-        let me = self.rank();
         StreamRelease {
             mem: self.signal_dst.clone(),
             slots: self.size() + self.value_slots,
             released: self.released.clone(),
             consumed: self.consumed.clone(),
-            unified: (0..self.size()).map(|p| p != me && self.signal_maps[p].is_some()).collect(),
+            peers: self.signal_maps.clone(),
+            me: self.rank(),
         }
     }
 

@@ -2,20 +2,26 @@
 //! stream that waits for a peer that died, or never signals, must not wait
 //! forever (and every synchronize, free and drop behind it).
 //!
-//! Whoever queues such waits writes a sequence number into a *progress*
-//! word (host memory the device maps) after them, one word per *lane* (a
-//! stream, or a communicator's calls: each lane's numbers grow in its
-//! stream's order), and tells the watchdog each number as it queues it
-//! ([`StreamWatch::issued`]). The watchdog thread reads the words and fails
-//! the oldest unfinished number once a peer's connection broke (a
-//! same-host peer's death closes it) or the timeout has passed since it
-//! was queued (as torch's NCCL watchdog counts). Failing keeps the
-//! [`Stalled`] reason and *releases* the streams ([`StreamRelease`]:
-//! `u64::MAX` into every slot of this rank's signal buffer, which every
-//! wait there reads as reached), again until every lane's last number has
-//! been written or the timeout passed once more (a live peer may write its
-//! count over the poison). The released work computes garbage; the
-//! reason says so.
+//! Whoever queues such waits has the stream write a sequence number into
+//! a *progress* word (host memory the device maps) after them, one word per
+//! *lane* (a stream, or a communicator's calls: each lane's numbers grow in
+//! its stream's order), and tells the watchdog each number before queueing
+//! the waits it covers ([`StreamWatch::issued`]). The watchdog thread reads
+//! the words and fails the work once
+//! - a peer the work waits for (its signals, or what `missing` names, have
+//!   not arrived) has a broken connection (a same-host peer's death closes
+//!   it),
+//! - a peer marked this rank: it released its own streams, whose work then
+//!   wrote garbage here (`release` module), or
+//! - a lane's oldest number is overdue: the timeout has passed since it was
+//!   queued and since the lane last moved (the work before it is done).
+//!
+//! Failing keeps the [`Stalled`] reason and *releases* the streams
+//! ([`StreamRelease`]), again and again while anything queued is not done
+//! (a live peer may write its count over the poison; work may be issued
+//! after the failure). The released work computes garbage: of a lane's
+//! numbers only those written before the watchdog last looked and saw no
+//! cause count as done ([`StreamWatch::done`]).
 //!
 //! The thread makes no CUDA driver call (host memory only): nothing a
 //! stream waits for may take a driver lock (docs/gpu.md).
@@ -49,6 +55,12 @@ pub enum Stall {
         /// The timeout.
         after: Duration,
     },
+    /// A peer released its own streams (it failed its work), whose work
+    /// then wrote what it computed into this rank's memory.
+    PeerReleased {
+        /// The peer.
+        peer: usize,
+    },
 }
 
 /// The work the watchdog failed, and why.
@@ -72,6 +84,9 @@ impl std::fmt::Display for Stalled {
             Stall::Overdue { missing, after } => {
                 write!(f, "{op} #{seq}: not done {after:?} after it was queued, waiting for ranks {missing:?}")
             }
+            Stall::PeerReleased { peer } => {
+                write!(f, "{op} #{seq}: rank {peer} failed its part and released its streams (their data is garbage)")
+            }
         }?;
         write!(f, "; the streams were released (what they computed since is garbage)")
     }
@@ -84,13 +99,16 @@ impl Stalled {
         match &self.stall {
             Stall::Gone { peer, error } => Error::Rma { op: self.op, peer: *peer, source: error.clone() },
             Stall::Overdue { .. } => Error::Timeout { waiting_for: self.to_string(), after: self.after() },
+            Stall::PeerReleased { peer } => {
+                Error::PeerFailed { op: self.op, peer: *peer, reason: "it released its streams".into() }
+            }
         }
     }
 
     fn after(&self) -> Duration {
         match &self.stall {
             Stall::Overdue { after, .. } => *after,
-            Stall::Gone { .. } => Duration::ZERO,
+            Stall::Gone { .. } | Stall::PeerReleased { .. } => Duration::ZERO,
         }
     }
 }
@@ -120,9 +138,10 @@ struct Shared {
     release: StreamRelease,
     missing: Option<MissingFn>,
     stalled: OnceLock<Stalled>,
-    /// Set when the thread has ended (asked to, or done releasing).
+    /// Per lane: its progress as last read while no cause to fail was seen
+    /// (what counts as done once the work is failed).
+    sound: Mutex<std::collections::HashMap<usize, u64>>,
     stop: AtomicBool,
-    ended: AtomicBool,
 }
 
 /// The watchdog (module docs); its thread ends on drop.
@@ -157,19 +176,18 @@ impl StreamWatch {
             release,
             missing,
             stalled: OnceLock::new(),
+            sound: Mutex::new(std::collections::HashMap::new()),
             stop: AtomicBool::new(false),
-            ended: AtomicBool::new(false),
         });
         let s = shared.clone();
-        let thread = std::thread::Builder::new().name("rmacomm-stream-watch".into()).spawn(move || {
-            run(&s);
-            s.ended.store(true, Ordering::Release);
-        })?;
+        let thread = std::thread::Builder::new().name("rmacomm-stream-watch".into()).spawn(move || run(&s))?;
         Ok(StreamWatch { shared, thread: Some(thread) })
     }
 
-    /// Number `seq` of `lane` is queued (by `op`): its stream writes it into
-    /// the lane's progress word once its waits are through.
+    /// Number `seq` of `lane` is to be queued (by `op`): call it before
+    /// queueing the waits it covers (so a failure midway, after some of
+    /// them, is still watched); its stream writes it into the lane's
+    /// progress word once they are through.
     pub fn issued(&self, lane: usize, seq: u64, op: &'static str) {
         let mut q = self.shared.issued.lock().unwrap_or_else(|e| e.into_inner());
         q.push_back(Issued { lane, seq, op, at: Instant::now() });
@@ -183,25 +201,43 @@ impl StreamWatch {
     }
 
     /// Whether number `seq` of `lane` has been written (the work before it
-    /// ran), or why the watchdog failed it; `None` meanwhile.
+    /// ran, soundly), or why the watchdog failed it; `None` meanwhile.
     pub fn done(&self, lane: usize, seq: u64) -> Option<Result<(), Stalled>> {
-        if let Some(s) = self.shared.stalled.get() {
-            return Some(Err(s.clone()));
+        let s = &self.shared;
+        // Progress first, then the causes: a number written before no cause
+        // was there is sound (a releasing peer marks this rank before its
+        // garbage can arrive).
+        let progress = (s.progress)(lane);
+        if s.stalled.get().is_none() && s.release.released_by().is_none() {
+            return (progress >= seq).then_some(Ok(()));
         }
-        ((self.shared.progress)(lane) >= seq).then_some(Ok(()))
+        let sound = s.sound.lock().unwrap_or_else(|e| e.into_inner()).get(&lane).copied().unwrap_or(0);
+        if seq <= sound {
+            return Some(Ok(()));
+        }
+        // Marked, and the watchdog has not failed the work yet (`None`): it
+        // will.
+        s.stalled.get().map(|st| Err(st.clone()))
     }
 
-    /// Waits until every number queued has been written, or the watchdog
-    /// has released what was left, at most the timeout and a second: before
-    /// the memory the work uses goes.
+    /// Waits until every number queued has been written (the watchdog
+    /// releasing what waits meanwhile), at most the timeout and a second
+    /// past the failure, if any: before the memory the work uses goes.
     pub fn drain(&self) {
-        let deadline = Instant::now() + self.shared.timeout + Duration::from_secs(1);
-        while Instant::now() < deadline && !self.shared.ended.load(Ordering::Acquire) {
-            let q = self.shared.issued.lock().unwrap_or_else(|e| e.into_inner());
-            if q.iter().all(|i| (self.shared.progress)(i.lane) >= i.seq) {
+        let s = &self.shared;
+        let mut deadline = Instant::now() + s.timeout + Duration::from_secs(1);
+        let mut failed = s.stalled.get().is_some();
+        while Instant::now() < deadline {
+            let q = s.issued.lock().unwrap_or_else(|e| e.into_inner());
+            if q.iter().all(|i| (s.progress)(i.lane) >= i.seq) {
                 return;
             }
             drop(q);
+            if !failed && s.stalled.get().is_some() {
+                // Released now: its waits pass soon.
+                failed = true;
+                deadline = deadline.max(Instant::now() + s.timeout);
+            }
             std::thread::sleep(Duration::from_millis(1));
         }
     }
@@ -219,33 +255,87 @@ impl Drop for StreamWatch {
 
 /// The watchdog's loop (module docs).
 fn run(s: &Shared) {
+    // Per lane: its progress as last read, and since when it is so.
+    let mut moved: std::collections::HashMap<usize, (u64, Instant)> = std::collections::HashMap::new();
     loop {
         if s.stop.load(Ordering::Acquire) {
             return;
         }
         let mut q = s.issued.lock().unwrap_or_else(|e| e.into_inner());
-        q.retain(|i| (s.progress)(i.lane) < i.seq);
-        let Some(oldest) = q.iter().min_by_key(|i| i.at) else {
-            // Idle: nothing to watch until something is queued.
+        // Progress first, causes after (`StreamWatch::done`).
+        let progress: std::collections::HashMap<usize, u64> =
+            q.iter().map(|i| (i.lane, (s.progress)(i.lane))).collect();
+        q.retain(|i| progress[&i.lane] < i.seq);
+        if s.stalled.get().is_some() {
+            // Failed: released while anything is left (peers write over
+            // the poison; work issued after the failure).
+            let left = !q.is_empty();
+            if left {
+                drop(q);
+                s.release.release(&s.stalled.get().expect("set").to_error());
+                std::thread::sleep(Duration::from_millis(1));
+            } else {
+                let _ = s.wake.wait_timeout(q, Duration::from_millis(100));
+            }
+            continue;
+        }
+        let now = Instant::now();
+        let marked = s.release.released_by();
+        if marked.is_none() {
+            let mut sound = s.sound.lock().unwrap_or_else(|e| e.into_inner());
+            for (&lane, &p) in &progress {
+                sound.insert(lane, p);
+            }
+        }
+        if q.is_empty() && marked.is_none() {
+            // Idle: nothing to watch until something is issued.
             let _ = s.wake.wait_timeout(q, Duration::from_millis(100));
             continue;
-        };
-        let (op, seq, at) = (oldest.op, oldest.seq, oldest.at);
-        drop(q);
-        let stall = match s.peers.gone() {
-            Some((peer, error)) => Some(Stall::Gone { peer, error }),
-            None if at.elapsed() > s.timeout => {
-                let mut missing = s.release.signals_missing();
-                if let Some(f) = &s.missing {
-                    missing.extend(f());
-                }
-                missing.sort_unstable();
-                missing.dedup();
-                Some(Stall::Overdue { missing, after: s.timeout })
+        }
+        for (&lane, &p) in &progress {
+            let e = moved.entry(lane).or_insert((p, now));
+            if e.0 != p {
+                *e = (p, now);
             }
-            None => None,
+        }
+        // Each lane's oldest number: its clock starts when it was issued,
+        // or when the lane last moved (the work before it done), whichever
+        // is later.
+        let mut heads: Vec<(&'static str, u64, Instant)> = Vec::new();
+        for i in q.iter() {
+            if !heads.iter().any(|h| std::ptr::eq(h.0, i.op) && h.1 == i.seq)
+                && q.iter().filter(|j| j.lane == i.lane).all(|j| j.seq >= i.seq)
+            {
+                let since = moved.get(&i.lane).map_or(i.at, |m| m.1.max(i.at));
+                heads.push((i.op, i.seq, since));
+            }
+        }
+        let first = q.front().map(|i| (i.op, i.seq));
+        drop(q);
+        let waited = || {
+            let mut m = s.release.signals_missing();
+            if let Some(f) = &s.missing {
+                m.extend(f());
+            }
+            m.sort_unstable();
+            m.dedup();
+            m
         };
-        let Some(stall) = stall else {
+        let stall = if let Some(peer) = marked {
+            // Failed even with nothing queued: the peer's released work may
+            // have written into this rank's memory.
+            let (op, seq) = first.unwrap_or(("stream wait", 0));
+            Some((op, seq, Stall::PeerReleased { peer }))
+        } else if let Some((peer, error)) = s.peers.gone_among(&waited()) {
+            first.map(|(op, seq)| (op, seq, Stall::Gone { peer, error }))
+        } else {
+            heads
+                .iter()
+                .filter(|h| now.duration_since(h.2) > s.timeout)
+                .min_by_key(|h| h.2)
+                .map(|h| (h.0, h.1, Stall::Overdue { missing: waited(), after: s.timeout }))
+        };
+        let Some((op, seq, stall)) = stall else {
             // Looked at often: a dead peer is seen within a few ms.
             std::thread::sleep(Duration::from_millis(2));
             continue;
@@ -254,19 +344,6 @@ fn run(s: &Shared) {
         tracing::error!("{stalled}");
         let why = stalled.to_error();
         let _ = s.stalled.set(stalled);
-        // Released until everything queued has been written (peers may
-        // write their counts over the poison meanwhile), for at most the
-        // timeout.
-        let until = Instant::now() + s.timeout;
-        loop {
-            s.release.release(&why);
-            let q = s.issued.lock().unwrap_or_else(|e| e.into_inner());
-            let drained = q.iter().all(|i| (s.progress)(i.lane) >= i.seq);
-            drop(q);
-            if drained || Instant::now() >= until || s.stop.load(Ordering::Acquire) {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        s.release.release(&why);
     }
 }
