@@ -38,6 +38,7 @@ mod error;
 mod loader;
 pub mod nccl;
 pub mod nccl_comm;
+mod nccl_config;
 pub mod nvrtc;
 pub mod reaper;
 pub mod staging;

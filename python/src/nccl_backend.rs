@@ -81,8 +81,9 @@ pub(crate) fn setup(py: Python<'_>, backend: &str, device: u32, group: &Group) -
         .strip_prefix("ok ")
         .and_then(unhex)
         .ok_or_else(|| Failure::new(ErrKind::Comm, "new_comm: rank 0 sent a malformed NCCL unique id"))?;
+    let timeout = group.timeout();
     let comm = py
-        .detach(|| NcclComm::init(lib, ctx, &UniqueId(id), rank, size))
+        .detach(|| NcclComm::init(lib, ctx, &UniqueId(id), rank, size, timeout))
         .map_err(|e| unavailable(format!("new_comm(\"{backend}\"): {e}")))?;
     Ok(NcclState { backend, device, comm: Mutex::new(comm) })
 }
