@@ -6,10 +6,12 @@
 //! No call waits for a peer without a limit (the project's rule: a dead
 //! peer is an error naming the call, never a hang): the communicator is
 //! made non-blocking (`ncclConfig_t.blocking = 0`, NCCL 2.14+), so init,
-//! and any call NCCL answers with `ncclInProgress`, are polled with
-//! `ncclCommGetAsyncError` until the communicator's timeout, as torch's
-//! ProcessGroupNCCL does. Work already queued on a stream is the stream's:
-//! nothing here bounds how long a stream waits for a peer.
+//! any call NCCL answers with `ncclInProgress`, and the end of the
+//! communicator are polled with `ncclCommGetAsyncError` until the
+//! communicator's timeout, as torch's ProcessGroupNCCL does. Work already
+//! queued on a stream is the stream's: nothing here bounds how long a
+//! stream waits for a peer, except that dropping the communicator aborts
+//! what has not finished within the timeout.
 
 use std::cell::Cell;
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
@@ -193,13 +195,14 @@ impl NcclWindow {
 #[derive(Clone, Copy)]
 struct NonBlockingApi {
     init_rank_config: unsafe extern "C" fn(*mut NcclComm_, c_int, UniqueId, c_int, *mut Config) -> NcclResult,
+    finalize: unsafe extern "C" fn(NcclComm_) -> NcclResult,
 }
 
 #[derive(Clone, Copy)]
 struct Api {
     unique_id: unsafe extern "C" fn(*mut UniqueId) -> NcclResult,
     init_rank: unsafe extern "C" fn(*mut NcclComm_, c_int, UniqueId, c_int) -> NcclResult,
-    /// `None` for a library older than 2.14 or without the call.
+    /// `None` for a library older than 2.14 or without the calls.
     nonblocking: Option<NonBlockingApi>,
     destroy: unsafe extern "C" fn(NcclComm_) -> NcclResult,
     abort: unsafe extern "C" fn(NcclComm_) -> NcclResult,
@@ -223,7 +226,10 @@ impl Api {
             // SAFETY: the C signatures in nccl.h 2.14+ (ncclConfig_t by
             // pointer).
             unsafe {
-                l.get("ncclCommInitRankConfig\0").ok().map(|init_rank_config| NonBlockingApi { init_rank_config })
+                match (l.get("ncclCommInitRankConfig\0"), l.get("ncclCommFinalize\0")) {
+                    (Ok(init_rank_config), Ok(finalize)) => Some(NonBlockingApi { init_rank_config, finalize }),
+                    _ => None,
+                }
             }
         } else {
             None
@@ -325,12 +331,13 @@ pub fn unique_id(lib: &Library) -> Result<UniqueId> {
     Ok(id)
 }
 
-/// One rank's NCCL communicator, on one device; destroyed on drop.
+/// One rank's NCCL communicator, on one device; ended on drop (see
+/// [`close`](Self::close): at most the timeout, then aborted).
 ///
 /// A call that fails with [`CudaError::Timeout`] may still be running
 /// inside NCCL: its buffers must stay valid until the communicator is
-/// gone, and the communicator takes no other call until NCCL says it has
-/// ended.
+/// dropped (which aborts it), and the communicator takes no other call
+/// until NCCL says it has ended.
 pub struct NcclComm {
     api: Api,
     lib: Arc<Library>,
@@ -339,11 +346,12 @@ pub struct NcclComm {
     comm: NcclComm_,
     rank: usize,
     size: usize,
-    /// How long a call NCCL answers `ncclInProgress` may take.
+    /// How long a call NCCL answers `ncclInProgress`, and the end of the
+    /// communicator, may take.
     timeout: Duration,
     /// Made with `blocking = 0` (else by `ncclCommInitRank`, or NCCL's
     /// `NCCL_COMM_BLOCKING=1` overrode it): its calls may return
-    /// `ncclInProgress`.
+    /// `ncclInProgress`, and it can be finalized without blocking.
     nonblocking: bool,
     /// A call still `ncclInProgress` at its deadline: NCCL allows no other
     /// call on the communicator until it ends.
@@ -375,10 +383,11 @@ impl NcclComm {
     /// `ncclCommInitRankConfig` with `blocking = 0` (its `ncclConfig_t`
     /// laid out as the loaded version's nccl.h lays it out), then
     /// `ncclCommGetAsyncError` polled until success. A library older than
-    /// 2.14 (or without `ncclCommInitRankConfig`) has only the blocking
-    /// `ncclCommInitRank`: used then, and it waits for every rank without a
-    /// limit, as does any init under NCCL's `NCCL_COMM_BLOCKING=1`.
-    /// `timeout` also bounds the later calls NCCL answers `ncclInProgress`
+    /// 2.14 (or without `ncclCommInitRankConfig` / `ncclCommFinalize`) has
+    /// only the blocking `ncclCommInitRank`: used then, and it waits for
+    /// every rank without a limit, as does any init under NCCL's
+    /// `NCCL_COMM_BLOCKING=1`. `timeout` also bounds the later calls NCCL
+    /// answers `ncclInProgress` and the end of the communicator
     /// ([`set_timeout`](Self::set_timeout) changes it).
     pub fn init(
         lib: Arc<Library>,
@@ -443,7 +452,8 @@ impl NcclComm {
         Ok(NcclComm { api, lib, ctx, comm, rank, size, timeout, nonblocking, unsettled: Cell::new(None), rma })
     }
 
-    /// Changes the limit of later calls NCCL answers `ncclInProgress`.
+    /// Changes the limit of later calls NCCL answers `ncclInProgress` and
+    /// of the communicator's end.
     pub fn set_timeout(&mut self, timeout: Duration) {
         self.timeout = timeout;
     }
@@ -455,8 +465,8 @@ impl NcclComm {
     }
 
     /// Whether the communicator is non-blocking (NCCL 2.14+, unless
-    /// `NCCL_COMM_BLOCKING=1`): only then are its init and its calls
-    /// bounded by the timeout.
+    /// `NCCL_COMM_BLOCKING=1`): only then are its init, its calls and its
+    /// end bounded by the timeout.
     pub fn is_nonblocking(&self) -> bool {
         self.nonblocking
     }
@@ -825,19 +835,119 @@ impl NcclComm {
     }
 }
 
-impl Drop for NcclComm {
-    fn drop(&mut self) {
+impl NcclComm {
+    /// Ends the communicator, as dropping it does, and says how it went.
+    ///
+    /// A non-blocking communicator is finalized (`ncclCommFinalize`, which
+    /// flushes its outstanding work, polled until `ncclSuccess`) and then
+    /// destroyed, which then returns at once. If an asynchronous error is
+    /// set, or the work has not finished within the timeout (a peer that
+    /// died: its collectives, sends and signal waits never end), it is
+    /// aborted instead (`ncclCommAbort`): that work is cut short — NCCL's
+    /// kernels exit, what they were writing is undefined, streams go on to
+    /// their next work — and the error names the call, this rank and the
+    /// timeout. Waiting is bounded rather than skipped because destroying a
+    /// communicator whose work is still running is the one thing NCCL
+    /// leaves undefined, and cutting short work that would have finished
+    /// loses data; an abort is never a leak, so nothing is left behind
+    /// either way.
+    ///
+    /// A blocking communicator (a library older than 2.14, or
+    /// `NCCL_COMM_BLOCKING=1`) is aborted after an asynchronous error and
+    /// destroyed otherwise; `ncclCommDestroy` then waits for its work
+    /// without a limit.
+    pub fn close(mut self) -> Result<()> {
+        self.end()
+    }
+
+    /// `ncclCommAbort` now, without waiting: outstanding work is cut short
+    /// (as in [`close`](Self::close) past the timeout). For a communicator
+    /// that other ranks have given up on.
+    pub fn abort(mut self) {
+        let comm = std::mem::replace(&mut self.comm, std::ptr::null_mut());
+        if !comm.is_null() {
+            let _bound = self.ctx.bind();
+            // SAFETY: a live communicator, aborted once (nulled above).
+            unsafe { (self.api.abort)(comm) };
+        }
+    }
+
+    fn end(&mut self) -> Result<()> {
+        let comm = std::mem::replace(&mut self.comm, std::ptr::null_mut());
+        if comm.is_null() {
+            return Ok(());
+        }
+        // NCCL binds the device itself; a failure here changes nothing.
         let _bound = self.ctx.bind();
-        let mut st = 0;
-        // SAFETY: a live communicator, destroyed (or aborted, after an
-        // asynchronous error, which destroy could wait on forever) once.
-        unsafe {
-            let broken = (self.api.async_error)(self.comm, &mut st) != 0 || st != 0;
-            if broken {
-                (self.api.abort)(self.comm);
-            } else {
-                (self.api.destroy)(self.comm);
+        let why = match self.api.nonblocking.filter(|_| self.nonblocking) {
+            Some(nb) => self.finalize(comm, nb),
+            None => {
+                let mut st = 0;
+                // SAFETY: a live communicator and a valid out-pointer.
+                let q = unsafe { (self.api.async_error)(comm, &mut st) };
+                match (q, st) {
+                    (0, 0) => None,
+                    (0, e) | (e, _) => Some(self.api.error(&self.lib, "ncclCommGetAsyncError", e)),
+                }
             }
+        };
+        match why {
+            None => {
+                // SAFETY: a live communicator, destroyed once (nulled
+                // above); finalized, or blocking without an error.
+                let st = unsafe { (self.api.destroy)(comm) };
+                self.api.check(&self.lib, "ncclCommDestroy", st)
+            }
+            Some(e) => {
+                // SAFETY: a live communicator, aborted once (nulled above).
+                unsafe { (self.api.abort)(comm) };
+                Err(e)
+            }
+        }
+    }
+
+    /// Finalizes a non-blocking communicator within the timeout: `None`
+    /// when it may be destroyed, else why it must be aborted.
+    fn finalize(&self, comm: NcclComm_, nb: NonBlockingApi) -> Option<CudaError> {
+        let deadline = Instant::now() + self.timeout;
+        let late = |call| CudaError::Timeout {
+            lib: lib_name(&self.lib),
+            call,
+            after: self.timeout,
+            detail: format!(
+                "rank {} of {}: its outstanding work did not finish (a peer that died, or work waiting for one); \
+                 aborted (ncclCommAbort): that work was cut short and what it was writing is undefined",
+                self.rank, self.size
+            ),
+        };
+        // A call still in progress must end first: NCCL allows no other.
+        match self.api.settle(comm, deadline) {
+            Ok(()) => {}
+            Err(Unsettled::Failed(e)) => return Some(self.api.error(&self.lib, "ncclCommGetAsyncError", e)),
+            Err(Unsettled::TimedOut) => return Some(late(self.unsettled.get().unwrap_or("ncclCommGetAsyncError"))),
+        }
+        // SAFETY: a live, settled communicator, finalized once.
+        let st = unsafe { (nb.finalize)(comm) };
+        if st != 0 && st != IN_PROGRESS {
+            return Some(self.api.error(&self.lib, "ncclCommFinalize", st));
+        }
+        match self.api.settle(comm, deadline) {
+            Ok(()) => None,
+            Err(Unsettled::Failed(e)) => Some(self.api.error(&self.lib, "ncclCommFinalize", e)),
+            Err(Unsettled::TimedOut) => Some(late("ncclCommFinalize")),
+        }
+    }
+}
+
+impl Drop for NcclComm {
+    /// [`close`](NcclComm::close), its error (an abort) printed to stderr:
+    /// a drop has no other way to say that work was cut short.
+    fn drop(&mut self) {
+        if self.comm.is_null() {
+            return;
+        }
+        if let Err(e) = self.end() {
+            eprintln!("rmacomm: dropping the NCCL communicator (rank {} of {}): {e}", self.rank, self.size);
         }
     }
 }

@@ -1,6 +1,8 @@
 //! `NcclComm` never waits for a peer without a limit: a rank that never
 //! joins makes init fail within its timeout, naming the call and the
-//! timeout; ranks that both join still work. Against the NCCL stand-in (`RMACOMM_NCCL_LIB`, the CUDA stand-in's
+//! timeout; work left waiting for a peer that died is aborted when the
+//! communicator ends, within the timeout; ranks that both join still
+//! work. Against the NCCL stand-in (`RMACOMM_NCCL_LIB`, the CUDA stand-in's
 //! library), each rank a process: this test binary run again as a child,
 //! its part chosen by `NCCL_TEST_PART`, under a deadline (a child that
 //! outlives it hung, and fails the test).
@@ -148,7 +150,7 @@ fn init_fails_within_its_timeout_when_a_rank_never_joins() {
 }
 
 /// Both ranks join; with the window API (2.29+) each puts into the other's
-/// window and waits for its signal.
+/// window and waits for its signal; then the communicator closes cleanly.
 fn pair() {
     let (lib, ctx, id) = setup();
     let (me, n) = (rank(), 2);
@@ -178,13 +180,13 @@ fn pair() {
         }
         println!("rank {me}: put and signal ok");
     }
-    drop(comm);
+    comm.close().unwrap();
     println!("pair ok");
 }
 
 #[test]
-fn two_ranks_that_both_join_work() {
-    const TEST: &str = "two_ranks_that_both_join_work";
+fn two_ranks_that_both_join_work_and_close() {
+    const TEST: &str = "two_ranks_that_both_join_work_and_close";
     if let Some(p) = child_part() {
         return match p.as_str() {
             "id" => print_id(),
@@ -210,13 +212,74 @@ fn two_ranks_that_both_join_work() {
     }
 }
 
+/// Rank 1 joins and dies at once; rank 0 queues a wait for its signal,
+/// then ends the communicator (`close`, or a drop): within its 2 s,
+/// aborted, and the stream's wait released.
+fn peer_dies() {
+    let (lib, ctx, id) = setup();
+    let me = rank();
+    let mut comm = NcclComm::init(lib, ctx.clone(), &id, me, 2, Duration::from_secs(2)).unwrap();
+    if me == 1 {
+        println!("rank 1 dies");
+        // SAFETY: ends the process at once, as a crash would.
+        unsafe { libc::_exit(0) };
+    }
+    let stream = ctx.stream().unwrap();
+    comm.wait_signal(1, 1, &stream).unwrap();
+    let t = Instant::now();
+    if std::env::var("NCCL_TEST_END").as_deref() == Ok("drop") {
+        drop(comm);
+    } else {
+        let e = comm.close().unwrap_err();
+        let s = e.to_string();
+        println!("close: {s}");
+        assert!(matches!(e, CudaError::Timeout { call: "ncclCommFinalize", .. }), "{e:?}");
+        assert!(s.contains("within 2s") && s.contains("rank 0 of 2") && s.contains("aborted"), "{s}");
+    }
+    let took = t.elapsed();
+    assert!(took >= Duration::from_secs(2) && took < Duration::from_secs(5), "{took:?}");
+    // The abort released the stream's wait (NCCL's abort makes its work exit).
+    stream.synchronize().unwrap();
+    println!("peer_dies ok after {took:?}");
+}
+
+#[test]
+fn ending_a_communicator_whose_peer_died_aborts_within_the_timeout() {
+    const TEST: &str = "ending_a_communicator_whose_peer_died_aborts_within_the_timeout";
+    if let Some(p) = child_part() {
+        return match p.as_str() {
+            "id" => print_id(),
+            _ => peer_dies(),
+        };
+    }
+    let Some(lib) = rmacomm_cuda::standin_for_tests() else { return };
+    for end in ["close", "drop"] {
+        let id = new_id(&lib, TEST, &[]);
+        let kids: Vec<Child> = (0..2)
+            .map(|r| {
+                let env = [("NCCL_TEST_ID", id.as_str()), ("NCCL_TEST_RANK", &r.to_string()), ("NCCL_TEST_END", end)];
+                spawn(&lib, TEST, "peer_dies", &env)
+            })
+            .collect();
+        let outs: Vec<String> =
+            kids.into_iter().enumerate().map(|(r, k)| must(finish(k, &format!("{end}, rank {r}")), end)).collect();
+        assert!(outs[1].contains("rank 1 dies"), "{}", outs[1]);
+        assert!(outs[0].contains("peer_dies ok"), "{end}:\n{}", outs[0]);
+        if end == "drop" {
+            // A drop cannot return the error: it says so on stderr.
+            assert!(outs[0].contains("dropping the NCCL communicator (rank 0 of 2)"), "{}", outs[0]);
+            assert!(outs[0].contains("ncclCommFinalize did not complete within 2s"), "{}", outs[0]);
+        }
+    }
+}
+
 /// A library older than 2.14 has only the blocking `ncclCommInitRank`:
 /// two ranks still make a communicator with it.
 fn old_pair() {
     let (lib, ctx, id) = setup();
     let comm = NcclComm::init(lib, ctx, &id, rank(), 2, Duration::from_secs(20)).unwrap();
     assert!(!comm.is_nonblocking(), "{comm:?}");
-    drop(comm);
+    comm.close().unwrap();
     println!("old_pair ok");
 }
 

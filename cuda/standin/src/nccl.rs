@@ -23,7 +23,14 @@
 //!   a communicator answers its window calls `ncclInProgress` too (the
 //!   next `ncclCommGetAsyncError` says so once more, then success), as
 //!   NCCL may;
-//! - `ncclCommAbort` frees a communicator, in progress or not;
+//! - the work a communicator queues on streams is counted, and finishing
+//!   counted: `ncclCommDestroy` waits for it as NCCL's does (for a minute,
+//!   then it aborts the process saying a real NCCL would hang there),
+//!   `ncclCommFinalize` of a non-blocking communicator is `ncclInProgress`
+//!   until it has finished, and `ncclCommAbort` releases this rank's
+//!   signal waits (NCCL's abort makes its device work exit) and frees the
+//!   communicator, in progress or not (leaked, said so, when other stream
+//!   work keeps the queue from draining);
 //! - failures on request: `RMACOMM_STANDIN_NCCL_FAIL_PUT=1` makes every
 //!   `ncclPutSignal` fail with `ncclInternalError`;
 //!   `RMACOMM_STANDIN_NCCL_FAIL_INIT=<rank>` fails that rank's init after it
@@ -101,6 +108,8 @@ enum State {
     /// Non-blocking init done, but it fails (`RMACOMM_STANDIN_NCCL_FAIL_INIT`).
     Failing,
     Ready,
+    /// `ncclCommFinalize` called: in progress until its work has finished.
+    Finalizing,
 }
 
 struct Comm {
@@ -113,6 +122,11 @@ struct Comm {
     state: Mutex<State>,
     /// A non-blocking call answered `ncclInProgress`: the next query says so.
     settling: AtomicBool,
+    /// Operations this communicator queued on streams, and those finished
+    /// (each one's last stream op adds 1; boxed: a stream thread writes it,
+    /// and it must outlive an abort that leaves work behind).
+    issued: AtomicU64,
+    finished: Box<AtomicU64>,
     /// Per source: the signals this rank's waits so far add up to.
     expected: Mutex<Vec<u64>>,
     /// Per destination: signals (puts included) queued to it so far.
@@ -126,6 +140,33 @@ impl Comm {
     fn shared(&self) -> &Shared {
         // SAFETY: mapped for the communicator's life.
         unsafe { &*self.shared }
+    }
+
+    /// Queues `ops` on `stream` as one operation of this communicator,
+    /// counted until it has run.
+    fn queue(&self, stream: *mut c_void, ops: impl IntoIterator<Item = Op>) {
+        self.issued.fetch_add(1, Ordering::SeqCst);
+        for op in ops {
+            enqueue(stream, op);
+        }
+        enqueue(stream, Op::Add { addr: &*self.finished as *const AtomicU64 as u64, delta: 1 });
+    }
+
+    /// Whether every operation queued so far has run.
+    fn drained(&self) -> bool {
+        self.finished.load(Ordering::SeqCst) >= self.issued.load(Ordering::SeqCst)
+    }
+
+    /// Waits at most `limit` for [`drained`](Self::drained).
+    fn drain(&self, limit: Duration) -> bool {
+        let start = Instant::now();
+        while !self.drained() {
+            if start.elapsed() > limit {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        true
     }
 
     /// What a call of a communicator returns on success: a non-blocking
@@ -277,6 +318,8 @@ fn attach(n: c_int, UniqueId(id): UniqueId, rank: c_int, nonblocking: bool) -> R
         nonblocking,
         state: Mutex::new(if nonblocking { State::Joining } else { State::Ready }),
         settling: AtomicBool::new(false),
+        issued: AtomicU64::new(0),
+        finished: Box::new(AtomicU64::new(0)),
         expected: Mutex::new(vec![0; n]),
         sent: Mutex::new(vec![0; n]),
         windows: AtomicUsize::new(0),
@@ -459,26 +502,51 @@ pub unsafe extern "C" fn ncclCommInitRankConfig(
     IN_PROGRESS
 }
 
+/// Frees a communicator whose work has run, or leaks it (saying so) when
+/// some never does: a stream thread would touch it.
 fn free(c: *mut c_void) -> NcclResult {
     if c.is_null() {
         return INVALID_ARGUMENT;
     }
     // SAFETY: a communicator this library made, freed once (the caller's
-    // contract), and its mapping.
-    unsafe {
-        let c = Box::from_raw(c as *mut Comm);
-        libc::munmap(c.shared.cast(), std::mem::size_of::<Shared>());
+    // contract).
+    let c = unsafe { Box::from_raw(c as *mut Comm) };
+    if !c.drain(Duration::from_secs(2)) {
+        eprintln!(
+            "NCCL stand-in: rank {}: {} of its operations never ran (a stream blocked on other work): the \
+             communicator is leaked",
+            c.rank,
+            c.issued.load(Ordering::SeqCst) - c.finished.load(Ordering::SeqCst)
+        );
+        std::mem::forget(c);
+        return SUCCESS;
     }
+    // SAFETY: the communicator's mapping, undone once; nothing queued
+    // touches it any more.
+    unsafe { libc::munmap(c.shared.cast(), std::mem::size_of::<Shared>()) };
     SUCCESS
 }
 
-/// `ncclCommDestroy`.
+/// `ncclCommDestroy`: waits for the communicator's work, as NCCL does
+/// (NCCL forever; here a minute, then the process aborts, saying so).
 #[no_mangle]
 pub extern "C" fn ncclCommDestroy(c: *mut c_void) -> NcclResult {
+    let Some(cm) = comm(c) else { return INVALID_ARGUMENT };
+    if !cm.drain(JOIN) {
+        eprintln!(
+            "NCCL stand-in: rank {}: ncclCommDestroy waited {JOIN:?} for {} unfinished operations (a peer that \
+             died?): a real NCCL waits here forever",
+            cm.rank,
+            cm.issued.load(Ordering::SeqCst) - cm.finished.load(Ordering::SeqCst)
+        );
+        std::process::abort();
+    }
     free(c)
 }
 
-/// `ncclCommAbort`: ends the communicator at once, in progress or not.
+/// `ncclCommAbort`: ends the communicator at once, in progress or not:
+/// this rank's signal waits are released (NCCL's abort flag makes its
+/// device work exit), then it is freed.
 #[no_mangle]
 pub extern "C" fn ncclCommAbort(c: *mut c_void) -> NcclResult {
     let Some(cm) = comm(c) else { return INVALID_ARGUMENT };
@@ -487,7 +555,37 @@ pub extern "C" fn ncclCommAbort(c: *mut c_void) -> NcclResult {
         // (and waits for ranks that are gone, until its own deadline).
         cm.joined();
     }
+    for src in 0..cm.n {
+        cm.shared().signals[src * MAX_RANKS + cm.rank].store(u64::MAX, Ordering::SeqCst);
+    }
     free(c)
+}
+
+/// `ncclCommFinalize` (2.14+): a non-blocking communicator is
+/// `ncclInProgress` until its work has run; a blocking one waits for it
+/// here (at most a minute).
+#[no_mangle]
+pub extern "C" fn ncclCommFinalize(c: *mut c_void) -> NcclResult {
+    let Some(cm) = comm(c) else { return INVALID_ARGUMENT };
+    if decode(i64::from(version_code())) < (2, 14, 0) {
+        eprintln!("NCCL stand-in: ncclCommFinalize called, but this library says it is older than 2.14");
+        return INVALID_USAGE;
+    }
+    let mut st = cm.state.lock().unwrap();
+    if *st != State::Ready || cm.settling.load(Ordering::SeqCst) {
+        // NCCL: the communicator must be ready, and finalized once.
+        return INVALID_USAGE;
+    }
+    if cm.nonblocking {
+        *st = State::Finalizing;
+        return IN_PROGRESS;
+    }
+    drop(st);
+    if cm.drain(JOIN) {
+        SUCCESS
+    } else {
+        SYSTEM_ERROR
+    }
 }
 
 /// `ncclCommGetAsyncError`: where the communicator stands.
@@ -509,6 +607,8 @@ pub unsafe extern "C" fn ncclCommGetAsyncError(c: *mut c_void, st: *mut NcclResu
     let now = match *state {
         State::Joining => IN_PROGRESS,
         State::Failing => SYSTEM_ERROR,
+        State::Finalizing if cm.drained() => SUCCESS,
+        State::Finalizing => IN_PROGRESS,
         State::Ready if cm.settling.swap(false, Ordering::SeqCst) => IN_PROGRESS,
         State::Ready => SUCCESS,
     };
@@ -813,8 +913,8 @@ pub unsafe extern "C" fn ncclPutSignal(
         eprintln!("NCCL stand-in: put source {src:#x} (+{bytes}) is in no window this rank registered");
         return INVALID_ARGUMENT;
     }
-    enqueue(stream, Op::Copy { dst: dst + offset as u64, src, len: bytes });
-    enqueue(stream, Op::Write { addr: cm.counter(cm.rank, peer), value: cm.next_seq(peer) });
+    let signal = Op::Write { addr: cm.counter(cm.rank, peer), value: cm.next_seq(peer) };
+    cm.queue(stream, [Op::Copy { dst: dst + offset as u64, src, len: bytes }, signal]);
     cm.done()
 }
 
@@ -832,7 +932,7 @@ pub extern "C" fn ncclSignal(
         Ok(cm) => cm,
         Err(e) => return e,
     };
-    enqueue(stream, Op::Write { addr: cm.counter(cm.rank, peer as usize), value: cm.next_seq(peer as usize) });
+    cm.queue(stream, [Op::Write { addr: cm.counter(cm.rank, peer as usize), value: cm.next_seq(peer as usize) }]);
     cm.done()
 }
 
@@ -879,7 +979,7 @@ pub unsafe extern "C" fn ncclWaitSignal(
             e[peer] += k;
             e[peer]
         };
-        enqueue(stream, Op::WaitGeq { addr: cm.counter(peer, cm.rank), value: target });
+        cm.queue(stream, [Op::WaitGeq { addr: cm.counter(peer, cm.rank), value: target }]);
     }
     cm.done()
 }
