@@ -305,6 +305,12 @@ impl Api {
     }
 }
 
+/// `timeout` from now (a timeout past what `Instant` holds: a century).
+fn deadline(timeout: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(timeout).unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 86_400))
+}
+
 /// Why a non-blocking call did not end in success.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Unsettled {
@@ -399,7 +405,7 @@ impl NcclComm {
     ) -> Result<NcclComm> {
         let api = Api::of(&lib)?;
         let bound = ctx.bind()?;
-        let deadline = Instant::now() + timeout;
+        let deadline = deadline(timeout);
         let mut comm: NcclComm_ = std::ptr::null_mut();
         let (n, r) = (c_int::try_from(size).unwrap_or(c_int::MAX), c_int::try_from(rank).unwrap_or(c_int::MAX));
         // (From 2.29 NCCL gives a communicator one RMA context by default,
@@ -515,7 +521,7 @@ impl NcclComm {
         if st != IN_PROGRESS {
             self.api.check(&self.lib, call, st)?;
         }
-        match self.api.settle(self.comm, Instant::now() + self.timeout) {
+        match self.api.settle(self.comm, deadline(self.timeout)) {
             Ok(()) => Ok(()),
             Err(Unsettled::Failed(code)) => Err(self.api.error(&self.lib, call, code)),
             Err(Unsettled::TimedOut) => {
@@ -909,7 +915,7 @@ impl NcclComm {
     /// Finalizes a non-blocking communicator within the timeout: `None`
     /// when it may be destroyed, else why it must be aborted.
     fn finalize(&self, comm: NcclComm_, nb: NonBlockingApi) -> Option<CudaError> {
-        let deadline = Instant::now() + self.timeout;
+        let deadline = deadline(self.timeout);
         let late = |call| CudaError::Timeout {
             lib: lib_name(&self.lib),
             call,
