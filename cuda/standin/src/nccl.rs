@@ -333,7 +333,7 @@ fn all_joined(c: &Comm) -> bool {
     c.shared().joined.load(Ordering::Acquire) >= c.n as u64
 }
 
-/// `ncclCommInitRank`: waits for every rank (at most [`JOIN`]).
+/// `ncclCommInitRank`: waits for every rank (at most a minute).
 ///
 /// # Safety
 /// `out` is a valid out-pointer.
