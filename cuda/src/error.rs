@@ -46,6 +46,20 @@ pub enum CudaError {
         /// The code's name or description, from the library where it has one.
         name: String,
     },
+    /// A call into the library did not complete within its time limit
+    /// (NCCL's non-blocking calls, polled until then); `detail` says which
+    /// rank waited and what was done about it.
+    #[error("{lib}: {call} did not complete within {after:?}: {detail}")]
+    Timeout {
+        /// The library in words.
+        lib: &'static str,
+        /// The function called.
+        call: &'static str,
+        /// How long it was given.
+        after: std::time::Duration,
+        /// The rank, what it waited for, and what was left behind.
+        detail: String,
+    },
     /// The library is there but too old for what was asked.
     #[error("{lib} {have} is too old: {what} needs {need} or newer")]
     TooOld {

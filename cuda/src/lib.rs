@@ -28,7 +28,9 @@
 //! memory shared between processes as descriptors), `nvrtc` (CUDA C to PTX or
 //! cubin, no GPU needed), `nccl` (NCCL/RCCL version probes for the fallback
 //! backends), `nccl_comm` (an NCCL/RCCL communicator: collectives, and from
-//! NCCL 2.29 its window calls), `loader` (the search above), `error`.
+//! NCCL 2.29 its window calls; init, in-progress calls and its end bounded
+//! by a timeout), `nccl_config` (`ncclConfig_t` as the loaded version lays
+//! it out), `loader` (the search above), `error`.
 
 #![deny(unsafe_op_in_unsafe_fn)]
 
@@ -38,6 +40,7 @@ mod error;
 mod loader;
 pub mod nccl;
 pub mod nccl_comm;
+mod nccl_config;
 pub mod nvrtc;
 pub mod reaper;
 pub mod staging;

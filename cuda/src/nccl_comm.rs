@@ -2,16 +2,32 @@
 //! the fallback backend's collectives on device memory, queued on a CUDA
 //! stream. The unique id needs no GPU (rank 0 makes it, the bootstrap
 //! group carries it); everything else needs the device.
+//!
+//! No call waits for a peer without a limit (the project's rule: a dead
+//! peer is an error naming the call, never a hang): the communicator is
+//! made non-blocking (`ncclConfig_t.blocking = 0`, NCCL 2.14+), so init,
+//! any call NCCL answers with `ncclInProgress`, and the end of the
+//! communicator are polled with `ncclCommGetAsyncError` until the
+//! communicator's timeout, as torch's ProcessGroupNCCL does. Work already
+//! queued on a stream is the stream's: nothing here bounds how long a
+//! stream waits for a peer, except that dropping the communicator aborts
+//! what has not finished within the timeout.
 
+use std::cell::Cell;
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use crate::device::{DeviceMemory, Stream};
 use crate::driver::{Context, DevicePtr};
 use crate::nccl::{Flavor, Library, WINDOW_API};
+use crate::nccl_config::{Config, CONFIG_API};
 use crate::{CudaError, Result};
 
 type NcclResult = c_int;
+/// `ncclInProgress`: a non-blocking call (or the communicator's init or
+/// finalization) has not finished yet.
+const IN_PROGRESS: NcclResult = 7;
 type NcclComm_ = *mut c_void;
 type CuStream = *mut c_void;
 
@@ -175,10 +191,19 @@ impl NcclWindow {
     }
 }
 
+/// The calls of a non-blocking communicator (NCCL 2.14+).
+#[derive(Clone, Copy)]
+struct NonBlockingApi {
+    init_rank_config: unsafe extern "C" fn(*mut NcclComm_, c_int, UniqueId, c_int, *mut Config) -> NcclResult,
+    finalize: unsafe extern "C" fn(NcclComm_) -> NcclResult,
+}
+
 #[derive(Clone, Copy)]
 struct Api {
     unique_id: unsafe extern "C" fn(*mut UniqueId) -> NcclResult,
     init_rank: unsafe extern "C" fn(*mut NcclComm_, c_int, UniqueId, c_int) -> NcclResult,
+    /// `None` for a library older than 2.14 or without the calls.
+    nonblocking: Option<NonBlockingApi>,
     destroy: unsafe extern "C" fn(NcclComm_) -> NcclResult,
     abort: unsafe extern "C" fn(NcclComm_) -> NcclResult,
     error_string: unsafe extern "C" fn(NcclResult) -> *const c_char,
@@ -197,6 +222,18 @@ struct Api {
 impl Api {
     fn of(lib: &Library) -> Result<Api> {
         let l = &lib.lib;
+        let nonblocking = if lib.version() >= CONFIG_API {
+            // SAFETY: the C signatures in nccl.h 2.14+ (ncclConfig_t by
+            // pointer).
+            unsafe {
+                match (l.get("ncclCommInitRankConfig\0"), l.get("ncclCommFinalize\0")) {
+                    (Ok(init_rank_config), Ok(finalize)) => Some(NonBlockingApi { init_rank_config, finalize }),
+                    _ => None,
+                }
+            }
+        } else {
+            None
+        };
         // SAFETY: each type is the function's C signature in nccl.h
         // (ncclUniqueId by value is a 128-byte struct; enums are ints;
         // cudaStream_t and ncclComm_t are pointers).
@@ -204,6 +241,7 @@ impl Api {
             Ok(Api {
                 unique_id: l.get("ncclGetUniqueId\0")?,
                 init_rank: l.get("ncclCommInitRank\0")?,
+                nonblocking,
                 destroy: l.get("ncclCommDestroy\0")?,
                 abort: l.get("ncclCommAbort\0")?,
                 error_string: l.get("ncclGetErrorString\0")?,
@@ -222,9 +260,14 @@ impl Api {
     }
 
     fn check(&self, lib: &Library, call: &'static str, st: NcclResult) -> Result<()> {
-        if st == 0 {
-            return Ok(());
+        match st {
+            0 => Ok(()),
+            e => Err(self.error(lib, call, e)),
         }
+    }
+
+    /// The error `call` returning `st` (not success) is.
+    fn error(&self, lib: &Library, call: &'static str, st: NcclResult) -> CudaError {
         // SAFETY: NCCL returns a static string for any code.
         let p = unsafe { (self.error_string)(st) };
         let name = if p.is_null() {
@@ -233,8 +276,49 @@ impl Api {
             // SAFETY: non-null, NUL-terminated, static.
             unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
         };
-        Err(CudaError::Call { lib: lib_name(lib), call, code: st, name })
+        CudaError::Call { lib: lib_name(lib), call, code: st, name }
     }
+
+    /// Polls `ncclCommGetAsyncError` while it says `ncclInProgress`, until
+    /// `deadline`: `Ok` once NCCL says success, else why not.
+    fn settle(&self, comm: NcclComm_, deadline: Instant) -> std::result::Result<(), Unsettled> {
+        // Short at first (most calls settle at once), then at most 1 ms:
+        // init takes seconds, and a poll is one atomic load in NCCL.
+        let mut pause = Duration::from_micros(10);
+        loop {
+            let mut st = 0;
+            // SAFETY: a live communicator (init's, before any abort) and a
+            // valid out-pointer.
+            let q = unsafe { (self.async_error)(comm, &mut st) };
+            match (q, st) {
+                (0, 0) => return Ok(()),
+                (0, IN_PROGRESS) => {}
+                (0, e) | (e, _) => return Err(Unsettled::Failed(e)),
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(Unsettled::TimedOut);
+            }
+            std::thread::sleep(pause.min(deadline - now));
+            pause = (pause * 2).min(Duration::from_millis(1));
+        }
+    }
+}
+
+/// `timeout` from now (a timeout past what `Instant` holds: a century).
+fn deadline(timeout: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(timeout).unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 86_400))
+}
+
+/// Why a non-blocking call did not end in success.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Unsettled {
+    /// NCCL reported this code (the call's own error, or an asynchronous
+    /// one: a peer gone, a network error).
+    Failed(NcclResult),
+    /// Still `ncclInProgress` at the deadline.
+    TimedOut,
 }
 
 fn lib_name(lib: &Library) -> &'static str {
@@ -253,14 +337,31 @@ pub fn unique_id(lib: &Library) -> Result<UniqueId> {
     Ok(id)
 }
 
-/// One rank's NCCL communicator, on one device; destroyed on drop.
+/// One rank's NCCL communicator, on one device; ended on drop (see
+/// [`close`](Self::close): at most the timeout, then aborted).
+///
+/// A call that fails with [`CudaError::Timeout`] may still be running
+/// inside NCCL: its buffers must stay valid until the communicator is
+/// dropped (which aborts it), and the communicator takes no other call
+/// until NCCL says it has ended.
 pub struct NcclComm {
     api: Api,
     lib: Arc<Library>,
     ctx: Arc<Context>,
+    /// Null once closed or aborted.
     comm: NcclComm_,
     rank: usize,
     size: usize,
+    /// How long a call NCCL answers `ncclInProgress`, and the end of the
+    /// communicator, may take.
+    timeout: Duration,
+    /// Made with `blocking = 0` (else by `ncclCommInitRank`, or NCCL's
+    /// `NCCL_COMM_BLOCKING=1` overrode it): its calls may return
+    /// `ncclInProgress`, and it can be finalized without blocking.
+    nonblocking: bool,
+    /// A call still `ncclInProgress` at its deadline: NCCL allows no other
+    /// call on the communicator until it ends.
+    unsettled: Cell<Option<&'static str>>,
     /// NCCL's window API, resolved at init: its calls, or why there are none
     /// (older than 2.29, a missing symbol).
     rma: std::result::Result<RmaApi, CudaError>,
@@ -278,19 +379,102 @@ unsafe impl Send for NcclComm {}
 
 impl NcclComm {
     /// Joins the communicator of `size` ranks that `id` names, as `rank`,
-    /// on `ctx`'s device (collective: every rank calls it).
-    pub fn init(lib: Arc<Library>, ctx: Arc<Context>, id: &UniqueId, rank: usize, size: usize) -> Result<NcclComm> {
+    /// on `ctx`'s device (collective: every rank calls it), waiting at most
+    /// `timeout` for the others: past it (a rank that died, or never
+    /// called init) the half-made communicator is aborted and the error
+    /// ([`CudaError::Timeout`]) names `ncclCommInitRankConfig`, this rank
+    /// and the timeout. NCCL cannot tell which rank is missing; the
+    /// bootstrap group can (Python's `new_comm("nccl")` asks it).
+    ///
+    /// `ncclCommInitRankConfig` with `blocking = 0` (its `ncclConfig_t`
+    /// laid out as the loaded version's nccl.h lays it out), then
+    /// `ncclCommGetAsyncError` polled until success. A library older than
+    /// 2.14 (or without `ncclCommInitRankConfig` / `ncclCommFinalize`) has
+    /// only the blocking `ncclCommInitRank`: used then, and it waits for
+    /// every rank without a limit, as does any init under NCCL's
+    /// `NCCL_COMM_BLOCKING=1`. `timeout` also bounds the later calls NCCL
+    /// answers `ncclInProgress` and the end of the communicator
+    /// ([`set_timeout`](Self::set_timeout) changes it).
+    pub fn init(
+        lib: Arc<Library>,
+        ctx: Arc<Context>,
+        id: &UniqueId,
+        rank: usize,
+        size: usize,
+        timeout: Duration,
+    ) -> Result<NcclComm> {
         let api = Api::of(&lib)?;
         let bound = ctx.bind()?;
+        let deadline = deadline(timeout);
         let mut comm: NcclComm_ = std::ptr::null_mut();
         let (n, r) = (c_int::try_from(size).unwrap_or(c_int::MAX), c_int::try_from(rank).unwrap_or(c_int::MAX));
-        // SAFETY: a valid out-pointer; the id by value. (From 2.29 NCCL
-        // gives a communicator one RMA context by default, what its
-        // one-sided calls need; NCCL_NUM_RMA_CTX sets how many.)
-        api.check(&lib, "ncclCommInitRank", unsafe { (api.init_rank)(&mut comm, n, *id, r) })?;
+        // (From 2.29 NCCL gives a communicator one RMA context by default,
+        // what its one-sided calls need; NCCL_NUM_RMA_CTX sets how many.)
+        let nonblocking = match (api.nonblocking, Config::nonblocking(lib.version())) {
+            (Some(nb), Some(mut config)) => {
+                const CALL: &str = "ncclCommInitRankConfig";
+                // SAFETY: a valid out-pointer; the id by value; a config of
+                // the loaded version's layout, read during the call.
+                let st = unsafe { (nb.init_rank_config)(&mut comm, n, *id, r, &mut config) };
+                let settled = match st {
+                    0 | IN_PROGRESS => api.settle(comm, deadline),
+                    e => Err(Unsettled::Failed(e)),
+                };
+                if let Err(why) = settled {
+                    if !comm.is_null() {
+                        // SAFETY: the communicator NCCL made (it leaves
+                        // null where it freed it), aborted once; abort
+                        // cancels an init still in progress.
+                        unsafe { (api.abort)(comm) };
+                    }
+                    return Err(match why {
+                        Unsettled::Failed(code) => match api.error(&lib, CALL, code) {
+                            CudaError::Call { lib, call, code, name } => {
+                                CudaError::Call { lib, call, code, name: format!("{name} (rank {rank} of {size})") }
+                            }
+                            other => other,
+                        },
+                        Unsettled::TimedOut => CudaError::Timeout {
+                            lib: lib_name(&lib),
+                            call: CALL,
+                            after: timeout,
+                            detail: format!(
+                                "rank {rank} of {size} waited for the others: not every rank joined (one died, \
+                                 or never called it); aborted here"
+                            ),
+                        },
+                    });
+                }
+                std::env::var("NCCL_COMM_BLOCKING").map_or(true, |v| v.trim() == "0")
+            }
+            _ => {
+                // SAFETY: a valid out-pointer; the id by value.
+                api.check(&lib, "ncclCommInitRank", unsafe { (api.init_rank)(&mut comm, n, *id, r) })?;
+                false
+            }
+        };
         drop(bound);
         let rma = RmaApi::of(&lib);
-        Ok(NcclComm { api, lib, ctx, comm, rank, size, rma })
+        Ok(NcclComm { api, lib, ctx, comm, rank, size, timeout, nonblocking, unsettled: Cell::new(None), rma })
+    }
+
+    /// Changes the limit of later calls NCCL answers `ncclInProgress` and
+    /// of the communicator's end.
+    pub fn set_timeout(&mut self, timeout: Duration) {
+        self.timeout = timeout;
+    }
+
+    /// The limit [`init`](Self::init) was given (or
+    /// [`set_timeout`](Self::set_timeout)'s).
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// Whether the communicator is non-blocking (NCCL 2.14+, unless
+    /// `NCCL_COMM_BLOCKING=1`): only then are its init, its calls and its
+    /// end bounded by the timeout.
+    pub fn is_nonblocking(&self) -> bool {
+        self.nonblocking
     }
 
     /// This rank.
@@ -308,15 +492,59 @@ impl NcclComm {
         format!("{} {}", lib_name(&self.lib), self.lib.version())
     }
 
+    /// Refuses a call while an earlier one is still `ncclInProgress` past
+    /// its deadline (NCCL allows none then), unless it has ended since.
+    fn usable(&self, call: &'static str) -> Result<()> {
+        let Some(earlier) = self.unsettled.get() else { return Ok(()) };
+        if self.comm.is_null() || self.api.settle(self.comm, Instant::now()).is_err() {
+            return Err(CudaError::Call {
+                lib: lib_name(&self.lib),
+                call,
+                code: IN_PROGRESS,
+                name: format!(
+                    "rank {} of {}: an earlier {earlier} did not complete within {:?}, and NCCL allows no other call \
+                     until it does: make a new communicator",
+                    self.rank, self.size, self.timeout
+                ),
+            });
+        }
+        self.unsettled.set(None);
+        Ok(())
+    }
+
+    /// `st`, the status `call` returned, and then the communicator's: a
+    /// call answered `ncclInProgress` is polled until it ends (at most the
+    /// timeout; past it the communicator refuses further calls), and an
+    /// error of earlier work (a peer gone, a network error) surfaces here
+    /// rather than as a hang later.
+    fn finish(&self, call: &'static str, st: NcclResult) -> Result<()> {
+        if st != IN_PROGRESS {
+            self.api.check(&self.lib, call, st)?;
+        }
+        match self.api.settle(self.comm, deadline(self.timeout)) {
+            Ok(()) => Ok(()),
+            Err(Unsettled::Failed(code)) => Err(self.api.error(&self.lib, call, code)),
+            Err(Unsettled::TimedOut) => {
+                self.unsettled.set(Some(call));
+                Err(CudaError::Timeout {
+                    lib: lib_name(&self.lib),
+                    call,
+                    after: self.timeout,
+                    detail: format!(
+                        "rank {} of {}: NCCL still reports it in progress (a peer that died or stopped calling); \
+                         the communicator takes no other call until it ends",
+                        self.rank, self.size
+                    ),
+                })
+            }
+        }
+    }
+
     fn call(&self, call: &'static str, f: impl FnOnce() -> NcclResult) -> Result<()> {
+        self.usable(call)?;
         let _bound = self.ctx.bind()?;
-        self.api.check(&self.lib, call, f())?;
-        // An error of earlier work (a peer gone, a network error) surfaces
-        // here rather than as a hang later.
-        let mut st = 0;
-        // SAFETY: a live communicator and a valid out-pointer.
-        self.api.check(&self.lib, "ncclCommGetAsyncError", unsafe { (self.api.async_error)(self.comm, &mut st) })?;
-        self.api.check(&self.lib, call, st)
+        let st = f();
+        self.finish(call, st)
     }
 
     /// `ncclAllReduce` of `count` elements from `send` into `recv` (may be
@@ -441,6 +669,7 @@ impl NcclComm {
         stream: &Stream,
     ) -> Result<()> {
         let (c, s) = (self.comm, stream.raw() as CuStream);
+        self.usable("ncclGroupStart")?;
         let _bound = self.ctx.bind()?;
         // SAFETY: no arguments.
         self.api.check(&self.lib, "ncclGroupStart", unsafe { (self.api.group_start)() })?;
@@ -455,10 +684,12 @@ impl NcclComm {
             let st = unsafe { (self.api.recv)(p as _, n, dt as c_int, peer as c_int, c, s) };
             first_err = first_err.and(self.api.check(&self.lib, "ncclRecv", st));
         }
-        // The group is always closed, whatever failed inside it.
+        // The group is always closed, whatever failed inside it; a
+        // non-blocking communicator may answer ncclInProgress (the group
+        // runs in NCCL's thread), polled as any call.
         // SAFETY: no arguments.
-        let end = self.api.check(&self.lib, "ncclGroupEnd", unsafe { (self.api.group_end)() });
-        first_err.and(end)
+        let end = unsafe { (self.api.group_end)() };
+        first_err.and(self.finish("ncclGroupEnd", end))
     }
 
     /// Whether NCCL's window API can be used (2.29 or later, with the
@@ -478,18 +709,41 @@ impl NcclComm {
     ///
     /// # Safety
     /// `mem` stays allocated until the window is deregistered (peers write
-    /// it until then), and is in no other window of this communicator
-    /// (NCCL leaves registering a buffer twice undefined).
+    /// it until then) — after a [`CudaError::Timeout`] here, until the
+    /// communicator is dropped (NCCL may still be registering it) — and is
+    /// in no other window of this communicator (NCCL leaves registering a
+    /// buffer twice undefined).
     pub unsafe fn window_register(&mut self, mem: &DeviceMemory) -> Result<NcclWindow> {
         let api = self.rma.clone()?;
-        let mut raw: *mut c_void = std::ptr::null_mut();
+        self.usable("ncclCommWindowRegister")?;
+        // A non-blocking registration is a task NCCL's group thread runs,
+        // writing the window's handle when it is done: on the heap, so
+        // that one still running past the timeout writes nothing freed.
+        let slot: *mut *mut c_void = Box::into_raw(Box::new(std::ptr::null_mut()));
         let (c, ptr, len) = (self.comm, mem.ptr(), mem.len());
         let bound = self.ctx.bind()?;
         // SAFETY: live device memory (the caller keeps it allocated while
-        // registered); a valid out-pointer.
-        let st = unsafe { (api.register)(c, ptr as *mut c_void, len, &mut raw, WIN_COLL_SYMMETRIC) };
+        // registered); a valid out-pointer, alive until the registration
+        // has ended (`finish` polls a non-blocking one to its end).
+        let st = unsafe { (api.register)(c, ptr as *mut c_void, len, slot, WIN_COLL_SYMMETRIC) };
         drop(bound);
-        self.api.check(&self.lib, "ncclCommWindowRegister", st)?;
+        let done = self.finish("ncclCommWindowRegister", st);
+        if let Err(e @ CudaError::Timeout { .. }) = done {
+            // Still running: the slot stays NCCL's (8 bytes leaked).
+            return Err(e);
+        }
+        // SAFETY: the slot made above, freed once; the registration has
+        // ended (finished or failed), so NCCL writes it no more.
+        let raw = unsafe { *Box::from_raw(slot) };
+        if let Err(e) = done {
+            if !raw.is_null() {
+                // NCCL made the window before the error: not lost.
+                let win = NcclWindow { raw, comm: c, ptr, len };
+                // SAFETY: just registered, nothing queued uses it.
+                let _ = unsafe { self.window_deregister(win) };
+            }
+            return Err(e);
+        }
         if raw.is_null() {
             return Err(CudaError::Call {
                 lib: lib_name(&self.lib),
@@ -499,14 +753,7 @@ impl NcclComm {
                     .into(),
             });
         }
-        let win = NcclWindow { raw, comm: c, ptr, len };
-        // Registered: an asynchronous error now must not lose the window.
-        if let Err(e) = self.call("ncclCommWindowRegister", || 0) {
-            // SAFETY: just registered, nothing queued uses it.
-            let _ = unsafe { self.window_deregister(win) };
-            return Err(e);
-        }
-        Ok(win)
+        Ok(NcclWindow { raw, comm: c, ptr, len })
     }
 
     fn mine(&self, call: &'static str, win: &NcclWindow) -> Result<()> {
@@ -594,19 +841,119 @@ impl NcclComm {
     }
 }
 
-impl Drop for NcclComm {
-    fn drop(&mut self) {
+impl NcclComm {
+    /// Ends the communicator, as dropping it does, and says how it went.
+    ///
+    /// A non-blocking communicator is finalized (`ncclCommFinalize`, which
+    /// flushes its outstanding work, polled until `ncclSuccess`) and then
+    /// destroyed, which then returns at once. If an asynchronous error is
+    /// set, or the work has not finished within the timeout (a peer that
+    /// died: its collectives, sends and signal waits never end), it is
+    /// aborted instead (`ncclCommAbort`): that work is cut short — NCCL's
+    /// kernels exit, what they were writing is undefined, streams go on to
+    /// their next work — and the error names the call, this rank and the
+    /// timeout. Waiting is bounded rather than skipped because destroying a
+    /// communicator whose work is still running is the one thing NCCL
+    /// leaves undefined, and cutting short work that would have finished
+    /// loses data; an abort is never a leak, so nothing is left behind
+    /// either way.
+    ///
+    /// A blocking communicator (a library older than 2.14, or
+    /// `NCCL_COMM_BLOCKING=1`) is aborted after an asynchronous error and
+    /// destroyed otherwise; `ncclCommDestroy` then waits for its work
+    /// without a limit.
+    pub fn close(mut self) -> Result<()> {
+        self.end()
+    }
+
+    /// `ncclCommAbort` now, without waiting: outstanding work is cut short
+    /// (as in [`close`](Self::close) past the timeout). For a communicator
+    /// that other ranks have given up on.
+    pub fn abort(mut self) {
+        let comm = std::mem::replace(&mut self.comm, std::ptr::null_mut());
+        if !comm.is_null() {
+            let _bound = self.ctx.bind();
+            // SAFETY: a live communicator, aborted once (nulled above).
+            unsafe { (self.api.abort)(comm) };
+        }
+    }
+
+    fn end(&mut self) -> Result<()> {
+        let comm = std::mem::replace(&mut self.comm, std::ptr::null_mut());
+        if comm.is_null() {
+            return Ok(());
+        }
+        // NCCL binds the device itself; a failure here changes nothing.
         let _bound = self.ctx.bind();
-        let mut st = 0;
-        // SAFETY: a live communicator, destroyed (or aborted, after an
-        // asynchronous error, which destroy could wait on forever) once.
-        unsafe {
-            let broken = (self.api.async_error)(self.comm, &mut st) != 0 || st != 0;
-            if broken {
-                (self.api.abort)(self.comm);
-            } else {
-                (self.api.destroy)(self.comm);
+        let why = match self.api.nonblocking.filter(|_| self.nonblocking) {
+            Some(nb) => self.finalize(comm, nb),
+            None => {
+                let mut st = 0;
+                // SAFETY: a live communicator and a valid out-pointer.
+                let q = unsafe { (self.api.async_error)(comm, &mut st) };
+                match (q, st) {
+                    (0, 0) => None,
+                    (0, e) | (e, _) => Some(self.api.error(&self.lib, "ncclCommGetAsyncError", e)),
+                }
             }
+        };
+        match why {
+            None => {
+                // SAFETY: a live communicator, destroyed once (nulled
+                // above); finalized, or blocking without an error.
+                let st = unsafe { (self.api.destroy)(comm) };
+                self.api.check(&self.lib, "ncclCommDestroy", st)
+            }
+            Some(e) => {
+                // SAFETY: a live communicator, aborted once (nulled above).
+                unsafe { (self.api.abort)(comm) };
+                Err(e)
+            }
+        }
+    }
+
+    /// Finalizes a non-blocking communicator within the timeout: `None`
+    /// when it may be destroyed, else why it must be aborted.
+    fn finalize(&self, comm: NcclComm_, nb: NonBlockingApi) -> Option<CudaError> {
+        let deadline = deadline(self.timeout);
+        let late = |call| CudaError::Timeout {
+            lib: lib_name(&self.lib),
+            call,
+            after: self.timeout,
+            detail: format!(
+                "rank {} of {}: its outstanding work did not finish (a peer that died, or work waiting for one); \
+                 aborted (ncclCommAbort): that work was cut short and what it was writing is undefined",
+                self.rank, self.size
+            ),
+        };
+        // A call still in progress must end first: NCCL allows no other.
+        match self.api.settle(comm, deadline) {
+            Ok(()) => {}
+            Err(Unsettled::Failed(e)) => return Some(self.api.error(&self.lib, "ncclCommGetAsyncError", e)),
+            Err(Unsettled::TimedOut) => return Some(late(self.unsettled.get().unwrap_or("ncclCommGetAsyncError"))),
+        }
+        // SAFETY: a live, settled communicator, finalized once.
+        let st = unsafe { (nb.finalize)(comm) };
+        if st != 0 && st != IN_PROGRESS {
+            return Some(self.api.error(&self.lib, "ncclCommFinalize", st));
+        }
+        match self.api.settle(comm, deadline) {
+            Ok(()) => None,
+            Err(Unsettled::Failed(e)) => Some(self.api.error(&self.lib, "ncclCommFinalize", e)),
+            Err(Unsettled::TimedOut) => Some(late("ncclCommFinalize")),
+        }
+    }
+}
+
+impl Drop for NcclComm {
+    /// [`close`](NcclComm::close), its error (an abort) printed to stderr:
+    /// a drop has no other way to say that work was cut short.
+    fn drop(&mut self) {
+        if self.comm.is_null() {
+            return;
+        }
+        if let Err(e) = self.end() {
+            eprintln!("rmacomm: dropping the NCCL communicator (rank {} of {}): {e}", self.rank, self.size);
         }
     }
 }

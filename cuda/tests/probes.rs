@@ -137,7 +137,7 @@ fn nccl_unique_ids_need_no_gpu_and_a_one_rank_comm_runs_on_one() {
         Err(e) => return println!("skipped the one-rank communicator: {e}"),
         Ok(c) => c,
     };
-    let mut comm = NcclComm::init(lib, ctx.clone(), &a, 0, 1).unwrap();
+    let mut comm = NcclComm::init(lib, ctx.clone(), &a, 0, 1, std::time::Duration::from_secs(60)).unwrap();
     println!("{comm:?}");
     let stream = ctx.stream().unwrap();
     let n = 1000;

@@ -162,7 +162,10 @@ fn rank_and_size(rank: Option<usize>, size: Option<usize>) -> PyResult<(usize, u
 ///         CUDA tensors in all_reduce, reduce, broadcast, all_gather_single,
 ///         reduce_scatter_single, all_to_all_single, send and recv (queued
 ///         on torch's current stream). A missing library, driver or device
-///         on any rank: `rmacomm.UnavailableError` naming it.
+///         on any rank: `rmacomm.UnavailableError` naming it. NCCL's init
+///         is bounded by `timeout`: a rank that dies or never reaches it is
+///         a `rmacomm.TimeoutError` naming it on the others, a rank whose
+///         init fails an `UnavailableError` naming it.
 ///     device: "cpu" (a string or a torch.device); for "nccl", "cuda:N"
 ///         (default: torch's current CUDA device).
 ///     store: the bootstrap store: `rmacomm.TcpStore`, a

@@ -195,6 +195,7 @@ fn window_kind(e: &rmacomm_window::Error) -> ErrKind {
                 | rmacomm_window::cuda::CudaError::TooOld { .. },
             ..
         } => ErrKind::Unavailable,
+        W::Cuda { source: rmacomm_window::cuda::CudaError::Timeout { .. }, .. } => ErrKind::Timeout,
         W::Rma { source, .. } | W::Transport { source, .. } => transport_kind(source),
         _ => ErrKind::Comm,
     }

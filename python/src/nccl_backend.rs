@@ -6,13 +6,20 @@
 //! torch's current stream of the tensor's device (as torch's NCCL process
 //! group queues them). Other collectives on CUDA tensors raise
 //! `UnavailableError` naming the call.
+//!
+//! Setting it up never hangs on a rank that dies or never joins: NCCL's
+//! init is bounded by the communicator's timeout, and every rank then
+//! reports how its init went through the bootstrap store, so each names
+//! the ranks that failed (and why) or never reported.
 
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use pyo3::prelude::*;
 use rmacomm_collectives::ReduceOp;
 use rmacomm_window::cuda::nccl::{Flavor, Library};
 use rmacomm_window::cuda::nccl_comm::{self, DataType, NcclComm, RedOp, UniqueId};
+use rmacomm_window::cuda::CudaError;
 use rmacomm_window::Group;
 
 use crate::cuda_tensor::{self, CudaTensor};
@@ -46,10 +53,17 @@ fn unhex(s: &str) -> Option<[u8; 128]> {
     Some(out)
 }
 
+/// How much longer than its own init's timeout a rank waits for the other
+/// ranks' init results: their inits started when the unique id's exchange
+/// ended on each, within this much of one another (a store round trip),
+/// so their deadlines pass no later.
+const REPORT_GRACE: Duration = Duration::from_secs(5);
+
 /// Sets up the NCCL side (collective over `group`): every rank loads the
 /// library and opens `device`; rank 0 makes the unique id; one exchange
 /// carries it, or any rank's reason it cannot (then every rank fails,
-/// naming that rank); then `ncclCommInitRank`.
+/// naming that rank); then NCCL's init, bounded by the group's timeout,
+/// and a report of its outcome from every rank ([`verdict`]).
 pub(crate) fn setup(py: Python<'_>, backend: &str, device: u32, group: &Group) -> PyResult<NcclState> {
     let (flavor, backend) = match backend {
         "rccl" => (Flavor::Rccl, "rccl"),
@@ -81,10 +95,105 @@ pub(crate) fn setup(py: Python<'_>, backend: &str, device: u32, group: &Group) -
         .strip_prefix("ok ")
         .and_then(unhex)
         .ok_or_else(|| Failure::new(ErrKind::Comm, "new_comm: rank 0 sent a malformed NCCL unique id"))?;
-    let comm = py
-        .detach(|| NcclComm::init(lib, ctx, &UniqueId(id), rank, size))
-        .map_err(|e| unavailable(format!("new_comm(\"{backend}\"): {e}")))?;
-    Ok(NcclState { backend, device, comm: Mutex::new(comm) })
+    let timeout = group.timeout();
+    let start = Instant::now();
+    let init = py.detach(|| NcclComm::init(lib, ctx, &UniqueId(id), rank, size, timeout));
+    let mine = match &init {
+        Ok(_) => "ok".to_string(),
+        Err(e @ CudaError::Timeout { .. }) => format!("late {e}"),
+        Err(e) => format!("err {e}"),
+    };
+    // Keys of this communicator only (its unique id's digest), in the
+    // group's space; a few bytes per rank are left there.
+    let keys: Vec<String> = (0..size).map(|r| format!("nccl_init/{:016x}/{r}", digest(&id))).collect();
+    let store = group.store();
+    let reports = py.detach(|| -> rmacomm_window::Result<Vec<Option<String>>> {
+        store.set(&keys[rank], mine.as_bytes())?;
+        let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+        let left = timeout.saturating_add(REPORT_GRACE.min(timeout)).saturating_sub(start.elapsed());
+        let text = |b: Vec<u8>| String::from_utf8_lossy(&b).into_owned();
+        match store.multi_get(&refs, left) {
+            Ok(all) => Ok(all.into_iter().map(|b| Some(text(b))).collect()),
+            Err(rmacomm_window::Error::Timeout { .. }) => {
+                refs.iter().map(|k| store.try_get(k).map(|v| v.map(text))).collect()
+            }
+            Err(e) => Err(e),
+        }
+    });
+    let reports = match reports {
+        Ok(r) => r,
+        Err(e) => {
+            if let Ok(c) = init {
+                c.abort();
+            }
+            return Err(py_err(e));
+        }
+    };
+    match verdict(backend, timeout, &reports) {
+        None => {
+            let comm = init.expect("this rank reported ok");
+            Ok(NcclState { backend, device, comm: Mutex::new(comm) })
+        }
+        Some(f) => {
+            // Another rank gave up on the communicator: its work would
+            // never finish, so it ends at once.
+            if let Ok(c) = init {
+                c.abort();
+            }
+            Err(f.into())
+        }
+    }
+}
+
+/// Every rank's init result (`None`: none came within the wait) → `None`
+/// when all succeeded, else the error every rank raises: the ranks that
+/// never reported (a `TimeoutError`: dead, or never at init), else the
+/// ranks whose init failed, with the first's reason (a `TimeoutError` when
+/// all of them timed out, else `UnavailableError`).
+fn verdict(backend: &str, timeout: Duration, reports: &[Option<String>]) -> Option<Failure> {
+    let missing: Vec<usize> = (0..reports.len()).filter(|&r| reports[r].is_none()).collect();
+    let failed: Vec<(usize, bool, &str)> = reports
+        .iter()
+        .enumerate()
+        .filter_map(|(r, v)| {
+            let v = v.as_deref()?;
+            v.strip_prefix("late ").map(|w| (r, true, w)).or_else(|| v.strip_prefix("err ").map(|w| (r, false, w)))
+        })
+        .collect();
+    let op = format!("new_comm(\"{backend}\")");
+    if !missing.is_empty() {
+        let also = match failed.first() {
+            Some((r, _, why)) => format!("; rank {r}'s own init: {why}"),
+            None => String::new(),
+        };
+        return Some(Failure::new(
+            ErrKind::Timeout,
+            format!(
+                "{op}: {} did not join the NCCL communicator within {timeout:?} (no init result came from {}: \
+                 it died, or never reached NCCL's init){also}",
+                ranks(&missing),
+                if missing.len() == 1 { "it" } else { "them" },
+            ),
+        ));
+    }
+    let (r, _, why) = *failed.iter().find(|f| !f.1).or(failed.first())?;
+    let others: Vec<usize> = failed.iter().map(|f| f.0).filter(|&o| o != r).collect();
+    let also = if others.is_empty() { String::new() } else { format!(" ({} failed too)", ranks(&others)) };
+    let kind = if failed.iter().all(|f| f.1) { ErrKind::Timeout } else { ErrKind::Unavailable };
+    Some(Failure::new(kind, format!("{op}: rank {r}'s NCCL init failed{also}: {why}")))
+}
+
+/// "rank 1" / "ranks [1, 3]".
+fn ranks(rs: &[usize]) -> String {
+    match rs {
+        [r] => format!("rank {r}"),
+        _ => format!("ranks {rs:?}"),
+    }
+}
+
+/// 64-bit FNV-1a of a unique id: its communicator's name in the store.
+fn digest(id: &[u8]) -> u64 {
+    id.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3))
 }
 
 /// NCCL's type for an element type.
@@ -154,7 +263,11 @@ impl Call<'_> {
             let mut c = self.st.comm.lock().unwrap_or_else(|e| e.into_inner());
             f(&mut c, &stream)
         })
-        .map_err(|e| Failure::new(ErrKind::Comm, format!("{op}: {e}")).into())
+        .map_err(|e| {
+            // A call NCCL still had in progress at the timeout (a peer gone).
+            let kind = if matches!(e, CudaError::Timeout { .. }) { ErrKind::Timeout } else { ErrKind::Comm };
+            Failure::new(kind, format!("{op}: {e}")).into()
+        })
     }
 
     fn same(&self, a: &CudaTensor, b: &CudaTensor, bytes: usize, why: &str) -> PyResult<()> {

@@ -53,9 +53,12 @@ def launch(
     return out
 
 
-def launch_direct(n: int, scenario: str, arg: str, timeout: float = 120) -> List[subprocess.CompletedProcess]:
+def launch_direct(
+    n: int, scenario: str, arg: str, timeout: float = 120, env: Optional[dict] = None
+) -> List[subprocess.CompletedProcess]:
     """Runs `scenario` on `n` ranks started here with torchrun's variables
-    (no launcher: a rank's death does not stop the others)."""
+    (no launcher: a rank's death does not stop the others), `env` added to
+    theirs."""
     import socket
 
     with socket.socket() as s:
@@ -65,6 +68,7 @@ def launch_direct(n: int, scenario: str, arg: str, timeout: float = 120) -> List
     for r in range(n):
         e = dict(os.environ, RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(n),
                  MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        e.update(env or {})
         procs.append(subprocess.Popen([sys.executable, str(SCENARIOS), scenario, arg], env=e,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     done = []

@@ -792,6 +792,46 @@ def rank_dies(how: str) -> None:
     os._exit(0)
 
 
+def nccl_init(how: str) -> None:
+    """new_comm("nccl") on the NCCL and CUDA stand-ins (the test sets
+    RMACOMM_CUDA_LIB and RMACOMM_NCCL_LIB), timeout 4 s. "ok": both ranks
+    join. "exit": rank 1 dies as it enters NCCL's init (the stand-in's
+    RMACOMM_STANDIN_NCCL_EXIT_AT_INIT=1), after the unique id's exchange:
+    rank 0 raises TimeoutError naming rank 1 within the timeout plus the
+    report's grace, instead of waiting in NCCL forever. "fail": rank 1's
+    init fails after joining (RMACOMM_STANDIN_NCCL_FAIL_INIT=1): rank 0's
+    succeeded, yet both raise UnavailableError naming rank 1 at once."""
+    timeout = 4.0
+    t0 = time.monotonic()
+    try:
+        comm = rmacomm.new_comm("nccl", device="cuda:0", timeout=timeout)
+    except rmacomm.CommError as e:
+        took = time.monotonic() - t0
+        log(f"new_comm: {type(e).__name__} after {took:.2f} s: {e}")
+        expect(how != "ok", "new_comm failed")
+        expect("rank 1" in str(e), "the error names rank 1")
+        if how == "exit":
+            expect(isinstance(e, rmacomm.TimeoutError), "TimeoutError for a rank that died in init")
+            expect("rank 1 did not join the NCCL communicator within 4s" in str(e), "says rank 1 never joined")
+            expect("ncclCommInitRankConfig did not complete within 4s" in str(e), "and this rank's own timeout")
+            # The timeout, then the others' reports' grace (min(timeout, 5 s));
+            # the rest is new_comm's own bootstrap on a loaded machine.
+            expect(timeout <= took < 2 * timeout + 6, f"within the timeout and the grace ({took:.2f} s)")
+        else:
+            expect(isinstance(e, rmacomm.UnavailableError), "UnavailableError for a failed init")
+            expect("rank 1's NCCL init failed" in str(e) and "ncclCommInitRankConfig" in str(e), "names the call")
+            expect(took < timeout, f"at once, not after the timeout ({took:.2f} s)")
+        log(f"nccl_init {how} ok")
+        return
+    expect(how == "ok", f"new_comm succeeded with {how}")
+    expect(comm.get_backend() == "nccl" and comm.get_device() == "cuda:0", comm.get_device())
+    x = np.ones(16, np.float32)
+    comm.all_reduce(x, ReduceOp.SUM)
+    expect(bool((x == comm.get_size()).all()), "a CPU all_reduce on the nccl communicator")
+    comm.finalize()
+    log("nccl_init ok ok")
+
+
 def bench(algo: str) -> None:
     """Timing (not a test; python/bench.sh runs it): 8-byte put+signal ->
     wait_signal ping-pong between ranks 0 and 1 (half round trip) and
@@ -948,6 +988,7 @@ SCENARIOS: Dict[str, Callable[[str], None]] = {
     "python_store": python_store,
     "tcp_store": tcp_store,
     "rank_dies": rank_dies,
+    "nccl_init": nccl_init,
     "bench": bench,
 }
 

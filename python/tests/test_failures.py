@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -28,6 +29,33 @@ def test_a_rank_gone_or_silent_under_the_launcher(how: str) -> None:
     err = "TimeoutError" if how == "hang" else "PeerError"
     assert f"wait_signal: {err}" in out and f"all_reduce: {err}" in out, out
 
+
+
+TARGET = Path(os.environ.get("CARGO_TARGET_DIR", Path(__file__).resolve().parents[2] / "target"))
+STANDIN = TARGET / "release" / "librmacomm_cuda_standin.so"
+
+
+@pytest.mark.parametrize("how", ["ok", "exit", "fail"])
+def test_new_comm_nccl_names_a_rank_that_died_or_failed_in_init(how: str) -> None:
+    """new_comm("nccl") on the NCCL and CUDA stand-ins (no GPU needed):
+    two ranks that join work; a rank that dies in NCCL's init, after the
+    unique id's exchange, leaves the other not in NCCL forever but raising
+    TimeoutError naming it; a rank whose init fails makes both raise
+    UnavailableError naming it."""
+    lib = STANDIN
+    if not lib.exists():
+        pytest.skip(f"the CUDA stand-in is not built ({lib}: cargo build --release -p rmacomm-cuda-standin)")
+    env = {"RMACOMM_CUDA_LIB": str(lib), "RMACOMM_NCCL_LIB": str(lib)}
+    if how == "exit":
+        env["RMACOMM_STANDIN_NCCL_EXIT_AT_INIT"] = "1"
+    if how == "fail":
+        env["RMACOMM_STANDIN_NCCL_FAIL_INIT"] = "1"
+    r0, r1 = launch_direct(2, "nccl_init", how, timeout=60, env=env)
+    assert r0.returncode == 0 and f"nccl_init {how} ok" in r0.stdout, r0.stdout + r1.stdout
+    if how == "exit":
+        assert r1.returncode == 17, r1.stdout
+    else:
+        assert r1.returncode == 0 and f"nccl_init {how} ok" in r1.stdout, r1.stdout
 
 
 def test_a_per_call_timeout_bounds_put_get_and_signal() -> None:

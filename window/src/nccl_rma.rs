@@ -93,6 +93,10 @@ pub struct NcclRma {
     /// The first NCCL call that failed (NCCL may have counted it, so the
     /// counts can no longer be trusted).
     broken: Option<(&'static str, rmacomm_cuda::CudaError)>,
+    /// Memory of registrations NCCL still had in progress at the timeout:
+    /// kept until the communicator (declared before, so dropped first) has
+    /// ended them.
+    orphans: Vec<Arc<DeviceMemory>>,
 }
 
 impl std::fmt::Debug for NcclRma {
@@ -151,6 +155,7 @@ impl NcclRma {
             waited_total: vec![0; n],
             waited: vec![0; n],
             broken: None,
+            orphans: Vec::new(),
         })
     }
 
@@ -283,7 +288,12 @@ impl NcclRma {
                 let _ = unsafe { self.comm.window_deregister(win) };
                 return Err(e);
             }
-            (Err(e), _) => return Err(Error::Cuda { op: "register (ncclCommWindowRegister)", source: e }),
+            (Err(e), _) => {
+                if matches!(e, rmacomm_cuda::CudaError::Timeout { .. }) {
+                    self.orphans.push(mem);
+                }
+                return Err(Error::Cuda { op: "register (ncclCommWindowRegister)", source: e });
+            }
         };
         self.windows.push(Some(Registered { win, mem }));
         Ok(WindowId(self.windows.len() - 1))

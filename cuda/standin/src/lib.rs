@@ -82,6 +82,7 @@ enum Op {
     Copy { dst: u64, src: u64, len: usize },
     Set { dst: u64, value: u8, len: usize },
     Write { addr: u64, value: u64 },
+    Add { addr: u64, delta: u64 },
     WaitGeq { addr: u64, value: u64 },
     Kernel(Box<Kernel>),
     Upload { dst: u64, bytes: Vec<u8> },
@@ -104,6 +105,11 @@ impl Op {
             Op::Write { addr, value } => {
                 reach(addr, dev, "cuStreamWriteValue64");
                 word(addr).store(value, Ordering::SeqCst)
+            }
+            // A host word only: the NCCL stand-in counts a communicator's
+            // finished work so.
+            Op::Add { addr, delta } => {
+                word(addr).fetch_add(delta, Ordering::SeqCst);
             }
             Op::WaitGeq { addr, value } => {
                 reach(addr, dev, "cuStreamWaitValue64");

@@ -9,9 +9,35 @@
 //!   join count, a signal counter per (source, destination) pair and, per
 //!   window and rank, where that rank's buffer lives (files another
 //!   process maps: see `backing`);
-//! - `ncclCommInitRank` gives one RMA context (NCCL's default);
-//!   `RMACOMM_STANDIN_NCCL_FAIL_PUT=1` makes every `ncclPutSignal` fail
-//!   with `ncclInternalError` (for the callers' error paths);
+//! - `ncclCommInitRank` gives one RMA context (NCCL's default), waiting
+//!   for every rank (at most a minute, then `ncclSystemError`);
+//!   `ncclCommInitRankConfig` (2.14+) reads its `ncclConfig_t` as NCCL
+//!   does — `size` first, then that many bytes, `magic` 0xcafebeef,
+//!   `version` — and more strictly: `size` must be that version's
+//!   `sizeof`, the version no newer than this library's, every field but
+//!   `blocking` `NCCL_CONFIG_UNDEF` (so a layout wrong on the caller's side
+//!   fails). With `blocking = 0` (and no `NCCL_COMM_BLOCKING=1`) it
+//!   returns `ncclInProgress`, and `ncclCommGetAsyncError` says
+//!   `ncclInProgress` until every rank has joined — forever if one never
+//!   does: only the caller's deadline (and `ncclCommAbort`) ends it. Such
+//!   a communicator answers its window calls `ncclInProgress` too (the
+//!   next `ncclCommGetAsyncError` says so once more, then success), as
+//!   NCCL may;
+//! - the work a communicator queues on streams is counted, and finishing
+//!   counted: `ncclCommDestroy` waits for it as NCCL's does (for a minute,
+//!   then it aborts the process saying a real NCCL would hang there),
+//!   `ncclCommFinalize` of a non-blocking communicator is `ncclInProgress`
+//!   until it has finished, and `ncclCommAbort` releases this rank's
+//!   signal waits (NCCL's abort makes its device work exit) and frees the
+//!   communicator, in progress or not (leaked, said so, when other stream
+//!   work keeps the queue from draining);
+//! - failures on request: `RMACOMM_STANDIN_NCCL_FAIL_PUT=1` makes every
+//!   `ncclPutSignal` fail with `ncclInternalError`;
+//!   `RMACOMM_STANDIN_NCCL_FAIL_INIT=<rank>` fails that rank's init after it
+//!   joined (`ncclSystemError`, asynchronously when non-blocking: the other
+//!   ranks' inits succeed); `RMACOMM_STANDIN_NCCL_EXIT_AT_INIT=<rank>`
+//!   makes that rank's process exit (status 17) as it calls init, before
+//!   joining (a rank that dies there);
 //! - `ncclCommWindowRegister` wants cuMem/VMM memory, 4096-byte aligned,
 //!   one size on every rank (else `ncclInvalidArgument`), and gives no
 //!   window (success, NULL) under `NCCL_WIN_ENABLE=0`, as NCCL does
@@ -30,7 +56,7 @@
 //! nothing here stands in for them.
 
 use std::ffi::{c_char, c_int, c_uint, c_void, CString};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -42,6 +68,7 @@ const SYSTEM_ERROR: NcclResult = 2;
 const INTERNAL_ERROR: NcclResult = 3;
 const INVALID_ARGUMENT: NcclResult = 4;
 const INVALID_USAGE: NcclResult = 5;
+const IN_PROGRESS: NcclResult = 7;
 
 const MAX_RANKS: usize = 16;
 const MAX_WINDOWS: usize = 32;
@@ -73,10 +100,33 @@ struct Shared {
     wins: [Entry; MAX_WINDOWS * MAX_RANKS],
 }
 
+/// Where a communicator stands (`ncclCommGetAsyncError`'s answer).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    /// Non-blocking init: waiting for every rank to join.
+    Joining,
+    /// Non-blocking init done, but it fails (`RMACOMM_STANDIN_NCCL_FAIL_INIT`).
+    Failing,
+    Ready,
+    /// `ncclCommFinalize` called: in progress until its work has finished.
+    Finalizing,
+}
+
 struct Comm {
     shared: *mut Shared,
+    /// The segment's name (rank 0 unlinks it once every rank mapped it).
+    name: CString,
     rank: usize,
     n: usize,
+    nonblocking: bool,
+    state: Mutex<State>,
+    /// A non-blocking call answered `ncclInProgress`: the next query says so.
+    settling: AtomicBool,
+    /// Operations this communicator queued on streams, and those finished
+    /// (each one's last stream op adds 1; boxed: a stream thread writes it,
+    /// and it must outlive an abort that leaves work behind).
+    issued: AtomicU64,
+    finished: Box<AtomicU64>,
     /// Per source: the signals this rank's waits so far add up to.
     expected: Mutex<Vec<u64>>,
     /// Per destination: signals (puts included) queued to it so far.
@@ -90,6 +140,51 @@ impl Comm {
     fn shared(&self) -> &Shared {
         // SAFETY: mapped for the communicator's life.
         unsafe { &*self.shared }
+    }
+
+    /// Queues `ops` on `stream` as one operation of this communicator,
+    /// counted until it has run.
+    fn queue(&self, stream: *mut c_void, ops: impl IntoIterator<Item = Op>) {
+        self.issued.fetch_add(1, Ordering::SeqCst);
+        for op in ops {
+            enqueue(stream, op);
+        }
+        enqueue(stream, Op::Add { addr: &*self.finished as *const AtomicU64 as u64, delta: 1 });
+    }
+
+    /// Whether every operation queued so far has run.
+    fn drained(&self) -> bool {
+        self.finished.load(Ordering::SeqCst) >= self.issued.load(Ordering::SeqCst)
+    }
+
+    /// Waits at most `limit` for [`drained`](Self::drained).
+    fn drain(&self, limit: Duration) -> bool {
+        let start = Instant::now();
+        while !self.drained() {
+            if start.elapsed() > limit {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        true
+    }
+
+    /// What a call of a communicator returns on success: a non-blocking
+    /// one says `ncclInProgress` (settled at the next query).
+    fn done(&self) -> NcclResult {
+        if self.nonblocking {
+            self.settling.store(true, Ordering::SeqCst);
+            return IN_PROGRESS;
+        }
+        SUCCESS
+    }
+
+    /// Once every rank has mapped the segment its name can go.
+    fn joined(&self) {
+        if self.rank == 0 {
+            // SAFETY: a NUL-terminated name.
+            unsafe { libc::shm_unlink(self.name.as_ptr()) };
+        }
     }
 
     /// The value the next signal to `dst` writes.
@@ -126,9 +221,8 @@ fn comm<'a>(c: *mut c_void) -> Option<&'a Comm> {
 /// `v` is a valid out-pointer.
 #[no_mangle]
 pub unsafe extern "C" fn ncclGetVersion(v: *mut c_int) -> NcclResult {
-    let code = std::env::var("RMACOMM_STANDIN_NCCL_VERSION").ok().and_then(|s| s.parse().ok()).unwrap_or(23007);
     // SAFETY: the caller's out-pointer.
-    unsafe { *v = code };
+    unsafe { *v = version_code() };
     SUCCESS
 }
 
@@ -141,6 +235,8 @@ pub extern "C" fn ncclGetErrorString(code: NcclResult) -> *const c_char {
         3 => b"internal error (stand-in)\0",
         4 => b"invalid argument (stand-in)\0",
         5 => b"invalid usage (stand-in)\0",
+        6 => b"remote process exited or there was a network error (stand-in)\0",
+        7 => b"NCCL operation in progress (stand-in)\0",
         _ => b"unknown result code (stand-in)\0",
     };
     s.as_ptr().cast()
@@ -163,107 +259,361 @@ pub unsafe extern "C" fn ncclGetUniqueId(id: *mut UniqueId) -> NcclResult {
     SUCCESS
 }
 
-fn init(out: *mut *mut c_void, n: c_int, UniqueId(id): UniqueId, rank: c_int) -> NcclResult {
-    let (Ok(n), Ok(rank)) = (usize::try_from(n), usize::try_from(rank)) else { return INVALID_ARGUMENT };
+/// The stand-in's version code (`RMACOMM_STANDIN_NCCL_VERSION`).
+fn version_code() -> c_int {
+    std::env::var("RMACOMM_STANDIN_NCCL_VERSION").ok().and_then(|s| s.parse().ok()).unwrap_or(23007)
+}
+
+/// (major, minor, patch) of an `NCCL_VERSION` code.
+fn decode(code: i64) -> (i64, i64, i64) {
+    if code >= 20900 {
+        (code / 10000, code % 10000 / 100, code % 100)
+    } else {
+        (code / 1000, code % 1000 / 100, code % 100)
+    }
+}
+
+/// The rank `var` names, if any.
+fn env_rank(var: &str) -> Option<usize> {
+    std::env::var(var).ok().and_then(|v| v.trim().parse().ok())
+}
+
+/// Maps the communicator's segment and joins it; the new communicator.
+fn attach(n: c_int, UniqueId(id): UniqueId, rank: c_int, nonblocking: bool) -> Result<Box<Comm>, NcclResult> {
+    let (Ok(n), Ok(rank)) = (usize::try_from(n), usize::try_from(rank)) else { return Err(INVALID_ARGUMENT) };
     if n == 0 || n > MAX_RANKS || rank >= n || !id.starts_with(ID_TAG) {
-        return INVALID_ARGUMENT;
+        return Err(INVALID_ARGUMENT);
+    }
+    if env_rank("RMACOMM_STANDIN_NCCL_EXIT_AT_INIT") == Some(rank) {
+        eprintln!("NCCL stand-in: rank {rank} exits in its init (RMACOMM_STANDIN_NCCL_EXIT_AT_INIT)");
+        // SAFETY: ends the process at once, as a crash would (no atexit).
+        unsafe { libc::_exit(17) };
     }
     let name: Vec<u8> = id[ID_TAG.len()..].iter().copied().take_while(|&b| b != 0).collect();
-    let Ok(name) = CString::new(name) else { return INVALID_ARGUMENT };
+    let Ok(name) = CString::new(name) else { return Err(INVALID_ARGUMENT) };
     let len = std::mem::size_of::<Shared>();
     // SAFETY: a NUL-terminated name; the fd is closed below.
     let fd = unsafe { libc::shm_open(name.as_ptr(), libc::O_RDWR | libc::O_CREAT, 0o600) };
     if fd < 0 {
-        return SYSTEM_ERROR;
+        return Err(SYSTEM_ERROR);
     }
     // SAFETY: our fd; every rank sets the same size.
     let p = unsafe {
         if libc::ftruncate(fd, len as libc::off_t) != 0 {
             libc::close(fd);
-            return SYSTEM_ERROR;
+            return Err(SYSTEM_ERROR);
         }
         let p = libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0);
         libc::close(fd);
         p
     };
     if p == libc::MAP_FAILED {
-        return SYSTEM_ERROR;
+        return Err(SYSTEM_ERROR);
     }
     let c = Box::new(Comm {
         shared: p.cast(),
+        name,
         rank,
         n,
+        nonblocking,
+        state: Mutex::new(if nonblocking { State::Joining } else { State::Ready }),
+        settling: AtomicBool::new(false),
+        issued: AtomicU64::new(0),
+        finished: Box::new(AtomicU64::new(0)),
         expected: Mutex::new(vec![0; n]),
         sent: Mutex::new(vec![0; n]),
         windows: AtomicUsize::new(0),
         local: Mutex::new(Vec::new()),
     });
     c.shared().joined.fetch_add(1, Ordering::AcqRel);
+    Ok(c)
+}
+
+fn all_joined(c: &Comm) -> bool {
+    c.shared().joined.load(Ordering::Acquire) >= c.n as u64
+}
+
+/// `ncclCommInitRank`: waits for every rank (at most a minute).
+///
+/// # Safety
+/// `out` is a valid out-pointer.
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommInitRank(out: *mut *mut c_void, n: c_int, id: UniqueId, rank: c_int) -> NcclResult {
+    let c = match attach(n, id, rank, false) {
+        Ok(c) => c,
+        Err(e) => return e,
+    };
     let start = Instant::now();
-    while c.shared().joined.load(Ordering::Acquire) < n as u64 {
+    while !all_joined(&c) {
         if start.elapsed() > JOIN {
             eprintln!("NCCL stand-in: rank {rank}: not every rank of {n} joined within {JOIN:?}");
             // SAFETY: our mapping and name, undone once.
             unsafe {
-                libc::munmap(p, len);
-                libc::shm_unlink(name.as_ptr());
+                libc::munmap(c.shared.cast(), std::mem::size_of::<Shared>());
+                libc::shm_unlink(c.name.as_ptr());
             }
             return SYSTEM_ERROR;
         }
         std::thread::sleep(Duration::from_millis(1));
     }
-    if rank == 0 {
-        // Every rank has mapped it: the name can go.
-        // SAFETY: a NUL-terminated name.
-        unsafe { libc::shm_unlink(name.as_ptr()) };
+    c.joined();
+    if env_rank("RMACOMM_STANDIN_NCCL_FAIL_INIT") == Some(c.rank) {
+        eprintln!("NCCL stand-in: rank {rank}: init fails (RMACOMM_STANDIN_NCCL_FAIL_INIT)");
+        free(Box::into_raw(c).cast());
+        return SYSTEM_ERROR;
     }
     // SAFETY: the caller's out-pointer.
     unsafe { *out = Box::into_raw(c).cast() };
     SUCCESS
 }
 
-/// `ncclCommInitRank`.
+/// `NCCL_CONFIG_UNDEF_INT`.
+const UNDEF_INT: i32 = i32::MIN;
+
+/// `sizeof(ncclConfig_t)` per nccl.h release that appended fields (2.14:
+/// size, magic, version, blocking; 2.17: cgaClusterSize, minCTAs, maxCTAs,
+/// netName; 2.18: splitShare; 2.26: trafficClass; 2.27: commName,
+/// collnetEnable, CTAPolicy, shrinkShare, nvlsCTAs; 2.28:
+/// nChannelsPerNetPeer, nvlinkCentricSched; 2.29: graphUsageMode,
+/// numRmaCtx; 2.30: maxP2pPeers; 2.30.5: graphStreamOrdering), on LP64.
+const CONFIG_SIZES: &[((i64, i64, i64), usize)] = &[
+    ((2, 14, 0), 24),
+    ((2, 17, 0), 40),
+    ((2, 18, 0), 48),
+    ((2, 26, 0), 48),
+    ((2, 27, 0), 72),
+    ((2, 28, 0), 80),
+    ((2, 29, 0), 88),
+    ((2, 30, 0), 96),
+    ((2, 30, 5), 96),
+];
+
+/// The fields after `blocking`: (since, byte offset, is a pointer).
+const CONFIG_FIELDS: &[((i64, i64, i64), usize, bool)] = &[
+    ((2, 17, 0), 20, false),
+    ((2, 17, 0), 24, false),
+    ((2, 17, 0), 28, false),
+    ((2, 17, 0), 32, true),
+    ((2, 18, 0), 40, false),
+    ((2, 26, 0), 44, false),
+    ((2, 27, 0), 48, true),
+    ((2, 27, 0), 56, false),
+    ((2, 27, 0), 60, false),
+    ((2, 27, 0), 64, false),
+    ((2, 27, 0), 68, false),
+    ((2, 28, 0), 72, false),
+    ((2, 28, 0), 76, false),
+    ((2, 29, 0), 80, false),
+    ((2, 29, 0), 84, false),
+    ((2, 30, 0), 88, false),
+    ((2, 30, 5), 92, false),
+];
+
+/// Reads a config as NCCL's `parseCommConfig` does (`size`, then that
+/// many bytes, at most its own struct's), checked more strictly; whether
+/// it asks for a non-blocking communicator.
 ///
 /// # Safety
-/// `out` is a valid out-pointer.
-#[no_mangle]
-pub unsafe extern "C" fn ncclCommInitRank(out: *mut *mut c_void, n: c_int, id: UniqueId, rank: c_int) -> NcclResult {
-    init(out, n, id, rank)
+/// `config` is null or points to at least `size` (its first field) bytes.
+unsafe fn parse_config(config: *const u8) -> Result<bool, NcclResult> {
+    let bad = |why: String| {
+        eprintln!("NCCL stand-in: ncclCommInitRankConfig: {why}");
+        Err(INVALID_ARGUMENT)
+    };
+    if config.is_null() {
+        return Ok(false);
+    }
+    let mut raw = [0u8; 96];
+    // SAFETY: every config starts with its size_t size (the caller's contract).
+    let size = unsafe { config.cast::<u64>().read_unaligned() } as usize;
+    if size < 24 {
+        return bad(format!("size {size} is smaller than any ncclConfig_t"));
+    }
+    // SAFETY: the caller says it has `size` bytes; at most this struct's are read.
+    unsafe { std::ptr::copy_nonoverlapping(config, raw.as_mut_ptr(), size.min(raw.len())) };
+    let int = |at: usize| i32::from_ne_bytes(raw[at..at + 4].try_into().unwrap());
+    let magic = u32::from_ne_bytes(raw[8..12].try_into().unwrap());
+    if magic != 0xcafe_beef {
+        return bad(format!("magic {magic:#x}: the config was not made from NCCL_CONFIG_INITIALIZER"));
+    }
+    let code = u32::from_ne_bytes(raw[12..16].try_into().unwrap());
+    let version = decode(i64::from(code));
+    let mine = decode(i64::from(version_code()));
+    if version < (2, 14, 0) || version > mine {
+        return bad(format!("version {code} {version:?}: not a header between 2.14 and this library's {mine:?}"));
+    }
+    let want = CONFIG_SIZES.iter().rev().find(|(since, _)| *since <= version).map_or(0, |e| e.1);
+    if size != want {
+        return bad(format!("size {size}, but nccl.h {version:?}'s ncclConfig_t is {want} bytes"));
+    }
+    for &(since, at, ptr) in CONFIG_FIELDS.iter().filter(|f| f.0 <= version) {
+        let undef = if ptr { raw[at..at + 8].iter().all(|&b| b == 0) } else { int(at) == UNDEF_INT };
+        if !undef {
+            return bad(format!(
+                "the field at byte {at} (since {since:?}) is not NCCL_CONFIG_UNDEF: a layout mismatch"
+            ));
+        }
+    }
+    let blocking = match std::env::var("NCCL_COMM_BLOCKING").ok().and_then(|v| v.trim().parse::<i32>().ok()) {
+        Some(v) => v,
+        None => int(16),
+    };
+    match blocking {
+        UNDEF_INT | 1 => Ok(false),
+        0 => Ok(true),
+        other => bad(format!("blocking is {other}")),
+    }
 }
 
+/// `ncclCommInitRankConfig` (2.14+): as `ncclCommInitRank`, or
+/// non-blocking (returns `ncclInProgress`; `ncclCommGetAsyncError` says
+/// when every rank has joined).
+///
+/// # Safety
+/// `out` is a valid out-pointer; `config` null or a config of its size.
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommInitRankConfig(
+    out: *mut *mut c_void,
+    n: c_int,
+    id: UniqueId,
+    rank: c_int,
+    config: *const u8,
+) -> NcclResult {
+    if decode(i64::from(version_code())) < (2, 14, 0) {
+        eprintln!("NCCL stand-in: ncclCommInitRankConfig called, but this library says it is older than 2.14");
+        return INVALID_USAGE;
+    }
+    // SAFETY: the caller's config.
+    let nonblocking = match unsafe { parse_config(config) } {
+        Ok(nb) => nb,
+        Err(e) => return e,
+    };
+    if !nonblocking {
+        // SAFETY: the caller's out-pointer.
+        return unsafe { ncclCommInitRank(out, n, id, rank) };
+    }
+    let c = match attach(n, id, rank, true) {
+        Ok(c) => c,
+        Err(e) => return e,
+    };
+    // SAFETY: the caller's out-pointer: NCCL hands the communicator out at
+    // once, its init going on behind it.
+    unsafe { *out = Box::into_raw(c).cast() };
+    IN_PROGRESS
+}
+
+/// Frees a communicator whose work has run, or leaks it (saying so) when
+/// some never does: a stream thread would touch it.
 fn free(c: *mut c_void) -> NcclResult {
     if c.is_null() {
         return INVALID_ARGUMENT;
     }
     // SAFETY: a communicator this library made, freed once (the caller's
-    // contract), and its mapping.
-    unsafe {
-        let c = Box::from_raw(c as *mut Comm);
-        libc::munmap(c.shared.cast(), std::mem::size_of::<Shared>());
+    // contract).
+    let c = unsafe { Box::from_raw(c as *mut Comm) };
+    if !c.drain(Duration::from_secs(2)) {
+        eprintln!(
+            "NCCL stand-in: rank {}: {} of its operations never ran (a stream blocked on other work): the \
+             communicator is leaked",
+            c.rank,
+            c.issued.load(Ordering::SeqCst) - c.finished.load(Ordering::SeqCst)
+        );
+        std::mem::forget(c);
+        return SUCCESS;
     }
+    // SAFETY: the communicator's mapping, undone once; nothing queued
+    // touches it any more.
+    unsafe { libc::munmap(c.shared.cast(), std::mem::size_of::<Shared>()) };
     SUCCESS
 }
 
-/// `ncclCommDestroy`.
+/// `ncclCommDestroy`: waits for the communicator's work, as NCCL does
+/// (NCCL forever; here a minute, then the process aborts, saying so).
 #[no_mangle]
 pub extern "C" fn ncclCommDestroy(c: *mut c_void) -> NcclResult {
+    let Some(cm) = comm(c) else { return INVALID_ARGUMENT };
+    if !cm.drain(JOIN) {
+        eprintln!(
+            "NCCL stand-in: rank {}: ncclCommDestroy waited {JOIN:?} for {} unfinished operations (a peer that \
+             died?): a real NCCL waits here forever",
+            cm.rank,
+            cm.issued.load(Ordering::SeqCst) - cm.finished.load(Ordering::SeqCst)
+        );
+        std::process::abort();
+    }
     free(c)
 }
 
-/// `ncclCommAbort`.
+/// `ncclCommAbort`: ends the communicator at once, in progress or not:
+/// this rank's signal waits are released (NCCL's abort flag makes its
+/// device work exit), then it is freed.
 #[no_mangle]
 pub extern "C" fn ncclCommAbort(c: *mut c_void) -> NcclResult {
+    let Some(cm) = comm(c) else { return INVALID_ARGUMENT };
+    if *cm.state.lock().unwrap() == State::Joining && cm.rank == 0 {
+        // Nobody else unlinks it; a rank joining later makes a new one
+        // (and waits for ranks that are gone, until its own deadline).
+        cm.joined();
+    }
+    for src in 0..cm.n {
+        cm.shared().signals[src * MAX_RANKS + cm.rank].store(u64::MAX, Ordering::SeqCst);
+    }
     free(c)
 }
 
-/// `ncclCommGetAsyncError`: never an error.
+/// `ncclCommFinalize` (2.14+): a non-blocking communicator is
+/// `ncclInProgress` until its work has run; a blocking one waits for it
+/// here (at most a minute).
+#[no_mangle]
+pub extern "C" fn ncclCommFinalize(c: *mut c_void) -> NcclResult {
+    let Some(cm) = comm(c) else { return INVALID_ARGUMENT };
+    if decode(i64::from(version_code())) < (2, 14, 0) {
+        eprintln!("NCCL stand-in: ncclCommFinalize called, but this library says it is older than 2.14");
+        return INVALID_USAGE;
+    }
+    let mut st = cm.state.lock().unwrap();
+    if *st != State::Ready || cm.settling.load(Ordering::SeqCst) {
+        // NCCL: the communicator must be ready, and finalized once.
+        return INVALID_USAGE;
+    }
+    if cm.nonblocking {
+        *st = State::Finalizing;
+        return IN_PROGRESS;
+    }
+    drop(st);
+    if cm.drain(JOIN) {
+        SUCCESS
+    } else {
+        SYSTEM_ERROR
+    }
+}
+
+/// `ncclCommGetAsyncError`: where the communicator stands.
 ///
 /// # Safety
 /// `st` is a valid out-pointer.
 #[no_mangle]
-pub unsafe extern "C" fn ncclCommGetAsyncError(_c: *mut c_void, st: *mut NcclResult) -> NcclResult {
+pub unsafe extern "C" fn ncclCommGetAsyncError(c: *mut c_void, st: *mut NcclResult) -> NcclResult {
+    let Some(cm) = comm(c) else { return INVALID_ARGUMENT };
+    let mut state = cm.state.lock().unwrap();
+    if *state == State::Joining && all_joined(cm) {
+        cm.joined();
+        let fails = env_rank("RMACOMM_STANDIN_NCCL_FAIL_INIT") == Some(cm.rank);
+        if fails {
+            eprintln!("NCCL stand-in: rank {}: init fails (RMACOMM_STANDIN_NCCL_FAIL_INIT)", cm.rank);
+        }
+        *state = if fails { State::Failing } else { State::Ready };
+    }
+    let now = match *state {
+        State::Joining => IN_PROGRESS,
+        State::Failing => SYSTEM_ERROR,
+        State::Finalizing if cm.drained() => SUCCESS,
+        State::Finalizing => IN_PROGRESS,
+        State::Ready if cm.settling.swap(false, Ordering::SeqCst) => IN_PROGRESS,
+        State::Ready => SUCCESS,
+    };
     // SAFETY: the caller's out-pointer.
-    unsafe { *st = SUCCESS };
+    unsafe { *st = now };
     SUCCESS
 }
 
@@ -373,7 +723,7 @@ pub unsafe extern "C" fn ncclCommWindowRegister(
         // No symmetric support: success, and no window.
         // SAFETY: the caller's out-pointer.
         unsafe { *win = std::ptr::null_mut() };
-        return SUCCESS;
+        return cm.done();
     }
     // Taken before any check, so every rank's n-th registration is the
     // n-th window whatever failed locally.
@@ -464,7 +814,7 @@ pub unsafe extern "C" fn ncclCommWindowRegister(
     let w = Box::new(Win { comm: cm, base: buff as u64, len: size, peers, maps });
     // SAFETY: the caller's out-pointer.
     unsafe { *win = Box::into_raw(w).cast() };
-    SUCCESS
+    cm.done()
 }
 
 /// `ncclCommWindowDeregister`.
@@ -492,7 +842,7 @@ pub extern "C" fn ncclCommWindowDeregister(c: *mut c_void, win: *mut c_void) -> 
             libc::munmap(*a as *mut c_void, *l);
         }
     }
-    SUCCESS
+    cm.done()
 }
 
 fn dtype_size(dt: c_int) -> Option<usize> {
@@ -563,9 +913,9 @@ pub unsafe extern "C" fn ncclPutSignal(
         eprintln!("NCCL stand-in: put source {src:#x} (+{bytes}) is in no window this rank registered");
         return INVALID_ARGUMENT;
     }
-    enqueue(stream, Op::Copy { dst: dst + offset as u64, src, len: bytes });
-    enqueue(stream, Op::Write { addr: cm.counter(cm.rank, peer), value: cm.next_seq(peer) });
-    SUCCESS
+    let signal = Op::Write { addr: cm.counter(cm.rank, peer), value: cm.next_seq(peer) };
+    cm.queue(stream, [Op::Copy { dst: dst + offset as u64, src, len: bytes }, signal]);
+    cm.done()
 }
 
 /// `ncclSignal`.
@@ -582,8 +932,8 @@ pub extern "C" fn ncclSignal(
         Ok(cm) => cm,
         Err(e) => return e,
     };
-    enqueue(stream, Op::Write { addr: cm.counter(cm.rank, peer as usize), value: cm.next_seq(peer as usize) });
-    SUCCESS
+    cm.queue(stream, [Op::Write { addr: cm.counter(cm.rank, peer as usize), value: cm.next_seq(peer as usize) }]);
+    cm.done()
 }
 
 /// `ncclWaitSignalDesc_t`.
@@ -622,13 +972,14 @@ pub unsafe extern "C" fn ncclWaitSignal(
         let Ok(k) = u64::try_from(d.op_cnt) else { return INVALID_ARGUMENT };
         waits.push((cm, d.peer as usize, k));
     }
+    let Some(cm) = comm(c) else { return INVALID_ARGUMENT };
     for (cm, peer, k) in waits {
         let target = {
             let mut e = cm.expected.lock().unwrap();
             e[peer] += k;
             e[peer]
         };
-        enqueue(stream, Op::WaitGeq { addr: cm.counter(peer, cm.rank), value: target });
+        cm.queue(stream, [Op::WaitGeq { addr: cm.counter(peer, cm.rank), value: target }]);
     }
-    SUCCESS
+    cm.done()
 }

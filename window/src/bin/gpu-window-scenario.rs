@@ -627,7 +627,7 @@ fn nccl(g: &Group, ctx: &Arc<Context>) -> R {
     for (i, b) in raw.iter_mut().enumerate() {
         *b = u8::from_str_radix(std::str::from_utf8(&all[0][2 * i..2 * i + 2]).map_err(s)?, 16).map_err(s)?;
     }
-    let comm = NcclComm::init(lib.clone(), ctx.clone(), &UniqueId(raw), rank, size).map_err(s)?;
+    let comm = NcclComm::init(lib.clone(), ctx.clone(), &UniqueId(raw), rank, size, g.timeout()).map_err(s)?;
     let mut rma = match NcclRma::new(comm, g, Duration::from_secs(60)) {
         Ok(r) => r,
         Err(e) => {
