@@ -163,16 +163,7 @@ fn device_memory_ring_over_cuda_ipc() {
 #[test]
 fn a_dead_peer_releases_device_stream_waits() {
     let Some(lib) = rmacomm_window::cuda::standin_for_tests() else { return };
-    let out = Command::new(env!("CARGO_BIN_EXE_rmacomm-run"))
-        .args(["--nproc-per-node", "2", env!("CARGO_BIN_EXE_gpu-window-scenario"), "dead"])
-        .env_remove("MASTER_ADDR")
-        .env_remove("MASTER_PORT")
-        .env("RMACOMM_TIMEOUT_SECONDS", "60")
-        .env("RMACOMM_CUDA_LIB", &lib)
-        .env("RMACOMM_EXPECT_GPU", "1")
-        .env("RMACOMM_STANDIN_STRICT", "1")
-        .output()
-        .unwrap();
+    let out = gpu_scenario(2, &["dead"], &lib, &[("RMACOMM_STANDIN_STRICT", "1")]);
     let stdout = assert_every_rank_ok(2, &out);
     assert!(stdout.contains("dead: released after"), "{stdout}");
 }
@@ -193,20 +184,9 @@ fn device_memory_ring_against_the_cuda_standin() {
         (2, &["proxy"], "cuMemAlloc"),
         (3, &["proxy"], "cuMemAlloc"),
     ] {
-        let out = Command::new(env!("CARGO_BIN_EXE_rmacomm-run"))
-            .args(["--nproc-per-node", &n.to_string(), env!("CARGO_BIN_EXE_gpu-window-scenario")])
-            .args(args)
-            .env_remove("MASTER_ADDR")
-            .env_remove("MASTER_PORT")
-            .env("RMACOMM_TIMEOUT_SECONDS", "60")
-            .env("GPU_WINDOW_ALLOC", alloc)
-            .env("RMACOMM_CUDA_LIB", &lib)
-            .env("RMACOMM_EXPECT_GPU", "1")
-            // No thread a stream waits for may take a driver lock while it
-            // waits (the stand-in aborts the rank naming the call).
-            .env("RMACOMM_STANDIN_STRICT", "1")
-            .output()
-            .unwrap();
+        // No thread a stream waits for may take a driver lock while it
+        // waits (the stand-in aborts the rank naming the call).
+        let out = gpu_scenario(n, args, &lib, &[("GPU_WINDOW_ALLOC", alloc), ("RMACOMM_STANDIN_STRICT", "1")]);
         let stdout = assert_every_rank_ok(n, &out);
         if args[0] == "bw" {
             assert_eq!(stdout.matches("\"window_device_put\"").count(), 3, "{stdout}");
@@ -226,17 +206,25 @@ fn device_memory_ring_against_the_cuda_standin() {
         eprintln!("the ring without stream memory operations skipped: no NVRTC for the signal kernels");
         return;
     }
-    let out = Command::new(env!("CARGO_BIN_EXE_rmacomm-run"))
-        .args(["--nproc-per-node", "3", env!("CARGO_BIN_EXE_gpu-window-scenario"), "ring"])
+    let out = gpu_scenario(3, &["ring"], &lib, &[("RMACOMM_STANDIN_NO_MEMOPS", "1")]);
+    assert_every_rank_ok(3, &out);
+}
+
+/// `gpu-window-scenario ARGS` on `n` ranks under `rmacomm-run`, against the
+/// CUDA stand-in at `lib` (a 60 s timeout), with `env` besides.
+fn gpu_scenario(n: usize, args: &[&str], lib: &std::path::Path, env: &[(&str, &str)]) -> Output {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_rmacomm-run"));
+    c.args(["--nproc-per-node", &n.to_string(), env!("CARGO_BIN_EXE_gpu-window-scenario")])
+        .args(args)
         .env_remove("MASTER_ADDR")
         .env_remove("MASTER_PORT")
         .env("RMACOMM_TIMEOUT_SECONDS", "60")
-        .env("RMACOMM_CUDA_LIB", &lib)
-        .env("RMACOMM_EXPECT_GPU", "1")
-        .env("RMACOMM_STANDIN_NO_MEMOPS", "1")
-        .output()
-        .unwrap();
-    assert_every_rank_ok(3, &out);
+        .env("RMACOMM_CUDA_LIB", lib)
+        .env("RMACOMM_EXPECT_GPU", "1");
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    c.output().unwrap()
 }
 
 /// NCCL's window API (2.29+) through `NcclRma`, against the stand-in (the

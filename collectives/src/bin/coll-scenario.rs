@@ -366,23 +366,37 @@ fn killed() -> R {
 /// connection to rank 1 break (well before the 60 s timeout), fails the
 /// call and releases the stream (its synchronize returns); the next call
 /// fails naming rank 1, and the drop returns.
-fn gpu_killed() -> R {
-    use rmacomm_collectives::GpuComm;
-    use rmacomm_window::cuda::driver::Context;
+/// The launcher's group, device 0's context and a GpuComm of 64 KiB slots
+/// on them (60 s timeouts); `None` (said why) without a CUDA driver or
+/// NVRTC.
+#[allow(clippy::type_complexity)]
+fn gpu_comm() -> Result<
+    Option<(
+        rmacomm_window::Group,
+        std::sync::Arc<rmacomm_window::cuda::driver::Context>,
+        rmacomm_collectives::GpuComm,
+    )>,
+    String,
+> {
     let g = rmacomm_window::Group::from_env_with(rmacomm_window::GroupOptions::new().timeout(Duration::from_secs(60)))
         .map_err(s)?;
-    let ctx = match Context::open_shared(0) {
+    let ctx = match rmacomm_window::cuda::driver::Context::open_shared(0) {
         Ok(c) => c,
         Err(e) => {
             println!("gpu skipped: no CUDA driver ({e})");
-            return Ok(());
+            return Ok(None);
         }
     };
     if let Err(e) = rmacomm_window::cuda::nvrtc::Nvrtc::get() {
         println!("gpu skipped: no NVRTC for the kernels ({e})");
-        return Ok(());
+        return Ok(None);
     }
-    let mut c = GpuComm::new(&g, ctx.clone(), Some(64 << 10), Duration::from_secs(60)).map_err(s)?;
+    let c = rmacomm_collectives::GpuComm::new(&g, ctx.clone(), Some(64 << 10), Duration::from_secs(60)).map_err(s)?;
+    Ok(Some((g, ctx, c)))
+}
+
+fn gpu_killed() -> R {
+    let Some((g, ctx, mut c)) = gpu_comm()? else { return Ok(()) };
     ensure(!c.through_transport(), || "the two ranks are not in IPC mode".into())?;
     let stream = ctx.stream().map_err(s)?;
     let buf = ctx.alloc_shared(200_000).map_err(s)?;
@@ -451,23 +465,8 @@ fn time(args: &[String]) -> R {
 /// all_to_all and reduce_scatter of 20,000-element blocks, every result
 /// checked on the host.
 fn gpu() -> R {
-    use rmacomm_collectives::GpuComm;
-    use rmacomm_window::cuda::driver::Context;
-    let g = rmacomm_window::Group::from_env_with(rmacomm_window::GroupOptions::new().timeout(Duration::from_secs(60)))
-        .map_err(s)?;
+    let Some((g, ctx, mut c)) = gpu_comm()? else { return Ok(()) };
     let (rank, n) = (g.rank(), g.size());
-    let ctx = match Context::open_shared(0) {
-        Ok(c) => c,
-        Err(e) => {
-            println!("gpu skipped: no CUDA driver ({e})");
-            return Ok(());
-        }
-    };
-    if let Err(e) = rmacomm_window::cuda::nvrtc::Nvrtc::get() {
-        println!("gpu skipped: no NVRTC for the kernels ({e})");
-        return Ok(());
-    }
-    let mut c = GpuComm::new(&g, ctx.clone(), Some(64 << 10), Duration::from_secs(60)).map_err(s)?;
     println!("gpu mode: {}", if c.through_transport() { "transport" } else { "ipc" });
     println!("gpu slots: {}", if c.host_slots() { "host" } else { "device" });
     let stream = ctx.stream().map_err(s)?;
