@@ -40,8 +40,11 @@
 //! # Across hosts (transport mode)
 //!
 //! Where some rank is on another host ([`GpuComm::new`] sees that the
-//! window's peers are not all UNIFIED; [`GpuComm::new_through_transport`]
-//! asks for it), nothing is read in place: the slot memory is registered
+//! window's peers are not all UNIFIED), where some rank cannot map a
+//! peer's slots (GPUs of one host without peer access between them, CUDA
+//! IPC refused: every rank learns it at the registration, warns, and
+//! starts again in this mode), or where [`GpuComm::new_through_transport`]
+//! asks for it, nothing is read in place: the slot memory is registered
 //! through the transport, and a rank *puts* what a peer needs into the
 //! peer's region (`Window::put_on_stream`, run by the window's stream proxy
 //! at the stream's point; the stream waits until the data is placed), then
@@ -543,7 +546,19 @@ impl GpuComm {
             (slots, Some(Arc::new(src)), Some(own))
         } else {
             let mem = ctx.alloc_shared(bytes).map_err(cuda(OP))?;
-            win.tensor_register_device(mem, 1).map_err(Error::window(OP))?;
+            match win.tensor_register_device(mem, 1) {
+                Ok(()) => {}
+                // Every rank gets it alike: some rank cannot map a peer's
+                // slots (GPUs without peer access, CUDA IPC refused), so
+                // all go through the transport, as NCCL falls back from
+                // P2P to shared memory.
+                Err(e @ rmacomm_window::Error::Unreachable { .. }) => {
+                    tracing::warn!("{OP}: {e}; the collectives go through the transport (transport mode) instead");
+                    drop(win);
+                    return Self::build(group, ctx, slot_bytes, timeout, true);
+                }
+                Err(e) => return Err(Error::window(OP)(e)),
+            }
             let slots = (0..size).map(|p| win.map_remote_device(p).map(|m| m.0)).collect::<Result<Vec<_>, _>>();
             (slots.map_err(Error::window(OP))?, None, None)
         };

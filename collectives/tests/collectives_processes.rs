@@ -104,6 +104,33 @@ fn a_gpu_rank_that_dies_releases_the_others_streams() {
     assert!(out.contains("[0] gpu_killed error after") && out.contains("[0] rank 0 ok"), "{out}");
 }
 
+/// The native GPU collectives (`coll-scenario gpu`: every operation, every
+/// result checked) of three processes on two GPUs (the stand-in's, rank r
+/// on GPU r mod 2): through CUDA IPC across the GPUs where they have peer
+/// access; without it (`RMACOMM_STANDIN_P2P=0`) every rank learns at
+/// `GpuComm::new` that some rank cannot map a peer's slots and all go
+/// through the transport (before, `GpuComm::new` failed). Skipped, saying
+/// so, without the stand-in or NVRTC (the test command's NVRTC stage runs
+/// it).
+#[test]
+fn gpu_collectives_of_processes_on_two_gpus_with_and_without_peer_access() {
+    let Some(lib) = rmacomm_window::cuda::standin_for_tests() else { return };
+    if let Err(e) = rmacomm_window::cuda::nvrtc::Nvrtc::get() {
+        assert!(std::env::var("RMACOMM_EXPECT_NVRTC").map_or(true, |v| v != "1"), "RMACOMM_EXPECT_NVRTC=1 but {e}");
+        return println!("skipped: no NVRTC to compile the GPU kernels ({e})");
+    }
+    std::env::set_var("RMACOMM_CUDA_LIB", &lib);
+    std::env::set_var("RMACOMM_STANDIN_DEVICES", "2");
+    std::env::set_var("GPU_PER_RANK", "1");
+    for (p2p, mode) in [("1", "ipc"), ("0", "transport")] {
+        std::env::set_var("RMACOMM_STANDIN_P2P", p2p);
+        let out = every_rank_ok(3, "unified", &["gpu"]);
+        for r in 0..3 {
+            assert!(out.contains(&format!("[{r}] gpu mode: {mode} (cuda:{})", r % 2)), "{out}");
+        }
+    }
+}
+
 #[test]
 fn unknown_and_gpu_backends_are_clear_errors() {
     let e = rmacomm_collectives::new_comm("nccl", rmacomm_collectives::CommOptions::new()).unwrap_err().to_string();

@@ -216,6 +216,53 @@ fn gpu_all_reduce_with_ranks_on_two_gpus() {
     );
 }
 
+/// Thread ranks on two GPUs without peer access between them
+/// (`RMACOMM_STANDIN_P2P=0`, in a child process): every rank learns at
+/// `GpuComm::new` that some rank cannot reach a peer's slots, and all go
+/// through the transport instead (before, `GpuComm::new` failed on every
+/// rank); the all_reduce matches the host's.
+#[test]
+fn gpu_all_reduce_with_ranks_on_two_gpus_without_peer_access() {
+    const NAME: &str = "gpu_all_reduce_with_ranks_on_two_gpus_without_peer_access";
+    if !ready() {
+        return;
+    }
+    if std::env::var_os("GPU_STANDIN_CHILD").is_none() {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", NAME, "--nocapture"])
+            .env("GPU_STANDIN_CHILD", "1")
+            .env("RMACOMM_STANDIN_P2P", "0")
+            .output()
+            .unwrap();
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success() && text.contains("1 passed"), "{NAME} in a child:\n{text}");
+        return;
+    }
+    thread_ranks_on(
+        3,
+        "two GPUs without peer access",
+        |r| (r % 2) as u32,
+        |rank, g, ctx| {
+            let mut c = GpuComm::new(&g, ctx.clone(), Some(64 << 10), Duration::from_secs(60)).unwrap();
+            assert!(c.through_transport(), "{c:?}");
+            let stream = ctx.stream().unwrap();
+            let elems = 50_000;
+            let buf = ctx.alloc_shared(elems * 4).unwrap();
+            let f = |r: usize, i: usize| ((r + 1) * 10 + i % 7) as f32;
+            buf.write_from(0, &as_bytes(&(0..elems).map(|i| f(rank, i)).collect::<Vec<_>>())).unwrap();
+            // SAFETY: buf holds elems f32 and outlives the synchronize.
+            unsafe { c.all_reduce(buf.ptr(), elems * 4, DType::F32, ReduceOp::Sum, &stream) }.unwrap();
+            stream.synchronize().unwrap();
+            let mut got = vec![0u8; elems * 4];
+            buf.read_into(0, &mut got).unwrap();
+            let expect: Vec<f32> = (0..elems).map(|i| (0..3).map(|r| f(r, i)).sum()).collect();
+            assert_eq!(got, as_bytes(&expect), "rank {rank} on cuda:{}", ctx.ordinal());
+            g.barrier(None).unwrap();
+            drop((buf, c));
+        },
+    );
+}
+
 /// A rank that never makes the call (IPC mode, a 2 s timeout): the
 /// watchdog fails rank 0's all_reduce once the timeout has passed since it
 /// was queued and releases its stream (its synchronize returns instead of

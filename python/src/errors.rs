@@ -187,7 +187,7 @@ fn window_kind(e: &rmacomm_window::Error) -> ErrKind {
         W::InvalidArgument { .. } | W::Bounds { .. } | W::Env { .. } | W::NoLaunchEnv => ErrKind::Argument,
         W::Mismatch { .. } => ErrKind::Mismatch,
         W::Connect { .. } | W::Disconnected { .. } | W::Closed { .. } | W::PeerFailed { .. } => ErrKind::Peer,
-        W::Unsupported { .. } => ErrKind::Unavailable,
+        W::Unsupported { .. } | W::Unreachable { .. } => ErrKind::Unavailable,
         W::Cuda {
             source:
                 rmacomm_window::cuda::CudaError::NotFound { .. }

@@ -3,7 +3,9 @@
 //! signals and waits ordered on a CUDA stream (`stream=`, default torch's
 //! current stream of the tensor's device), as torch orders GPU work.
 //!
-//! Where some peer is not UNIFIED (another host, or `unified=False`), the
+//! Where some peer is not UNIFIED (another host, or `unified=False`), or
+//! some rank cannot map a peer's tensor (GPUs without peer access between
+//! them, CUDA IPC refused: every rank learns it at registration), the
 //! tensors are registered through the transport instead (*staged*: the
 //! soft provider copies through pinned host chunks, a verbs HCA reaches
 //! the GPU). Their puts, gets, signals and waits are still ordered on
@@ -67,7 +69,26 @@ impl WinCore {
         // Every rank decides alike: in a group on one host with UNIFIED
         // access every peer is UNIFIED, in any other every rank has a peer
         // that is not.
-        let staged = !self.with(py, false, |w| w.all_unified());
+        let mut staged = !self.with(py, false, |w| w.all_unified());
+        if !staged {
+            // SAFETY: the tensor's memory stays allocated while `Reg` holds
+            // the tensor, which `deregister` lets go only after the window's
+            // deregistration (a barrier: no peer reaches it any more).
+            match self.exclusive(py, move |w| unsafe { w.tensor_register_device_ptr(ctx, ptr, len, es) })? {
+                Ok(()) => {}
+                // Every rank gets it alike (GPUs without peer access, CUDA
+                // IPC refused): all register through the transport instead.
+                Err(e @ rmacomm_window::Error::Unreachable { .. }) => {
+                    let category = py.get_type::<pyo3::exceptions::PyRuntimeWarning>();
+                    let msg = std::ffi::CString::new(format!("{e}: staged through the transport instead"));
+                    // Every rank goes on to register (a warning made an error
+                    // here would leave the peers waiting).
+                    let _ = PyErr::warn(py, &category, &msg.unwrap_or_default(), 1);
+                    staged = true;
+                }
+                Err(e) => return Err(py_err(e)),
+            }
+        }
         if staged {
             self.exclusive(py, move |w| {
                 // SAFETY: the tensor's memory stays allocated while `Reg`
@@ -77,11 +98,6 @@ impl WinCore {
                 w.tensor_register_len(mem, len, es)
             })?
             .map_err(py_err)?;
-        } else {
-            // SAFETY: the tensor's memory stays allocated while `Reg` holds
-            // the tensor, which `deregister` lets go only after the window's
-            // deregistration (a barrier: no peer reaches it any more).
-            self.exclusive(py, move |w| unsafe { w.tensor_register_device_ptr(ctx, ptr, len, es) })?.map_err(py_err)?;
         }
         *self.reg.lock().unwrap_or_else(|e| e.into_inner()) =
             Some(Reg { tensor: t.obj, kind: Kind::Torch, peers, device: Some(dev), staged });

@@ -137,6 +137,24 @@ pub enum Error {
         /// Why, and what to use instead.
         reason: String,
     },
+    /// Some rank cannot map a peer's device memory (no peer access between
+    /// their GPUs, or CUDA IPC refused): every rank of the registration
+    /// returns the same one, so all can register through the transport
+    /// instead ([`Window::register_cuda`](crate::Window::register_cuda) and
+    /// [`tensor_register`](crate::Window::tensor_register)), as GpuComm and
+    /// the Python window do.
+    #[error(
+        "{op}: rank {rank} cannot map a peer's device memory ({reason}); register it through the transport \
+         instead (register_cuda, then tensor_register)"
+    )]
+    Unreachable {
+        /// The operation.
+        op: &'static str,
+        /// The lowest rank that could not map.
+        rank: usize,
+        /// What it could not map, and why.
+        reason: String,
+    },
     /// Another rank failed its part of a collective window operation (so
     /// this rank fails it too, rather than go on with a peer that did not).
     #[error("{op}: rank {peer} failed its part: {reason}")]

@@ -168,6 +168,34 @@ fn a_dead_peer_releases_device_stream_waits() {
     assert!(stdout.contains("dead: released after"), "{stdout}");
 }
 
+/// Processes on two GPUs (the stand-in's two devices, rank r on GPU r mod
+/// 2): with peer access the device ring maps peers through CUDA IPC across
+/// the GPUs; without (`RMACOMM_STANDIN_P2P=0`) the registration is
+/// `Unreachable` on every rank, naming rank 0, and the same window's
+/// stream-ordered ring goes through the transport (`gpu-window-scenario
+/// gpus`). Before, the registration failed and nothing could be moved.
+#[test]
+fn device_windows_of_processes_on_two_gpus_with_and_without_peer_access() {
+    let Some(lib) = rmacomm_window::cuda::standin_for_tests() else { return };
+    for (n, p2p) in [(2, "1"), (3, "0")] {
+        let env = [
+            ("RMACOMM_STANDIN_DEVICES", "2"),
+            ("GPU_PER_RANK", "1"),
+            ("RMACOMM_STANDIN_P2P", p2p),
+            ("RMACOMM_STANDIN_STRICT", "1"),
+        ];
+        let out = gpu_scenario(n, &["gpus"], &lib, &env);
+        let stdout = assert_every_rank_ok(n, &out);
+        let how = if p2p == "1" { "through CUDA IPC" } else { "through the transport" };
+        for r in 0..n {
+            assert!(stdout.contains(&format!("gpus: rank {r} on cuda:{}, {how}", r % 2)), "{stdout}");
+        }
+        if p2p == "0" {
+            assert_eq!(stdout.matches("cannot map a peer's device memory").count(), n, "{stdout}");
+        }
+    }
+}
+
 #[test]
 fn device_memory_ring_against_the_cuda_standin() {
     let Some(lib) = rmacomm_window::cuda::standin_for_tests() else { return };

@@ -7,8 +7,9 @@
 //! conventions), `mismatch`, `killed`, `gpu` (the native GPU collectives
 //! on CUDA device memory, `GpuComm`: through CUDA IPC on one host, in
 //! transport mode across hosts; prints the mode; skips, saying why,
-//! without a CUDA driver or NVRTC). `COLL_PATH=separate` turns the UNIFIED
-//! same-host path off.
+//! without a CUDA driver or NVRTC; `GPU_PER_RANK=1`: rank r on GPU r mod
+//! the device count). `COLL_PATH=separate` turns the UNIFIED same-host
+//! path off.
 
 use std::time::{Duration, Instant};
 
@@ -366,9 +367,9 @@ fn killed() -> R {
 /// connection to rank 1 break (well before the 60 s timeout), fails the
 /// call and releases the stream (its synchronize returns); the next call
 /// fails naming rank 1, and the drop returns.
-/// The launcher's group, device 0's context and a GpuComm of 64 KiB slots
-/// on them (60 s timeouts); `None` (said why) without a CUDA driver or
-/// NVRTC.
+/// The launcher's group, device 0's context (with `GPU_PER_RANK=1` GPU r
+/// mod the device count for rank r) and a GpuComm of 64 KiB slots on them
+/// (60 s timeouts); `None` (said why) without a CUDA driver or NVRTC.
 #[allow(clippy::type_complexity)]
 fn gpu_comm() -> Result<
     Option<(
@@ -380,7 +381,12 @@ fn gpu_comm() -> Result<
 > {
     let g = rmacomm_window::Group::from_env_with(rmacomm_window::GroupOptions::new().timeout(Duration::from_secs(60)))
         .map_err(s)?;
-    let ctx = match rmacomm_window::cuda::driver::Context::open_shared(0) {
+    let per_rank = std::env::var("GPU_PER_RANK").is_ok_and(|v| v == "1");
+    let ordinal = match rmacomm_window::cuda::driver::probe() {
+        Ok(d) if per_rank && d.devices > 0 => (g.rank() % d.devices) as u32,
+        _ => 0,
+    };
+    let ctx = match rmacomm_window::cuda::driver::Context::open_shared(ordinal) {
         Ok(c) => c,
         Err(e) => {
             println!("gpu skipped: no CUDA driver ({e})");
@@ -467,7 +473,7 @@ fn time(args: &[String]) -> R {
 fn gpu() -> R {
     let Some((g, ctx, mut c)) = gpu_comm()? else { return Ok(()) };
     let (rank, n) = (g.rank(), g.size());
-    println!("gpu mode: {}", if c.through_transport() { "transport" } else { "ipc" });
+    println!("gpu mode: {} (cuda:{})", if c.through_transport() { "transport" } else { "ipc" }, ctx.ordinal());
     println!("gpu slots: {}", if c.host_slots() { "host" } else { "device" });
     let stream = ctx.stream().map_err(s)?;
     let f32s = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();

@@ -30,6 +30,12 @@
 //!   puts from the host, and signal round trips through the proxy beside
 //!   host signals; JSON lines on stdout.
 //!
+//! - `gpus`: ranks on several GPUs (with `GPU_PER_RANK=1`): the
+//!   `ring` across them where the GPUs reach each other; where they do not
+//!   (`RMACOMM_STANDIN_P2P=0`), `tensor_register_device` fails with
+//!   `Error::Unreachable` on every rank and the stream-ordered ring of
+//!   `proxy` runs on the same (UNIFIED) window through the transport.
+//!
 //! - `nccl`: NCCL's own one-sided API (2.29+) through
 //!   `rmacomm_window::nccl_rma::NcclRma`, on cuMem/VMM memory: a ring of
 //!   three rounds, each rank putting into its left neighbour's second
@@ -47,7 +53,8 @@
 //!   itself, which checks the calls but not the counting (one stream
 //!   orders everything).
 //!
-//! With `GPU_WINDOW_ALLOC=vmm` every registered tensor is cuMem/VMM memory
+//! With `GPU_PER_RANK=1` rank r uses GPU r mod the device count
+//! (else GPU 0). With `GPU_WINDOW_ALLOC=vmm` every registered tensor is cuMem/VMM memory
 //! in 2 MiB mappings (as PyTorch's expandable segments are): peers map it
 //! through its mappings' descriptors instead of a CUDA IPC handle.
 //!
@@ -83,7 +90,14 @@ fn main() {
     let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
     let args: Vec<String> = std::env::args().skip(1).collect();
     let rank: usize = std::env::var("RANK").ok().and_then(|v| v.parse().ok()).expect("launched by rmacomm-run");
-    let result = match Context::open_shared(0) {
+    // GPU_PER_RANK=1: rank r on GPU r mod the device count (hosts
+    // with several GPUs), else every rank on GPU 0.
+    let per_rank = std::env::var("GPU_PER_RANK").is_ok_and(|v| v == "1");
+    let ordinal = match rmacomm_window::cuda::driver::probe() {
+        Ok(d) if per_rank && d.devices > 0 => (rank % d.devices) as u32,
+        _ => 0,
+    };
+    let result = match Context::open_shared(ordinal) {
         Err(e) if std::env::var("RMACOMM_EXPECT_GPU").is_ok_and(|v| v == "1") => Err(format!("no GPU: {e}")),
         Err(e) => {
             println!("rank {rank} skipped (no GPU: {e})");
@@ -102,6 +116,7 @@ fn main() {
                 nccl(&g, &ctx)
             }
             Some("dead") => dead(&g, w, &ctx),
+            Some("gpus") => gpus(&g, w, &ctx),
             other => Err(format!("unknown scenario {other:?}")),
         }),
     };
@@ -500,20 +515,52 @@ fn bw(g: &Group, mut w: Window, ctx: &Arc<Context>, max: Result<usize, String>) 
 }
 
 /// The stream proxy between the ranks (scenario docs).
+/// Ranks on several GPUs (`GPU_PER_RANK=1`): where the GPUs reach
+/// each other, the device ring through CUDA IPC across them; where they do
+/// not (`RMACOMM_STANDIN_P2P=0`), `tensor_register_device` is
+/// `Error::Unreachable` on every rank, naming the same rank, and the ring
+/// on a stream goes through the transport on the same (UNIFIED) window,
+/// every byte checked.
+fn gpus(g: &Group, mut w: Window, ctx: &Arc<Context>) -> R {
+    if std::env::var("RMACOMM_STANDIN_P2P").map_or(true, |v| v != "0") {
+        println!("gpus: rank {} on cuda:{}, through CUDA IPC", g.rank(), ctx.ordinal());
+        return ring(g, w, ctx);
+    }
+    match w.tensor_register_device(tensor_mem(ctx, 1 << 20)?, 4) {
+        Err(e @ Error::Unreachable { rank: 0, .. }) => println!("gpus: rank {} refused: {e}", g.rank()),
+        other => return Err(format!("tensor_register_device across GPUs without peer access: {other:?}")),
+    }
+    let stream = ctx.stream().map_err(s)?;
+    stream_ring(g, &mut w, &stream, false)?;
+    println!("gpus: rank {} on cuda:{}, through the transport", g.rank(), ctx.ordinal());
+    Ok(())
+}
+
 fn proxy(g: &Group, ctx: &Arc<Context>) -> R {
-    let (rank, size) = (g.rank(), g.size());
-    let (right, left) = ((rank + 1) % size, (rank + size - 1) % size);
     let opts = WindowOptions::new().timeout(Duration::from_secs(30)).unified(false);
     let mut w = Window::new(g, opts).map_err(s)?;
     let stream = ctx.stream().map_err(s)?;
     let start = Instant::now();
+    stream_ring(g, &mut w, &stream, true)?;
+    eprintln!("proxy ring: {:?}", start.elapsed());
+    proxy_timings(g, &mut w, ctx, &stream)
+}
+
+/// The ring ordered on `stream` through the transport (device memory
+/// registered with `tensor_register`): `put_on_stream`, `signal_on_stream`,
+/// `wait_signal_on_stream`, `get_on_stream` for 4 KiB, 1 MiB and 16 MiB,
+/// every byte checked; `ipc`: the soft provider opens every peer's tensor
+/// through CUDA IPC at registration (else it stages every transfer).
+fn stream_ring(g: &Group, w: &mut Window, stream: &Stream, ipc: bool) -> R {
+    let (rank, size) = (g.rank(), g.size());
+    let (right, left) = ((rank + 1) % size, (rank + size - 1) % size);
     for count in [4096usize, 1 << 20, 16 << 20] {
         let before = rmacomm_window::cuda::device::ipc_mappings_open();
         w.tensor_register(w.alloc_cuda(size * count, 0).map_err(s)?, 1).map_err(s)?;
         // Every peer's tensor is opened by the registration, not by the
         // first operation (which a stream would be waiting for).
         let opened = rmacomm_window::cuda::device::ipc_mappings_open();
-        ensure(before > 0 || opened == size - 1, || {
+        ensure(!ipc || before > 0 || opened == size - 1, || {
             format!("{opened} peer allocations open after the first tensor_register, want {}", size - 1)
         })?;
         let src = Arc::new(w.alloc_cuda(count, 0).map_err(s)?);
@@ -523,11 +570,11 @@ fn proxy(g: &Group, ctx: &Arc<Context>) -> R {
             let what = || format!("proxy ring: {count} bytes, iteration {it}");
             let fail = |e: Error| format!("{}: {e}", what());
             src.write_from(0, &data(rank)).map_err(s)?;
-            let put = w.put_on_stream(src.clone(), 0, count, right, rank * count, &stream).map_err(fail)?;
-            w.signal_on_stream(right, &stream).map_err(fail)?;
-            w.wait_signal_on_stream(left, &stream).map_err(fail)?;
-            let get = w.get_on_stream(back.clone(), 0, count, right, rank * count, &stream).map_err(fail)?;
-            wait_stream(&stream, &what)?;
+            let put = w.put_on_stream(src.clone(), 0, count, right, rank * count, stream).map_err(fail)?;
+            w.signal_on_stream(right, stream).map_err(fail)?;
+            w.wait_signal_on_stream(left, stream).map_err(fail)?;
+            let get = w.get_on_stream(back.clone(), 0, count, right, rank * count, stream).map_err(fail)?;
+            wait_stream(stream, &what)?;
             put.wait(None).map_err(fail)?;
             get.wait(None).map_err(fail)?;
             let mut got = vec![0u8; count];
@@ -540,7 +587,11 @@ fn proxy(g: &Group, ctx: &Arc<Context>) -> R {
         drop((src, back));
         w.tensor_deregister().map_err(s)?;
     }
-    eprintln!("proxy ring: {:?}", start.elapsed());
+    Ok(())
+}
+
+fn proxy_timings(g: &Group, w: &mut Window, ctx: &Arc<Context>, stream: &Stream) -> R {
+    let (rank, size) = (g.rank(), g.size());
     if let Some(e) = w.stream_error() {
         return Err(format!("a stream operation failed: {e}"));
     }
@@ -558,8 +609,8 @@ fn proxy(g: &Group, ctx: &Arc<Context>) -> R {
     if rank == 0 {
         let queued = timed(
             PUTS,
-            || w.put_on_stream(src.clone(), 0, BYTES, 1, 0, &stream).map(drop).map_err(s),
-            || wait_stream(&stream, &what),
+            || w.put_on_stream(src.clone(), 0, BYTES, 1, 0, stream).map(drop).map_err(s),
+            || wait_stream(stream, &what),
         )?;
         let view = || src.view(0, BYTES).map_err(s);
         let host = timed(PUTS, || w.put(view()?, 1, 0, false).map(drop).map_err(s), || Ok(()))?;
@@ -581,11 +632,11 @@ fn proxy(g: &Group, ctx: &Arc<Context>) -> R {
         for _ in 0..iters {
             let signal = || match name {
                 "host_us" => w.signal(peer, false).map(drop),
-                _ => w.signal_on_stream(peer, &stream),
+                _ => w.signal_on_stream(peer, stream),
             };
             let wait = || match name {
                 "host_us" => w.wait_signal(peer, None),
-                _ => w.wait_signal_on_stream(peer, &stream),
+                _ => w.wait_signal_on_stream(peer, stream),
             };
             if rank == 0 {
                 signal().and_then(|()| wait()).map_err(s)?;
@@ -593,7 +644,7 @@ fn proxy(g: &Group, ctx: &Arc<Context>) -> R {
                 wait().and_then(|()| signal()).map_err(s)?;
             }
         }
-        wait_stream(&stream, &what)?;
+        wait_stream(stream, &what)?;
         row.push(format!("\"{name}\":{:.2}", t.elapsed().as_secs_f64() * 1e6 / iters as f64));
     }
     if rank == 0 {

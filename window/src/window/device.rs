@@ -307,8 +307,14 @@ impl Window {
     /// [`tensor_register`](Self::tensor_register): every rank registers
     /// device memory, sizes may differ. Every peer must be UNIFIED (same
     /// host, shared-memory signals): its memory is mapped here through CUDA
-    /// IPC. Fails on every rank, naming the rank at fault, when any rank
-    /// cannot register or map.
+    /// IPC (or, for ranks of this process on another GPU, peer access).
+    /// Fails on every rank, naming the rank at fault, when any rank cannot
+    /// register or map: [`Error::Unreachable`] on every rank when all that
+    /// failed is mapping some peer's memory (GPUs without peer access
+    /// between them, CUDA IPC refused), which the transport reaches
+    /// instead ([`register_cuda`](Self::register_cuda) and
+    /// [`tensor_register`](Self::tensor_register): staged by the soft
+    /// provider).
     pub fn tensor_register_device(&mut self, mem: DeviceMemory, elem_size: usize) -> Result<()> {
         let len = mem.len().checked_div(elem_size).map_or(0, |n| n * elem_size);
         let (ctx, ptr) = (mem.context().clone(), mem.ptr());
@@ -417,16 +423,23 @@ impl Window {
                     if p != me {
                         // A rank of this process on another GPU: its memory
                         // is reached through peer access.
-                        reach_local(&ctx, p, their_ptr, export)
-                            .map_err(|reason| Error::Unsupported { op: OP, reason })?;
+                        reach_local(&ctx, p, their_ptr, export).map_err(|reason| Error::Unreachable {
+                            op: OP,
+                            rank: me,
+                            reason,
+                        })?;
                     }
                     ptrs.push(their_ptr);
                     ipc.push(None);
                     continue;
                 }
-                let m = ctx.open_export(export, pid).map_err(|source| Error::Unsupported {
+                let m = ctx.open_export(export, pid).map_err(|source| Error::Unreachable {
                     op: OP,
-                    reason: format!("rank {p}'s memory cannot be mapped here (CUDA IPC): {source}"),
+                    rank: me,
+                    reason: format!(
+                        "rank {p}'s memory cannot be opened on cuda:{} (CUDA IPC): {source}",
+                        ctx.ordinal()
+                    ),
                 })?;
                 // The peer's range must lie in what is mapped here: the VMM
                 // mappings (mapped whole), or the allocation the IPC handle
@@ -452,15 +465,31 @@ impl Window {
             })?;
             Ok((m, taken))
         });
+        const UNREACHABLE: &str = "unreachable ";
         let verdict = match &mapped {
             Ok(_) => String::new(),
+            Err(Error::Unreachable { reason, .. }) => format!("{UNREACHABLE}{reason}"),
             Err(e) => e.to_string(),
         };
         let all = self.group.exchange("tensor_register_device/mapped", verdict.as_bytes())?;
-        let ((ptrs, ipc), taken) = mapped?;
-        if let Some((p, why)) = all.iter().enumerate().find(|(_, v)| !v.is_empty()) {
-            return Err(Error::PeerFailed { op: OP, peer: p, reason: String::from_utf8_lossy(why).into_owned() });
+        // Every rank decides alike from the verdicts: any failure but an
+        // unreachable peer fails the registration; else a rank that could
+        // not map some peer makes it Unreachable on every rank (so all can
+        // go through the transport instead).
+        let failed = |unreachable: bool| {
+            all.iter().enumerate().find(|(_, v)| !v.is_empty() && v.starts_with(UNREACHABLE.as_bytes()) == unreachable)
+        };
+        if let Some((p, why)) = failed(false) {
+            return Err(match mapped {
+                Err(e) if !matches!(e, Error::Unreachable { .. }) => e,
+                _ => Error::PeerFailed { op: OP, peer: p, reason: String::from_utf8_lossy(why).into_owned() },
+            });
         }
+        if let Some((p, why)) = failed(true) {
+            let reason = String::from_utf8_lossy(&why[UNREACHABLE.len()..]).into_owned();
+            return Err(Error::Unreachable { op: OP, rank: p, reason });
+        }
+        let ((ptrs, ipc), taken) = mapped?;
         let stream = ctx.stream().map_err(cuda(OP))?;
         let (slots, host) = match self.device_slots(&ctx) {
             Ok((s, h)) => (Ok(s), h),
