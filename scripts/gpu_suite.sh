@@ -143,6 +143,10 @@ PY
   echo "# native collectives: a rank that dies (coll-scenario gpu_killed, at ${SECONDS}s)"
   stage "$(lim 60)" "$bin/rmacomm-run" --nproc-per-node 2 "$bin/coll-scenario" gpu_killed 2>&1 |
     tee "$out/native_gpu_killed.log" || rc=1
+  # The same while the peer replays a captured all_reduce (a CUDA graph's
+  # kernel waits, which the host never issued as a call).
+  stage "$(lim 60)" "$bin/rmacomm-run" --nproc-per-node 2 "$bin/coll-scenario" gpu_killed_replay 2>&1 |
+    tee "$out/native_gpu_killed_replay.log" || rc=1
   # NCCL's own window API (2.29+: ncclPutSignal, ncclSignal,
   # ncclWaitSignal) through NcclRma, one rank (NCCL refuses two on one GPU):
   # the ring on the rank itself; a library older than 2.29 is refused,

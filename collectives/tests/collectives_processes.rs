@@ -89,7 +89,8 @@ fn a_rank_that_dies_fails_the_others_within_the_timeout() {
 /// The native GPU collectives (IPC mode, the CUDA stand-in) with a rank
 /// that dies while rank 0's all_reduce waits for it on its stream: the
 /// stream is released and the call fails naming the rank, well before the
-/// timeout (`coll-scenario gpu_killed`). Skipped, saying so, without the
+/// timeout (`coll-scenario gpu_killed`); and one that dies while rank 0
+/// replays a captured all_reduce (`gpu_killed_replay`). Skipped, saying so, without the
 /// stand-in or NVRTC (the test command's NVRTC stage runs it).
 #[test]
 fn a_gpu_rank_that_dies_releases_the_others_streams() {
@@ -102,6 +103,11 @@ fn a_gpu_rank_that_dies_releases_the_others_streams() {
     let (ok, out) = run(2, "unified", &["gpu_killed"]);
     assert!(ok, "{out}");
     assert!(out.contains("[0] gpu_killed error after") && out.contains("[0] rank 0 ok"), "{out}");
+    // The same in a CUDA graph's replay, which the host never issued as a
+    // call (`coll-scenario gpu_killed_replay`).
+    let (ok, out) = run(2, "unified", &["gpu_killed_replay"]);
+    assert!(ok, "{out}");
+    assert!(out.contains("[0] gpu_killed_replay error after") && out.contains("[0] rank 0 ok"), "{out}");
 }
 
 /// The native GPU collectives (`coll-scenario gpu`: every operation, every
