@@ -205,6 +205,20 @@ def main(d):
         out += ["**all_reduce** (µs per call, algorithm bandwidth; NCCL: one rank, the machine has one GPU):", ""]
         out += [table(["size"] + [heads[c] for c in cols], rows), ""]
 
+    # A rank that dies: how long the watchdog took to release the waiting
+    # stream (an eager all_reduce; a CUDA graph's replay).
+    released = []
+    for name, what in (("native_gpu_killed", "an all_reduce"), ("native_gpu_killed_replay", "a graph replay")):
+        try:
+            with open(os.path.join(d, name + ".log"), encoding="utf-8", errors="replace") as f:
+                m = re.search(r"error after ([0-9.]+)(ns|µs|us|ms|s):", f.read())
+        except FileNotFoundError:
+            m = None
+        if m:
+            released.append(f"{what} {m.group(1)} {m.group(2)}")
+    if released:
+        out += ["A rank that dies: the peer's waiting stream released after " + ", ".join(released) + ".", ""]
+
     bad, done = failed_stages(d)
     if done:
         out += [f"Suite: {done}."]
