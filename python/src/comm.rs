@@ -42,6 +42,29 @@ pub(crate) struct CommShared {
     pub(crate) gpu_pairs: Mutex<std::collections::HashMap<usize, rmacomm_collectives::GpuComm>>,
 }
 
+impl Drop for CommShared {
+    /// The GPU side's ends wait for the device, and for peers up to the
+    /// timeout (NCCL's finalize, then abort; GpuComm's drain of what its
+    /// watchdog releases): with the GIL released when this thread holds it
+    /// (a `Comm`'s deallocation), so other Python threads run meanwhile.
+    fn drop(&mut self) {
+        let gpu = self.gpu.get_mut().unwrap_or_else(|e| e.into_inner()).take();
+        let pairs = std::mem::take(self.gpu_pairs.get_mut().unwrap_or_else(|e| e.into_inner()));
+        let nccl = self.nccl.take();
+        if gpu.is_none() && pairs.is_empty() && nccl.is_none() {
+            return;
+        }
+        let mut end = Some(move || drop((gpu, pairs, nccl)));
+        // Attached already (a Python object's deallocation): `try_attach`
+        // only hands out the token, and `detach` releases the GIL. Not
+        // attachable (the interpreter ending): dropped here.
+        let _ = Python::try_attach(|py| end.take().map(|f| py.detach(f)));
+        if let Some(f) = end {
+            f();
+        }
+    }
+}
+
 /// A communicator (torchcomms' `TorchComm`): every collective over the
 /// ranks of a job, on CPU numpy arrays and torch tensors. Made by
 /// `rmacomm.new_comm`.

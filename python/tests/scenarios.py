@@ -11,6 +11,7 @@ neighbour).
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import pickle
 import sys
@@ -800,7 +801,9 @@ def nccl_init(how: str) -> None:
     rank 0 raises TimeoutError naming rank 1 within the timeout plus the
     report's grace, instead of waiting in NCCL forever. "fail": rank 1's
     init fails after joining (RMACOMM_STANDIN_NCCL_FAIL_INIT=1): rank 0's
-    succeeded, yet both raise UnavailableError naming rank 1 at once."""
+    succeeded, yet both raise UnavailableError naming rank 1 at once.
+    "drop": NCCL's finalize never completes; dropping the communicator
+    takes its timeout with the GIL released."""
     timeout = 4.0
     t0 = time.monotonic()
     try:
@@ -823,13 +826,37 @@ def nccl_init(how: str) -> None:
             expect(took < timeout, f"at once, not after the timeout ({took:.2f} s)")
         log(f"nccl_init {how} ok")
         return
-    expect(how == "ok", f"new_comm succeeded with {how}")
+    expect(how in ("ok", "drop"), f"new_comm succeeded with {how}")
     expect(comm.get_backend() == "nccl" and comm.get_device() == "cuda:0", comm.get_device())
     x = np.ones(16, np.float32)
     comm.all_reduce(x, ReduceOp.SUM)
     expect(bool((x == comm.get_size()).all()), "a CPU all_reduce on the nccl communicator")
     comm.finalize()
-    log("nccl_init ok ok")
+    if how == "drop":
+        # NCCL's finalize never completes (RMACOMM_STANDIN_NCCL_FINALIZE_HANGS=1):
+        # dropping the communicator waits out its timeout, then aborts —
+        # with the GIL released, so another thread runs meanwhile.
+        ticks = [0]
+        stop = threading.Event()
+
+        def tick() -> None:
+            while not stop.is_set():
+                ticks[0] += 1
+                time.sleep(0.01)
+
+        ticker = threading.Thread(target=tick)
+        ticker.start()
+        time.sleep(0.2)
+        before, t0 = ticks[0], time.monotonic()
+        del comm
+        gc.collect()
+        took, during = time.monotonic() - t0, ticks[0] - before
+        stop.set()
+        ticker.join()
+        log(f"nccl drop took {took:.2f} s, the other thread ticked {during} times meanwhile")
+        expect(took >= timeout * 0.9, f"the drop waited for NCCL's finalize ({took:.2f} s)")
+        expect(during >= took * 100 * 0.2, f"another thread ran during the drop ({during} ticks in {took:.2f} s)")
+    log(f"nccl_init {how} ok")
 
 
 def bench(algo: str) -> None:

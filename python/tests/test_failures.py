@@ -35,13 +35,15 @@ TARGET = Path(os.environ.get("CARGO_TARGET_DIR", Path(__file__).resolve().parent
 STANDIN = TARGET / "release" / "librmacomm_cuda_standin.so"
 
 
-@pytest.mark.parametrize("how", ["ok", "exit", "fail"])
+@pytest.mark.parametrize("how", ["ok", "exit", "fail", "drop"])
 def test_new_comm_nccl_names_a_rank_that_died_or_failed_in_init(how: str) -> None:
     """new_comm("nccl") on the NCCL and CUDA stand-ins (no GPU needed):
     two ranks that join work; a rank that dies in NCCL's init, after the
     unique id's exchange, leaves the other not in NCCL forever but raising
     TimeoutError naming it; a rank whose init fails makes both raise
-    UnavailableError naming it."""
+    UnavailableError naming it; a communicator whose NCCL finalize never
+    completes is dropped within its timeout with the GIL released (another
+    thread runs meanwhile)."""
     lib = STANDIN
     if not lib.exists():
         pytest.skip(f"the CUDA stand-in is not built ({lib}: cargo build --release -p rmacomm-cuda-standin)")
@@ -50,6 +52,8 @@ def test_new_comm_nccl_names_a_rank_that_died_or_failed_in_init(how: str) -> Non
         env["RMACOMM_STANDIN_NCCL_EXIT_AT_INIT"] = "1"
     if how == "fail":
         env["RMACOMM_STANDIN_NCCL_FAIL_INIT"] = "1"
+    if how == "drop":
+        env["RMACOMM_STANDIN_NCCL_FINALIZE_HANGS"] = "1"
     r0, r1 = launch_direct(2, "nccl_init", how, timeout=60, env=env)
     assert r0.returncode == 0 and f"nccl_init {how} ok" in r0.stdout, r0.stdout + r1.stdout
     if how == "exit":

@@ -37,7 +37,8 @@
 //!   joined (`ncclSystemError`, asynchronously when non-blocking: the other
 //!   ranks' inits succeed); `RMACOMM_STANDIN_NCCL_EXIT_AT_INIT=<rank>`
 //!   makes that rank's process exit (status 17) as it calls init, before
-//!   joining (a rank that dies there);
+//!   joining (a rank that dies there); `RMACOMM_STANDIN_NCCL_FINALIZE_HANGS=1`
+//!   keeps a non-blocking finalize `ncclInProgress` for good;
 //! - `ncclCommWindowRegister` wants cuMem/VMM memory, 4096-byte aligned,
 //!   one size on every rank (else `ncclInvalidArgument`), and gives no
 //!   window (success, NULL) under `NCCL_WIN_ENABLE=0`, as NCCL does
@@ -588,6 +589,13 @@ pub extern "C" fn ncclCommFinalize(c: *mut c_void) -> NcclResult {
     }
 }
 
+/// `RMACOMM_STANDIN_NCCL_FINALIZE_HANGS=1`: a non-blocking communicator's
+/// finalize never completes (as with a peer that died mid-collective):
+/// only the caller's deadline, then `ncclCommAbort`, ends it.
+fn finalize_hangs() -> bool {
+    std::env::var("RMACOMM_STANDIN_NCCL_FINALIZE_HANGS").is_ok_and(|v| v == "1")
+}
+
 /// `ncclCommGetAsyncError`: where the communicator stands.
 ///
 /// # Safety
@@ -607,7 +615,7 @@ pub unsafe extern "C" fn ncclCommGetAsyncError(c: *mut c_void, st: *mut NcclResu
     let now = match *state {
         State::Joining => IN_PROGRESS,
         State::Failing => SYSTEM_ERROR,
-        State::Finalizing if cm.drained() => SUCCESS,
+        State::Finalizing if cm.drained() && !finalize_hangs() => SUCCESS,
         State::Finalizing => IN_PROGRESS,
         State::Ready if cm.settling.swap(false, Ordering::SeqCst) => IN_PROGRESS,
         State::Ready => SUCCESS,
