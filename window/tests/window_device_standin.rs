@@ -184,6 +184,52 @@ fn a_stream_wait_for_a_signal_that_never_comes_is_released_after_the_timeout() {
     });
 }
 
+/// More streams than the watchdog has lanes (64), one after another: rank
+/// 0 waits for one signal of rank 1 on each of 70 new streams, each run
+/// before the next; then a 71st new stream waits for a signal that never
+/// comes and is still released after the (2 s) timeout — it takes the lane
+/// of a stream that has run all its waits. Before, the 65th stream and every
+/// one after were not watched: the last wait hung for good.
+#[test]
+fn waits_on_more_streams_than_lanes_are_still_watched() {
+    if !use_standin() {
+        return;
+    }
+    ranks(2, |rank, g| {
+        let ctx = Context::open_shared(0).unwrap();
+        let mut w = Window::new(&g, WindowOptions::new().timeout(Duration::from_secs(2))).unwrap();
+        w.tensor_register_device(ctx.alloc_shared(4096).unwrap(), 8).unwrap();
+        if rank == 1 {
+            for _ in 0..70 {
+                w.signal(0, false).unwrap();
+            }
+        } else {
+            let streams: Vec<_> = (0..71).map(|_| ctx.stream().unwrap()).collect();
+            for s in &streams[..70] {
+                w.wait_signal_on_stream(1, s).unwrap();
+                s.synchronize().unwrap();
+            }
+            let last = &streams[70];
+            let t0 = std::time::Instant::now();
+            w.wait_signal_on_stream(1, last).unwrap();
+            let (tx, rx) = std::sync::mpsc::channel();
+            std::thread::scope(|sc| {
+                sc.spawn(|| tx.send(last.synchronize()).unwrap());
+                if rx.recv_timeout(Duration::from_secs(20)).is_err() {
+                    eprintln!("the 71st stream's wait was not released in 20 s (not watched)");
+                    std::process::exit(1);
+                }
+            });
+            let after = t0.elapsed();
+            assert!(after >= Duration::from_millis(1900), "released after {after:?}");
+            let e = w.wait_signal_on_stream(1, last).unwrap_err();
+            assert!(matches!(e, Error::StreamFailed { peer: 1, .. }), "{e}");
+        }
+        g.barrier(None).unwrap();
+        w.tensor_deregister_device().unwrap();
+    });
+}
+
 /// What the watchdog must not take for a failure, and what it must pass
 /// on (four thread ranks, a 3 s window timeout):
 /// - rank 2 drops its window (its connections break) while rank 0's stream

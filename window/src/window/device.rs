@@ -90,8 +90,10 @@ pub(super) struct DeviceRegistration {
     _host: Vec<HostRegistration>,
 }
 
-/// Streams whose waits the watchdog follows, at most this many per
-/// registration (those beyond are not watched).
+/// Streams whose waits the watchdog follows at once, at most this many per
+/// registration (a lane whose stream has run all its waits serves the next
+/// new stream; waits of streams beyond, while every lane is busy, are not
+/// watched).
 const LANES: usize = 64;
 
 /// A stream as a watchdog lane: its handle, and the thread for the
@@ -122,28 +124,42 @@ impl WaitWatch {
     /// Queues `wait` (a stream wait on `stream`, by `op`) watched: the
     /// watchdog learns of the lane's next number first, then the wait is
     /// queued, then the stream writes the number (also when queueing the
-    /// wait failed, so that the lane goes on). A stream beyond the lanes is
-    /// not watched (logged once).
+    /// wait failed, so that the lane goes on). A new stream takes a lane of
+    /// its own, or one whose stream has run everything it was given; with
+    /// every lane busy, it is not watched (logged once).
     fn watched(&self, op: &'static str, stream: &Stream, wait: impl FnOnce() -> Result<()>) -> Result<()> {
         // CU_STREAM_PER_THREAD (2) is another stream on each thread.
         let key = (stream.raw(), if stream.raw() == 2 { Some(std::thread::current().id()) } else { None });
         let mut lanes = self.lanes.lock().unwrap_or_else(|e| e.into_inner());
+        // A lane whose stream has run everything it was given (its word
+        // holds its last number) can serve another stream: its numbers go
+        // on growing, and the old stream writes it no more.
+        let idle = |lanes: &[(LaneKey, u64)]| {
+            (0..lanes.len()).find(|&l| self.progress.word(l).load(Ordering::Acquire) >= lanes[l].1)
+        };
         let lane = match lanes.iter().position(|(k, _)| *k == key) {
             Some(l) => l,
             None if lanes.len() < LANES => {
                 lanes.push((key, 0));
                 lanes.len() - 1
             }
-            None => {
-                static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-                if !WARNED.swap(true, Ordering::Relaxed) {
-                    tracing::warn!(
-                        "{op}: more than {LANES} streams wait on one window: waits of the others are not watched"
-                    );
+            None => match idle(&lanes) {
+                Some(l) => {
+                    lanes[l].0 = key;
+                    l
                 }
-                drop(lanes);
-                return wait();
-            }
+                None => {
+                    static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+                    if !WARNED.swap(true, Ordering::Relaxed) {
+                        tracing::warn!(
+                            "{op}: more than {LANES} streams have stream waits in flight on one window at once: \
+                             waits of the others are not watched"
+                        );
+                    }
+                    drop(lanes);
+                    return wait();
+                }
+            },
         };
         let seq = lanes[lane].1 + 1;
         self.watch.issued(lane, seq, op);
