@@ -112,7 +112,9 @@ impl PyWindow {
     ///
     /// A CUDA tensor (into a window of CUDA tensors) is copied device to
     /// device, queued on `stream` (default: torch's current stream); without
-    /// `async_op` the stream is synchronized before this returns.
+    /// `async_op` the stream is synchronized before this returns (`timeout`
+    /// does not apply to CUDA tensors: the window's timeout bounds the
+    /// stream's waits).
     #[pyo3(signature = (tensor, dst_rank, target_offset_nelems, async_op=false, hints=None, timeout=None, stream=None))]
     #[allow(clippy::too_many_arguments)]
     fn put(
@@ -143,7 +145,8 @@ impl PyWindow {
     /// placed. Without `async_op`, `timeout` bounds how long this waits
     /// for the signal to be placed (`TimeoutError`; it goes on). On a
     /// window of CUDA tensors the signal is queued on `stream` (default:
-    /// torch's current stream), after the puts queued there.
+    /// torch's current stream), after the puts queued there (`timeout`
+    /// does not apply).
     #[pyo3(signature = (peer_rank, async_op=false, hints=None, timeout=None, stream=None))]
     #[allow(clippy::too_many_arguments)]
     fn signal(
@@ -182,7 +185,11 @@ impl PyWindow {
     /// On a window of CUDA tensors the wait is queued on `stream` (default:
     /// torch's current stream) and this returns at once: work queued there
     /// afterwards sees the peer's data. With every peer on this host (IPC)
-    /// the stream waits without a timeout; on a staged window (a peer on
+    /// the window's watchdog releases the stream when the peer dies, or
+    /// when the signal has not come the window's timeout after the wait
+    /// was queued (and after the stream's previous wait passed): every
+    /// later stream operation of the window then raises the reason (what
+    /// the stream computed since is garbage). On a staged window (a peer on
     /// another host, or `unified=False`) the window's stream proxy waits
     /// at most the timeout from when the stream reaches the wait, then
     /// releases the stream: the returned Work (`wait()`) raises that error,
@@ -224,7 +231,7 @@ impl PyWindow {
     /// dtype) into `tensor`. Without `async_op`, `timeout` bounds how long
     /// this waits (`TimeoutError`; the get goes on and may still write
     /// `tensor`). A CUDA tensor is filled device to device, queued on
-    /// `stream`.
+    /// `stream` (`timeout` does not apply, as for `put`).
     #[pyo3(signature = (tensor, src_rank, source_offset_nelems, async_op=false, hints=None, timeout=None, stream=None))]
     #[allow(clippy::too_many_arguments)]
     fn get(

@@ -35,6 +35,32 @@ def legacy_ipc_capable(t: Any) -> bool:
     return v.value != 0
 
 
+def allowed_handle_types(t: Any) -> int:
+    """The handle types `t`'s cuMem/VMM allocation may be exported as
+    (CU_POINTER_ATTRIBUTE_ALLOWED_HANDLE_TYPES: 0x1 a POSIX file
+    descriptor, what rmacomm passes between processes; 0x8 FABRIC)."""
+    import ctypes
+
+    cuda = ctypes.CDLL("libcuda.so.1")
+    v = ctypes.c_uint64(0)
+    st = cuda.cuPointerGetAttribute(ctypes.byref(v), 14, ctypes.c_uint64(t.data_ptr()))
+    expect(st == 0, f"cuPointerGetAttribute(ALLOWED_HANDLE_TYPES) failed: {st}")
+    return int(v.value)
+
+
+def register_mapped(win: Any, buf: Any) -> None:
+    """`win.tensor_register(buf)`, failing with the reason when the tensor
+    could not be mapped by some peer and went through the transport instead
+    (rmacomm warns, then stages it)."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        win.tensor_register(buf)
+    for w in caught:
+        expect("cannot map a peer's device memory" not in str(w.message), f"staged instead of mapped: {w.message}")
+
+
 def send_recv_ring(comm: Any, x: Any, y: Any) -> None:
     """One ring step of native send/recv: `x` to the right neighbour, `y`
     from the left one (even ranks send first, odd ranks receive first)."""
@@ -99,10 +125,12 @@ def window_ring_cuda(_: str) -> None:
             if "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
                 # The stage is about VMM memory: make sure that is what it is.
                 expect(not legacy_ipc_capable(buf), "expandable segments gave memory with a CUDA IPC handle")
+                kinds = allowed_handle_types(buf)
                 if count == 1 and dt == torch.float32:
-                    log(f"[{r}] expandable segments: cuMem/VMM memory (no CUDA IPC handle)")
+                    log(f"[{r}] expandable segments: cuMem/VMM memory (no CUDA IPC handle), handle types {kinds:#x}")
+                expect(kinds & 0x1 != 0, f"the VMM memory cannot be exported as a file descriptor (types {kinds:#x})")
             win = comm.new_window()
-            win.tensor_register(buf)
+            register_mapped(win, buf)
             expect(win.get_device() == "cuda", "get_device of a CUDA window")
             expect(win.get_attr(right).access_type == rmacomm.WinAccessType.UNIFIED, "CUDA peers are UNIFIED")
             src = ring_rounds(comm, win, buf, count, side, "ring")
@@ -125,7 +153,7 @@ def window_ring_cuda(_: str) -> None:
     count = 4096
     buf = comm.empty(n * count, torch.float32, device="cuda")
     win = comm.new_window()
-    win.tensor_register(buf)
+    register_mapped(win, buf)
     src = torch.zeros(count, device="cuda")
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # a first round outside the graph
@@ -528,6 +556,9 @@ def native_collectives(arg: str) -> None:
     x = torch.full((1000,), float(r + 1), device="cuda")
     comm.all_reduce(x, R.SUM)
     expect(torch.equal(x, torch.full_like(x, float(n * (n + 1) // 2))), "native all_reduce after the capture")
+    # The graphs go before the communicator whose memory they use.
+    del g, g2
+    torch.cuda.synchronize()
     comm.barrier()
     comm.finalize()
     log("native_collectives ok")
