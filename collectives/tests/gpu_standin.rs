@@ -12,6 +12,7 @@ use std::sync::{Arc, Once};
 use std::time::Duration;
 
 use rmacomm_collectives::{DType, GpuComm, ReduceOp};
+use rmacomm_window::cuda::device::DeviceMemory;
 use rmacomm_window::cuda::driver::Context;
 use rmacomm_window::{Group, GroupOptions, HashStore, Store};
 
@@ -193,27 +194,36 @@ fn gpu_all_reduce_with_ranks_on_two_gpus() {
         "two GPUs",
         |r| (r % 2) as u32,
         |rank, g, ctx| {
-            let mut c = GpuComm::new(&g, ctx.clone(), Some(64 << 10), Duration::from_secs(60)).unwrap();
+            let c = GpuComm::new(&g, ctx.clone(), Some(64 << 10), Duration::from_secs(60)).unwrap();
             assert!(!c.through_transport(), "{c:?}");
             assert_eq!(ctx.ordinal(), (rank % 2) as i32);
-            let stream = ctx.stream().unwrap();
-            let elems = 50_000;
-            let buf = ctx.alloc_shared(elems * 4).unwrap();
-            let f = |r: usize, i: usize| ((r + 1) * 10 + i % 7) as f32;
-            buf.write_from(0, &as_bytes(&(0..elems).map(|i| f(rank, i)).collect::<Vec<_>>())).unwrap();
-            // SAFETY: buf holds elems f32 and outlives the synchronize.
-            unsafe { c.all_reduce(buf.ptr(), elems * 4, DType::F32, ReduceOp::Sum, &stream) }.unwrap();
-            stream.synchronize().unwrap();
-            let mut got = vec![0u8; elems * 4];
-            buf.read_into(0, &mut got).unwrap();
-            let expect: Vec<f32> = (0..elems).map(|i| (0..3).map(|r| f(r, i)).sum()).collect();
-            assert_eq!(got, as_bytes(&expect), "rank {rank} on cuda:{}", ctx.ordinal());
+            let (c, buf) = sum_of_three(rank, &ctx, c);
             // The call's end, read from host memory (what a handle polls).
             assert_eq!((c.calls_queued(), c.call_done(1).map(|r| r.is_ok())), (1, Some(true)));
             g.barrier(None).unwrap();
             drop((buf, c));
         },
     );
+}
+
+/// An all_reduce (f32 SUM, 50,000 elements: four chunks of the 64 KiB
+/// slots) of three ranks' buffers on `c`, checked against the host's sum;
+/// gives `c` and the buffer back (free it after a barrier: a free waits for
+/// the device, where another thread rank's stream may wait for this one).
+fn sum_of_three(rank: usize, ctx: &Arc<Context>, mut c: GpuComm) -> (GpuComm, DeviceMemory) {
+    let stream = ctx.stream().unwrap();
+    let elems = 50_000;
+    let buf = ctx.alloc_shared(elems * 4).unwrap();
+    let f = |r: usize, i: usize| ((r + 1) * 10 + i % 7) as f32;
+    buf.write_from(0, &as_bytes(&(0..elems).map(|i| f(rank, i)).collect::<Vec<_>>())).unwrap();
+    // SAFETY: buf holds elems f32 and outlives the synchronize.
+    unsafe { c.all_reduce(buf.ptr(), elems * 4, DType::F32, ReduceOp::Sum, &stream) }.unwrap();
+    stream.synchronize().unwrap();
+    let mut got = vec![0u8; elems * 4];
+    buf.read_into(0, &mut got).unwrap();
+    let expect: Vec<f32> = (0..elems).map(|i| (0..3).map(|r| f(r, i)).sum()).collect();
+    assert_eq!(got, as_bytes(&expect), "rank {rank} on cuda:{}", ctx.ordinal());
+    (c, buf)
 }
 
 /// Thread ranks on two GPUs without peer access between them
@@ -243,22 +253,11 @@ fn gpu_all_reduce_with_ranks_on_two_gpus_without_peer_access() {
         "two GPUs without peer access",
         |r| (r % 2) as u32,
         |rank, g, ctx| {
-            let mut c = GpuComm::new(&g, ctx.clone(), Some(64 << 10), Duration::from_secs(60)).unwrap();
+            let c = GpuComm::new(&g, ctx.clone(), Some(64 << 10), Duration::from_secs(60)).unwrap();
             assert!(c.through_transport(), "{c:?}");
-            let stream = ctx.stream().unwrap();
-            let elems = 50_000;
-            let buf = ctx.alloc_shared(elems * 4).unwrap();
-            let f = |r: usize, i: usize| ((r + 1) * 10 + i % 7) as f32;
-            buf.write_from(0, &as_bytes(&(0..elems).map(|i| f(rank, i)).collect::<Vec<_>>())).unwrap();
-            // SAFETY: buf holds elems f32 and outlives the synchronize.
-            unsafe { c.all_reduce(buf.ptr(), elems * 4, DType::F32, ReduceOp::Sum, &stream) }.unwrap();
-            stream.synchronize().unwrap();
-            let mut got = vec![0u8; elems * 4];
-            buf.read_into(0, &mut got).unwrap();
-            let expect: Vec<f32> = (0..elems).map(|i| (0..3).map(|r| f(r, i)).sum()).collect();
-            assert_eq!(got, as_bytes(&expect), "rank {rank} on cuda:{}", ctx.ordinal());
+            let kept = sum_of_three(rank, &ctx, c);
             g.barrier(None).unwrap();
-            drop((buf, c));
+            drop(kept);
         },
     );
 }

@@ -154,34 +154,7 @@ fn device_windows_of_thread_ranks_on_two_gpus() {
 /// reason instead of taking the poisoned slots for signals.
 #[test]
 fn a_stream_wait_for_a_signal_that_never_comes_is_released_after_the_timeout() {
-    if !use_standin() {
-        return;
-    }
-    ranks(2, |rank, g| {
-        let ctx = Context::open_shared(0).unwrap();
-        let mut w = Window::new(&g, WindowOptions::new().timeout(Duration::from_secs(2))).unwrap();
-        w.tensor_register_device(ctx.alloc_shared(4096).unwrap(), 8).unwrap();
-        if rank == 0 {
-            let stream = ctx.stream().unwrap();
-            let t0 = std::time::Instant::now();
-            w.wait_signal_on_stream(1, &stream).unwrap();
-            stream.synchronize().unwrap();
-            let after = t0.elapsed();
-            assert!(
-                after >= Duration::from_millis(1900) && after < Duration::from_secs(20),
-                "released after {after:?}"
-            );
-            let e = w.wait_signal_on_stream(1, &stream).unwrap_err();
-            assert!(
-                matches!(e, Error::StreamFailed { peer: 1, .. }) && e.to_string().contains("waiting for ranks [1]"),
-                "{e}"
-            );
-            let e = w.wait_signal(1, None).unwrap_err();
-            assert!(matches!(e, Error::StreamFailed { .. }), "{e}");
-        }
-        g.barrier(None).unwrap();
-        w.tensor_deregister_device().unwrap();
-    });
+    never_comes_after(0);
 }
 
 /// More streams than the watchdog has lanes (64), one after another: rank
@@ -192,38 +165,51 @@ fn a_stream_wait_for_a_signal_that_never_comes_is_released_after_the_timeout() {
 /// one after were not watched: the last wait hung for good.
 #[test]
 fn waits_on_more_streams_than_lanes_are_still_watched() {
+    never_comes_after(70);
+}
+
+/// Rank 0 waits for one signal of rank 1 on each of `streams` new streams
+/// (each run before the next), then on one more for a signal that never
+/// comes: released after the 2 s timeout (or the process exits, saying
+/// so, after 20 s), and the window's later waits fail.
+fn never_comes_after(streams: usize) {
     if !use_standin() {
         return;
     }
-    ranks(2, |rank, g| {
+    ranks(2, move |rank, g| {
         let ctx = Context::open_shared(0).unwrap();
         let mut w = Window::new(&g, WindowOptions::new().timeout(Duration::from_secs(2))).unwrap();
         w.tensor_register_device(ctx.alloc_shared(4096).unwrap(), 8).unwrap();
         if rank == 1 {
-            for _ in 0..70 {
+            for _ in 0..streams {
                 w.signal(0, false).unwrap();
             }
         } else {
-            let streams: Vec<_> = (0..71).map(|_| ctx.stream().unwrap()).collect();
-            for s in &streams[..70] {
+            let all: Vec<_> = (0..=streams).map(|_| ctx.stream().unwrap()).collect();
+            for s in &all[..streams] {
                 w.wait_signal_on_stream(1, s).unwrap();
                 s.synchronize().unwrap();
             }
-            let last = &streams[70];
+            let last = &all[streams];
             let t0 = std::time::Instant::now();
             w.wait_signal_on_stream(1, last).unwrap();
             let (tx, rx) = std::sync::mpsc::channel();
             std::thread::scope(|sc| {
                 sc.spawn(|| tx.send(last.synchronize()).unwrap());
                 if rx.recv_timeout(Duration::from_secs(20)).is_err() {
-                    eprintln!("the 71st stream's wait was not released in 20 s (not watched)");
+                    eprintln!("stream {streams}'s wait was not released in 20 s (not watched)");
                     std::process::exit(1);
                 }
             });
             let after = t0.elapsed();
             assert!(after >= Duration::from_millis(1900), "released after {after:?}");
             let e = w.wait_signal_on_stream(1, last).unwrap_err();
-            assert!(matches!(e, Error::StreamFailed { peer: 1, .. }), "{e}");
+            assert!(
+                matches!(e, Error::StreamFailed { peer: 1, .. }) && e.to_string().contains("waiting for ranks [1]"),
+                "{e}"
+            );
+            let e = w.wait_signal(1, None).unwrap_err();
+            assert!(matches!(e, Error::StreamFailed { .. }), "{e}");
         }
         g.barrier(None).unwrap();
         w.tensor_deregister_device().unwrap();
