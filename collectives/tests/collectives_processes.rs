@@ -86,20 +86,32 @@ fn a_rank_that_dies_fails_the_others_within_the_timeout() {
     assert!(out.contains("[0] killed error"), "{out}");
 }
 
+/// Whether the GPU scenarios can run here: the CUDA stand-in (set for the
+/// ranks) and NVRTC for the kernels; else false, said why (a missing
+/// NVRTC fails under RMACOMM_EXPECT_NVRTC=1).
+fn on_the_standin() -> bool {
+    let Some(lib) = rmacomm_window::cuda::standin_for_tests() else { return false };
+    if let Err(e) = rmacomm_window::cuda::nvrtc::Nvrtc::get() {
+        assert!(std::env::var("RMACOMM_EXPECT_NVRTC").map_or(true, |v| v != "1"), "RMACOMM_EXPECT_NVRTC=1 but {e}");
+        println!("skipped: no NVRTC to compile the GPU kernels ({e})");
+        return false;
+    }
+    std::env::set_var("RMACOMM_CUDA_LIB", &lib);
+    true
+}
+
 /// The native GPU collectives (IPC mode, the CUDA stand-in) with a rank
 /// that dies while rank 0's all_reduce waits for it on its stream: the
 /// stream is released and the call fails naming the rank, well before the
 /// timeout (`coll-scenario gpu_killed`); and one that dies while rank 0
-/// replays a captured all_reduce (`gpu_killed_replay`). Skipped, saying so, without the
-/// stand-in or NVRTC (the test command's NVRTC stage runs it).
+/// replays a captured all_reduce (`gpu_killed_replay`). Skipped, saying
+/// so, without the stand-in or NVRTC (the test command's NVRTC stage runs
+/// it).
 #[test]
 fn a_gpu_rank_that_dies_releases_the_others_streams() {
-    let Some(lib) = rmacomm_window::cuda::standin_for_tests() else { return };
-    if let Err(e) = rmacomm_window::cuda::nvrtc::Nvrtc::get() {
-        assert!(std::env::var("RMACOMM_EXPECT_NVRTC").map_or(true, |v| v != "1"), "RMACOMM_EXPECT_NVRTC=1 but {e}");
-        return println!("skipped: no NVRTC to compile the GPU kernels ({e})");
+    if !on_the_standin() {
+        return;
     }
-    std::env::set_var("RMACOMM_CUDA_LIB", &lib);
     let (ok, out) = run(2, "unified", &["gpu_killed"]);
     assert!(ok, "{out}");
     assert!(out.contains("[0] gpu_killed error after") && out.contains("[0] rank 0 ok"), "{out}");
@@ -120,12 +132,9 @@ fn a_gpu_rank_that_dies_releases_the_others_streams() {
 /// it).
 #[test]
 fn gpu_collectives_of_processes_on_two_gpus_with_and_without_peer_access() {
-    let Some(lib) = rmacomm_window::cuda::standin_for_tests() else { return };
-    if let Err(e) = rmacomm_window::cuda::nvrtc::Nvrtc::get() {
-        assert!(std::env::var("RMACOMM_EXPECT_NVRTC").map_or(true, |v| v != "1"), "RMACOMM_EXPECT_NVRTC=1 but {e}");
-        return println!("skipped: no NVRTC to compile the GPU kernels ({e})");
+    if !on_the_standin() {
+        return;
     }
-    std::env::set_var("RMACOMM_CUDA_LIB", &lib);
     std::env::set_var("RMACOMM_STANDIN_DEVICES", "2");
     std::env::set_var("GPU_PER_RANK", "1");
     for (p2p, mode) in [("1", "ipc"), ("0", "transport")] {
