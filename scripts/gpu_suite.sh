@@ -85,6 +85,7 @@ run() {
   # stages alone: run them as a command of their own where a device
   # session allows a few minutes per command).
   local part=${1:-all}
+  case $part in all | rust | python) ;; *) echo "usage: $0 run [rust|python]" >&2; return 2 ;; esac
   local bin=$suite/bin
   local out=${OUT:-$suite/results}
   mkdir -p "$out"
@@ -101,6 +102,10 @@ PY
   # Every stage has a time limit (RMACOMM_SUITE_STAGE_SCALE multiplies
   # them), so one hang costs that stage, not the device session.
   local scale=${RMACOMM_SUITE_STAGE_SCALE:-1}
+  if ! awk -v s="$scale" 'BEGIN { exit !(s + 0 > 0) }'; then
+    echo "RMACOMM_SUITE_STAGE_SCALE must be a positive number, not '$scale'" >&2
+    return 2
+  fi
   lim() { awk -v a="$1" -v s="$scale" 'BEGIN { v = int(a * s); print (v < 1 ? 1 : v) }'; }
   # A stage's command under its limit; a failure says so in the stage's log
   # (a command that timeout kills prints nothing of its own), for
@@ -153,10 +158,6 @@ PY
     echo "# native collectives: a rank that dies (coll-scenario gpu_killed, at ${SECONDS}s)"
     stage "$(lim 60)" "$bin/rmacomm-run" --nproc-per-node 2 "$bin/coll-scenario" gpu_killed 2>&1 |
       tee "$out/native_gpu_killed.log" || rc=1
-    # The same while the peer replays a captured all_reduce (a CUDA graph's
-    # kernel waits, which the host never issued as a call).
-    stage "$(lim 60)" "$bin/rmacomm-run" --nproc-per-node 2 "$bin/coll-scenario" gpu_killed_replay 2>&1 |
-      tee "$out/native_gpu_killed_replay.log" || rc=1
     # NCCL's own window API (2.29+: ncclPutSignal, ncclSignal,
     # ncclWaitSignal) through NcclRma, one rank (NCCL refuses two on one GPU):
     # the ring on the rank itself; a library older than 2.29 is refused,

@@ -98,11 +98,8 @@
 //! alternate the regions. A captured call stays out of the `done` word's
 //! count: the caller orders its replays with the communicator's other calls
 //! (replaying on the stream they use, as `torch.cuda.graph` does, orders
-//! them), as with NCCL. Replays are not the host's calls, so the watchdog
-//! cannot time them out; but once a communicator has captured, a peer
-//! that is gone releases its streams even with no call queued (a replay
-//! waiting for it returns, computing garbage; the next call fails naming
-//! the rank). A replay whose peer lives but never replays waits for it.
+//! them), as with NCCL. Replays are not watched: a replay whose peer is
+//! gone waits for it (the watchdog knows only the host's calls).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -346,10 +343,8 @@ impl HostWords {
             rmacomm_window::Stall::Gone { peer, error } => Error::Unusable {
                 op,
                 reason: format!(
-                    "rank {peer} is gone ({error}) while {} of this GPU communicator {}; its streams were released \
-                     (what they computed since is garbage): make a new communicator",
-                    if seq == 0 { op.to_string() } else { format!("call #{seq} ({op})") },
-                    if seq == 0 { "may have waited for it" } else { "waited for it" }
+                    "rank {peer} is gone ({error}) while call #{seq} ({op}) of this GPU communicator waited for it; \
+                     its streams were released (what they computed since is garbage): make a new communicator"
                 ),
             },
             _ => Error::Unusable { op, reason: s.to_string() },
@@ -916,12 +911,6 @@ impl GpuComm {
         };
         if let Some(what) = why {
             return self.not_capturing(op, &what, stream).map(|()| false);
-        }
-        // Replays are not the host's calls: from now on a peer that is gone
-        // releases the streams even with no call queued (a replay may wait
-        // for it; the communicator is unusable without it anyway).
-        if let Some(h) = &self.host_words {
-            h.watch.watch_unseen("CUDA graph replays");
         }
         let g = self.graphs.as_mut().expect("checked above");
         if g.base.is_none() {

@@ -10,11 +10,17 @@ use std::time::Instant;
 /// Runs `coll-scenario ARGS` as `n` ranks; returns whether all succeeded
 /// and their combined output, each line prefixed with `[rank]`.
 fn run(n: usize, path: &str, args: &[&str]) -> (bool, String) {
+    run_with(n, path, args, &[])
+}
+
+/// [`run`] with `env` set for the ranks.
+fn run_with(n: usize, path: &str, args: &[&str], env: &[(&str, &str)]) -> (bool, String) {
     let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let children: Vec<_> = (0..n)
         .map(|r| {
             Command::new(env!("CARGO_BIN_EXE_coll-scenario"))
                 .args(args)
+                .envs(env.iter().copied())
                 .env("RANK", r.to_string())
                 .env("WORLD_SIZE", n.to_string())
                 .env("LOCAL_RANK", r.to_string())
@@ -42,7 +48,11 @@ fn run(n: usize, path: &str, args: &[&str]) -> (bool, String) {
 }
 
 fn every_rank_ok(n: usize, path: &str, args: &[&str]) -> String {
-    let (ok, out) = run(n, path, args);
+    every_rank_ok_with(n, path, args, &[])
+}
+
+fn every_rank_ok_with(n: usize, path: &str, args: &[&str], env: &[(&str, &str)]) -> String {
+    let (ok, out) = run_with(n, path, args, env);
     assert!(ok, "{n} ranks, {path}:\n{out}");
     for r in 0..n {
         assert!(out.contains(&format!("[{r}] rank {r} ok")), "rank {r}:\n{out}");
@@ -103,10 +113,8 @@ fn on_the_standin() -> bool {
 /// The native GPU collectives (IPC mode, the CUDA stand-in) with a rank
 /// that dies while rank 0's all_reduce waits for it on its stream: the
 /// stream is released and the call fails naming the rank, well before the
-/// timeout (`coll-scenario gpu_killed`); and one that dies while rank 0
-/// replays a captured all_reduce (`gpu_killed_replay`). Skipped, saying
-/// so, without the stand-in or NVRTC (the test command's NVRTC stage runs
-/// it).
+/// timeout (`coll-scenario gpu_killed`). Skipped, saying so, without the
+/// stand-in or NVRTC (the test command's NVRTC stage runs it).
 #[test]
 fn a_gpu_rank_that_dies_releases_the_others_streams() {
     if !on_the_standin() {
@@ -115,11 +123,6 @@ fn a_gpu_rank_that_dies_releases_the_others_streams() {
     let (ok, out) = run(2, "unified", &["gpu_killed"]);
     assert!(ok, "{out}");
     assert!(out.contains("[0] gpu_killed error after") && out.contains("[0] rank 0 ok"), "{out}");
-    // The same in a CUDA graph's replay, which the host never issued as a
-    // call (`coll-scenario gpu_killed_replay`).
-    let (ok, out) = run(2, "unified", &["gpu_killed_replay"]);
-    assert!(ok, "{out}");
-    assert!(out.contains("[0] gpu_killed_replay error after") && out.contains("[0] rank 0 ok"), "{out}");
 }
 
 /// The native GPU collectives (`coll-scenario gpu`: every operation, every
@@ -135,11 +138,9 @@ fn gpu_collectives_of_processes_on_two_gpus_with_and_without_peer_access() {
     if !on_the_standin() {
         return;
     }
-    std::env::set_var("RMACOMM_STANDIN_DEVICES", "2");
-    std::env::set_var("GPU_PER_RANK", "1");
     for (p2p, mode) in [("1", "ipc"), ("0", "transport")] {
-        std::env::set_var("RMACOMM_STANDIN_P2P", p2p);
-        let out = every_rank_ok(3, "unified", &["gpu"]);
+        let env = [("RMACOMM_STANDIN_DEVICES", "2"), ("GPU_PER_RANK", "1"), ("RMACOMM_STANDIN_P2P", p2p)];
+        let out = every_rank_ok_with(3, "unified", &["gpu"], &env);
         for r in 0..3 {
             assert!(out.contains(&format!("[{r}] gpu mode: {mode} (cuda:{})", r % 2)), "{out}");
         }

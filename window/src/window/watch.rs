@@ -14,10 +14,7 @@
 //! - a peer marked this rank: it released its own streams, whose work then
 //!   wrote garbage here (`release` module), or
 //! - a lane's oldest number is overdue: the timeout has passed since it was
-//!   queued and since the lane last moved (the work before it is done), or
-//! - any peer is gone, once the owner said that work it does not issue may
-//!   wait ([`StreamWatch::watch_unseen`]: CUDA-graph replays of a
-//!   communicator's calls), even with nothing issued.
+//!   queued and since the lane last moved (the work before it is done).
 //!
 //! Failing keeps the [`Stalled`] reason and *releases* the streams
 //! ([`StreamRelease`]), again and again while anything queued is not done
@@ -141,10 +138,6 @@ struct Shared {
     release: StreamRelease,
     missing: Option<MissingFn>,
     stalled: OnceLock<Stalled>,
-    /// Work the watchdog is not told of may wait on the buffer (CUDA-graph
-    /// replays): a gone peer fails it even with nothing issued.
-    unseen: AtomicBool,
-    unseen_op: OnceLock<&'static str>,
     /// Per lane: its progress as last read while no cause to fail was seen
     /// (what counts as done once the work is failed).
     sound: Mutex<std::collections::HashMap<usize, u64>>,
@@ -183,8 +176,6 @@ impl StreamWatch {
             release,
             missing,
             stalled: OnceLock::new(),
-            unseen: AtomicBool::new(false),
-            unseen_op: OnceLock::new(),
             sound: Mutex::new(std::collections::HashMap::new()),
             stop: AtomicBool::new(false),
         });
@@ -201,19 +192,6 @@ impl StreamWatch {
         let mut q = self.shared.issued.lock().unwrap_or_else(|e| e.into_inner());
         q.push_back(Issued { lane, seq, op, at: Instant::now() });
         drop(q);
-        self.shared.wake.notify_one();
-    }
-
-    /// From now on work the watchdog is not told of may wait on this
-    /// rank's buffer — CUDA-graph replays, which the host does not see: any
-    /// peer gone fails (and releases) the lanes even with nothing issued,
-    /// as `op`. For a communicator whose every call waits for every peer
-    /// (a gone peer leaves it unusable anyway), not for a window whose
-    /// other peers go on.
-    pub fn watch_unseen(&self, op: &'static str) {
-        if !self.shared.unseen.swap(true, Ordering::AcqRel) {
-            let _ = self.shared.unseen_op.set(op);
-        }
         self.shared.wake.notify_one();
     }
 
@@ -309,25 +287,9 @@ fn run(s: &Shared) {
                 sound.insert(lane, p);
             }
         }
-        // Unseen work (graph replays) may wait for a peer that is gone.
-        let unseen_gone = || {
-            let op = *s.unseen_op.get()?;
-            s.unseen.load(Ordering::Acquire).then(|| s.peers.gone()).flatten().map(|(peer, error)| (op, peer, error))
-        };
         if q.is_empty() && marked.is_none() {
-            if let Some((op, peer, error)) = unseen_gone() {
-                drop(q);
-                let stalled = Stalled { op, seq: 0, stall: Stall::Gone { peer, error } };
-                tracing::error!("{stalled}");
-                let why = stalled.to_error();
-                let _ = s.stalled.set(stalled);
-                s.release.release(&why);
-                continue;
-            }
-            // Idle: nothing to watch until something is issued (with
-            // unseen work, every 10 ms: a dead peer is seen soon).
-            let idle = if s.unseen.load(Ordering::Acquire) { 10 } else { 100 };
-            let _ = s.wake.wait_timeout(q, Duration::from_millis(idle));
+            // Idle: nothing to watch until something is issued.
+            let _ = s.wake.wait_timeout(q, Duration::from_millis(100));
             continue;
         }
         for (&lane, &p) in &progress {
@@ -365,9 +327,6 @@ fn run(s: &Shared) {
             let (op, seq) = first.unwrap_or(("stream wait", 0));
             Some((op, seq, Stall::PeerReleased { peer }))
         } else if let Some((peer, error)) = s.peers.gone_among(&waited()) {
-            first.map(|(op, seq)| (op, seq, Stall::Gone { peer, error }))
-        } else if let Some((_, peer, error)) = unseen_gone() {
-            // Unseen work queued before may be what waits for it.
             first.map(|(op, seq)| (op, seq, Stall::Gone { peer, error }))
         } else {
             heads
