@@ -64,7 +64,7 @@ fn gpu_pair(port: &str, slots: &str, strict: &str) {
         }
         let has = |s: &str| lines.iter().any(|l| l == s);
         let want = format!("gpu slots: {slots}");
-        assert!(has("gpu mode: transport") && has(&want) && has("gpu ok"), "rank {rank}: {lines:?}");
+        assert!(has("gpu mode: transport (cuda:0)") && has(&want) && has("gpu ok"), "rank {rank}: {lines:?}");
     }
 }
 
