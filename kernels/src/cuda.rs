@@ -22,10 +22,13 @@
 //!
 //! A second, small program ([`signal_source`], [`compile_signals`]) holds
 //! the windows' stream-ordered signals as kernels, `rmacomm_signal_next(word)`
-//! and `rmacomm_wait_next(taken, word)`, and `rmacomm_wait_reach(word,
-//! bound)` (GPU send/recv's credit: a count reaching another count): counts
-//! kept in memory rather than in the launch, so that a CUDA graph replays
-//! them, and what runs where the driver has no stream memory operations.
+//! and `rmacomm_wait_next(taken, word, want)`, and `rmacomm_wait_reach(word,
+//! bound, want)` (GPU send/recv's credit: a count reaching another count):
+//! counts kept in memory rather than in the launch, so that a CUDA graph
+//! replays them, and what runs where the driver has no stream memory
+//! operations. A wait first writes the value it waits for into `want`
+//! (host memory), so that a host watchdog sees a wait in flight — one whose
+//! `want` is above its word — though the host never issued it (a replay).
 //!
 //! Semantics are the CPU kernels': integers wrap, float `min`/`max` are IEEE
 //! 754-2019 `minimum`/`maximum` (NaN propagates, −0 < +0), `f16`/`bf16`

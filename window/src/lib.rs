@@ -179,7 +179,7 @@ pub use tcp_server::{TcpStoreServer, MAX_CLIENTS};
 pub use tcp_store::TcpStore;
 pub use window::{
     stream_proxy_blocks, AccessType, Cmp, MappedTensor, MissingFn, PeerWatch, ProgressFn, SignalOp, Stall, Stalled,
-    StreamRelease, StreamWatch, Window, WindowAttr, WindowOptions, BOUNCE_CHUNK, DEFAULT_SPIN,
+    StreamRelease, StreamWatch, Window, WindowAttr, WindowOptions, BOUNCE_CHUNK, DEFAULT_SPIN, KERNEL_WAIT,
 };
 pub use work::Work;
 

@@ -26,7 +26,7 @@ use crate::work::Work;
 pub use ctran::{Cmp, SignalOp};
 pub use proxy::stream_proxy_blocks;
 pub use release::{PeerWatch, StreamRelease};
-pub use watch::{MissingFn, ProgressFn, Stall, Stalled, StreamWatch};
+pub use watch::{MissingFn, ProgressFn, Stall, Stalled, StreamWatch, KERNEL_WAIT};
 
 /// How this rank reaches a peer's registered buffer (torchcomms'
 /// `get_attr(rank).access_type`).

@@ -168,6 +168,25 @@ fn a_dead_peer_releases_device_stream_waits() {
     assert!(stdout.contains("dead: released after"), "{stdout}");
 }
 
+/// Device windows' waits in a CUDA graph's replay (kernel signals, which
+/// no host call issues): one for a rank that stops replaying is released
+/// after the 2 s timeout, one for a rank that dies at once, naming it
+/// (`gpu-window-scenario dead_replay`); before, both waited forever.
+/// Needs NVRTC for the signal kernels: skipped, saying so, without it (the
+/// test command's NVRTC stage runs it).
+#[test]
+fn device_replays_waiting_for_an_absent_or_dead_peer_are_released() {
+    let Some(lib) = rmacomm_window::cuda::standin_for_tests() else { return };
+    let out = gpu_scenario(2, &["dead_replay"], &lib, &[("RMACOMM_STANDIN_STRICT", "1")]);
+    let stdout = assert_every_rank_ok(2, &out);
+    if let Some(line) = stdout.lines().find(|l| l.contains("dead_replay skipped")) {
+        eprintln!("skipped: {line}");
+        return;
+    }
+    assert!(stdout.contains("dead_replay: overdue replay released after"), "{stdout}");
+    assert!(stdout.contains("dead_replay: released after"), "{stdout}");
+}
+
 /// Processes on two GPUs (the stand-in's two devices, rank r on GPU r mod
 /// 2): with peer access the device ring maps peers through CUDA IPC across
 /// the GPUs; without (`RMACOMM_STANDIN_P2P=0`) the registration is

@@ -1027,7 +1027,9 @@ pub unsafe extern "C" fn cuLaunchKernel(
             count: u64_at(5),
         }
     } else if name == "rmacomm_wait_reach" {
-        Kernel { op: "wait_reach", t: String::new(), out: u64_at(0), inp: u64_at(1), k: 0, n: 0, factor: 0.0, count: 0 }
+        // `n`: the `want` word.
+        let n = u64_at(2);
+        Kernel { op: "wait_reach", t: String::new(), out: u64_at(0), inp: u64_at(1), k: 0, n, factor: 0.0, count: 0 }
     } else if name == "rmacomm_signal_next" || name == "rmacomm_wait_next" {
         let next = name.ends_with("signal_next");
         Kernel {
@@ -1036,7 +1038,8 @@ pub unsafe extern "C" fn cuLaunchKernel(
             out: u64_at(0),
             inp: if next { 0 } else { u64_at(1) },
             k: 0,
-            n: 0,
+            // wait_next: the `want` word.
+            n: if next { 0 } else { u64_at(2) },
             factor: 0.0,
             count: 0,
         }
@@ -1186,10 +1189,12 @@ impl Kernel {
             }
             ("wait_reach", _) => {
                 let want = signal(self.inp).load(Ordering::SeqCst);
+                signal(self.n).store(want, Ordering::SeqCst);
                 Op::WaitGeq { addr: self.out, value: want }.run(dev);
             }
             ("wait_next", _) => {
                 let want = signal(self.out).load(Ordering::SeqCst) + 1;
+                signal(self.n).store(want, Ordering::SeqCst);
                 Op::WaitGeq { addr: self.inp, value: want }.run(dev);
                 word(self.out).store(want, Ordering::SeqCst);
             }

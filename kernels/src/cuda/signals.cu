@@ -18,12 +18,16 @@ extern "C" __global__ void rmacomm_signal_next(volatile u64* word) {
 
 // The next signal: waits until `word` (the peer's slot in this rank's
 // signal buffer) reaches one more than `taken` (this rank's count of the
-// peer's signals taken), then counts it taken.
-extern "C" __global__ void rmacomm_wait_next(volatile u64* taken, const volatile u64* word) {
+// peer's signals taken), then counts it taken. First it writes what it
+// waits for into `want` (host memory the host's watchdog reads: a wait
+// whose `want` is above its word is one in flight, whose peer may be gone).
+extern "C" __global__ void rmacomm_wait_next(volatile u64* taken, const volatile u64* word, volatile u64* want) {
     if (blockIdx.x == 0 && threadIdx.x == 0) {
-        u64 want = *taken + 1;
-        while (*word < want) __nanosleep(100);
-        *taken = want;
+        u64 w = *taken + 1;
+        *want = w;
+        __threadfence_system();
+        while (*word < w) __nanosleep(100);
+        *taken = w;
         __threadfence_system();
     }
 }
@@ -32,10 +36,13 @@ extern "C" __global__ void rmacomm_wait_next(volatile u64* taken, const volatile
 // sends, in this rank's memory) reaches `*bound` (this rank's count of
 // sends, in the peer's memory, which only this rank writes): every chunk
 // sent before was taken. The next signal_next on the bound sends one more.
-extern "C" __global__ void rmacomm_wait_reach(const volatile u64* word, const volatile u64* bound) {
+// `want` as for rmacomm_wait_next.
+extern "C" __global__ void rmacomm_wait_reach(const volatile u64* word, const volatile u64* bound, volatile u64* want) {
     if (blockIdx.x == 0 && threadIdx.x == 0) {
-        u64 want = *bound;
-        while (*word < want) __nanosleep(100);
+        u64 w = *bound;
+        *want = w;
+        __threadfence_system();
+        while (*word < w) __nanosleep(100);
         __threadfence_system();
     }
 }

@@ -53,6 +53,10 @@
 //!   itself, which checks the calls but not the counting (one stream
 //!   orders everything).
 //!
+//! - `dead_replay`: a signal + wait captured in a CUDA graph whose replay
+//!   waits for a rank that stops replaying (released after the 2 s
+//!   timeout) and for one that dies (released at once).
+//!
 //! With `GPU_PER_RANK=1` rank r uses GPU r mod the device count
 //! (else GPU 0). With `GPU_WINDOW_ALLOC=vmm` every registered tensor is cuMem/VMM memory
 //! in 2 MiB mappings (as PyTorch's expandable segments are): peers map it
@@ -116,6 +120,10 @@ fn main() {
                 nccl(&g, &ctx)
             }
             Some("dead") => dead(&g, w, &ctx),
+            Some("dead_replay") => {
+                drop(w);
+                dead_replay(&g, &ctx)
+            }
             Some("gpus") => gpus(&g, w, &ctx),
             other => Err(format!("unknown scenario {other:?}")),
         }),
@@ -156,6 +164,97 @@ fn dead(g: &Group, mut w: Window, ctx: &Arc<Context>) -> R {
     ensure(matches!(e, Error::Rma { peer: 1, .. }), || e.to_string())?;
     // The deregistration (which synchronizes the device) returns too.
     let t1 = Instant::now();
+    drop(w);
+    ensure(t1.elapsed() < Duration::from_secs(15), || format!("the drop took {:?}", t1.elapsed()))
+}
+
+/// The watchdog on waits no host call issued: a signal + wait captured in
+/// a CUDA graph (kernel signals) and replayed (two ranks).
+/// 1. Rank 1 stops replaying (a rank that never makes the call): rank 0's
+///    replay waits for it, and is released once it has waited the
+///    window's timeout (2 s) with nothing moving; rank 0's stream
+///    operations fail then, and so do rank 1's (rank 0 marked it).
+/// 2. On a new window, rank 1 exits while rank 0 replays: released as soon
+///    as rank 1's connection breaks, naming it.
+///
+/// Before, both replays waited forever (kernel waits were not watched).
+fn dead_replay(g: &Group, ctx: &Arc<Context>) -> R {
+    if let Err(e) = rmacomm_window::cuda::nvrtc::Nvrtc::get() {
+        if std::env::var("RMACOMM_EXPECT_NVRTC").is_ok_and(|v| v == "1") {
+            return Err(format!("signals in a CUDA graph need NVRTC: {e}"));
+        }
+        println!("rank {} dead_replay skipped (no NVRTC: {e})", g.rank());
+        return Ok(());
+    }
+    let (rank, peer) = (g.rank(), 1 - g.rank());
+    let stream = ctx.stream().map_err(s)?;
+    // A never-ending replay would hang this process: fail it.
+    std::thread::spawn(|| {
+        std::thread::sleep(Duration::from_secs(45));
+        eprintln!("FAILED: a replay was not released in 45 s");
+        std::process::exit(1);
+    });
+    let ping = |timeout: u64| -> Result<(Window, rmacomm_window::cuda::device::Graph), String> {
+        let mut w = Window::new(g, WindowOptions::new().timeout(Duration::from_secs(timeout))).map_err(s)?;
+        w.tensor_register_device(ctx.alloc_shared(4096).map_err(s)?, 4).map_err(s)?;
+        stream.begin_capture().map_err(s)?;
+        let captured = w.signal_on_stream(peer, &stream).and_then(|()| w.wait_signal_on_stream(peer, &stream));
+        let graph = stream.end_capture().map_err(s)?;
+        captured.map_err(|e| format!("signal + wait under capture: {e}"))?;
+        // SAFETY: the window (its signal memory) outlives the graph.
+        #[allow(unsafe_code)]
+        unsafe { graph.launch(&stream) }.map_err(s)?;
+        wait_stream(&stream, &|| "the first replay".into())?;
+        g.barrier(None).map_err(s)?;
+        Ok((w, graph))
+    };
+    let (w, graph) = ping(2)?;
+    if rank == 0 {
+        let t0 = Instant::now();
+        // SAFETY: as above.
+        #[allow(unsafe_code)]
+        unsafe { graph.launch(&stream) }.map_err(s)?;
+        wait_stream(&stream, &|| "a replay rank 1 never matches".into())?;
+        let released = t0.elapsed();
+        let e = w.wait_signal_on_stream(1, &stream).err().ok_or("a stream wait after the release was queued")?;
+        println!("dead_replay: overdue replay released after {released:?}; then: {e}");
+        ensure(released >= Duration::from_millis(1900), || format!("released after {released:?}"))?;
+        ensure(released < Duration::from_secs(15), || format!("released after {released:?}"))?;
+        ensure(e.to_string().contains("CUDA graph replay") && e.to_string().contains("[1]"), || e.to_string())?;
+    } else {
+        // Rank 0's release marks this rank, whose watchdog releases it in
+        // turn: its stream operations fail.
+        let t0 = Instant::now();
+        while w.stream_release().released().is_none() {
+            ensure(t0.elapsed() < Duration::from_secs(15), || "rank 0 did not mark rank 1".into())?;
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let e = w.signal_on_stream(0, &stream).err().ok_or("a stream signal after the release was queued")?;
+        ensure(matches!(e, Error::StreamFailed { .. }), || e.to_string())?;
+    }
+    g.barrier(None).map_err(s)?;
+    drop(graph);
+    drop(w);
+    let (w, graph) = ping(30)?;
+    if rank == 1 {
+        println!("rank 1 ok");
+        // No destructor runs (as in a crash): the kernel closes its sockets.
+        std::process::exit(0);
+    }
+    let t0 = Instant::now();
+    // SAFETY: as above.
+    #[allow(unsafe_code)]
+    unsafe { graph.launch(&stream) }.map_err(s)?;
+    wait_stream(&stream, &|| "a replay waiting for the dead rank 1".into())?;
+    let released = t0.elapsed();
+    let e = w.wait_signal_on_stream(1, &stream).err().ok_or("a stream wait after rank 1 died was queued")?;
+    println!("dead_replay: released after {released:?}; then: {e}");
+    ensure(matches!(&e, Error::StreamFailed { peer: 1, .. }) && e.to_string().contains("CUDA graph replay"), || {
+        e.to_string()
+    })?;
+    ensure(released < Duration::from_secs(15), || format!("released after {released:?}"))?;
+    let t1 = Instant::now();
+    drop(graph);
     drop(w);
     ensure(t1.elapsed() < Duration::from_secs(15), || format!("the drop took {:?}", t1.elapsed()))
 }

@@ -82,6 +82,12 @@ pub(super) struct DeviceRegistration {
     /// Per peer: its signals taken by kernel waits, in host memory the
     /// device reaches.
     taken: PinnedWords,
+    /// Per slot of this rank's signal buffer (counting, then value slots):
+    /// what the last kernel wait on it waited for (`rmacomm_wait_next`
+    /// writes it first), so that a watchdog sees kernel waits in flight —
+    /// a CUDA graph's replays, which the host never issues (`watch`
+    /// module).
+    want: Arc<PinnedWords>,
     /// The signal kernels, compiled and loaded at registration.
     signal_module: OnceLock<std::result::Result<SharedModule, String>>,
     /// The watchdog of stream waits (`watch` module), where it could be
@@ -112,11 +118,12 @@ struct WaitWatch {
 }
 
 impl WaitWatch {
-    fn start(w: &Window, ctx: &Arc<Context>) -> std::result::Result<WaitWatch, String> {
+    fn start(w: &Window, ctx: &Arc<Context>, want: Arc<PinnedWords>) -> std::result::Result<WaitWatch, String> {
         let progress = Arc::new(PinnedWords::new(ctx, LANES)?);
         let words = progress.clone();
         let read = Arc::new(move |lane: usize| words.word(lane).load(Ordering::Acquire));
-        let watch = super::StreamWatch::start(read, w.timeout, w.peer_watch(), w.stream_release(), None)
+        let release = w.stream_release().kernel_waits(want);
+        let watch = super::StreamWatch::start(read, w.timeout, w.peer_watch(), release, None)
             .map_err(|e| format!("the watchdog thread: {e}"))?;
         Ok(WaitWatch { watch, progress, lanes: std::sync::Mutex::new(Vec::new()) })
     }
@@ -211,9 +218,20 @@ impl PinnedWords {
         unsafe { std::sync::atomic::AtomicU64::from_ptr(self.ptr.add(i)) }
     }
 
+    /// Words.
+    pub(super) fn len(&self) -> usize {
+        self.n
+    }
+
     pub(super) fn device_ptr(&self, i: usize) -> DevicePtr {
         assert!(i < self.n, "word {i} of {}", self.n);
         self.reg.as_ref().map_or(0, |r| r.device_ptr()) + 8 * i as u64
+    }
+}
+
+impl std::fmt::Debug for PinnedWords {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "PinnedWords({} words)", self.n)
     }
 }
 
@@ -235,6 +253,11 @@ impl DeviceRegistration {
             // SAFETY: an image NVRTC just compiled for this device.
             unsafe { SharedModule::load(&self.ctx, &image) }.map_err(|e| e.to_string())
         })
+    }
+
+    /// The want words of this rank's slots (field docs).
+    pub(super) fn want_words(&self) -> Arc<PinnedWords> {
+        self.want.clone()
     }
 
     /// `rank`'s registered bytes.
@@ -475,11 +498,13 @@ impl Window {
             Ok((ptrs, ipc))
         };
         let mapped = mapped().and_then(|m| {
-            let taken = PinnedWords::new(&ctx, n).map_err(|e| Error::Unsupported {
-                op: OP,
-                reason: format!("registering the signal counts with the device: {e}"),
-            })?;
-            Ok((m, taken))
+            let words = |len: usize| {
+                PinnedWords::new(&ctx, len).map_err(|e| Error::Unsupported {
+                    op: OP,
+                    reason: format!("registering the signal counts with the device: {e}"),
+                })
+            };
+            Ok((m, (words(n)?, Arc::new(words(n + self.value_slots)?))))
         });
         const UNREACHABLE: &str = "unreachable ";
         let verdict = match &mapped {
@@ -505,7 +530,7 @@ impl Window {
             let reason = String::from_utf8_lossy(&why[UNREACHABLE.len()..]).into_owned();
             return Err(Error::Unreachable { op: OP, rank: p, reason });
         }
-        let ((ptrs, ipc), taken) = mapped?;
+        let ((ptrs, ipc), (taken, want)) = mapped?;
         let stream = ctx.stream().map_err(cuda(OP))?;
         let (slots, host) = match self.device_slots(&ctx) {
             Ok((s, h)) => (Ok(s), h),
@@ -516,7 +541,7 @@ impl Window {
         for p in 0..n {
             taken.word(p).store(self.consumed[p].load(Ordering::Acquire), Ordering::Release);
         }
-        let watch = match self.watch_stream_waits.then(|| WaitWatch::start(self, &ctx)) {
+        let watch = match self.watch_stream_waits.then(|| WaitWatch::start(self, &ctx, want.clone())) {
             None => None,
             Some(Ok(w)) => Some(w),
             Some(Err(why)) => {
@@ -534,6 +559,7 @@ impl Window {
             slots,
             kernel_signals: AtomicBool::new(!memops),
             taken,
+            want,
             signal_module: OnceLock::new(),
             watch,
             _host: host,
@@ -804,6 +830,17 @@ impl Window {
         Ok(base + off as u64)
     }
 
+    /// The device address of this rank's *want* word for its value slot
+    /// `disp`: what a kernel waiting on that slot (`rmacomm_wait_next`,
+    /// `rmacomm_wait_reach`) writes first, so that the watchdog sees the
+    /// wait in flight ([`StreamRelease::value_waited`](super::StreamRelease::value_waited)).
+    pub fn device_value_want(&self, disp: usize) -> Result<DevicePtr> {
+        const OP: &str = "device_value_want";
+        let reg = self.device_reg(OP)?;
+        let i = self.value_slot_index(OP, self.rank(), disp)? / SLOT;
+        Ok(reg.want.device_ptr(i))
+    }
+
     /// The signal kernels when this window's stream signals are kernels
     /// (module docs), switching to them for good when `stream` is
     /// capturing a graph; `None` while stream memory operations serve.
@@ -887,7 +924,10 @@ impl Window {
     /// ([`Error::StreamFailed`]). Inside a CUDA graph capture (and from
     /// then on) it is a kernel that waits for one more signal than the
     /// device has counted taken, so every replay waits again (module docs);
-    /// those waits are not watched.
+    /// the watchdog sees those waits too (the kernel writes what it waits
+    /// for into host memory first) and releases them alike — a replay's
+    /// wait for a gone peer at once, one for a live peer after the timeout
+    /// since it started waiting.
     ///
     /// With no device tensor registered, the stream waits until the
     /// window's stream proxy has taken the peer's next signal; the proxy
@@ -901,12 +941,16 @@ impl Window {
         }
         let (_, at) = self.stream_slots(OP, peer_rank, stream)?;
         if let Some(m) = self.kernel_signals(OP, stream)? {
-            let taken = self.device_reg(OP)?.taken.device_ptr(peer_rank);
+            let reg = self.device_reg(OP)?;
+            let (taken, want) = (reg.taken.device_ptr(peer_rank), reg.want.device_ptr(peer_rank));
             // SAFETY: the kernel's parameters: this rank's count of the
-            // peer's signals (registered host memory, alive with the
-            // registration) and the peer's slot of this rank's buffer.
-            return unsafe { m.launch_on(stream, "rmacomm_wait_next", 1, 32, &[Arg::U64(taken), Arg::U64(at)]) }
-                .map_err(cuda(OP));
+            // peer's signals and its want word (registered host memory,
+            // alive with the registration) and the peer's slot of this
+            // rank's buffer.
+            return unsafe {
+                m.launch_on(stream, "rmacomm_wait_next", 1, 32, &[Arg::U64(taken), Arg::U64(at), Arg::U64(want)])
+            }
+            .map_err(cuda(OP));
         }
         let want = self.consumed[peer_rank].fetch_add(1, Ordering::AcqRel) + 1;
         let wait = || {

@@ -21,6 +21,17 @@
 //!
 //! [`PeerWatch`] tells the watchdog which peer is gone (its connection
 //! broke: a same-host peer's death closes it).
+//!
+//! Kernel waits (the signal kernels of CUDA graphs, and of devices without
+//! stream memory operations) are queued by no host call the watchdog
+//! could learn of when they replay; each first writes the value it waits
+//! for into this rank's *want* word for its slot (host memory the device
+//! maps). A slot whose want is above its value has a kernel waiting on it
+//! now ([`StreamRelease::kernel_waits_in_flight`]): whose signal it waits
+//! for is known (a counting slot's peer, or what the caller says of a
+//! value slot), so a gone peer is a wait that never ends — a peer that
+//! left normally had its signals land before its connections closed — and
+//! one that does not move for the timeout is overdue.
 
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, OnceLock};
@@ -44,6 +55,9 @@ pub struct StreamRelease {
     /// Per peer: its signal buffer mapped here (same-host pairs).
     peers: Vec<Option<Arc<MappedBuffer>>>,
     me: usize,
+    /// Per slot: what the last kernel wait on it waited for (module docs),
+    /// with a device registration.
+    wants: Option<Arc<super::device::PinnedWords>>,
 }
 
 impl StreamRelease {
@@ -84,15 +98,55 @@ impl StreamRelease {
     }
 
     /// The same-host peers from which fewer signals have arrived than this
-    /// rank has taken or queued waits for: whom its waits wait on now.
+    /// rank has taken or queued waits for, or than a kernel waits for now
+    /// (module docs): whom its waits wait on now.
     pub fn signals_missing(&self) -> Vec<usize> {
         (0..self.peers.len())
             .filter(|&p| p != self.me && self.peers[p].is_some())
             .filter(|&p| {
-                let have = self.mem.atomic_u64(SLOT * p).map_or(u64::MAX, |w| w.load(Ordering::Acquire));
-                have < self.consumed[p].load(Ordering::Acquire)
+                let have = self.slot_value(p);
+                have < self.consumed[p].load(Ordering::Acquire) || have < self.want(p)
             })
             .collect()
+    }
+
+    /// Whether a kernel waits on value slot `disp` now (module docs): for
+    /// whoever knows whose signal that slot waits for.
+    pub fn value_waited(&self, disp: usize) -> bool {
+        let i = self.peers.len() + disp;
+        i < self.slots && self.slot_value(i) < self.want(i)
+    }
+
+    /// The slots (counting, then value slots) a kernel waits on now, each
+    /// with the value it waits for (module docs).
+    pub fn kernel_waits_in_flight(&self) -> Vec<(usize, u64)> {
+        if self.wants.is_none() {
+            return Vec::new();
+        }
+        (0..self.slots).map(|i| (i, self.want(i))).filter(|&(i, want)| self.slot_value(i) < want).collect()
+    }
+
+    /// Whether any kernel has waited on this rank's slots (module docs):
+    /// then the watchdog looks often even with nothing issued.
+    pub fn kernel_waits_seen(&self) -> bool {
+        (0..self.slots).any(|i| self.want(i) > 0)
+    }
+
+    /// With a device registration, where kernel waits write what they wait
+    /// for (module docs).
+    pub(super) fn kernel_waits(mut self, wants: Arc<super::device::PinnedWords>) -> StreamRelease {
+        self.wants = Some(wants);
+        self
+    }
+
+    /// Slot `i` of this rank's buffer (counting, then value slots) now.
+    pub(super) fn slot_value(&self, i: usize) -> u64 {
+        self.mem.atomic_u64(SLOT * i).map_or(u64::MAX, |w| w.load(Ordering::Acquire))
+    }
+
+    /// What the last kernel wait on slot `i` waited for (0: none).
+    fn want(&self, i: usize) -> u64 {
+        self.wants.as_ref().filter(|w| i < w.len()).map_or(0, |w| w.word(i).load(Ordering::Acquire))
     }
 
     /// Value slot `disp` of this rank's buffer (after the counting slots),
@@ -136,6 +190,7 @@ impl Window {
             consumed: self.consumed.clone(),
             peers: self.signal_maps.clone(),
             me: self.rank(),
+            wants: self.dev.as_ref().map(|d| d.want_words()),
         }
     }
 

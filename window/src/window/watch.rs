@@ -16,6 +16,11 @@
 //! - a lane's oldest number is overdue: the timeout has passed since it was
 //!   queued and since the lane last moved (the work before it is done).
 //!
+//! Kernel waits (a CUDA graph's replays: no host call issues them) are
+//! watched too, from what each writes before it waits (`release` module):
+//! one that waits for a gone peer fails the work at once, one that has
+//! waited the timeout with nothing moving fails it as overdue.
+//!
 //! Failing keeps the [`Stalled`] reason and *releases* the streams
 //! ([`StreamRelease`]), again and again while anything queued is not done
 //! (a live peer may write its count over the poison; work may be issued
@@ -66,17 +71,33 @@ pub enum Stall {
 /// The work the watchdog failed, and why.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Stalled {
-    /// The operation that queued it.
+    /// The operation that queued it ([`KERNEL_WAIT`] for a kernel wait).
     pub op: &'static str,
-    /// Its number in its lane.
+    /// Its number in its lane; for a kernel wait, the count it waited for.
     pub seq: u64,
     /// Why.
     pub stall: Stall,
 }
 
+/// [`Stalled::op`] of a kernel wait the watchdog saw on the device with
+/// nothing the host issued in flight: a CUDA graph's replay (or a kernel
+/// wait of a device without stream memory operations).
+pub const KERNEL_WAIT: &str = "a kernel's stream wait (a CUDA graph replay)";
+
 impl std::fmt::Display for Stalled {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let (op, seq) = (self.op, self.seq);
+        if op == KERNEL_WAIT {
+            write!(f, "{op} for count {seq}: ")?;
+            return match &self.stall {
+                Stall::Gone { peer, error } => write!(f, "rank {peer} is gone ({error}) while it waited for it"),
+                Stall::Overdue { missing, after } => {
+                    write!(f, "waited {after:?} with nothing moving, for ranks {missing:?}")
+                }
+                Stall::PeerReleased { peer } => write!(f, "rank {peer} failed its part and released its streams"),
+            }
+            .and_then(|()| write!(f, "; the streams were released (what they computed since is garbage)"));
+        }
         match &self.stall {
             Stall::Gone { peer, error } => {
                 write!(f, "{op} #{seq}: rank {peer} is gone ({error}) while the stream waited for it")
@@ -257,6 +278,9 @@ impl Drop for StreamWatch {
 fn run(s: &Shared) {
     // Per lane: its progress as last read, and since when it is so.
     let mut moved: std::collections::HashMap<usize, (u64, Instant)> = std::collections::HashMap::new();
+    // Per slot a kernel waits on: what it waits for, what the slot held,
+    // and since when both are so.
+    let mut kernel_since: std::collections::HashMap<usize, (u64, u64, Instant)> = std::collections::HashMap::new();
     loop {
         if s.stop.load(Ordering::Acquire) {
             return;
@@ -266,10 +290,13 @@ fn run(s: &Shared) {
         let progress: std::collections::HashMap<usize, u64> =
             q.iter().map(|i| (i.lane, (s.progress)(i.lane))).collect();
         q.retain(|i| progress[&i.lane] < i.seq);
+        // Kernel waits in flight (module docs), which no host call issued.
+        let kernel = s.release.kernel_waits_in_flight();
         if s.stalled.get().is_some() {
             // Failed: released while anything is left (peers write over
-            // the poison; work issued after the failure).
-            let left = !q.is_empty();
+            // the poison — a live peer's signal kernel wraps it to 0 —;
+            // work issued after the failure; replays).
+            let left = !q.is_empty() || !kernel.is_empty();
             if left {
                 drop(q);
                 s.release.release(&s.stalled.get().expect("set").to_error());
@@ -287,9 +314,20 @@ fn run(s: &Shared) {
                 sound.insert(lane, p);
             }
         }
-        if q.is_empty() && marked.is_none() {
-            // Idle: nothing to watch until something is issued.
-            let _ = s.wake.wait_timeout(q, Duration::from_millis(100));
+        kernel_since.retain(|slot, k| kernel.iter().any(|&(i, want)| i == *slot && want == k.0));
+        for &(slot, want) in &kernel {
+            let have = s.release.slot_value(slot);
+            let e = kernel_since.entry(slot).or_insert((want, have, now));
+            if e.1 != have {
+                *e = (want, have, now);
+            }
+        }
+        if q.is_empty() && marked.is_none() && kernel.is_empty() {
+            // Idle: nothing to watch until something is issued — or until a
+            // replay's kernel waits start, seen at the next look (often,
+            // once kernels have waited here).
+            let look = if s.release.kernel_waits_seen() { 10 } else { 100 };
+            let _ = s.wake.wait_timeout(q, Duration::from_millis(look));
             continue;
         }
         for (&lane, &p) in &progress {
@@ -310,7 +348,8 @@ fn run(s: &Shared) {
                 heads.push((i.op, i.seq, since));
             }
         }
-        let first = q.front().map(|i| (i.op, i.seq));
+        // The work to fail: the oldest issued, else a kernel wait.
+        let first = q.front().map(|i| (i.op, i.seq)).or_else(|| kernel.first().map(|k| (KERNEL_WAIT, k.1)));
         drop(q);
         let waited = || {
             let mut m = s.release.signals_missing();
@@ -329,8 +368,11 @@ fn run(s: &Shared) {
         } else if let Some((peer, error)) = s.peers.gone_among(&waited()) {
             first.map(|(op, seq)| (op, seq, Stall::Gone { peer, error }))
         } else {
+            let kernel_heads = kernel_since.values().map(|k| (KERNEL_WAIT, k.0, k.2));
             heads
                 .iter()
+                .copied()
+                .chain(kernel_heads)
                 .filter(|h| now.duration_since(h.2) > s.timeout)
                 .min_by_key(|h| h.2)
                 .map(|h| (h.0, h.1, Stall::Overdue { missing: waited(), after: s.timeout }))
