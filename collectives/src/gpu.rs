@@ -98,8 +98,11 @@
 //! alternate the regions. A captured call stays out of the `done` word's
 //! count: the caller orders its replays with the communicator's other calls
 //! (replaying on the stream they use, as `torch.cuda.graph` does, orders
-//! them), as with NCCL. Replays are not watched: a replay whose peer is
-//! gone waits for it (the watchdog knows only the host's calls).
+//! them), as with NCCL. Replays are watched all the same: each kernel wait
+//! first writes what it waits for into the window's want word of its slot
+//! (host memory), so the watchdog sees a replay's wait in flight and for
+//! whom (a gone peer: released at once; nothing moving for the timeout:
+//! overdue), though no host call issued it.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -184,6 +187,11 @@ struct HostWords {
     /// n + p of rank r).
     data: Vec<Vec<DevicePtr>>,
     credit: Vec<Vec<DevicePtr>>,
+    /// Per peer: the device address of this rank's want word (what a
+    /// kernel waiting on the slot writes first, so the watchdog sees a
+    /// replay's waits: `rmacomm_window::StreamRelease`) of its data and
+    /// credit word (value slots p and n + p here).
+    wants: Vec<(DevicePtr, DevicePtr)>,
     /// The `done` word's registration for the device, dropped before the
     /// segment.
     done_dev: HostRegistration,
@@ -250,7 +258,9 @@ impl Graphs {
             // SAFETY: an image NVRTC just compiled for this device.
             unsafe { SharedModule::load(ctx, &image) }.map_err(|e| e.to_string())
         });
-        let taken = win.alloc(16 * n).map_err(Error::window(op))?;
+        // The counts, then a word kernel waits write what they wait for
+        // into where nothing watches it (device flags: module docs).
+        let taken = win.alloc(16 * n + 8).map_err(Error::window(op))?;
         // SAFETY: the segment is kept by `taken`, dropped after the
         // registration (field order).
         let taken_dev = unsafe { ctx.register_host(taken.as_ptr(), taken.len()) }.map_err(cuda(op))?;
@@ -267,6 +277,11 @@ impl Graphs {
     fn recv_taken_ptr(&self, peer: usize) -> DevicePtr {
         self.taken_dev.device_ptr() + 8 * (self.ranks + peer) as u64
     }
+
+    /// A word nothing reads, for the want of kernel waits on device flags.
+    fn sink_ptr(&self) -> DevicePtr {
+        self.taken_dev.device_ptr() + 16 * self.ranks as u64
+    }
 }
 
 impl HostWords {
@@ -280,6 +295,8 @@ impl HostWords {
             (0..n).map(|r| (0..n).map(|p| word(r, base + p)).collect()).collect()
         };
         let (data, credit) = (table(0)?, table(n)?);
+        let want = |disp: usize| win.device_value_want(disp).map_err(Error::window(op));
+        let wants = (0..n).map(|p| Ok((want(p)?, want(n + p)?))).collect::<Result<Vec<_>>>()?;
         let done = Arc::new(win.alloc(64).map_err(Error::window(op))?);
         // SAFETY: the segment is kept by `_done`, dropped after the
         // registration (field order).
@@ -290,9 +307,12 @@ impl HostWords {
             Arc::new((0..n).map(|_| (AtomicU64::new(0), AtomicU64::new(0))).collect());
         let (release, e) = (win.stream_release(), expect.clone());
         // Peers whose send/recv counts (value slots p and n + p here) are
-        // behind what the stream waits for.
+        // behind what the stream waits for, or what a kernel waits for (a
+        // replay's).
         let missing = Arc::new(move || {
-            let behind = |disp: usize, want: u64| want > 0 && release.value(disp).is_some_and(|v| v < want);
+            let behind = |disp: usize, want: u64| {
+                (want > 0 && release.value(disp).is_some_and(|v| v < want)) || release.value_waited(disp)
+            };
             (0..n)
                 .filter(|&p| behind(p, e[p].0.load(Ordering::Acquire)) || behind(n + p, e[p].1.load(Ordering::Acquire)))
                 .collect()
@@ -303,7 +323,7 @@ impl HostWords {
                     backend: "native GPU".into(),
                     reason: format!("{op}: the watchdog thread: {e}"),
                 })?;
-        Ok(HostWords { watch, expect, data, credit, done_dev, _done: done })
+        Ok(HostWords { watch, expect, data, credit, wants, done_dev, _done: done })
     }
 
     /// The stream will wait for `n` chunks from `peer` in all (recv), or
@@ -322,29 +342,41 @@ impl HostWords {
     fn error(&self) -> Option<Error> {
         let s = self.watch.stalled()?;
         let (op, seq) = (s.op, s.seq);
+        // A kernel's wait with no call of the host's in flight: a replay of
+        // a CUDA graph this communicator's calls were captured in.
+        let replay = op == rmacomm_window::KERNEL_WAIT;
+        let (op, call) = if replay {
+            ("graph replay", "a CUDA graph replay of this GPU communicator's captured calls".to_string())
+        } else if seq == 0 {
+            // Marked by a peer with nothing in flight here.
+            (op, "a call of this GPU communicator".to_string())
+        } else {
+            (op, format!("call #{seq} ({op}) of this GPU communicator"))
+        };
         Some(match &s.stall {
             rmacomm_window::Stall::Overdue { missing, after } => Error::Timeout {
                 op,
                 seq,
                 missing: missing.clone(),
                 waiting_for: format!(
-                    "call #{seq} of this GPU communicator to run on its stream; its streams were released: what \
-                     they computed since is garbage, make a new communicator"
+                    "{} to run on its stream; its streams were released: what they computed since is garbage, make \
+                     a new communicator",
+                    if replay { format!("{call} (its wait for count {seq})") } else { format!("call #{seq}") }
                 ),
                 after: *after,
             },
             rmacomm_window::Stall::PeerReleased { peer } => Error::Unusable {
                 op,
                 reason: format!(
-                    "rank {peer} failed call #{seq} ({op}) of this GPU communicator and released its streams (what \
-                     they computed since, here too, is garbage): make a new communicator"
+                    "rank {peer} failed {call} and released its streams (what they computed since, here too, is \
+                     garbage): make a new communicator"
                 ),
             },
             rmacomm_window::Stall::Gone { peer, error } => Error::Unusable {
                 op,
                 reason: format!(
-                    "rank {peer} is gone ({error}) while call #{seq} ({op}) of this GPU communicator waited for it; \
-                     its streams were released (what they computed since is garbage): make a new communicator"
+                    "rank {peer} is gone ({error}) while {call} waited for it; its streams were released (what they \
+                     computed since is garbage): make a new communicator"
                 ),
             },
             _ => Error::Unusable { op, reason: s.to_string() },
@@ -588,8 +620,8 @@ impl GpuComm {
                 return Err(Error::Unavailable {
                     backend: "native GPU".into(),
                     reason: format!(
-                        "{OP}: collectives across hosts (transport mode) need 64-bit stream memory operations, which \
-                         {} lacks (the stream proxy waits on them)",
+                        "{OP}: transport mode (ranks on other hosts, or GPUs without peer access between them) needs \
+                         64-bit stream memory operations, which {} lacks (the stream proxy waits on them)",
                         ctx.name()
                     ),
                 });
@@ -667,6 +699,14 @@ impl GpuComm {
         }
     }
 
+    /// `Ok` while this communicator is usable; else the error its next call
+    /// would fail with: the watchdog failed it (a peer gone, or waits
+    /// overdue, in a call or in a CUDA graph's replay), or a call failed
+    /// midway. Reads host memory only.
+    pub fn check(&self) -> Result<()> {
+        self.usable("check")
+    }
+
     /// Whether this communicator moves data through the transport (module
     /// docs: transport mode) rather than CUDA IPC.
     pub fn through_transport(&self) -> bool {
@@ -742,10 +782,11 @@ impl GpuComm {
                 unsafe { m.launch_on(stream, "rmacomm_signal_next", 1, 32, &[Arg::U64(word)]) }.map_err(cuda(op))?;
             }
             for p in peers {
-                let args = [Arg::U64(g.taken_ptr(p)), Arg::U64(flags(self.rank) + 8 * p as u64)];
-                // SAFETY: this rank's count of p's signals (host memory
-                // mapped for the device, alive with the communicator) and
-                // p's word of this rank's flag area.
+                let args =
+                    [Arg::U64(g.taken_ptr(p)), Arg::U64(flags(self.rank) + 8 * p as u64), Arg::U64(g.sink_ptr())];
+                // SAFETY: this rank's count of p's signals and the sink
+                // (host memory mapped for the device, alive with the
+                // communicator) and p's word of this rank's flag area.
                 unsafe { m.launch_on(stream, "rmacomm_wait_next", 1, 32, &args) }.map_err(cuda(op))?;
             }
             return Ok(());
@@ -904,7 +945,9 @@ impl GpuComm {
             return Ok(false);
         }
         let why = match &self.graphs {
-            None => Some("collectives across hosts (transport mode)".to_string()),
+            None => {
+                Some("collectives in transport mode (across hosts, or between GPUs without peer access)".to_string())
+            }
             Some(_) if !self.memops => Some("collectives on a device without stream memory operations".to_string()),
             Some(Graphs { signals: Err(e), .. }) => Some(format!("collectives without the signal kernels ({e})")),
             Some(_) => None,
@@ -1139,6 +1182,17 @@ impl GpuComm {
         }
     }
 
+    /// Where a kernel waiting on this rank's data / credit word for `peer`
+    /// writes what it waits for (host words: the window's want words, which
+    /// the watchdog reads; device flags: a word nothing reads).
+    fn want_at(&self, peer: usize) -> (DevicePtr, DevicePtr) {
+        match (&self.host_words, &self.graphs) {
+            (Some(h), _) => h.wants[peer],
+            (None, Some(g)) => (g.sink_ptr(), g.sink_ptr()),
+            (None, None) => (0, 0),
+        }
+    }
+
     /// Offset in a rank's slot memory of its inbox for chunks from `from`
     /// (this rank's own is the transport mode's outbox).
     fn inbox(&self, from: usize) -> u64 {
@@ -1192,9 +1246,10 @@ impl GpuComm {
                 // dst took every chunk this rank sent it (its count here
                 // reaching this rank's count there), copy, count one more.
                 let sent = c.data_at(dst, c.rank);
-                let args = [Arg::U64(c.credit_at(c.rank, dst)), Arg::U64(sent)];
-                // SAFETY: a word of this rank's flag area and this rank's
-                // word of dst's, mapped while the window lives.
+                let args = [Arg::U64(c.credit_at(c.rank, dst)), Arg::U64(sent), Arg::U64(c.want_at(dst).1)];
+                // SAFETY: a word of this rank's flag area, this rank's word
+                // of dst's, and a want word here, mapped while the window
+                // lives.
                 unsafe { m.launch_on(stream, "rmacomm_wait_reach", 1, 32, &args) }.map_err(cuda(OP))?;
                 let to = c.inbox(c.rank);
                 c.copy(OP, c.slots[dst] + to, buf + off as u64, clen, stream)?;
@@ -1237,10 +1292,11 @@ impl GpuComm {
             if let (Some(m), Some(g)) = (c.kernels(), c.graphs.as_ref()) {
                 // The signal kernels: wait for one more chunk than the
                 // device counted taken, copy, count it taken at src.
-                let args = [Arg::U64(g.recv_taken_ptr(src)), Arg::U64(c.data_at(c.rank, src))];
-                // SAFETY: this rank's count of src's chunks taken (host memory
-                // mapped for the device) and src's word of this rank's flag
-                // area.
+                let args =
+                    [Arg::U64(g.recv_taken_ptr(src)), Arg::U64(c.data_at(c.rank, src)), Arg::U64(c.want_at(src).0)];
+                // SAFETY: this rank's count of src's chunks taken and a want
+                // word (host memory mapped for the device) and src's word
+                // of this rank's flag area.
                 unsafe { m.launch_on(stream, "rmacomm_wait_next", 1, 32, &args) }.map_err(cuda(OP))?;
                 c.copy(OP, buf + off as u64, own + c.inbox(src), clen, stream)?;
                 let credit = c.credit_at(src, c.rank);

@@ -113,8 +113,12 @@ fn on_the_standin() -> bool {
 /// The native GPU collectives (IPC mode, the CUDA stand-in) with a rank
 /// that dies while rank 0's all_reduce waits for it on its stream: the
 /// stream is released and the call fails naming the rank, well before the
-/// timeout (`coll-scenario gpu_killed`). Skipped, saying so, without the
-/// stand-in or NVRTC (the test command's NVRTC stage runs it).
+/// timeout (`coll-scenario gpu_killed`); and one that dies while the others
+/// replay a captured all_reduce, two ranks and three (`gpu_killed_replay`:
+/// kernel waits no host call issued; with three, the live peer's signals
+/// wrap the poison and the watchdog must write it again). Skipped, saying
+/// so, without the stand-in or NVRTC (the test command's NVRTC stage runs
+/// it).
 #[test]
 fn a_gpu_rank_that_dies_releases_the_others_streams() {
     if !on_the_standin() {
@@ -123,6 +127,31 @@ fn a_gpu_rank_that_dies_releases_the_others_streams() {
     let (ok, out) = run(2, "unified", &["gpu_killed"]);
     assert!(ok, "{out}");
     assert!(out.contains("[0] gpu_killed error after") && out.contains("[0] rank 0 ok"), "{out}");
+    for n in [2, 3] {
+        let (ok, out) = run(n, "unified", &["gpu_killed_replay"]);
+        assert!(ok && !out.contains("gpu skipped"), "{n} ranks: {out}");
+        for r in 0..n - 1 {
+            assert!(out.contains(&format!("[{r}] gpu_killed_replay error after")), "{n} ranks: {out}");
+            assert!(out.contains(&format!("[{r}] rank {r} ok")), "{n} ranks: {out}");
+        }
+    }
+}
+
+/// Ranks that leave normally while others still replay CUDA graphs of the
+/// native GPU collectives are not taken for dead ones (`coll-scenario
+/// gpu_replay_teardown`: three ranks, a staggered teardown, every replay
+/// checked and the last rank still usable). Skipped, saying so, without
+/// the stand-in or NVRTC.
+#[test]
+fn gpu_ranks_that_leave_normally_do_not_release_the_others_replays() {
+    if !on_the_standin() {
+        return;
+    }
+    let (ok, out) = run(3, "unified", &["gpu_replay_teardown"]);
+    assert!(ok && !out.contains("gpu skipped"), "{out}");
+    for r in 0..3 {
+        assert!(out.contains(&format!("[{r}] rank {r} ok")), "{out}");
+    }
 }
 
 /// The native GPU collectives (`coll-scenario gpu`: every operation, every

@@ -49,6 +49,8 @@ pub fn main() {
         Some("killed") => killed(),
         Some("gpu") => gpu(),
         Some("gpu_killed") => gpu_killed(),
+        Some("gpu_killed_replay") => gpu_killed_replay(),
+        Some("gpu_replay_teardown") => gpu_replay_teardown(),
         Some("time") => time(&args[1..]),
         other => Err(format!("unknown scenario {other:?}")),
     };
@@ -426,6 +428,176 @@ fn gpu_killed() -> R {
     let t1 = Instant::now();
     drop(c);
     ensure(t1.elapsed() < Duration::from_secs(20), || format!("the drop took {:?}", t1.elapsed()))?;
+    Ok(())
+}
+
+/// `count` f32 equal to `v`, as bytes.
+fn f32s_of(count: usize, v: f32) -> Vec<u8> {
+    (0..count).flat_map(|_| v.to_le_bytes()).collect()
+}
+
+/// Captures `f`'s calls on `stream` into a CUDA graph.
+fn capture(
+    stream: &rmacomm_window::cuda::device::Stream,
+    f: impl FnOnce() -> Result<(), rmacomm_collectives::Error>,
+) -> Result<rmacomm_window::cuda::device::Graph, String> {
+    stream.begin_capture().map_err(s)?;
+    let captured = f();
+    let graph = stream.end_capture().map_err(s)?;
+    captured.map_err(s)?;
+    Ok(graph)
+}
+
+/// Replays `graph` on `stream` and waits for it.
+fn replay(graph: &rmacomm_window::cuda::device::Graph, stream: &rmacomm_window::cuda::device::Stream) -> R {
+    // SAFETY: the callers keep everything the graph uses alive until after
+    // the synchronize.
+    unsafe { graph.launch(stream) }.map_err(s)?;
+    stream.synchronize().map_err(s)
+}
+
+/// `gpu_killed_replay` (IPC mode, two ranks or more): an all_reduce
+/// captured into a CUDA graph and replayed once (checked); then the last
+/// rank exits, and the others replay the graph three more times: each
+/// replay's kernel waits for the dead rank's signals — which no host call
+/// issued, so only the watchdog's look at what the kernels wait for (their
+/// want words) ends them: every replay returns within moments (the later
+/// ones too: a live peer's signal kernel wraps the poison, which the
+/// watchdog writes again), the next call fails naming the rank, and the
+/// drops return. Before, the first replay waited forever.
+fn gpu_killed_replay() -> R {
+    let Some((g, ctx, mut c)) = gpu_comm()? else { return Ok(()) };
+    ensure(!c.through_transport(), || "the ranks are not in IPC mode".into())?;
+    let (n, dying) = (g.size(), g.size() - 1);
+    let stream = ctx.stream().map_err(s)?;
+    let elems = 50_000usize;
+    let buf = ctx.alloc_shared(elems * 4).map_err(s)?;
+    buf.write_from(0, &f32s_of(elems, 1.0)).map_err(s)?;
+    // SAFETY: buf holds 50,000 f32 and outlives every replay (the graph is
+    // dropped first).
+    let graph = capture(&stream, || unsafe { c.all_reduce(buf.ptr(), elems * 4, DType::F32, ReduceOp::Sum, &stream) })?;
+    replay(&graph, &stream)?;
+    let mut got = vec![0u8; elems * 4];
+    buf.read_into(0, &mut got).map_err(s)?;
+    ensure(got == f32s_of(elems, n as f32), || "the first replay's sum is wrong".into())?;
+    g.barrier(None).map_err(s)?;
+    if g.rank() == dying {
+        println!("rank {dying} ok (dying)");
+        // No destructor runs (as in a crash): the kernel closes its sockets.
+        std::process::exit(0);
+    }
+    // A replay that is never released would hang this process: fail it.
+    std::thread::spawn(|| {
+        std::thread::sleep(Duration::from_secs(40));
+        eprintln!("FAILED: a replay waiting for the dead rank was not released in 40 s");
+        std::process::exit(1);
+    });
+    let t0 = Instant::now();
+    for _ in 0..3 {
+        replay(&graph, &stream)?;
+    }
+    let released = t0.elapsed();
+    // SAFETY: refused before anything is queued.
+    let e = unsafe { c.all_reduce(buf.ptr(), 4, DType::F32, ReduceOp::Sum, &stream) };
+    let msg = e.err().map(|e| e.to_string()).ok_or("an all_reduce after the rank died succeeded")?;
+    println!("gpu_killed_replay error after {released:?}: {msg}");
+    let named = msg.contains(&format!("rank {dying} is gone")) && msg.contains("CUDA graph replay");
+    // Or a live peer released first (it saw the death) and marked this rank.
+    ensure(named || msg.contains("released its streams"), || msg.clone())?;
+    ensure(c.check().is_err(), || "check() is Ok after the release".into())?;
+    ensure(released < Duration::from_secs(20), || format!("released after {released:?}"))?;
+    let t1 = Instant::now();
+    drop(graph);
+    drop(c);
+    ensure(t1.elapsed() < Duration::from_secs(20), || format!("the drops took {:?}", t1.elapsed()))?;
+    Ok(())
+}
+
+/// `gpu_replay_teardown` (IPC mode, three ranks): ranks leave normally,
+/// one after another, while others still replay CUDA graphs — none of
+/// which may be taken for a death. All three replay a captured all_reduce
+/// (checked); rank 2 then synchronizes and drops its communicator while
+/// ranks 0 and 1 replay a captured send/recv ping-pong between them 15
+/// times (checked; rank 0's waits for rank 1 in flight ~60 ms each); then rank 1 replays a last send and leaves, and rank 0,
+/// later, replays the matching recv (checked: its signal landed before rank
+/// 1 left) and is still usable. (A watchdog that released on any gone peer
+/// failed every one of these.)
+fn gpu_replay_teardown() -> R {
+    let Some((g, ctx, mut c)) = gpu_comm()? else { return Ok(()) };
+    ensure(!c.through_transport() && g.size() == 3, || "not three ranks in IPC mode".into())?;
+    let rank = g.rank();
+    let stream = ctx.stream().map_err(s)?;
+    let elems = 10_000usize;
+    let buf = ctx.alloc_shared(elems * 4).map_err(s)?;
+    buf.write_from(0, &f32s_of(elems, 1.0)).map_err(s)?;
+    let fetch = |m: &rmacomm_window::cuda::device::DeviceMemory| -> Result<Vec<u8>, String> {
+        let mut v = vec![0u8; elems * 4];
+        m.read_into(0, &mut v).map_err(s)?;
+        Ok(v)
+    };
+    // SAFETY: buf holds `elems` f32 and outlives every replay.
+    let all = capture(&stream, || unsafe { c.all_reduce(buf.ptr(), elems * 4, DType::F32, ReduceOp::Sum, &stream) })?;
+    for _ in 0..3 {
+        replay(&all, &stream)?;
+    }
+    ensure(fetch(&buf)? == f32s_of(elems, 27.0), || "three replays of the all_reduce".into())?;
+    g.barrier(None).map_err(s)?;
+    if rank == 2 {
+        stream.synchronize().map_err(s)?;
+        drop(all);
+        drop(c);
+        println!("rank 2 left");
+        return Ok(());
+    }
+    let peer = 1 - rank;
+    let (mine, theirs) = (ctx.alloc_shared(elems * 4).map_err(s)?, ctx.alloc_shared(elems * 4).map_err(s)?);
+    mine.write_from(0, &f32s_of(elems, 10.0 + rank as f32)).map_err(s)?;
+    let len = 1024;
+    // SAFETY: mine and theirs hold `elems` f32 and outlive every replay.
+    let ping = capture(&stream, || unsafe {
+        if rank == 0 {
+            c.send(mine.ptr(), len, peer, &stream)?;
+            c.recv(theirs.ptr(), len, peer, &stream)
+        } else {
+            c.recv(theirs.ptr(), len, peer, &stream)?;
+            c.send(mine.ptr(), len, peer, &stream)
+        }
+    })?;
+    // SAFETY: as above.
+    let last = capture(&stream, || unsafe {
+        if rank == 1 {
+            c.send(mine.ptr(), len, peer, &stream)
+        } else {
+            c.recv(theirs.ptr(), len, peer, &stream)
+        }
+    })?;
+    let want = f32s_of(len / 4, 10.0 + peer as f32);
+    for i in 0..15 {
+        theirs.write_from(0, &vec![0u8; len]).map_err(s)?;
+        if rank == 1 {
+            // Rank 0's replay waits for this one meanwhile (in flight when
+            // its watchdog looks).
+            std::thread::sleep(Duration::from_millis(60));
+        }
+        replay(&ping, &stream)?;
+        ensure(fetch(&theirs)?[..len] == want[..], || format!("ping-pong replay {i}"))?;
+        c.check().map_err(|e| format!("after ping-pong replay {i}: {e}"))?;
+    }
+    theirs.write_from(0, &vec![0u8; len]).map_err(s)?;
+    if rank == 1 {
+        replay(&last, &stream)?;
+        drop((ping, last));
+        drop(c);
+        println!("rank 1 left");
+        return Ok(());
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    replay(&last, &stream)?;
+    ensure(fetch(&theirs)?[..len] == want[..], || "the last recv, after rank 1 left".into())?;
+    // The watchdog has seen both ranks gone by now.
+    std::thread::sleep(Duration::from_millis(300));
+    c.check().map_err(|e| format!("rank 0 was failed after its peers left normally: {e}"))?;
+    drop((ping, last, all));
     Ok(())
 }
 
