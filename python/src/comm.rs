@@ -54,14 +54,7 @@ impl Drop for CommShared {
         if gpu.is_none() && pairs.is_empty() && nccl.is_none() {
             return;
         }
-        let mut end = Some(move || drop((gpu, pairs, nccl)));
-        // Attached already (a Python object's deallocation): `try_attach`
-        // only hands out the token, and `detach` releases the GIL. Not
-        // attachable (the interpreter ending): dropped here.
-        let _ = Python::try_attach(|py| end.take().map(|f| py.detach(f)));
-        if let Some(f) = end {
-            f();
-        }
+        crate::runtime::end_without_gil(move || drop((gpu, pairs, nccl)));
     }
 }
 

@@ -67,7 +67,8 @@ pub(crate) struct Reg {
 
 /// A window and what the Python classes keep beside it.
 pub(crate) struct WinCore {
-    pub(crate) win: RwLock<Window>,
+    /// Taken (and dropped with the GIL released) by `Drop`.
+    pub(crate) win: std::mem::ManuallyDrop<RwLock<Window>>,
     /// `WinPending`s alive (each borrows `win`).
     live: AtomicUsize,
     /// Handles of operations that may still be pending.
@@ -78,6 +79,19 @@ pub(crate) struct WinCore {
     pub(crate) rank: usize,
     pub(crate) size: usize,
     pub(crate) timeout: Duration,
+}
+
+impl Drop for WinCore {
+    /// A window's end waits for the device and for peers (a device
+    /// registration synchronizes the context, the stream proxy and the
+    /// watchdogs drain, up to the timeout): with the GIL released when this
+    /// thread holds it (the Python window's deallocation), so other Python
+    /// threads run meanwhile.
+    fn drop(&mut self) {
+        // SAFETY: taken once, here; the field is not used after.
+        let win = unsafe { std::mem::ManuallyDrop::take(&mut self.win) };
+        crate::runtime::end_without_gil(move || drop(win));
+    }
 }
 
 /// A pending window operation with what it borrows (module docs).
@@ -137,7 +151,7 @@ impl WinCore {
     pub(crate) fn new(win: Window, meta: Group, timeout: Duration) -> Arc<WinCore> {
         let (rank, size) = (win.rank(), win.size());
         Arc::new(WinCore {
-            win: RwLock::new(win),
+            win: std::mem::ManuallyDrop::new(RwLock::new(win)),
             live: AtomicUsize::new(0),
             pending: Mutex::new(Vec::new()),
             meta,
