@@ -158,6 +158,17 @@ PY
     echo "# native collectives: a rank that dies (coll-scenario gpu_killed, at ${SECONDS}s)"
     stage "$(lim 60)" "$bin/rmacomm-run" --nproc-per-node 2 "$bin/coll-scenario" gpu_killed 2>&1 |
       tee "$out/native_gpu_killed.log" || rc=1
+    # The same while the others replay a captured all_reduce (kernel waits
+    # no host call issued, watched through their want words), and ranks
+    # that leave normally while others replay (no release may follow).
+    stage "$(lim 60)" "$bin/rmacomm-run" --nproc-per-node 3 "$bin/coll-scenario" gpu_killed_replay 2>&1 |
+      tee "$out/native_gpu_killed_replay.log" || rc=1
+    stage "$(lim 60)" "$bin/rmacomm-run" --nproc-per-node 3 "$bin/coll-scenario" gpu_replay_teardown 2>&1 |
+      tee "$out/native_gpu_replay_teardown.log" || rc=1
+    # A device window's replayed wait for a rank that stops replaying
+    # (released after the 2 s timeout) and for one that dies.
+    stage "$(lim 60)" "$bin/rmacomm-run" --nproc-per-node 2 "$bin/gpu-window-scenario" dead_replay 2>&1 |
+      tee "$out/window_dead_replay.log" || rc=1
     # NCCL's own window API (2.29+: ncclPutSignal, ncclSignal,
     # ncclWaitSignal) through NcclRma, one rank (NCCL refuses two on one GPU):
     # the ring on the rank itself; a library older than 2.29 is refused,

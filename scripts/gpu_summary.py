@@ -206,9 +206,9 @@ def main(d):
         out += [table(["size"] + [heads[c] for c in cols], rows), ""]
 
     # A rank that dies: how long the watchdog took to release the waiting
-    # stream.
+    # stream (an eager all_reduce; a CUDA graph's replay).
     released = []
-    for name, what in (("native_gpu_killed", "an all_reduce"),):
+    for name, what in (("native_gpu_killed", "an all_reduce"), ("native_gpu_killed_replay", "a graph replay")):
         try:
             with open(os.path.join(d, name + ".log"), encoding="utf-8", errors="replace") as f:
                 m = re.search(r"error after ([0-9.]+)(ns|µs|us|ms|s):", f.read())
