@@ -102,7 +102,8 @@
 //! first writes what it waits for into the window's want word of its slot
 //! (host memory), so the watchdog sees a replay's wait in flight and for
 //! whom (a gone peer: released at once; nothing moving for the timeout:
-//! overdue), though no host call issued it.
+//! overdue), though no host call issued it — except with
+//! `RMACOMM_GPU_FLAGS=device`, where nothing watches.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;

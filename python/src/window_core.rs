@@ -83,8 +83,9 @@ pub(crate) struct WinCore {
 
 impl Drop for WinCore {
     /// A window's end waits for the device and for peers (a device
-    /// registration synchronizes the context, the stream proxy and the
-    /// watchdogs drain, up to the timeout): with the GIL released when this
+    /// registration's drop waits for the device to run its queued work, the
+    /// stream proxy and the watchdogs drain, up to the timeout): with the
+    /// GIL released when this
     /// thread holds it (the Python window's deallocation), so other Python
     /// threads run meanwhile.
     fn drop(&mut self) {

@@ -518,10 +518,11 @@ fn gpu_killed_replay() -> R {
 /// which may be taken for a death. All three replay a captured all_reduce
 /// (checked); rank 2 then synchronizes and drops its communicator while
 /// ranks 0 and 1 replay a captured send/recv ping-pong between them 15
-/// times (checked; rank 0's waits for rank 1 in flight ~60 ms each); then rank 1 replays a last send and leaves, and rank 0,
-/// later, replays the matching recv (checked: its signal landed before rank
-/// 1 left) and is still usable. (A watchdog that released on any gone peer
-/// failed every one of these.)
+/// times (checked; rank 0's waits for rank 1 in flight ~60 ms each); then
+/// rank 0 replays a last recv, in flight while rank 1 replays the matching
+/// send and leaves (checked: its signal landed before it left), and rank 0
+/// is still usable. (A watchdog that released on any gone peer failed
+/// every one of these.)
 fn gpu_replay_teardown() -> R {
     let Some((g, ctx, mut c)) = gpu_comm()? else { return Ok(()) };
     ensure(!c.through_transport() && g.size() == 3, || "not three ranks in IPC mode".into())?;
@@ -585,13 +586,15 @@ fn gpu_replay_teardown() -> R {
     }
     theirs.write_from(0, &vec![0u8; len]).map_err(s)?;
     if rank == 1 {
+        // Rank 0's recv waits for this send meanwhile: rank 1 sends and
+        // leaves while rank 0's replay is in flight.
+        std::thread::sleep(Duration::from_millis(100));
         replay(&last, &stream)?;
         drop((ping, last));
         drop(c);
         println!("rank 1 left");
         return Ok(());
     }
-    std::thread::sleep(Duration::from_millis(300));
     replay(&last, &stream)?;
     ensure(fetch(&theirs)?[..len] == want[..], || "the last recv, after rank 1 left".into())?;
     // The watchdog has seen both ranks gone by now.

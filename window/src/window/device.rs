@@ -93,6 +93,8 @@ pub(super) struct DeviceRegistration {
     /// The watchdog of stream waits (`watch` module), where it could be
     /// started.
     watch: Option<WaitWatch>,
+    /// How long the drop waits for the device (the window's timeout).
+    ends_after: std::time::Duration,
     _host: Vec<HostRegistration>,
 }
 
@@ -240,6 +242,37 @@ impl Drop for PinnedWords {
         drop(self.reg.take());
         // SAFETY: allocated in `new` with this layout.
         unsafe { std::alloc::dealloc(self.ptr.cast(), self.layout) };
+    }
+}
+
+impl Drop for DeviceRegistration {
+    /// Waits (at most the window's timeout: `ends_after`) for the device to
+    /// run what was queued on the registration's memory and signal slots —
+    /// CUDA graph replays included, which no host call counted — before
+    /// the slots are unregistered and the window's connections close:
+    /// peers then see this rank's last signals before it is gone (a gone
+    /// peer a kernel still waits for counts as dead: `watch` module).
+    fn drop(&mut self) {
+        let ctx = self.ctx.clone();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let waiter = std::thread::Builder::new().name("rmacomm-window-end".into()).spawn(move || {
+            let _ = tx.send(ctx.synchronize());
+        });
+        let ended = match waiter {
+            Ok(_) => rx.recv_timeout(self.ends_after).is_ok(),
+            Err(_) => {
+                // No thread to wait with: here, unbounded.
+                let _ = self.ctx.synchronize();
+                true
+            }
+        };
+        if !ended {
+            tracing::warn!(
+                "dropping a device window: the device had not run its queued work after {:?} (a stream waits for \
+                 something that never comes?); its memory is unregistered anyway",
+                self.ends_after
+            );
+        }
     }
 }
 
@@ -562,6 +595,7 @@ impl Window {
             want,
             signal_module: OnceLock::new(),
             watch,
+            ends_after: self.timeout,
             _host: host,
         });
         if let Some(d) = &self.dev {
@@ -626,8 +660,8 @@ impl Window {
             }
         }
         self.group.barrier(None)?;
-        let reg = self.dev.take().expect("checked above");
-        Ok(match reg.tensor {
+        let mut reg = self.dev.take().expect("checked above");
+        Ok(match std::mem::replace(&mut reg.tensor, Tensor::Borrowed) {
             Tensor::Owned(m) => Some(m),
             Tensor::Borrowed => None,
         })
@@ -834,6 +868,9 @@ impl Window {
     /// `disp`: what a kernel waiting on that slot (`rmacomm_wait_next`,
     /// `rmacomm_wait_reach`) writes first, so that the watchdog sees the
     /// wait in flight ([`StreamRelease::value_waited`](super::StreamRelease::value_waited)).
+    /// A kernel that waits on a value slot through it needs the slot's
+    /// value only to grow (counts): a want left above a value set lower
+    /// looks like a wait in flight, overdue after the timeout.
     pub fn device_value_want(&self, disp: usize) -> Result<DevicePtr> {
         const OP: &str = "device_value_want";
         let reg = self.device_reg(OP)?;

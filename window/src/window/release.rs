@@ -104,8 +104,12 @@ impl StreamRelease {
         (0..self.peers.len())
             .filter(|&p| p != self.me && self.peers[p].is_some())
             .filter(|&p| {
+                // What is waited for first, then what arrived (which only
+                // grows): a wait queued between the two reads is not taken
+                // for one behind.
+                let (consumed, want) = (self.consumed[p].load(Ordering::Acquire), self.want(p));
                 let have = self.slot_value(p);
-                have < self.consumed[p].load(Ordering::Acquire) || have < self.want(p)
+                have < consumed || have < want
             })
             .collect()
     }
@@ -114,7 +118,9 @@ impl StreamRelease {
     /// whoever knows whose signal that slot waits for.
     pub fn value_waited(&self, disp: usize) -> bool {
         let i = self.peers.len() + disp;
-        i < self.slots && self.slot_value(i) < self.want(i)
+        // The want first (as in `signals_missing`).
+        let want = self.want(i);
+        i < self.slots && self.slot_value(i) < want
     }
 
     /// The slots (counting, then value slots) a kernel waits on now, each
@@ -123,6 +129,7 @@ impl StreamRelease {
         if self.wants.is_none() {
             return Vec::new();
         }
+        // The want first (as in `signals_missing`).
         (0..self.slots).map(|i| (i, self.want(i))).filter(|&(i, want)| self.slot_value(i) < want).collect()
     }
 

@@ -365,7 +365,14 @@ fn run(s: &Shared) {
             // have written into this rank's memory.
             let (op, seq) = first.unwrap_or(("stream wait", 0));
             Some((op, seq, Stall::PeerReleased { peer }))
-        } else if let Some((peer, error)) = s.peers.gone_among(&waited()) {
+        } else if let Some((peer, error)) = s
+            .peers
+            .gone_among(&waited())
+            // Still waited for, looked at again after its connection was
+            // seen broken: a peer that leaves normally has its last signals
+            // land before it closes, perhaps just after the first look.
+            .filter(|(peer, _)| waited().contains(peer))
+        {
             first.map(|(op, seq)| (op, seq, Stall::Gone { peer, error }))
         } else {
             let kernel_heads = kernel_since.values().map(|k| (KERNEL_WAIT, k.0, k.2));
