@@ -208,15 +208,21 @@ fn dead_replay(g: &Group, ctx: &Arc<Context>) -> R {
         g.barrier(None).map_err(s)?;
         Ok((w, graph))
     };
-    let (w, graph) = ping(2)?;
-    if rank == 0 {
+    // Replays `graph` (its wait for rank 1 never ends), returns how long
+    // the release took and the error of the next stream wait.
+    let released = |w: &Window, graph: &rmacomm_window::cuda::device::Graph, what: &str| -> Result<_, String> {
         let t0 = Instant::now();
         // SAFETY: as above.
         #[allow(unsafe_code)]
         unsafe { graph.launch(&stream) }.map_err(s)?;
-        wait_stream(&stream, &|| "a replay rank 1 never matches".into())?;
-        let released = t0.elapsed();
-        let e = w.wait_signal_on_stream(1, &stream).err().ok_or("a stream wait after the release was queued")?;
+        wait_stream(&stream, &|| what.to_string())?;
+        let after = t0.elapsed();
+        let e = w.wait_signal_on_stream(1, &stream).err().ok_or_else(|| format!("a stream wait after {what}"))?;
+        Ok((after, e))
+    };
+    let (w, graph) = ping(2)?;
+    if rank == 0 {
+        let (released, e) = released(&w, &graph, "a replay rank 1 never matches")?;
         println!("dead_replay: overdue replay released after {released:?}; then: {e}");
         ensure(released >= Duration::from_millis(1900), || format!("released after {released:?}"))?;
         ensure(released < Duration::from_secs(15), || format!("released after {released:?}"))?;
@@ -241,13 +247,7 @@ fn dead_replay(g: &Group, ctx: &Arc<Context>) -> R {
         // No destructor runs (as in a crash): the kernel closes its sockets.
         std::process::exit(0);
     }
-    let t0 = Instant::now();
-    // SAFETY: as above.
-    #[allow(unsafe_code)]
-    unsafe { graph.launch(&stream) }.map_err(s)?;
-    wait_stream(&stream, &|| "a replay waiting for the dead rank 1".into())?;
-    let released = t0.elapsed();
-    let e = w.wait_signal_on_stream(1, &stream).err().ok_or("a stream wait after rank 1 died was queued")?;
+    let (released, e) = released(&w, &graph, "a replay waiting for the dead rank 1")?;
     println!("dead_replay: released after {released:?}; then: {e}");
     ensure(matches!(&e, Error::StreamFailed { peer: 1, .. }) && e.to_string().contains("CUDA graph replay"), || {
         e.to_string()
