@@ -107,7 +107,7 @@ if [ "${RMACOMM_PYTHON:-1}" != 0 ]; then
     env VIRTUAL_ENV="$(cd "$py_venv" && pwd)" RMACOMM_EXPECT_STANDIN=1 "${expect[@]}" \
       cargo nextest run --release -p rmacomm-cuda -p rmacomm-kernels -p rmacomm-collectives -p rmacomm-window \
       -p rmacomm-tests \
-      -E 'binary(probes) | binary(cuda_kernels) | binary(gpu_standin) | test(device_memory_ring_against_the_cuda_standin) | test(gpu_collectives_between_two_network_namespaces) | test(a_gpu_rank_that_dies_releases_the_others_streams) | test(_on_two_gpus_with_and_without_peer_access) | test(gpu_ranks_that_leave_normally_do_not_release_the_others_replays) | test(device_replays_waiting_for_an_absent_or_dead_peer_are_released)' \
+      -E 'binary(probes) | binary(cuda_kernels) | binary(gpu_standin) | test(device_memory_ring_against_the_cuda_standin) | test(gpu_collectives_between_two_network_namespaces) | test(a_gpu_rank_that_dies_releases_the_others_streams) | test(_on_two_gpus_with_and_without_peer_access) | test(gpu_ranks_that_leave_normally_do_not_release_the_others_replays) | test(device_replays_waiting_for_an_absent_or_dead_peer_are_released) | test(keeps_its_slots_until_slower_peers_read_them)' \
       --no-capture
   fi
 fi

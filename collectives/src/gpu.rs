@@ -104,6 +104,26 @@
 //! whom (a gone peer: released at once; nothing moving for the timeout:
 //! overdue), though no host call issued it — except with
 //! `RMACOMM_GPU_FLAGS=device`, where nothing watches.
+//!
+//! # The end
+//!
+//! No exchange closes a call's last use, so a rank done first may drop its
+//! communicator while a slower peer still copies out of its slots (a
+//! peer's last reads follow its last wait, which this rank's signal ended).
+//! CUDA leaves a read of memory freed under an IPC mapping undefined. So,
+//! with the words in host memory, each rank counts its collective calls
+//! whose reads have run, in the window's value slot 2n (a stream write of
+//! the host's count after each call's last read; a signal kernel once the
+//! kernels serve, inside captured calls too, so that every replay counts),
+//! and a drop first waits until every peer's count reaches its own (read
+//! through the peer's mapped signal buffer, no driver call), or the peer is
+//! gone (a peer that left, or died, reads nothing more), for at most the
+//! window's timeout (then it warns and frees anyway). A peer that is merely
+//! slower costs the drop what its reads take; ranks that never make the
+//! same calls cost the timeout. send/recv need none of it (a sender writes
+//! into the receiver's inbox, which the receiver reads only after the
+//! chunk's count has landed); with `RMACOMM_GPU_FLAGS=device` nothing is
+//! counted and a drop does not wait.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -151,6 +171,9 @@ pub struct GpuComm {
     calls: u64,
     /// A call has entered and not yet left (its `done` write not queued).
     open: bool,
+    /// Host words: collective calls outside captures whose count of reads
+    /// run is queued (module docs: the end).
+    reads: u64,
     last_stream: Option<usize>,
     /// Device memory for the k-input kernel's pointer table.
     table: DeviceMemory,
@@ -193,6 +216,10 @@ struct HostWords {
     /// replay's waits: `rmacomm_window::StreamRelease`) of its data and
     /// credit word (value slots p and n + p here).
     wants: Vec<(DevicePtr, DevicePtr)>,
+    /// The device address of this rank's count of collective calls whose
+    /// reads of the peers' regions have run (value slot 2n here), which the
+    /// peers read before their slots go (module docs: the end).
+    reads: DevicePtr,
     /// The `done` word's registration for the device, dropped before the
     /// segment.
     done_dev: HostRegistration,
@@ -219,6 +246,7 @@ impl Drop for GpuComm {
             // Everything queued runs (or the watchdog releases it) before
             // the memory it uses goes: a free would wait for it forever.
             h.watch.drain();
+            self.readers_done();
         }
         if self.host_slots() {
             // The device may still be reading or writing host slots (a free
@@ -296,6 +324,7 @@ impl HostWords {
             (0..n).map(|r| (0..n).map(|p| word(r, base + p)).collect()).collect()
         };
         let (data, credit) = (table(0)?, table(n)?);
+        let reads = word(win.rank(), 2 * n)?;
         let want = |disp: usize| win.device_value_want(disp).map_err(Error::window(op));
         let wants = (0..n).map(|p| Ok((want(p)?, want(n + p)?))).collect::<Result<Vec<_>>>()?;
         let done = Arc::new(win.alloc(64).map_err(Error::window(op))?);
@@ -324,7 +353,7 @@ impl HostWords {
                     backend: "native GPU".into(),
                     reason: format!("{op}: the watchdog thread: {e}"),
                 })?;
-        Ok(HostWords { watch, expect, data, credit, wants, done_dev, _done: done })
+        Ok(HostWords { watch, expect, data, credit, wants, reads, done_dev, _done: done })
     }
 
     /// The stream will wait for `n` chunks from `peer` in all (recv), or
@@ -514,10 +543,11 @@ impl GpuComm {
         }
         let n = group.size();
         // IPC mode's send/recv words: the window's value slots p (chunks
-        // from p) and n + p (chunks p took).
+        // from p) and n + p (chunks p took); 2n: collective calls whose
+        // reads have run (module docs: the end).
         // GpuComm watches its calls itself (HostWords).
         let opts =
-            WindowOptions::new().timeout(timeout).unified(!transport).signal_slots(2 * n).watch_stream_waits(false);
+            WindowOptions::new().timeout(timeout).unified(!transport).signal_slots(2 * n + 1).watch_stream_waits(false);
         let mut win = Window::new(group, opts).map_err(Error::window(OP))?;
         // Every rank sees the same: all peers UNIFIED, or some rank not.
         let transport = transport || !win.all_unified();
@@ -668,6 +698,7 @@ impl GpuComm {
             broken: None,
             calls: 0,
             open: false,
+            reads: 0,
             last_stream: None,
             memops,
             table,
@@ -806,6 +837,76 @@ impl GpuComm {
         Ok(())
     }
 
+    /// After a collective call's reads of the peers' regions: one more in
+    /// this rank's count of them (host words; module docs: the end), by the
+    /// signal kernel once they serve (so a captured call's replays count
+    /// too), else by a stream write of the host's count.
+    fn reads_run(&mut self, op: &'static str, stream: &Stream) -> Result<()> {
+        let Some(word) = self.host_words.as_ref().map(|h| h.reads) else { return Ok(()) };
+        match self.kernels() {
+            // SAFETY: this rank's value slot, host memory mapped for the
+            // device while the window lives.
+            Some(m) => unsafe { m.launch_on(stream, "rmacomm_signal_next", 1, 32, &[Arg::U64(word)]) },
+            // SAFETY: as above.
+            None => unsafe { stream.write_value64(word, self.reads + 1) },
+        }
+        .map_err(cuda(op))?;
+        self.reads += 1;
+        Ok(())
+    }
+
+    /// Before this rank's slots go (module docs: the end): waits until
+    /// every peer's count of collective calls whose reads have run reaches
+    /// this rank's, or the peer is gone (then it reads nothing more), for
+    /// at most the window's timeout (then warns and lets them go).
+    fn readers_done(&self) {
+        const OP: &str = "GpuComm drop";
+        if self.host_words.is_none() {
+            return;
+        }
+        let (disp, timeout) = (2 * self.size, self.win.timeout());
+        let released = self.win.stream_release().released().is_some();
+        let target = match self.kernels() {
+            Some(_) if !released => {
+                // Replays no host call counted: the device's own count,
+                // once it ran what was queued.
+                if self.ctx.synchronize_within(timeout).is_none() {
+                    tracing::warn!(
+                        "{OP} (rank {}): the device had not run its queued work after {timeout:?}",
+                        self.rank
+                    );
+                }
+                self.win.read_peer_signal(self.rank, disp).unwrap_or(self.reads)
+            }
+            _ => self.reads,
+        };
+        if target == 0 {
+            return;
+        }
+        let peers = self.win.peer_watch();
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            let behind: Vec<(usize, u64)> = (0..self.size)
+                .filter(|p| *p != self.rank && peers.gone_among(&[*p]).is_none())
+                .filter_map(|p| self.win.read_peer_signal(p, disp).ok().filter(|v| *v < target).map(|v| (p, v)))
+                .collect();
+            if behind.is_empty() {
+                return;
+            }
+            if std::time::Instant::now() >= deadline {
+                let who: Vec<String> = behind.iter().map(|(p, v)| format!("rank {p} at {v}")).collect();
+                tracing::warn!(
+                    "{OP} (rank {}): {} had not run the reads of this rank's slots that {target} collective calls \
+                     make after {timeout:?}; its slots are freed anyway",
+                    self.rank,
+                    who.join(", ")
+                );
+                return;
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+
     /// This rank's `done` word (host memory; else last in its flag area).
     fn done_word(&self) -> DevicePtr {
         match &self.host_words {
@@ -885,6 +986,7 @@ impl GpuComm {
             self.check_stream(op)?;
         }
         let base = self.graphs.as_ref().and_then(|g| g.base);
+        let reads = self.reads;
         let mut run = || -> Result<()> {
             // A captured call stays out of the done word's count (its
             // replays are not the host's to count: the caller orders them).
@@ -908,12 +1010,18 @@ impl GpuComm {
                 self.next_region();
                 self.exchange(op, stream)?;
             }
+            self.reads_run(op, stream)?;
             if capturing {
                 return Ok(());
             }
             self.leave(op, stream)
         };
         let r = run();
+        if r.is_err() && self.open && self.reads == reads {
+            // What the failed call queued of its reads runs before the
+            // count (stream order).
+            let _ = self.reads_run(op, stream);
+        }
         let r = self.close_failed(op, stream, r);
         self.mark(op, r)
     }

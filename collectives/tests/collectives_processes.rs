@@ -154,6 +154,22 @@ fn gpu_ranks_that_leave_normally_do_not_release_the_others_replays() {
     }
 }
 
+/// A rank done with its native GPU collectives first keeps its slots until
+/// a slower peer has read them (`coll-scenario gpu_slow_reader`: rank 1's
+/// copies slowed by the stand-in, its sums checked after rank 0 dropped
+/// its communicator, eager and replayed; 2 and 3 ranks). Skipped, saying
+/// so, without the stand-in or NVRTC.
+#[test]
+fn a_gpu_rank_that_leaves_first_keeps_its_slots_until_slower_peers_read_them() {
+    if !on_the_standin() {
+        return;
+    }
+    for n in [2, 3] {
+        let out = every_rank_ok_with(n, "unified", &["gpu_slow_reader"], &[("RMACOMM_STANDIN_COPY_DELAY", "150@1")]);
+        assert!(!out.contains("gpu skipped") && out.contains("[0] rank 0 dropped its communicator (replays)"), "{out}");
+    }
+}
+
 /// The native GPU collectives (`coll-scenario gpu`: every operation, every
 /// result checked) of three processes on two GPUs (the stand-in's, rank r
 /// on GPU r mod 2): through CUDA IPC across the GPUs where they have peer

@@ -395,6 +395,22 @@ impl Context {
         self.check("cuCtxSynchronize", unsafe { (self.api.ctx_sync)() })
     }
 
+    /// [`synchronize`](Self::synchronize), waited for at most `within` (on
+    /// a thread of its own, left to finish when the time passes): `None`
+    /// when the device had not run everything launched on the context in
+    /// time. Without a thread to wait with, unbounded.
+    pub fn synchronize_within(self: &std::sync::Arc<Self>, within: std::time::Duration) -> Option<Result<()>> {
+        let ctx = self.clone();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let waiter = std::thread::Builder::new().name("rmacomm-cuda-sync".into()).spawn(move || {
+            let _ = tx.send(ctx.synchronize());
+        });
+        match waiter {
+            Ok(_) => rx.recv_timeout(within).ok(),
+            Err(_) => Some(self.synchronize()),
+        }
+    }
+
     /// Loads a module from a cubin (an ELF image) or NUL-terminated PTX;
     /// an image that is neither is refused before the driver reads it.
     ///

@@ -51,6 +51,7 @@ pub fn main() {
         Some("gpu_killed") => gpu_killed(),
         Some("gpu_killed_replay") => gpu_killed_replay(),
         Some("gpu_replay_teardown") => gpu_replay_teardown(),
+        Some("gpu_slow_reader") => gpu_slow_reader(),
         Some("time") => time(&args[1..]),
         other => Err(format!("unknown scenario {other:?}")),
     };
@@ -601,6 +602,55 @@ fn gpu_replay_teardown() -> R {
     std::thread::sleep(Duration::from_millis(300));
     c.check().map_err(|e| format!("rank 0 was failed after its peers left normally: {e}"))?;
     drop((ping, last, all));
+    Ok(())
+}
+
+/// `gpu_slow_reader` (IPC mode, the stand-in with
+/// `RMACOMM_STANDIN_COPY_DELAY=<ms>@1`: rank 1's copies are slow): after an
+/// all_reduce's last exchange every rank still copies its peers' shares
+/// out of their slots, so rank 0, done first, drops its communicator while
+/// rank 1 reads rank 0's slots — first after an eager all_reduce, then
+/// (a new communicator) after two replays of a captured one. Rank 1's sums
+/// are checked: a drop that freed the slots before rank 1 had read them
+/// (the stand-in fills a freed exported allocation with 0xff: NaN) fails
+/// them. Rank 0 says how long its drops waited.
+fn gpu_slow_reader() -> R {
+    let Some((g, ctx, mut c)) = gpu_comm()? else { return Ok(()) };
+    ensure(!c.through_transport(), || "the ranks are not in IPC mode".into())?;
+    let (n, rank) = (g.size(), g.rank());
+    let stream = ctx.stream().map_err(s)?;
+    // Two uses of the 64 KiB slots: no exchange follows the last one's
+    // reads (one use, captured, gets one more: module docs).
+    let elems = 24_576usize;
+    let buf = ctx.alloc_shared(elems * 4).map_err(s)?;
+    let sum = (1..=n).sum::<usize>() as f32;
+    let check = |what: &str, want: f32| -> R {
+        let mut got = vec![0u8; elems * 4];
+        buf.read_into(0, &mut got).map_err(s)?;
+        let bad = got.chunks(4).filter(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]) != want).count();
+        ensure(bad == 0, || format!("{what}: {bad} of {elems} elements are not {want}"))
+    };
+    let leave = |c: rmacomm_collectives::GpuComm, what: &str| {
+        let t0 = Instant::now();
+        drop(c);
+        println!("rank {rank} dropped its communicator {what} after {:?}", t0.elapsed());
+    };
+    buf.write_from(0, &f32s_of(elems, rank as f32 + 1.0)).map_err(s)?;
+    // SAFETY: buf holds `elems` f32 and outlives the synchronize.
+    unsafe { c.all_reduce(buf.ptr(), elems * 4, DType::F32, ReduceOp::Sum, &stream) }.map_err(s)?;
+    stream.synchronize().map_err(s)?;
+    check("the eager all_reduce", sum)?;
+    leave(c, "(eager all_reduce)");
+    let c = rmacomm_collectives::GpuComm::new(&g, ctx.clone(), Some(64 << 10), Duration::from_secs(60));
+    let mut c = c.map_err(s)?;
+    buf.write_from(0, &f32s_of(elems, rank as f32 + 1.0)).map_err(s)?;
+    // SAFETY: buf outlives every replay (the graph is dropped first).
+    let graph = capture(&stream, || unsafe { c.all_reduce(buf.ptr(), elems * 4, DType::F32, ReduceOp::Sum, &stream) })?;
+    replay(&graph, &stream)?;
+    replay(&graph, &stream)?;
+    check("two replays of the captured all_reduce", sum * n as f32)?;
+    drop(graph);
+    leave(c, "(replays)");
     Ok(())
 }
 

@@ -99,7 +99,10 @@ impl Op {
             },
             // SAFETY: the caller of the enqueuing function promised both
             // ranges are live device (or host) memory; memmove semantics.
-            Op::Copy { dst, src, len } => unsafe { std::ptr::copy(host(src) as *const u8, host(dst) as *mut u8, len) },
+            Op::Copy { dst, src, len } => unsafe {
+                copy_delay();
+                std::ptr::copy(host(src) as *const u8, host(dst) as *mut u8, len)
+            },
             // SAFETY: as for copies.
             Op::Set { dst, value, len } => unsafe { std::ptr::write_bytes(host(dst) as *mut u8, value, len) },
             Op::Write { addr, value } => {
@@ -132,6 +135,24 @@ impl Op {
                 }
             }
         }
+    }
+}
+
+/// `RMACOMM_STANDIN_COPY_DELAY=<ms>[@<rank>]`: every copy (in a process
+/// whose `RANK` is `<rank>`, if given) first sleeps that long — a slow
+/// device, for tests of what a faster peer must not do meanwhile.
+fn copy_delay() {
+    static DELAY: std::sync::OnceLock<Option<Duration>> = std::sync::OnceLock::new();
+    let delay = DELAY.get_or_init(|| {
+        let v = std::env::var("RMACOMM_STANDIN_COPY_DELAY").ok()?;
+        let (ms, rank) = v.split_once('@').map_or((v.as_str(), None), |(m, r)| (m, Some(r)));
+        if rank.is_some_and(|r| std::env::var("RANK").ok().as_deref() != Some(r.trim())) {
+            return None;
+        }
+        ms.trim().parse().ok().map(Duration::from_millis)
+    });
+    if let Some(d) = delay {
+        std::thread::sleep(*d);
     }
 }
 
@@ -415,6 +436,8 @@ struct Alloc {
     name: CString,
     /// The segment's host mapping.
     host: u64,
+    /// An IPC handle was taken: other processes may map it.
+    exported: bool,
 }
 
 /// A device range of this process: where its bytes are on the host, which
@@ -811,7 +834,7 @@ pub unsafe extern "C" fn cuMemAlloc_v2(p: *mut u64, len: usize) -> CuResult {
         return OUT_OF_MEMORY;
     };
     with(|st| {
-        st.allocs.insert(base, Alloc { len, name, host: h });
+        st.allocs.insert(base, Alloc { len, name, host: h, exported: false });
         st.device_ranges.insert(base, DevRange { host: h, len, dev, reach: vec![dev], peerable: true });
     });
     // SAFETY: the caller's out-pointer.
@@ -838,6 +861,12 @@ pub extern "C" fn cuMemFree_v2(p: u64) -> CuResult {
     // SAFETY: our mappings of `a.len` bytes (the segment's and the device
     // range's), unmapped once; the name is ours to unlink.
     unsafe {
+        if a.exported {
+            // Another process's IPC mapping keeps the segment: what it
+            // reads after this free is garbage (as CUDA leaves it
+            // undefined), never the bytes it would have read before.
+            std::ptr::write_bytes(a.host as *mut u8, 0xff, a.len);
+        }
         libc::munmap(a.host as *mut c_void, a.len.max(1));
         libc::munmap(p as *mut c_void, a.len.max(1));
         libc::shm_unlink(a.name.as_ptr());
@@ -1256,9 +1285,13 @@ pub unsafe extern "C" fn cuPointerGetAttribute(out: *mut c_void, attr: c_int, p:
 #[no_mangle]
 pub unsafe extern "C" fn cuIpcGetMemHandle(h: *mut IpcHandle, p: u64) -> CuResult {
     strict_any("cuIpcGetMemHandle");
-    let Some((name, dev)) =
-        with(|st| st.allocs.get(&p).map(|a| (a.name.clone(), st.device_ranges.get(&p).map_or(0, |r| r.dev))))
-    else {
+    let Some((name, dev)) = with(|st| {
+        let dev = st.device_ranges.get(&p).map_or(0, |r| r.dev);
+        st.allocs.get_mut(&p).map(|a| {
+            a.exported = true;
+            (a.name.clone(), dev)
+        })
+    }) else {
         return INVALID_VALUE;
     };
     // The segment's name, NUL-padded, and the memory's device in the last

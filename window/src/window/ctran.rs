@@ -195,6 +195,28 @@ impl Window {
         Ok(v.load(Ordering::Acquire))
     }
 
+    /// The value of same-host peer `rank`'s value slot `signal_disp` now,
+    /// read through the mapping of its signal buffer (UNIFIED pairs; a peer
+    /// of another host has none here: `Unsupported`). The mapping outlives
+    /// the peer, so a peer that left reads as it left its slot; a peer's
+    /// release (`release` module) reads as `u64::MAX`.
+    pub fn read_peer_signal(&self, rank: usize, signal_disp: usize) -> Result<u64> {
+        const OP: &str = "read_peer_signal";
+        self.check_rank(OP, rank)?;
+        let off = self.value_slot_index(OP, rank, signal_disp)?;
+        let v = match &self.signal_maps[rank] {
+            _ if rank == self.rank() => self.signal_dst.atomic_u64(off),
+            Some(m) => m.atomic_u64(off),
+            None => {
+                return Err(Error::Unsupported {
+                    op: OP,
+                    reason: format!("rank {rank} is on another host: its signal buffer is not mapped here"),
+                })
+            }
+        };
+        Ok(v.map_err(|source| Error::Transport { op: OP, source })?.load(Ordering::Acquire))
+    }
+
     /// ctran's `wait_signal_until`: waits until this rank's value slot
     /// `signal_disp` compares to `value` as `cmp` says (acquire: what the
     /// signalling ranks put before their signal is visible then), for at

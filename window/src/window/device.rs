@@ -253,19 +253,7 @@ impl Drop for DeviceRegistration {
     /// peers then see this rank's last signals before it is gone (a gone
     /// peer a kernel still waits for counts as dead: `watch` module).
     fn drop(&mut self) {
-        let ctx = self.ctx.clone();
-        let (tx, rx) = std::sync::mpsc::channel();
-        let waiter = std::thread::Builder::new().name("rmacomm-window-end".into()).spawn(move || {
-            let _ = tx.send(ctx.synchronize());
-        });
-        let ended = match waiter {
-            Ok(_) => rx.recv_timeout(self.ends_after).is_ok(),
-            Err(_) => {
-                // No thread to wait with: here, unbounded.
-                let _ = self.ctx.synchronize();
-                true
-            }
-        };
+        let ended = self.ctx.synchronize_within(self.ends_after).is_some();
         if !ended {
             tracing::warn!(
                 "dropping a device window: the device had not run its queued work after {:?} (a stream waits for \
