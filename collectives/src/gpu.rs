@@ -171,8 +171,8 @@ pub struct GpuComm {
     calls: u64,
     /// A call has entered and not yet left (its `done` write not queued).
     open: bool,
-    /// Host words: collective calls outside captures whose count of reads
-    /// run is queued (module docs: the end).
+    /// Host words: collective calls (captured ones too, counted once)
+    /// whose count of reads run is queued (module docs: the end).
     reads: u64,
     last_stream: Option<usize>,
     /// Device memory for the k-input kernel's pointer table.

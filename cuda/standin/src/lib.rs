@@ -99,10 +99,11 @@ impl Op {
             },
             // SAFETY: the caller of the enqueuing function promised both
             // ranges are live device (or host) memory; memmove semantics.
-            Op::Copy { dst, src, len } => unsafe {
+            Op::Copy { dst, src, len } => {
                 copy_delay();
-                std::ptr::copy(host(src) as *const u8, host(dst) as *mut u8, len)
-            },
+                // SAFETY: as above.
+                unsafe { std::ptr::copy(host(src) as *const u8, host(dst) as *mut u8, len) }
+            }
             // SAFETY: as for copies.
             Op::Set { dst, value, len } => unsafe { std::ptr::write_bytes(host(dst) as *mut u8, value, len) },
             Op::Write { addr, value } => {
