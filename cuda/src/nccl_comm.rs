@@ -492,11 +492,20 @@ impl NcclComm {
         format!("{} {}", lib_name(&self.lib), self.lib.version())
     }
 
-    /// Refuses a call while an earlier one is still `ncclInProgress` past
-    /// its deadline (NCCL allows none then), unless it has ended since.
+    /// Refuses a call on an aborted communicator, and one while an earlier
+    /// call is still `ncclInProgress` past its deadline (NCCL allows none
+    /// then), unless it has ended since.
     fn usable(&self, call: &'static str) -> Result<()> {
+        if self.comm.is_null() {
+            return Err(CudaError::Call {
+                lib: lib_name(&self.lib),
+                call,
+                code: 0,
+                name: format!("rank {} of {}: the communicator was aborted", self.rank, self.size),
+            });
+        }
         let Some(earlier) = self.unsettled.get() else { return Ok(()) };
-        if self.comm.is_null() || self.api.settle(self.comm, Instant::now()).is_err() {
+        if self.api.settle(self.comm, Instant::now()).is_err() {
             return Err(CudaError::Call {
                 lib: lib_name(&self.lib),
                 call,
@@ -870,12 +879,24 @@ impl NcclComm {
     /// (as in [`close`](Self::close) past the timeout). For a communicator
     /// that other ranks have given up on.
     pub fn abort(mut self) {
+        self.abort_in_place();
+    }
+
+    /// [`abort`](Self::abort), for an owner that cannot give the
+    /// communicator up (a `Drop`): every later call fails saying it was
+    /// aborted, and dropping it does nothing more.
+    pub fn abort_in_place(&mut self) {
         let comm = std::mem::replace(&mut self.comm, std::ptr::null_mut());
         if !comm.is_null() {
             let _bound = self.ctx.bind();
             // SAFETY: a live communicator, aborted once (nulled above).
             unsafe { (self.api.abort)(comm) };
         }
+    }
+
+    /// Whether the communicator has been aborted or closed.
+    pub fn is_aborted(&self) -> bool {
+        self.comm.is_null()
     }
 
     fn end(&mut self) -> Result<()> {

@@ -110,7 +110,8 @@ impl NcclRma {
     /// communicator's): every rank checks that NCCL's window API is usable
     /// and learns whether every other rank's is; any refusal fails every
     /// rank, naming the rank and its reason. `timeout` bounds waits for a
-    /// peer's signal total.
+    /// peer: for its signal total, and for the device's work (which may
+    /// wait for the peer's signals) in `deregister` and the drop.
     pub fn new(comm: NcclComm, group: &Group, timeout: Duration) -> Result<NcclRma> {
         // Every refusal goes through the exchange, so every rank learns it
         // (none is left waiting for a rank that gave up alone).
@@ -160,7 +161,7 @@ impl NcclRma {
     }
 
     /// Changes how long [`wait_signal`](Self::wait_signal) waits for a
-    /// peer's signal total.
+    /// peer's signal total (and `deregister` and the drop for the device).
     pub fn set_timeout(&mut self, timeout: Duration) {
         self.timeout = timeout;
     }
@@ -308,12 +309,28 @@ impl NcclRma {
 
     /// Deregisters a window (collective over the group, so that no rank's
     /// queued put still uses it): every rank waits for its device's work,
-    /// then for every other rank, then deregisters.
+    /// then for every other rank, then deregisters. Device work not done
+    /// within the timeout (a wait for a signal of a peer
+    /// that died) fails it with [`Error::Timeout`], the window still
+    /// registered (dropping the `NcclRma` then aborts the communicator).
     pub fn deregister(&mut self, group: &Group, id: WindowId) -> Result<()> {
         const OP: &str = "deregister";
         self.check_group(OP, group)?;
         let ctx = self.window(OP, id)?.mem.context().clone();
-        ctx.synchronize().map_err(|e| Error::Cuda { op: "deregister (cuCtxSynchronize)", source: e })?;
+        let after = self.timeout;
+        match ctx.synchronize_within(after) {
+            Some(r) => r.map_err(|e| Error::Cuda { op: "deregister (cuCtxSynchronize)", source: e })?,
+            None => {
+                return Err(Error::Timeout {
+                    waiting_for: format!(
+                        "deregister: rank {}'s device work (queued NCCL puts, signals and waits) to finish \
+                         (the NcclRma's timeout: set_timeout)",
+                        self.rank
+                    ),
+                    after,
+                })
+            }
+        }
         group.barrier(None)?;
         let r = self.windows[id.0].take().expect("checked");
         #[allow(unsafe_code)]
@@ -453,15 +470,45 @@ impl NcclRma {
 }
 
 impl Drop for NcclRma {
+    /// Nothing queued may still use a window when it goes, and nothing may
+    /// wait without a limit: the device's work gets the timeout, then the
+    /// windows are deregistered (and the communicator
+    /// ended, its own drop). Work still queued then — a wait for a signal
+    /// that never comes, from a peer that died — is cut short: the
+    /// communicator is aborted (NCCL's device work exits; its windows go
+    /// with it) and the device's work waited for once more; what still
+    /// runs after that (a stream waiting on something else) keeps the
+    /// windows' memory, leaked rather than freed under it. Each step is
+    /// printed to stderr, as the communicator's own abort is.
     fn drop(&mut self) {
-        if let Some(ctx) = self.windows.iter().flatten().next().map(|w| w.mem.context().clone()) {
-            // Nothing queued may still use a window when it goes.
-            let _ = ctx.synchronize();
+        let mems = self.windows.iter().flatten().map(|w| &w.mem).chain(&self.orphans);
+        let Some(ctx) = mems.map(|m| m.context().clone()).next() else { return };
+        let after = self.timeout;
+        if ctx.synchronize_within(after).is_some() {
+            for r in self.windows.drain(..).flatten() {
+                #[allow(unsafe_code)]
+                // SAFETY: the device's work is done (above).
+                let _ = unsafe { self.comm.window_deregister(r.win) };
+            }
+            return;
         }
-        for r in self.windows.drain(..).flatten() {
-            #[allow(unsafe_code)]
-            // SAFETY: the device's work is done (above).
-            let _ = unsafe { self.comm.window_deregister(r.win) };
+        let (rank, size) = (self.rank, self.size);
+        eprintln!(
+            "rmacomm: dropping the NCCL windows (rank {rank} of {size}): device work still queued after {after:?} \
+             (a wait for a peer's signal that never came?): aborting the NCCL communicator"
+        );
+        self.comm.abort_in_place();
+        if ctx.synchronize_within(after).is_none() {
+            eprintln!(
+                "rmacomm: dropping the NCCL windows (rank {rank} of {size}): device work still queued {after:?} after \
+                 the abort: the windows' memory is leaked, not freed while the device may use it"
+            );
+            for r in self.windows.drain(..).flatten() {
+                std::mem::forget(r.mem);
+            }
+            for m in self.orphans.drain(..) {
+                std::mem::forget(m);
+            }
         }
     }
 }

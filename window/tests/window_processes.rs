@@ -329,3 +329,72 @@ fn nccl_windows_against_the_standin() {
         assert!(stdout.contains(&format!("[{r}] rank {r}: a failed put broke the NcclRma")), "{stdout}");
     }
 }
+
+/// A rank's NCCL window wait for a signal that never runs (rank 0 queued
+/// it behind a stream wait nobody ends) never ends by itself, yet nothing
+/// waits without a limit: on both ranks `deregister` fails within the
+/// `NcclRma`'s 3 s timeout and dropping the `NcclRma` aborts the
+/// communicator and returns; rank 1's stream is free after it (the abort
+/// released its wait), rank 0's still waits (its windows' memory leaked,
+/// said so). Against the stand-in; the launcher runs under a deadline (past
+/// it, a rank hung: the test fails).
+#[test]
+fn an_nccl_window_wait_for_a_signal_that_never_runs_ends_with_deregister_and_drop() {
+    let Some(lib) = rmacomm_window::cuda::standin_for_tests() else { return };
+    let mut child = Command::new(env!("CARGO_BIN_EXE_rmacomm-run"))
+        .args(["--nproc-per-node", "2", env!("CARGO_BIN_EXE_gpu-window-scenario"), "nccl"])
+        .env_remove("MASTER_ADDR")
+        .env_remove("MASTER_PORT")
+        .env("RMACOMM_TIMEOUT_SECONDS", "60")
+        .env("RMACOMM_CUDA_LIB", &lib)
+        .env("RMACOMM_NCCL_LIB", &lib)
+        .env("RMACOMM_EXPECT_GPU", "1")
+        .env("NCCL_SCENARIO_STUCK_SIGNAL", "1")
+        .env_remove("NCCL_WIN_ENABLE")
+        .env_remove("RMACOMM_STANDIN_NCCL_FAIL_PUT")
+        .env_remove("NCCL_SCENARIO_PUT_FAILS")
+        .env_remove("RMACOMM_STANDIN_NCCL_VERSION")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if start.elapsed() > std::time::Duration::from_secs(45) {
+            // SIGTERM first: the launcher forwards it to the ranks.
+            let _ = Command::new("kill").arg(child.id().to_string()).status();
+            std::thread::sleep(std::time::Duration::from_secs(2));
+            let _ = child.kill();
+            let out = child.wait_with_output().unwrap();
+            panic!(
+                "hung: still running after 45 s\n{}\n{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{:?}:\n{stdout}\n{stderr}", out.status);
+    for want in [
+        "[0] rank 0: a put and a signal queued behind a stream wait that never ends",
+        "[0] rank 0: deregister failed after 3",
+        "[1] rank 1: deregister failed after 3",
+        "[0] rank 0: dropped the NcclRma in",
+        "[1] rank 1: dropped the NcclRma in",
+        "[1] rank 1: its stream is free again",
+        "[0] rank 0 ok",
+        "[1] rank 1 ok",
+    ] {
+        assert!(stdout.contains(want), "no {want:?}:\n{stdout}\n{stderr}");
+    }
+    for r in 0..2 {
+        let want =
+            format!("[{r}] rmacomm: dropping the NCCL windows (rank {r} of 2): device work still queued after 3s");
+        assert!(stderr.contains(&want), "no {want:?}:\n{stderr}");
+    }
+    assert!(stderr.contains("[0] rmacomm: dropping the NCCL windows (rank 0 of 2): device work still queued 3s after the abort: the windows' memory is leaked"), "{stderr}");
+    assert!(!stderr.contains("(rank 1 of 2): device work still queued 3s after the abort"), "{stderr}");
+}

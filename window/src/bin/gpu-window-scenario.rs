@@ -47,7 +47,15 @@
 //!   rank's, a window not registered, memory in a window already,
 //!   cuMemAlloc memory, buffers of different sizes, a signal that never
 //!   comes). Under `NCCL_SCENARIO_PUT_FAILS=1` (with a library whose puts
-//!   fail) it checks instead that a failed put breaks the `NcclRma`. With a library older
+//!   fail) it checks instead that a failed put breaks the `NcclRma`. Under
+//!   `NCCL_SCENARIO_STUCK_SIGNAL=1` (two ranks) rank 0 queues a put and a
+//!   signal to rank 1 behind a stream wait on a host word nobody writes (a
+//!   peer whose stream is stuck, as behind a third rank that died), so
+//!   rank 1's queued wait for that signal never ends by itself: on both
+//!   ranks `deregister` fails within the `NcclRma`'s timeout (3 s) and the
+//!   drop of the `NcclRma` returns (the communicator aborted: rank 1's
+//!   stream is free again; rank 0's stream still waits, so its windows'
+//!   memory is leaked). With a library older
 //!   than 2.29 each rank prints `refused: ...` and succeeds: the caller
 //!   checks the reason. One rank per GPU (NCCL's rule); one rank puts to
 //!   itself, which checks the calls but not the counting (one stream
@@ -179,11 +187,7 @@ fn dead(g: &Group, mut w: Window, ctx: &Arc<Context>) -> R {
 ///
 /// Before, both replays waited forever (kernel waits were not watched).
 fn dead_replay(g: &Group, ctx: &Arc<Context>) -> R {
-    if let Err(e) = rmacomm_window::cuda::nvrtc::Nvrtc::get() {
-        if std::env::var("RMACOMM_EXPECT_NVRTC").is_ok_and(|v| v == "1") {
-            return Err(format!("signals in a CUDA graph need NVRTC: {e}"));
-        }
-        println!("rank {} dead_replay skipped (no NVRTC: {e})", g.rank());
+    if nvrtc_missing(g, "dead_replay")? {
         return Ok(());
     }
     let (rank, peer) = (g.rank(), 1 - g.rank());
@@ -405,19 +409,25 @@ fn graph(g: &Group, w: &mut Window, ctx: &Arc<Context>, stream: &Stream) -> R {
     Ok(())
 }
 
+/// Whether NVRTC, which compiles the signal kernels of CUDA graphs, is
+/// missing (CI's first stage): then `what` is skipped with the reason, and
+/// an error where it is expected (`RMACOMM_EXPECT_NVRTC=1`: the GPU suite).
+fn nvrtc_missing(g: &Group, what: &str) -> Result<bool, String> {
+    let Err(e) = rmacomm_window::cuda::nvrtc::Nvrtc::get() else { return Ok(false) };
+    if std::env::var("RMACOMM_EXPECT_NVRTC").is_ok_and(|v| v == "1") {
+        return Err(format!("signals in a CUDA graph need NVRTC: {e}"));
+    }
+    println!("rank {} {what} skipped (no NVRTC: {e})", g.rank());
+    Ok(true)
+}
+
 /// A ring step captured whole — put, stream signal, stream wait — and
 /// replayed 10 times with new data each time, nothing on the host between
 /// replays but a barrier. A stream round before the capture (stream memory
 /// operations), one after it (kernels now), a host wait for a stream
 /// signal and a last stream round check that the counts carry over.
 fn graph_signals(g: &Group, ctx: &Arc<Context>) -> R {
-    // The kernels are compiled with NVRTC: without it (CI's first stage),
-    // skipped with the reason, unless it is expected (the GPU suite).
-    if let Err(e) = rmacomm_window::cuda::nvrtc::Nvrtc::get() {
-        if std::env::var("RMACOMM_EXPECT_NVRTC").is_ok_and(|v| v == "1") {
-            return Err(format!("signals in a CUDA graph need NVRTC: {e}"));
-        }
-        println!("rank {} graph signals skipped (no NVRTC: {e})", g.rank());
+    if nvrtc_missing(g, "graph signals")? {
         return Ok(());
     }
     let (rank, size) = (g.rank(), g.size());
@@ -758,6 +768,60 @@ fn proxy_timings(g: &Group, w: &mut Window, ctx: &Arc<Context>, stream: &Stream)
     Ok(())
 }
 
+/// `nccl` under `NCCL_SCENARIO_STUCK_SIGNAL=1` (module docs).
+fn nccl_stuck_signal(
+    g: &Group,
+    ctx: &Arc<Context>,
+    mut rma: rmacomm_window::nccl_rma::NcclRma,
+    stream: Stream,
+    src: rmacomm_window::nccl_rma::WindowId,
+    dst: rmacomm_window::nccl_rma::WindowId,
+    len: usize,
+) -> R {
+    let rank = g.rank();
+    if g.size() != 2 {
+        return Err("NCCL_SCENARIO_STUCK_SIGNAL runs on two ranks".into());
+    }
+    rma.set_timeout(Duration::from_secs(3));
+    if rank == 0 {
+        // A host word the stream waits on and nobody writes: leaked, so it
+        // outlives everything the process does (the stream never gets past
+        // it).
+        let word: &'static std::sync::atomic::AtomicU64 = Box::leak(Box::new(std::sync::atomic::AtomicU64::new(0)));
+        #[allow(unsafe_code)]
+        // SAFETY: the word is leaked (lives as long as the process).
+        let reg = unsafe { ctx.register_host(word.as_ptr().cast(), 8) }.map_err(s)?;
+        let reg = Box::leak(Box::new(reg));
+        #[allow(unsafe_code)]
+        // SAFETY: a registered host word, never freed.
+        unsafe { stream.wait_value64_geq(reg.device_ptr(), 1) }.map_err(s)?;
+        rma.put(src, 0, len, 1, dst, 0, &stream).map_err(s)?;
+        rma.signal(1, &stream).map_err(s)?;
+        println!("rank 0: a put and a signal queued behind a stream wait that never ends");
+    } else {
+        rma.wait_signal(0, &stream).map_err(s)?;
+    }
+    let start = Instant::now();
+    match rma.deregister(g, dst) {
+        Err(e @ Error::Timeout { .. }) if e.to_string().contains("deregister") => {
+            println!("rank {rank}: deregister failed after {:?}: {e}", start.elapsed());
+        }
+        other => return Err(format!("a deregistration behind a wait that never ends: {other:?}")),
+    }
+    let start = Instant::now();
+    drop(rma);
+    println!("rank {rank}: dropped the NcclRma in {:?}", start.elapsed());
+    if rank == 1 {
+        wait_stream(&stream, &|| "rank 1's stream after the drop".to_string())?;
+        println!("rank 1: its stream is free again");
+    } else {
+        // Still waiting, for good: the stand-in's cuStreamDestroy would wait
+        // for it (CUDA's returns at once).
+        std::mem::forget(stream);
+    }
+    g.barrier(None).map_err(s)
+}
+
 /// NCCL's window API through `NcclRma` (module docs: `nccl`).
 fn nccl(g: &Group, ctx: &Arc<Context>) -> R {
     use rmacomm_window::cuda::nccl::{Flavor, Library};
@@ -812,6 +876,9 @@ fn nccl(g: &Group, ctx: &Arc<Context>) -> R {
         }
         println!("rank {rank}: a failed put broke the NcclRma");
         return Ok(());
+    }
+    if std::env::var("NCCL_SCENARIO_STUCK_SIGNAL").is_ok_and(|v| v == "1") {
+        return nccl_stuck_signal(g, ctx, rma, stream, src, dst, count * 4);
     }
     // The gate: a host word rank 0's stream waits on; opened on every way
     // out (a stream must not be left waiting on unregistered memory).
