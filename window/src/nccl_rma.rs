@@ -310,9 +310,9 @@ impl NcclRma {
     /// Deregisters a window (collective over the group, so that no rank's
     /// queued put still uses it): every rank waits for its device's work,
     /// then for every other rank, then deregisters. Device work not done
-    /// within the timeout (a wait for a signal of a peer
-    /// that died) fails it with [`Error::Timeout`], the window still
-    /// registered (dropping the `NcclRma` then aborts the communicator).
+    /// within the timeout (a wait for a signal of a peer that died) fails
+    /// it with [`Error::Timeout`], the window still registered (dropping
+    /// the `NcclRma` then aborts the communicator).
     pub fn deregister(&mut self, group: &Group, id: WindowId) -> Result<()> {
         const OP: &str = "deregister";
         self.check_group(OP, group)?;
@@ -472,14 +472,14 @@ impl NcclRma {
 impl Drop for NcclRma {
     /// Nothing queued may still use a window when it goes, and nothing may
     /// wait without a limit: the device's work gets the timeout, then the
-    /// windows are deregistered (and the communicator
-    /// ended, its own drop). Work still queued then — a wait for a signal
-    /// that never comes, from a peer that died — is cut short: the
-    /// communicator is aborted (NCCL's device work exits; its windows go
-    /// with it) and the device's work waited for once more; what still
-    /// runs after that (a stream waiting on something else) keeps the
-    /// windows' memory, leaked rather than freed under it. Each step is
-    /// printed to stderr, as the communicator's own abort is.
+    /// windows are deregistered (and the communicator ended, by its own
+    /// drop). Work still queued then — a wait for a signal that never
+    /// comes, from a peer that died — is cut short: the communicator is
+    /// aborted (NCCL's device work exits; its windows go with it) and the
+    /// device's work waited for once more; what still runs after that (a
+    /// stream waiting on something else) keeps the windows' memory, leaked
+    /// rather than freed under it. Both are said on stderr, as the
+    /// communicator's own abort is.
     fn drop(&mut self) {
         let mems = self.windows.iter().flatten().map(|w| &w.mem).chain(&self.orphans);
         let Some(ctx) = mems.map(|m| m.context().clone()).next() else { return };
