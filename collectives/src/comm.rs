@@ -311,6 +311,9 @@ impl Comm {
 
     /// Starts a collective: checks the communicator is usable and takes the
     /// next sequence number (every step of the collective carries it).
+    /// Called after the call's own argument checks: a call refused for its
+    /// arguments takes no number, so the caller's corrected retry is still
+    /// the peers' call of that number.
     pub(crate) fn collective(&mut self, op: &'static str) -> Result<()> {
         self.begin(op)?;
         self.seq += 1;

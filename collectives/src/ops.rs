@@ -271,9 +271,9 @@ impl Comm {
     /// `all_reduce` of `buf` in place.
     pub fn all_reduce(&mut self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
         const OP: &str = "all_reduce";
-        self.collective(OP)?;
         check_dtype(OP, buf.len(), dtype)?;
         rmacomm_kernels::check(dtype, op).map_err(|source| Error::Kernel { op: OP, source })?;
+        self.collective(OP)?;
         let n = self.size();
         let blocks = blocks(buf.len(), n, dtype.size());
         let code = reducing(ALL_REDUCE, dtype, op);
@@ -429,8 +429,8 @@ impl Comm {
     /// `broadcast` of `buf` from `root` (in place on every rank).
     pub fn broadcast(&mut self, buf: &mut [u8], root: usize) -> Result<()> {
         const OP: &str = "broadcast";
-        self.collective(OP)?;
         self.check_root(OP, root)?;
+        self.collective(OP)?;
         let (me, n) = (self.rank(), self.size());
         if self.algo_hint() == Some("tree") {
             // Binomial tree over ranks renumbered from the root: receive from
@@ -469,10 +469,10 @@ impl Comm {
     /// as they were).
     pub fn reduce(&mut self, buf: &mut [u8], dtype: DType, op: ReduceOp, root: usize) -> Result<()> {
         const OP: &str = "reduce";
-        self.collective(OP)?;
         self.check_root(OP, root)?;
         check_dtype(OP, buf.len(), dtype)?;
         rmacomm_kernels::check(dtype, op).map_err(|source| Error::Kernel { op: OP, source })?;
+        self.collective(OP)?;
         let (me, n) = (self.rank(), self.size());
         if me != root {
             // Left as it was: a scaled copy goes.
@@ -492,7 +492,6 @@ impl Comm {
     /// on every rank (`output` is `size * input.len()` bytes).
     pub fn all_gather_single(&mut self, output: &mut [u8], input: &[u8]) -> Result<()> {
         const OP: &str = "all_gather_single";
-        self.collective(OP)?;
         let n = self.size();
         if output.len() != n * input.len() {
             return Err(Error::invalid(
@@ -505,6 +504,7 @@ impl Comm {
                 ),
             ));
         }
+        self.collective(OP)?;
         let blocks: Vec<(usize, usize)> = (0..n).map(|r| (r * input.len(), input.len())).collect();
         let me = self.rank();
         output[me * input.len()..(me + 1) * input.len()].copy_from_slice(input);
@@ -522,7 +522,6 @@ impl Comm {
     /// r's input length) this is `all_gather_v`.
     pub fn all_gather(&mut self, outputs: &mut [&mut [u8]], input: &[u8]) -> Result<()> {
         const OP: &str = "all_gather";
-        self.collective(OP)?;
         let (me, n) = (self.rank(), self.size());
         if outputs.len() != n {
             return Err(Error::invalid(OP, format!("{} outputs for {n} ranks", outputs.len())));
@@ -533,6 +532,7 @@ impl Comm {
                 format!("outputs[{me}] has {} bytes, this rank's input {}", outputs[me].len(), input.len()),
             ));
         }
+        self.collective(OP)?;
         outputs[me].copy_from_slice(input);
         let mut transfers: Vec<Transfer<'_>> = Vec::with_capacity(2 * n);
         for (r, o) in outputs.iter_mut().enumerate() {
@@ -555,7 +555,6 @@ impl Comm {
     /// (`reduce_scatter_v`) but must equal rank j's output length.
     pub fn reduce_scatter(&mut self, output: &mut [u8], inputs: &[&[u8]], dtype: DType, op: ReduceOp) -> Result<()> {
         const OP: &str = "reduce_scatter";
-        self.collective(OP)?;
         let (me, n) = (self.rank(), self.size());
         if inputs.len() != n {
             return Err(Error::invalid(OP, format!("{} inputs for {n} ranks", inputs.len())));
@@ -568,6 +567,7 @@ impl Comm {
         }
         check_dtype(OP, output.len(), dtype)?;
         rmacomm_kernels::check(dtype, op).map_err(|source| Error::Kernel { op: OP, source })?;
+        self.collective(OP)?;
         output.copy_from_slice(inputs[me]);
         Self::scale_own(OP, dtype, op, n, output)?;
         // The caller's inputs stay as they were: scaled copies go.
@@ -619,9 +619,9 @@ impl Comm {
             ));
         }
         if self.algo_hint() == Some("recursive") && n.is_power_of_two() {
-            self.collective(OP)?;
             rmacomm_kernels::check(dtype, op).map_err(|source| Error::Kernel { op: OP, source })?;
             check_dtype(OP, output.len(), dtype)?;
+            self.collective(OP)?;
             let mut work = input.to_vec();
             Self::scale_own(OP, dtype, op, n, &mut work)?;
             self.reduce_scatter_halving(OP, &mut work, output.len(), dtype, op)?;
@@ -630,9 +630,9 @@ impl Comm {
             return Self::finish(OP, dtype, op, n, output);
         }
         if self.algo_hint() == Some("ring") {
-            self.collective(OP)?;
             rmacomm_kernels::check(dtype, op).map_err(|source| Error::Kernel { op: OP, source })?;
             check_dtype(OP, output.len(), dtype)?;
+            self.collective(OP)?;
             let mut work = input.to_vec();
             Self::scale_own(OP, dtype, op, n, &mut work)?;
             let blocks: Vec<(usize, usize)> = (0..n).map(|r| (r * output.len(), output.len())).collect();
@@ -650,7 +650,6 @@ impl Comm {
     /// comes from rank i (lengths may differ: they must match pairwise).
     pub fn all_to_all(&mut self, outputs: &mut [&mut [u8]], inputs: &[&[u8]]) -> Result<()> {
         const OP: &str = "all_to_all";
-        self.collective(OP)?;
         let (me, n) = (self.rank(), self.size());
         if outputs.len() != n || inputs.len() != n {
             return Err(Error::invalid(
@@ -661,6 +660,7 @@ impl Comm {
         if outputs[me].len() != inputs[me].len() {
             return Err(Error::invalid(OP, format!("outputs[{me}] and inputs[{me}] differ in length")));
         }
+        self.collective(OP)?;
         outputs[me].copy_from_slice(inputs[me]);
         let mut transfers: Vec<Transfer<'_>> = Vec::with_capacity(2 * n);
         for (r, o) in outputs.iter_mut().enumerate() {
@@ -732,16 +732,17 @@ impl Comm {
     /// root only) into `output`.
     pub fn scatter(&mut self, output: &mut [u8], inputs: Option<&[&[u8]]>, root: usize) -> Result<()> {
         const OP: &str = "scatter";
-        self.collective(OP)?;
         self.check_root(OP, root)?;
         let (me, n) = (self.rank(), self.size());
         if me != root {
+            self.collective(OP)?;
             return self.exchange(OP, SCATTER, vec![Transfer::Recv { peer: root, out: output }]);
         }
         let inputs = inputs.ok_or_else(|| Error::invalid(OP, "the root must pass the inputs"))?;
         if inputs.len() != n || inputs[me].len() != output.len() {
             return Err(Error::invalid(OP, format!("{n} inputs needed, inputs[{me}] as long as the output")));
         }
+        self.collective(OP)?;
         output.copy_from_slice(inputs[me]);
         let transfers = (0..n).filter(|&p| p != me).map(|p| Transfer::Send { peer: p, data: inputs[p] }).collect();
         self.exchange(OP, SCATTER, transfers)
@@ -751,16 +752,17 @@ impl Comm {
     /// i's `input`.
     pub fn gather(&mut self, outputs: Option<&mut [&mut [u8]]>, input: &[u8], root: usize) -> Result<()> {
         const OP: &str = "gather";
-        self.collective(OP)?;
         self.check_root(OP, root)?;
         let (me, n) = (self.rank(), self.size());
         if me != root {
+            self.collective(OP)?;
             return self.exchange(OP, GATHER, vec![Transfer::Send { peer: root, data: input }]);
         }
         let outputs = outputs.ok_or_else(|| Error::invalid(OP, "the root must pass the outputs"))?;
         if outputs.len() != n || outputs[me].len() != input.len() {
             return Err(Error::invalid(OP, format!("{n} outputs needed, outputs[{me}] as long as the input")));
         }
+        self.collective(OP)?;
         outputs[me].copy_from_slice(input);
         let transfers = outputs
             .iter_mut()

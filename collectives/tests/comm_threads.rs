@@ -155,3 +155,49 @@ fn avg_and_premul_sum_scale_each_contribution_before_the_sum() {
         }
     }
 }
+
+/// A call one rank makes with bad arguments is refused there, and takes no
+/// sequence number: its corrected retry is still the peer's call of that
+/// number (each refused call here used to take one, so the retry failed as
+/// mismatched on this rank and timed out on the other, the communicator
+/// lost). Every collective with a local argument check, refused on rank 1
+/// only, then made right on both.
+#[test]
+fn a_call_refused_for_its_arguments_leaves_the_retry_matched() {
+    use rmacomm_collectives::{DType, ReduceOp};
+    let opts = CommOptions::new().timeout(Duration::from_secs(10));
+    let done = two_ranks(opts, |rank, mut comm| {
+        let refused = |what: &str, r: rmacomm_collectives::Result<()>| {
+            let e = r.expect_err(what);
+            assert!(e.to_string().contains("invalid argument"), "{what}: {e}");
+        };
+        let src = [rank as u8 + 1; 8];
+        if rank == 1 {
+            refused("broadcast root", comm.broadcast(&mut [0u8; 8], 7));
+            refused("reduce root", comm.reduce(&mut [0u8; 8], DType::F32, ReduceOp::Sum, 7));
+            refused("all_reduce length", comm.all_reduce(&mut [0u8; 7], DType::F32, ReduceOp::Sum));
+            refused("all_gather_single", comm.all_gather_single(&mut [0u8; 15], &src));
+            let (mut a, mut b) = ([0u8; 8], [0u8; 12]);
+            refused("all_gather outputs", comm.all_gather(&mut [&mut a, &mut b], &src));
+            refused("all_to_all inputs", comm.all_to_all(&mut [&mut [0u8; 8], &mut [0u8; 8]], &[&src, &src, &src]));
+            refused("reduce_scatter", comm.reduce_scatter(&mut [0u8; 8], &[&src], DType::F32, ReduceOp::Sum));
+            refused("scatter root", comm.scatter(&mut [0u8; 8], None, 9));
+            refused("gather root", comm.gather(None, &src, 9));
+        }
+        let mut b = if rank == 0 { [5u8; 8] } else { [0u8; 8] };
+        comm.broadcast(&mut b, 0).unwrap();
+        assert_eq!(b, [5u8; 8]);
+        let mut g = [[0u8; 8]; 2];
+        {
+            let [g0, g1] = &mut g;
+            comm.all_gather(&mut [g0, g1], &src).unwrap();
+        }
+        assert_eq!(g, [[1u8; 8], [2u8; 8]]);
+        let mut x = 1.5f32.to_le_bytes();
+        comm.all_reduce(&mut x, DType::F32, ReduceOp::Sum).unwrap();
+        assert_eq!(f32::from_le_bytes(x), 3.0);
+        comm.barrier().unwrap();
+        rank
+    });
+    assert_eq!(done, vec![0, 1]);
+}
