@@ -41,6 +41,7 @@ pub(crate) fn of(obj: &Bound<'_, PyAny>, arg: &str) -> PyResult<Option<CudaTenso
     if !obj.call_method0(intern!(py, "is_contiguous"))?.is_truthy()? {
         return Err(PyValueError::new_err(format!("{arg} is not contiguous; pass {arg}.contiguous()")));
     }
+    crate::tensor::lazy_view(obj, arg)?;
     let ptr: u64 = obj.call_method0(intern!(py, "data_ptr"))?.extract()?;
     let numel: usize = obj.call_method0(intern!(py, "numel"))?.extract()?;
     let shape: Vec<usize> = obj.getattr(intern!(py, "shape"))?.extract()?;

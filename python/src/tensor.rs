@@ -216,6 +216,7 @@ impl<'py> Tensor<'py> {
         if !obj.call_method0(intern!(py, "is_contiguous"))?.is_truthy()? {
             return Err(PyValueError::new_err(format!("{arg} is not contiguous; pass {arg}.contiguous()")));
         }
+        lazy_view(obj, arg)?;
         let ptr: usize = obj.call_method0(intern!(py, "data_ptr"))?.extract()?;
         let numel: usize = obj.call_method0(intern!(py, "numel"))?.extract()?;
         Ok(Tensor {
@@ -284,6 +285,26 @@ pub(crate) fn same_elem(t: &Tensor<'_>, arg: &str, want: &'static Elem, other: &
             "{arg} has dtype {}, but {other} has {}; both must have the same dtype",
             t.elem.name, want.name
         )));
+    }
+    Ok(())
+}
+
+/// Refuses a torch conjugate or negative view (`x.conj()` of a complex
+/// tensor, `torch._neg_view`): contiguous, but its memory holds the values
+/// before conjugation or negation, which torch applies lazily — moved as
+/// bytes they would be wrong, silently (torch.distributed refuses them
+/// too).
+pub(crate) fn lazy_view(obj: &Bound<'_, PyAny>, arg: &str) -> PyResult<()> {
+    let py = obj.py();
+    for (flag, what, fix) in
+        [(intern!(py, "is_conj"), "conjugate", "resolve_conj"), (intern!(py, "is_neg"), "negative", "resolve_neg")]
+    {
+        if obj.hasattr(flag)? && obj.call_method0(flag)?.is_truthy()? {
+            return Err(PyValueError::new_err(format!(
+                "{arg} is a {what} view (its memory holds the values before the {what} torch applies lazily); \
+                 pass {arg}.{fix}()"
+            )));
+        }
     }
     Ok(())
 }

@@ -27,6 +27,28 @@ def test_non_contiguous_is_a_value_error_naming_the_argument(comm) -> None:
         comm.all_gather_single(np.zeros(8, np.float32), x[::2, 0])
 
 
+def test_conjugate_and_negative_views_are_refused_naming_the_fix(comm) -> None:
+    # Contiguous, but their memory holds the values before torch's lazy
+    # conjugation or negation: moved as bytes they were silently wrong.
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    c = torch.tensor([1 + 2j, 3 + 4j], dtype=torch.complex64).conj()
+    with pytest.raises(ValueError, match=r"tensor is a conjugate view .*tensor.resolve_conj\(\)"):
+        comm.broadcast(c, 0)
+    n = torch._neg_view(torch.tensor([1.0, 2.0]))
+    with pytest.raises(ValueError, match=r"is a negative view .*resolve_neg\(\)"):
+        comm.all_reduce(n, ReduceOp.SUM)
+    win = comm.new_window()
+    with pytest.raises(ValueError, match="conjugate view"):
+        win.tensor_register(c)
+    # Resolved, they move the values they show.
+    r = c.resolve_conj()
+    comm.broadcast(r, 0)
+    assert r.tolist() == [1 - 2j, 3 - 4j]
+    m = n.resolve_neg()
+    comm.all_reduce(m, ReduceOp.SUM)
+    assert m.tolist() == [-1.0, -2.0]
+
+
 def test_wrong_dtype_is_a_type_error_naming_both_arguments(comm) -> None:
     with pytest.raises(TypeError, match="output has dtype int32, but input has float32"):
         comm.all_gather_single(np.zeros(4, np.int32), np.zeros(4, np.float32))
