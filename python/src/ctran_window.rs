@@ -176,6 +176,7 @@ impl PyCtranWindow {
             value: signal_val,
             cmp: cmp_op.into(),
             timeout,
+            end: None,
         });
         if async_op {
             return Ok(w);

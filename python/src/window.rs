@@ -219,7 +219,7 @@ impl PyWindow {
             .into());
         }
         let timeout = timeout::duration(timeout, "timeout")?;
-        let w = PyWork::of(State::WaitSignal { core: self.core.clone(), peer: peer_rank, timeout });
+        let w = PyWork::of(State::WaitSignal { core: self.core.clone(), peer: peer_rank, timeout, end: None });
         if async_op {
             return Ok(w);
         }

@@ -438,25 +438,23 @@ impl WinCore {
         let t = step(slice, end);
         match self.read_guard().wait_signal(peer, Some(t)) {
             Ok(()) => Some(Ok(())),
-            Err(e) if is_timeout(&e) => passed(end).then(|| {
-                Err(Failure::new(
-                    ErrKind::Timeout,
-                    format!(
-                        "wait_signal with rank {peer}: no signal within {total:?}; check that rank {peer} signals \
-                         this rank, or raise the timeout"
-                    ),
-                ))
-            }),
+            Err(e) if is_timeout(&e) => passed(end).then(|| Err(signal_timeout(peer, total))),
             Err(e) => Some(Err(win_failure(e))),
         }
     }
 
-    /// `wait_signal(peer)` if a signal is there now.
-    pub(crate) fn try_wait_signal(&self, peer: usize) -> Option<Result<(), Failure>> {
+    /// `wait_signal(peer)` if a signal is there now; its timeout error
+    /// once the wait of `total` ending at `end` has run out.
+    pub(crate) fn try_wait_signal(
+        &self,
+        peer: usize,
+        end: Option<Instant>,
+        total: Duration,
+    ) -> Option<Result<(), Failure>> {
         let w = self.win.try_read().ok()?;
         match w.wait_signal(peer, Some(Duration::ZERO)) {
             Ok(()) => Some(Ok(())),
-            Err(e) if is_timeout(&e) => None,
+            Err(e) if is_timeout(&e) => passed(end).then(|| Err(signal_timeout(peer, total))),
             Err(e) => Some(Err(win_failure(e))),
         }
     }
@@ -475,26 +473,27 @@ impl WinCore {
         let t = step(slice, end);
         match self.read_guard().wait_signal_until(disp, value, cmp, Some(t)) {
             Ok(()) => Some(Ok(())),
-            Err(e) if is_timeout(&e) => passed(end).then(|| {
-                let held = self.read_guard().read_signal(disp).map(|v| v.to_string()).unwrap_or_else(|_| "?".into());
-                Err(Failure::new(
-                    ErrKind::Timeout,
-                    format!(
-                        "wait_signal: slot {disp} {cmp:?} {value} did not hold within {total:?} (it holds {held}); \
-                         check that the peers signal it, or raise the timeout"
-                    ),
-                ))
-            }),
+            Err(e) if is_timeout(&e) => {
+                passed(end).then(|| Err(value_timeout(&self.read_guard(), disp, value, cmp, total)))
+            }
             Err(e) => Some(Err(win_failure(e))),
         }
     }
 
-    /// ctran's `wait_signal` if the comparison holds now.
-    pub(crate) fn try_wait_value(&self, disp: usize, value: u64, cmp: Cmp) -> Option<Result<(), Failure>> {
+    /// ctran's `wait_signal` if the comparison holds now; its timeout
+    /// error once the wait of `total` ending at `end` has run out.
+    pub(crate) fn try_wait_value(
+        &self,
+        disp: usize,
+        value: u64,
+        cmp: Cmp,
+        end: Option<Instant>,
+        total: Duration,
+    ) -> Option<Result<(), Failure>> {
         let w = self.win.try_read().ok()?;
         match w.wait_signal_until(disp, value, cmp, Some(Duration::ZERO)) {
             Ok(()) => Some(Ok(())),
-            Err(e) if is_timeout(&e) => None,
+            Err(e) if is_timeout(&e) => passed(end).then(|| Err(value_timeout(&w, disp, value, cmp, total))),
             Err(e) => Some(Err(win_failure(e))),
         }
     }
@@ -684,6 +683,30 @@ fn local_offset(local: &Local) -> usize {
 /// How long one step of a wait ending at `end` (`None`: never) may wait.
 fn step(slice: Duration, end: Option<Instant>) -> Duration {
     end.map_or(slice, |end| slice.min(end.saturating_duration_since(Instant::now())))
+}
+
+/// The timeout error of `wait_signal(peer)` after `total`.
+fn signal_timeout(peer: usize, total: Duration) -> Failure {
+    Failure::new(
+        ErrKind::Timeout,
+        format!(
+            "wait_signal with rank {peer}: no signal within {total:?}; check that rank {peer} signals this rank, or \
+             raise the timeout"
+        ),
+    )
+}
+
+/// The timeout error of ctran's `wait_signal` (slot `disp` `cmp` `value`)
+/// after `total`, saying what the slot holds.
+fn value_timeout(w: &Window, disp: usize, value: u64, cmp: Cmp, total: Duration) -> Failure {
+    let held = w.read_signal(disp).map(|v| v.to_string()).unwrap_or_else(|_| "?".into());
+    Failure::new(
+        ErrKind::Timeout,
+        format!(
+            "wait_signal: slot {disp} {cmp:?} {value} did not hold within {total:?} (it holds {held}); check that \
+             the peers signal it, or raise the timeout"
+        ),
+    )
 }
 
 /// Whether a wait ending at `end` (`None`: never) has run out.

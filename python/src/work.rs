@@ -24,19 +24,23 @@ pub(crate) enum State {
     Coll(Arc<Completion>),
     Win(WinPending),
     /// torchcomms form: the next signal from `peer`, within `timeout`
-    /// (`None`: the window's) of the first wait on the handle.
+    /// (`None`: the window's) of the first wait on the handle or poll of
+    /// it (`end`, fixed then: `Some(None)` when past the clock's range).
     WaitSignal {
         core: Arc<WinCore>,
         peer: usize,
         timeout: Option<Duration>,
+        end: Option<Option<Instant>>,
     },
-    /// ctran form: slot `disp` compares to `value` as `cmp` says.
+    /// ctran form: slot `disp` compares to `value` as `cmp` says (the
+    /// timeout as in `WaitSignal`).
     WaitValue {
         core: Arc<WinCore>,
         disp: usize,
         value: u64,
         cmp: Cmp,
         timeout: Option<Duration>,
+        end: Option<Option<Instant>>,
     },
 }
 
@@ -63,8 +67,16 @@ impl WorkCell {
             State::Done(_) => return true,
             State::Coll(c) => c.try_get(),
             State::Win(p) => p.is_completed().then(|| p.result()),
-            State::WaitSignal { core, peer, .. } => core.try_wait_signal(*peer),
-            State::WaitValue { core, disp, value, cmp, .. } => core.try_wait_value(*disp, *value, *cmp),
+            State::WaitSignal { core, peer, timeout, end } => {
+                let total = timeout.unwrap_or(core.timeout);
+                let end = *end.get_or_insert_with(|| Instant::now().checked_add(total));
+                core.try_wait_signal(*peer, end, total)
+            }
+            State::WaitValue { core, disp, value, cmp, timeout, end } => {
+                let total = timeout.unwrap_or(core.timeout);
+                let end = *end.get_or_insert_with(|| Instant::now().checked_add(total));
+                core.try_wait_value(*disp, *value, *cmp, end, total)
+            }
         };
         match done {
             Some(r) => {
@@ -101,24 +113,22 @@ impl WorkCell {
         // A limit past what the clock can add (timeout=sys.maxsize, a
         // common "forever") is no limit: `Instant + Duration` panics there.
         let deadline = limit.and_then(|l| start.checked_add(l));
-        // The deadline of a lazy signal wait is fixed at its first wait
-        // (`Some(None)`: fixed as none, its timeout being past the clock's
-        // range).
-        let mut own: Option<Option<Instant>> = None;
         wait::sliced(py, deadline, |slice| {
             let mut st = self.lock();
             let done = match &mut *st {
                 State::Done(r) => return Some(r.clone()),
                 State::Coll(c) => c.wait_for(slice),
                 State::Win(p) => p.wait_slice(slice),
-                State::WaitSignal { core, peer, timeout } => {
+                // A lazy signal wait's deadline is fixed at its first wait or
+                // poll (kept in the state: a later wait does not restart it).
+                State::WaitSignal { core, peer, timeout, end } => {
                     let total = timeout.unwrap_or(core.timeout);
-                    let end = *own.get_or_insert_with(|| start.checked_add(total));
+                    let end = *end.get_or_insert_with(|| start.checked_add(total));
                     core.wait_signal_slice(*peer, slice, end, total)
                 }
-                State::WaitValue { core, disp, value, cmp, timeout } => {
+                State::WaitValue { core, disp, value, cmp, timeout, end } => {
                     let total = timeout.unwrap_or(core.timeout);
-                    let end = *own.get_or_insert_with(|| start.checked_add(total));
+                    let end = *end.get_or_insert_with(|| start.checked_add(total));
                     core.wait_value_slice(*disp, *value, *cmp, slice, end, total)
                 }
             };

@@ -1,5 +1,6 @@
 """Bad inputs raise before anything moves, with messages naming the argument."""
 
+import re
 import sys
 from datetime import timedelta
 
@@ -73,6 +74,43 @@ def test_wrong_size_read_only_and_bad_op(comm) -> None:
         comm.send(np.zeros(4), 0)
     with pytest.raises(ValueError):  # ArgumentError is a ValueError
         comm.broadcast(np.zeros(4), 3)
+
+
+def test_an_async_wait_signal_times_out_when_polled_or_waited_in_slices(comm) -> None:
+    # Its timeout runs from the first poll or wait, not from each wait: a
+    # handle polled with is_completed() used to stay pending for good, and
+    # one waited for in slices shorter than the timeout never failed.
+    import time
+
+    win = comm.new_window()
+    win.tensor_register(comm.empty(8, np.float32))
+    cw = comm.window_allocate(64, signal_size=2)
+    waits = [
+        (lambda: win.wait_signal(0, async_op=True, timeout=0.5), "wait_signal with rank 0: no signal within 500ms"),
+        (lambda: cw.wait_signal(1, 1, async_op=True, timeout=0.5), "wait_signal: slot 1 .* did not hold within 500ms"),
+    ]
+    for make, says in waits:
+        w = make()
+        t0 = time.monotonic()
+        while not w.is_completed():
+            assert time.monotonic() - t0 < 10, f"still pending after 10 s: {says}"
+            time.sleep(0.02)
+        with pytest.raises(rmacomm.TimeoutError, match=says):
+            w.wait()
+        w = make()
+        t0 = time.monotonic()
+        for _ in range(40):
+            try:
+                w.wait(timeout=0.2)
+                pytest.fail("a wait for a signal nobody sends returned")
+            except rmacomm.TimeoutError as e:
+                if "Work.wait: not complete" not in str(e):
+                    assert re.search(says, str(e)), str(e)
+                    break
+        else:
+            pytest.fail(f"waited in 0.2 s slices for 8 s: still pending ({says})")
+        assert time.monotonic() - t0 < 5
+    win.tensor_deregister()
 
 
 def test_window_errors(comm) -> None:
