@@ -284,22 +284,35 @@ fn gpu_scenario(n: usize, args: &[&str], lib: &std::path::Path, env: &[(&str, &s
 /// (`NCCL_WIN_ENABLE=0`: registration fails on every rank saying NCCL gave
 /// no window), and a library whose puts fail (the `NcclRma` is then broken:
 /// later calls and registrations fail naming it).
+/// `gpu-window-scenario nccl` on `n` ranks against the CUDA and NCCL
+/// stand-in at `lib` (a 60 s timeout), none of its variants' settings
+/// inherited.
+fn nccl_scenario(lib: &std::path::Path, n: usize) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_rmacomm-run"));
+    cmd.args(["--nproc-per-node", &n.to_string(), env!("CARGO_BIN_EXE_gpu-window-scenario"), "nccl"])
+        .env_remove("MASTER_ADDR")
+        .env_remove("MASTER_PORT")
+        .env("RMACOMM_TIMEOUT_SECONDS", "60")
+        .env("RMACOMM_CUDA_LIB", lib)
+        .env("RMACOMM_NCCL_LIB", lib)
+        .env("RMACOMM_EXPECT_GPU", "1");
+    for var in [
+        "NCCL_WIN_ENABLE",
+        "RMACOMM_STANDIN_NCCL_FAIL_PUT",
+        "NCCL_SCENARIO_PUT_FAILS",
+        "NCCL_SCENARIO_STUCK_SIGNAL",
+        "RMACOMM_STANDIN_NCCL_VERSION",
+    ] {
+        cmd.env_remove(var);
+    }
+    cmd
+}
+
 #[test]
 fn nccl_windows_against_the_standin() {
     let Some(lib) = rmacomm_window::cuda::standin_for_tests() else { return };
     let run = |n: usize, env: &[(&str, &str)]| {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_rmacomm-run"));
-        cmd.args(["--nproc-per-node", &n.to_string(), env!("CARGO_BIN_EXE_gpu-window-scenario"), "nccl"])
-            .env_remove("MASTER_ADDR")
-            .env_remove("MASTER_PORT")
-            .env("RMACOMM_TIMEOUT_SECONDS", "60")
-            .env("RMACOMM_CUDA_LIB", &lib)
-            .env("RMACOMM_NCCL_LIB", &lib)
-            .env("RMACOMM_EXPECT_GPU", "1")
-            .env_remove("NCCL_WIN_ENABLE")
-            .env_remove("RMACOMM_STANDIN_NCCL_FAIL_PUT")
-            .env_remove("NCCL_SCENARIO_PUT_FAILS")
-            .env_remove("RMACOMM_STANDIN_NCCL_VERSION");
+        let mut cmd = nccl_scenario(&lib, n);
         for (k, v) in env {
             cmd.env(k, v);
         }
@@ -341,19 +354,8 @@ fn nccl_windows_against_the_standin() {
 #[test]
 fn an_nccl_window_wait_for_a_signal_that_never_runs_ends_with_deregister_and_drop() {
     let Some(lib) = rmacomm_window::cuda::standin_for_tests() else { return };
-    let mut child = Command::new(env!("CARGO_BIN_EXE_rmacomm-run"))
-        .args(["--nproc-per-node", "2", env!("CARGO_BIN_EXE_gpu-window-scenario"), "nccl"])
-        .env_remove("MASTER_ADDR")
-        .env_remove("MASTER_PORT")
-        .env("RMACOMM_TIMEOUT_SECONDS", "60")
-        .env("RMACOMM_CUDA_LIB", &lib)
-        .env("RMACOMM_NCCL_LIB", &lib)
-        .env("RMACOMM_EXPECT_GPU", "1")
+    let mut child = nccl_scenario(&lib, 2)
         .env("NCCL_SCENARIO_STUCK_SIGNAL", "1")
-        .env_remove("NCCL_WIN_ENABLE")
-        .env_remove("RMACOMM_STANDIN_NCCL_FAIL_PUT")
-        .env_remove("NCCL_SCENARIO_PUT_FAILS")
-        .env_remove("RMACOMM_STANDIN_NCCL_VERSION")
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
