@@ -894,11 +894,6 @@ impl NcclComm {
         }
     }
 
-    /// Whether the communicator has been aborted or closed.
-    pub fn is_aborted(&self) -> bool {
-        self.comm.is_null()
-    }
-
     fn end(&mut self) -> Result<()> {
         let comm = std::mem::replace(&mut self.comm, std::ptr::null_mut());
         if comm.is_null() {

@@ -68,13 +68,11 @@ impl WorkCell {
             State::Coll(c) => c.try_get(),
             State::Win(p) => p.is_completed().then(|| p.result()),
             State::WaitSignal { core, peer, timeout, end } => {
-                let total = timeout.unwrap_or(core.timeout);
-                let end = *end.get_or_insert_with(|| Instant::now().checked_add(total));
+                let (end, total) = fixed_end(end, *timeout, core, Instant::now());
                 core.try_wait_signal(*peer, end, total)
             }
             State::WaitValue { core, disp, value, cmp, timeout, end } => {
-                let total = timeout.unwrap_or(core.timeout);
-                let end = *end.get_or_insert_with(|| Instant::now().checked_add(total));
+                let (end, total) = fixed_end(end, *timeout, core, Instant::now());
                 core.try_wait_value(*disp, *value, *cmp, end, total)
             }
         };
@@ -122,13 +120,11 @@ impl WorkCell {
                 // A lazy signal wait's deadline is fixed at its first wait or
                 // poll (kept in the state: a later wait does not restart it).
                 State::WaitSignal { core, peer, timeout, end } => {
-                    let total = timeout.unwrap_or(core.timeout);
-                    let end = *end.get_or_insert_with(|| start.checked_add(total));
+                    let (end, total) = fixed_end(end, *timeout, core, start);
                     core.wait_signal_slice(*peer, slice, end, total)
                 }
                 State::WaitValue { core, disp, value, cmp, timeout, end } => {
-                    let total = timeout.unwrap_or(core.timeout);
-                    let end = *end.get_or_insert_with(|| start.checked_add(total));
+                    let (end, total) = fixed_end(end, *timeout, core, start);
                     core.wait_value_slice(*disp, *value, *cmp, slice, end, total)
                 }
             };
@@ -137,6 +133,19 @@ impl WorkCell {
             Some(r)
         })
     }
+}
+
+/// A lazy signal wait's deadline and timeout (`timeout`, else the
+/// window's): `end` as fixed by its first wait or poll, else fixed now, at
+/// `from` (`None` inside: a timeout past the clock's range, no deadline).
+fn fixed_end(
+    end: &mut Option<Option<Instant>>,
+    timeout: Option<Duration>,
+    core: &WinCore,
+    from: Instant,
+) -> (Option<Instant>, Duration) {
+    let total = timeout.unwrap_or(core.timeout);
+    (*end.get_or_insert_with(|| from.checked_add(total)), total)
 }
 
 /// The handle of an operation (torchcomms' `TorchWork`): `is_completed()`
