@@ -5,8 +5,10 @@
 
 use crate::{AgentError, RemoteBlock};
 
-/// Longest operation coalescing makes (a view is at most `u32::MAX` bytes;
-/// the transport cuts what it posts into fragments anyway).
+/// Longest operation the planner makes: coalescing stops there and a longer
+/// piece is cut into operations of this length (a view is at most
+/// `u32::MAX` bytes; the transport cuts what it posts into fragments
+/// anyway).
 pub(crate) const MAX_OP_LEN: usize = 1 << 30;
 
 /// One piece as the planner sees it: the local side by its index in the
@@ -67,24 +69,29 @@ pub(crate) fn plan(
     let mut ops: Vec<PlannedOp> = Vec::with_capacity(order.len());
     for i in order {
         let p = &pieces[i];
-        if let Some(last) = ops.last_mut() {
-            let adjacent = last.local == p.local
-                && last.local_off + last.len == p.local_off
-                && last.region == p.remote.region
-                && last.remote_off + last.len as u64 == p.remote.offset
-                && last.len + p.local_len <= MAX_OP_LEN;
-            if adjacent {
-                last.len += p.local_len;
-                continue;
+        // A piece continuing the last operation fills it up to the cap; a
+        // piece longer than the cap goes as several operations.
+        let mut done = 0;
+        while done < p.local_len {
+            let (local_off, remote_off) = (p.local_off + done, p.remote.offset + done as u64);
+            let rest = p.local_len - done;
+            if let Some(last) = ops.last_mut() {
+                let adjacent = last.local == p.local
+                    && last.local_off + last.len == local_off
+                    && last.region == p.remote.region
+                    && last.remote_off + last.len as u64 == remote_off
+                    && last.len < MAX_OP_LEN;
+                if adjacent {
+                    let take = rest.min(MAX_OP_LEN - last.len);
+                    last.len += take;
+                    done += take;
+                    continue;
+                }
             }
+            let len = rest.min(MAX_OP_LEN);
+            ops.push(PlannedOp { local: p.local, local_off, len, region: p.remote.region, remote_off });
+            done += len;
         }
-        ops.push(PlannedOp {
-            local: p.local,
-            local_off: p.local_off,
-            len: p.local_len,
-            region: p.remote.region,
-            remote_off: p.remote.offset,
-        });
     }
     Ok(ops)
 }
@@ -153,6 +160,27 @@ mod tests {
         let big = |i: usize| piece(0, i * (MAX_OP_LEN / 2), MAX_OP_LEN / 2, 0, (i * (MAX_OP_LEN / 2)) as u64);
         let ops = plan("p", &[big(0), big(1), big(2)], |_| Some(u64::MAX)).unwrap();
         assert_eq!(ops.iter().map(|o| o.len).collect::<Vec<_>>(), [MAX_OP_LEN, MAX_OP_LEN / 2]);
+    }
+
+    #[test]
+    fn a_piece_longer_than_an_operation_is_cut_at_the_cap() {
+        // 5 GiB + 3 in one piece (a view cannot hold over u32::MAX bytes:
+        // the same-host copy of such a piece panicked).
+        let n = 5 * MAX_OP_LEN + 3;
+        let ops = plan("p", &[piece(1, 7, n, 2, 11)], |_| Some(u64::MAX)).unwrap();
+        let want: Vec<PlannedOp> = (0..6)
+            .map(|k| PlannedOp {
+                local: 1,
+                local_off: 7 + k * MAX_OP_LEN,
+                len: if k < 5 { MAX_OP_LEN } else { 3 },
+                region: 2,
+                remote_off: 11 + (k * MAX_OP_LEN) as u64,
+            })
+            .collect();
+        assert_eq!(ops, want);
+        // A small piece before it fills the first operation up to the cap.
+        let ops = plan("p", &[piece(0, 0, 8, 0, 0), piece(0, 8, MAX_OP_LEN, 0, 8)], |_| Some(u64::MAX)).unwrap();
+        assert_eq!(ops.iter().map(|o| (o.local_off, o.len)).collect::<Vec<_>>(), [(0, MAX_OP_LEN), (MAX_OP_LEN, 8)]);
     }
 
     proptest! {

@@ -213,9 +213,9 @@ fn post<'a>(peer: &str, conn: &Arc<Conn>, p: Posting<'a>) -> Result<Stage<'a>, A
         let remote = remote_of(o);
         let name = peer.to_owned();
         let (off, len, t) = (o.local_off, o.len, &conn.transport);
-        // The views lie inside views the caller made of the memory
-        // (coalescing only joins adjacent ones, up to MAX_OP_LEN): they
-        // cannot fail.
+        // The views lie inside views the caller made of the memory and are
+        // at most MAX_OP_LEN long (the planner joins only adjacent pieces
+        // and cuts longer ones): they cannot fail.
         match (&p.locals[o.local], p.op) {
             (LocalMem::Borrowed(mem), Op::Write) => {
                 named(name, t.write(mem.view(off, len).expect("inside a view"), &remote, false))

@@ -278,6 +278,10 @@ impl RdmaMemory {
     fn check(&self, op: &'static str, offset: usize, len: usize) -> Result<(), TransportError> {
         match offset.checked_add(len) {
             Some(end) if end <= self.len() && len <= u32::MAX as usize => Ok(()),
+            Some(end) if end <= self.len() => Err(TransportError::invalid(
+                op,
+                format!("{len} bytes is more than one operation carries ({} at most)", u32::MAX),
+            )),
             _ => Err(TransportError::invalid(
                 op,
                 format!("{offset}+{len} is outside the registered memory of {} bytes", self.len()),
