@@ -85,7 +85,14 @@ impl TransferAgent {
             control,
             config,
             anchor,
-            st: Mutex::new(State { next_region: 1, ..State::default() }),
+            // Region ids start at random: a peer still holding blocks of an
+            // earlier incarnation of this agent (its process restarted) then
+            // names no region of this one, instead of whatever was
+            // registered in the same order.
+            st: Mutex::new(State {
+                next_region: rand::Rng::gen_range(&mut rand::thread_rng(), 1..1 << 31),
+                ..State::default()
+            }),
             queue: Arc::new(Queue::default()),
             counters: Arc::new(Counters::default()),
             next_attempt: AtomicU64::new(1),
@@ -154,8 +161,11 @@ impl TransferAgent {
         if st.regions.len() >= MAX_REGIONS {
             return Err(AgentError::invalid("register", format!("an agent registers at most {MAX_REGIONS} regions")));
         }
-        let id = st.next_region;
-        st.next_region += 1;
+        let mut id = st.next_region;
+        while id == 0 || st.regions.iter().any(|r| r.id == id) {
+            id = id.wrapping_add(1);
+        }
+        st.next_region = id.wrapping_add(1);
         st.regions.push(Region { id, addr: rb.addr, len: rb.len, key: rb.key });
         Ok(id)
     }
