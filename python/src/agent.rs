@@ -222,16 +222,33 @@ impl PyTransferAgent {
     /// on this host, staged through pinned host memory with one on another
     /// (soft provider); a transfer does not wait for work queued on torch's
     /// streams (synchronize first).
+    ///
+    /// Each region is a registration of the agent's own (a key of its own,
+    /// not shared with the `RdmaMemory` given or with other regions over
+    /// the same memory): after `deregister` and the transfers in flight,
+    /// peers' transfers into it fail. Registering the same object again
+    /// returns its region. Read-only memory (a numpy array over `bytes`) is
+    /// refused: peers write registered regions.
     fn register(&self, py: Python<'_>, memory: &Bound<'_, PyAny>) -> PyResult<u32> {
+        // The same object again: its region.
+        if let Some(r) = self.lock().iter().find(|r| r.obj.as_ref().is_some_and(|o| o.bind(py).is(memory))) {
+            return Ok(r.id);
+        }
         if let Ok(m) = memory.cast::<PyRdmaMemory>() {
-            return self.add_region(m.get().reg.clone(), Some(memory.clone().unbind()));
+            let held = &m.get().reg;
+            let (ptr, len) = (held.mem.as_ptr(), held.mem.len());
+            // SAFETY: the RdmaMemory's registration, held by the new one,
+            // keeps its memory allocated at this address.
+            let b = unsafe { Borrowed::new(ptr, len, Owner::Mem(held.clone())) };
+            let reg = py.detach(|| Registered::register(b)).map_err(py_err)?;
+            return self.add_region(reg, Some(memory.clone().unbind()));
         }
         if let Some(t) = crate::cuda_tensor::of(memory, "memory")? {
             let reg = py.detach(|| Registered::cuda(t)).map_err(py_err)?;
             return self.add_region(reg, None);
         }
-        let t = Tensor::new(memory, "memory", false)?;
-        let reg = crate::transport::register_tensor(py, &t, "memory")?;
+        let t = Tensor::new(memory, "memory", true)?;
+        let reg = crate::transport::register_private(py, &t, "memory")?;
         self.add_region(reg, Some(t.keep()))
     }
 
@@ -276,7 +293,9 @@ impl PyTransferAgent {
     /// in flight keep its memory registered until they end. Returns
     /// whether it was registered.
     fn deregister(&self, region: &Bound<'_, PyAny>) -> PyResult<bool> {
-        let id = region.extract::<u32>().ok();
+        // Only an int is an id: a 0-d array or one-element tensor converts
+        // to one too, and is the object registered.
+        let id = if region.is_exact_instance_of::<pyo3::types::PyInt>() { region.extract::<u32>().ok() } else { None };
         let gone = {
             let mut regions = self.lock();
             let at = regions.iter().position(|r| match (id, &r.obj) {

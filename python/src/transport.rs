@@ -98,6 +98,15 @@ pub(crate) struct PyRdmaMemory {
 /// peers), the registration holding the tensor, or the rmacomm allocation
 /// it lies in; `what` names the argument in errors.
 pub(crate) fn register_tensor(py: Python<'_>, t: &Tensor<'_>, what: &str) -> PyResult<Arc<Registered>> {
+    let reg = register_private(py, t, what)?;
+    reg.publish();
+    Ok(reg)
+}
+
+/// As [`register_tensor`], not published: nothing else finds (and holds)
+/// the registration, so its key dies with its last holder — an agent's
+/// region, whose deregistration must end peers' access.
+pub(crate) fn register_private(py: Python<'_>, t: &Tensor<'_>, what: &str) -> PyResult<Arc<Registered>> {
     let raw = t.raw();
     if raw.len == 0 {
         return Err(PyValueError::new_err(format!("{what}: an empty tensor cannot be registered")));
@@ -110,9 +119,7 @@ pub(crate) fn register_tensor(py: Python<'_>, t: &Tensor<'_>, what: &str) -> PyR
     // rmacomm allocation, keeps its memory at one address while the owner
     // lives; the registration holds the owner.
     let b = unsafe { Borrowed::new(raw.ptr, raw.len, owner) };
-    let reg = py.detach(|| Registered::register(b)).map_err(py_err)?;
-    reg.publish();
-    Ok(reg)
+    py.detach(|| Registered::register(b)).map_err(py_err)
 }
 
 #[pymethods]

@@ -79,7 +79,8 @@ def test_in_process_forms_and_errors() -> None:
     src = np.arange(8192, dtype=np.uint8)
     dst = np.zeros(8192, np.uint8)
     mem = rmacomm.RdmaMemory(src)
-    assert a.register(mem) == 1 and a.register(mem) == 1
+    mine = a.register(mem)
+    assert a.register(mem) == mine and [r for r, _, _ in a.regions()] == [mine]
     region = b.register(dst)
     a.add_peer(b.metadata())  # refreshed: the new region is visible
     [(rid, addr, length)] = a.peer_regions("b")
@@ -143,6 +144,65 @@ def test_in_process_forms_and_errors() -> None:
     with pytest.raises(rmacomm.ArgumentError, match='unknown peer "b"'):
         a.notify("b", b"gone")
     assert "TransferAgent" in repr(a) and a.stats()["connections"] >= 1
+
+
+
+def landed(a: rmacomm.TransferAgent, b: rmacomm.TransferAgent, src: np.ndarray, rid: int) -> str:
+    """A's write of src[:64] into b's region rid (with a notification), as
+    "DONE" or the error's text."""
+    t = a.transfer("WRITE", "b", [(src[:64], (rid, 0, 64))], notify=b"late")
+    try:
+        t.wait(timeout=10)
+        return "DONE"
+    except rmacomm.CommError as e:
+        return str(e)
+
+
+def test_a_deregistered_region_takes_no_more_writes() -> None:
+    a, b = pair()
+    src = np.full(256, 5, np.uint8)
+    a.register(src)
+    # (1) An RdmaMemory the caller still holds; (2) an array with a slice
+    # of it registered too (the slice's region held the array's
+    # registration, and with it its key).
+    dst1 = np.zeros(256, np.uint8)
+    mem = rmacomm.RdmaMemory(dst1)
+    dst2 = np.zeros(256, np.uint8)
+    r1, r2 = b.register(mem), b.register(dst2)
+    r2_tail = b.register(dst2[128:])
+    a.add_peer(b.metadata())
+    assert landed(a, b, src, r1) == "DONE" and landed(a, b, src, r2) == "DONE"
+    assert b.wait_notification(timeout=10) == ("a", b"late") and b.wait_notification(timeout=10) == ("a", b"late")
+    dst1[:] = 0
+    dst2[:] = 0
+    assert b.deregister(mem) and b.deregister(r2)
+    assert [r for r, _, _ in b.regions()] == [r2_tail]
+    for rid in (r1, r2):
+        err = landed(a, b, src, rid)
+        assert "refused" in err and '"b"' in err, err
+    assert not dst1.any() and not dst2.any(), "a deregistered region was written"
+    assert b.get_notifications() == []
+
+
+def test_deregister_takes_an_id_only_as_an_int() -> None:
+    # A 0-d array (or a one-element tensor) converts to an int: it is the
+    # object registered, not the id of another region.
+    a = rmacomm.TransferAgent("solo", timeout=10)
+    big = np.zeros(4096, np.uint8)
+    r_big = a.register(big)
+    one = np.array(r_big, dtype=np.int64)  # the 0-d array's value is big's id
+    r_one = a.register(one)
+    assert a.deregister(one)
+    assert [r for r, _, _ in a.regions()] == [r_big] and r_one != r_big
+    assert a.deregister(r_big) and a.regions() == []
+
+
+def test_read_only_memory_is_refused() -> None:
+    a = rmacomm.TransferAgent("ro", timeout=10)
+    frozen = bytes(64)
+    with pytest.raises(ValueError, match="read-only"):
+        a.register(np.frombuffer(frozen, np.uint8))
+    assert a.regions() == []
 
 
 @requires_torch
