@@ -116,6 +116,15 @@ def _is_desc_array(obj: Any, width: int) -> bool:
     return _is_numpy(obj) and obj.ndim == 2 and obj.shape[1] == width and obj.dtype.kind in "iu"
 
 
+def _desc(d: Sequence[Any], width: int) -> tuple[Any, ...]:
+    """A descriptor's address, length and device id as ints, refused when
+    one is negative (NIXL's are unsigned)."""
+    a, n, dev = (int(d[0]), int(d[1]), int(d[2]))
+    if a < 0 or n < 0 or dev < 0:
+        raise ArgumentError(f"descriptor (addr={a:#x}, len={n}, devId={dev}): none may be negative")
+    return (a, n, dev, str(d[3]) if len(d) > 3 else "") if width == 4 else (a, n, dev)
+
+
 class _DList:
     """What both descriptor lists offer: a memory type and a list of tuples."""
 
@@ -149,7 +158,7 @@ class nixlXferDList(_DList):
 
     def __init__(self, mem_type: str, descs: Iterable[tuple[int, int, int]] = (), is_sorted: bool = False) -> None:
         self.mem_type = mem_type
-        self.descs: list[tuple[int, int, int]] = [(int(a), int(n), int(d)) for a, n, d in descs]
+        self.descs: list[tuple[int, int, int]] = [_desc(d, 3) for d in descs]
         self.is_sorted = is_sorted
 
     def __getitem__(self, i: int) -> tuple[int, int, int]:
@@ -172,9 +181,7 @@ class nixlRegDList(_DList):
         objects: Optional[list[Any]] = None,
     ) -> None:
         self.mem_type = mem_type
-        self.descs: list[tuple[int, int, int, str]] = [
-            (int(d[0]), int(d[1]), int(d[2]), str(d[3]) if len(d) > 3 else "") for d in descs
-        ]
+        self.descs: list[tuple[int, int, int, str]] = [_desc(d, 4) for d in descs]
         self.is_sorted = is_sorted
         self.objects = objects
 
@@ -420,13 +427,20 @@ class nixl_agent:
         return descs
 
     def deregister_memory(self, dereg_list: nixlRegDList, backends: Optional[list[str]] = None) -> None:
-        """Deregisters memory registered with ``register_memory``."""
+        """Deregisters memory registered with ``register_memory``. A list
+        naming memory that is not registered is refused whole (nothing is
+        deregistered)."""
+        wanted: dict[tuple[int, int], int] = {}
         for addr, length, _dev, _meta in dereg_list.descs:
-            regions = self._registered.get((addr, length))
-            if not regions:
+            wanted[(addr, length)] = wanted.get((addr, length), 0) + 1
+            if wanted[(addr, length)] > len(self._registered.get((addr, length), ())):
                 raise ArgumentError(
                     f"deregister_memory: {length} bytes at {addr:#x} were not registered by agent {self.name!r}"
+                    + (" (as often as listed)" if wanted[(addr, length)] > 1 else "")
+                    + "; nothing was deregistered"
                 )
+        for addr, length, _dev, _meta in dereg_list.descs:
+            regions = self._registered[(addr, length)]
             self.agent.deregister(regions.pop())
             if not regions:
                 del self._registered[(addr, length)]
@@ -539,6 +553,20 @@ class nixl_agent:
         self._dlists[h] = prepped
         return h
 
+    def _xfer(self, op: str, handle: nixl_xfer_handle) -> _Xfer:
+        x = self._xfers.get(handle)
+        if x is None:
+            raise ArgumentError(f"{op}: transfer handle {handle!r} is unknown to agent {self.name!r} (or released)")
+        return x
+
+    def _dlist(self, op: str, handle: nixl_prepped_dlist_handle) -> _Prepped:
+        d = self._dlists.get(handle)
+        if d is None:
+            raise ArgumentError(
+                f"{op}: prepared list handle {handle!r} is unknown to agent {self.name!r} (or released)"
+            )
+        return d
+
     def _new_xfer(self, operation: str, peer: str, pieces: list[Any], notif_msg: Union[bytes, str, None]) -> int:
         if operation not in _OPS:
             raise ValueError(f"operation must be \"WRITE\" or \"READ\", not {operation!r}")
@@ -559,8 +587,8 @@ class nixl_agent:
     ) -> nixl_xfer_handle:
         """A request from prepared lists: local descriptor
         ``local_indices[i]`` with remote descriptor ``remote_indices[i]``."""
-        local = self._dlists[local_xfer_side]
-        remote = self._dlists[remote_xfer_side]
+        local = self._dlist("make_prepped_xfer", local_xfer_side)
+        remote = self._dlist("make_prepped_xfer", remote_xfer_side)
         if local.peer is not None:
             raise ArgumentError("make_prepped_xfer: the local side must be prepared with NIXL_INIT_AGENT")
         if remote.peer is None:
@@ -570,13 +598,15 @@ class nixl_agent:
             raise ArgumentError(
                 f"make_prepped_xfer: {len(li)} local indices but {len(ri)} remote ones; they pair one to one"
             )
-        try:
-            pieces = [(local.entries[i], remote.entries[j]) for i, j in zip(li, ri)]
-        except IndexError:
-            raise ArgumentError(
-                f"make_prepped_xfer: an index is out of range (local list: {len(local.entries)}, remote list: "
-                f"{len(remote.entries)} descriptors)"
-            ) from None
+        for side, idx, n in (("local", li, len(local.entries)), ("remote", ri, len(remote.entries))):
+            for k, i in enumerate(idx):
+                # No negative indices (Python's from-the-end): NIXL's are unsigned.
+                if isinstance(i, bool) or not hasattr(i, "__index__") or not 0 <= i.__index__() < n:
+                    raise ArgumentError(
+                        f"make_prepped_xfer: {side} index {k} is {i!r}, not an index into the {side} list "
+                        f"of {n} descriptors (0 to {n - 1})"
+                    )
+        pieces = [(local.entries[i.__index__()], remote.entries[j.__index__()]) for i, j in zip(li, ri)]
         return self._new_xfer(operation, remote.peer, pieces, notif_msg)
 
     def initialize_xfer(
@@ -607,7 +637,7 @@ class nixl_agent:
         """Posts the request (again, once the previous posting ended);
         ``notif_msg`` replaces its notification. Returns "PROC", "DONE" or
         "ERR". A request the peer's metadata refuses raises (nothing moved)."""
-        x = self._xfers[handle]
+        x = self._xfer("transfer", handle)
         if x.running is not None and not x.running.done():
             raise ArgumentError(f"transfer: request {handle} with {x.peer!r} is still in progress (repost after DONE)")
         notif = _message(notif_msg) or x.notif
@@ -616,7 +646,7 @@ class nixl_agent:
 
     def check_xfer_state(self, handle: nixl_xfer_handle) -> str:
         """"PROC", "DONE" or "ERR" (``get_xfer_error`` says why)."""
-        x = self._xfers[handle]
+        x = self._xfer("check_xfer_state", handle)
         if x.running is None:
             raise ArgumentError(f"check_xfer_state: request {handle} was not posted (call transfer first)")
         return x.running.status()
@@ -624,7 +654,7 @@ class nixl_agent:
     def get_xfer_error(self, handle: nixl_xfer_handle) -> Optional[BaseException]:
         """The exception a failed request ended with (it names the peer),
         else None (an rmacomm extension)."""
-        x = self._xfers[handle]
+        x = self._xfer("get_xfer_error", handle)
         return x.running.error() if x.running is not None else None
 
     def query_xfer_backend(self, handle: nixl_xfer_handle) -> str:
@@ -633,12 +663,17 @@ class nixl_agent:
 
     def release_xfer_handle(self, handle: nixl_xfer_handle) -> None:
         """Releases a request. One still in progress is not cancelled: its
-        pieces land and its notification is sent."""
-        self._xfers.pop(handle, None)
+        pieces land and its notification is sent. An unknown (or already
+        released) handle is an ArgumentError."""
+        self._xfer("release_xfer_handle", handle)
+        del self._xfers[handle]
 
     def release_dlist_handle(self, handle: nixl_prepped_dlist_handle) -> None:
-        """Releases a prepared descriptor list."""
-        self._dlists.pop(handle, None)
+        """Releases a prepared descriptor list (requests made from it stay
+        usable). An unknown (or already released) handle is an
+        ArgumentError."""
+        self._dlist("release_dlist_handle", handle)
+        del self._dlists[handle]
 
     # Notifications.
 

@@ -249,3 +249,95 @@ def test_vram_descriptors_against_the_cuda_standin() -> None:
     env = dict(os.environ, RMACOMM_CUDA_LIB=str(STANDIN))
     out = subprocess.run([sys.executable, "-c", VRAM_SCRIPT], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "vram ok" in out.stdout, out.stdout + out.stderr
+
+
+def test_bad_handles_indices_and_lists_are_refused_and_change_nothing() -> None:
+    a, b = nixl_agent("ha", nixl_agent_config(timeout=10)), nixl_agent("hb", nixl_agent_config(timeout=10))
+    src = np.arange(4 * 64, dtype=np.uint8)
+    dst = np.zeros(4 * 64, np.uint8)
+    a.register_memory(src)
+    b.register_memory(dst)
+    name = a.add_remote_agent(b.get_agent_metadata())
+    local = a.prep_xfer_dlist("", [(src.ctypes.data + 64 * i, 64, 0) for i in range(4)], "DRAM")
+    remote = a.prep_xfer_dlist(name, [(dst.ctypes.data + 64 * i, 64, 0) for i in range(4)], "DRAM")
+    # Python's negative indices would pick descriptors from the end (local
+    # block 3 into remote block 0): NIXL's indices are unsigned.
+    for li, ri in (([-1], [0]), ([0], [-4]), ([4], [0]), ([0.0], [0]), ([True], [0])):
+        with pytest.raises(rmacomm.ArgumentError, match="not an index into the"):
+            a.make_prepped_xfer("WRITE", local, li, remote, ri)
+    h = a.make_prepped_xfer("WRITE", local, [np.int64(3)], remote, [0])
+    state = a.transfer(h)
+    end = time.monotonic() + 20
+    while state == "PROC" and time.monotonic() < end:
+        state = a.check_xfer_state(h)
+    assert state == "DONE" and (dst[:64] == src[192:]).all() and not dst[64:].any()
+
+    # Released handles: an ArgumentError naming the call and the handle,
+    # not a bare KeyError; a second release too.
+    a.release_xfer_handle(h)
+    for f in (a.transfer, a.check_xfer_state, a.get_xfer_error, a.release_xfer_handle):
+        with pytest.raises(rmacomm.ArgumentError, match=rf"{f.__name__}: transfer handle {h} is unknown"):
+            f(h)
+    a.release_dlist_handle(local)
+    with pytest.raises(rmacomm.ArgumentError, match=rf"make_prepped_xfer: prepared list handle {local} is unknown"):
+        a.make_prepped_xfer("WRITE", local, [0], remote, [0])
+    with pytest.raises(rmacomm.ArgumentError, match="release_dlist_handle"):
+        a.release_dlist_handle(local)
+
+    # Negative addresses and lengths are refused where the list is made.
+    with pytest.raises(rmacomm.ArgumentError, match="none may be negative"):
+        a.initialize_xfer("WRITE", [(src.ctypes.data, -16, 0)], [(dst.ctypes.data, -16, 0)], name)
+    with pytest.raises(rmacomm.ArgumentError, match="none may be negative"):
+        a.prep_xfer_dlist(name, [(-1, 16, 0)], "DRAM")
+
+    # A deregistration list naming memory that is not registered is
+    # refused whole: the registered entry before it stays registered.
+    other = np.zeros(64, np.uint8)
+    both = nixlRegDList("DRAM", [(src.ctypes.data, src.nbytes, 0, ""), (other.ctypes.data, 64, 0, "")])
+    before = a.agent.regions()
+    with pytest.raises(rmacomm.ArgumentError, match="nothing was deregistered"):
+        a.deregister_memory(both)
+    assert a.agent.regions() == before
+    twice = nixlRegDList("DRAM", [(src.ctypes.data, src.nbytes, 0, "")] * 2)
+    with pytest.raises(rmacomm.ArgumentError, match="as often as listed"):
+        a.deregister_memory(twice)
+    assert a.agent.regions() == before
+
+
+def test_read_only_memory_is_not_registered() -> None:
+    # A numpy array over bytes: peers (and local READs) would write an
+    # immutable object.
+    frozen = bytes(4096)
+    a = nixl_agent("ro", nixl_agent_config(timeout=10))
+    with pytest.raises(ValueError, match="read-only"):
+        a.register_memory(np.frombuffer(frozen, np.uint8))
+    assert a.agent.regions() == [] and frozen == bytes(4096)
+
+
+def test_requests_of_a_restarted_peer_fail_instead_of_moving_elsewhere() -> None:
+    # A request prepared toward buffer 2 of peer "rb"; "rb" restarts (a new
+    # incarnation) registering two other buffers. Reposting the old request
+    # must not write the new buffer that happens to be registered second.
+    a = nixl_agent("ra", nixl_agent_config(timeout=10))
+    src = np.full(4096, 7, np.uint8)
+    a.register_memory(src)
+    b = nixl_agent("rb", nixl_agent_config(timeout=10))
+    buf_a, buf_b = np.zeros(4096, np.uint8), np.zeros(4096, np.uint8)
+    b.register_memory(buf_a)
+    b.register_memory(buf_b)
+    peer = a.add_remote_agent(b.get_agent_metadata())
+    h = a.initialize_xfer("WRITE", [src], [buf_b], peer)
+    state = a.transfer(h)
+    end = time.monotonic() + 20
+    while state == "PROC" and time.monotonic() < end:
+        state = a.check_xfer_state(h)
+    assert state == "DONE" and (buf_b == 7).all()
+    del b
+    b2 = nixl_agent("rb", nixl_agent_config(timeout=10))
+    buf_c, buf_d = np.zeros(4096, np.uint8), np.zeros(4096, np.uint8)
+    b2.register_memory(buf_c)
+    b2.register_memory(buf_d)
+    a.add_remote_agent(b2.get_agent_metadata())
+    with pytest.raises(rmacomm.ArgumentError, match="publishes no region"):
+        a.transfer(h)
+    assert not buf_c.any() and not buf_d.any()
