@@ -83,6 +83,22 @@ pub enum AgentError {
         /// The transport's error.
         source: TransportError,
     },
+    /// The peer refused a write or read: the block's region is no longer
+    /// registered there (it was deregistered, or its memory dropped, since
+    /// the metadata naming it was added). Nothing more of the request is
+    /// moved and no notification is sent; the peer's other regions stay
+    /// usable. Refused by the peer's device (a remote access error), the
+    /// connection is reset: other transfers in flight on it fail with
+    /// `PeerLost`, and the next one connects again.
+    #[error("peer {peer:?} refused the {op}: {reason}")]
+    Refused {
+        /// The peer.
+        peer: String,
+        /// The operation ("write" or "read").
+        op: &'static str,
+        /// Why, for a person.
+        reason: String,
+    },
     /// A transfer or connection to the peer did not finish in time (the
     /// transport's timeout, [`AgentConfig::connect_timeout`](crate::AgentConfig::connect_timeout)).
     #[error("{op} with peer {peer:?} timed out after {after:?}; check that the peer is alive, or raise the timeout")]
@@ -161,9 +177,25 @@ impl AgentError {
         match e {
             TransportError::Timeout { op, after } => AgentError::Timeout { peer, op, after },
             TransportError::Aborted { .. } => AgentError::PeerRemoved { peer },
+            TransportError::RemoteAccess { op } => AgentError::Refused {
+                peer,
+                op,
+                reason:
+                    "a remote access error: the block's region is no longer registered there (deregistered, or its \
+                         memory dropped); the connection was reset, so transfers in flight to the peer failed and \
+                         sent no notification"
+                        .into(),
+            },
             e if e.is_broken() => AgentError::PeerLost { peer, source: e },
             e => AgentError::Transport { peer, source: e },
         }
+    }
+
+    /// A consequence of an earlier failure rather than its cause: the
+    /// connection was already broken by another operation (whose own
+    /// error says what broke it).
+    pub(crate) fn is_consequence(&self) -> bool {
+        matches!(self, AgentError::PeerLost { source: TransportError::Broken(_), .. })
     }
 
     /// The peer this error is about, where it names one.
@@ -174,6 +206,7 @@ impl AgentError {
             | AgentError::OutOfBounds { peer, .. }
             | AgentError::Unreachable { peer, .. }
             | AgentError::PeerLost { peer, .. }
+            | AgentError::Refused { peer, .. }
             | AgentError::Timeout { peer, .. }
             | AgentError::PeerRemoved { peer }
             | AgentError::Transport { peer, .. } => Some(peer),
@@ -203,5 +236,13 @@ mod tests {
             AgentError::from_transport("p", TransportError::Aborted { op: "read" }),
             AgentError::PeerRemoved { peer: "p".into() }
         );
+        let r = AgentError::from_transport("decode-0", TransportError::RemoteAccess { op: "write" });
+        assert!(matches!(r, AgentError::Refused { op: "write", .. }), "{r:?}");
+        let s = r.to_string();
+        assert!(s.starts_with("peer \"decode-0\" refused the write: ") && s.contains("no longer registered"), "{s}");
+        assert_eq!(r.peer(), Some("decode-0"));
+        assert!(!r.is_consequence());
+        let broken = TransportError::Broken("an earlier write hit a remote access error".into());
+        assert!(AgentError::from_transport("decode-0", broken).is_consequence());
     }
 }

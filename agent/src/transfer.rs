@@ -323,7 +323,17 @@ fn copy_mapped(
                 (Op::Read, false) => m.get(mem.view_mut(o.local_off, o.len).expect("inside a view"), at),
                 (Op::Read, true) => m.get_streaming(mem.view_mut(o.local_off, o.len).expect("inside a view"), at),
             };
-            r.map_err(|e| AgentError::from_transport(peer, e))?;
+            r.map_err(|e| match e {
+                // The peer no longer registers the region (its key is
+                // revoked): the only argument a mapped copy can fail on
+                // once the planner checked the bounds.
+                TransportError::InvalidArgument { reason, .. } => AgentError::Refused {
+                    peer: peer.to_owned(),
+                    op: if p.op == Op::Write { "write" } else { "read" },
+                    reason,
+                },
+                e => AgentError::from_transport(peer, e),
+            })?;
         }
         Ok(())
     };
@@ -361,7 +371,7 @@ impl Future for Transfer<'_> {
                             Poll::Pending => return Poll::Pending,
                             Poll::Ready(Some(Ok(()))) => {}
                             Poll::Ready(Some(Err(e))) => {
-                                failed = Some(e);
+                                failed = Some(first_cause(pieces, cx, e));
                                 break;
                             }
                             Poll::Ready(None) => break,
@@ -387,6 +397,26 @@ impl Future for Transfer<'_> {
             this.stage = next;
         }
     }
+}
+
+/// The error to report for a request one of whose pieces failed with `e`.
+/// When `e` only says the connection was already broken, a piece that
+/// broke it may have its own error waiting (the transport hands the cause
+/// its error before failing the rest, but the piece or notification whose
+/// poll reaped the completion sees its own first): that error is the one
+/// that says what happened (a refused write, a failed completion).
+fn first_cause(pieces: &mut FuturesUnordered<Piece<'_>>, cx: &mut Context<'_>, e: AgentError) -> AgentError {
+    if !e.is_consequence() {
+        return e;
+    }
+    while let Poll::Ready(Some(r)) = pieces.poll_next_unpin(cx) {
+        if let Err(cause) = r {
+            if !cause.is_consequence() {
+                return cause;
+            }
+        }
+    }
+    e
 }
 
 /// Sends a request's notification (its pieces are placed, or posted ahead

@@ -237,7 +237,7 @@ impl From<rmacomm_agent::AgentError> for Failure {
             | A::UnknownRegion { .. }
             | A::OutOfBounds { .. }
             | A::BadMetadata { .. } => ErrKind::Argument,
-            A::Unreachable { .. } | A::PeerLost { .. } | A::PeerRemoved { .. } => ErrKind::Peer,
+            A::Unreachable { .. } | A::PeerLost { .. } | A::Refused { .. } | A::PeerRemoved { .. } => ErrKind::Peer,
             A::Timeout { .. } => ErrKind::Timeout,
             A::Transport { source, .. } | A::Device(source) => transport_kind(source),
             A::Store(source) => window_kind(source),

@@ -159,6 +159,13 @@ def landed(a: rmacomm.TransferAgent, b: rmacomm.TransferAgent, src: np.ndarray, 
 
 
 def test_a_deregistered_region_takes_no_more_writes() -> None:
+    # Several rounds: the refusal's report once raced the failure of the
+    # notification posted behind the write (reported as the peer lost).
+    for _ in range(8):
+        deregistered_region_round()
+
+
+def deregistered_region_round() -> None:
     a, b = pair()
     src = np.full(256, 5, np.uint8)
     a.register(src)
@@ -179,7 +186,7 @@ def test_a_deregistered_region_takes_no_more_writes() -> None:
     assert [r for r, _, _ in b.regions()] == [r2_tail]
     for rid in (r1, r2):
         err = landed(a, b, src, rid)
-        assert "refused" in err and '"b"' in err, err
+        assert err.startswith('WRITE: peer "b" refused the write: '), err
     assert not dst1.any() and not dst2.any(), "a deregistered region was written"
     assert b.get_notifications() == []
 

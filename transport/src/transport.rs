@@ -1311,6 +1311,12 @@ impl Inner {
     /// Marks the transport broken and fails everything pending with `e`
     /// (the entries stay until their WRs' flushes; see [`PendingSet`]).
     fn break_with(&self, e: TransportError) {
+        self.break_with_first(e, || {});
+    }
+
+    /// [`break_with`](Self::break_with), running `first` once the transport
+    /// is marked broken and before anything pending is failed.
+    fn break_with_first(&self, e: TransportError, first: impl FnOnce()) {
         let mut st = self.lock();
         if st.broken.is_none() || st.broken_guessed {
             tracing::warn!("rmacomm transport broken: {e}");
@@ -1319,6 +1325,7 @@ impl Inner {
         }
         let e = st.broken.clone().expect("set above");
         self.broken_flag.store(true, Ordering::Release);
+        first();
         st.pending.resolve_all(|_| e.clone());
         for w in st.waiters.drain(..) {
             let _ = w.send(Err(e.clone()));
@@ -1394,19 +1401,27 @@ impl Inner {
             WcStatus::Success => Ok(()),
             s => Err(self.completion_error(op, s)),
         };
-        if let Err(e) = &res {
-            let broken = match e {
-                TransportError::RemoteAccess { .. } => {
-                    TransportError::Broken(format!("an earlier {op} hit a remote access error"))
-                }
-                other => other.clone(),
-            };
-            // Broken first, so that whoever the result wakes sees it.
-            self.break_with(broken);
-        }
-        if let Some(tx) = tx {
-            let _ = tx.send(res);
-        }
+        let Err(e) = &res else {
+            if let Some(tx) = tx {
+                let _ = tx.send(res);
+            }
+            return;
+        };
+        let broken = match e {
+            TransportError::RemoteAccess { .. } => {
+                TransportError::Broken(format!("an earlier {op} hit a remote access error"))
+            }
+            other => other.clone(),
+        };
+        // Broken first, so that whoever the result wakes sees it; then this
+        // operation's own error, the cause, before the rest fail with the
+        // consequence: a request whose later pieces (or notification) were
+        // woken first would report "broken" instead of what broke it.
+        self.break_with_first(broken, move || {
+            if let Some(tx) = tx {
+                let _ = tx.send(res);
+            }
+        });
     }
 }
 

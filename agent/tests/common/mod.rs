@@ -611,6 +611,9 @@ pub async fn a_dropped_peer_region_fails_the_request() {
     let e = r.expect_err("a write into a dropped region fails");
     eprintln!("request into a dropped region: {e}");
     assert_eq!(e.peer(), Some("decode"), "{e}");
+    // Refused, on either path: not the connection's loss, which the failure
+    // of the notification posted behind the write once reported instead.
+    assert!(matches!(e, AgentError::Refused { op: "write", .. }), "{e:?}");
     if prefill.peer_same_host("decode").await.unwrap() {
         // The mapped path was taken (the region was mapped by the first
         // requests) and refused the copy.
