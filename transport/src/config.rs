@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use crate::TransportError;
 use ibverbx::soft::SoftConfig;
 use ibverbx::{LoadBalancing, ProviderKind, VirtualQpConfig};
 
@@ -84,13 +85,27 @@ pub struct TransportConfig {
     pub soft: Option<SoftConfig>,
 }
 
+/// `RMACOMM_TIMEOUT_SECONDS` (seconds, fractions allowed; unset: none), or
+/// why it is not a timeout.
+pub(crate) fn env_timeout() -> Result<Option<Duration>, TransportError> {
+    let Ok(v) = std::env::var("RMACOMM_TIMEOUT_SECONDS") else { return Ok(None) };
+    v.trim()
+        .parse::<f64>()
+        .ok()
+        .filter(|s| s.is_finite() && *s > 0.0 && *s < 1e9)
+        .map(|s| Some(Duration::from_secs_f64(s)))
+        .ok_or_else(|| {
+            TransportError::invalid(
+                "RdmaTransport::new",
+                format!("RMACOMM_TIMEOUT_SECONDS='{v}' is not a positive number of seconds (below 1e9)"),
+            )
+        })
+}
+
 impl Default for TransportConfig {
     fn default() -> Self {
-        let timeout = std::env::var("RMACOMM_TIMEOUT_SECONDS")
-            .ok()
-            .and_then(|v| v.parse::<f64>().ok())
-            .filter(|s| *s > 0.0)
-            .map(Duration::from_secs_f64);
+        // A bad value leaves no timeout here; `RdmaTransport::new` reports it.
+        let timeout = env_timeout().ok().flatten();
         TransportConfig {
             provider: ProviderKind::from_env().unwrap_or_default(),
             device: None,

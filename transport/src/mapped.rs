@@ -18,6 +18,14 @@ use crate::{RdmaRemoteBuffer, TransportError, View, ViewMut};
 /// holds off the peer's deregistration while it copies): after the owner
 /// dropped its memory a copy fails and moves nothing. Offsets are bytes
 /// from the start of the mapped buffer.
+///
+/// The atomics ([`atomic_u64`](Self::atomic_u64), [`atomic_u32`](Self::atomic_u32))
+/// are the exception: the key is checked on the first of them only (they
+/// carry signals, which pay no key lookup), and a word handed out stays
+/// valid in this mapping. They are for words the owner keeps for that use
+/// as long as peers may map them (signal slots); an owner that
+/// deregisters a range of a segment it goes on using (`register_raw_for`
+/// of part of its memory) must not have handed its words out as atomics.
 pub struct MappedBuffer {
     map: RemoteMapping,
     remote: RdmaRemoteBuffer,

@@ -54,9 +54,12 @@ const ACCESS: AccessFlags = AccessFlags::LOCAL_WRITE
     .union(AccessFlags::REMOTE_ATOMIC);
 
 impl RdmaMemory {
-    /// Allocates and registers `len` zeroed bytes on the default device
-    /// (`RMACOMM_PROVIDER`). The memory is a shared segment, so same-host
-    /// peers write it with one copy and no CPU of this process.
+    /// Allocates and registers at least `len` zeroed bytes on the default
+    /// device (`RMACOMM_PROVIDER`). The memory is a shared segment, so
+    /// same-host peers write it with one copy and no CPU of this process.
+    /// A segment is whole pages: [`len`](Self::len) (and the remote
+    /// buffer peers get) is `len` rounded up to the page size, all of it
+    /// this memory's, so views and peers' writes up to there are inside it.
     pub fn alloc(len: usize) -> Result<RdmaMemory, TransportError> {
         let d = domain(ProviderKind::from_env().unwrap_or_default(), None, None)?;
         Self::alloc_in(d, len)

@@ -6,7 +6,7 @@ use std::future::Future;
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures::future::Either;
 use ibverbx::{
@@ -261,6 +261,16 @@ impl RdmaTransport {
             // report it here rather than run on a provider nobody chose.
             ProviderKind::from_env()?;
         }
+        if config.timeout.is_none() {
+            // Likewise a bad RMACOMM_TIMEOUT_SECONDS (`inf`, `-5`, `abc`):
+            // refused rather than run without the timeout asked for.
+            crate::config::env_timeout()?;
+        }
+        if config.recv_depth == 0 {
+            // No receive posted: the peer's notifying writes would be
+            // retried (receiver not ready) forever.
+            return Err(TransportError::invalid("RdmaTransport::new", "recv_depth must be at least 1"));
+        }
         if config.max_in_flight == 0 || config.max_in_flight > Semaphore::MAX_PERMITS {
             return Err(TransportError::invalid(
                 "RdmaTransport::new",
@@ -365,6 +375,17 @@ impl RdmaTransport {
         if let Some(page) = notes {
             let _ = self.inner.notes.peer.set(page);
         }
+        let named = |e: ibverbx::Error| match TransportError::from(e) {
+            TransportError::InvalidArgument { reason, .. } => {
+                TransportError::InvalidArgument { op: "connect", reason: format!("{reason} (connecting to {peer})") }
+            }
+            TransportError::Broken(m) => TransportError::Broken(format!("connecting to {peer}: {m}")),
+            other => other,
+        };
+        // A peer that does not match (another QP count, load balancing) is
+        // refused before any QP is touched: the transport may connect to
+        // another.
+        self.inner.qp.check_endpoint(&ep).map_err(named)?;
         claim.qp_touched = true;
         self.inner.qp.connect(&ep).map_err(|e| match TransportError::from(e) {
             TransportError::InvalidArgument { op, reason } => {
@@ -701,9 +722,12 @@ impl RdmaTransport {
                 Ok(w) => w,
                 Err(r) => return r,
             };
+            // The timeout counts from here, the spin included.
+            let deadline = timeout.map(|t| (t, ibverbx::deadline_after(t)));
+            let until = deadline.map(|(_, at)| at);
             let spun = w.rx.is_none();
             if spun {
-                if let Some(r) = w.inner.spin_for_note() {
+                if let Some(r) = w.inner.spin_for_note(until) {
                     return r;
                 }
                 let mut st = w.inner.lock();
@@ -720,7 +744,7 @@ impl RdmaTransport {
             let rx = w.rx.as_mut().expect("set above");
             // Reap pending notifications here first (see `finish`).
             let aborted = || Err(TransportError::Aborted { op: OP });
-            let res = match inner.reap_until(rx, !spun) {
+            let res = match inner.reap_until(rx, !spun, until) {
                 Some(r) => r,
                 None => {
                     // Asleep from here: a same-host writer wakes it through
@@ -730,18 +754,20 @@ impl RdmaTransport {
                     match rx.try_recv() {
                         Ok(r) => r,
                         Err(oneshot::error::TryRecvError::Closed) => aborted(),
-                        Err(oneshot::error::TryRecvError::Empty) => match timeout {
+                        Err(oneshot::error::TryRecvError::Empty) => match deadline {
                             None => (&mut *rx).await.unwrap_or_else(|_| aborted()),
-                            Some(t) => match tokio::time::timeout(t, &mut *rx).await {
-                                Ok(r) => r.unwrap_or_else(|_| aborted()),
-                                // A notification that raced the timeout is
-                                // taken; one that comes later is handed on by
-                                // the Waiter's drop.
-                                Err(_) => match rx.try_recv() {
-                                    Ok(r) => r,
-                                    Err(_) => return Err(TransportError::Timeout { op: OP, after: t }),
-                                },
-                            },
+                            Some((t, at)) => {
+                                match tokio::time::timeout_at(tokio::time::Instant::from_std(at), &mut *rx).await {
+                                    Ok(r) => r.unwrap_or_else(|_| aborted()),
+                                    // A notification that raced the timeout is
+                                    // taken; one that comes later is handed on by
+                                    // the Waiter's drop.
+                                    Err(_) => match rx.try_recv() {
+                                        Ok(r) => r,
+                                        Err(_) => return Err(TransportError::Timeout { op: OP, after: t }),
+                                    },
+                                }
+                            }
                         },
                     }
                 }
@@ -896,6 +922,16 @@ impl RdmaTransport {
             return Err(TransportError::invalid(
                 op,
                 format!("the local view is {len} bytes, longer than the remote buffer of {}", remote.len),
+            ));
+        }
+        if !remote.is_addressable() {
+            // No registration ends past the top of the address space: a
+            // confused description, refused before anything is posted
+            // (posted, it would break the connection as a remote access
+            // error).
+            return Err(TransportError::invalid(
+                op,
+                format!("the remote buffer {remote} ends past the top of the address space"),
             ));
         }
         Ok(())
@@ -1153,8 +1189,11 @@ impl Inner {
     /// the CQ (see `cq_poll_every`; other rounds look only at the
     /// notification page). The clock is read every 64 rounds: a read costs
     /// as much as a round, and would delay seeing what arrives.
-    fn spin<R>(&self, mut round: impl FnMut(bool, bool) -> Option<R>) -> Option<R> {
-        let spin_until = std::time::Instant::now() + self.config.busy_poll;
+    /// It stops at `until` (the calling operation's deadline) if that comes
+    /// first.
+    fn spin<R>(&self, until: Option<Instant>, mut round: impl FnMut(bool, bool) -> Option<R>) -> Option<R> {
+        let spin_until = ibverbx::deadline_after(self.config.busy_poll);
+        let spin_until = until.map_or(spin_until, |u| u.min(spin_until));
         let every = self.cq_poll_every();
         // What this thread waits for is delivered by the soft provider's
         // progress threads (nothing comes through the page): let them have
@@ -1201,8 +1240,8 @@ impl Inner {
     /// notification from the page as it comes, or the first one banked
     /// meanwhile (here or by the driver task); `None` when none came (or
     /// another caller's wait took it).
-    fn spin_for_note(&self) -> Option<Result<(), TransportError>> {
-        self.spin(|poll_cq, every_64th| {
+    fn spin_for_note(&self, until: Option<Instant>) -> Option<Result<(), TransportError>> {
+        self.spin(until, |poll_cq, every_64th| {
             if self.take_note() {
                 return Some(Ok(()));
             }
@@ -1255,6 +1294,7 @@ impl Inner {
         &self,
         rx: &mut oneshot::Receiver<Result<(), TransportError>>,
         spin: bool,
+        until: Option<Instant>,
     ) -> Option<Result<(), TransportError>> {
         // An earlier caller's poll may have resolved this one already.
         if let Ok(r) = rx.try_recv() {
@@ -1267,7 +1307,7 @@ impl Inner {
         if self.config.busy_poll.is_zero() || !spin {
             return None;
         }
-        self.spin(|poll_cq, _| {
+        self.spin(until, |poll_cq, _| {
             if poll_cq {
                 self.progress();
             } else {
@@ -1286,7 +1326,11 @@ impl Inner {
         }
         // Reap here first (and, with busy_poll, keep reaping for a while):
         // no wake-up of the driver task is needed for what is found.
-        if let Some(r) = self.reap_until(&mut rx, true) {
+        let until = match deadline {
+            Deadline::At(_, at) => Some(at.into_std()),
+            _ => None,
+        };
+        if let Some(r) = self.reap_until(&mut rx, true, until) {
             return r;
         }
         let deadline = match deadline {

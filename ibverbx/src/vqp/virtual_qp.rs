@@ -284,11 +284,37 @@ impl VirtualQp {
     /// other, moving all to RTS.
     pub fn connect(&self, peer: &VirtualQpEndpoint) -> Result<()> {
         let mut st = self.shared.lock();
-        let bad = |r: String| Err(Error::InvalidArgument { verb: "connect_virtual_qp", reason: r });
         if st.connected {
             return Err(Error::InvalidState { verb: "connect_virtual_qp", reason: "already connected".into() });
         }
         let c = st.cfg;
+        Self::check_endpoint_against(&c, peer)?;
+        for (qp, ep) in st.qps.iter().zip(peer.data.iter().chain(peer.notify.iter())) {
+            qp.connect(ep)?;
+        }
+        if c.has_notify_qp() && c.load_balancing == LoadBalancing::Dqplb {
+            // Fragments on the other QPs keep completing (and the sender keeps
+            // posting) while one QP is slow, so how far ahead an arrival may
+            // be has no bound but the sequence space: half of it keeps
+            // "ahead" and "behind" apart.
+            let window = 1 << (SEQ_BITS - 1);
+            st.tracker = Some(SeqTracker::new(peer.initial_seq, window, c.reorder_timeout));
+        }
+        st.connected = true;
+        Ok(())
+    }
+
+    /// Whether [`connect`](Self::connect) would take the peer's endpoint
+    /// (same QP count, load balancing and message count): checked without
+    /// touching a QP, so that a caller can refuse a mismatched peer and
+    /// still connect to another.
+    pub fn check_endpoint(&self, peer: &VirtualQpEndpoint) -> Result<()> {
+        let c = self.shared.lock().cfg;
+        Self::check_endpoint_against(&c, peer)
+    }
+
+    fn check_endpoint_against(c: &VirtualQpConfig, peer: &VirtualQpEndpoint) -> Result<()> {
+        let bad = |r: String| Err(Error::InvalidArgument { verb: "connect_virtual_qp", reason: r });
         if peer.data.len() != c.total_qps as usize || peer.notify.is_some() != c.has_notify_qp() {
             return bad(format!(
                 "the peer has {} data QPs{}, this end {}; both ends need the same total_qps",
@@ -303,18 +329,6 @@ impl VirtualQp {
                 peer.load_balancing, peer.max_msg_cnt_per_qp, c.load_balancing, c.max_msg_cnt_per_qp
             ));
         }
-        for (qp, ep) in st.qps.iter().zip(peer.data.iter().chain(peer.notify.iter())) {
-            qp.connect(ep)?;
-        }
-        if c.has_notify_qp() && c.load_balancing == LoadBalancing::Dqplb {
-            // Fragments on the other QPs keep completing (and the sender keeps
-            // posting) while one QP is slow, so how far ahead an arrival may
-            // be has no bound but the sequence space: half of it keeps
-            // "ahead" and "behind" apart.
-            let window = 1 << (SEQ_BITS - 1);
-            st.tracker = Some(SeqTracker::new(peer.initial_seq, window, c.reorder_timeout));
-        }
-        st.connected = true;
         Ok(())
     }
 

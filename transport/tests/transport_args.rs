@@ -1,0 +1,86 @@
+//! Settings and arguments that are refused (or honoured) rather than
+//! panicking, hanging or breaking the connection (found by review).
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{config, pair, pair_with};
+use rmacomm_transport::{RdmaMemory, RdmaRemoteBuffer, RdmaTransport, TransportError};
+
+/// `busy_poll = Duration::MAX` ("spin as long as it takes") panicked adding
+/// it to the clock in connect's first wait; it spins to the call's
+/// deadline instead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_busy_poll_of_duration_max_spins_to_the_deadline() {
+    common::link("shm");
+    let cfg = config().with_busy_poll(Duration::MAX).with_timeout(Some(Duration::from_secs(20)));
+    let (_a, b) = pair_with(cfg.clone(), cfg).await;
+    let e = b.wait_for_write_with_timeout(Some(Duration::from_millis(100))).await.unwrap_err();
+    assert!(matches!(e, TransportError::Timeout { op: "wait_for_write", .. }), "{e}");
+}
+
+/// A call's timeout shorter than `busy_poll` ends the spin: before, the
+/// call spun for all of `busy_poll` (30 s here), then reported "timed out
+/// after 200ms". (The bound checked is ten times the timeout's slack, not
+/// a speed.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_timeout_shorter_than_busy_poll_ends_the_spin() {
+    common::link("shm");
+    let cfg = config().with_busy_poll(Duration::from_secs(30));
+    let (_a, b) = pair_with(cfg.clone(), cfg).await;
+    let t = Instant::now();
+    let e = b.wait_for_write_with_timeout(Some(Duration::from_millis(200))).await.unwrap_err();
+    assert!(matches!(e, TransportError::Timeout { op: "wait_for_write", .. }), "{e}");
+    assert!(t.elapsed() < Duration::from_secs(10), "a 200 ms timeout returned after {:?}", t.elapsed());
+}
+
+/// `recv_depth` 0 posts no receive: the peer's notifying writes would be
+/// retried forever (receiver not ready). Refused at `new`.
+#[test]
+fn a_recv_depth_of_zero_is_refused() {
+    common::link("shm");
+    let e = RdmaTransport::new(config().with_recv_depth(0)).unwrap_err();
+    assert!(matches!(e, TransportError::InvalidArgument { .. }) && e.to_string().contains("recv_depth"), "{e}");
+}
+
+/// A remote buffer that ends past the top of the address space (a valid
+/// key, a confused address) is an argument error before anything is
+/// posted; it broke the connection as a remote access error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unaddressable_remote_buffer_is_refused_and_the_connection_stays() {
+    common::link("shm");
+    let (a, b) = pair().await;
+    let src = RdmaMemory::alloc_for(&a, 4096).unwrap();
+    let dst = RdmaMemory::alloc_for(&b, 4096).unwrap();
+    let rb = dst.remote_buffer();
+    let bad = RdmaRemoteBuffer { addr: u64::MAX - 10, len: 100, ..rb };
+    let e = a.write(src.view(0, 64).unwrap(), &bad, false).await.unwrap_err();
+    assert!(matches!(e, TransportError::InvalidArgument { op: "write", .. }), "{e}");
+    assert!(e.to_string().contains("past the top of the address space"), "{e}");
+    let e = a.read(src.view_mut(0, 64).unwrap(), &bad).await.unwrap_err();
+    assert!(matches!(e, TransportError::InvalidArgument { op: "read", .. }), "{e}");
+    assert!(a.connected());
+    a.write(src.view(0, 64).unwrap(), &rb, false).await.unwrap();
+}
+
+/// A peer whose URL does not match (another QP count) is refused before
+/// any QP is touched, naming `connect`; the transport then connects to a
+/// matching peer (it said "an earlier connect of this transport failed").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connect_refused_for_a_mismatched_peer_may_be_retried() {
+    common::link("shm");
+    let a = RdmaTransport::new(config()).unwrap();
+    let b2 = RdmaTransport::new(config().with_qps(2)).unwrap();
+    let e = a.connect(&b2.bind().unwrap()).await.unwrap_err();
+    assert!(matches!(e, TransportError::InvalidArgument { op: "connect", .. }), "{e}");
+    assert!(e.to_string().contains("the peer has 2 data QPs"), "{e}");
+    let c = RdmaTransport::new(config()).unwrap();
+    let (ua, uc) = (a.bind().unwrap(), c.bind().unwrap());
+    let (ra, rc) = tokio::join!(a.connect(&uc), c.connect(&ua));
+    ra.unwrap();
+    rc.unwrap();
+    let src = RdmaMemory::alloc_for(&a, 4096).unwrap();
+    let dst = RdmaMemory::alloc_for(&c, 4096).unwrap();
+    a.write(src.view(0, 64).unwrap(), &dst.remote_buffer(), false).await.unwrap();
+}
