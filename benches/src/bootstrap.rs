@@ -159,18 +159,41 @@ pub enum Reply {
     },
 }
 
+/// How long a client waits for the server's answer to its hello (the
+/// server's endpoint, or its error): the server sets up its memory and
+/// queue pairs in that time, or is not an rdma_bench server. 60 s, or
+/// `RDMA_BENCH_HELLO_TIMEOUT_SECONDS`.
+pub(crate) fn hello_answer_timeout() -> std::time::Duration {
+    std::env::var("RDMA_BENCH_HELLO_TIMEOUT_SECONDS")
+        .ok()
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .filter(|s| s.is_finite() && *s > 0.0 && *s < 1e9)
+        .map_or(std::time::Duration::from_secs(60), std::time::Duration::from_secs_f64)
+}
+
 /// One JSON-lines connection.
 #[derive(Debug)]
 pub struct Control {
     reader: BufReader<TcpStream>,
     writer: TcpStream,
+    /// How long a receive waits (see [`set_timeout`](Self::set_timeout)).
+    timeout: Option<std::time::Duration>,
 }
 
 impl Control {
     /// Wraps a connected stream.
     pub fn new(s: TcpStream) -> Result<Control> {
         s.set_nodelay(true)?;
-        Ok(Control { reader: BufReader::new(s.try_clone()?), writer: s })
+        Ok(Control { reader: BufReader::new(s.try_clone()?), writer: s, timeout: None })
+    }
+
+    /// Receives wait at most `t` (`None`: without a limit, for answers
+    /// that come after a measurement of the user's length): a peer that
+    /// accepted the connection and never answers is an error, not a hang.
+    pub fn set_timeout(&mut self, t: Option<std::time::Duration>) -> Result<()> {
+        self.writer.set_read_timeout(t)?;
+        self.timeout = t;
+        Ok(())
     }
 
     /// Sends one message.
@@ -183,11 +206,33 @@ impl Control {
 
     /// Receives one message; end of stream is an error naming `what`.
     pub fn recv<T: DeserializeOwned>(&mut self, what: &str) -> Result<T> {
+        self.recv_or_end(what)?.ok_or_else(|| {
+            BenchError::Run(format!("the peer closed the bootstrap connection while {what} was expected"))
+        })
+    }
+
+    /// Receives one message, or `None` at the end of the stream (the peer
+    /// closed the connection, or it was reset: the peer exited).
+    pub fn recv_or_end<T: DeserializeOwned>(&mut self, what: &str) -> Result<Option<T>> {
         let mut line = String::new();
-        if self.reader.read_line(&mut line)? == 0 {
-            return Err(BenchError::Run(format!("the peer closed the bootstrap connection while {what} was expected")));
+        let n = match self.reader.read_line(&mut line) {
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => 0,
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+                let t = self.timeout.unwrap_or_default();
+                return Err(BenchError::Run(format!(
+                    "no answer on the bootstrap connection within {t:?} while {what} was expected; is the peer an \
+                     rdma_bench of this version, and alive?"
+                )));
+            }
+            Err(e) => return Err(e.into()),
+        };
+        if n == 0 {
+            return Ok(None);
         }
-        serde_json::from_str(&line).map_err(|e| BenchError::Run(format!("bad bootstrap message ({what}): {e}: {line}")))
+        serde_json::from_str(&line)
+            .map(Some)
+            .map_err(|e| BenchError::Run(format!("bad bootstrap message ({what}): {e}: {}", line.trim_end())))
     }
 
     /// The address of the other end, as text (for the server: where the

@@ -4,6 +4,11 @@
 
 use std::time::Duration;
 
+/// The most entries a measurement's vectors reserve up front: `-n` and
+/// `-t` are the user's, and a huge one must grow its vector as it runs
+/// (or be refused), not abort the process reserving it all at once.
+pub(crate) const CAPACITY_HINT_MAX: u64 = 1 << 20;
+
 use crate::bootstrap::{Region, SideInfo};
 use crate::checksum::{pattern_chunk, Checksum};
 use crate::error::Result;

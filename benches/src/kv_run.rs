@@ -24,7 +24,7 @@ use rmacomm_agent::{AgentConfig, LocalBlock, Op as AgentOp, RemoteBlock, Transfe
 use rmacomm_transport::{RdmaMemory, TransportConfig};
 use serde::{Deserialize, Serialize};
 
-use crate::bootstrap::{parse_peer, Control};
+use crate::bootstrap::{hello_answer_timeout, parse_peer, Control};
 use crate::cli::KvArgs;
 use crate::device::{link_used, requested_provider, resolve, Resolved};
 use crate::engine::OP_TIMEOUT;
@@ -220,11 +220,9 @@ fn serve_session(a: &KvArgs, ctl: &mut Control) -> Result<()> {
     let mut notifications = agent.notifications();
     let mut shape: Option<(usize, Vec<u64>)> = None;
     loop {
-        let req: KvRequest = match ctl.recv("a request") {
-            Ok(r) => r,
-            // The client went away after its last request.
-            Err(_) => return Ok(()),
-        };
+        // None: the client went away after its last request. A message
+        // that is not a request is an error (and the server's exit status).
+        let Some(req) = ctl.recv_or_end::<KvRequest>("a request")? else { return Ok(()) };
         match req {
             KvRequest::Shape { blocks, block_size, slots, op } => {
                 let size = usize::try_from(block_size).map_err(BenchError::run)?;
@@ -409,6 +407,15 @@ impl Prefill<'_> {
 /// Prefill: starts (or reaches) decode, measures every shape, prints.
 fn client(a: &KvArgs) -> Result<()> {
     let shapes = shapes(a.blocks, a.block_size);
+    if shapes.is_empty() {
+        return Err(BenchError::Config(format!(
+            "no shape of the sweep fits its {} limit with --blocks {} --block-size {}: give both to measure a larger \
+             request",
+            format_size(crate::kv::SWEEP_MAX_BYTES),
+            a.blocks.map_or("(swept)".into(), |n| n.to_string()),
+            a.block_size.map_or("(swept)".into(), format_size),
+        )));
+    }
     if shapes.iter().any(|&(n, b)| n == 0 || b == 0) {
         return Err(BenchError::Config("--blocks and --block-size must be at least 1".into()));
     }
@@ -446,11 +453,14 @@ fn client(a: &KvArgs) -> Result<()> {
         }
     };
     let mut ctl = Control::new(connect_with_retry(&host, port)?)?;
+    // The server answers its hello within this, or is not one.
+    ctl.set_timeout(Some(hello_answer_timeout()))?;
     ctl.send(&hello)?;
     let (metadata, region, decode_host, decode_provider, decode_device) = match reply(&mut ctl, "decode's metadata")? {
         KvReply::Ready { metadata, region, host, provider, device } => (metadata, region, host, provider, device),
         other => return Err(BenchError::Run(format!("unexpected reply {other:?}"))),
     };
+    ctl.set_timeout(None)?;
     let rt = runtime()?;
     let _enter = rt.enter();
     let agent = TransferAgent::new("prefill", config)?;

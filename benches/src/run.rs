@@ -9,7 +9,9 @@ use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
-use crate::bootstrap::{parse_peer, Control, Hello, Region, Reply, Request, SideInfo, PROTOCOL_VERSION};
+use crate::bootstrap::{
+    hello_answer_timeout, parse_peer, Control, Hello, Region, Reply, Request, SideInfo, PROTOCOL_VERSION,
+};
 use crate::cli::{BenchArgs, LbArg, LinkArg, ProviderArg};
 use crate::device::{link_used, requested_provider, resolve};
 use crate::engine::{checksum, fill, Dir, Engine, EngineConfig};
@@ -157,7 +159,15 @@ fn engine_for(
     let frag = u32::try_from(hello.frag_size)
         .ok()
         .filter(|f| *f > 0)
-        .ok_or_else(|| BenchError::Config(format!("--frag-size {} must be 1 .. 4 GiB", hello.frag_size)))?;
+        .ok_or_else(|| BenchError::Config(format!("--frag-size {} must be 1 B .. 4 GiB - 1", hello.frag_size)))?;
+    if hello.tx_depth > MAX_TX_DEPTH {
+        return Err(BenchError::Config(format!("-t {}: at most {MAX_TX_DEPTH} operations in flight", hello.tx_depth)));
+    }
+    if hello.max_bytes == 0 || hello.max_bytes > u32::MAX as u64 {
+        // Checked by the client too; here for the server, which takes it
+        // from the client's hello.
+        return Err(BenchError::Config(format!("the largest size {} is not 1 B .. 4 GiB - 1", hello.max_bytes)));
+    }
     if hello.qps == 0 || hello.qps > 256 {
         return Err(BenchError::Config(format!("-q {}: the number of QPs must be 1..=256", hello.qps)));
     }
@@ -181,6 +191,10 @@ fn engine_for(
     })
 }
 
+/// The most operations in flight `-t` may ask for (what the transport's
+/// default in-flight budget allows many times over).
+const MAX_TX_DEPTH: u32 = 1 << 16;
+
 /// The sizes a run measures.
 fn sizes(op: Op, a: &BenchArgs) -> Result<Vec<u64>> {
     let v = if a.all {
@@ -193,7 +207,7 @@ fn sizes(op: Op, a: &BenchArgs) -> Result<Vec<u64>> {
     };
     if v.is_empty() || v.iter().any(|&s| s == 0 || s > u32::MAX as u64) {
         return Err(BenchError::Config(format!(
-            "sizes must be 1 B .. 4 GiB and --min must not exceed --max (got {v:?})"
+            "sizes must be 1 B .. 4 GiB - 1 and --min must not exceed --max (got {v:?})"
         )));
     }
     Ok(v)
@@ -262,11 +276,9 @@ fn serve_session(op: Op, a: &BenchArgs, ctl: &mut Control) -> Result<()> {
     e.connect(&peer, &ctl.peer_host()?)?;
     e.start_serving();
     loop {
-        let req: Request = match ctl.recv("a request") {
-            Ok(r) => r,
-            // The client went away after its last request.
-            Err(_) => return Ok(()),
-        };
+        // None: the client went away after its last request. A message
+        // that is not a request is an error (and the server's exit status).
+        let Some(req) = ctl.recv_or_end::<Request>("a request")? else { return Ok(()) };
         match req {
             Request::Bandwidth { size, plan } => {
                 let times = e.bandwidth(op.dir(), size, plan)?;
@@ -403,7 +415,7 @@ impl Output {
         let line = if self.json { r.to_json() } else { table_row(&r, self.gbits) };
         pb.suspend(|| println!("{line}"));
         if let Some(f) = self.file.as_mut() {
-            writeln!(f, "{}", r.to_json())?;
+            writeln!(f, "{}", r.to_json()).map_err(|e| BenchError::run(format!("--out-json: {e}")))?;
         }
         self.records.push(r);
         Ok(())
@@ -460,6 +472,8 @@ fn client(op: Op, a: &BenchArgs) -> Result<()> {
         }
     };
     let mut ctl = Control::new(connect_with_retry(&host, port)?)?;
+    // The server answers its hello within this, or is not one.
+    ctl.set_timeout(Some(hello_answer_timeout()))?;
     ctl.send(&hello)?;
     let server: SideInfo = match ctl.recv::<serde_json::Value>("the server's endpoint")? {
         v if v.get("reply").is_some() => {
@@ -468,6 +482,7 @@ fn client(op: Op, a: &BenchArgs) -> Result<()> {
         }
         v => serde_json::from_value(v).map_err(BenchError::run)?,
     };
+    ctl.set_timeout(None)?;
     let me = e.info()?;
     ctl.send(&me)?;
     e.connect(&server, &host)?;

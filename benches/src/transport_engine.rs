@@ -9,6 +9,7 @@ use std::time::Instant;
 use rmacomm_transport::{RdmaMemory, RdmaRemoteBuffer, RdmaTransport, TransportConfig, TransportError};
 
 use crate::bootstrap::SideInfo;
+use crate::engine::CAPACITY_HINT_MAX;
 use crate::engine::{Dir, Engine, EngineConfig, OP_TIMEOUT};
 use crate::error::{BenchError, Result};
 use crate::host::HostInfo;
@@ -112,7 +113,8 @@ impl Engine for TransportEngine {
         };
         self.rt
             .block_on(async {
-                let mut inflight: VecDeque<OpFuture<'_>> = VecDeque::with_capacity(depth);
+                let mut inflight: VecDeque<OpFuture<'_>> =
+                    VecDeque::with_capacity(depth.min(CAPACITY_HINT_MAX as usize));
                 // Warm-up, then the measured part.
                 for _ in 0..plan.warmup {
                     if inflight.len() == depth {
@@ -153,7 +155,7 @@ impl Engine for TransportEngine {
         let (t, mem) = (&self.t, &self.mem);
         self.rt
             .block_on(async {
-                let mut rtts = Vec::with_capacity(count as usize);
+                let mut rtts = Vec::with_capacity(count.min(CAPACITY_HINT_MAX) as usize);
                 for _ in 0..count {
                     let t0 = Instant::now();
                     // Posted here; the echo cannot come before it is placed.
@@ -186,7 +188,7 @@ impl Engine for TransportEngine {
         let (t, mem, max) = (&self.t, &self.mem, self.cfg.max as usize);
         self.rt
             .block_on(async {
-                let mut v = Vec::with_capacity(count as usize);
+                let mut v = Vec::with_capacity(count.min(CAPACITY_HINT_MAX) as usize);
                 for _ in 0..count {
                     let t0 = Instant::now();
                     t.read(mem.view_mut(max, size as usize)?, &remote).await?;

@@ -20,6 +20,7 @@ use ibverbx::{
 use rmacomm_transport::{RdmaRemoteBuffer, TransportConfig};
 
 use crate::bootstrap::SideInfo;
+use crate::engine::CAPACITY_HINT_MAX;
 use crate::engine::{Dir, Engine, EngineConfig, OP_TIMEOUT};
 use crate::error::{BenchError, Result};
 use crate::host::HostInfo;
@@ -294,7 +295,7 @@ impl Engine for VerbsEngine {
         let spin = if self.cfg.busy_poll.is_zero() { Duration::ZERO } else { self.cfg.busy_poll };
         self.exclusive(|sh| {
             let mut wc = [WorkCompletion::empty(); 16];
-            let mut rtts = Vec::with_capacity(count as usize);
+            let mut rtts = Vec::with_capacity(count.min(CAPACITY_HINT_MAX) as usize);
             let mut sends_out = 0u64;
             for i in 0..count {
                 let t0 = Instant::now();

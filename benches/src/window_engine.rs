@@ -18,6 +18,7 @@ use rmacomm_transport::{RdmaMemory, RdmaTransport, TransportConfig};
 use rmacomm_window::{Group, GroupOptions, Store, TcpStore, Window, WindowOptions, Work};
 
 use crate::bootstrap::SideInfo;
+use crate::engine::CAPACITY_HINT_MAX;
 use crate::engine::{Dir, Engine, EngineConfig, OP_TIMEOUT};
 use crate::error::{BenchError, Result};
 use crate::host::HostInfo;
@@ -170,7 +171,7 @@ impl Engine for WindowEngine {
     fn bandwidth(&mut self, dir: Dir, size: u64, plan: Plan) -> Result<Timings> {
         let (w, mem, depth) = (self.win()?, self.mem()?, self.cfg.depth.max(1));
         let size = size as usize;
-        let mut inflight: VecDeque<Work<'_>> = VecDeque::with_capacity(depth);
+        let mut inflight: VecDeque<Work<'_>> = VecDeque::with_capacity(depth.min(CAPACITY_HINT_MAX as usize));
         // Warm-up, then the measured part.
         for _ in 0..plan.warmup {
             if inflight.len() == depth {
@@ -217,7 +218,7 @@ impl Engine for WindowEngine {
     fn ping(&mut self, size: u64, count: u64) -> Result<Vec<f64>> {
         let (w, mem, peer) = (self.win()?, self.mem()?, self.peer());
         let max = self.cfg.max as usize;
-        let mut rtts = Vec::with_capacity(count as usize);
+        let mut rtts = Vec::with_capacity(count.min(CAPACITY_HINT_MAX) as usize);
         for _ in 0..count {
             let t0 = Instant::now();
             let put = w.put(mem.view(0, size as usize)?, peer, max, true)?;
@@ -254,7 +255,7 @@ impl Engine for WindowEngine {
     fn read_lat(&mut self, size: u64, count: u64) -> Result<Vec<f64>> {
         let (w, mem, peer) = (self.win()?, self.mem()?, self.peer());
         let max = self.cfg.max as usize;
-        let mut v = Vec::with_capacity(count as usize);
+        let mut v = Vec::with_capacity(count.min(CAPACITY_HINT_MAX) as usize);
         for _ in 0..count {
             let t0 = Instant::now();
             w.get(mem.view_mut(max, size as usize)?, peer, 0, false)?;

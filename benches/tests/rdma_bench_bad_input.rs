@@ -1,0 +1,150 @@
+//! rdma_bench given absurd counts, a silent or confused peer, an unwritable
+//! output: an error and an exit status, never a panic, an abort or a hang
+//! (found by review).
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use rmacomm_transport::{RdmaMemory, RdmaTransport, TransportConfig};
+
+const BIN: &str = env!("CARGO_BIN_EXE_rdma_bench");
+
+fn run(args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut cmd = Command::new(BIN);
+    cmd.args(args).env("RMACOMM_PROVIDER", "soft").env_remove("RMACOMM_SOFT_LINK");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+    let mut child = cmd.spawn().expect("start rdma_bench");
+    let start = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if start.elapsed() > Duration::from_secs(90) {
+            let _ = child.kill();
+            panic!("rdma_bench {args:?} did not end");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.wait_with_output().unwrap()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+#[test]
+fn absurd_depths_and_shapes_are_refused() {
+    // -t u32::MAX reserved 64 GiB up front and aborted.
+    let o = run(&["write", "-s", "2", "-n", "10", "-t", "4294967295"], &[]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("-t 4294967295: at most 65536 operations in flight"), "{}", stderr(&o));
+    // A kv sweep left with no shape panicked ("shapes").
+    for args in [["kv", "--blocks", "1000000"], ["kv", "--block-size", "1G"]] {
+        let o = run(&args, &[]);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {}", stderr(&o));
+        assert!(stderr(&o).contains("no shape of the sweep fits"), "{}", stderr(&o));
+    }
+    let o = run(&["write", "-a", "--min", "4G", "--max", "4G"], &[]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("1 B .. 4 GiB - 1"), "{}", stderr(&o));
+}
+
+/// A latency run of u64::MAX iterations reserved its whole vector of round
+/// trips first (a capacity overflow panic, or an abort allocating 8 TB):
+/// now it runs (until killed).
+#[test]
+fn a_huge_iteration_count_runs_instead_of_aborting() {
+    for args in [["write_lat", "-n", "18446744073709551615"], ["read_lat", "-n", "1000000000000"]] {
+        let mut child = Command::new(BIN)
+            .args(args)
+            .args(["-s", "2"])
+            .env("RMACOMM_PROVIDER", "soft")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        std::thread::sleep(Duration::from_secs(2));
+        let st = child.try_wait().unwrap();
+        let _ = child.kill();
+        let mut err = String::new();
+        let _ = child.wait();
+        let _ = child.stderr.take().unwrap().read_to_string(&mut err);
+        assert!(st.is_none(), "{args:?} ended at once ({st:?}): {err}");
+    }
+}
+
+#[test]
+fn an_unwritable_out_json_is_named() {
+    if !std::path::Path::new("/dev/full").exists() {
+        eprintln!("skipped: no /dev/full on this machine");
+        return;
+    }
+    let o = run(&["write", "-s", "2", "-n", "10", "--out-json", "/dev/full"], &[]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(stderr(&o).contains("--out-json: No space left on device"), "{}", stderr(&o));
+    assert!(!stderr(&o).contains("bootstrap connection"), "{}", stderr(&o));
+}
+
+/// A "server" that accepts and never answers: the client waited forever.
+#[test]
+fn a_silent_server_is_an_error_within_the_hello_timeout() {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    let held = std::thread::spawn(move || {
+        let c = l.accept();
+        std::thread::sleep(Duration::from_secs(3));
+        drop(c);
+    });
+    let peer = format!("127.0.0.1:{port}");
+    let o = run(&["write", "-s", "2", "-n", "10", "--client", &peer], &[("RDMA_BENCH_HELLO_TIMEOUT_SECONDS", "1")]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(stderr(&o).contains("no answer on the bootstrap connection within 1s"), "{}", stderr(&o));
+    held.join().unwrap();
+}
+
+/// A request the server cannot parse ended it with status 0 and no word.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_malformed_request_fails_the_server() {
+    let mut srv = Command::new(BIN)
+        .args(["write", "--server", "--port", "0"])
+        .env("RMACOMM_PROVIDER", "soft")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(srv.stdout.take().unwrap());
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    let port: u16 = line.split("0.0.0.0:").nth(1).unwrap().split(';').next().unwrap().parse().unwrap();
+    let s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    let mut w = s.try_clone().unwrap();
+    let mut r = BufReader::new(s);
+    let hello = serde_json::json!({"version": 2, "op": "write", "max_bytes": 4096, "qps": 1, "lb": "dqplb",
+        "frag_size": 1 << 20, "provider": "soft", "link": "auto", "tx_depth": 64, "busy_poll_us": null});
+    writeln!(w, "{hello}").unwrap();
+    let mut l = String::new();
+    r.read_line(&mut l).unwrap();
+    let mut info: serde_json::Value = serde_json::from_str(&l).unwrap_or_else(|e| panic!("{e}: {l}"));
+    let server_url = info["url"].as_str().unwrap().to_owned();
+    let cfg = TransportConfig::default()
+        .with_provider(ibverbx::ProviderKind::Soft)
+        .with_timeout(Some(Duration::from_secs(20)));
+    let t = RdmaTransport::new(cfg).unwrap();
+    let mem = RdmaMemory::alloc(8192).unwrap();
+    info["url"] = serde_json::Value::String(t.bind().unwrap());
+    info["buf"] = serde_json::to_value(mem.remote_buffer()).unwrap();
+    writeln!(w, "{info}").unwrap();
+    t.connect(&server_url).await.unwrap();
+    writeln!(w, "{{\"req\":\"bogus\"}}").unwrap();
+    let mut reply = String::new();
+    r.get_mut().set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let _ = r.read_line(&mut reply);
+    let st = srv.wait().unwrap();
+    let mut err = String::new();
+    srv.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+    assert!(!st.success(), "a malformed request: {st}, reply {reply:?}, stderr {err:?}");
+    assert!(err.contains("bad bootstrap message (a request)"), "{err}");
+    assert!(reply.contains("bad bootstrap message (a request)"), "{reply}");
+}
