@@ -11,7 +11,7 @@ pub(crate) const CAPACITY_HINT_MAX: u64 = 1 << 20;
 
 use crate::bootstrap::{Region, SideInfo};
 use crate::checksum::{pattern_chunk, Checksum};
-use crate::error::Result;
+use crate::error::{BenchError, Result};
 use crate::plan::Plan;
 use crate::stats::Timings;
 
@@ -113,6 +113,11 @@ pub(crate) fn checksum(e: &dyn Engine, region: Region, len: u64) -> Result<u64> 
         Region::Src => 0,
         Region::Dst => e.max(),
     };
+    if len > e.max() {
+        // The peer asked (over the bootstrap connection) for more than a
+        // half holds: the rest would be the other half's bytes.
+        return Err(BenchError::run(format!("a checksum of {len} bytes of a {} byte half", e.max())));
+    }
     let mut c = Checksum::new();
     let mut buf = vec![0u8; CHUNK];
     let mut off = 0;

@@ -104,9 +104,16 @@ fn a_silent_server_is_an_error_within_the_hello_timeout() {
     held.join().unwrap();
 }
 
-/// A request the server cannot parse ended it with status 0 and no word.
+/// A request the server cannot parse ended it with status 0 and no word;
+/// a checksum of more than a half read into the other half.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_malformed_request_fails_the_server() {
+    bad_request(r#"{"req":"bogus"}"#, "bad bootstrap message (a request)").await;
+    bad_request(r#"{"req":"checksum","region":"src","len":8192}"#, "a checksum of 8192 bytes of a 4096 byte half")
+        .await;
+}
+
+async fn bad_request(request: &str, says: &str) {
     let mut srv = Command::new(BIN)
         .args(["write", "--server", "--port", "0"])
         .env("RMACOMM_PROVIDER", "soft")
@@ -137,14 +144,14 @@ async fn a_malformed_request_fails_the_server() {
     info["buf"] = serde_json::to_value(mem.remote_buffer()).unwrap();
     writeln!(w, "{info}").unwrap();
     t.connect(&server_url).await.unwrap();
-    writeln!(w, "{{\"req\":\"bogus\"}}").unwrap();
+    writeln!(w, "{request}").unwrap();
     let mut reply = String::new();
     r.get_mut().set_read_timeout(Some(Duration::from_secs(20))).unwrap();
     let _ = r.read_line(&mut reply);
     let st = srv.wait().unwrap();
     let mut err = String::new();
     srv.stderr.take().unwrap().read_to_string(&mut err).unwrap();
-    assert!(!st.success(), "a malformed request: {st}, reply {reply:?}, stderr {err:?}");
-    assert!(err.contains("bad bootstrap message (a request)"), "{err}");
-    assert!(reply.contains("bad bootstrap message (a request)"), "{reply}");
+    assert!(!st.success(), "{request}: {st}, reply {reply:?}, stderr {err:?}");
+    assert!(err.contains(says), "{request}: {err}");
+    assert!(reply.contains(says), "{request}: {reply}");
 }
