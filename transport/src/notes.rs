@@ -135,12 +135,6 @@ impl Notes {
         }
     }
 
-    /// The peer's page if it is mapped already (a notifying write mapped
-    /// it).
-    pub(crate) fn peer_page_mapped(&self) -> Option<&MappedBuffer> {
-        self.peer_map.get().map(|m| &**m)
-    }
-
     /// The peer's page, mapped, once `map` found it (`map` is asked while it
     /// is not).
     pub(crate) fn peer_page(

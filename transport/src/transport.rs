@@ -791,7 +791,9 @@ impl RdmaTransport {
     }
 
     /// Regions of the peer mapped here for same-host copies by the calling
-    /// thread (see [`cached_mapping`](Self::cached_mapping)). A diagnostic.
+    /// thread (see [`cached_mapping`](Self::cached_mapping)), the peer's
+    /// notification page included (the first direct copy maps it: every
+    /// one looks at it). A diagnostic.
     pub fn direct_mappings(&self) -> usize {
         self.inner.direct.mapped()
     }
@@ -973,13 +975,14 @@ impl Inner {
         {
             return Direct::No;
         }
-        // A notifying write needs the peer's page (mapped on first use); a
-        // plain write or read looks at it when a notifying write mapped it.
-        let page = if notify {
-            self.notes.peer_page(|p| self.cached_mapping(p).map(|(m, _)| m))
-        } else {
-            self.notes.peer_page_mapped()
-        };
+        // Every direct copy needs the peer's page (mapped on first use, in
+        // the background like the data's regions): a notifying write counts
+        // into it, and it is how any copy sees at once that the peer
+        // dropped its transport. (Plain copies once looked at it only when a
+        // notifying write had mapped it: to a peer that dropped its
+        // transport, they landed and said Ok until the driver saw the QP
+        // fail.)
+        let page = self.notes.peer_page(|p| self.cached_mapping(p).map(|(m, _)| m));
         // The peer dropped its transport (its page says so at once, before
         // this side's driver sees the connection go): the connection is
         // over. A copy would land in (or read) memory the peer may already
@@ -989,12 +992,15 @@ impl Inner {
             self.break_with(TransportError::PeerClosed { peer: self.peer() });
             return Direct::No;
         }
-        if notify && page.is_none() {
+        // The data's mapping is asked for (started, if new) whether or not
+        // the page is mapped yet.
+        let data = (len > 0).then(|| self.cached_mapping(&RdmaRemoteBuffer { addr, len: len as u64, key }));
+        if page.is_none() {
             return Direct::No;
         }
         let page = page.filter(|_| notify);
-        if len > 0 {
-            let Some((m, off)) = self.cached_mapping(&RdmaRemoteBuffer { addr, len: len as u64, key }) else {
+        if let Some(data) = data {
+            let Some((m, off)) = data else {
                 return Direct::No;
             };
             let copied = if write {

@@ -92,7 +92,7 @@ async fn same_host_writes_and_reads_are_copied_when_called() {
     let head = rb.slice(0, 4096).unwrap();
     assert_eq!(a.direct_mappings(), 0);
     a.write(src.view(0, 4096).unwrap(), &head, false).await.unwrap();
-    direct_mappings(&a, 1).await;
+    direct_mappings(&a, 2).await;
 
     src.write_from(0, &pattern(4096, 1)).unwrap();
     let f = a.write(src.view(0, 4096).unwrap(), &head, false);
@@ -108,7 +108,7 @@ async fn same_host_writes_and_reads_are_copied_when_called() {
     assert_eq!(a.in_flight(), 0, "a slice the first write did not touch is copied too");
     assert_eq!(contents(&dst, (1 << 20) - 100, 100), pattern(100, 7));
     f.await.unwrap();
-    assert_eq!(a.direct_mappings(), 1);
+    assert_eq!(a.direct_mappings(), 2);
     // The same mapping is there for callers' own copies, with each slice's
     // offset in it.
     let (m, off) = a.cached_mapping(&tail).expect("mapped");
@@ -120,7 +120,7 @@ async fn same_host_writes_and_reads_are_copied_when_called() {
     let back = RdmaMemory::alloc_for(&b, 4096).unwrap();
     let ra = src.remote_buffer().slice(0, 100).unwrap();
     b.read(back.view_mut(0, 100).unwrap(), &ra).await.unwrap();
-    direct_mappings(&b, 1).await;
+    direct_mappings(&b, 2).await;
     src.write_from(0, &pattern(100, 99)).unwrap();
     let f = b.read(back.view_mut(0, 100).unwrap(), &ra);
     assert_eq!(b.in_flight(), 0);
@@ -134,7 +134,7 @@ async fn same_host_writes_and_reads_are_copied_when_called() {
     a.write(src.view(0, 8).unwrap(), &rb.slice(8192, 8).unwrap(), true).await.unwrap();
     b.wait_for_write().await.unwrap();
     assert_eq!(contents(&dst, 0, 4096), pattern(4096, 5));
-    // That write mapped the page where b counts a's notifications.
+    // The page where b counts a's notifications was mapped by the first copy.
     direct_mappings(&a, 2).await;
 
     // Over the limit (and with the limit at zero) operations take the QP.
@@ -162,7 +162,7 @@ async fn a_copy_never_overtakes_an_operation_in_flight() {
     let small = RdmaMemory::alloc_for(&a, 4096).unwrap();
     let head = dst.remote_buffer().slice(0, 4096).unwrap();
     a.write(small.view(0, 4096).unwrap(), &head, false).await.unwrap();
-    direct_mappings(&a, 1).await;
+    direct_mappings(&a, 2).await;
     big.write_from(0, &vec![0xAA; n]).unwrap();
     for round in 0..20u8 {
         small.write_from(0, &[round; 4096]).unwrap();
@@ -186,11 +186,11 @@ async fn a_deregistered_mapped_region_fails_like_the_qp() {
     let src = RdmaMemory::alloc_for(&a, 8192).unwrap();
     let rb = dst.remote_buffer();
     a.write(src.view(0, 64).unwrap(), &rb.slice(0, 64).unwrap(), false).await.unwrap();
-    direct_mappings(&a, 1).await;
+    direct_mappings(&a, 2).await;
     drop(dst);
     let e = a.write(src.view(0, 64).unwrap(), &rb.slice(0, 64).unwrap(), false).await.unwrap_err();
     assert!(matches!(e, rmacomm_transport::TransportError::RemoteAccess { op: "write" }), "{e}");
-    assert_eq!(a.direct_mappings(), 0, "the key is given up");
+    assert_eq!(a.direct_mappings(), 1, "the key is given up (the page stays)");
     assert!(!a.connected());
 }
 
@@ -485,6 +485,41 @@ async fn plain_writes_and_reads_to_a_dropped_peer_fail() {
     assert_eq!(contents(&dst, 0, 64), vec![0u8; 64], "it landed in the dropped peer's memory");
     let back = RdmaMemory::alloc_for(&a, 64).unwrap();
     assert!(a.read(back.view_mut(0, 64).unwrap(), &rb).await.is_err(), "a read from a dropped peer succeeded");
+}
+
+/// As above with plain writes only (found by review): the peer's page was
+/// then mapped by nobody, and the copies went on landing in the dropped
+/// peer's memory, reported Ok, for milliseconds (thousands of writes).
+/// Every direct copy now needs the page, so the drop is seen at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plain_writes_to_a_dropped_peer_fail_without_a_notifying_write_first() {
+    common::link("shm");
+    for round in 0..5 {
+        let (a, b) = common::pair().await;
+        let dst = RdmaMemory::alloc_for(&b, 4096).unwrap();
+        let src = RdmaMemory::alloc_for(&a, 4096).unwrap();
+        let rb = dst.remote_buffer();
+        src.write_from(0, &[7u8; 64]).unwrap();
+        // Plain writes until one is a direct copy (done when the call
+        // returns: nothing in flight).
+        let mut k = 0;
+        loop {
+            let f = a.write(src.view(0, 64).unwrap(), &rb, false);
+            let direct = a.in_flight() == 0;
+            f.await.unwrap();
+            if direct {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+            k += 1;
+            assert!(k < 5000, "round {round}: no write was copied directly");
+        }
+        dst.write_from(0, &[0u8; 64]).unwrap();
+        drop(b);
+        let w = a.write(src.view(0, 64).unwrap(), &rb, false).await;
+        assert!(w.is_err(), "round {round}: a plain write to a dropped peer succeeded");
+        assert_eq!(contents(&dst, 0, 64), vec![0u8; 64], "round {round}: it landed in the dropped peer's memory");
+    }
 }
 
 /// A peer that allocates, is written once and frees, over and over: the
