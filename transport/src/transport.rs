@@ -988,7 +988,7 @@ impl Inner {
         // over. A copy would land in (or read) memory the peer may already
         // use with another connection, and succeed; so would a WR its QP
         // still serves until it is torn down.
-        if page.is_some_and(notes::closed) {
+        if page.is_some_and(|p| if notify { notes::closed(p) } else { notes::poisoned(p) }) {
             self.break_with(TransportError::PeerClosed { peer: self.peer() });
             return Direct::No;
         }
