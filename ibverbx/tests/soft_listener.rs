@@ -93,3 +93,57 @@ fn a_wait_longer_than_poll_counts_still_returns_its_completion() {
         assert!(wc[0].is_ok() && wc[0].wr_id == 9, "{:?}", wc[0]);
     });
 }
+
+/// A requester whose hello connection is closed without an answer (the
+/// target's listener closed it as one of too many pending handshakes, as
+/// under a flood of idle connections) connects again instead of failing its
+/// QP. A proxy in front of the target resets the first connection after its
+/// hello arrived, then forwards the next ones.
+#[test]
+fn a_hello_connection_closed_without_an_answer_is_retried() {
+    use std::net::{Shutdown, TcpListener};
+
+    let ctx = SoftProvider::new(config("=lo")).device().open().unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(16).unwrap();
+    let a = pd.create_qp(&QpInitAttr::default(), &cq, &cq).unwrap();
+    let b = pd.create_qp(&QpInitAttr::default(), &cq, &cq).unwrap();
+    let target = b.endpoint().unwrap().soft.as_ref().unwrap().tcp[0];
+    let proxy = TcpListener::bind("127.0.0.1:0").unwrap();
+    let mut via_proxy = b.endpoint().unwrap();
+    via_proxy.soft.as_mut().unwrap().tcp = vec![proxy.local_addr().unwrap()];
+    let proxied = std::thread::spawn(move || {
+        let (first, _) = proxy.accept().unwrap();
+        // Its hello arrives, unread: closing now resets the connection.
+        let mut b = [0u8; 1];
+        first.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let _ = first.peek(&mut b);
+        drop(first);
+        let (mut from, _) = proxy.accept().unwrap();
+        let mut to = TcpStream::connect(target).unwrap();
+        let (mut from2, mut to2) = (from.try_clone().unwrap(), to.try_clone().unwrap());
+        let back = std::thread::spawn(move || {
+            let _ = std::io::copy(&mut to2, &mut from2);
+            let _ = from2.shutdown(Shutdown::Write);
+        });
+        let _ = std::io::copy(&mut from, &mut to);
+        let _ = to.shutdown(Shutdown::Write);
+        let _ = back.join();
+    });
+    a.connect(&via_proxy).unwrap();
+    b.connect(&a.endpoint().unwrap()).unwrap();
+    let src = MemoryRegion::alloc(&pd, 4096, AccessFlags::LOCAL_WRITE).unwrap();
+    let dst = MemoryRegion::alloc(&pd, 4096, AccessFlags::all_remote()).unwrap();
+    src.write(0, b"retried").unwrap();
+    let sg = [src.sge(0, 7).unwrap()];
+    let op = SendOp::RdmaWrite { remote_addr: dst.addr(), rkey: dst.rkey() };
+    a.post_send(&[SendWr { wr_id: 1, op, sg_list: &sg, flags: SendFlags::SIGNALED }]).unwrap();
+    let mut wc = [WorkCompletion::empty(); 1];
+    assert_eq!(cq.wait(&mut wc, Some(Duration::from_secs(20)), Duration::ZERO).unwrap(), 1);
+    assert!(wc[0].is_ok(), "{:?}", wc[0]);
+    let mut got = [0u8; 7];
+    dst.read(0, &mut got).unwrap();
+    assert_eq!(&got, b"retried");
+    // The proxy's copies end with the connection (not waited for).
+    drop(proxied);
+}

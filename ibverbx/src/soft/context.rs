@@ -427,19 +427,44 @@ pub(crate) const MAX_PENDING_HANDSHAKES: usize = 128;
 /// at once).
 const HELLO_DEADLINE: Duration = Duration::from_secs(3);
 
-/// The unauthenticated connections of a context, oldest first.
+/// The unauthenticated connections of a context, oldest first: each
+/// one's task (to abort; `None` until it is spawned) and its socket's
+/// descriptor (to peek at).
+///
+/// A listed descriptor is open: its [`Unadmitted`] guard takes it off the
+/// list (under the lock) before the socket closes, and an evicted one is
+/// taken off before its task is aborted.
 #[derive(Debug, Default)]
 struct Handshakes {
     next: u64,
-    live: std::collections::BTreeMap<u64, tokio::task::AbortHandle>,
+    live: std::collections::BTreeMap<u64, (Option<tokio::task::AbortHandle>, std::os::fd::RawFd)>,
 }
 
 impl Handshakes {
-    /// Closes the oldest pending handshake; false when there is none.
-    fn evict_oldest(&mut self) -> bool {
-        match self.live.pop_first() {
-            Some((_, h)) => {
+    /// Closes one pending handshake: the oldest whose whole hello is not
+    /// already waiting in its socket (idle connections go first, so a flood
+    /// of them that outruns the handshake tasks cannot push out a real peer
+    /// whose hello arrived with its connection), else the oldest. False when
+    /// there is none.
+    fn evict(&mut self) -> bool {
+        let idle = self.live.iter().find(|(_, (_, fd))| !hello_waiting(*fd)).map(|(id, _)| *id);
+        let victim = match idle {
+            Some(id) => self.live.remove(&id),
+            None => self.live.pop_first().map(|(_, v)| v),
+        };
+        match victim {
+            Some((Some(h), _)) => {
                 h.abort();
+                true
+            }
+            Some((None, fd)) => {
+                // Not spawned yet: its read ends at once, finds the
+                // connection unlisted and closes it.
+                // SAFETY: listed until just now, so still open (see above).
+                let _ = rustix::net::shutdown(
+                    unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) },
+                    rustix::net::Shutdown::Both,
+                );
                 true
             }
             None => false,
@@ -447,12 +472,51 @@ impl Handshakes {
     }
 }
 
-/// Starts the handshake of an accepted connection, closing the oldest
-/// pending one when [`MAX_PENDING_HANDSHAKES`] are already waiting (so a
-/// flood of idle connections cannot lock out a peer that sends its hello
-/// at once). An accept error such as EMFILE also closes the oldest pending
-/// handshake, to free a descriptor; the caller then backs off for the
-/// returned time. `None` when the context is gone.
+/// Whether a whole hello waits unread in the socket (a peek, not waiting).
+fn hello_waiting(fd: std::os::fd::RawFd) -> bool {
+    let mut buf = [0u8; HELLO_LEN];
+    // SAFETY: the descriptor is listed in `Handshakes`, whose guard keeps
+    // it open while it is (see there); the borrow ends with this call.
+    let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+    let flags = rustix::net::RecvFlags::PEEK | rustix::net::RecvFlags::DONTWAIT;
+    matches!(rustix::net::recv(fd, &mut buf[..], flags), Ok((n, _)) if n == HELLO_LEN)
+}
+
+/// An accepted connection whose hello has not been read: listed in the
+/// context's pending handshakes while it is held, and taken off the list
+/// (under the lock) before its socket closes, whichever way the task ends
+/// (eviction's abort included).
+struct Unadmitted<S> {
+    s: Option<S>,
+    id: u64,
+    pending: Arc<Mutex<Handshakes>>,
+}
+
+impl<S> Unadmitted<S> {
+    /// The connection, taken off the list; `None` when it was evicted
+    /// meanwhile (its abort not yet effective, as its task was running).
+    fn admit(mut self) -> Option<S> {
+        let listed = self.pending.lock().unwrap_or_else(|e| e.into_inner()).live.remove(&self.id).is_some();
+        let s = self.s.take();
+        s.filter(|_| listed)
+    }
+}
+
+impl<S> Drop for Unadmitted<S> {
+    fn drop(&mut self) {
+        if self.s.is_some() {
+            self.pending.lock().unwrap_or_else(|e| e.into_inner()).live.remove(&self.id);
+        }
+    }
+}
+
+/// Starts the handshake of an accepted connection, closing a pending one
+/// (an idle one first: [`Handshakes::evict`]) when
+/// [`MAX_PENDING_HANDSHAKES`] are already waiting (so a flood of idle
+/// connections cannot lock out a peer that sends its hello at once). An
+/// accept error such as EMFILE also closes a pending handshake, to free a
+/// descriptor; the caller then backs off for the returned time. `None` when
+/// the context is gone.
 fn admit_handshake<S>(
     ctx: &Weak<CtxShared>,
     pending: &Arc<Mutex<Handshakes>>,
@@ -466,20 +530,32 @@ where
     let (s, peer) = match accepted {
         Ok(x) => x,
         Err(e) => {
-            let freed = pending.lock().unwrap_or_else(|e| e.into_inner()).evict_oldest();
+            let freed = pending.lock().unwrap_or_else(|e| e.into_inner()).evict();
             c.handshakes_evicted.fetch_add(u64::from(freed), Ordering::Relaxed);
             tracing::warn!("soft {kind} accept: {e}");
             // An error that persists must not spin the progress thread.
             return Some(Duration::from_millis(if freed { 1 } else { 10 }));
         }
     };
+    let fd = std::os::fd::AsRawFd::as_raw_fd(&s.sock().fd());
+    // Listed before its task can run (and end), spawned without the lock
+    // (a task dropped at once, as on a closing runtime, takes it in its
+    // guard's drop).
+    let id = {
+        let mut g = pending.lock().unwrap_or_else(|e| e.into_inner());
+        let id = g.next;
+        g.next += 1;
+        g.live.insert(id, (None, fd));
+        id
+    };
+    let conn = Unadmitted { s: Some(s), id, pending: pending.clone() };
+    let task = c.rt.spawn(accept_conn(c.clone(), conn, peer));
     let mut g = pending.lock().unwrap_or_else(|e| e.into_inner());
-    let id = g.next;
-    g.next += 1;
-    let task = c.rt.spawn(accept_conn(c.clone(), s, peer, id, pending.clone()));
-    g.live.insert(id, task.abort_handle());
+    if let Some(e) = g.live.get_mut(&id) {
+        e.0 = Some(task.abort_handle());
+    }
     while g.live.len() > MAX_PENDING_HANDSHAKES {
-        g.evict_oldest();
+        g.evict();
         c.handshakes_evicted.fetch_add(1, Ordering::Relaxed);
     }
     Some(Duration::ZERO)
@@ -487,19 +563,22 @@ where
 
 /// Reads a hello, checks the token, and hands the connection to the QP's
 /// responder.
-async fn accept_conn<S>(ctx: Arc<CtxShared>, mut s: S, peer: String, id: u64, pending: Arc<Mutex<Handshakes>>)
+async fn accept_conn<S>(ctx: Arc<CtxShared>, mut conn: Unadmitted<S>, peer: String)
 where
     S: AsyncRead + AsyncWrite + super::raw_io::HasSock + Unpin + Send + 'static,
 {
     let mut buf = [0u8; HELLO_LEN];
-    let r = tokio::time::timeout(HELLO_DEADLINE, s.read_exact(&mut buf)).await;
+    let r = match conn.s.as_mut() {
+        Some(s) => tokio::time::timeout(HELLO_DEADLINE, s.read_exact(&mut buf)).await,
+        None => return,
+    };
     // From here on the connection is no longer an anonymous one: it is
     // never evicted (it is closed below unless its token is right). One
     // evicted meanwhile (its abort not yet effective, as this task was
     // running) ends here, never at an await inside its responder.
-    if pending.lock().unwrap_or_else(|e| e.into_inner()).live.remove(&id).is_none() {
+    let Some(mut s) = conn.admit() else {
         return tracing::debug!("soft connection from {peer}: evicted while it sent its hello; closing");
-    }
+    };
     match r {
         Ok(Ok(_)) => {}
         Ok(Err(e)) => return tracing::debug!("soft connection from {peer} closed during hello: {e}"),
@@ -659,5 +738,51 @@ impl PdOps for SoftPd {
 
     fn as_any(&self) -> &dyn Any {
         self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{Read, Write};
+    use std::os::fd::AsRawFd;
+    use std::os::unix::net::UnixStream;
+
+    /// A listed connection (not spawned) and the peer end that sends.
+    fn listed(h: &mut Handshakes) -> (u64, UnixStream, UnixStream) {
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        let id = h.next;
+        h.next += 1;
+        h.live.insert(id, (None, ours.as_raw_fd()));
+        (id, ours, theirs)
+    }
+
+    #[test]
+    fn eviction_spares_connections_whose_hello_is_waiting() {
+        let mut h = Handshakes::default();
+        // The oldest sent its whole hello with its connection (a real peer
+        // whose task has not run yet); the next sent part of one; the
+        // newest nothing.
+        let (real, _real_s, mut real_peer) = listed(&mut h);
+        real_peer.write_all(&[7; HELLO_LEN]).unwrap();
+        let (part, _part_s, mut part_peer) = listed(&mut h);
+        part_peer.write_all(&[7; HELLO_LEN - 1]).unwrap();
+        let (idle, _idle_s, mut idle_peer) = listed(&mut h);
+        assert!(h.evict());
+        assert!(!h.live.contains_key(&part), "a partial hello is no hello: {:?}", h.live.keys());
+        assert!(h.live.contains_key(&real) && h.live.contains_key(&idle), "{:?}", h.live.keys());
+        // An unspawned one's socket is shut down: its peer reads EOF.
+        let mut b = [0u8; 1];
+        assert_eq!(part_peer.read(&mut b).unwrap(), 0);
+        assert!(h.evict());
+        assert!(h.live.contains_key(&real) && !h.live.contains_key(&idle));
+        assert_eq!(idle_peer.read(&mut b).unwrap(), 0);
+        // Only hellos left: the oldest goes.
+        let (newer, _newer_s, mut newer_peer) = listed(&mut h);
+        newer_peer.write_all(&[7; HELLO_LEN]).unwrap();
+        assert!(h.evict());
+        assert!(!h.live.contains_key(&real) && h.live.contains_key(&newer));
+        assert!(h.evict());
+        assert!(!h.evict(), "nothing left to evict");
     }
 }

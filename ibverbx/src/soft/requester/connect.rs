@@ -92,12 +92,25 @@ pub(super) async fn connect(
         };
         match attempt.await {
             Ok((mut r, mut w, dup, served_by)) => {
-                w.write_all(&hello.encode()).await.map_err(|e| format!("hello: {e}"))?;
                 let mut buf = [0u8; HELLO_LEN];
-                tokio::time::timeout(Duration::from_secs(10), r.read_exact(&mut buf))
-                    .await
-                    .map_err(|_| "no reply to hello within 10 s".to_string())?
-                    .map_err(|e| format!("hello reply: {e}"))?;
+                let sent = match w.write_all(&hello.encode()).await {
+                    Ok(()) => tokio::time::timeout(Duration::from_secs(10), r.read_exact(&mut buf))
+                        .await
+                        .map_err(|_| "no reply to hello within 10 s".to_string())?
+                        .map_err(|e| format!("hello reply: {e}")),
+                    Err(e) => Err(format!("hello: {e}")),
+                };
+                if let Err(e) = sent {
+                    // Closed before any answer: the listener never took the
+                    // hello (it closed the connection as one of too many
+                    // pending handshakes, as under a flood of idle
+                    // connections, or the peer is going away). Nothing was
+                    // admitted, so trying again is safe; a peer that is gone
+                    // refuses the next connect, until the deadline.
+                    last_err = e;
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    continue;
+                }
                 match HelloStatus::decode(&buf).map_err(|e| e.to_string())? {
                     HelloStatus::Ok => {}
                     HelloStatus::BadToken => {
