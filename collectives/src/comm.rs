@@ -235,7 +235,7 @@ impl Comm {
 
     /// Ends the communicator (collective: a barrier); later operations fail.
     pub fn finalize(&mut self) -> Result<()> {
-        self.barrier()?;
+        self.barrier_as("finalize")?;
         self.unusable = Some("finalize() was called".into());
         Ok(())
     }

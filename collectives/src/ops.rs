@@ -521,18 +521,28 @@ impl Comm {
     /// With different lengths per rank (`outputs[r].len()` must equal rank
     /// r's input length) this is `all_gather_v`.
     pub fn all_gather(&mut self, outputs: &mut [&mut [u8]], input: &[u8]) -> Result<()> {
-        const OP: &str = "all_gather";
+        self.all_gather_list("all_gather", outputs, input)
+    }
+
+    /// `all_gather_v`: as [`all_gather`](Self::all_gather) (which accepts
+    /// uneven lengths already), its errors naming `all_gather_v`.
+    pub fn all_gather_v(&mut self, outputs: &mut [&mut [u8]], input: &[u8]) -> Result<()> {
+        self.all_gather_list("all_gather_v", outputs, input)
+    }
+
+    /// The list form of all_gather, its errors naming `op`.
+    fn all_gather_list(&mut self, op: &'static str, outputs: &mut [&mut [u8]], input: &[u8]) -> Result<()> {
         let (me, n) = (self.rank(), self.size());
         if outputs.len() != n {
-            return Err(Error::invalid(OP, format!("{} outputs for {n} ranks", outputs.len())));
+            return Err(Error::invalid(op, format!("{} outputs for {n} ranks", outputs.len())));
         }
         if outputs[me].len() != input.len() {
             return Err(Error::invalid(
-                OP,
+                op,
                 format!("outputs[{me}] has {} bytes, this rank's input {}", outputs[me].len(), input.len()),
             ));
         }
-        self.collective(OP)?;
+        self.collective(op)?;
         outputs[me].copy_from_slice(input);
         let mut transfers: Vec<Transfer<'_>> = Vec::with_capacity(2 * n);
         for (r, o) in outputs.iter_mut().enumerate() {
@@ -541,35 +551,47 @@ impl Comm {
                 transfers.push(Transfer::Send { peer: r, data: input });
             }
         }
-        self.exchange(OP, ALL_GATHER, transfers)
-    }
-
-    /// `all_gather_v`: as [`all_gather`](Self::all_gather) (which accepts
-    /// uneven lengths already).
-    pub fn all_gather_v(&mut self, outputs: &mut [&mut [u8]], input: &[u8]) -> Result<()> {
-        self.all_gather(outputs, input)
+        self.exchange(op, ALL_GATHER, transfers)
     }
 
     /// `reduce_scatter` from a list: this rank's `output` is the reduction
     /// of every rank's `inputs[rank]`; `inputs[j].len()` may differ per j
     /// (`reduce_scatter_v`) but must equal rank j's output length.
     pub fn reduce_scatter(&mut self, output: &mut [u8], inputs: &[&[u8]], dtype: DType, op: ReduceOp) -> Result<()> {
-        const OP: &str = "reduce_scatter";
+        self.reduce_scatter_list("reduce_scatter", output, inputs, dtype, op)
+    }
+
+    /// `reduce_scatter_v`: as [`reduce_scatter`](Self::reduce_scatter)
+    /// (which accepts uneven lengths already), its errors naming
+    /// `reduce_scatter_v`.
+    pub fn reduce_scatter_v(&mut self, output: &mut [u8], inputs: &[&[u8]], dtype: DType, op: ReduceOp) -> Result<()> {
+        self.reduce_scatter_list("reduce_scatter_v", output, inputs, dtype, op)
+    }
+
+    /// The list form of reduce_scatter, its errors naming `name`.
+    fn reduce_scatter_list(
+        &mut self,
+        name: &'static str,
+        output: &mut [u8],
+        inputs: &[&[u8]],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<()> {
         let (me, n) = (self.rank(), self.size());
         if inputs.len() != n {
-            return Err(Error::invalid(OP, format!("{} inputs for {n} ranks", inputs.len())));
+            return Err(Error::invalid(name, format!("{} inputs for {n} ranks", inputs.len())));
         }
         if inputs[me].len() != output.len() {
             return Err(Error::invalid(
-                OP,
+                name,
                 format!("inputs[{me}] has {} bytes, the output {}", inputs[me].len(), output.len()),
             ));
         }
-        check_dtype(OP, output.len(), dtype)?;
-        rmacomm_kernels::check(dtype, op).map_err(|source| Error::Kernel { op: OP, source })?;
-        self.collective(OP)?;
+        check_dtype(name, output.len(), dtype)?;
+        rmacomm_kernels::check(dtype, op).map_err(|source| Error::Kernel { op: name, source })?;
+        self.collective(name)?;
         output.copy_from_slice(inputs[me]);
-        Self::scale_own(OP, dtype, op, n, output)?;
+        Self::scale_own(name, dtype, op, n, output)?;
         // The caller's inputs stay as they were: scaled copies go.
         let scaled = inputs
             .iter()
@@ -578,11 +600,11 @@ impl Comm {
                 if p == me {
                     Ok(std::borrow::Cow::Borrowed(&[][..]))
                 } else {
-                    Self::scaled_own(OP, dtype, op, n, data)
+                    Self::scaled_own(name, dtype, op, n, data)
                 }
             })
             .collect::<Result<Vec<_>>>()?;
-        let combine = Self::combiner(OP, dtype, op)?;
+        let combine = Self::combiner(name, dtype, op)?;
         let mut transfers: Vec<Transfer<'_>> = Vec::with_capacity(n);
         for (p, data) in scaled.iter().enumerate() {
             if p != me {
@@ -593,13 +615,8 @@ impl Comm {
         if !peers.is_empty() {
             transfers.push(Transfer::Reduce { peers, out: &mut *output, combine: &combine });
         }
-        self.exchange(OP, reducing(REDUCE_SCATTER, dtype, op), transfers)?;
-        Self::finish(OP, dtype, op, n, output)
-    }
-
-    /// `reduce_scatter_v`: as [`reduce_scatter`](Self::reduce_scatter).
-    pub fn reduce_scatter_v(&mut self, output: &mut [u8], inputs: &[&[u8]], dtype: DType, op: ReduceOp) -> Result<()> {
-        self.reduce_scatter(output, inputs, dtype, op)
+        self.exchange(name, reducing(REDUCE_SCATTER, dtype, op), transfers)?;
+        Self::finish(name, dtype, op, n, output)
     }
 
     /// `reduce_scatter_single`: `input` is `size * output.len()` bytes;
@@ -792,8 +809,12 @@ impl Comm {
 
     /// `barrier`: returns once every rank called it.
     pub fn barrier(&mut self) -> Result<()> {
-        const OP: &str = "barrier";
-        self.collective(OP)?;
+        self.barrier_as("barrier")
+    }
+
+    /// A barrier whose errors name `op` (`finalize` is one).
+    pub(crate) fn barrier_as(&mut self, op: &'static str) -> Result<()> {
+        self.collective(op)?;
         let me = self.rank();
         let mut transfers: Vec<Transfer<'_>> = Vec::new();
         let mut sinks: Vec<[u8; 0]> = vec![[]; self.size()];
@@ -803,6 +824,6 @@ impl Comm {
                 transfers.push(Transfer::Recv { peer: p, out: sink });
             }
         }
-        self.exchange(OP, BARRIER, transfers)
+        self.exchange(op, BARRIER, transfers)
     }
 }

@@ -201,3 +201,29 @@ fn a_call_refused_for_its_arguments_leaves_the_retry_matched() {
     });
     assert_eq!(done, vec![0, 1]);
 }
+
+/// Errors name the call the user made: `all_gather_v` and
+/// `reduce_scatter_v` (they share `all_gather`'s and `reduce_scatter`'s
+/// code), and `finalize` (a barrier inside).
+#[test]
+fn errors_name_the_v_forms_and_finalize() {
+    use rmacomm_collectives::{DType, ReduceOp};
+    let opts = CommOptions::new().timeout(Duration::from_secs(10));
+    let done = two_ranks(opts, |rank, mut comm| {
+        let src = [rank as u8 + 1; 8];
+        let (mut a, mut b, mut c) = ([0u8; 8], [0u8; 8], [0u8; 8]);
+        let e = comm.all_gather_v(&mut [&mut a, &mut b, &mut c], &src).unwrap_err().to_string();
+        assert!(e.starts_with("all_gather_v: invalid argument"), "{e}");
+        let e = comm.reduce_scatter_v(&mut [0u8; 8], &[&src], DType::F32, ReduceOp::Sum).unwrap_err().to_string();
+        assert!(e.starts_with("reduce_scatter_v: invalid argument"), "{e}");
+        let (mut a, mut b) = ([0u8; 4], [0u8; 8]);
+        let mine = if rank == 0 { &src[..4] } else { &src[..] };
+        comm.all_gather_v(&mut [&mut a, &mut b], mine).unwrap();
+        assert_eq!((a, b), ([1u8; 4], [2u8; 8]));
+        comm.finalize().unwrap();
+        let e = comm.finalize().unwrap_err().to_string();
+        assert!(e.starts_with("finalize: the communicator is unusable"), "{e}");
+        rank
+    });
+    assert_eq!(done, vec![0, 1]);
+}
