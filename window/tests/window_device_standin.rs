@@ -634,3 +634,86 @@ fn proxy_words_pass_from_window_to_window() {
     let made = rmacomm_window::stream_proxy_blocks() - before;
     assert!(made <= 2, "{made} blocks of proxy words for 2 ranks' windows made one after another");
 }
+
+/// A store that rewrites rank 1's `tensor_register_device` record: its
+/// element size (the record's fifth field) becomes `es`.
+#[derive(Debug)]
+struct ForgedElemSize {
+    inner: HashStore,
+    es: &'static str,
+}
+
+impl Store for ForgedElemSize {
+    fn set(&self, key: &str, value: &[u8]) -> rmacomm_window::Result<()> {
+        const CALL: &[u8] = b"exchange 'tensor_register_device'";
+        let call_len = value.get(..4).map_or(0, |b| u32::from_le_bytes(b.try_into().unwrap()) as usize);
+        if key.ends_with("/1") && value.get(4..4 + call_len) == Some(CALL) {
+            let text = String::from_utf8_lossy(&value[4 + call_len..]).into_owned();
+            let mut f: Vec<&str> = text.split(' ').collect();
+            f[4] = self.es;
+            let mut forged = value[..4 + call_len].to_vec();
+            forged.extend_from_slice(f.join(" ").as_bytes());
+            return self.inner.set(key, &forged);
+        }
+        self.inner.set(key, value)
+    }
+    fn try_get(&self, key: &str) -> rmacomm_window::Result<Option<Vec<u8>>> {
+        self.inner.try_get(key)
+    }
+    fn multi_get(&self, keys: &[&str], timeout: Duration) -> rmacomm_window::Result<Vec<Vec<u8>>> {
+        self.inner.multi_get(keys, timeout)
+    }
+    fn wait(&self, keys: &[&str], timeout: Duration) -> rmacomm_window::Result<()> {
+        self.inner.wait(keys, timeout)
+    }
+    fn check(&self, keys: &[&str]) -> rmacomm_window::Result<bool> {
+        self.inner.check(keys)
+    }
+    fn add(&self, key: &str, delta: i64) -> rmacomm_window::Result<i64> {
+        self.inner.add(key, delta)
+    }
+    fn compare_set(
+        &self,
+        key: &str,
+        expected: Option<&[u8]>,
+        desired: &[u8],
+    ) -> rmacomm_window::Result<Option<Vec<u8>>> {
+        self.inner.compare_set(key, expected, desired)
+    }
+    fn delete(&self, key: &str) -> rmacomm_window::Result<bool> {
+        self.inner.delete(key)
+    }
+}
+
+/// A peer's device descriptor whose element size is 0 (bounds checks
+/// divided by it: a panic on the first put that did not fit) or does not
+/// divide its length is refused at registration on every rank, naming the
+/// rank.
+#[test]
+fn a_device_descriptor_with_a_bad_element_size_is_refused() {
+    if !use_standin() {
+        return;
+    }
+    for es in ["0", "3"] {
+        let store: Arc<dyn Store> = Arc::new(ForgedElemSize { inner: HashStore::new(), es });
+        let handles: Vec<_> = (0..2)
+            .map(|rank| {
+                let store = store.clone();
+                std::thread::spawn(move || {
+                    let g = Group::with_options(rank, 2, store, GroupOptions::new().timeout(Duration::from_secs(30)))
+                        .unwrap();
+                    let ctx = Context::open_shared(0).unwrap();
+                    let mut w = window(&g);
+                    let e = w.tensor_register_device(ctx.alloc_shared(64).unwrap(), 8).unwrap_err();
+                    assert!(
+                        matches!(e, Error::Protocol(_)) && e.to_string().contains("rank 1 sent a malformed descriptor"),
+                        "rank {rank}, element size {es}: {e}"
+                    );
+                })
+            })
+            .collect();
+        for h in handles {
+            h.join().unwrap();
+        }
+    }
+}

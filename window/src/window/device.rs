@@ -465,7 +465,12 @@ impl Window {
                         Export::from_text(f[1])?,
                         f[2].parse::<u64>().ok()?,
                         f[3].parse::<usize>().ok()?,
-                        f[4].parse::<usize>().ok()?,
+                        // An element size of 0 is no registration's (it
+                        // would divide by zero in bounds checks), nor a
+                        // length that is no whole number of elements.
+                        f[4].parse::<usize>()
+                            .ok()
+                            .filter(|&es| es > 0 && f[3].parse::<usize>().is_ok_and(|l| l % es == 0))?,
                         f[5].parse::<u32>().ok()?,
                         f[6].parse::<u64>().ok()?,
                     ))
