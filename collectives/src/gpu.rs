@@ -884,7 +884,8 @@ impl GpuComm {
             return;
         }
         let peers = self.win.peer_watch();
-        let deadline = std::time::Instant::now() + timeout;
+        // No deadline for a timeout past what the clock counts (Duration::MAX: wait for ever).
+        let deadline = std::time::Instant::now().checked_add(timeout);
         loop {
             let behind: Vec<(usize, u64)> = (0..self.size)
                 .filter(|p| *p != self.rank && peers.gone_among(&[*p]).is_none())
@@ -893,7 +894,7 @@ impl GpuComm {
             if behind.is_empty() {
                 return;
             }
-            if std::time::Instant::now() >= deadline {
+            if deadline.is_some_and(|d| std::time::Instant::now() >= d) {
                 let who: Vec<String> = behind.iter().map(|(p, v)| format!("rank {p} at {v}")).collect();
                 tracing::warn!(
                     "{OP} (rank {}): {} had not run the reads of this rank's slots that {target} collective calls \

@@ -317,6 +317,17 @@ fn a_timeout_of_duration_max_waits_forever() {
             w.signal_value(0, 7, peer, rmacomm_window::SignalOp::Set, false).unwrap();
             w.wait_signal_until(0, 7, rmacomm_window::Cmp::Ge, Some(Duration::MAX)).unwrap();
             w.wait_signal_until(0, 7, rmacomm_window::Cmp::Eq, None).unwrap();
+            // A stream watchdog with that timeout drains (it computed its
+            // deadline as now + timeout: an overflow panic).
+            let watch = rmacomm_window::StreamWatch::start(
+                Arc::new(|_| 0),
+                Duration::MAX,
+                w.peer_watch(),
+                w.stream_release(),
+                None,
+            )
+            .unwrap();
+            watch.drain();
             g.barrier(None).unwrap();
         });
     }

@@ -246,7 +246,7 @@ impl StreamWatch {
     /// past the failure, if any: before the memory the work uses goes.
     pub fn drain(&self) {
         let s = &self.shared;
-        let mut deadline = Instant::now() + s.timeout + Duration::from_secs(1);
+        let mut deadline = ibverbx::deadline_after(s.timeout.saturating_add(Duration::from_secs(1)));
         let mut failed = s.stalled.get().is_some();
         while Instant::now() < deadline {
             let q = s.issued.lock().unwrap_or_else(|e| e.into_inner());
@@ -257,7 +257,7 @@ impl StreamWatch {
             if !failed && s.stalled.get().is_some() {
                 // Released now: its waits pass soon.
                 failed = true;
-                deadline = deadline.max(Instant::now() + s.timeout);
+                deadline = deadline.max(ibverbx::deadline_after(s.timeout));
             }
             std::thread::sleep(Duration::from_millis(1));
         }
