@@ -10,7 +10,13 @@ use crate::error::{Error, Result};
 use crate::host_id::host_id;
 use crate::launch_env::{default_timeout, LaunchEnv};
 use crate::prefix_store::PrefixStore;
-use crate::store::Store;
+use crate::store::{Store, MAX_KEYS};
+
+/// The most ranks a group has: its creation reads one key per rank in one
+/// store call, which holds at most [`MAX_KEYS`]. A larger size (an
+/// argument, `WORLD_SIZE` and its kin, `rmacomm-run --nproc-per-node`) is
+/// refused before anything is published.
+pub const MAX_GROUP_SIZE: usize = MAX_KEYS;
 use crate::tcp_store::TcpStore;
 
 /// Settings for creating a [`Group`]; code wins over the environment.
@@ -93,6 +99,12 @@ impl Group {
     pub fn with_options(rank: usize, size: usize, store: Arc<dyn Store>, options: GroupOptions) -> Result<Self> {
         if size == 0 {
             return Err(Error::invalid("Group::new", "size is 0; a group has at least one rank"));
+        }
+        if size > MAX_GROUP_SIZE {
+            return Err(Error::invalid(
+                "Group::new",
+                format!("size {size} is above the largest group, {MAX_GROUP_SIZE} ranks"),
+            ));
         }
         if rank >= size {
             return Err(Error::invalid("Group::new", format!("rank {rank} is not below size {size}")));

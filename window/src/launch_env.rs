@@ -168,6 +168,12 @@ impl LaunchEnv {
         if self.world_size == 0 {
             return Err(Error::env(size, "is 0; a job has at least one process"));
         }
+        if self.world_size > crate::MAX_GROUP_SIZE {
+            return Err(Error::env(
+                size,
+                format!("is {}, above the largest group, {} ranks", self.world_size, crate::MAX_GROUP_SIZE),
+            ));
+        }
         if self.rank >= self.world_size {
             return Err(Error::env(rank, format!("is {}, not below {size}={}", self.rank, self.world_size)));
         }

@@ -168,13 +168,13 @@ mod work;
 
 pub use error::{Error, Result};
 pub use file_store::FileStore;
-pub use group::{Group, GroupOptions};
+pub use group::{Group, GroupOptions, MAX_GROUP_SIZE};
 pub use hash_store::HashStore;
 pub use host_id::host_id;
 pub use launch_env::{default_timeout, timeout_from, LaunchEnv, Launcher, DEFAULT_TIMEOUT};
 pub use nodelist::first_host;
 pub use prefix_store::PrefixStore;
-pub use store::{Store, MAX_KEYS, MAX_KEY_LEN, MAX_VALUE_LEN};
+pub use store::{Store, MAX_KEYS, MAX_KEYS_BYTES, MAX_KEY_LEN, MAX_VALUE_LEN};
 pub use tcp_server::{TcpStoreServer, MAX_CLIENTS};
 pub use tcp_store::TcpStore;
 pub use window::{

@@ -60,6 +60,8 @@ fn torchrun_missing_and_contradictory_variables_are_named() {
     assert_names(detect(&with(TORCHRUN, &[("RANK", Some("three"))])), "RANK");
     assert_names(detect(&with(TORCHRUN, &[("RANK", Some("-1"))])), "RANK");
     assert_names(detect(&with(TORCHRUN, &[("WORLD_SIZE", Some("0")), ("RANK", Some("0"))])), "WORLD_SIZE");
+    assert_names(detect(&with(TORCHRUN, &[("WORLD_SIZE", Some("1000000000000"))])), "WORLD_SIZE");
+    assert_names(detect(&with(TORCHRUN, &[("WORLD_SIZE", Some("65537"))])), "WORLD_SIZE");
     assert_names(detect(&with(TORCHRUN, &[("LOCAL_RANK", Some("2"))])), "LOCAL_RANK");
     assert_names(detect(&with(TORCHRUN, &[("LOCAL_WORLD_SIZE", Some("9"))])), "LOCAL_WORLD_SIZE");
     assert_names(detect(&with(TORCHRUN, &[("LOCAL_WORLD_SIZE", Some("x"))])), "LOCAL_WORLD_SIZE");

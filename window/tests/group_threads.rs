@@ -261,7 +261,13 @@ fn disagreeing_sizes_are_an_error() {
 fn bad_arguments_to_new() {
     let store: Arc<dyn Store> = Arc::new(HashStore::new());
     assert!(matches!(Group::new(2, 2, store.clone()), Err(Error::InvalidArgument { .. })));
-    assert!(matches!(Group::new(0, 0, store), Err(Error::InvalidArgument { .. })));
+    assert!(matches!(Group::new(0, 0, store.clone()), Err(Error::InvalidArgument { .. })));
+    // Past the largest group: refused before anything is published (it
+    // panicked on capacity overflow, or aborted reserving memory).
+    for size in [rmacomm_window::MAX_GROUP_SIZE + 1, 1 << 40, usize::MAX] {
+        let e = Group::new(0, size, store.clone()).unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument { .. }) && e.to_string().contains("largest group"), "{e}");
+    }
 }
 
 #[test]

@@ -96,6 +96,19 @@ fn all_ranks_succeeding_exits_zero_and_a_missing_program_127() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot start"));
     // Bad usage is clap's exit code 2.
     assert_eq!(Command::new(RUN).args(["--nproc-per-node", "0", "true"]).output().unwrap().status.code(), Some(2));
+    // Settings past what can be held are usage errors too, before anything
+    // starts (a grace period past u64::MAX seconds panicked after the ranks
+    // had started; a huge rank count aborted reserving memory).
+    for bad in [
+        &["--nproc-per-node", "1", "--grace-period", "1e20", "true"][..],
+        &["--nproc-per-node", "1", "--grace-period", "NaN", "true"],
+        &["--nproc-per-node", "18446744073709551615", "true"],
+        &["--nproc-per-node", "65537", "true"],
+    ] {
+        let out = Command::new(RUN).args(bad).output().unwrap();
+        assert_eq!(out.status.code(), Some(2), "{bad:?}: {out:?}");
+        assert!(String::from_utf8_lossy(&out.stderr).contains("rmacomm-run: --"), "{bad:?}: {out:?}");
+    }
     assert_eq!(Command::new(RUN).arg("true").output().unwrap().status.code(), Some(2));
 }
 

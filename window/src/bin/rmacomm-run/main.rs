@@ -58,12 +58,12 @@ struct Args {
 
 fn main() {
     let args = Args::parse();
-    if args.nproc_per_node == 0 {
-        eprintln!("rmacomm-run: --nproc-per-node must be at least 1");
+    if args.nproc_per_node == 0 || args.nproc_per_node > rmacomm_window::MAX_GROUP_SIZE {
+        eprintln!("rmacomm-run: --nproc-per-node must be 1..={}", rmacomm_window::MAX_GROUP_SIZE);
         std::process::exit(2);
     }
-    if !(args.grace_period.is_finite() && args.grace_period >= 0.0) {
-        eprintln!("rmacomm-run: --grace-period must be a non-negative number of seconds");
+    if Duration::try_from_secs_f64(args.grace_period).is_err() {
+        eprintln!("rmacomm-run: --grace-period must be a non-negative number of seconds (at most 2^64 - 1)");
         std::process::exit(2);
     }
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap_or_else(|e| {
