@@ -11,6 +11,9 @@ pub const MAX_KEY_LEN: usize = 4096;
 pub const MAX_VALUE_LEN: usize = 64 << 20;
 /// Most keys one `multi_get`/`wait`/`check` call may name.
 pub const MAX_KEYS: usize = 1 << 16;
+/// Most bytes the keys of one `multi_get`/`wait`/`check` call may add up to
+/// (so that every such request fits one TCP store frame).
+pub const MAX_KEYS_BYTES: usize = MAX_VALUE_LEN;
 
 /// A key-value store shared by the ranks of a job, used to bootstrap groups.
 ///
@@ -25,7 +28,8 @@ pub const MAX_KEYS: usize = 1 << 16;
 ///
 /// All implementations (`HashStore`, `TcpStore`, `FileStore`, `PrefixStore`)
 /// pass one conformance suite and enforce the same limits: keys of at most
-/// [`MAX_KEY_LEN`] bytes, values of at most [`MAX_VALUE_LEN`] bytes.
+/// [`MAX_KEY_LEN`] bytes, values of at most [`MAX_VALUE_LEN`] bytes, at most
+/// [`MAX_KEYS`] keys adding up to at most [`MAX_KEYS_BYTES`] in one call.
 pub trait Store: Send + Sync + fmt::Debug {
     /// Sets `key` to `value`, replacing any earlier value, and wakes waiters.
     fn set(&self, key: &str, value: &[u8]) -> Result<()>;
@@ -83,7 +87,15 @@ pub(crate) fn check_keys(op: &'static str, keys: &[&str]) -> Result<()> {
     if keys.len() > MAX_KEYS {
         return Err(Error::invalid(op, format!("{} keys in one call, at most {MAX_KEYS} allowed", keys.len())));
     }
-    keys.iter().try_for_each(|k| check_key(op, k))
+    keys.iter().try_for_each(|k| check_key(op, k))?;
+    let total: usize = keys.iter().map(|k| k.len()).sum();
+    if total > MAX_KEYS_BYTES {
+        return Err(Error::invalid(
+            op,
+            format!("the keys of one call add up to {total} bytes, more than {MAX_KEYS_BYTES}; ask in smaller calls"),
+        ));
+    }
+    Ok(())
 }
 
 /// Parses a counter value written by `add`.

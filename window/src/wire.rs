@@ -11,8 +11,12 @@ use std::fmt;
 
 use crate::store::{MAX_KEYS, MAX_KEY_LEN, MAX_VALUE_LEN};
 
-/// Largest frame body: one maximal value plus room for keys and headers.
-pub(crate) const MAX_FRAME_LEN: usize = MAX_VALUE_LEN + (1 << 20);
+/// Largest frame body: two maximal values (a `compare_set`'s expected and
+/// desired) plus room for a key and headers. Every request the stores'
+/// limits let through fits (a call's keys add up to at most
+/// `MAX_KEYS_BYTES`, less than this); a larger frame is refused before
+/// anything is allocated for it.
+pub(crate) const MAX_FRAME_LEN: usize = 2 * MAX_VALUE_LEN + (1 << 20);
 
 /// Why bytes could not be decoded.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -6,7 +6,8 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use rmacomm_window::{
-    Error, FileStore, HashStore, PrefixStore, Store, TcpStore, TcpStoreServer, MAX_KEY_LEN, MAX_VALUE_LEN,
+    Error, FileStore, HashStore, PrefixStore, Store, TcpStore, TcpStoreServer, MAX_KEYS_BYTES, MAX_KEY_LEN,
+    MAX_VALUE_LEN,
 };
 
 const T: Duration = Duration::from_secs(10);
@@ -198,6 +199,23 @@ fn limits_are_enforced(f: Fixture) {
     let big = vec![7u8; 4 << 20];
     f.store.set("big-value", &big).unwrap();
     assert_eq!(f.other.get("big-value", T).unwrap(), big);
+    // Whatever the per-field limits let through reaches every store alike:
+    // a compare_set of two large values (over TCP it made a frame the host
+    // refused: a "Disconnected" for a healthy store)...
+    let half = vec![3u8; (MAX_VALUE_LEN / 8) * 5];
+    assert_eq!(f.store.compare_set("cs-big", Some(&half), &half).unwrap(), None);
+    assert_eq!(f.store.compare_set("cs-big", None, &half).unwrap(), None);
+    assert_eq!(f.other.get("cs-big", T).unwrap().len(), half.len());
+    f.store.delete("cs-big").unwrap();
+    // ...and keys adding up to more than one call carries are refused by
+    // name on every store.
+    let many: Vec<String> = (0..MAX_KEYS_BYTES / (MAX_KEY_LEN - 8) + 1)
+        .map(|i| format!("{i:08}{}", "k".repeat(MAX_KEY_LEN - 16)))
+        .collect();
+    let refs: Vec<&str> = many.iter().map(String::as_str).collect();
+    for r in [f.store.wait(&refs, T), f.store.check(&refs).map(drop), f.store.multi_get(&refs, T).map(drop)] {
+        assert!(matches!(&r, Err(Error::InvalidArgument { reason, .. }) if reason.contains("add up to")), "{r:?}");
+    }
 }
 
 macro_rules! conformance {
