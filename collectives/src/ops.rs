@@ -587,7 +587,16 @@ impl Comm {
                 format!("inputs[{me}] has {} bytes, the output {}", inputs[me].len(), output.len()),
             ));
         }
-        check_dtype(name, output.len(), dtype)?;
+        // Every input whole elements (the peers' too: they are scaled here
+        // for AVG and PREMUL_SUM) before the call takes its number.
+        for (p, data) in inputs.iter().enumerate() {
+            check_dtype(name, data.len(), dtype).map_err(|_| {
+                Error::invalid(
+                    name,
+                    format!("inputs[{p}]: {} bytes are not a whole number of {dtype:?} elements", data.len()),
+                )
+            })?;
+        }
         rmacomm_kernels::check(dtype, op).map_err(|source| Error::Kernel { op: name, source })?;
         self.collective(name)?;
         output.copy_from_slice(inputs[me]);

@@ -181,6 +181,12 @@ fn a_call_refused_for_its_arguments_leaves_the_retry_matched() {
             refused("all_gather outputs", comm.all_gather(&mut [&mut a, &mut b], &src));
             refused("all_to_all inputs", comm.all_to_all(&mut [&mut [0u8; 8], &mut [0u8; 8]], &[&src, &src, &src]));
             refused("reduce_scatter", comm.reduce_scatter(&mut [0u8; 8], &[&src], DType::F32, ReduceOp::Sum));
+            // A peer's input of no whole elements, under an op that scales
+            // the inputs (it was refused after the call took its number).
+            for op in [ReduceOp::Avg, ReduceOp::PremulSum(2.0), ReduceOp::Sum] {
+                let e = comm.reduce_scatter(&mut [0u8; 8], &[&[0u8; 7], &src], DType::F32, op);
+                refused("reduce_scatter peer input", e);
+            }
             refused("scatter root", comm.scatter(&mut [0u8; 8], None, 9));
             refused("gather root", comm.gather(None, &src, 9));
         }
