@@ -159,10 +159,22 @@ fn check_backend(backend: &str) -> Result<()> {
     }
 }
 
+/// Refuses hints no algorithm answers to.
+fn check_hints(op: &'static str, opts: &CommOptions) -> Result<()> {
+    match opts.hints.get("rmacomm::algo") {
+        Some(a) if !["oneshot", "direct", "ring", "tree", "recursive"].contains(&a.as_str()) => {
+            Err(Error::invalid(op, format!("hint rmacomm::algo={a:?}: use oneshot, direct, ring, tree or recursive")))
+        }
+        _ => Ok(()),
+    }
+}
+
 impl Comm {
     /// A communicator over `group` (collective: every rank calls it).
     pub fn new(group: &Group, opts: CommOptions) -> Result<Comm> {
         const OP: &str = "new_comm";
+        // Before anything collective: a refused hint costs the peers nothing.
+        check_hints(OP, &opts)?;
         let timeout = opts.timeout.unwrap_or(group.timeout());
         let wopts = opts.window.clone().unwrap_or_default().timeout(timeout);
         let all: Vec<usize> = (0..group.size()).collect();
@@ -177,14 +189,6 @@ impl Comm {
             .name
             .clone()
             .unwrap_or_else(|| format!("rdma{}", NTH.fetch_add(1, std::sync::atomic::Ordering::Relaxed)));
-        if let Some(a) = opts.hints.get("rmacomm::algo") {
-            if !["oneshot", "direct", "ring", "tree", "recursive"].contains(&a.as_str()) {
-                return Err(Error::invalid(
-                    OP,
-                    format!("hint rmacomm::algo={a:?}: use oneshot, direct, ring, tree or recursive"),
-                ));
-            }
-        }
         Ok(Comm { ch, group, name, timeout, hints: opts.hints.clone(), abort, opts, seq: 0, unusable: None })
     }
 
@@ -244,8 +248,16 @@ impl Comm {
     /// rank passes the same list): `Some` on those ranks (renumbered by
     /// their position in the list), `None` on the others.
     pub fn split(&self, ranks: &[usize]) -> Result<Option<Comm>> {
+        self.split_with(ranks, self.opts.clone().name(format!("{}/split", self.name)))
+    }
+
+    /// [`split`](Self::split) into a communicator with settings of its own
+    /// (a name, a timeout, hints: start from a clone of
+    /// [`options`](Self::options), this one's).
+    pub fn split_with(&self, ranks: &[usize], opts: CommOptions) -> Result<Option<Comm>> {
+        check_hints("split", &opts)?;
         match self.group.split(ranks).map_err(Error::window("split"))? {
-            Some(g) => Comm::new(&g, self.opts.clone().name(format!("{}/split", self.name))).map(Some),
+            Some(g) => Comm::new(&g, opts).map(Some),
             None => Ok(None),
         }
     }

@@ -146,7 +146,9 @@ impl PyComm {
 
     /// A communicator of the ranks listed (collective over this one: every
     /// rank passes the same list). Returns it on the listed ranks (numbered
-    /// by their position in the list) and None on the others.
+    /// by their position in the list) and None on the others. It has this
+    /// one's settings but for the `name` (default: this one's plus
+    /// "/split"), `timeout` and `hints` given.
     #[pyo3(signature = (ranks, name=None, hints=None, timeout=None))]
     fn split(
         &self,
@@ -156,9 +158,23 @@ impl PyComm {
         hints: Option<HashMap<String, String>>,
         timeout: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Option<PyComm>> {
-        let _ = (hints, timeout::duration(timeout, "timeout")?, name);
+        let timeout = timeout::duration(timeout, "timeout")?;
         let comm = self.shared.comm.clone();
-        let sub = py.detach(move || comm.lock().unwrap_or_else(|e| e.into_inner()).split(&ranks)).map_err(py_err)?;
+        let sub = py
+            .detach(move || {
+                let c = comm.lock().unwrap_or_else(|e| e.into_inner());
+                // The parent's settings, with the name, timeout and hints
+                // given here.
+                let mut opts = c.options().clone().name(name.unwrap_or_else(|| format!("{}/split", c.name())));
+                if let Some(t) = timeout {
+                    opts = opts.timeout(t);
+                }
+                for (k, v) in hints.unwrap_or_default() {
+                    opts = opts.hint(k, v);
+                }
+                c.split_with(&ranks, opts)
+            })
+            .map_err(py_err)?;
         sub.map(|c| PyComm::from_comm(py, c)).transpose()
     }
 
@@ -537,10 +553,18 @@ impl PyComm {
                 self.gpu("all_to_all_single", &[&o, &i])?.all_to_all_single(py, &o, &i, self.shared.size)?;
             } else {
                 let n = self.shared.size;
-                if i.nbytes % n != 0 {
+                // Split along the first dimension, as torch does: whole rows.
+                let row = match i.shape.first() {
+                    Some(&rows) if rows > 0 => i.nbytes / rows,
+                    _ => i.elem.size,
+                };
+                if !i.nbytes.is_multiple_of(n.saturating_mul(row.max(1))) {
                     return Err(crate::errors::Failure::new(
                         crate::errors::ErrKind::Argument,
-                        format!("all_to_all_single: {} bytes do not split into {n} blocks", i.nbytes),
+                        format!(
+                            "all_to_all_single: input: {} bytes do not split into {n} equal parts of whole rows",
+                            i.nbytes
+                        ),
                     )
                     .into());
                 }
@@ -548,10 +572,23 @@ impl PyComm {
             }
             return Ok(PyWork::done());
         }
-        let o = Tensor::new(output, "output", true)?;
-        let i = Tensor::new(input, "input", false)?;
+        let mut o = Tensor::new(output, "output", true)?;
+        let mut i = Tensor::new(input, "input", false)?;
         tensor::same_elem(&o, "output", i.elem, "input")?;
         same_len(&o, "output", i.nbytes, "all_to_all_single needs it as large as input")?;
+        // Split along the first dimension, as torch does: each rank's block
+        // is whole rows of both (a block cutting an element or a row moved
+        // bytes that belong together to different ranks, silently).
+        let n = self.shared.size;
+        for (t, arg) in [(&mut i, "input"), (&mut o, "output")] {
+            let row = t.row_bytes()?;
+            if !t.nbytes.is_multiple_of(n.saturating_mul(row.max(1))) {
+                return Err(PyValueError::new_err(format!(
+                    "all_to_all_single: {arg}: {} bytes do not split into {n} equal parts of whole rows",
+                    t.nbytes
+                )));
+            }
+        }
         let (or, src) = (o.raw(), Src::new(i.raw(), &[o.raw()]));
         // SAFETY: as in all_gather_single.
         self.shared.run(

@@ -17,6 +17,7 @@ import pickle
 import sys
 import threading
 import time
+from datetime import timedelta
 from typing import Any, Callable, Dict
 
 import numpy as np
@@ -216,6 +217,20 @@ def collectives(kind_name: str) -> None:
     for algo in ("ring", "direct", "oneshot"):
         c2 = comm.split(list(range(n)), hints={"rmacomm::algo": algo})
         expect(c2 is not None, "split of every rank")
+        x = kind.full(1000, r + 1, "float32")
+        c2.all_reduce(x, ReduceOp.SUM)
+        same(x, [tri] * 1000, f"all_reduce SUM on a split with algo {algo}", kind)
+    # A split's own name, timeout and hints (they were ignored: the
+    # parent's timeout, a bogus hint accepted).
+    c3 = comm.split(list(range(n)), name="sub", timeout=timedelta(seconds=7))
+    expect(c3.get_name() == "sub" and c3.get_timeout() == timedelta(seconds=7), "split's name and timeout")
+    expect(comm.split(list(range(n))).get_name() == comm.get_name() + "/split", "a split's default name")
+    try:
+        comm.split(list(range(n)), hints={"rmacomm::algo": "bogus"})
+    except ValueError as e:
+        expect("rmacomm::algo" in str(e), f"bogus hint: {e}")
+    else:
+        raise AssertionError(f"rank {RANK}: a split with a bogus algorithm hint must fail")
     if kind.torch is not None:
         x = kind.full(64, r + 1, "bfloat16")
         comm.all_reduce(x, ReduceOp.SUM)
@@ -260,6 +275,17 @@ def collectives(kind_name: str) -> None:
     out = kind.zeros(3 * n, "int32")
     comm.all_to_all_single(out, inp)
     same(out, np.repeat([100 * i + r for i in range(n)], 3), "all_to_all_single", kind)
+    # Blocks are whole rows, as torch splits: 3 elements over 2 ranks cut
+    # one in two, 3 rows of 2 split a row (both moved silently before).
+    if n == 2:
+        for shape in ((3,), (3, 2)):
+            bad = kind.zeros(6, "float32")[: shape[0] * (shape[1] if len(shape) > 1 else 1)].reshape(shape)
+            try:
+                comm.all_to_all_single(bad.copy() if kind.torch is None else bad.clone(), bad)
+            except ValueError as e:
+                expect("equal parts of whole rows" in str(e), f"all_to_all_single {shape}: {e}")
+            else:
+                raise AssertionError(f"rank {RANK}: all_to_all_single of shape {shape} over 2 ranks must fail")
     # v: rank r sends r + j + 1 elements to j.
     ins = [r + j + 1 for j in range(n)]
     outs_n = [i + r + 1 for i in range(n)]
