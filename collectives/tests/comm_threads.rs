@@ -233,3 +233,19 @@ fn errors_name_the_v_forms_and_finalize() {
     });
     assert_eq!(done, vec![0, 1]);
 }
+
+/// Every rank a broadcast root: nobody receives, so both calls return Ok
+/// (as NCCL's); the mismatch surfaces at the next call on every rank, as
+/// docs/collectives.md says (the chunks are still in the peers' slots).
+#[test]
+fn two_broadcast_roots_fail_at_the_next_call() {
+    let opts = CommOptions::new().timeout(Duration::from_secs(10));
+    let done = two_ranks(opts, |rank, mut comm| {
+        comm.broadcast(&mut [rank as u8; 8], rank).unwrap();
+        let e = comm.barrier().unwrap_err();
+        assert!(matches!(e, rmacomm_collectives::Error::Mismatch { .. }), "rank {rank}: {e}");
+        assert!(e.to_string().contains("broadcast"), "rank {rank}: {e}");
+        rank
+    });
+    assert_eq!(done, vec![0, 1]);
+}
