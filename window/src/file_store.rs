@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use rustix::fs::{flock, FlockOperation};
 
 use crate::error::{Error, Result};
-use crate::store::{add_counter, check_key, check_keys, check_value, Store};
+use crate::store::{add_counter, check_key, check_keys, check_value, Store, MAX_KEY_LEN, MAX_VALUE_LEN};
 
 /// Names longer than this (after escaping) are replaced by a hash of the key.
 const MAX_READABLE_NAME: usize = 180;
@@ -60,7 +60,10 @@ impl FileStore {
     fn read(&self, key: &str) -> Result<Option<Vec<u8>>> {
         let path = self.file_of(key);
         let mut data = Vec::new();
-        match File::open(&path).and_then(|mut f| f.read_to_end(&mut data)) {
+        // No record is longer than this: a longer file (something else
+        // under the store's directory) is refused, not read whole.
+        let longest = 4 + MAX_KEY_LEN + MAX_VALUE_LEN;
+        match File::open(&path).and_then(|f| f.take(longest as u64 + 1).read_to_end(&mut data)) {
             Ok(_) => {}
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
             Err(e) => return Err(file_err(&path, e)),
@@ -69,6 +72,9 @@ impl FileStore {
             path: path.display().to_string(),
             reason: "the file is not a store record (corrupt, or written by something else)".into(),
         };
+        if data.len() > longest {
+            return Err(bad());
+        }
         let klen = u32::from_le_bytes(data.get(..4).ok_or_else(bad)?.try_into().expect("4 bytes")) as usize;
         let stored_key = data.get(4..4 + klen).ok_or_else(bad)?;
         if stored_key != key.as_bytes() {

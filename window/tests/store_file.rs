@@ -37,5 +37,11 @@ fn a_foreign_file_is_an_error_not_a_value() {
     std::fs::write(dir.join("k_x"), b"\xff").unwrap();
     let e = store.try_get("x").unwrap_err().to_string();
     assert!(e.contains("k_x") && e.contains("not a store record"), "{e}");
+    // One longer than any record (a sparse file: it costs no disk) is
+    // refused without being read whole.
+    let f = std::fs::File::create(dir.join("k_y")).unwrap();
+    f.set_len(1 << 40).unwrap();
+    let e = store.try_get("y").unwrap_err().to_string();
+    assert!(e.contains("k_y") && e.contains("not a store record"), "{e}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
