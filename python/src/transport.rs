@@ -17,7 +17,7 @@ use std::time::Duration;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::PyType;
+use pyo3::types::{PyCFunction, PyDict, PyTuple, PyType};
 use pyo3::IntoPyObjectExt;
 use rmacomm_transport::{RdmaRemoteBuffer, RdmaTransport, TransportConfig, TransportError};
 
@@ -126,7 +126,9 @@ pub(crate) fn register_private(py: Python<'_>, t: &Tensor<'_>, what: &str) -> Py
 impl PyRdmaMemory {
     #[new]
     fn new(py: Python<'_>, tensor: &Bound<'_, PyAny>) -> PyResult<Self> {
-        let t = Tensor::new(tensor, "tensor", false)?;
+        // Writable memory only: peers write a registration, and so do this
+        // side's reads (a numpy array over `bytes` was written through).
+        let t = Tensor::new(tensor, "tensor", true)?;
         let reg = register_tensor(py, &t, "tensor")?;
         Ok(PyRdmaMemory { reg, tensor: t.keep() })
     }
@@ -379,7 +381,10 @@ impl PyRdmaTransport {
         block(py, fut)
     }
 
-    /// `wait_for_write` for asyncio.
+    /// `wait_for_write` for asyncio. A cancelled wait (as
+    /// `asyncio.wait_for`'s timeout cancels it) loses nothing: it leaves the
+    /// queue at once, and a notification it took meanwhile goes back to the
+    /// next wait.
     #[pyo3(signature = (timeout=None))]
     fn wait_for_write_async<'py>(
         &self,
@@ -387,7 +392,58 @@ impl PyRdmaTransport {
         timeout: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let fut = self.wait_fut(timeout::duration(timeout, "timeout")?);
-        spawn(py, fut)
+        let lp = py.import(intern!(py, "asyncio"))?.call_method0(intern!(py, "get_running_loop")).map_err(|_| {
+            PyRuntimeError::new_err("the *_async methods must be awaited inside a running asyncio loop")
+        })?;
+        let f = lp.call_method0(intern!(py, "create_future"))?;
+        let (t, lp, pf) = (self.t.clone(), lp.unbind(), f.clone().unbind());
+        let task = rt().spawn(async move {
+            let r = fut.await;
+            let got = r.is_ok();
+            Python::attach(|py| {
+                let back = t.clone();
+                // On the loop's thread, where the future's state is final.
+                let settle = move |args: &Bound<'_, PyTuple>, _: Option<&Bound<'_, PyDict>>| -> PyResult<()> {
+                    let py = args.py();
+                    let f = pf.bind(py);
+                    let done = f.call_method0(intern!(py, "done"))?.is_truthy()?;
+                    match (&r, done) {
+                        (Ok(()), true) => back.put_back_notification(),
+                        (Ok(()), false) => {
+                            f.call_method1(intern!(py, "set_result"), (py.None(),))?;
+                        }
+                        (Err(e), false) => {
+                            f.call_method1(intern!(py, "set_exception"), (py_err(e.clone()).into_value(py),))?;
+                        }
+                        (Err(_), true) => {}
+                    }
+                    Ok(())
+                };
+                let posted = PyCFunction::new_closure(py, None, None, settle)
+                    .and_then(|cb| lp.bind(py).call_method1(intern!(py, "call_soon_threadsafe"), (cb,)));
+                if posted.is_err() && got {
+                    // The loop is closed: nobody takes it there.
+                    t.put_back_notification();
+                }
+            });
+        });
+        // Cancelled: the wait ends now (a notification that raced the end
+        // is passed on by the transport itself).
+        let abort = task.abort_handle();
+        let on_done = PyCFunction::new_closure(
+            py,
+            None,
+            None,
+            move |args: &Bound<'_, PyTuple>, _: Option<&Bound<'_, PyDict>>| -> PyResult<()> {
+                let py = args.py();
+                if args.get_item(0)?.call_method0(intern!(py, "cancelled"))?.is_truthy()? {
+                    abort.abort();
+                }
+                Ok(())
+            },
+        )?;
+        f.call_method1(intern!(py, "add_done_callback"), (on_done,))?;
+        Ok(f)
     }
 
     /// Whether `connect` succeeded and nothing has broken since.

@@ -3,6 +3,7 @@ exchanged by a collective; blocking and asyncio), and in one process."""
 
 import asyncio
 import pickle
+import time
 
 import numpy as np
 import pytest
@@ -63,3 +64,40 @@ def test_transport_pair_in_one_process_blocking_and_asyncio() -> None:
         a.connect(ub)
     with pytest.raises(RuntimeError, match="asyncio"):
         a.write_async(ms.to_view(), md.to_remote_buffer())
+
+
+def test_read_only_memory_is_not_registered() -> None:
+    # Peers write a registration, and so do this side's reads: a numpy
+    # array over bytes was written through (the bytes object changed).
+    frozen = bytes(64)
+    with pytest.raises(ValueError, match="read-only"):
+        rmacomm.RdmaMemory(np.frombuffer(frozen, np.uint8))
+    assert frozen == bytes(64)
+
+
+def test_a_cancelled_async_wait_loses_no_notification() -> None:
+    a, b = rmacomm.RdmaTransport(timeout=10), rmacomm.RdmaTransport(timeout=10)
+    ua, ub = a.bind(), b.bind()
+
+    async def run() -> None:
+        await asyncio.gather(a.connect_async(ub), b.connect_async(ua))
+        ms = rmacomm.RdmaMemory(np.arange(16, dtype=np.int32))
+        md = rmacomm.RdmaMemory(rmacomm.empty(16, np.int32))
+        for _ in range(3):
+            # Cancelled by wait_for's timeout, with nothing to take: it
+            # must not stay first in the queue and take the next one.
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(b.wait_for_write_async(), 0.05)
+            await a.write_async(ms.to_view(0, 4), md.to_remote_buffer(), notify=True)
+            await b.wait_for_write_async(timeout=2)
+        # Cancelled after its notification arrived but before the loop
+        # set its result (the loop is held meanwhile): the notification
+        # goes to the next wait.
+        w = b.wait_for_write_async()
+        a.write(ms.to_view(0, 4), md.to_remote_buffer(), notify=True)
+        time.sleep(0.3)
+        assert not w.done()
+        w.cancel()
+        await b.wait_for_write_async(timeout=2)
+
+    asyncio.run(run())

@@ -688,6 +688,16 @@ impl RdmaTransport {
         self.wait_for_write_with_timeout(self.inner.config.timeout)
     }
 
+    /// Gives back one notification that a
+    /// [`wait_for_write`](Self::wait_for_write) returned but whose caller
+    /// could not use it (a wrapper whose own future was cancelled meanwhile,
+    /// as an asyncio wait): the oldest wait gets it, else the next one. Only
+    /// for a notification a wait returned: one given back otherwise
+    /// satisfies a wait that no write notified.
+    pub fn put_back_notification(&self) {
+        self.inner.lock().deliver_notification(&self.inner.banked);
+    }
+
     /// [`wait_for_write`](Self::wait_for_write) with its own timeout.
     pub fn wait_for_write_with_timeout(
         &self,
