@@ -131,11 +131,13 @@ impl PyWindow {
         let _ = hints;
         let bound = sync_bound(timeout, async_op, self.core.timeout)?;
         if let Some(t) = cuda_tensor::of(tensor, "tensor")? {
+            self.core.same_dtype("put", dst_rank, t.elem)?;
             let st = self.core.put_cuda(py, &t, dst_rank, target_offset_nelems, async_op, stream)?;
             return Ok(self.core.handle(st));
         }
         self.host_only("put", stream)?;
         let t = Tensor::new(tensor, "tensor", false)?;
+        self.core.same_dtype("put", dst_rank, t.elem)?;
         let st = self.core.put(py, &t, dst_rank, target_offset_nelems, async_op, bound.is_some())?;
         self.core.finish(py, st, bound, "put", dst_rank)
     }
@@ -248,11 +250,13 @@ impl PyWindow {
         let _ = hints;
         let bound = sync_bound(timeout, async_op, self.core.timeout)?;
         if let Some(t) = cuda_tensor::of(tensor, "tensor")? {
+            self.core.same_dtype("get", src_rank, t.elem)?;
             let st = self.core.get_cuda(py, &t, src_rank, source_offset_nelems, async_op, stream)?;
             return Ok(self.core.handle(st));
         }
         self.host_only("get", stream)?;
         let t = Tensor::new(tensor, "tensor", true)?;
+        self.core.same_dtype("get", src_rank, t.elem)?;
         let st = self.core.get(py, &t, src_rank, source_offset_nelems, async_op, bound.is_some())?;
         self.core.finish(py, st, bound, "get", src_rank)
     }

@@ -32,7 +32,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::time::{Duration, Instant};
 
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use rmacomm_transport::{RdmaMemory, View, ViewMut};
 use rmacomm_window::{AccessType, Cmp, Group, Window, Work};
@@ -263,6 +263,23 @@ impl WinCore {
     /// synchronous call with a timeout of its own, which waits for the
     /// returned state itself ([`finish`](Self::finish)): the put is issued
     /// async, from memory that may stay in use past the call.
+    /// A put or get of `elem`s with `peer`'s registered tensor: the same
+    /// dtype (its offset counts the peer's elements; torchcomms' NCCLX
+    /// window counts the source's, c10d's refuses a mismatch, as this
+    /// does). Nothing registered, or a rank outside: the call's own checks
+    /// say so.
+    pub(crate) fn same_dtype(&self, op: &str, peer: usize, elem: &Elem) -> PyResult<()> {
+        let reg = self.reg.lock().unwrap_or_else(|e| e.into_inner());
+        match reg.as_ref().and_then(|r| r.peers.get(peer)) {
+            Some(m) if m.elem.name != elem.name => Err(PyTypeError::new_err(format!(
+                "{op} with rank {peer}: tensor has dtype {}, but rank {peer} registered {}; offsets count the \
+                 registered tensor's elements: view the tensor as {} (or register that dtype)",
+                elem.name, m.elem.name, m.elem.name
+            ))),
+            _ => Ok(()),
+        }
+    }
+
     pub(crate) fn put(
         self: &Arc<Self>,
         py: Python<'_>,

@@ -125,6 +125,15 @@ def test_window_errors(comm) -> None:
         win.put(np.arange(9), 0, 0)
     with pytest.raises(rmacomm.ArgumentError, match="out of bounds"):
         win.put(comm.empty(2, np.int64), 0, 7)
+    # Another dtype than the registered tensor's: refused naming both (the
+    # offset counts the registered tensor's elements: a uint8 put at 1
+    # landed at byte 8, where torchcomms' NCCLX window writes byte 1).
+    buf[:] = 0
+    with pytest.raises(TypeError, match="put with rank 0: tensor has dtype uint8, but rank 0 registered int64"):
+        win.put(np.full(4, 255, np.uint8), 0, 1)
+    with pytest.raises(TypeError, match="get with rank 0: tensor has dtype int32"):
+        win.get(np.zeros(2, np.int32), 0, 0)
+    assert not buf.any()
     with pytest.raises(rmacomm.ArgumentError, match="not in this window"):
         win.wait_signal(1)
     with pytest.raises(rmacomm.TimeoutError, match="no signal within"):
