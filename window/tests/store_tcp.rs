@@ -317,7 +317,7 @@ fn a_multi_get_too_large_for_one_reply_is_refused_before_copying() {
     match client.multi_get(&keys, T) {
         Err(e @ Error::InvalidArgument { op: "multi_get", .. }) => {
             let msg = e.to_string();
-            assert!(msg.contains(&(512u64 << 24).to_string()) && msg.contains(&((65u64 << 20).to_string())), "{msg}");
+            assert!(msg.contains(&(512u64 << 24).to_string()) && msg.contains(&((129u64 << 20).to_string())), "{msg}");
         }
         other => panic!("expected the request to be refused, got {:?}", other.map(|v| v.len())),
     }
