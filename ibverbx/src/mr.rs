@@ -282,8 +282,9 @@ impl MemoryRegion {
             return unsafe { dev.write(self.addr() + offset as u64, src) }
                 .map_err(|e| device_error("write", &**dev, e));
         }
-        // SAFETY: as in `read`.
-        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.as_ptr().add(offset), src.len()) };
+        // SAFETY: as in `read`; `copy`, as `src` may be a view of this
+        // very memory (through another mapping of it, or unsafely made).
+        unsafe { std::ptr::copy(src.as_ptr(), self.as_ptr().add(offset), src.len()) };
         Ok(())
     }
 

@@ -261,6 +261,37 @@ impl RdmaMemory {
         self.mr.write(offset, src).map_err(Into::into)
     }
 
+    /// Copies the bytes of `src` (registered host memory, this memory's
+    /// own included) to `offset`, as `memmove`: they may overlap. For
+    /// copies within one process that need no transport (a window rank's
+    /// puts to itself); device memory is refused.
+    pub fn copy_from(&self, offset: usize, src: View<'_>) -> Result<(), TransportError> {
+        const OP: &str = "copy_from";
+        self.check(OP, offset, src.len)?;
+        if self.is_device() || src.mem.is_device() {
+            return Err(TransportError::invalid(OP, "device memory is moved by the transport, not by host copies"));
+        }
+        // SAFETY: both ranges lie in live registrations of host memory
+        // (the view was checked when made, the target above), written
+        // through raw pointers only; `copy` allows them to overlap.
+        unsafe { std::ptr::copy(src.mem.as_ptr().add(src.offset), self.as_ptr().add(offset), src.len) };
+        Ok(())
+    }
+
+    /// Copies `dst.len()` bytes at `offset` into `dst` (registered host
+    /// memory, this memory's own included), as `memmove` (see
+    /// [`copy_from`](Self::copy_from)).
+    pub fn copy_into(&self, offset: usize, dst: ViewMut<'_>) -> Result<(), TransportError> {
+        const OP: &str = "copy_into";
+        self.check(OP, offset, dst.len)?;
+        if self.is_device() || dst.mem.is_device() {
+            return Err(TransportError::invalid(OP, "device memory is moved by the transport, not by host copies"));
+        }
+        // SAFETY: as in `copy_from`, directions swapped.
+        unsafe { std::ptr::copy(self.as_ptr().add(offset), dst.mem.as_ptr().add(dst.offset), dst.len) };
+        Ok(())
+    }
+
     /// The 64-bit word at `offset` (8-byte aligned) as an atomic, e.g. a
     /// signal slot that peers update (RDMA atomics, or through a
     /// [`MappedBuffer`](crate::MappedBuffer)).

@@ -669,6 +669,11 @@ impl Window {
     ) -> Result<Work<'a>> {
         const OP: &str = "put";
         let remote = self.target(OP, dst_rank, target_offset_nelems, src.len())?;
+        if !src.memory().is_device() {
+            if let Some((mem, off)) = self.own_span(dst_rank, &remote) {
+                return self.done(OP, dst_rank, mem.copy_from(off, src), async_op);
+            }
+        }
         // Device memory is not the host's to copy: it takes the transport
         // (a peer's mapped host buffer is a transport target too).
         let mapped = if src.memory().is_device() { None } else { self.mapped(dst_rank, &remote) };
@@ -695,6 +700,9 @@ impl Window {
     pub fn put_bytes(&self, src: &[u8], dst_rank: usize, target_offset_nelems: usize) -> Result<()> {
         const OP: &str = "put_bytes";
         let remote = self.target(OP, dst_rank, target_offset_nelems, src.len())?;
+        if let Some((mem, off)) = self.own_span(dst_rank, &remote) {
+            return mem.write_from(off, src).map_err(|source| Error::Rma { op: OP, peer: dst_rank, source });
+        }
         let rma = |source| Error::Rma { op: OP, peer: dst_rank, source };
         if let Some((m, off)) = self.mapped(dst_rank, &remote) {
             return self.peer_alive(dst_rank).and_then(|()| m.write_from(off, src)).map_err(rma);
@@ -740,6 +748,11 @@ impl Window {
     ) -> Result<Work<'a>> {
         const OP: &str = "get";
         let remote = self.target(OP, src_rank, source_offset_nelems, dst.len())?;
+        if !dst.memory().is_device() {
+            if let Some((mem, off)) = self.own_span(src_rank, &remote) {
+                return self.done(OP, src_rank, mem.copy_into(off, dst), async_op);
+            }
+        }
         // As in `put`: device memory takes the transport.
         let mapped = if dst.memory().is_device() { None } else { self.mapped(src_rank, &remote) };
         if let Some((m, off)) = mapped {
@@ -877,6 +890,19 @@ impl Window {
     }
 
     /// The mapping of `rank`'s tensor and the byte offset of `remote` in it.
+    /// `remote` in this rank's own registered host memory (the memory and
+    /// the offset), when `rank` is this rank: its puts and gets to itself
+    /// are moves within this process (`RdmaMemory::copy_from`). Through the mapping of its
+    /// own segment (or the loopback link) they copied between two views of
+    /// the same pages, which a source overlapping the target (a put from the
+    /// registered tensor into itself) corrupted: a forward copy read bytes
+    /// it had just written through the other view.
+    fn own_span(&self, rank: usize, remote: &RdmaRemoteBuffer) -> Option<(&RdmaMemory, usize)> {
+        let reg = self.reg.as_ref().filter(|r| rank == self.rank() && !r.mem.is_device())?;
+        // `target` checked `remote` inside this rank's registered buffer.
+        Some((&reg.mem, (remote.addr - reg.peers[rank].0.addr) as usize))
+    }
+
     fn mapped(&self, rank: usize, remote: &RdmaRemoteBuffer) -> Option<(&MappedBuffer, usize)> {
         let reg = self.reg.as_ref()?;
         let m = reg.maps[rank].as_ref()?;

@@ -299,6 +299,49 @@ fn host_memory_registered_twice_serves_as_tensor_and_source() {
     }
 }
 
+/// A rank's puts and gets to itself from and into its own registered
+/// memory, overlapping the target, move the bytes as `memmove` would (they
+/// went through a second mapping of the same pages, or the loopback link:
+/// a forward copy read bytes it had just written through the other view).
+#[test]
+fn puts_and_gets_to_this_rank_over_its_own_memory_overlap_safely() {
+    for unified in [true, false] {
+        ranks(1, move |_, g| {
+            let opts = WindowOptions::new().timeout(Duration::from_secs(30)).unified(unified);
+            let mut w = Window::new(&g, opts).unwrap();
+            let n = 1 << 20;
+            let seg = Arc::new(w.alloc(n).unwrap());
+            let (ptr, len) = (seg.as_ptr(), seg.len());
+            // SAFETY: the segment stays mapped while either registration
+            // lives (each keeps it alive).
+            let tensor = unsafe { w.register_host(ptr, len) }.unwrap().keep_alive(seg.clone());
+            // SAFETY: as above.
+            let src = unsafe { w.register_host(ptr, len) }.unwrap().keep_alive(seg.clone());
+            w.tensor_register(tensor, 1).unwrap();
+            let orig: Vec<u8> = (0..n).map(|i| (i % 251) as u8).collect();
+            let shift = 48;
+            let check = |what: &str, want: &[u8], at: usize| {
+                let mut got = vec![0u8; want.len()];
+                seg.read_into(at, &mut got).unwrap();
+                assert!(got == want, "unified {unified}: {what}");
+            };
+            seg.write_from(0, &orig).unwrap();
+            w.put(src.view(0, n - shift).unwrap(), 0, shift, false).unwrap();
+            check("put forward over itself", &orig[..n - shift], shift);
+            seg.write_from(0, &orig).unwrap();
+            w.put(src.view(shift, n - shift).unwrap(), 0, 0, false).unwrap();
+            check("put back over itself", &orig[shift..], 0);
+            seg.write_from(0, &orig).unwrap();
+            w.get(src.view_mut(shift, n - shift).unwrap(), 0, 0, false).unwrap();
+            check("get forward over itself", &orig[..n - shift], shift);
+            seg.write_from(0, &orig).unwrap();
+            w.put_bytes(&orig[..1000], 0, 7).unwrap();
+            check("put_bytes to itself", &orig[..1000], 7);
+            drop(w.tensor_deregister().unwrap());
+        });
+    }
+}
+
 /// `Duration::MAX` (how callers say "wait forever") as a wait's timeout or
 /// the window's: the waits return once signalled, on mapped and separate
 /// signal paths, instead of overflowing the clock.

@@ -45,9 +45,18 @@ impl StreamDetector {
 /// `stream` (and the CPU has them); the stores are fenced before return,
 /// so whatever the caller publishes afterwards is ordered after the data.
 ///
+/// Ranges that overlap in this address space (a source that is a view of
+/// the very mapping written: a peer's mapped tensor put back into that
+/// peer) are moved, as `memmove` does.
+///
 /// # Safety
-/// As `std::ptr::copy_nonoverlapping`: both ranges valid, not overlapping.
+/// Both ranges valid for the call.
 pub(crate) unsafe fn copy(dst: *mut u8, src: *const u8, len: usize, stream: bool) {
+    let (d, s) = (dst as usize, src as usize);
+    if d < s.wrapping_add(len) && s < d.wrapping_add(len) {
+        // SAFETY: forwarded from the caller; `copy` allows the overlap.
+        return unsafe { std::ptr::copy(src, dst, len) };
+    }
     #[cfg(target_arch = "x86_64")]
     if stream {
         // SAFETY: forwarded from the caller.
@@ -112,6 +121,25 @@ mod tests {
                     assert!(dst[..d_off].iter().all(|&b| b == 0xEE), "wrote before the range");
                     assert!(dst[d_off + len..].iter().all(|&b| b == 0xEE), "wrote after the range");
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn overlapping_ranges_are_moved() {
+        let orig: Vec<u8> = (0..1 << 20).map(|i: u32| (i % 251) as u8).collect();
+        for stream in [false, true] {
+            for shift in [1usize, 16, 64, 4096] {
+                // Forward (the destination after the source) and back.
+                let mut buf = orig.clone();
+                let len = buf.len() - shift;
+                // SAFETY: both ranges lie inside buf.
+                unsafe { copy(buf.as_mut_ptr().add(shift), buf.as_ptr(), len, stream) };
+                assert!(buf[shift..] == orig[..len], "forward by {shift}, stream {stream}");
+                let mut buf = orig.clone();
+                // SAFETY: as above.
+                unsafe { copy(buf.as_mut_ptr(), buf.as_ptr().add(shift), len, stream) };
+                assert!(buf[..len] == orig[shift..], "back by {shift}, stream {stream}");
             }
         }
     }
