@@ -80,7 +80,9 @@ impl PyWindow {
     /// Registers `tensor` as this rank's window memory (collective: every
     /// rank calls it; sizes and dtypes may differ per rank). Same-host peers
     /// map it when it lives in shared memory (`comm.empty`); other memory is
-    /// reached through the transport only.
+    /// reached through the transport only. Do not resize the tensor while it
+    /// is registered (torch's `resize_` may move its storage: peers would
+    /// write the freed memory); `comm.empty` tensors cannot be resized.
     ///
     /// A CUDA torch tensor (every rank registers one): with every peer on
     /// this host (UNIFIED), peers map it through CUDA IPC, and puts, gets,
