@@ -43,18 +43,24 @@ fn only_the_selected_interfaces_listen() {
     // And it works over the selected interface.
     a.connect(&b.endpoint().unwrap()).unwrap();
     b.connect(&ep).unwrap();
-    let src = MemoryRegion::alloc(&pd, 4096, AccessFlags::LOCAL_WRITE).unwrap();
-    let dst = MemoryRegion::alloc(&pd, 4096, AccessFlags::all_remote()).unwrap();
-    src.write(0, b"over lo").unwrap();
-    let sg = [src.sge(0, 7).unwrap()];
+    write_and_check(&pd, &a, &cq, b"over lo");
+}
+
+/// Writes `msg` from `qp` (connected) into a new region of `pd` and checks
+/// that it landed.
+fn write_and_check(pd: &ibverbx::ProtectionDomain, qp: &ibverbx::QueuePair, cq: &ibverbx::CompletionQueue, msg: &[u8]) {
+    let src = MemoryRegion::alloc(pd, 4096, AccessFlags::LOCAL_WRITE).unwrap();
+    let dst = MemoryRegion::alloc(pd, 4096, AccessFlags::all_remote()).unwrap();
+    src.write(0, msg).unwrap();
+    let sg = [src.sge(0, msg.len()).unwrap()];
     let op = SendOp::RdmaWrite { remote_addr: dst.addr(), rkey: dst.rkey() };
-    a.post_send(&[SendWr { wr_id: 1, op, sg_list: &sg, flags: SendFlags::SIGNALED }]).unwrap();
+    qp.post_send(&[SendWr { wr_id: 1, op, sg_list: &sg, flags: SendFlags::SIGNALED }]).unwrap();
     let mut wc = [WorkCompletion::empty(); 1];
     assert_eq!(cq.wait(&mut wc, Some(Duration::from_secs(20)), Duration::ZERO).unwrap(), 1);
     assert!(wc[0].is_ok(), "{:?}", wc[0]);
-    let mut got = [0u8; 7];
+    let mut got = vec![0u8; msg.len()];
     dst.read(0, &mut got).unwrap();
-    assert_eq!(&got, b"over lo");
+    assert_eq!(got, msg);
 }
 
 #[test]
@@ -132,18 +138,7 @@ fn a_hello_connection_closed_without_an_answer_is_retried() {
     });
     a.connect(&via_proxy).unwrap();
     b.connect(&a.endpoint().unwrap()).unwrap();
-    let src = MemoryRegion::alloc(&pd, 4096, AccessFlags::LOCAL_WRITE).unwrap();
-    let dst = MemoryRegion::alloc(&pd, 4096, AccessFlags::all_remote()).unwrap();
-    src.write(0, b"retried").unwrap();
-    let sg = [src.sge(0, 7).unwrap()];
-    let op = SendOp::RdmaWrite { remote_addr: dst.addr(), rkey: dst.rkey() };
-    a.post_send(&[SendWr { wr_id: 1, op, sg_list: &sg, flags: SendFlags::SIGNALED }]).unwrap();
-    let mut wc = [WorkCompletion::empty(); 1];
-    assert_eq!(cq.wait(&mut wc, Some(Duration::from_secs(20)), Duration::ZERO).unwrap(), 1);
-    assert!(wc[0].is_ok(), "{:?}", wc[0]);
-    let mut got = [0u8; 7];
-    dst.read(0, &mut got).unwrap();
-    assert_eq!(&got, b"retried");
+    write_and_check(&pd, &a, &cq, b"retried");
     // The proxy's copies end with the connection (not waited for).
     drop(proxied);
 }
