@@ -576,6 +576,48 @@ def op_timeout(_: str) -> None:
     log("op_timeout ok")
 
 
+def queued_signal_timeout(_: str) -> None:
+    """Value signals to one peer run one after another; a signal queued
+    behind others to a stopped peer fails within its own timeout from the
+    call (the waits for the ones before it added up: 3 queued made the
+    next one take ~4 timeouts), and the values sent later still land in
+    call order once the peer runs again."""
+    comm = rmacomm.new_comm("rdma", timeout=2)
+    r = comm.get_rank()
+    pids = _exchange(comm, os.getpid())
+    cw = comm.window_allocate(64, signal_size=1, unified=False)
+    comm.barrier()
+    if r == 0:
+        _stop(pids[1])
+        try:
+            works = [cw.signal(0, v, 1, async_op=True) for v in (1, 2, 3)]
+            t0 = time.monotonic()
+            try:
+                cw.signal(0, 4, 1)
+                raise AssertionError("a signal to a stopped peer returned")
+            except rmacomm.TimeoutError as e:
+                took = time.monotonic() - t0
+                log(f"queued signal: TimeoutError after {took:.2f} s: {e}")
+                expect(took < 3.5, f"the queued signal took {took:.2f} s, past its 2 s timeout")
+            for w in works:
+                try:
+                    w.wait()
+                except rmacomm.TimeoutError:
+                    pass
+        finally:
+            import signal
+
+            os.kill(pids[1], signal.SIGCONT)
+        cw.signal(0, 5, 1)
+    else:
+        # Stopped meanwhile: a wait longer than the window's timeout.
+        cw.wait_signal(0, 5, timeout=30)
+        expect(cw.read_signal(0) == 5, f"the last value landed last (slot holds {cw.read_signal(0)})")
+    comm.barrier()
+    comm.finalize()
+    log("queued_signal_timeout ok")
+
+
 # --- transport -------------------------------------------------------------
 
 def _exchange(comm: rmacomm.Comm, obj: Any) -> list:
@@ -1036,6 +1078,7 @@ SCENARIOS: Dict[str, Callable[[str], None]] = {
     "gil": gil,
     "gil_put": gil_put,
     "op_timeout": op_timeout,
+    "queued_signal_timeout": queued_signal_timeout,
     "peer_shape": peer_shape,
     "transport": transport,
     "python_store": python_store,

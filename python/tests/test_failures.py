@@ -62,6 +62,11 @@ def test_new_comm_nccl_names_a_rank_that_died_or_failed_in_init(how: str) -> Non
         assert r1.returncode == 0 and f"nccl_init {how} ok" in r1.stdout, r1.stdout
 
 
+def test_a_value_signal_queued_behind_others_keeps_its_own_timeout() -> None:
+    out = launch(2, "queued_signal_timeout", env={"RMACOMM_SOFT_LINK": "tcp"}, timeout=120)
+    assert out.count("queued_signal_timeout ok") == 2, out
+
+
 def test_a_per_call_timeout_bounds_put_get_and_signal() -> None:
     # Rank 1 is stopped (TCP link: nothing to it completes), so each call
     # must raise its own TimeoutError, well before the window's 10 s.

@@ -4,10 +4,9 @@
 //! NVSHMEM's comparisons, `get_tensor`, `get_size`, `get_device`.
 
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
 use std::time::Duration;
 
-use rmacomm_transport::TransportError;
+use rmacomm_transport::{RdmaMemory, TransportError};
 
 use super::{InFlight, MappedTensor, Window, WindowOptions};
 use crate::error::{Error, Result};
@@ -155,34 +154,54 @@ impl Window {
         let t = self.links[dst_rank].out.clone();
         let fence_slot = self.signal_slots[dst_rank];
         let slot = self.signal_bufs[dst_rank].slice(off as u64, 8).expect("checked at Window::new");
-        let (timeout, fence_src) = (Some(self.timeout), self.signal_src.clone());
-        // The value's own registered word (SEPARATE pairs only: another
-        // host, where a registration is cheap beside the round trip).
-        let word = Arc::new(self.alloc(8)?);
-        word.write_from(0, &value.to_le_bytes()).map_err(|source| Error::Transport { op: OP, source })?;
+        let (timeout, fence_src) = (self.timeout, self.signal_src.clone());
+        // The timeout counts from the call, its wait for the signals queued
+        // before it included (they did add up: k queued signals to a
+        // stalled peer made the next one wait k + 1 timeouts).
+        let at = tokio::time::Instant::from_std(ibverbx::deadline_after(timeout));
         let in_order = self.in_order;
         let counter = InFlight::enter(&self.signals_in_flight);
         // In call order: this signal starts once the previous one to this
         // peer has ended (its value placed, or failed).
         let (done, ended) = tokio::sync::oneshot::channel::<()>();
         let previous = self.value_chain[dst_rank].lock().unwrap_or_else(|e| e.into_inner()).replace(ended);
-        let task = self.rt.spawn(async move {
+        let (tell, told) = tokio::sync::oneshot::channel::<Result<(), TransportError>>();
+        self.rt.spawn(async move {
             let _counter = counter;
+            // Held until this task ends: the next signal waits for it.
             let _done = done;
-            if let Some(previous) = previous {
-                let _ = previous.await;
+            if let Some(mut previous) = previous {
+                if tokio::time::timeout_at(at, &mut previous).await.is_err() {
+                    // Failed now, unwritten; the chain still waits for the
+                    // one before, so that later values land after it.
+                    let _ = tell.send(Err(TransportError::Timeout { op: OP, after: timeout }));
+                    let _ = previous.await;
+                    return;
+                }
             }
-            if !in_order {
-                // Striped connections place writes in any order: a write
-                // waited for first proves every earlier put placed.
-                t.write_with_timeout(fence_src.view(0, 8)?, &fence_slot, false, timeout).await?;
+            let left = || Some(at.saturating_duration_since(tokio::time::Instant::now()));
+            let r = async {
+                // The value's own registered word (SEPARATE pairs only:
+                // another host, where a registration is cheap beside the
+                // round trip), made now: one per signal under way, not one
+                // per signal queued (each held a descriptor).
+                let word = RdmaMemory::alloc_for(&t, 8)?;
+                word.write_from(0, &value.to_le_bytes())?;
+                if !in_order {
+                    // Striped connections place writes in any order: a
+                    // write waited for first proves every earlier put
+                    // placed.
+                    t.write_with_timeout(fence_src.view(0, 8)?, &fence_slot, false, left()).await?;
+                }
+                match op {
+                    SignalOp::Set => t.write_with_timeout(word.view(0, 8)?, &slot, false, left()).await,
+                    SignalOp::Add => t.fetch_add(word.view_mut(0, 8)?, &slot, value, left()).await,
+                }
             }
-            match op {
-                SignalOp::Set => t.write_with_timeout(word.view(0, 8)?, &slot, false, timeout).await,
-                SignalOp::Add => t.fetch_add(word.view_mut(0, 8)?, &slot, value, timeout).await,
-            }
+            .await;
+            let _ = tell.send(r);
         });
-        let fut = async move { task.await.unwrap_or(Err(TransportError::Aborted { op: OP })) };
+        let fut = async move { told.await.unwrap_or(Err(TransportError::Aborted { op: OP })) };
         self.work(OP, dst_rank, fut, async_op)
     }
 
