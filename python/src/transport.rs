@@ -52,6 +52,16 @@ fn complete(fut: &Bound<'_, PyAny>, ok: bool, value: &Bound<'_, PyAny>) -> PyRes
     Ok(())
 }
 
+/// The running asyncio loop and a new future of it.
+fn loop_future(py: Python<'_>) -> PyResult<(Bound<'_, PyAny>, Bound<'_, PyAny>)> {
+    let lp = py
+        .import(intern!(py, "asyncio"))?
+        .call_method0(intern!(py, "get_running_loop"))
+        .map_err(|_| PyRuntimeError::new_err("the *_async methods must be awaited inside a running asyncio loop"))?;
+    let f = lp.call_method0(intern!(py, "create_future"))?;
+    Ok((lp, f))
+}
+
 /// An asyncio future completed by `fut`, run on the runtime.
 pub(crate) fn spawn<'py, T, E>(
     py: Python<'py>,
@@ -61,11 +71,7 @@ where
     T: for<'a> IntoPyObject<'a> + Send + 'static,
     E: Into<Failure> + Send + 'static,
 {
-    let lp = py
-        .import(intern!(py, "asyncio"))?
-        .call_method0(intern!(py, "get_running_loop"))
-        .map_err(|_| PyRuntimeError::new_err("the *_async methods must be awaited inside a running asyncio loop"))?;
-    let f = lp.call_method0(intern!(py, "create_future"))?;
+    let (lp, f) = loop_future(py)?;
     let (lp, pf) = (lp.unbind(), f.clone().unbind());
     let cb = wrap_pyfunction!(complete, py)?.unbind();
     rt().spawn(async move {
@@ -392,10 +398,7 @@ impl PyRdmaTransport {
         timeout: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let fut = self.wait_fut(timeout::duration(timeout, "timeout")?);
-        let lp = py.import(intern!(py, "asyncio"))?.call_method0(intern!(py, "get_running_loop")).map_err(|_| {
-            PyRuntimeError::new_err("the *_async methods must be awaited inside a running asyncio loop")
-        })?;
-        let f = lp.call_method0(intern!(py, "create_future"))?;
+        let (lp, f) = loop_future(py)?;
         let (t, lp, pf) = (self.t.clone(), lp.unbind(), f.clone().unbind());
         let task = rt().spawn(async move {
             let r = fut.await;
