@@ -447,7 +447,16 @@ impl Handshakes {
     /// whose hello arrived with its connection), else the oldest. False when
     /// there is none.
     fn evict(&mut self) -> bool {
-        let idle = self.live.iter().find(|(_, (_, fd))| !hello_waiting(*fd)).map(|(id, _)| *id);
+        let idle = self
+            .live
+            .iter()
+            .find(|(_, (_, fd))| {
+                // SAFETY: a listed descriptor is open (the guard unlists it
+                // before its socket closes, under this lock, which `&mut
+                // self` holds); the borrow ends with the peek.
+                !hello_waiting(unsafe { std::os::fd::BorrowedFd::borrow_raw(*fd) })
+            })
+            .map(|(id, _)| *id);
         let victim = match idle {
             Some(id) => self.live.remove(&id),
             None => self.live.pop_first().map(|(_, v)| v),
@@ -473,11 +482,8 @@ impl Handshakes {
 }
 
 /// Whether a whole hello waits unread in the socket (a peek, not waiting).
-fn hello_waiting(fd: std::os::fd::RawFd) -> bool {
+fn hello_waiting(fd: std::os::fd::BorrowedFd<'_>) -> bool {
     let mut buf = [0u8; HELLO_LEN];
-    // SAFETY: the descriptor is listed in `Handshakes`, whose guard keeps
-    // it open while it is (see there); the borrow ends with this call.
-    let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
     let flags = rustix::net::RecvFlags::PEEK | rustix::net::RecvFlags::DONTWAIT;
     matches!(rustix::net::recv(fd, &mut buf[..], flags), Ok((n, _)) if n == HELLO_LEN)
 }
