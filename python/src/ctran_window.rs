@@ -45,19 +45,26 @@ impl PyCtranWindow {
         unified: bool,
     ) -> PyResult<PyCtranWindow> {
         let timeout = s.timeout;
-        let own = py.detach(|| Registered::alloc(window_size)).map_err(py_err)?;
-        let keep = own.clone();
-        let (win, meta) = py
+        let (win, meta, own) = py
             .detach(move || -> Result<_, Failure> {
                 let opts = WindowOptions::new().timeout(timeout).signal_slots(signal_size).unified(unified);
                 let mut win = Window::new(&s.meta, opts)?;
-                let (ptr, len) = (keep.mem.as_ptr(), window_size.max(1));
-                // SAFETY: the allocation is `len` bytes or more at a fixed
-                // address, kept by the registration's owner.
-                let b = unsafe { Borrowed::new(ptr, len, Owner::Mem(keep)) };
-                win.tensor_register_len(RdmaMemory::register(b)?, len, 1)?;
+                // Allocated after the window: a rank that cannot have its
+                // buffer still takes part in the registration, so that its
+                // peers hear why at once rather than wait for it.
+                let own = Registered::alloc(window_size);
+                let mem = own.as_ref().map_err(|e| e.clone()).and_then(|keep| {
+                    let (ptr, len) = (keep.mem.as_ptr(), window_size.max(1));
+                    // SAFETY: the allocation is `len` bytes or more at a
+                    // fixed address, kept by the registration's owner.
+                    let b = unsafe { Borrowed::new(ptr, len, Owner::Mem(keep.clone())) };
+                    RdmaMemory::register(b)
+                });
+                let why = |source| rmacomm_window::Error::Transport { op: "window_allocate", source };
+                win.register_buffer(mem.map_err(why), window_size)?;
                 let all: Vec<usize> = (0..s.size).collect();
-                Ok((win, s.meta.split(&all)?.expect("every rank is listed")))
+                let own = own.expect("its failure failed the registration");
+                Ok((win, s.meta.split(&all)?.expect("every rank is listed"), own))
             })
             .map_err(PyErr::from)?;
         Ok(PyCtranWindow { core: WinCore::new(win, meta, timeout), own, size: window_size })

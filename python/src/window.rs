@@ -94,10 +94,13 @@ impl PyWindow {
     /// thread runs each when the stream reaches it), and peers' tensors are
     /// not mapped.
     fn tensor_register(&self, py: Python<'_>, tensor: &Bound<'_, PyAny>) -> PyResult<()> {
-        if let Some(t) = cuda_tensor::of(tensor, "tensor")? {
+        // A tensor refused here (read-only, not contiguous, no tensor):
+        // this rank still takes its part, so that its peers hear why.
+        let cuda = cuda_tensor::of(tensor, "tensor").map_err(|e| self.core.register_refused(py, e))?;
+        if let Some(t) = cuda {
             return self.core.register_cuda(py, t);
         }
-        let mut t = Tensor::new(tensor, "tensor", true)?;
+        let mut t = Tensor::new(tensor, "tensor", true).map_err(|e| self.core.register_refused(py, e))?;
         self.core.register(py, &mut t)
     }
 

@@ -522,21 +522,26 @@ impl WinCore {
         if self.reg.lock().unwrap_or_else(|e| e.into_inner()).is_some() {
             return Err(PyValueError::new_err("a tensor is registered already; call tensor_deregister first"));
         }
-        if t.nbytes == 0 {
-            return Err(PyValueError::new_err("tensor: an empty tensor cannot be registered"));
-        }
-        let shape = t.shape()?;
         let raw = t.raw();
-        let owner = match memory::find(raw.ptr, raw.len) {
-            Some(r) => Owner::Mem(r),
-            None => Owner::Py(t.keep()),
-        };
-        // SAFETY: a numpy array or torch tensor (checked by Tensor::new),
-        // or an rmacomm allocation, keeps its memory at one address while
-        // the owner lives; the registration holds the owner.
-        let b = unsafe { Borrowed::new(raw.ptr, raw.len, owner) };
-        let mem = py.detach(|| RdmaMemory::register(b)).map_err(py_err)?;
-        let peers = self.exchange_meta(py, t.elem, &shape, false)?;
+        // What this rank offers, or why it cannot: either way it takes its
+        // part in the exchange, so that its peers hear of a refusal at once.
+        let offer = (|| {
+            if t.nbytes == 0 {
+                return Err(PyValueError::new_err("tensor: an empty tensor cannot be registered"));
+            }
+            let shape = t.shape()?;
+            let owner = match memory::find(raw.ptr, raw.len) {
+                Some(r) => Owner::Mem(r),
+                None => Owner::Py(t.keep()),
+            };
+            // SAFETY: a numpy array or torch tensor (checked by
+            // Tensor::new), or an rmacomm allocation, keeps its memory at
+            // one address while the owner lives; the registration holds the
+            // owner.
+            let b = unsafe { Borrowed::new(raw.ptr, raw.len, owner) };
+            Ok((t.elem, shape, py.detach(|| RdmaMemory::register(b)).map_err(py_err)?))
+        })();
+        let (peers, mem) = self.exchange_meta(py, false, offer)?;
         let (elem_size, len) = (t.elem.size, raw.len);
         self.exclusive(py, move |w| w.tensor_register_len(mem, len, elem_size))?.map_err(py_err)?;
         *self.reg.lock().unwrap_or_else(|e| e.into_inner()) =
@@ -544,19 +549,49 @@ impl WinCore {
         Ok(())
     }
 
+    /// This rank's part in a `tensor_register` refused before it started
+    /// (its argument is no tensor it can register): its peers hear `e` at
+    /// once, naming this rank, instead of waiting for it. Returns `e`.
+    pub(crate) fn register_refused(&self, py: Python<'_>, e: PyErr) -> PyErr {
+        if self.reg.lock().unwrap_or_else(|e| e.into_inner()).is_some() {
+            // Registered on every rank (registration is collective): no
+            // peer is in an exchange.
+            return e;
+        }
+        match self.exchange_meta::<()>(py, false, Err(e)) {
+            Err(e) => e,
+            Ok(_) => unreachable!("a refused offer never succeeds"),
+        }
+    }
+
     /// Every rank's element type and shape (one exchange); every rank must
     /// register the same kind of memory (host or CUDA), else a mismatch
     /// naming them.
-    pub(crate) fn exchange_meta(
+    ///
+    /// `offer` is this rank's part (its shape, and what the caller goes on
+    /// with), or why it has none: a rank whose registration is refused before the exchange
+    /// still sends its error, so that its peers raise a `PeerError` naming
+    /// it at once instead of waiting for it until the timeout; it raises
+    /// its own. Returns the peers' descriptors and the offer.
+    pub(crate) fn exchange_meta<T>(
         &self,
         py: Python<'_>,
-        elem: &'static Elem,
-        shape: &[usize],
         cuda: bool,
-    ) -> PyResult<Vec<PeerMeta>> {
-        let dims = shape.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(",");
-        let blob = format!("{}\n{dims}\n{}", elem.name, if cuda { "cuda" } else { "cpu" });
+        offer: PyResult<(&'static Elem, Vec<usize>, T)>,
+    ) -> PyResult<(Vec<PeerMeta>, T)> {
+        let blob = match &offer {
+            Ok((elem, shape, _)) => {
+                let dims = shape.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(",");
+                format!("{}\n{dims}\n{}", elem.name, if cuda { "cuda" } else { "cpu" })
+            }
+            Err(e) => format!("err\n{e}"),
+        };
         let all = py.detach(|| self.meta.exchange("tensor_register", blob.as_bytes())).map_err(py_err)?;
+        let (_, _, offer) = offer?;
+        if let Some((r, why)) = all.iter().enumerate().find_map(|(r, v)| Some((r, v.strip_prefix(b"err\n")?))) {
+            let why = String::from_utf8_lossy(why);
+            return Err(Failure::new(ErrKind::Peer, format!("tensor_register: rank {r} failed its part: {why}")).into());
+        }
         let mut peers = Vec::with_capacity(all.len());
         let mut kinds = Vec::with_capacity(all.len());
         for (r, v) in all.iter().enumerate() {
@@ -583,7 +618,7 @@ impl WinCore {
             )
             .into());
         }
-        Ok(peers)
+        Ok((peers, offer))
     }
 
     /// Ends the registration (collective).

@@ -60,11 +60,13 @@ impl WinCore {
             )
             .into());
         }
-        if t.nbytes == 0 {
-            return Err(Failure::new(ErrKind::Argument, "tensor: an empty tensor cannot be registered").into());
-        }
-        let ctx = cuda_tensor::context(t.device)?;
-        let peers = self.exchange_meta(py, t.elem, &t.shape, true)?;
+        // Refused or not, this rank takes its part in the exchange (its
+        // peers hear why at once).
+        let offer = match t.nbytes {
+            0 => Err(Failure::new(ErrKind::Argument, "tensor: an empty tensor cannot be registered").into()),
+            _ => cuda_tensor::context(t.device).map(|ctx| (t.elem, t.shape.clone(), ctx)).map_err(PyErr::from),
+        };
+        let (peers, ctx) = self.exchange_meta(py, true, offer)?;
         let (ptr, len, es, dev) = (t.ptr, t.nbytes, t.elem.size, t.device);
         // Every rank decides alike: in a group on one host with UNIFIED
         // access every peer is UNIFIED, in any other every rank has a peer
@@ -94,8 +96,11 @@ impl WinCore {
                 // SAFETY: the tensor's memory stays allocated while `Reg`
                 // holds the tensor, which `deregister` lets go only after
                 // the window's deregistration (and the region's drop).
-                let mem = unsafe { w.register_cuda(ptr, len, dev) }?;
-                w.tensor_register_len(mem, len, es)
+                match unsafe { w.register_cuda(ptr, len, dev) } {
+                    Ok(mem) => w.tensor_register_len(mem, len, es),
+                    // Its part still taken: the peers hear why at once.
+                    Err(e) => Err(w.tensor_register_failed(e)),
+                }
             })?
             .map_err(py_err)?;
         }

@@ -618,6 +618,70 @@ def queued_signal_timeout(_: str) -> None:
     log("queued_signal_timeout ok")
 
 
+def window_allocate_sizes(_: str) -> None:
+    """A rank whose window_allocate cannot have its buffer raises the
+    reason, and its peer a PeerError naming it at once (it waited for that
+    rank until the timeout); a window_size of 0 registers no bytes (peers'
+    puts of one byte into it are refused; it used to register one); a
+    tensor_register refused on one rank fails its peer at once too."""
+    comm = rmacomm.new_comm("rdma", timeout=60)
+    r = comm.get_rank()
+    t0 = time.monotonic()
+    try:
+        comm.window_allocate(1 << 62 if r == 0 else 64, signal_size=1)
+        raise AssertionError("a window whose buffer cannot be allocated was made")
+    except rmacomm.CommError as e:
+        took = time.monotonic() - t0
+        log(f"window_allocate of 2^62 bytes on rank 0: {type(e).__name__} after {took:.2f} s: {e}")
+        expect(took < 30, f"rank {r} waited {took:.1f} s for the failed rank")
+        if r == 1:
+            expect(isinstance(e, rmacomm.PeerError) and "rank 0" in str(e), f"rank 1 heard: {e!r}")
+    for unified in (True, False):
+        cw = comm.window_allocate(0 if r == 0 else 64, signal_size=1, unified=unified)
+        expect(cw.get_size() == (0 if r == 0 else 64), f"get_size {cw.get_size()}")
+        if r == 1:
+            one = np.ones(1, dtype=np.uint8)
+            for call in (lambda: cw.put(one, 0, 0), lambda: cw.get(one, 0, 0)):
+                try:
+                    call()
+                    raise AssertionError("a byte moved to or from a window of 0 bytes")
+                except rmacomm.ArgumentError as e:
+                    expect("rank 0" in str(e), f"the error names the peer: {e}")
+        else:
+            cw.put(np.full(64, 7, dtype=np.uint8), 1, 0)
+        comm.barrier()
+        if r == 1:
+            expect(bool((cw.get_tensor(1, [64]) == 7).all()) if unified else True, "rank 0's put landed")
+        comm.barrier()
+        del cw
+    # A rank whose tensor_register is refused before the exchange (read-only
+    # memory, an empty tensor) still takes its part: its peer hears why.
+    win = comm.new_window()
+    for bad in (np.frombuffer(b"\0" * 64, dtype=np.uint8), np.zeros(0, dtype=np.uint8)):
+        t0 = time.monotonic()
+        try:
+            win.tensor_register(bad if r == 0 else np.zeros(64, dtype=np.uint8))
+            raise AssertionError("a refused registration was made")
+        except (rmacomm.CommError, ValueError) as e:
+            took = time.monotonic() - t0
+            log(f"tensor_register of {bad.size} read-only={not bad.flags.writeable} bytes on rank 0: "
+                f"{type(e).__name__} after {took:.2f} s: {e}")
+            expect(took < 30, f"rank {r} waited {took:.1f} s for the refused rank")
+            if r == 1:
+                expect(isinstance(e, rmacomm.PeerError) and "rank 0" in str(e), f"rank 1 heard: {e!r}")
+            else:
+                expect(isinstance(e, ValueError), f"rank 0 raised {e!r}")
+    mine = np.zeros(8, dtype=np.int32)
+    win.tensor_register(mine)
+    win.put(np.full(8, r + 1, dtype=np.int32), 1 - r, 0)
+    win.signal(1 - r)
+    win.wait_signal(1 - r)
+    expect(bool((mine == 2 - r).all()), f"the peer's put after the refusals landed: {mine}")
+    win.tensor_deregister()
+    comm.finalize()
+    log("window_allocate_sizes ok")
+
+
 # --- transport -------------------------------------------------------------
 
 def _exchange(comm: rmacomm.Comm, obj: Any) -> list:
@@ -1079,6 +1143,7 @@ SCENARIOS: Dict[str, Callable[[str], None]] = {
     "gil_put": gil_put,
     "op_timeout": op_timeout,
     "queued_signal_timeout": queued_signal_timeout,
+    "window_allocate_sizes": window_allocate_sizes,
     "peer_shape": peer_shape,
     "transport": transport,
     "python_store": python_store,

@@ -67,6 +67,11 @@ def test_a_value_signal_queued_behind_others_keeps_its_own_timeout() -> None:
     assert out.count("queued_signal_timeout ok") == 2, out
 
 
+def test_window_allocate_of_a_size_one_rank_cannot_have_and_of_zero() -> None:
+    out = launch(2, "window_allocate_sizes", timeout=120)
+    assert out.count("window_allocate_sizes ok") == 2, out
+
+
 def test_a_per_call_timeout_bounds_put_get_and_signal() -> None:
     # Rank 1 is stopped (TCP link: nothing to it completes), so each call
     # must raise its own TimeoutError, well before the window's 10 s.

@@ -504,24 +504,69 @@ impl Window {
     /// [`tensor_register`](Self::tensor_register) of the first `len` bytes
     /// of `mem` only (a whole number of elements): peers' puts and gets
     /// beyond them fail with [`Error::Bounds`].
+    ///
+    /// A rank whose arguments are refused still takes part in the
+    /// registration's exchange: every peer fails with
+    /// [`Error::PeerFailed`] naming it, at once, instead of waiting for it
+    /// until the timeout.
     pub fn tensor_register_len(&mut self, mem: RdmaMemory, len: usize, elem_size: usize) -> Result<()> {
+        self.register_offer("tensor_register", Ok(mem), len, elem_size, false)
+    }
+
+    /// Takes this rank's part in a registration that it cannot make (its
+    /// memory could not be had: `why`), so that the peers' calls of
+    /// [`tensor_register`](Self::tensor_register) fail at once with
+    /// [`Error::PeerFailed`] naming this rank and `why`, rather than wait
+    /// for it until the timeout. Collective, in place of this rank's
+    /// `tensor_register`; returns `why`.
+    pub fn tensor_register_failed(&mut self, why: Error) -> Error {
+        match self.register_offer("tensor_register", Err(why), 0, 1, false) {
+            Err(e) => e,
+            Ok(()) => unreachable!("a registration without memory never succeeds"),
+        }
+    }
+
+    /// The registration of host memory: `mem` (or why this rank has none)
+    /// for `len` bytes of `elem_size`-byte elements; `len` 0 only where
+    /// `empty` allows it (ctran's `window_allocate(0)`). Whatever this
+    /// rank's arguments, it exchanges a descriptor or its error. `op`
+    /// names the call in errors.
+    pub(crate) fn register_offer(
+        &mut self,
+        op: &'static str,
+        mem: Result<RdmaMemory>,
+        len: usize,
+        elem_size: usize,
+        empty: bool,
+    ) -> Result<()> {
+        // The exchanges keep one name, whichever call registers.
         const OP: &str = "tensor_register";
         if self.reg.is_some() || self.dev.is_some() {
-            return Err(Error::invalid(OP, "a tensor is registered already; call tensor_deregister first"));
+            return Err(Error::invalid(op, "a tensor is registered already; call tensor_deregister first"));
         }
-        if len == 0 || len.checked_rem(elem_size) != Some(0) || len > mem.len() {
-            return Err(Error::invalid(
-                OP,
-                format!(
-                    "{len} bytes of elements of {elem_size} bytes in {} registered bytes: the element size and the \
-                     length must be positive, the length a multiple of the element size within the memory",
-                    mem.len()
-                ),
-            ));
-        }
-        let rb = mem.remote_buffer().slice(0, len as u64).expect("checked above");
-        let blob = format!("{rb}\n{elem_size}");
+        let mem = mem.and_then(|mem| {
+            if (len == 0 && !empty) || len.checked_rem(elem_size) != Some(0) || len > mem.len() {
+                return Err(Error::invalid(
+                    op,
+                    format!(
+                        "{len} bytes of elements of {elem_size} bytes in {} registered bytes: the element size and \
+                         the length must be positive, the length a multiple of the element size within the memory",
+                        mem.len()
+                    ),
+                ));
+            }
+            Ok(mem)
+        });
+        let blob = match &mem {
+            Ok(mem) => format!("{}\n{elem_size}", mem.remote_buffer().slice(0, len as u64).expect("checked above")),
+            Err(e) => format!("err\n{e}"),
+        };
         let all = self.group.exchange(OP, blob.as_bytes())?;
+        // This rank's own failure first; else the first peer's.
+        let mem = mem?;
+        if let Some((p, why)) = all.iter().enumerate().find_map(|(p, v)| Some((p, v.strip_prefix(b"err\n")?))) {
+            return Err(Error::PeerFailed { op, peer: p, reason: String::from_utf8_lossy(why).into_owned() });
+        }
         let mut peers = Vec::with_capacity(all.len());
         for (p, value) in all.iter().enumerate() {
             let text = String::from_utf8_lossy(value);
@@ -530,7 +575,7 @@ impl Window {
             let parsed = text.split_once('\n').and_then(|(rb, es)| {
                 Some((RdmaRemoteBuffer::parse(rb)?, es.parse::<usize>().ok().filter(|&es| es > 0)?))
             });
-            peers.push(parsed.ok_or_else(|| Error::Protocol(format!("{OP}: rank {p} sent a malformed descriptor")))?);
+            peers.push(parsed.ok_or_else(|| Error::Protocol(format!("{op}: rank {p} sent a malformed descriptor")))?);
         }
         // UNIFIED peers' tensors, mapped here when they are shared segments.
         let maps: Result<Vec<_>> = peers
@@ -538,7 +583,7 @@ impl Window {
             .enumerate()
             .map(|(p, (rb, _))| match self.signal_maps[p] {
                 Some(_) => self.rt.block_on(self.links[p].out.map_remote(rb)).map_err(|source| Error::Rma {
-                    op: OP,
+                    op,
                     peer: p,
                     source,
                 }),
@@ -557,7 +602,7 @@ impl Window {
         let all = self.group.exchange("tensor_register/mapped", verdict.as_bytes())?;
         let maps = maps?;
         if let Some((p, why)) = all.iter().enumerate().find(|(_, v)| !v.is_empty()) {
-            return Err(Error::PeerFailed { op: OP, peer: p, reason: String::from_utf8_lossy(why).into_owned() });
+            return Err(Error::PeerFailed { op, peer: p, reason: String::from_utf8_lossy(why).into_owned() });
         }
         self.reg = Some(Registration { mem, peers, maps });
         Ok(())

@@ -403,6 +403,87 @@ fn ranks_disagreeing_on_signal_slots_fail_on_every_rank() {
     });
 }
 
+/// A rank whose registration is refused (its arguments, or memory it could
+/// not allocate) still takes part in the exchange: its peers fail at once
+/// with `PeerFailed` naming it and its reason, instead of waiting for it
+/// until the timeout; the window then registers again on every rank.
+#[test]
+fn a_rank_whose_registration_fails_fails_its_peers_at_once() {
+    ranks(3, |rank, g| {
+        let mut w = window(&g);
+        let t0 = std::time::Instant::now();
+        // Rank 1 registers more bytes than its memory holds.
+        let len = if rank == 1 { 8192 } else { 64 };
+        let e = w.tensor_register_len(w.alloc(4096).unwrap(), len, 1).unwrap_err();
+        if rank == 1 {
+            assert!(matches!(e, Error::InvalidArgument { op: "tensor_register", .. }), "{e}");
+        } else {
+            assert!(
+                matches!(&e, Error::PeerFailed { op: "tensor_register", peer: 1, reason } if reason.contains("8192")),
+                "{e}"
+            );
+        }
+        // Rank 2 could not get its memory at all.
+        let e = if rank == 2 {
+            w.tensor_register_failed(Error::InvalidArgument { op: "alloc", reason: "out of memory (test)".into() })
+        } else {
+            w.tensor_register(w.alloc(64).unwrap(), 1).unwrap_err()
+        };
+        if rank != 2 {
+            assert!(
+                matches!(&e, Error::PeerFailed { peer: 2, reason, .. } if reason.contains("out of memory (test)")),
+                "{e}"
+            );
+        }
+        assert!(t0.elapsed() < Duration::from_secs(20), "rank {rank} waited for the timeout: {e}");
+        // Nothing was left registered: a good registration follows.
+        w.tensor_register(w.alloc(64).unwrap(), 1).unwrap();
+        w.put(w.alloc(8).unwrap().view(0, 8).unwrap(), (rank + 1) % 3, 56, false).unwrap();
+        drop(w.tensor_deregister().unwrap());
+    });
+    // ctran's allocate: one rank's size cannot be allocated.
+    ranks(2, |rank, g| {
+        let opts = WindowOptions::new().timeout(Duration::from_secs(30));
+        let t0 = std::time::Instant::now();
+        let size = if rank == 0 { usize::MAX / 2 } else { 64 };
+        let e = Window::allocate(&g, size, 1, opts).unwrap_err();
+        if rank == 1 {
+            assert!(matches!(e, Error::PeerFailed { op: "window_allocate", peer: 0, .. }), "{e}");
+        }
+        assert!(t0.elapsed() < Duration::from_secs(20), "rank {rank} waited for the timeout: {e}");
+    });
+}
+
+/// ctran's `allocate` of 0 bytes: a window whose buffer no put or get
+/// reaches (`get_size` 0; it used to register one byte, which peers' 1-byte
+/// puts filled), beside a peer's buffer of 64 bytes.
+#[test]
+fn a_window_of_zero_bytes_takes_no_bytes() {
+    for unified in [true, false] {
+        ranks(2, move |rank, g| {
+            let opts = WindowOptions::new().timeout(Duration::from_secs(30)).unified(unified);
+            let w = Window::allocate(&g, if rank == 0 { 0 } else { 64 }, 1, opts).unwrap();
+            assert_eq!(w.get_size(), if rank == 0 { 0 } else { 64 });
+            let src = w.alloc(64).unwrap();
+            if rank == 1 {
+                let e = w.put(src.view(0, 1).unwrap(), 0, 0, false).unwrap_err();
+                assert!(matches!(e, Error::Bounds { op: "put", peer: 0, .. }), "{e}");
+                let e = w.get(src.view_mut(0, 1).unwrap(), 0, 0, false).unwrap_err();
+                assert!(matches!(e, Error::Bounds { op: "get", peer: 0, .. }), "{e}");
+                if unified {
+                    assert!(w.map_remote_tensor(0).unwrap().is_empty());
+                    assert!(matches!(w.get_tensor(0, 0, 1), Err(Error::Bounds { .. })));
+                }
+            } else {
+                w.put(src.view(0, 64).unwrap(), 1, 0, false).unwrap();
+                assert!(w.map_remote_tensor(0).unwrap().is_empty());
+            }
+            w.signal(1 - rank, false).unwrap();
+            w.wait_signal(1 - rank, None).unwrap();
+        });
+    }
+}
+
 /// Async value SETs to one peer take effect in call order, over striped,
 /// reordering connections: the last value stays (two SETs in flight at
 /// once used to land in either order, an earlier value winning and the

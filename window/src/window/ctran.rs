@@ -64,13 +64,25 @@ impl Window {
     /// ctran's `window_allocate`: a window over `group` that owns a zeroed
     /// buffer of `size_bytes` bytes (registered, byte elements, so puts'
     /// offsets are byte displacements) and `signal_slots` 64-bit value
-    /// signal slots. Collective; sizes may differ per rank, `signal_slots`
-    /// may not.
+    /// signal slots. Collective; sizes may differ per rank (0 too: a
+    /// window whose buffer no put or get reaches), `signal_slots` may not.
+    /// A rank whose buffer cannot be allocated fails with the reason, and
+    /// its peers at once with [`Error::PeerFailed`] naming it.
     pub fn allocate(group: &Group, size_bytes: usize, signal_slots: usize, opts: WindowOptions) -> Result<Window> {
         let mut w = Window::new(group, opts.signal_slots(signal_slots))?;
-        let mem = w.alloc(size_bytes.max(1))?;
-        w.tensor_register_len(mem, size_bytes.max(1), 1)?;
+        // An allocation is never empty; the registration may be.
+        let mem = w.alloc(size_bytes.max(1));
+        w.register_buffer(mem, size_bytes)?;
         Ok(w)
+    }
+
+    /// The registration [`allocate`](Self::allocate) makes, over memory
+    /// the caller allocated (collective): the first `size_bytes` bytes of
+    /// `mem` as byte elements, `size_bytes` 0 allowed (no put or get reaches
+    /// it); `mem` may be the error that kept this rank from allocating it,
+    /// which every peer then hears as [`Error::PeerFailed`] naming this rank.
+    pub fn register_buffer(&mut self, mem: Result<RdmaMemory>, size_bytes: usize) -> Result<()> {
+        self.register_offer("window_allocate", mem, size_bytes, 1, true)
     }
 
     /// Bytes this rank registered (ctran's `get_size`); 0 when nothing is.
