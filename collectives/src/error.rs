@@ -29,7 +29,7 @@ pub enum Error {
     },
     /// Peers did not take part in time (a rank that never called the
     /// operation, or one that died).
-    #[error("{op} #{seq}: timed out after {after:?} waiting for ranks {missing:?} ({waiting_for}); check that every rank calls the same collectives in the same order, or raise the timeout (RMACOMM_TIMEOUT_SECONDS)")]
+    #[error("{op} #{seq}: timed out after {after:?} waiting for ranks {missing:?} ({waiting_for}); check that every rank calls the same collectives in the same order, or raise the timeout (the one set in code, else RMACOMM_TIMEOUT_SECONDS)")]
     Timeout {
         /// The operation.
         op: &'static str,

@@ -16,7 +16,7 @@ pub enum Error {
     /// group operation.
     #[error(
         "timed out after {after:?} waiting for {waiting_for}; check that every rank is alive and calls the same \
-         group operations in the same order, or raise the timeout (RMACOMM_TIMEOUT_SECONDS)"
+         group operations in the same order, or raise the timeout (the one set in code, else RMACOMM_TIMEOUT_SECONDS)"
     )]
     Timeout {
         /// What was awaited: `store key 'k'`, or a group operation and the ranks missing from it.
