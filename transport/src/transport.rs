@@ -371,10 +371,6 @@ impl RdmaTransport {
         let rt = tokio::runtime::Handle::try_current()
             .map_err(|_| TransportError::Unsupported("connect must be called inside a tokio runtime".into()))?;
         let peer = url::describe(&provider, &ep);
-        let _ = self.inner.peer.set(peer.clone());
-        if let Some(page) = notes {
-            let _ = self.inner.notes.peer.set(page);
-        }
         let named = |e: ibverbx::Error| match TransportError::from(e) {
             TransportError::InvalidArgument { reason, .. } => {
                 TransportError::InvalidArgument { op: "connect", reason: format!("{reason} (connecting to {peer})") }
@@ -387,6 +383,13 @@ impl RdmaTransport {
         // another.
         self.inner.qp.check_endpoint(&ep).map_err(named)?;
         claim.qp_touched = true;
+        // Set once the peer is taken (they are set-once): a URL refused
+        // above leaves neither its name nor its notification page behind
+        // for the connect that follows.
+        let _ = self.inner.peer.set(peer.clone());
+        if let Some(page) = notes {
+            let _ = self.inner.notes.peer.set(page);
+        }
         self.inner.qp.connect(&ep).map_err(|e| match TransportError::from(e) {
             TransportError::InvalidArgument { op, reason } => {
                 TransportError::InvalidArgument { op, reason: format!("{reason} (connecting to {peer})") }

@@ -83,4 +83,11 @@ async fn a_connect_refused_for_a_mismatched_peer_may_be_retried() {
     let src = RdmaMemory::alloc_for(&a, 4096).unwrap();
     let dst = RdmaMemory::alloc_for(&c, 4096).unwrap();
     a.write(src.view(0, 64).unwrap(), &dst.remote_buffer(), false).await.unwrap();
+    // Notifying writes wake the peer it connected to: the refused peer's
+    // notification page (b2's) was kept, and counted them there.
+    for _ in 0..20 {
+        a.write(src.view(0, 64).unwrap(), &dst.remote_buffer(), true).await.unwrap();
+        c.wait_for_write_with_timeout(Some(Duration::from_secs(10))).await.unwrap();
+    }
+    assert!(b2.wait_for_write_with_timeout(Some(Duration::from_millis(50))).await.is_err());
 }
