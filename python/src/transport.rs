@@ -397,8 +397,11 @@ impl PyRdmaTransport {
         py: Python<'py>,
         timeout: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let fut = self.wait_fut(timeout::duration(timeout, "timeout")?);
+        let timeout = timeout::duration(timeout, "timeout")?;
+        // The loop first: a call refused for want of one takes no
+        // notification.
         let (lp, f) = loop_future(py)?;
+        let fut = self.wait_fut(timeout);
         let (t, lp, pf) = (self.t.clone(), lp.unbind(), f.clone().unbind());
         let task = rt().spawn(async move {
             let r = fut.await;

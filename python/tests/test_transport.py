@@ -64,6 +64,13 @@ def test_transport_pair_in_one_process_blocking_and_asyncio() -> None:
         a.connect(ub)
     with pytest.raises(RuntimeError, match="asyncio"):
         a.write_async(ms.to_view(), md.to_remote_buffer())
+    # An async wait refused for want of a running loop takes no
+    # notification (it took the one waiting, then failed).
+    a.write(ms.to_view(0, 4), md.to_remote_buffer(), notify=True)
+    time.sleep(0.1)
+    with pytest.raises(RuntimeError, match="asyncio"):
+        b.wait_for_write_async()
+    b.wait_for_write(timeout=5)
 
 
 def test_read_only_memory_is_not_registered() -> None:

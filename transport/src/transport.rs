@@ -727,10 +727,15 @@ impl RdmaTransport {
                 Ok(Some(rx))
             }
         };
+        // A notification taken above belongs to this future once polled: a
+        // future dropped unpolled (the losing branch of a select, a caller
+        // that failed before awaiting it) gives it back.
+        let taken = Banked(matches!(early, Err(Ok(()))).then(|| self.inner.clone()));
         // The guard exists from here on, so that a future dropped before
         // its first poll is counted as abandoned too.
         let waiter = early.map(|rx| Waiter { inner: self.inner.clone(), rx });
         async move {
+            taken.keep();
             let mut w = match waiter {
                 Ok(w) => w,
                 Err(r) => return r,
@@ -1620,6 +1625,25 @@ enum Start {
     Posted(ReplyRx),
     /// No slot was free: the future posts once it gets one.
     Waiting(Op),
+}
+
+/// A notification a wait took before its future was first polled: given
+/// back when the future is dropped unpolled.
+struct Banked(Option<Arc<Inner>>);
+
+impl Banked {
+    /// The future was polled: the notification is its own.
+    fn keep(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for Banked {
+    fn drop(&mut self) {
+        if let Some(inner) = self.0.take() {
+            inner.lock().deliver_notification(&inner.banked);
+        }
+    }
 }
 
 /// A `wait_for_write` in progress. Dropped before it got its notification

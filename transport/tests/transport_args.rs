@@ -91,3 +91,21 @@ async fn a_connect_refused_for_a_mismatched_peer_may_be_retried() {
     }
     assert!(b2.wait_for_write_with_timeout(Some(Duration::from_millis(50))).await.is_err());
 }
+
+/// A `wait_for_write` future dropped before its first poll (the losing
+/// branch of a `select!`, a caller that failed before awaiting it) while a
+/// notification was waiting gives it back: it took it when made.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wait_dropped_unpolled_loses_no_notification() {
+    common::link("shm");
+    let (a, b) = pair().await;
+    let src = RdmaMemory::alloc_for(&a, 4096).unwrap();
+    let dst = RdmaMemory::alloc_for(&b, 4096).unwrap();
+    a.write(src.view(0, 64).unwrap(), &dst.remote_buffer(), true).await.unwrap();
+    // Arrived: a wait made now has it at once.
+    b.wait_for_write_with_timeout(Some(Duration::from_secs(10))).await.unwrap();
+    a.write(src.view(0, 64).unwrap(), &dst.remote_buffer(), true).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    drop(b.wait_for_write());
+    b.wait_for_write_with_timeout(Some(Duration::from_secs(5))).await.unwrap();
+}
