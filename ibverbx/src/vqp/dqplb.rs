@@ -20,7 +20,8 @@
 //! in. A hole that persists for `timeout` while later fragments wait is
 //! reported as lost rather than waited on forever.
 
-use std::collections::VecDeque;
+use std::collections::btree_map::Entry;
+use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};
 
 /// Bits of the sequence number.
@@ -126,8 +127,12 @@ struct Slot {
 #[derive(Debug)]
 pub struct SeqTracker {
     expected: u32,
-    window: VecDeque<Option<Slot>>,
-    held: usize,
+    /// How many sequence numbers the run has passed (`expected` unwrapped).
+    base: u64,
+    /// Fragments beyond a hole, by unwrapped sequence number: sparse, so
+    /// memory follows the fragments held, not how far ahead one claims to
+    /// be (a dense window sized by one arrival 2^23 ahead was 64 MiB).
+    window: BTreeMap<u64, Slot>,
     max_window: usize,
     msg_bytes: u64,
     finished: VecDeque<FinishedMessage>,
@@ -142,8 +147,8 @@ impl SeqTracker {
     pub fn new(initial_seq: u32, max_window: usize, timeout: Duration) -> Self {
         SeqTracker {
             expected: initial_seq & SEQ_MASK,
-            window: VecDeque::new(),
-            held: 0,
+            base: 0,
+            window: BTreeMap::new(),
             max_window: max_window.clamp(1, 1 << (SEQ_BITS - 1)),
             msg_bytes: 0,
             finished: VecDeque::new(),
@@ -159,7 +164,7 @@ impl SeqTracker {
 
     /// Fragments received beyond a hole.
     pub fn held(&self) -> usize {
-        self.held
+        self.window.len()
     }
 
     /// Records the arrival of a fragment with immediate `imm` and `len`
@@ -170,15 +175,20 @@ impl SeqTracker {
         if dist >= self.max_window {
             return Err(TrackerError::OutOfWindow { seq: d.seq, expected: self.expected, window: self.max_window });
         }
-        if self.window.len() <= dist {
-            self.window.resize(dist + 1, None);
-        }
-        if self.window[dist].is_some() {
-            return Err(TrackerError::Duplicate { seq: d.seq });
-        }
-        self.window[dist] = Some(Slot { len, last: d.last, user: d.user });
-        self.held += 1;
-        let advanced = self.advance();
+        let slot = Slot { len, last: d.last, user: d.user };
+        let advanced = if dist == 0 && self.window.is_empty() {
+            // In order, nothing held: the common case, no map.
+            self.pass(slot);
+            true
+        } else {
+            match self.window.entry(self.base + dist as u64) {
+                Entry::Occupied(_) => return Err(TrackerError::Duplicate { seq: d.seq }),
+                Entry::Vacant(v) => {
+                    v.insert(slot);
+                }
+            }
+            self.advance()
+        };
         if self.window.is_empty() {
             self.gap_since = None;
         } else if advanced || self.gap_since.is_none() {
@@ -189,22 +199,27 @@ impl SeqTracker {
 
     fn advance(&mut self) -> bool {
         let mut moved = false;
-        while let Some(Some(slot)) = self.window.front().copied() {
-            self.window.pop_front();
-            self.held -= 1;
+        while let Some(entry) = self.window.first_entry().filter(|e| *e.key() == self.base) {
+            let slot = entry.remove();
             moved = true;
-            self.msg_bytes += slot.len as u64;
-            if slot.last {
-                self.finished.push_back(FinishedMessage {
-                    user: slot.user,
-                    bytes: self.msg_bytes,
-                    last_seq: self.expected,
-                });
-                self.msg_bytes = 0;
-            }
-            self.expected = next_seq(self.expected);
+            self.pass(slot);
         }
         moved
+    }
+
+    /// The run passes `slot`, the fragment it expected.
+    fn pass(&mut self, slot: Slot) {
+        self.msg_bytes += slot.len as u64;
+        if slot.last {
+            self.finished.push_back(FinishedMessage {
+                user: slot.user,
+                bytes: self.msg_bytes,
+                last_seq: self.expected,
+            });
+            self.msg_bytes = 0;
+        }
+        self.expected = next_seq(self.expected);
+        self.base += 1;
     }
 
     /// The next finished message, in sequence order.
@@ -224,7 +239,7 @@ impl SeqTracker {
             Some(t) if now.saturating_duration_since(t) >= self.timeout => Err(TrackerError::Timeout {
                 expected: self.expected,
                 waited: now.saturating_duration_since(t),
-                held: self.held,
+                held: self.window.len(),
             }),
             _ => Ok(()),
         }
@@ -260,6 +275,33 @@ mod tests {
             }
         }
         out
+    }
+
+    /// One arrival as far ahead as the window allows holds one slot: the
+    /// dense window it replaced grew to 2^23 slots (64 MiB) for it, and kept
+    /// that capacity for the life of the transport.
+    #[test]
+    fn a_far_arrival_holds_one_slot() {
+        let far = (1u32 << 23) - 1;
+        let mut t = SeqTracker::new(0, 1 << 23, Duration::from_secs(1));
+        let now = Instant::now();
+        t.on_arrival(DqplbImm { seq: far, last: true, user: true }.encode(), 1, now).unwrap();
+        assert_eq!((t.held(), t.window.len()), (1, 1));
+        assert_eq!(
+            t.on_arrival(DqplbImm { seq: far, last: true, user: true }.encode(), 1, now),
+            Err(TrackerError::Duplicate { seq: far })
+        );
+        assert!(matches!(
+            t.on_arrival(DqplbImm { seq: 1 << 23, last: true, user: true }.encode(), 1, now),
+            Err(TrackerError::OutOfWindow { .. })
+        ));
+        // The run still completes through it.
+        for seq in 0..far {
+            t.on_arrival(DqplbImm { seq, last: false, user: false }.encode(), 1, now).unwrap();
+        }
+        assert_eq!(t.held(), 0);
+        assert_eq!(t.poll_finished().map(|m| (m.user, m.bytes, m.last_seq)), Some((true, far as u64 + 1, far)));
+        assert_eq!(t.expected(), far + 1);
     }
 
     #[test]
