@@ -745,7 +745,8 @@ impl RdmaTransport {
             let until = deadline.map(|(_, at)| at);
             let spun = w.rx.is_none();
             if spun {
-                if let Some(r) = w.inner.spin_for_note(until) {
+                let inner = w.inner.clone();
+                if let Some(r) = inner.spin_sliced(until, |u| inner.spin_for_note(u)).await {
                     return r;
                 }
                 let mut st = w.inner.lock();
@@ -1264,6 +1265,28 @@ impl Inner {
     /// notification from the page as it comes, or the first one banked
     /// meanwhile (here or by the driver task); `None` when none came (or
     /// another caller's wait took it).
+    /// Runs `slice` (a spin to the instant it is given) until it finds
+    /// something or [`busy_poll`](TransportConfig::busy_poll) has passed
+    /// (`until` at most), yielding to the runtime every [`SPIN_SLICE`]: a
+    /// timeout around the call (Python's waits check for Ctrl-C in such
+    /// slices) and the worker's other tasks get their turn during a long
+    /// busy poll, which spun inside one poll before.
+    async fn spin_sliced<R>(
+        &self,
+        until: Option<Instant>,
+        mut slice: impl FnMut(Option<Instant>) -> Option<R>,
+    ) -> Option<R> {
+        let end = ibverbx::deadline_after(self.config.busy_poll);
+        let end = until.map_or(end, |u| u.min(end));
+        loop {
+            let r = slice(Some(end.min(ibverbx::deadline_after(SPIN_SLICE))));
+            if r.is_some() || Instant::now() >= end {
+                return r;
+            }
+            tokio::task::yield_now().await;
+        }
+    }
+
     fn spin_for_note(&self, until: Option<Instant>) -> Option<Result<(), TransportError>> {
         self.spin(until, |poll_cq, every_64th| {
             if self.take_note() {
@@ -1354,7 +1377,7 @@ impl Inner {
             Deadline::At(_, at) => Some(at.into_std()),
             _ => None,
         };
-        if let Some(r) = self.reap_until(&mut rx, true, until) {
+        if let Some(r) = self.spin_sliced(until, |u| self.reap_until(&mut rx, true, u)).await {
             return r;
         }
         let deadline = match deadline {
@@ -1628,6 +1651,9 @@ enum Start {
 }
 
 /// A notification a wait took before its future was first polled: given
+/// The longest a busy poll spins before it yields to the runtime once.
+const SPIN_SLICE: Duration = Duration::from_millis(5);
+
 /// back when the future is dropped unpolled.
 struct Banked(Option<Arc<Inner>>);
 

@@ -109,3 +109,18 @@ async fn a_wait_dropped_unpolled_loses_no_notification() {
     drop(b.wait_for_write());
     b.wait_for_write_with_timeout(Some(Duration::from_secs(5))).await.unwrap();
 }
+
+/// A long busy poll yields to the runtime between slices: a timeout
+/// around the call (how Python's waits look for Ctrl-C) ends it. It spun
+/// inside one poll for all of `busy_poll` (30 s here), and held a runtime
+/// worker meanwhile. (The bound is ten times the slack, not a speed.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_busy_poll_yields_to_a_timeout_around_it() {
+    common::link("shm");
+    let cfg = config().with_busy_poll(Duration::from_secs(30)).with_timeout(None);
+    let (_a, b) = pair_with(cfg.clone(), cfg).await;
+    let t = Instant::now();
+    let r = tokio::time::timeout(Duration::from_millis(200), b.wait_for_write()).await;
+    assert!(r.is_err(), "nothing was written: {r:?}");
+    assert!(t.elapsed() < Duration::from_secs(10), "a 200 ms timeout around the wait returned after {:?}", t.elapsed());
+}
