@@ -245,7 +245,9 @@ impl PyTransferAgent {
         }
         if let Some(t) = crate::cuda_tensor::of(memory, "memory")? {
             let reg = py.detach(|| Registered::cuda(t)).map_err(py_err)?;
-            return self.add_region(reg, None);
+            // Kept as the object registered: registering it again, and
+            // `deregister(tensor)`, find its region (they did not).
+            return self.add_region(reg, Some(memory.clone().unbind()));
         }
         let t = Tensor::new(memory, "memory", true)?;
         let reg = crate::transport::register_private(py, &t, "memory")?;
@@ -388,28 +390,36 @@ impl PyTransferAgent {
         let mut keep: Vec<Arc<Registered>> = Vec::new();
         let mut slot: HashMap<u32, usize> = HashMap::new();
         let mut planned: Vec<(usize, usize, usize, RemoteBlock)> = Vec::new();
+        // The pieces are read first, without the regions' lock: reading
+        // them runs Python code (a generator, a tensor's attributes) that
+        // may let another thread in, which then waited for the lock while
+        // holding the GIL (a deadlock).
+        let mut wanted: Vec<(usize, usize, (u32, u64, u64))> = Vec::new();
+        for (i, item) in pieces.try_iter()?.enumerate() {
+            let item = item?;
+            let bad = || {
+                PyTypeError::new_err(format!(
+                    "pieces[{i}] must be a pair (local, (region, offset, length)), local being an array, a tensor \
+                         or (address, length)"
+                ))
+            };
+            let (l, r): (Bound<'_, PyAny>, Bound<'_, PyAny>) = item.extract().map_err(|_| bad())?;
+            let (ptr, len) = if l.is_instance_of::<PyTuple>() {
+                l.extract::<(usize, usize)>().map_err(|_| bad())?
+            } else if let Some(t) = crate::cuda_tensor::of(&l, &format!("pieces[{i}][0]"))? {
+                // A CUDA tensor: its device address, found in a
+                // registered CUDA tensor's region.
+                (t.ptr as usize, t.nbytes)
+            } else {
+                let t = Tensor::new(&l, &format!("pieces[{i}][0]"), op == Op::Read)?;
+                (t.ptr as usize, t.nbytes)
+            };
+            let remote: (u32, u64, u64) = r.extract().map_err(|_| bad())?;
+            wanted.push((ptr, len, remote));
+        }
         {
             let regions = self.lock();
-            for (i, item) in pieces.try_iter()?.enumerate() {
-                let item = item?;
-                let bad = || {
-                    PyTypeError::new_err(format!(
-                        "pieces[{i}] must be a pair (local, (region, offset, length)), local being an array, a tensor \
-                         or (address, length)"
-                    ))
-                };
-                let (l, r): (Bound<'_, PyAny>, Bound<'_, PyAny>) = item.extract().map_err(|_| bad())?;
-                let (ptr, len) = if l.is_instance_of::<PyTuple>() {
-                    l.extract::<(usize, usize)>().map_err(|_| bad())?
-                } else if let Some(t) = crate::cuda_tensor::of(&l, &format!("pieces[{i}][0]"))? {
-                    // A CUDA tensor: its device address, found in a
-                    // registered CUDA tensor's region.
-                    (t.ptr as usize, t.nbytes)
-                } else {
-                    let t = Tensor::new(&l, &format!("pieces[{i}][0]"), op == Op::Read)?;
-                    (t.ptr as usize, t.nbytes)
-                };
-                let (region, offset, length): (u32, u64, u64) = r.extract().map_err(|_| bad())?;
+            for (i, &(ptr, len, (region, offset, length))) in wanted.iter().enumerate() {
                 let k = find_region(&regions, ptr, len).ok_or_else(|| {
                     PyErr::from(Failure::new(
                         ErrKind::Argument,

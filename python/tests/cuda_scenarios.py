@@ -299,6 +299,11 @@ def agent_cuda(_: str) -> None:
         reads = [(back[b], (region, s * block, block)) for b, s in enumerate(slots)]
         agent.transfer("READ", "decode", reads).wait(timeout=60)
         expect(torch.equal(back, kv), "blocks read back")
+        # The same CUDA tensor again is its region; deregister(tensor)
+        # finds it (two regions were made, and deregister found neither).
+        ids = [rid for rid, _, _ in agent.regions()]
+        expect(agent.register(back) in ids and len(agent.regions()) == 2, f"back registered again: {agent.regions()}")
+        expect(agent.deregister(back) and agent.deregister(kv) and agent.regions() == [], "deregister(tensor)")
         store.set("prefill.done", "1")
     log("agent_cuda ok")
 

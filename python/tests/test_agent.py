@@ -204,6 +204,41 @@ def test_deregister_takes_an_id_only_as_an_int() -> None:
     assert a.deregister(r_big) and a.regions() == []
 
 
+DEADLOCK = """
+import threading, time
+import numpy as np
+import rmacomm
+a = rmacomm.TransferAgent("a", timeout=10)
+b = rmacomm.TransferAgent("b", timeout=10)
+src, dst = np.arange(512, dtype=np.uint8), np.zeros(512, np.uint8)
+a.register(src)
+rid = b.register(dst)
+a.add_peer(b.metadata())
+stop = threading.Event()
+def other():
+    while not stop.is_set():
+        a.regions()
+th = threading.Thread(target=other)
+th.start()
+def pieces():
+    for i in range(8):
+        time.sleep(0.02)  # lets the other thread run
+        yield (src[i * 64:(i + 1) * 64], (rid, i * 64, 64))
+a.transfer("WRITE", "b", pieces()).wait(timeout=10)
+stop.set()
+th.join()
+assert (dst == src).all()
+print("no deadlock")
+"""
+
+
+def test_pieces_from_a_generator_while_another_thread_uses_the_agent() -> None:
+    # transfer() held the agent's region lock while the generator ran;
+    # a thread calling a.regions() meanwhile waited for it holding the GIL.
+    p = subprocess.run([sys.executable, "-c", DEADLOCK], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and "no deadlock" in p.stdout, p.stdout + p.stderr
+
+
 def test_read_only_memory_is_refused() -> None:
     a = rmacomm.TransferAgent("ro", timeout=10)
     frozen = bytes(64)
