@@ -279,7 +279,7 @@ impl TransferAgent {
             if m.len() > MAX_MESSAGE {
                 return Err(AgentError::invalid(
                     "transfer",
-                    format!("the notification is {} bytes; at most {MAX_MESSAGE}", m.len()),
+                    format!("with peer {peer:?}: the notification is {} bytes; at most {MAX_MESSAGE}", m.len()),
                 ));
             }
         }
@@ -301,7 +301,8 @@ impl TransferAgent {
                         return Err(AgentError::invalid(
                             "transfer",
                             format!(
-                                "piece {i}: the local memory is not registered with this agent (register it first)"
+                                "with peer {peer:?}: piece {i}: the local memory is not registered with this agent \
+                                 (register it first)"
                             ),
                         ));
                     }

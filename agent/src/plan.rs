@@ -45,7 +45,10 @@ pub(crate) fn plan(
         if p.local_len as u64 != r.len {
             return Err(AgentError::invalid(
                 "transfer",
-                format!("piece {i}: the local slice is {} bytes, the remote block {} bytes", p.local_len, r.len),
+                format!(
+                    "with peer {peer:?}: piece {i}: the local slice is {} bytes, the remote block {} bytes",
+                    p.local_len, r.len
+                ),
             ));
         }
         let Some(rlen) = region_len(r.region) else {

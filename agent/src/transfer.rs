@@ -186,7 +186,10 @@ fn post<'a>(peer: &str, conn: &Arc<Conn>, p: Posting<'a>) -> Result<Stage<'a>, A
     if p.locals.iter().any(|m| !m.get().is_usable_with(&conn.transport)) {
         return Err(AgentError::invalid(
             "transfer",
-            "a local memory is on another device than the agent's transports (allocate it with TransferAgent::alloc)",
+            format!(
+                "with peer {peer:?}: a local memory is on another device than the agent's transports (allocate it \
+                 with TransferAgent::alloc)"
+            ),
         ));
     }
     Counters::add(&p.counters.ops_posted, p.plan.len() as u64);

@@ -49,6 +49,8 @@ type Outcome = Option<Result<(), Failure>>;
 pub(crate) fn failure(op: &str, peer: &str, e: AgentError) -> Failure {
     let named = e.peer().is_some();
     let mut f = Failure::from(e);
+    // The agent's argument errors say "with peer …" themselves.
+    let named = named || f.msg.contains(&format!("with peer {peer:?}"));
     f.msg = if named { format!("{op}: {}", f.msg) } else { format!("{op} with peer {peer:?}: {}", f.msg) };
     f
 }

@@ -125,6 +125,10 @@ def test_in_process_forms_and_errors() -> None:
         a.transfer("READ", "b", [(ro, (region, 0, 16))])
     with pytest.raises(rmacomm.ArgumentError, match="4096"):
         a.notify("b", b"x" * 5000)
+    # Named once, by the agent's own error.
+    with pytest.raises(rmacomm.ArgumentError, match='^WRITE: transfer: invalid argument: with peer "b": the notification') as ei:
+        a.transfer("WRITE", "b", [], notify=b"x" * 5000)
+    assert str(ei.value).count('"b"') == 1, ei.value
     with pytest.raises(rmacomm.TimeoutError):
         b.wait_notification(timeout=0.05)
     assert not dst[:4096].any()

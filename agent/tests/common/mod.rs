@@ -213,6 +213,7 @@ pub async fn bad_requests_move_nothing() {
     let pieces = vec![ok(0), (kv.view(B, B).unwrap(), RemoteBlock::new(region, 0, B as u64 - 1))];
     let e = prefill.transfer(Op::Write, "decode", &pieces, None).unwrap_err();
     assert!(e.to_string().contains("piece 1: the local slice is 4096 bytes, the remote block 4095 bytes"), "{e}");
+    assert!(e.to_string().contains("with peer \"decode\""), "the error names the peer: {e}");
     // A region the peer does not publish.
     let pieces = vec![(kv.view(0, B).unwrap(), RemoteBlock::new(region + 5, 0, B as u64))];
     let e = prefill.transfer(Op::Write, "decode", &pieces, None).unwrap_err();
