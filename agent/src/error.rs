@@ -156,7 +156,7 @@ fn lost_reason(e: &TransportError) -> String {
     match e {
         TransportError::PeerClosed { .. } => "the peer closed the connection or became unreachable".into(),
         TransportError::Completion { op, status, .. } => format!("a {op} failed with completion status \"{status}\""),
-        TransportError::RemoteAccess { op } => format!("a {op} was refused by the peer (remote access error)"),
+        TransportError::RemoteAccess { op, .. } => format!("a {op} was refused by the peer (remote access error)"),
         TransportError::Broken(m) => m.clone(),
         other => other.to_string(),
     }
@@ -177,7 +177,7 @@ impl AgentError {
         match e {
             TransportError::Timeout { op, after } => AgentError::Timeout { peer, op, after },
             TransportError::Aborted { .. } => AgentError::PeerRemoved { peer },
-            TransportError::RemoteAccess { op } => AgentError::Refused {
+            TransportError::RemoteAccess { op, .. } => AgentError::Refused {
                 peer,
                 op,
                 reason:
@@ -236,7 +236,10 @@ mod tests {
             AgentError::from_transport("p", TransportError::Aborted { op: "read" }),
             AgentError::PeerRemoved { peer: "p".into() }
         );
-        let r = AgentError::from_transport("decode-0", TransportError::RemoteAccess { op: "write" });
+        let r = AgentError::from_transport(
+            "decode-0",
+            TransportError::RemoteAccess { op: "write", peer: "soft qp 7".into(), remote: "0x1000+8 key 0x5".into() },
+        );
         assert!(matches!(r, AgentError::Refused { op: "write", .. }), "{r:?}");
         let s = r.to_string();
         assert!(s.starts_with("peer \"decode-0\" refused the write: ") && s.contains("no longer registered"), "{s}");

@@ -65,10 +65,14 @@ pub enum TransportError {
     },
     /// The peer refused the access: unknown or revoked key, out of bounds, or
     /// missing permission. The transport is broken afterwards.
-    #[error("{op}: remote access error (the remote buffer's key is wrong or revoked, or the range is outside it); create a new transport to continue")]
+    #[error("{op} with {peer}: remote access error at {remote} (the remote buffer's key is wrong or revoked, or the range is outside it); create a new transport to continue")]
     RemoteAccess {
         /// The operation.
         op: &'static str,
+        /// The peer (its address, as the transport knows it).
+        peer: String,
+        /// The remote range the operation named (`addr+len key`).
+        remote: String,
     },
     /// A queue, table or device resource is full; nothing was changed.
     #[error("out of resources: {what}; wait for operations in flight to finish, create fewer transports, or raise the limit")]
@@ -122,7 +126,7 @@ impl PartialEq for TransportError {
                 a == b && s == t && x == y
             }
             (Broken(a), Broken(b)) | (Unsupported(a), Unsupported(b)) => a == b,
-            (Aborted { op: a }, Aborted { op: b }) | (RemoteAccess { op: a }, RemoteAccess { op: b }) => a == b,
+            (Aborted { op: a }, Aborted { op: b }) | (RemoteAccess { op: a, .. }, RemoteAccess { op: b, .. }) => a == b,
             (InvalidArgument { op: a, reason: x }, InvalidArgument { op: b, reason: y }) => a == b && x == y,
             (ResourceExhausted { what: a }, ResourceExhausted { what: b }) => a == b,
             (Os { op: a, source: x }, Os { op: b, source: y }) => a == b && x.kind() == y.kind(),

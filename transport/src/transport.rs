@@ -27,6 +27,9 @@ type ReplyRx = oneshot::Receiver<Result<(), TransportError>>;
 
 struct Pending {
     op: &'static str,
+    /// The remote range the WR names (address, length, key), for its error
+    /// (formatted only then: nothing is allocated per WR).
+    remote: Option<(u64, u64, u32)>,
     /// Taken when the result is delivered early (the transport broke or was
     /// dropped); the entry itself stays until the WR's completion.
     tx: Option<Reply>,
@@ -56,11 +59,18 @@ struct PendingSet {
 }
 
 impl PendingSet {
-    fn insert(&mut self, op: &'static str, tx: Reply, mem: Option<Held>, slot: OwnedSemaphorePermit) -> u64 {
+    fn insert(
+        &mut self,
+        op: &'static str,
+        remote: Option<(u64, u64, u32)>,
+        tx: Reply,
+        mem: Option<Held>,
+        slot: OwnedSemaphorePermit,
+    ) -> u64 {
         // 31 bits: bit 63 of an id marks receives.
         let gen = self.next_gen & 0x7fff_ffff;
         self.next_gen = self.next_gen.wrapping_add(1);
-        let slot = self.slots.insert(Pending { op, tx: Some(tx), gen, _mem: mem, _slot: slot });
+        let slot = self.slots.insert(Pending { op, remote, tx: Some(tx), gen, _mem: mem, _slot: slot });
         (u64::from(gen) << 32) | slot as u64
     }
 
@@ -1129,7 +1139,15 @@ impl Inner {
             if let Some(e) = &st.broken {
                 return Err(if st.dropped { TransportError::Aborted { op: op.name } } else { e.clone() });
             }
-            st.pending.insert(op.name, tx, op.mem, slot)
+            let len = op.sge.as_ref().map_or(0, |s| u64::from(s.length));
+            let remote = match op.op {
+                SendOp::RdmaWrite { remote_addr, rkey }
+                | SendOp::RdmaWriteWithImm { remote_addr, rkey, .. }
+                | SendOp::RdmaRead { remote_addr, rkey } => Some((remote_addr, len, rkey)),
+                SendOp::Atomic { remote_addr, rkey, .. } => Some((remote_addr, 8, rkey)),
+                _ => None,
+            };
+            st.pending.insert(op.name, remote, tx, op.mem, slot)
         };
         let sge = op.sge.as_slice();
         self.posting.fetch_add(1, Ordering::AcqRel);
@@ -1434,13 +1452,20 @@ impl Inner {
     /// The error a failed completion of `op` stands for. The virtual QP
     /// remembers its first failure: the WRs it flushed report
     /// `WrFlushErr`, which says nothing of the cause.
-    fn completion_error(&self, op: &'static str, status: WcStatus) -> TransportError {
+    fn completion_error(&self, op: &'static str, status: WcStatus, remote: Option<(u64, u64, u32)>) -> TransportError {
         let root = match self.qp.error() {
             Some((s, _)) if s != WcStatus::WrFlushErr => s,
             _ => status,
         };
         match root {
-            WcStatus::RemAccessErr if status == WcStatus::RemAccessErr => TransportError::RemoteAccess { op },
+            WcStatus::RemAccessErr if status == WcStatus::RemAccessErr => TransportError::RemoteAccess {
+                op,
+                peer: self.peer(),
+                remote: remote.map_or_else(
+                    || "the remote buffer".to_owned(),
+                    |(addr, len, key)| format!("{addr:#x}+{len} key {key:#x}"),
+                ),
+            },
             // The soft provider's dead peer (closed socket, exited process)
             // and, on hardware, an unanswered peer: both mean it is gone.
             // A flush with no known cause is the provider moving the QP to
@@ -1461,7 +1486,7 @@ impl Inner {
                 // send that failed (if one was in flight) tells, maybe later.
                 // Without it, a peer that went away is the likely cause.
                 let known = self.qp.error().is_some_and(|(s, _)| s != WcStatus::WrFlushErr);
-                let cause = self.completion_error("wait_for_write", wc.status);
+                let cause = self.completion_error("wait_for_write", wc.status, None);
                 let mut st = self.lock();
                 if st.broken.is_none() {
                     st.broken_guessed = !known;
@@ -1487,10 +1512,11 @@ impl Inner {
         // memory and slot were held until every fragment was done.
         let p = self.lock().pending.remove(wc.wr_id);
         let op = p.as_ref().map_or("operation", |p| p.op);
+        let remote = p.as_ref().and_then(|p| p.remote);
         let tx = p.and_then(|mut p| p.tx.take());
         let res = match wc.status {
             WcStatus::Success => Ok(()),
-            s => Err(self.completion_error(op, s)),
+            s => Err(self.completion_error(op, s, remote)),
         };
         let Err(e) = &res else {
             if let Some(tx) = tx {
@@ -1499,8 +1525,8 @@ impl Inner {
             return;
         };
         let broken = match e {
-            TransportError::RemoteAccess { .. } => {
-                TransportError::Broken(format!("an earlier {op} hit a remote access error"))
+            TransportError::RemoteAccess { peer, remote, .. } => {
+                TransportError::Broken(format!("an earlier {op} with {peer} hit a remote access error at {remote}"))
             }
             other => other.clone(),
         };
@@ -1746,11 +1772,11 @@ mod tests {
         let slots = Arc::new(Semaphore::new(2));
         let slot = || slots.clone().try_acquire_owned().unwrap();
         let (tx, _rx) = oneshot::channel();
-        let old = p.insert("write", tx, None, slot());
+        let old = p.insert("write", None, tx, None, slot());
         // The call timed out: its entry goes, the WR stays posted.
         assert!(p.remove(old).is_some());
         let (tx, _rx2) = oneshot::channel();
-        let new = p.insert("read", tx, None, slot());
+        let new = p.insert("read", None, tx, None, slot());
         assert_eq!(old & 0xffff_ffff, new & 0xffff_ffff, "the slot is reused");
         assert_ne!(old, new);
         // The old WR's late completion finds nothing; the new one its own.

@@ -189,7 +189,7 @@ async fn a_deregistered_mapped_region_fails_like_the_qp() {
     direct_mappings(&a, 2).await;
     drop(dst);
     let e = a.write(src.view(0, 64).unwrap(), &rb.slice(0, 64).unwrap(), false).await.unwrap_err();
-    assert!(matches!(e, rmacomm_transport::TransportError::RemoteAccess { op: "write" }), "{e}");
+    assert!(matches!(e, rmacomm_transport::TransportError::RemoteAccess { op: "write", .. }), "{e}");
     assert_eq!(a.direct_mappings(), 1, "the key is given up (the page stays)");
     assert!(!a.connected());
 }

@@ -247,11 +247,16 @@ pub async fn revoked_key_is_remote_access_then_broken_fails_fast() {
     drop(dst);
     let e = a.write(src.view(0, 64).unwrap(), &rb, false).await.unwrap_err();
     assert!(matches!(e, TransportError::RemoteAccess { .. }), "{e}");
+    // It names the peer and the range the write named.
+    let range = format!("{:#x}+64 key {:#x}", rb.addr, rb.key);
+    assert!(e.to_string().contains(&range) && e.to_string().contains("write with "), "{e}");
+    assert!(!e.to_string().contains("with the peer:"), "the peer is named: {e}");
     assert!(!a.connected());
     let t = Instant::now();
     let other = RdmaMemory::alloc(4096).unwrap();
     let e = a.write(src.view(0, 8).unwrap(), &other.remote_buffer(), false).await.unwrap_err();
     assert!(matches!(e, TransportError::Broken(_)), "{e}");
+    assert!(e.to_string().contains(&range), "the later error says what broke it: {e}");
     assert!(t.elapsed() < Duration::from_millis(500), "a broken transport must fail fast");
     let e = a.wait_for_write().await.unwrap_err();
     assert!(matches!(e, TransportError::Broken(_)), "{e}");
