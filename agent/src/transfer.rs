@@ -198,7 +198,12 @@ fn post<'a>(peer: &str, conn: &Arc<Conn>, p: Posting<'a>) -> Result<Stage<'a>, A
     let host_locals = p.locals.iter().all(|m| m.get().device().is_none());
     if !p.plan.is_empty() {
         if let Some(maps) = conn.mapped(&p.remotes).filter(|_| host_locals) {
-            copy_mapped(peer, &p, &maps)?;
+            if let Err(e) = copy_mapped(peer, &p, &maps) {
+                // Pieces before the one that failed may be placed: the
+                // request's own result, not the call's (an error from the
+                // call means nothing moved).
+                return Ok(Stage::Finished(Err(e)));
+            }
             // Placed: the notification goes now (or queues at the notifier
             // now, keeping its place among the connection's notifications).
             let pieces = FuturesUnordered::new();

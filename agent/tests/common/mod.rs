@@ -601,6 +601,7 @@ pub async fn a_dropped_peer_region_fails_the_request() {
     // The first requests map the region (in the background) on the same host.
     for _ in 0..3 {
         prefill.transfer(Op::Write, "decode", &piece(region), None).unwrap().await.unwrap();
+        prefill.transfer(Op::Write, "decode", &piece(other_id), None).unwrap().await.unwrap();
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert!(decode.deregister(&cache));
@@ -620,6 +621,16 @@ pub async fn a_dropped_peer_region_fails_the_request() {
         // requests) and refused the copy.
         assert!(e.to_string().contains("nothing was copied"), "{e}");
     }
+    // A request into a live region and the dropped one: the call returns
+    // (the first piece may be placed: an error from the call would say
+    // nothing moved), the request fails.
+    let both = [
+        (kv.view(0, B).unwrap(), RemoteBlock::new(other_id, 0, B as u64)),
+        (kv.view(0, B).unwrap(), RemoteBlock::new(region, 0, B as u64)),
+    ];
+    let t = prefill.transfer(Op::Write, "decode", &both, Some(b"never")).expect("the call itself succeeds");
+    let e = tokio::time::timeout(Duration::from_secs(20), t).await.expect("the request ends").unwrap_err();
+    assert!(matches!(e, AgentError::Refused { op: "write", .. }), "{e:?}");
     prefill.transfer(Op::Write, "decode", &piece(other_id), Some(b"other")).unwrap().await.unwrap();
     assert_eq!(next_notification(&decode).await.message, b"other");
     no_more_notifications(&decode).await;
