@@ -382,6 +382,31 @@ fn a_write_arriving_as_its_region_is_deregistered_stops_there() {
     assert_eq!(changed, 0, "{changed} bytes of a peer's WRITE landed after deregistration returned");
 }
 
+/// A peer that stops reading in the middle of an RDMA READ's response (its
+/// socket's buffers full, the responder waiting to send more) does not
+/// keep its connection past the QP's error: the response is cut there and
+/// the connection closed (the responder waited for the peer, holding the
+/// QP and the region, for as long as the peer kept the socket open).
+#[test]
+fn a_read_response_the_peer_stops_reading_ends_with_the_qp() {
+    let mut f = forged();
+    const LEN: usize = 64 << 20;
+    let mr = MemoryRegion::alloc(&f.pd, LEN, AccessFlags::all_remote()).unwrap();
+    f.send_then_fail(&Frame::ReadReq { psn: 0, raddr: mr.addr(), rkey: mr.rkey(), len: LEN as u32 }.encode());
+    // What the sockets held when the QP failed, then the end: not the rest
+    // of the response (reading lets a responder still waiting go on).
+    std::thread::sleep(Duration::from_millis(300));
+    f.s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let (mut got, mut chunk) = (0usize, vec![0u8; 1 << 16]);
+    loop {
+        match f.s.read(&mut chunk) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => got += n,
+        }
+    }
+    assert!(got < HEADER_LEN + LEN, "the whole response ({got} bytes) was sent after the QP's error");
+}
+
 /// A peer's RDMA READ whose response is still being sent (the peer reads
 /// slowly) when the region's owner deregisters it: deregistration returns,
 /// and nothing read from the region after that reaches the peer (the

@@ -154,7 +154,18 @@ where
         let weak: Weak<Gate> = Arc::downgrade(&gate);
         qp.rx_register(false, weak);
     }
-    serve_conn(&qp, s, hello, peer, &mut state_rx, &gate).await;
+    // The QP's error or reset ends the connection wherever it waits: a
+    // response or an ACK blocked on a peer that stopped reading (its
+    // buffers full) held the QP and the region's owner for as long as the
+    // peer kept the socket open.
+    let mut dead_rx = state_rx.clone();
+    tokio::select! {
+        biased;
+        () = serve_conn(&qp, s, hello, peer, &mut state_rx, &gate) => {}
+        () = dead(&qp, epoch, &mut dead_rx) => {
+            tracing::debug!("soft QP {:#x}: left service; its connection ends", qp.qpn);
+        }
+    }
     let mut g = gate.st.lock().await;
     g.closed = true;
     qp.rx_release();
