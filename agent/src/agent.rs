@@ -321,6 +321,7 @@ impl TransferAgent {
                 remotes.push((o.region, entry.meta.region(o.region).expect("planned").remote()));
             }
         }
+        let peer_token = entry.meta.token.clone();
         let ready = match &entry.link {
             Link::Ready(c) if c.usable() => Some(c.clone()),
             _ => None,
@@ -330,7 +331,8 @@ impl TransferAgent {
         Counters::add(&c.transfers, 1);
         Counters::add(&c.pieces, pieces.len() as u64);
         Counters::add(&c.bytes, bytes);
-        let posting = Posting { op, plan, locals, remotes, notify: notify.map(<[u8]>::to_vec), counters: c.clone() };
+        let posting =
+            Posting { op, plan, locals, remotes, peer_token, notify: notify.map(<[u8]>::to_vec), counters: c.clone() };
         match ready {
             Some(conn) => Transfer::posted(peer, &conn, posting),
             None => Ok(Transfer::connecting(peer, connection(self.sh.clone(), peer.to_owned()).boxed(), posting)),

@@ -56,10 +56,14 @@ impl Prepared {
     /// Connects to the peer's transport and starts the connection's tasks;
     /// `id` names the connection on both sides.
     #[allow(clippy::too_many_arguments)]
+    /// `peer_token`: the token of the peer's metadata this connection is
+    /// made with (which incarnation of the peer it reaches).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) async fn finish(
         self,
         id: u64,
         peer: &str,
+        peer_token: &str,
         peer_url: &str,
         ring_out: RdmaRemoteBuffer,
         slots_out: u32,
@@ -93,6 +97,7 @@ impl Prepared {
         let conn = Arc::new(Conn {
             id,
             peer: peer.into(),
+            peer_token: peer_token.into(),
             transport: self.transport,
             ring_out,
             slots_out,
@@ -124,6 +129,9 @@ pub(crate) struct Conn {
     /// the connection it replaces by it.
     pub(crate) id: u64,
     pub(crate) peer: String,
+    /// The token of the peer's metadata: which incarnation of the peer
+    /// this connection reaches (a secret: never shown).
+    pub(crate) peer_token: String,
     pub(crate) transport: RdmaTransport,
     /// The peer's ring for this side's notifications, and its slots.
     pub(crate) ring_out: RdmaRemoteBuffer,

@@ -129,7 +129,7 @@ async fn hello(
         match reply {
             Reply::Accepted { url, ring, slots, id } => {
                 let (q, c) = (sh.queue.clone(), sh.counters.clone());
-                return prepared.finish(id, peer, &url, ring, slots, q, c).await.map(Some);
+                return prepared.finish(id, peer, &meta.token, &url, ring, slots, q, c).await.map(Some);
             }
             Reply::Crossing => return Ok(None),
             Reply::Busy => {

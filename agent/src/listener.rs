@@ -41,7 +41,7 @@ impl Shared {
         if meta.name == self.name {
             return refuse(format!("the caller is named {:?} too; agent names must be unique", self.name));
         }
-        let name = meta.name.clone();
+        let (name, peer_token) = (meta.name.clone(), meta.token.clone());
         self.learn(meta);
         let attempt = {
             let mut st = self.lock();
@@ -68,7 +68,8 @@ impl Shared {
         let reply = Reply::Accepted { url: prepared.url.clone(), ring: prepared.ring(), slots, id };
         let sh = self.clone();
         let finish = async move {
-            let connect = prepared.finish(id, &name, &h.url, h.ring, h.slots, sh.queue.clone(), sh.counters.clone());
+            let connect =
+                prepared.finish(id, &name, &peer_token, &h.url, h.ring, h.slots, sh.queue.clone(), sh.counters.clone());
             let r = match tokio::time::timeout(sh.config.connect_timeout, connect).await {
                 Ok(r) => r,
                 Err(_) => {

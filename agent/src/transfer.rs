@@ -67,6 +67,10 @@ pub(crate) struct Posting<'a> {
     pub(crate) locals: Vec<LocalMem<'a>>,
     /// The peer's regions the plan names, from its metadata.
     pub(crate) remotes: Vec<(u32, RdmaRemoteBuffer)>,
+    /// The token of the peer's metadata the plan was made from: a request
+    /// that waited for a connection is posted only on a connection to that
+    /// incarnation of the peer.
+    pub(crate) peer_token: String,
     pub(crate) notify: Option<Vec<u8>>,
     pub(crate) counters: Arc<Counters>,
 }
@@ -370,7 +374,16 @@ impl Future for Transfer<'_> {
                     else {
                         unreachable!("matched above")
                     };
-                    conn.and_then(|c| post(&this.peer, &c, posting)).unwrap_or_else(|e| Stage::Finished(Err(e)))
+                    conn.and_then(|c| {
+                        // The peer restarted (new metadata, new regions)
+                        // while this request waited: its addresses and
+                        // keys are the old incarnation's. Nothing is sent.
+                        if !crate::metadata::same_token(&c.peer_token, &posting.peer_token) {
+                            return Err(AgentError::PeerRemoved { peer: this.peer.clone() });
+                        }
+                        post(&this.peer, &c, posting)
+                    })
+                    .unwrap_or_else(|e| Stage::Finished(Err(e)))
                 }
                 Stage::Moving { pieces, notify, .. } => {
                     let mut failed = None;

@@ -25,6 +25,10 @@ t!(dropped_transfers_leave_the_agent_consistent, common::dropped_transfers_leave
 t!(both_sides_transfer_first_at_once, common::both_sides_transfer_first_at_once());
 t!(a_gone_peer_is_named, common::a_gone_peer_is_named());
 t!(removed_and_restarted_peers, common::removed_and_restarted_peers());
+t!(
+    a_request_waiting_for_a_restarted_peer_sends_nothing_to_the_new_one,
+    common::a_request_waiting_for_a_restarted_peer_sends_nothing_to_the_new_one()
+);
 t!(metadata_through_a_store, common::metadata_through_a_store());
 t!(tcp_peers_are_not_mapped, common::same_host_path(false));
 t!(tokens_never_show, common::tokens_never_show());

@@ -536,6 +536,57 @@ pub async fn removed_and_restarted_peers() {
     assert_eq!(contents(&cache2, 8, 8), b"restart!");
 }
 
+/// A request planned against a peer that then restarts (same name, new
+/// metadata) while the request waits for its connection is not sent on the
+/// new incarnation's connection: its regions' addresses and keys are the
+/// old one's. (It was: the write reached the new agent with a stale key, or
+/// into whatever the new agent registered there.) The old agent's port is
+/// held by a listener that never answers, so that the request's own
+/// connection attempt is still waiting when the new agent connects.
+pub async fn a_request_waiting_for_a_restarted_peer_sends_nothing_to_the_new_one() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let at: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let decode = TransferAgent::new("decode", config().with_listen_addr(Some(at))).unwrap();
+    let cache = decode.alloc(4096).unwrap();
+    let region = decode.register(&cache).unwrap();
+    let prefill = TransferAgent::new("prefill", config()).unwrap();
+    prefill.add_peer(&decode.metadata()).unwrap();
+    let src = prefill.alloc(4096).unwrap();
+    prefill.register(&src).unwrap();
+    src.write_from(0, b"old plan").unwrap();
+    drop(decode);
+    drop(cache);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let _silent = loop {
+        match std::net::TcpListener::bind(at) {
+            Ok(l) => break l,
+            Err(e) => assert!(Instant::now() < deadline, "the old agent's port stayed taken: {e}"),
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    let one = [(src.view(0, 8).unwrap(), RemoteBlock::new(region, 0, 8))];
+    let mut t = prefill.transfer(Op::Write, "decode", &one, Some(b"old")).unwrap();
+    // Polled once: its connection attempt starts (and waits on the silent
+    // listener).
+    assert!(matches!(t.status(), rmacomm_agent::TransferStatus::InProgress));
+    let decode2 = TransferAgent::new("decode", config()).unwrap();
+    let cache2 = decode2.alloc(4096).unwrap();
+    let region2 = decode2.register(&cache2).unwrap();
+    decode2.add_peer(&prefill.metadata()).unwrap();
+    decode2.connect("prefill").await.unwrap();
+    let e = tokio::time::timeout(Duration::from_secs(20), t).await.expect("the request ends").unwrap_err();
+    assert_eq!(e, AgentError::PeerRemoved { peer: "decode".into() });
+    assert!(contents(&cache2, 0, 8) != b"old plan");
+    // The new incarnation's connection is whole: a request planned for it
+    // lands, and its notification is the first decode2 gets.
+    src.write_from(0, b"new plan").unwrap();
+    let one = [(src.view(0, 8).unwrap(), RemoteBlock::new(region2, 0, 8))];
+    prefill.transfer(Op::Write, "decode", &one, Some(b"new")).unwrap().await.unwrap();
+    assert_eq!(next_notification(&decode2).await.message, b"new");
+    assert_eq!(contents(&cache2, 0, 8), b"new plan");
+    no_more_notifications(&decode2).await;
+}
+
 /// Metadata travels through a bootstrap Store.
 pub async fn metadata_through_a_store() {
     let store = std::sync::Arc::new(rmacomm_window::HashStore::new());
