@@ -382,3 +382,63 @@ impl Drop for TransferAgent {
         drop(peers);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use rmacomm_transport::RdmaMemory;
+
+    use super::*;
+    use crate::connection::Conn;
+    use crate::ring;
+
+    fn conn_to(a: &TransferAgent, peer: &str) -> Option<Arc<Conn>> {
+        match a.sh.lock().peers.get(peer).map(|e| &e.link) {
+            Some(Link::Ready(c)) => Some(c.clone()),
+            _ => None,
+        }
+    }
+
+    /// A notification slot the receiver finds corrupt (a peer of another
+    /// version, or a bug) ends the connection for both sides: the sender
+    /// sees it broken. The receiver only marked it unusable and kept the
+    /// transport, so the sender's later notifications completed unread,
+    /// then waited forever for ring credit.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_corrupt_ring_ends_the_connection_for_the_sender_too() {
+        let config = AgentConfig::default()
+            .with_transport(rmacomm_transport::TransportConfig::default().with_timeout(Some(Duration::from_secs(30))));
+        let decode = TransferAgent::new("decode", config.clone()).unwrap();
+        let prefill = TransferAgent::new("prefill", config).unwrap();
+        prefill.add_peer(&decode.metadata()).unwrap();
+        prefill.notify("decode", b"first").unwrap().await.unwrap();
+        let c = conn_to(&prefill, "decode").expect("connected");
+        // Slot 1 (the next one) overwritten with garbage, counted as a
+        // notification.
+        let junk = RdmaMemory::alloc_for(&c.transport, 64).unwrap();
+        junk.write_from(0, &[0xA5; 64]).unwrap();
+        let slot = c.ring_out.slice(ring::slot_offset(1, c.slots_out) as u64, 64).unwrap();
+        c.transport.write(junk.view(0, 64).unwrap(), &slot, true).await.unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while c.usable() {
+            assert!(
+                Instant::now() < deadline,
+                "the sender's connection stayed up after the receiver found its ring corrupt"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(conn_to(&decode, "prefill").is_none_or(|d| d.id != c.id), "decode kept the corrupt connection");
+        // The next request connects again and is delivered.
+        drop(c);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if prefill.notify("decode", b"again").unwrap().await.is_ok() {
+                break;
+            }
+            assert!(Instant::now() < deadline, "no new connection within 10 s");
+        }
+        let first = decode.try_notifications();
+        assert_eq!(first.iter().map(|n| n.message.as_slice()).collect::<Vec<_>>()[..1], [b"first".as_slice()]);
+    }
+}

@@ -17,6 +17,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::notifications::{Notification, Queue};
 use crate::ring::{self, Credit};
+use crate::shared::Shared;
 use crate::stats::Counters;
 use crate::AgentError;
 
@@ -67,9 +68,9 @@ impl Prepared {
         peer_url: &str,
         ring_out: RdmaRemoteBuffer,
         slots_out: u32,
-        queue: Arc<Queue>,
-        counters: Arc<Counters>,
+        sh: &Arc<Shared>,
     ) -> Result<Arc<Conn>, AgentError> {
+        let (queue, counters) = (sh.queue.clone(), sh.counters.clone());
         if slots_out == 0
             || slots_out > ring::MAX_SLOTS
             || ring_out.len < ring::ring_len(slots_out) as u64
@@ -114,7 +115,14 @@ impl Prepared {
         let weak = Arc::downgrade(&conn);
         let out = Outgoing { conn: weak.clone(), peer: peer.into() };
         tokio::spawn(notifier(out, rx));
-        let inc = Incoming { conn: weak, peer: peer.into(), ring: self.ring_in, slots: self.slots_in, next: 0 };
+        let inc = Incoming {
+            conn: weak,
+            sh: Arc::downgrade(sh),
+            peer: peer.into(),
+            ring: self.ring_in,
+            slots: self.slots_in,
+            next: 0,
+        };
         tokio::spawn(drainer(inc, queue, counters));
         Ok(conn)
     }
@@ -135,7 +143,7 @@ pub(crate) struct Conn {
     pub(crate) transport: RdmaTransport,
     /// The peer's ring for this side's notifications, and its slots.
     pub(crate) ring_out: RdmaRemoteBuffer,
-    slots_out: u32,
+    pub(crate) slots_out: u32,
     /// Word 0: where the peer's `consumed` is read into; from `HEAD`, one
     /// slot image per ring slot.
     staging: Arc<RdmaMemory>,
@@ -356,6 +364,8 @@ async fn post_one(out: &Outgoing, message: &[u8]) -> Result<BoxFuture<'static, R
 /// The drainer's side of a connection.
 struct Incoming {
     conn: Weak<Conn>,
+    /// The agent, whose table drops a connection whose ring is corrupt.
+    sh: Weak<Shared>,
     peer: String,
     ring: RdmaMemory,
     slots: u32,
@@ -387,6 +397,13 @@ async fn drainer(mut inc: Incoming, queue: Arc<Queue>, counters: Arc<Counters>) 
                 tracing::warn!("dropping the connection to {}: {why}", inc.peer);
                 if let Some(c) = inc.conn.upgrade() {
                     c.mark_broken();
+                    // Dropped for real: the peer sees the connection end
+                    // (it went on writing notifications nobody read, each
+                    // one's request done, until the ring filled and its
+                    // requests waited for credit that never came).
+                    if let Some(sh) = inc.sh.upgrade() {
+                        sh.drop_conn(&inc.peer, c.id);
+                    }
                 }
                 return;
             }

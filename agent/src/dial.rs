@@ -128,8 +128,7 @@ async fn hello(
             .map_err(|e| unreachable(format!("its agent closed the handshake ({e})")))?;
         match reply {
             Reply::Accepted { url, ring, slots, id } => {
-                let (q, c) = (sh.queue.clone(), sh.counters.clone());
-                return prepared.finish(id, peer, &meta.token, &url, ring, slots, q, c).await.map(Some);
+                return prepared.finish(id, peer, &meta.token, &url, ring, slots, sh).await.map(Some);
             }
             Reply::Crossing => return Ok(None),
             Reply::Busy => {

@@ -68,8 +68,7 @@ impl Shared {
         let reply = Reply::Accepted { url: prepared.url.clone(), ring: prepared.ring(), slots, id };
         let sh = self.clone();
         let finish = async move {
-            let connect =
-                prepared.finish(id, &name, &peer_token, &h.url, h.ring, h.slots, sh.queue.clone(), sh.counters.clone());
+            let connect = prepared.finish(id, &name, &peer_token, &h.url, h.ring, h.slots, &sh);
             let r = match tokio::time::timeout(sh.config.connect_timeout, connect).await {
                 Ok(r) => r,
                 Err(_) => {

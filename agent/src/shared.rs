@@ -117,6 +117,17 @@ impl Shared {
         }
     }
 
+    /// Drops connection `id` to `peer` from the table, if it is still there
+    /// (its ring was found corrupt): its transport goes with the last
+    /// request holding it, so the peer sees the connection end; this
+    /// side's next request connects again.
+    pub(crate) fn drop_conn(&self, peer: &str, id: u64) {
+        let mut st = self.lock();
+        if let Some(e) = st.peers.get_mut(peer).filter(|e| matches!(&e.link, Link::Ready(c) if c.id == id)) {
+            e.set(Link::Idle);
+        }
+    }
+
     /// Ends connection attempt `attempt` to `peer` with its result, unless
     /// the link has moved on since (another attempt replaced it).
     pub(crate) fn settle(&self, peer: &str, attempt: u64, r: Result<Arc<Conn>, AgentError>) {
