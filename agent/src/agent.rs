@@ -400,6 +400,37 @@ mod tests {
         }
     }
 
+    /// A peer's metadata whose first address reaches another agent (the
+    /// same port on another interface, or a process that took a dead
+    /// agent's port): the hello goes on to the next address. The other
+    /// agent's wrong-token refusal was the answer ("stale or foreign
+    /// metadata"), the right agent never tried.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_address_where_another_agent_answers_is_passed_over() {
+        let config = AgentConfig::default()
+            .with_transport(rmacomm_transport::TransportConfig::default().with_timeout(Some(Duration::from_secs(30))));
+        let decode = TransferAgent::new("decode", config.clone()).unwrap();
+        let stranger = TransferAgent::new("stranger", config.clone()).unwrap();
+        let prefill = TransferAgent::new("prefill", config).unwrap();
+        let mut meta = decode.sh.metadata();
+        meta.control.insert(0, stranger.sh.control[0]);
+        prefill.add_peer(&meta.encode()).unwrap();
+        prefill.notify("decode", b"through the second address").unwrap().await.unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while decode.try_notifications().is_empty() {
+            assert!(Instant::now() < deadline, "decode got no notification");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        // Only the stranger's addresses: the error says the metadata is
+        // not this agent's, not that its process is gone.
+        let mut meta = decode.sh.metadata();
+        meta.name = "ghost".into();
+        meta.control = stranger.sh.control.clone();
+        prefill.add_peer(&meta.encode()).unwrap();
+        let e = prefill.notify("ghost", b"x").unwrap().await.unwrap_err();
+        assert!(e.to_string().contains("another agent answered") && e.to_string().contains("stale"), "{e}");
+    }
+
     /// A notification slot the receiver finds corrupt (a peer of another
     /// version, or a bug) ends the connection for both sides: the sender
     /// sees it broken. The receiver only marked it unusable and kept the

@@ -11,12 +11,16 @@ use tokio::net::TcpStream;
 
 use crate::connection::{Conn, Prepared};
 use crate::handshake::{self, Hello, Reply};
+use crate::listener::WRONG_TOKEN;
 use crate::metadata::Metadata;
 use crate::shared::{Link, PeerEntry, Shared};
 use crate::AgentError;
 
 /// How long one of a peer's listener addresses is tried.
 const ADDRESS_TIMEOUT: Duration = Duration::from_secs(3);
+/// The least time an address gets when the connect timeout is shared out
+/// among many.
+const MIN_ADDRESS_TIMEOUT: Duration = Duration::from_millis(250);
 
 /// A live connection to `peer`, made if there is none; waits for one being
 /// made (by this side or by the peer's handshake). The attempt itself runs
@@ -106,6 +110,9 @@ async fn hello(
     let unreachable = |reason: String| AgentError::Unreachable { peer: peer.into(), reason };
     let current = || sh.lock().peers.get(peer).and_then(PeerEntry::attempt) == Some(attempt);
     let mut backoff = Duration::from_millis(2);
+    // The address whose agent answered last: a busy peer is asked there
+    // again.
+    let mut good = None;
     loop {
         if !current() {
             return Ok(None);
@@ -119,13 +126,10 @@ async fn hello(
             slots,
             replaces,
         };
-        let mut stream = dial(&meta.control).await.map_err(unreachable)?;
-        handshake::write_frame(&mut stream, &h)
-            .await
-            .map_err(|e| unreachable(format!("the handshake failed ({e})")))?;
-        let reply: Reply = handshake::read_frame(&mut stream)
-            .await
-            .map_err(|e| unreachable(format!("its agent closed the handshake ({e})")))?;
+        let per_address =
+            ADDRESS_TIMEOUT.min(sh.config.connect_timeout / meta.control.len().max(1) as u32).max(MIN_ADDRESS_TIMEOUT);
+        let (at, reply) = exchange(&meta.control, good, &h, per_address).await.map_err(unreachable)?;
+        good = Some(at);
         match reply {
             Reply::Accepted { url, ring, slots, id } => {
                 return prepared.finish(id, peer, &meta.token, &url, ring, slots, sh).await.map(Some);
@@ -142,18 +146,41 @@ async fn hello(
     }
 }
 
-/// Connects to the first of a peer's listener addresses that answers.
-async fn dial(addrs: &[SocketAddr]) -> Result<TcpStream, String> {
+/// Sends `h` to the peer's listener addresses in turn (`first` first, then
+/// the others in order) until one's agent answers it with anything but
+/// [`WRONG_TOKEN`]: an address that refuses the connection, does not
+/// answer within `per_address`, fails the handshake, or where another
+/// agent listens is passed over (the first that accepted TCP was taken,
+/// and another agent's refusal was the answer). Returns the address's
+/// index and its reply.
+async fn exchange(
+    addrs: &[SocketAddr],
+    first: Option<usize>,
+    h: &Hello,
+    per_address: Duration,
+) -> Result<(usize, Reply), String> {
     let mut why = Vec::new();
-    for a in addrs {
-        match tokio::time::timeout(ADDRESS_TIMEOUT, TcpStream::connect(a)).await {
-            Ok(Ok(s)) => {
-                let _ = s.set_nodelay(true);
-                return Ok(s);
+    let mut other_agent = false;
+    let order = first.into_iter().chain((0..addrs.len()).filter(|&i| Some(i) != first));
+    for i in order {
+        let a = addrs[i];
+        let one = async {
+            let mut s = TcpStream::connect(a).await.map_err(|e| e.to_string())?;
+            let _ = s.set_nodelay(true);
+            handshake::write_frame(&mut s, h).await.map_err(|e| format!("the handshake failed ({e})"))?;
+            handshake::read_frame::<_, Reply>(&mut s).await.map_err(|e| format!("its agent closed the handshake ({e})"))
+        };
+        match tokio::time::timeout(per_address, one).await {
+            Ok(Ok(Reply::Refused { reason })) if reason == WRONG_TOKEN => {
+                other_agent = true;
+                why.push(format!("{a}: another agent answered"));
             }
+            Ok(Ok(reply)) => return Ok((i, reply)),
             Ok(Err(e)) => why.push(format!("{a}: {e}")),
-            Err(_) => why.push(format!("{a}: no answer within {ADDRESS_TIMEOUT:?}")),
+            Err(_) => why.push(format!("{a}: no answer within {per_address:?}")),
         }
     }
-    Err(format!("no agent listens at its addresses ({}); is its process alive?", why.join("; ")))
+    let hint =
+        if other_agent { "the metadata is stale (the agent restarted) or foreign" } else { "is its process alive?" };
+    Err(format!("no agent of this metadata answers at its addresses ({}); {hint}", why.join("; ")))
 }

@@ -18,6 +18,11 @@ use crate::{AgentConfig, AgentError};
 
 /// How long a peer that connected to the listener has to send its hello.
 const HELLO_DEADLINE: Duration = Duration::from_secs(10);
+/// The refusal of a hello whose token is not this agent's: the caller
+/// reached another agent than the one it meant (the same port on another
+/// interface or host), or one that took a dead agent's port; it tries the
+/// peer's other addresses.
+pub(crate) const WRONG_TOKEN: &str = "wrong token: the caller holds stale or foreign metadata of this agent";
 /// Handshakes answered at once; more connections are closed unanswered.
 pub(crate) const MAX_HANDSHAKES: usize = 64;
 
@@ -32,7 +37,7 @@ impl Shared {
             return refuse(format!("handshake version {} (this agent speaks {})", h.v, handshake::VERSION));
         }
         if !same_token(&h.token, &self.token) {
-            return refuse("wrong token: the caller holds stale or foreign metadata of this agent".into());
+            return refuse(WRONG_TOKEN.into());
         }
         let meta = match Metadata::decode(&h.from) {
             Ok(m) => m,
