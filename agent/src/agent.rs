@@ -431,6 +431,45 @@ mod tests {
         assert!(e.to_string().contains("another agent answered") && e.to_string().contains("stale"), "{e}");
     }
 
+    /// Both agents connect at once; "a" wins the tie, but its own hello
+    /// never reaches "b" (its metadata of b names a listener that never
+    /// answers). b asks again meanwhile, and once a's attempt has failed a
+    /// accepts b's: b's request is delivered (it waited for a's connection
+    /// until its whole timeout, then failed).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_crossing_lost_to_a_peer_whose_own_attempt_fails_is_asked_again() {
+        let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let config = |secs| {
+            AgentConfig::default()
+                .with_transport(
+                    rmacomm_transport::TransportConfig::default().with_timeout(Some(Duration::from_secs(30))),
+                )
+                .with_connect_timeout(Duration::from_secs(secs))
+        };
+        let a = TransferAgent::new("a", config(1)).unwrap();
+        let b = TransferAgent::new("b", config(30)).unwrap();
+        b.add_peer(&a.metadata()).unwrap();
+        let mut of_b = b.sh.metadata();
+        of_b.control = vec![silent.local_addr().unwrap()];
+        a.add_peer(&of_b.encode()).unwrap();
+        // a's attempt first (it waits on the silent listener), then b's.
+        let mut from_a = a.notify("b", b"from a").unwrap();
+        assert!(matches!(from_a.status(), crate::TransferStatus::InProgress));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        b.notify("a", b"from b").unwrap().await.unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let got = a.try_notifications();
+            if let Some(n) = got.first() {
+                assert_eq!((n.peer.as_str(), n.message.as_slice()), ("b", b"from b".as_slice()));
+                break;
+            }
+            assert!(Instant::now() < deadline, "a got no notification");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        drop(from_a);
+    }
+
     /// A notification slot the receiver finds corrupt (a peer of another
     /// version, or a bug) ends the connection for both sides: the sender
     /// sees it broken. The receiver only marked it unusable and kept the

@@ -94,9 +94,9 @@ async fn initiate(sh: Arc<Shared>, peer: String, meta: Metadata, attempt: u64, r
 }
 
 /// Sends this side's hello to `peer` and completes the connection it
-/// accepts; `None` when the peer answers that it is connecting too and
-/// wins the tie, or when the attempt is no longer current (the peer's
-/// hello replaced it). A busy peer is asked again while the attempt is
+/// accepts; `None` when the attempt is no longer current (the peer's
+/// hello replaced it). A busy peer, or one that answers that it is
+/// connecting too and wins the tie, is asked again while the attempt is
 /// current.
 async fn hello(
     sh: &Arc<Shared>,
@@ -134,8 +134,12 @@ async fn hello(
             Reply::Accepted { url, ring, slots, id } => {
                 return prepared.finish(id, peer, &meta.token, &url, ring, slots, sh).await.map(Some);
             }
-            Reply::Crossing => return Ok(None),
-            Reply::Busy => {
+            // The peer is connecting to this side and wins the tie: its
+            // hello replaces this attempt (then `current` says so). Asked
+            // again meanwhile, so that if the peer's own attempt fails (it
+            // cannot reach this side's addresses) it accepts this one,
+            // instead of this side waiting for it until the timeout.
+            Reply::Crossing | Reply::Busy => {
                 tokio::time::sleep(backoff).await;
                 backoff = (backoff * 2).min(Duration::from_millis(100));
             }
