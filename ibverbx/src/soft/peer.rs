@@ -328,7 +328,9 @@ impl PeerMap {
         let d: SlotData = self.table.lookup(rkey).ok_or(WcStatus::RemAccessErr)?;
         let access = AccessFlags::from_bits_truncate(d.access);
         let end = raddr.checked_add(len).ok_or(WcStatus::RemAccessErr)?;
-        if d.pd != pd || !access.contains(need) || raddr < d.addr || end > d.addr + d.len {
+        // The table is the peer's (shared memory it writes): its words are
+        // checked, never trusted not to overflow.
+        if d.pd != pd || !access.contains(need) || raddr < d.addr || d.addr.checked_add(d.len).is_none_or(|e| end > e) {
             return Err(WcStatus::RemAccessErr);
         }
         if d.is_device() {
@@ -345,7 +347,7 @@ impl PeerMap {
             };
             let Some(dev) = self.device(d.seg_uid, &m, &**ipc) else { return Ok(Direct::Staged) };
             let off = raddr - d.addr;
-            if off + len > dev.len() {
+            if off.checked_add(len).is_none_or(|e| e > dev.len()) {
                 return Ok(Direct::Staged);
             }
             return Ok(Direct::Device(dev, off, Held { _map: Some(m), _fence: Some(fence) }));
@@ -356,7 +358,7 @@ impl PeerMap {
                 Some(None) => return Ok(Direct::Staged),
                 None => return Ok(Direct::Unmapped(d.seg_uid)),
             };
-            let off = d.seg_off + (raddr - d.addr);
+            let Some(off) = d.seg_off.checked_add(raddr - d.addr) else { return Err(WcStatus::RemAccessErr) };
             if off.checked_add(len).is_none_or(|e| e > m.len as u64) {
                 return Err(WcStatus::RemAccessErr);
             }
@@ -395,10 +397,13 @@ impl PeerMap {
         let d: SlotData = self.table.lookup(rkey).ok_or(WcStatus::RemAccessErr)?;
         let access = AccessFlags::from_bits_truncate(d.access);
         let end = raddr.checked_add(len).ok_or(WcStatus::RemAccessErr)?;
-        if d.pd != pd || !access.contains(need) || raddr < d.addr || end > d.addr + d.len {
+        // The table is the peer's (shared memory it writes): its words are
+        // checked, never trusted not to overflow.
+        if d.pd != pd || !access.contains(need) || raddr < d.addr || d.addr.checked_add(d.len).is_none_or(|e| end > e) {
             return Err(WcStatus::RemAccessErr);
         }
-        Ok((fence, d.seg_uid, d.seg_off + (raddr - d.addr)))
+        let off = d.seg_off.checked_add(raddr - d.addr).ok_or(WcStatus::RemAccessErr)?;
+        Ok((fence, d.seg_uid, off))
     }
 
     /// `process_vm_writev` (write) or `readv` (read) of the local pieces
