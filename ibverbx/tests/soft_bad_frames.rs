@@ -444,3 +444,19 @@ fn a_read_sent_as_its_region_is_deregistered_stops_there() {
     // (A NAK alone when the deregistration came before the first send.)
     assert!(got > 0 && got < HEADER_LEN + LEN, "the response was {got} bytes: not cut by the deregistration");
 }
+
+/// `retry_cnt` / `rnr_retry` beyond verbs' 3-bit range are refused at RTS,
+/// as the verbs provider refuses them (the requester took 8 as a count, the
+/// responder it told as "forever"); the QP stays in RTR and takes a valid one.
+#[test]
+fn retry_counts_past_seven_are_refused_at_rts() {
+    use ibverbx::{QpState, RtsAttr};
+    let f = forged();
+    for bad in [RtsAttr { rnr_retry: 8, ..RtsAttr::default() }, RtsAttr { retry_cnt: 200, ..RtsAttr::default() }] {
+        let e = f.probe.modify(&QpTransition::Rts(bad)).unwrap_err();
+        assert!(e.to_string().contains("must be 0..=7"), "{e}");
+        assert_eq!(f.probe.state(), QpState::Rtr);
+    }
+    f.probe.modify(&QpTransition::Rts(RtsAttr { rnr_retry: 7, ..RtsAttr::default() })).unwrap();
+    assert_eq!(f.probe.state(), QpState::Rts);
+}

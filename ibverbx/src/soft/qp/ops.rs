@@ -203,6 +203,18 @@ impl QpOps for SoftQp {
                 st.rtr = Some(a.clone());
             }
             QpTransition::Rts(a) => {
+                // Verbs' range (a 3-bit field): 7 means retry forever. A
+                // larger count was taken as is by the requester, as "7" by
+                // the responder it told.
+                if a.retry_cnt > 7 || a.rnr_retry > 7 {
+                    return Err(Error::invalid(
+                        "modify_qp(RTS)",
+                        format!(
+                            "retry_cnt {} / rnr_retry {} must be 0..=7 (7: retry forever)",
+                            a.retry_cnt, a.rnr_retry
+                        ),
+                    ));
+                }
                 if st.sq_tx.is_none() {
                     let rtr = st.rtr.clone().expect("RTR precedes RTS");
                     let (tx, rx) = mpsc::unbounded_channel();
