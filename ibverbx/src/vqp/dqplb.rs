@@ -123,16 +123,25 @@ struct Slot {
     user: bool,
 }
 
+/// How far ahead (in fragments) an arrival is kept in the dense window.
+const NEAR: usize = 4096;
+
 /// The receiver's reorder state for one virtual QP direction.
 #[derive(Debug)]
 pub struct SeqTracker {
     expected: u32,
     /// How many sequence numbers the run has passed (`expected` unwrapped).
     base: u64,
-    /// Fragments beyond a hole, by unwrapped sequence number: sparse, so
+    /// Fragments beyond a hole less than [`NEAR`] ahead, by distance: the
+    /// dense window where reordering happens (cheap to index).
+    near: VecDeque<Option<Slot>>,
+    /// How many of `near` are held.
+    near_held: usize,
+    /// Fragments further ahead, by unwrapped sequence number: sparse, so
     /// memory follows the fragments held, not how far ahead one claims to
-    /// be (a dense window sized by one arrival 2^23 ahead was 64 MiB).
-    window: BTreeMap<u64, Slot>,
+    /// be (a dense window sized by one arrival 2^23 ahead was 64 MiB, kept
+    /// for the life of the transport). Moved into `near` as the run nears.
+    far: BTreeMap<u64, Slot>,
     max_window: usize,
     msg_bytes: u64,
     finished: VecDeque<FinishedMessage>,
@@ -148,7 +157,9 @@ impl SeqTracker {
         SeqTracker {
             expected: initial_seq & SEQ_MASK,
             base: 0,
-            window: BTreeMap::new(),
+            near: VecDeque::new(),
+            near_held: 0,
+            far: BTreeMap::new(),
             max_window: max_window.clamp(1, 1 << (SEQ_BITS - 1)),
             msg_bytes: 0,
             finished: VecDeque::new(),
@@ -164,7 +175,7 @@ impl SeqTracker {
 
     /// Fragments received beyond a hole.
     pub fn held(&self) -> usize {
-        self.window.len()
+        self.near_held + self.far.len()
     }
 
     /// Records the arrival of a fragment with immediate `imm` and `len`
@@ -176,20 +187,31 @@ impl SeqTracker {
             return Err(TrackerError::OutOfWindow { seq: d.seq, expected: self.expected, window: self.max_window });
         }
         let slot = Slot { len, last: d.last, user: d.user };
-        let advanced = if dist == 0 && self.window.is_empty() {
-            // In order, nothing held: the common case, no map.
+        if dist == 0 && self.held() == 0 {
+            // In order, nothing held (the common case): straight through.
             self.pass(slot);
-            true
+            self.gap_since = None;
+            return Ok(());
+        }
+        if dist < NEAR {
+            if self.near.len() <= dist {
+                self.near.resize(dist + 1, None);
+            }
+            if self.near[dist].is_some() {
+                return Err(TrackerError::Duplicate { seq: d.seq });
+            }
+            self.near[dist] = Some(slot);
+            self.near_held += 1;
         } else {
-            match self.window.entry(self.base + dist as u64) {
+            match self.far.entry(self.base + dist as u64) {
                 Entry::Occupied(_) => return Err(TrackerError::Duplicate { seq: d.seq }),
                 Entry::Vacant(v) => {
                     v.insert(slot);
                 }
             }
-            self.advance()
-        };
-        if self.window.is_empty() {
+        }
+        let advanced = self.advance();
+        if self.held() == 0 {
             self.gap_since = None;
         } else if advanced || self.gap_since.is_none() {
             self.gap_since = Some(now);
@@ -199,12 +221,29 @@ impl SeqTracker {
 
     fn advance(&mut self) -> bool {
         let mut moved = false;
-        while let Some(entry) = self.window.first_entry().filter(|e| *e.key() == self.base) {
-            let slot = entry.remove();
+        loop {
+            let mut step = false;
+            while let Some(Some(slot)) = self.near.front().copied() {
+                self.near.pop_front();
+                self.near_held -= 1;
+                step = true;
+                self.pass(slot);
+            }
+            if !step {
+                return moved;
+            }
             moved = true;
-            self.pass(slot);
+            // Far fragments the run has come near to (they may continue it).
+            while let Some(e) = self.far.first_entry().filter(|e| *e.key() - self.base < NEAR as u64) {
+                let dist = (*e.key() - self.base) as usize;
+                let slot = e.remove();
+                if self.near.len() <= dist {
+                    self.near.resize(dist + 1, None);
+                }
+                self.near[dist] = Some(slot);
+                self.near_held += 1;
+            }
         }
-        moved
     }
 
     /// The run passes `slot`, the fragment it expected.
@@ -239,7 +278,7 @@ impl SeqTracker {
             Some(t) if now.saturating_duration_since(t) >= self.timeout => Err(TrackerError::Timeout {
                 expected: self.expected,
                 waited: now.saturating_duration_since(t),
-                held: self.window.len(),
+                held: self.held(),
             }),
             _ => Ok(()),
         }
@@ -286,7 +325,7 @@ mod tests {
         let mut t = SeqTracker::new(0, 1 << 23, Duration::from_secs(1));
         let now = Instant::now();
         t.on_arrival(DqplbImm { seq: far, last: true, user: true }.encode(), 1, now).unwrap();
-        assert_eq!((t.held(), t.window.len()), (1, 1));
+        assert_eq!((t.held(), t.far.len(), t.near.len()), (1, 1, 0));
         assert_eq!(
             t.on_arrival(DqplbImm { seq: far, last: true, user: true }.encode(), 1, now),
             Err(TrackerError::Duplicate { seq: far })
@@ -302,6 +341,28 @@ mod tests {
         assert_eq!(t.held(), 0);
         assert_eq!(t.poll_finished().map(|m| (m.user, m.bytes, m.last_seq)), Some((true, far as u64 + 1, far)));
         assert_eq!(t.expected(), far + 1);
+    }
+
+    /// Fragments on both sides of the dense window's edge, in reverse: each
+    /// is kept once, where it belongs, and the run passes all of them in
+    /// order (far ones moving into the dense window as the run nears).
+    #[test]
+    fn far_and_near_arrivals_interleave() {
+        let n = (NEAR as u32) * 2 + 7;
+        let mut t = SeqTracker::new(0, 1 << 20, Duration::from_secs(1));
+        let now = Instant::now();
+        let order: Vec<u32> = (0..n).rev().collect();
+        for &seq in &order {
+            t.on_arrival(DqplbImm { seq, last: true, user: seq % 2 == 0 }.encode(), seq, now).unwrap();
+            if seq > 0 {
+                assert_eq!(t.held(), (n - seq) as usize);
+                assert_eq!(t.poll_finished(), None);
+            }
+        }
+        let got: Vec<_> = std::iter::from_fn(|| t.poll_finished()).collect();
+        assert_eq!(got.len(), n as usize);
+        assert!(got.iter().enumerate().all(|(i, m)| m.last_seq == i as u32 && m.bytes == i as u64));
+        assert_eq!((t.held(), t.near.len(), t.far.len()), (0, 0, 0));
     }
 
     #[test]
