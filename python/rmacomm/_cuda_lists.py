@@ -100,13 +100,14 @@ def all_to_all(comm: Any, output_list: Sequence[Any], input_list: Sequence[Any])
 
     ins = [int(t.numel()) for t in input_list]
     outs = [int(t.numel()) for t in output_list]
-    m = ins[0]
-    if any(s != m for s in ins + outs):
-        from ._rmacomm import ReduceOp
+    # Every rank agrees on the padded size, whatever its own sizes (a rank
+    # whose sizes were all equal skipped this collective while its peers
+    # ran it: the ranks then called different collectives).
+    from ._rmacomm import ReduceOp
 
-        mx = torch.tensor([max(ins + outs)], dtype=torch.int64)
-        comm.all_reduce(mx, ReduceOp.MAX)
-        m = int(mx.item())
+    mx = torch.tensor([max(ins + outs)], dtype=torch.int64)
+    comm.all_reduce(mx, ReduceOp.MAX)
+    m = int(mx.item())
     out = first.new_empty(n * m)
     comm.all_to_all_single(out, torch.cat([_padded(t, m) for t in input_list]))
     for k, t in enumerate(output_list):

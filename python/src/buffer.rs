@@ -94,6 +94,10 @@ impl Export {
     /// The exported memory's shape.
     pub(crate) fn shape(&self) -> Vec<usize> {
         let r = &*self.raw;
+        if r.ndim == 0 {
+            // A 0-d array (numpy exports it without a shape): shape ().
+            return Vec::new();
+        }
         if r.shape.is_null() {
             return vec![(r.len / r.itemsize.max(1)) as usize];
         }

@@ -159,6 +159,10 @@ impl PyComm {
         timeout: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Option<PyComm>> {
         let timeout = timeout::duration(timeout, "timeout")?;
+        // After the async operations issued before it, as every rank runs
+        // them (it took the communicator while the worker waited for it
+        // in one of them: both ranks waited for each other).
+        self.shared.after_async(py)?;
         let comm = self.shared.comm.clone();
         let sub = py
             .detach(move || {

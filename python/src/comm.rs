@@ -93,6 +93,23 @@ impl PyComm {
 }
 
 impl CommShared {
+    /// Waits for the async operations issued before (every rank runs its
+    /// operations in issue order), and leaves their results to their
+    /// `Work`s: an earlier operation's failure is not this call's (it used
+    /// to raise it instead of running this call, which its peers then
+    /// waited for). One that broke the communicator fails this call on its
+    /// own. Interrupts (Ctrl-C) still raise.
+    pub(crate) fn after_async(&self, py: Python<'_>) -> PyResult<()> {
+        if let Some(last) = self.worker.busy() {
+            if let Err(e) = PyWork::of(State::Coll(last)).cell.wait(py, None) {
+                if !crate::errors::is_comm_error(py, &e) {
+                    return Err(e);
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Runs `op` (a collective): on this thread with the GIL released,
     /// after any async operation issued before it; on the worker when
     /// `async_op`, or when a `timeout` for this call bounds the wait. The
@@ -123,10 +140,7 @@ impl CommShared {
             return Ok(w);
         }
         let op = move |c: &mut Comm| op(c).map_err(Failure::from);
-        if let Some(last) = s.worker.busy() {
-            // Issued after async ones: every rank runs them in this order.
-            PyWork::of(State::Coll(last)).cell.wait(py, None)?;
-        }
+        s.after_async(py)?;
         let comm = &s.comm;
         let r = py.detach(move || op(&mut comm.lock().unwrap_or_else(|e| e.into_inner())));
         py.check_signals()?;

@@ -58,6 +58,13 @@ struct Types {
 
 static TYPES: PyOnceLock<Types> = PyOnceLock::new();
 
+/// Whether `e` is an rmacomm error (`CommError` or a subclass): an
+/// operation's own failure, not an interrupt or another exception raised
+/// while waiting.
+pub(crate) fn is_comm_error(py: Python<'_>, e: &PyErr) -> bool {
+    TYPES.get(py).is_some_and(|t| e.is_instance(py, t.comm.bind(py)))
+}
+
 /// A Python exception raised inside a callback into Python (a store
 /// method) that must not be swallowed into an rmacomm error: a
 /// `KeyboardInterrupt` or `SystemExit`. Raised again instead of the error

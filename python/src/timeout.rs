@@ -28,7 +28,13 @@ pub(crate) fn duration(obj: Option<&Bound<'_, PyAny>>, arg: &str) -> PyResult<Op
 }
 
 /// A `datetime.timedelta` of `d`.
+/// (`timedelta.max` for a longer one: how "forever" reads back; past it
+/// the call raised OverflowError).
 pub(crate) fn to_timedelta<'py>(py: Python<'py>, d: Duration) -> PyResult<Bound<'py, PyAny>> {
     let td = py.import(intern!(py, "datetime"))?.getattr(intern!(py, "timedelta"))?;
+    const MAX_SECS: u64 = 999_999_999 * 86_400 + 86_399;
+    if d.as_secs() > MAX_SECS {
+        return td.getattr(intern!(py, "max"));
+    }
     td.call1((0, d.as_secs(), d.subsec_micros()))
 }

@@ -678,8 +678,39 @@ def window_allocate_sizes(_: str) -> None:
     win.wait_signal(1 - r)
     expect(bool((mine == 2 - r).all()), f"the peer's put after the refusals landed: {mine}")
     win.tensor_deregister()
+    # A 0-d array's descriptor says shape () (numpy exports no shape for
+    # it: peers saw (1,)).
+    win.tensor_register(comm.empty((), np.float64))
+    peer_view = win.map_remote_tensor(1 - r)
+    expect(peer_view.shape == (), f"the peer's 0-d array maps as shape {peer_view.shape}")
+    del peer_view
+    win.tensor_deregister()
     comm.finalize()
     log("window_allocate_sizes ok")
+
+
+def split_after_async(_: str) -> None:
+    """split() right after an async collective, the ranks at different
+    moments: it waits for the async one first, as every rank runs them in
+    issue order (it took the communicator while this rank's worker waited
+    in the barrier for the other: both waited until the timeout)."""
+    comm = rmacomm.new_comm("rdma", timeout=5)
+    r = comm.get_rank()
+    for _ in range(3):
+        if r == 1:
+            time.sleep(0.2)
+        w = comm.barrier(async_op=True)
+        if r == 1:
+            time.sleep(0.1)
+        t0 = time.monotonic()
+        sub = comm.split([0, 1])
+        w.wait()
+        took = time.monotonic() - t0
+        expect(sub is not None and took < 4, f"split after an async barrier took {took:.1f} s")
+        sub.barrier()
+        sub.finalize()
+    comm.finalize()
+    log("split_after_async ok")
 
 
 # --- transport -------------------------------------------------------------
@@ -1110,6 +1141,13 @@ def cuda_lists(_: str) -> None:
     outs = [torch.zeros(r + k + 1) for k in range(n)]
     L.all_to_all(comm, outs, [val(10 * r + j, r + j + 1) for j in range(n)])
     expect(all(torch.equal(o, val(10 * k + r, r + k + 1)) for k, o in enumerate(outs)), "uneven all_to_all")
+    # Uneven away from rank 0: rank 1 sends the last rank 5 elements, all
+    # other blocks are 4, so rank 0's own are even (it skipped the padding's
+    # all_reduce that the others ran: different collectives).
+    size = lambda src, dst: 5 if (src, dst) == (1, n - 1) and n > 2 else 4  # noqa: E731
+    outs = [torch.zeros(size(k, r)) for k in range(n)]
+    L.all_to_all(comm, outs, [val(10 * r + j, size(r, j)) for j in range(n)])
+    expect(all(torch.equal(o, val(10 * k + r, size(k, r))) for k, o in enumerate(outs)), "all_to_all uneven elsewhere")
     # gather and scatter, every root.
     for root in range(n):
         outs = [torch.zeros(6) for _ in range(n)] if r == root else None
@@ -1144,6 +1182,7 @@ SCENARIOS: Dict[str, Callable[[str], None]] = {
     "op_timeout": op_timeout,
     "queued_signal_timeout": queued_signal_timeout,
     "window_allocate_sizes": window_allocate_sizes,
+    "split_after_async": split_after_async,
     "peer_shape": peer_shape,
     "transport": transport,
     "python_store": python_store,

@@ -211,6 +211,25 @@ def test_a_huge_timeout_means_no_deadline(comm) -> None:
     comm.barrier(async_op=True).wait(timeout=sys.maxsize)
 
 
+def test_a_forever_timeout_reads_back_as_timedelta_max() -> None:
+    store = rmacomm.TcpStore("127.0.0.1", 0, 1, True)
+    c = rmacomm.new_comm(store=store, rank=0, world_size=1, timeout=sys.maxsize)
+    assert c.get_timeout() == timedelta.max  # raised OverflowError
+    c.finalize()
+
+
+def test_an_earlier_async_failure_is_its_work_s_not_the_next_call_s(comm) -> None:
+    # The failed send is reported by its Work; the barrier issued after it
+    # runs (it raised the send's error instead, and its peers waited).
+    for _ in range(5):
+        big = comm.all_reduce(np.ones(1 << 22, np.float32), ReduceOp.SUM, async_op=True)
+        bad = comm.send(np.ones(4, np.float32), 5, async_op=True)
+        comm.barrier()
+        big.wait()
+        with pytest.raises(rmacomm.ArgumentError, match="send"):
+            bad.wait()
+
+
 def test_unavailable_backend_and_device() -> None:
     store = rmacomm.TcpStore("127.0.0.1", 0, 1, True)
     # Here NCCL (from torch's wheels) or the CUDA driver is missing: the

@@ -72,6 +72,11 @@ def test_window_allocate_of_a_size_one_rank_cannot_have_and_of_zero() -> None:
     assert out.count("window_allocate_sizes ok") == 2, out
 
 
+def test_split_after_an_async_collective() -> None:
+    out = launch(2, "split_after_async", timeout=120)
+    assert out.count("split_after_async ok") == 2, out
+
+
 def test_a_per_call_timeout_bounds_put_get_and_signal() -> None:
     # Rank 1 is stopped (TCP link: nothing to it completes), so each call
     # must raise its own TimeoutError, well before the window's 10 s.
