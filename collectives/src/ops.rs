@@ -21,8 +21,18 @@ pub(crate) const GATHER: u32 = 9;
 pub(crate) const BARRIER: u32 = 10;
 pub(crate) const BATCH: u32 = 11;
 
+// The algorithm, in bits 8..16 of a code (0: the call has one): ranks that
+// take different ones for one call (sizes on either side of ONESHOT_MAX,
+// different `rmacomm::algo` hints) fail as mismatched, instead of trading
+// chunks that look alike (a one-shot rank returned Ok holding its own
+// data reduced with the first part of a direct peer's).
+pub(crate) const ALGO_ONESHOT: u32 = 1 << 8;
+pub(crate) const ALGO_DIRECT: u32 = 2 << 8;
+pub(crate) const ALGO_RING: u32 = 3 << 8;
+pub(crate) const ALGO_TREE: u32 = 4 << 8;
+
 pub(crate) fn op_name(code: u32) -> &'static str {
-    match code & 0xffff {
+    match code & 0xff {
         SEND => "send/recv",
         BROADCAST => "broadcast",
         REDUCE => "reduce",
@@ -61,19 +71,28 @@ pub(crate) fn reducing(code: u32, dtype: DType, op: ReduceOp) -> u32 {
     code | dt << 16 | op << 24
 }
 
-/// The call a chunk header's `code` names: "all_reduce of F16 with Avg".
+/// The call a chunk header's `code` names: "all_reduce of F16 with Avg
+/// (direct)".
 pub(crate) fn describe(code: u32) -> String {
+    let algo = match code & 0xff00 {
+        0 => "",
+        ALGO_ONESHOT => " (one-shot)",
+        ALGO_DIRECT => " (direct)",
+        ALGO_RING => " (ring)",
+        ALGO_TREE => " (tree)",
+        _ => " (an unknown algorithm)",
+    };
     let name = op_name(code);
     let (dt, op) = ((code >> 16) & 0xff, code >> 24);
     if dt == 0 {
-        return name.to_owned();
+        return format!("{name}{algo}");
     }
     let dtype = DType::ALL.get(dt as usize - 1).map_or_else(|| "an unknown type".to_owned(), |d| format!("{d:?}"));
     let op = ["Sum", "Product", "Min", "Max", "Band", "Bor", "Bxor", "Avg", "PremulSum"]
         .get((op as usize).wrapping_sub(1))
         .copied()
         .unwrap_or("an unknown operation");
-    format!("{name} of {dtype} with {op}")
+    format!("{name} of {dtype} with {op}{algo}")
 }
 
 /// An all-reduce algorithm (hint `rmacomm::algo`).
@@ -282,6 +301,7 @@ impl Comm {
         match self.all_reduce_algo(buf.len()) {
             AllReduceAlgo::Ring => self.all_reduce_ring(buf, &blocks, dtype, op),
             AllReduceAlgo::OneShot => {
+                let code = code | ALGO_ONESHOT;
                 let input = buf.to_vec();
                 let combine = Self::combiner(OP, dtype, op)?;
                 let me = self.rank();
@@ -295,6 +315,7 @@ impl Comm {
                 Self::finish(OP, dtype, op, n, buf)
             }
             AllReduceAlgo::Direct => {
+                let code = code | ALGO_DIRECT;
                 let (at, len) = blocks[self.rank()];
                 let mut mine = vec![0u8; len];
                 self.reduce_scatter_blocks(OP, code, buf, &blocks, &mut mine, dtype, op)?;
@@ -312,7 +333,7 @@ impl Comm {
     fn all_reduce_ring(&mut self, buf: &mut [u8], blocks: &[(usize, usize)], dtype: DType, op: ReduceOp) -> Result<()> {
         const OP: &str = "all_reduce";
         let (me, n) = (self.rank(), self.size());
-        let code = reducing(ALL_REDUCE, dtype, op);
+        let code = reducing(ALL_REDUCE, dtype, op) | ALGO_RING;
         self.reduce_scatter_ring(OP, code, buf, blocks, dtype, op)?;
         let (at, len) = blocks[me];
         Self::finish(OP, dtype, op, n, &mut buf[at..at + len])?;
@@ -440,7 +461,8 @@ impl Comm {
             let mut mask = 1;
             while mask < n {
                 if v & mask != 0 {
-                    self.exchange(OP, BROADCAST, vec![Transfer::Recv { peer: real(v - mask), out: &mut *buf }])?;
+                    let from = vec![Transfer::Recv { peer: real(v - mask), out: &mut *buf }];
+                    self.exchange(OP, BROADCAST | ALGO_TREE, from)?;
                     break;
                 }
                 mask <<= 1;
@@ -454,7 +476,7 @@ impl Comm {
                 }
                 mask >>= 1;
             }
-            return self.exchange(OP, BROADCAST, kids);
+            return self.exchange(OP, BROADCAST | ALGO_TREE, kids);
         }
         let transfers = if me == root {
             let data: &[u8] = buf;
@@ -509,7 +531,7 @@ impl Comm {
         let me = self.rank();
         output[me * input.len()..(me + 1) * input.len()].copy_from_slice(input);
         if self.algo_hint() == Some("ring") {
-            return self.all_gather_ring(OP, ALL_GATHER, output, &blocks);
+            return self.all_gather_ring(OP, ALL_GATHER | ALGO_RING, output, &blocks);
         }
         if self.algo_hint() == Some("recursive") && n.is_power_of_two() {
             return self.all_gather_recursive(OP, output, input.len());
@@ -662,7 +684,14 @@ impl Comm {
             let mut work = input.to_vec();
             Self::scale_own(OP, dtype, op, n, &mut work)?;
             let blocks: Vec<(usize, usize)> = (0..n).map(|r| (r * output.len(), output.len())).collect();
-            self.reduce_scatter_ring(OP, reducing(REDUCE_SCATTER, dtype, op), &mut work, &blocks, dtype, op)?;
+            self.reduce_scatter_ring(
+                OP,
+                reducing(REDUCE_SCATTER, dtype, op) | ALGO_RING,
+                &mut work,
+                &blocks,
+                dtype,
+                op,
+            )?;
             let me = self.rank();
             output.copy_from_slice(&work[me * output.len()..(me + 1) * output.len()]);
             return Self::finish(OP, dtype, op, n, output);

@@ -249,3 +249,20 @@ fn two_broadcast_roots_fail_at_the_next_call() {
     });
     assert_eq!(done, vec![0, 1]);
 }
+
+/// Ranks whose all_reduce takes different algorithms — one's buffer within
+/// the one-shot limit (64 KiB), the other's past it — fail as mismatched,
+/// naming both algorithms. The one-shot rank returned Ok holding its data
+/// reduced with the first 64 KiB of its peer's (the chunks looked alike).
+#[test]
+fn an_all_reduce_whose_ranks_take_different_algorithms_is_a_mismatch() {
+    let opts = CommOptions::new().timeout(Duration::from_secs(5));
+    let got = two_ranks(opts, |rank, mut c| {
+        let mut buf = vec![0u8; if rank == 0 { 64 << 10 } else { 128 << 10 }];
+        c.all_reduce(&mut buf, rmacomm_collectives::DType::F32, rmacomm_collectives::ReduceOp::Sum)
+            .map_err(|e| e.to_string())
+    });
+    let e = got[0].as_ref().expect_err("the one-shot rank's all_reduce returned Ok");
+    assert!(e.contains("mismatched") && e.contains("(one-shot)") && e.contains("(direct)"), "{e}");
+    assert!(got[1].is_err(), "{:?}", got[1]);
+}
