@@ -68,6 +68,16 @@ pub enum Error {
         #[source]
         source: rmacomm_kernels::Error,
     },
+    /// A wait with its own limit ([`CommWork::wait`](crate::CommWork::wait))
+    /// ended before the operation did: it goes on; wait again. Nothing is
+    /// wrong with the communicator.
+    #[error("{op}: not finished after {after:?}; the operation goes on: wait again")]
+    Pending {
+        /// The wait.
+        op: &'static str,
+        /// Its limit.
+        after: Duration,
+    },
     /// The communicator was finalized, or an earlier error left it unusable.
     #[error("{op}: the communicator is unusable: {reason}")]
     Unusable {

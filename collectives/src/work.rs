@@ -65,9 +65,9 @@ impl<T> CommWork<T> {
             None => self.rx.recv().ok(),
             Some(t) => match self.rx.recv_timeout(t) {
                 Ok(r) => Some(r),
-                Err(mpsc::RecvTimeoutError::Timeout) => {
-                    return Err(Error::Unusable { op: OP, reason: format!("not finished after {t:?}; wait again") })
-                }
+                // Pending, not unusable: a caller that rebuilt an unusable
+                // communicator threw a healthy one away.
+                Err(mpsc::RecvTimeoutError::Timeout) => return Err(Error::Pending { op: OP, after: t }),
                 Err(mpsc::RecvTimeoutError::Disconnected) => None,
             },
         };

@@ -266,3 +266,24 @@ fn an_all_reduce_whose_ranks_take_different_algorithms_is_a_mismatch() {
     assert!(e.contains("mismatched") && e.contains("(one-shot)") && e.contains("(direct)"), "{e}");
     assert!(got[1].is_err(), "{:?}", got[1]);
 }
+
+/// A `CommWork::wait` whose own limit passes first says the operation is
+/// pending (it said the communicator was unusable, which callers answer by
+/// rebuilding it); waiting again gets the result.
+#[test]
+fn a_wait_whose_limit_passes_says_pending() {
+    let opts = CommOptions::new().timeout(Duration::from_secs(30));
+    two_ranks(opts, |rank, comm| {
+        let a = rmacomm_collectives::AsyncComm::new(comm);
+        if rank == 1 {
+            std::thread::sleep(Duration::from_millis(500));
+        }
+        let mut w = a.submit(|c| c.barrier());
+        if rank == 0 {
+            let e = w.wait(Some(Duration::from_millis(10))).unwrap_err();
+            assert!(matches!(e, rmacomm_collectives::Error::Pending { .. }), "{e}");
+            assert!(e.to_string().contains("wait again"), "{e}");
+        }
+        w.wait(None).unwrap();
+    });
+}

@@ -226,7 +226,7 @@ impl From<rmacomm_collectives::Error> for Failure {
         let kind = match &e {
             C::InvalidArgument { .. } | C::Kernel { .. } => ErrKind::Argument,
             C::Mismatch { .. } => ErrKind::Mismatch,
-            C::Timeout { .. } => ErrKind::Timeout,
+            C::Timeout { .. } | C::Pending { .. } => ErrKind::Timeout,
             C::Unavailable { .. } => ErrKind::Unavailable,
             C::Window { source, .. } => window_kind(source),
             _ => ErrKind::Comm,
