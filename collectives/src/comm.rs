@@ -26,6 +26,10 @@ pub struct CommOptions {
 /// Data bytes per channel slot (two slots per pair of ranks).
 pub const DEFAULT_SLOT_BYTES: usize = 1 << 20;
 
+/// The largest [`CommOptions::slot_bytes`]: a chunk header counts a slot's
+/// bytes in 32 bits.
+pub const MAX_SLOT_BYTES: usize = (u32::MAX as usize) & !63;
+
 impl CommOptions {
     /// Options from the environment or defaults.
     pub fn new() -> Self {
@@ -66,7 +70,9 @@ impl CommOptions {
 
     /// Data bytes per channel slot (default [`DEFAULT_SLOT_BYTES`]): the
     /// chunk size collectives are pipelined in. Each rank registers
-    /// `2 × size × slot` bytes.
+    /// `2 × size × slot` bytes. Every rank must pass the same (checked at
+    /// [`Comm::new`], as is the `rmacomm::algo` hint); at most
+    /// [`MAX_SLOT_BYTES`].
     pub fn slot_bytes(mut self, n: usize) -> Self {
         self.slot_bytes = Some(n);
         self
@@ -159,6 +165,33 @@ fn check_backend(backend: &str) -> Result<()> {
     }
 }
 
+/// Every rank's slot size and algorithm hint are the same (one exchange),
+/// and the slot size is one a window holds: else every rank fails alike.
+/// A rank with another slot size placed its chunks at other offsets of the
+/// peers' windows (into another pair's slots: a receive returned Ok with
+/// bytes of another rank's message); ranks with other hints traded chunks
+/// of different algorithms.
+fn agree_on_layout(group: &Group, slot_bytes: usize, algo: Option<&String>) -> Result<()> {
+    const OP: &str = "new_comm";
+    let mine = format!("slot_bytes {slot_bytes}, rmacomm::algo {algo:?}");
+    let all = group.exchange("new_comm/layout", mine.as_bytes()).map_err(Error::window(OP))?;
+    if let Some((p, theirs)) = all.iter().enumerate().find(|(_, v)| v.as_slice() != mine.as_bytes()) {
+        return Err(Error::Mismatch {
+            op: OP,
+            seq: 0,
+            reason: format!(
+                "rank {p} has {}; this rank ({}) has {mine}: every rank must pass the same",
+                String::from_utf8_lossy(theirs),
+                group.rank()
+            ),
+        });
+    }
+    if slot_bytes > MAX_SLOT_BYTES {
+        return Err(Error::invalid(OP, format!("slot_bytes {slot_bytes}: at most {MAX_SLOT_BYTES}")));
+    }
+    Ok(())
+}
+
 /// Refuses hints no algorithm answers to.
 fn check_hints(op: &'static str, opts: &CommOptions) -> Result<()> {
     match opts.hints.get("rmacomm::algo") {
@@ -180,7 +213,9 @@ impl Comm {
         let all: Vec<usize> = (0..group.size()).collect();
         let mut group = group.split(&all).map_err(Error::window(OP))?.expect("every rank is in the list");
         group.set_timeout(timeout);
-        let ch = Channels::new(&group, opts.slot_bytes.unwrap_or(DEFAULT_SLOT_BYTES), wopts)?;
+        let slot_bytes = opts.slot_bytes.unwrap_or(DEFAULT_SLOT_BYTES);
+        agree_on_layout(&group, slot_bytes, opts.hints.get("rmacomm::algo"))?;
+        let ch = Channels::new(&group, slot_bytes, wopts)?;
         let abort = opts.abort_process_on_timeout_or_error.unwrap_or_else(|| {
             std::env::var("RMACOMM_ABORT_ON_ERROR").is_ok_and(|v| matches!(v.as_str(), "1" | "true" | "yes"))
         });

@@ -8,7 +8,7 @@ mod kern;
 mod ops;
 mod work;
 
-pub use comm::{new_comm, Batch, Comm, CommOptions, DEFAULT_SLOT_BYTES};
+pub use comm::{new_comm, Batch, Comm, CommOptions, DEFAULT_SLOT_BYTES, MAX_SLOT_BYTES};
 pub use error::{Error, Result};
 pub use gpu::{GpuComm, DEFAULT_GPU_SLOT_BYTES};
 pub use ops::AllReduceAlgo;

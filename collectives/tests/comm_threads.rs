@@ -287,3 +287,38 @@ fn a_wait_whose_limit_passes_says_pending() {
         w.wait(None).unwrap();
     });
 }
+
+/// Ranks passing different slot sizes (or algorithm hints) fail at
+/// `Comm::new` on every rank, naming the one that differs: a rank with
+/// another slot size placed its chunks at other offsets of the peers'
+/// windows, inside another pair's slots. A slot size no chunk header can
+/// count is refused on every rank.
+#[test]
+fn ranks_with_different_layouts_fail_at_new() {
+    let cases: Vec<(CommOptions, CommOptions, &str)> = vec![
+        (CommOptions::new().slot_bytes(4096), CommOptions::new().slot_bytes(64), "slot_bytes"),
+        (CommOptions::new(), CommOptions::new().hint("rmacomm::algo", "ring"), "rmacomm::algo"),
+    ];
+    for (a, b, what) in cases {
+        let store: Arc<dyn Store> = Arc::new(HashStore::new());
+        let handles: Vec<_> = [a, b]
+            .into_iter()
+            .enumerate()
+            .map(|(rank, opts)| {
+                let store = store.clone();
+                std::thread::spawn(move || {
+                    let group = Group::new(rank, 2, store).unwrap();
+                    Comm::new(&group, opts.timeout(Duration::from_secs(30))).err().map(|e| e.to_string())
+                })
+            })
+            .collect();
+        for (rank, h) in handles.into_iter().enumerate() {
+            let e = h.join().unwrap().unwrap_or_else(|| panic!("rank {rank} made a communicator"));
+            assert!(e.contains("mismatched") && e.contains(what) && e.contains(&format!("rank {}", 1 - rank)), "{e}");
+        }
+    }
+    let store: Arc<dyn Store> = Arc::new(HashStore::new());
+    let group = Group::new(0, 1, store).unwrap();
+    let Err(e) = Comm::new(&group, CommOptions::new().slot_bytes(usize::MAX)) else { panic!("a slot of usize::MAX") };
+    assert!(e.to_string().contains("slot_bytes") && e.to_string().contains("at most"), "{e}");
+}

@@ -157,13 +157,25 @@ where
     // The QP's error or reset ends the connection wherever it waits: a
     // response or an ACK blocked on a peer that stopped reading (its
     // buffers full) held the QP and the region's owner for as long as the
-    // peer kept the socket open.
+    // peer kept the socket open. The socket is shut down (through a
+    // duplicate descriptor), so that the blocked write fails and the
+    // connection ends through its own paths (a receive it took is
+    // completed or flushed there; cancelling it lost the receive).
+    let shut = s.sock().fd().try_clone_to_owned();
     let mut dead_rx = state_rx.clone();
+    let serve = serve_conn(&qp, s, hello, peer, &mut state_rx, &gate);
+    tokio::pin!(serve);
     tokio::select! {
         biased;
-        () = serve_conn(&qp, s, hello, peer, &mut state_rx, &gate) => {}
+        () = &mut serve => {}
         () = dead(&qp, epoch, &mut dead_rx) => {
-            tracing::debug!("soft QP {:#x}: left service; its connection ends", qp.qpn);
+            if let Ok(fd) = &shut {
+                use std::os::fd::AsRawFd;
+                tracing::debug!("soft QP {:#x}: left service; its connection is shut down", qp.qpn);
+                // SAFETY: shutdown of our own (duplicate) descriptor.
+                unsafe { libc::shutdown(fd.as_raw_fd(), libc::SHUT_RDWR) };
+            }
+            serve.await;
         }
     }
     let mut g = gate.st.lock().await;
