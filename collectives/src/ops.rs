@@ -698,24 +698,40 @@ impl Comm {
         }
         let inputs: Vec<&[u8]> = input.chunks(output.len().max(1)).take(n).collect();
         let inputs = if output.is_empty() { vec![&input[..0]; n] } else { inputs };
-        self.reduce_scatter(output, &inputs, dtype, op)
+        // Its errors name this call (they said reduce_scatter, and
+        // `inputs[0]`, a list the caller never passed).
+        self.reduce_scatter_list(OP, output, &inputs, dtype, op)
     }
 
     /// `all_to_all` with lists: `inputs[j]` goes to rank j, `outputs[i]`
     /// comes from rank i (lengths may differ: they must match pairwise).
     pub fn all_to_all(&mut self, outputs: &mut [&mut [u8]], inputs: &[&[u8]]) -> Result<()> {
-        const OP: &str = "all_to_all";
+        self.all_to_all_list("all_to_all", outputs, inputs)
+    }
+
+    /// [`all_to_all`](Self::all_to_all), its errors naming `name` (the
+    /// single forms' own name).
+    fn all_to_all_list(&mut self, name: &'static str, outputs: &mut [&mut [u8]], inputs: &[&[u8]]) -> Result<()> {
         let (me, n) = (self.rank(), self.size());
         if outputs.len() != n || inputs.len() != n {
             return Err(Error::invalid(
-                OP,
+                name,
                 format!("{} outputs and {} inputs for {n} ranks", outputs.len(), inputs.len()),
             ));
         }
         if outputs[me].len() != inputs[me].len() {
-            return Err(Error::invalid(OP, format!("outputs[{me}] and inputs[{me}] differ in length")));
+            let what = if name == "all_to_all" {
+                format!("outputs[{me}] and inputs[{me}] differ in length")
+            } else {
+                format!(
+                    "output_splits[{me}] ({}) and input_splits[{me}] ({}) differ: this rank's own block",
+                    outputs[me].len(),
+                    inputs[me].len()
+                )
+            };
+            return Err(Error::invalid(name, what));
         }
-        self.collective(OP)?;
+        self.collective(name)?;
         outputs[me].copy_from_slice(inputs[me]);
         let mut transfers: Vec<Transfer<'_>> = Vec::with_capacity(2 * n);
         for (r, o) in outputs.iter_mut().enumerate() {
@@ -724,7 +740,7 @@ impl Comm {
                 transfers.push(Transfer::Send { peer: r, data: inputs[r] });
             }
         }
-        self.exchange(OP, ALL_TO_ALL, transfers)
+        self.exchange(name, ALL_TO_ALL, transfers)
     }
 
     /// `all_to_all_single`: equal blocks; block j of `input` goes to rank j,
@@ -743,7 +759,7 @@ impl Comm {
             ));
         }
         let splits = vec![b; n];
-        self.all_to_all_v_single(output, input, &splits, &splits)
+        self.all_to_all_v_named("all_to_all_single", output, input, &splits, &splits)
     }
 
     /// `all_to_all_v_single`: `input_splits[j]` bytes of `input` (in order)
@@ -755,16 +771,26 @@ impl Comm {
         output_splits: &[usize],
         input_splits: &[usize],
     ) -> Result<()> {
-        const OP: &str = "all_to_all_v_single";
+        self.all_to_all_v_named("all_to_all_v_single", output, input, output_splits, input_splits)
+    }
+
+    fn all_to_all_v_named(
+        &mut self,
+        name: &'static str,
+        output: &mut [u8],
+        input: &[u8],
+        output_splits: &[usize],
+        input_splits: &[usize],
+    ) -> Result<()> {
         let n = self.size();
         // Checked: splits that overflow the sum must not wrap to a length
         // that matches (and then split past the buffer's end).
         let sum = |v: &[usize]| v.iter().try_fold(0usize, |a, &l| a.checked_add(l));
         if output_splits.len() != n || input_splits.len() != n {
-            return Err(Error::invalid(OP, format!("splits must have {n} entries")));
+            return Err(Error::invalid(name, format!("splits must have {n} entries")));
         }
         if sum(output_splits) != Some(output.len()) || sum(input_splits) != Some(input.len()) {
-            return Err(Error::invalid(OP, "the splits do not add up to the buffers' lengths"));
+            return Err(Error::invalid(name, "the splits do not add up to the buffers' lengths"));
         }
         let mut inputs: Vec<&[u8]> = Vec::with_capacity(n);
         let mut rest = input;
@@ -780,7 +806,7 @@ impl Comm {
             outputs.push(a);
             rest = b;
         }
-        self.all_to_all(&mut outputs, &inputs)
+        self.all_to_all_list(name, &mut outputs, &inputs)
     }
 
     /// `scatter` from `root`: rank j receives `inputs[j]` (given on the

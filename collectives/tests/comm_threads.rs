@@ -322,3 +322,22 @@ fn ranks_with_different_layouts_fail_at_new() {
     let Err(e) = Comm::new(&group, CommOptions::new().slot_bytes(usize::MAX)) else { panic!("a slot of usize::MAX") };
     assert!(e.to_string().contains("slot_bytes") && e.to_string().contains("at most"), "{e}");
 }
+
+/// The single forms' errors name the call made (they named reduce_scatter
+/// and all_to_all, and lists the caller never passed), and nothing was
+/// exchanged: the ranks are still matched.
+#[test]
+fn single_forms_name_themselves_in_errors() {
+    use rmacomm_collectives::{DType, ReduceOp};
+    let opts = CommOptions::new().timeout(Duration::from_secs(30));
+    two_ranks(opts, |rank, mut c| {
+        let e = c.reduce_scatter_single(&mut [0u8; 4], &[0u8; 8], DType::F32, ReduceOp::Bxor).unwrap_err();
+        assert!(e.to_string().starts_with("reduce_scatter_single:"), "{e}");
+        let e = c.reduce_scatter_single(&mut [0u8; 6], &[0u8; 12], DType::F32, ReduceOp::Sum).unwrap_err();
+        assert!(e.to_string().starts_with("reduce_scatter_single:"), "{e}");
+        let (outs, ins) = if rank == 0 { ([4, 0], [0, 4]) } else { ([0, 4], [4, 0]) };
+        let e = c.all_to_all_v_single(&mut [0u8; 4], &[0u8; 4], &outs, &ins).unwrap_err();
+        assert!(e.to_string().starts_with("all_to_all_v_single:") && e.to_string().contains("output_splits"), "{e}");
+        c.barrier().unwrap();
+    });
+}
