@@ -154,6 +154,10 @@ fn dead(g: &Group, mut w: Window, ctx: &Arc<Context>) -> R {
     w.tensor_register_device(ctx.alloc_shared(4096).map_err(s)?, 4).map_err(s)?;
     g.barrier(None).map_err(s)?;
     if g.rank() == 1 {
+        // Exits once rank 0's wait is queued (a second barrier, through the
+        // store): exiting at once raced it, and a wait queued after the
+        // death was seen failed at once, not released.
+        g.barrier(None).map_err(s)?;
         println!("rank 1 ok");
         // No destructor runs (as in a crash): the kernel closes its sockets.
         std::process::exit(0);
@@ -161,6 +165,7 @@ fn dead(g: &Group, mut w: Window, ctx: &Arc<Context>) -> R {
     let stream = ctx.stream().map_err(s)?;
     let t0 = Instant::now();
     w.wait_signal_on_stream(1, &stream).map_err(s)?;
+    g.barrier(None).map_err(s)?;
     stream.synchronize().map_err(s)?;
     let released = t0.elapsed();
     let e = w.wait_signal_on_stream(1, &stream).err().ok_or("a stream wait after rank 1 died was queued")?;
