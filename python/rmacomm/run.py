@@ -13,7 +13,9 @@ every line each rank prints with ``[rank] `` on the same stream, and, when
 a rank fails, stops the others (SIGTERM, then SIGKILL after
 ``--grace-period`` seconds) and exits with that rank's code (128 + signal
 for a rank killed by a signal). SIGINT and SIGTERM are forwarded to the
-ranks. Multi-host jobs use torchrun, mpirun or srun, whose variables
+ranks, and SIGKILL follows ``--grace-period`` seconds later to those still
+running; a job so stopped whose ranks all exit with 0 exits with 128 + the
+signal (as ``rmacomm-run``). Multi-host jobs use torchrun, mpirun or srun, whose variables
 ``rmacomm.new_comm`` reads too.
 
 The Rust binary ``rmacomm-run`` (window/src/bin/rmacomm-run) does the same
@@ -138,46 +140,73 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
             t.start()
             pumps.append(t)
 
-    def forward(signum: int, _frame: object) -> None:
-        for p in procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signum)
-                except ProcessLookupError:
-                    pass
+    # Signals are only noted here; the loop below forwards them (a handler
+    # that signalled or waited itself could run in the middle of the loop's
+    # own kill and wait).
+    received: List[int] = []
 
-    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
-    code = 0
+    def note(signum: int, _frame: object) -> None:
+        received.append(signum)
+
+    old = {s: signal.signal(s, note) for s in (signal.SIGINT, signal.SIGTERM)}
+    failure: Optional[int] = None
+    interrupted: Optional[int] = None
+    kill_at: Optional[float] = None  # when the ranks still running get SIGKILL
     try:
         live = set(range(a.nproc))
         while live:
+            while received:
+                sig = received.pop(0)
+                if interrupted is None:
+                    interrupted = sig
+                    print(f"rmacomm.run: stopped by signal {sig}, forwarded to the ranks", file=sys.stderr,
+                          flush=True)
+                _signal([procs[r] for r in sorted(live)], sig)
+                if kill_at is None:
+                    kill_at = time.monotonic() + a.grace
             for r in sorted(live):
                 rc = procs[r].poll()
                 if rc is None:
                     continue
                 live.discard(r)
-                if rc != 0 and code == 0:
-                    code = _exit_code(rc)
+                if rc != 0 and failure is None:
+                    failure = _exit_code(rc)
                     how = f"was killed by signal {-rc}" if rc < 0 else f"exited with code {rc}"
-                    print(f"rmacomm.run: rank {r} {how}; stopping the other ranks", file=sys.stderr, flush=True)
-                    _stop([procs[i] for i in live], a.grace)
+                    if live:
+                        print(f"rmacomm.run: rank {r} {how}; stopping the other ranks", file=sys.stderr,
+                              flush=True)
+                        _signal([procs[i] for i in sorted(live)], signal.SIGTERM)
+                        if kill_at is None:
+                            kill_at = time.monotonic() + a.grace
+                    else:
+                        print(f"rmacomm.run: rank {r} {how}", file=sys.stderr, flush=True)
+            if live and kill_at is not None and time.monotonic() >= kill_at:
+                kill_at = None
+                _signal([procs[r] for r in sorted(live)], signal.SIGKILL)
             time.sleep(0.01)
     finally:
         for s, h in old.items():
             signal.signal(s, h)
         for t in pumps:
             t.join(timeout=5)
-    return code
+    if failure is not None:
+        return failure
+    return 128 + interrupted if interrupted is not None else 0
+
+
+def _signal(procs: Sequence[subprocess.Popen], sig: int) -> None:
+    """`sig` to the process group of each process still running."""
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, sig)
+            except ProcessLookupError:
+                pass
 
 
 def _stop(procs: Sequence[subprocess.Popen], grace: float) -> None:
     """SIGTERM to each process group, SIGKILL to those left after `grace`."""
-    for p in procs:
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
+    _signal(procs, signal.SIGTERM)
     deadline = time.monotonic() + grace
     for p in procs:
         try:

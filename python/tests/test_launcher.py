@@ -88,3 +88,54 @@ def test_under_torchrun_beside_its_agent_store() -> None:
     out = p.stdout.decode()
     assert p.returncode == 0, p.stderr.decode()[-3000:]
     assert sorted(out.split()) == ["ok0", "ok1"], out
+
+
+def _interrupt(code: str, sig: int, grace: str) -> "tuple[int, float, bytes]":
+    """Starts `code` on 2 ranks, sends `sig` to the launcher once both ranks
+    printed 'ready', and returns its exit code, how long it took from the
+    signal, and its stderr."""
+    cmd = [sys.executable, "-m", "rmacomm.run", "--nproc-per-node", "2", "--grace-period", grace,
+           "--no-python", sys.executable, "-c", code]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        seen = 0
+        assert p.stdout is not None
+        while seen < 2:
+            line = p.stdout.readline()
+            assert line, "the launcher ended before both ranks were ready"
+            seen += line.endswith(b"ready\n")
+        t0 = time.monotonic()
+        p.send_signal(sig)
+        _, err = p.communicate(timeout=60)
+        return p.returncode, time.monotonic() - t0, err
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def test_a_rank_that_ignores_a_forwarded_signal_is_killed_after_the_grace_period() -> None:
+    """The launcher's SIGTERM reaches ranks that ignore it: SIGKILL follows
+    after --grace-period (it used to wait for them forever)."""
+    import signal
+
+    code = ("import signal, sys, time\n"
+            "signal.signal(signal.SIGTERM, signal.SIG_IGN); signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+            "print('ready', flush=True)\n"
+            "time.sleep(120)")
+    rc, took, err = _interrupt(code, signal.SIGTERM, "1")
+    assert rc == 128 + 9, err
+    assert b"stopped by signal 15" in err, err
+    assert took < 30, took
+
+
+def test_an_interrupted_job_whose_ranks_exit_cleanly_gives_128_plus_signal() -> None:
+    import signal
+
+    code = ("import signal, sys, time\n"
+            "signal.signal(signal.SIGINT, lambda *_: sys.exit(0))\n"
+            "print('ready', flush=True)\n"
+            "time.sleep(120)")
+    rc, took, err = _interrupt(code, signal.SIGINT, "30")
+    assert rc == 128 + 2, err
+    assert took < 20, took
