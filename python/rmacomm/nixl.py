@@ -284,6 +284,9 @@ class nixl_agent:
         for b in conf.backends:
             self.create_backend(b)
         self._registered: dict[tuple[int, int], list[int]] = {}
+        # How many registrations of this facade hold each agent region: the
+        # agent answers the same object registered again with its region.
+        self._region_refs: dict[int, int] = {}
         self._dlists: dict[int, _Prepped] = {}
         self._xfers: dict[int, _Xfer] = {}
         self._handles = itertools.count(1)
@@ -417,14 +420,26 @@ class nixl_agent:
                     region = self.agent.register_address(addr, length, device=int(dev))
                 else:
                     region = self.agent.register_address(addr, length)
+                self._region_refs[region] = self._region_refs.get(region, 0) + 1
                 done.append(((addr, length), region))
         except BaseException:
+            # Only what this call added goes: a region registered before it
+            # (the same object again) stays.
             for _, region in done:
-                self.agent.deregister(region)
+                self._release(region)
             raise
         for key, region in done:
             self._registered.setdefault(key, []).append(region)
         return descs
+
+    def _release(self, region: int) -> None:
+        """Drops one hold on an agent region, deregistering it with the last."""
+        left = self._region_refs.get(region, 1) - 1
+        if left > 0:
+            self._region_refs[region] = left
+        else:
+            self._region_refs.pop(region, None)
+            self.agent.deregister(region)
 
     def deregister_memory(self, dereg_list: nixlRegDList, backends: Optional[list[str]] = None) -> None:
         """Deregisters memory registered with ``register_memory``. A list
@@ -441,7 +456,7 @@ class nixl_agent:
                 )
         for addr, length, _dev, _meta in dereg_list.descs:
             regions = self._registered[(addr, length)]
-            self.agent.deregister(regions.pop())
+            self._release(regions.pop())
             if not regions:
                 del self._registered[(addr, length)]
 

@@ -304,6 +304,33 @@ def test_bad_handles_indices_and_lists_are_refused_and_change_nothing() -> None:
     assert a.agent.regions() == before
 
 
+def test_the_same_object_registered_twice_stays_until_deregistered_twice() -> None:
+    """The agent answers the same array registered again with its region:
+    the facade counts its holds, so one deregistration of two keeps it, and
+    a failed registration list drops only what it added."""
+    a = nixl_agent("twice", nixl_agent_config(timeout=10))
+    buf = np.zeros(256, np.uint8)
+    first = a.register_memory([buf])
+    a.register_memory([buf])
+    regions = a.agent.regions()
+    assert len(regions) == 1
+    a.deregister_memory(first)
+    assert a.agent.regions() == regions, "one of two registrations dropped the region"
+    a.deregister_memory(first)
+    assert a.agent.regions() == []
+
+    # [buf (already registered), fresh, read-only]: the third fails; the
+    # call rolls back fresh, and buf stays registered once.
+    a.register_memory([buf])
+    regions = a.agent.regions()
+    fresh = np.zeros(64, np.uint8)
+    with pytest.raises(ValueError, match="read-only"):
+        a.register_memory([buf, fresh, np.frombuffer(bytes(64), np.uint8)])
+    assert a.agent.regions() == regions, "a failed registration dropped a region registered before it"
+    a.deregister_memory(nixlRegDList("DRAM", [(buf.ctypes.data, buf.nbytes, 0, "")]))
+    assert a.agent.regions() == []
+
+
 def test_read_only_memory_is_not_registered() -> None:
     # A numpy array over bytes: peers (and local READs) would write an
     # immutable object.
