@@ -689,6 +689,9 @@ impl PyComm {
         let outs = tensor::list(output_tensor_list, "output_tensor_list", true)?;
         let ins = tensor::list(input_tensor_list, "input_tensor_list", false)?;
         if let Some(first) = ins.first() {
+            for (k, t) in ins.iter().enumerate().skip(1) {
+                tensor::same_elem(t, &format!("input_tensor_list[{k}]"), first.elem, "input_tensor_list[0]")?;
+            }
             for (k, t) in outs.iter().enumerate() {
                 tensor::same_elem(t, &format!("output_tensor_list[{k}]"), first.elem, "input_tensor_list[0]")?;
             }

@@ -247,7 +247,7 @@ impl PyCtranWindow {
             return array::make(py, ptr, shape, e, kind, Keep::Alloc(self.own.clone()));
         }
         let (map, ptr) =
-            self.core.dup(py, move |w| w.get_tensor(rank, start, len).map(|m| (m.as_ptr() as usize, m.len())), len)?;
+            self.core.dup(py, &format!("get_tensor of rank {rank}"), move |w| w.get_tensor(rank, start, len).map(|m| (m.as_ptr() as usize, m.len())), len)?;
         array::make(py, ptr, shape, e, kind, Keep::Peer(map))
     }
 

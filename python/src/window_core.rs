@@ -663,27 +663,29 @@ impl WinCore {
         let nbytes = array::nbytes(&meta.shape, meta.elem).ok_or_else(|| {
             PyValueError::new_err(format!("map_remote_tensor: rank {rank}'s shape {:?} is too large", meta.shape))
         })?;
-        let (map, ptr) = self.dup(py, |w| w.map_remote_tensor(rank).map(|m| (m.as_ptr() as usize, m.len())), nbytes)?;
+        let (map, ptr) = self.dup(py, &format!("map_remote_tensor of rank {rank}"), |w| w.map_remote_tensor(rank).map(|m| (m.as_ptr() as usize, m.len())), nbytes)?;
         array::make(py, ptr, meta.shape, meta.elem, kind, Keep::Peer(map))
     }
 
-    /// A private mapping of `len` bytes of what `f` finds mapped.
+    /// A private mapping of `len` bytes of what `f` finds mapped; `what`
+    /// (the call and the rank) begins its errors.
     pub(crate) fn dup(
         &self,
         py: Python<'_>,
+        what: &str,
         f: impl FnOnce(&Window) -> Result<(usize, usize), rmacomm_window::Error> + Send,
         len: usize,
     ) -> PyResult<(DupMapping, *mut u8)> {
         let r = self.with(py, false, |w| -> Result<(DupMapping, usize), Failure> {
             let (ptr, have) = f(w).map_err(win_failure)?;
             if have < len {
-                return Err(Failure::new(ErrKind::Argument, format!("{len} bytes asked, {have} mapped")));
+                return Err(Failure::new(ErrKind::Argument, format!("{what}: {len} bytes asked, {have} mapped")));
             }
             // SAFETY: `ptr..ptr+len` lies in the window's mapping of the
             // peer's shared segment (or this rank's own segment), which
             // stays mapped while the read lock is held.
             let (m, p) = unsafe { DupMapping::of(ptr as *mut u8, len) }
-                .map_err(|e| Failure::new(ErrKind::Comm, format!("mapping the peer's memory again failed: {e}")))?;
+                .map_err(|e| Failure::new(ErrKind::Comm, format!("{what}: mapping the peer's memory again failed: {e}")))?;
             Ok((m, p as usize))
         });
         let (m, p) = r?;

@@ -59,6 +59,10 @@ def test_wrong_dtype_is_a_type_error_naming_both_arguments(comm) -> None:
         comm.all_reduce([1.0, 2.0], ReduceOp.SUM)
     with pytest.raises(TypeError, match="byte order"):
         comm.broadcast(np.zeros(4, ">f4"), 0)
+    # Each input of a list all_to_all against the first (rank 1's int32
+    # bytes read as another rank's float32 output).
+    with pytest.raises(TypeError, match=r"input_tensor_list\[1\] has dtype int32, but input_tensor_list\[0\] has float32"):
+        comm.all_to_all([np.zeros(4, np.float32)], [np.zeros(4, np.float32), np.zeros(4, np.int32)])
 
 
 def test_wrong_size_read_only_and_bad_op(comm) -> None:
