@@ -260,9 +260,11 @@ impl Group {
             if arrived == self.size as i64 {
                 // Only barriers count, so every rank called one: nothing to compare.
                 self.store.set(&done_key, b"")?;
-                // Every rank has added already; nobody reads the counter again.
-                self.store.delete(&count_key)?;
                 self.garbage().push(done_key.clone());
+                // Every rank has added already; nobody reads the counter
+                // again. The barrier is complete whatever happens to this
+                // delete (below).
+                self.forget(&[count_key.clone()]);
                 return Ok(());
             }
             // A rank that called another operation here reads this record
@@ -295,14 +297,27 @@ impl Group {
         match result {
             Ok(()) => {
                 // Every rank has passed every earlier operation: its keys can go.
-                for key in &old {
-                    self.store.delete(key)?;
-                }
+                self.forget(&old);
                 Ok(())
             }
             Err(e) => {
                 self.garbage().extend(old);
                 Err(e)
+            }
+        }
+    }
+
+    /// Deletes keys every rank is done with, best effort: a barrier that
+    /// every rank passed has succeeded, and a store gone meanwhile (rank 0
+    /// exited right after it, taking the store with it) must not turn it
+    /// into an error on the others. What could not be deleted is retried
+    /// at the next barrier.
+    fn forget(&self, keys: &[String]) {
+        for (i, key) in keys.iter().enumerate() {
+            if let Err(e) = self.store.delete(key) {
+                tracing::debug!(rank = self.rank, "keeping {} store keys for later: {e}", keys.len() - i);
+                self.garbage().extend(keys[i..].iter().cloned());
+                return;
             }
         }
     }

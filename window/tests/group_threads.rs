@@ -342,3 +342,69 @@ fn the_host_id_is_stable_and_names_boot_and_namespaces() {
         assert!(id.contains("ipc:[") && id.contains("net:["), "{id}");
     }
 }
+
+/// A store whose deletes fail once `gone` is set (the hosting rank exited
+/// right after a barrier released it, taking the store with it).
+#[derive(Debug)]
+struct Vanishing {
+    inner: HashStore,
+    gone: std::sync::atomic::AtomicBool,
+}
+
+impl Store for Vanishing {
+    fn set(&self, key: &str, value: &[u8]) -> rmacomm_window::Result<()> {
+        self.inner.set(key, value)
+    }
+    fn try_get(&self, key: &str) -> rmacomm_window::Result<Option<Vec<u8>>> {
+        self.inner.try_get(key)
+    }
+    fn multi_get(&self, keys: &[&str], timeout: Duration) -> rmacomm_window::Result<Vec<Vec<u8>>> {
+        self.inner.multi_get(keys, timeout)
+    }
+    fn wait(&self, keys: &[&str], timeout: Duration) -> rmacomm_window::Result<()> {
+        self.inner.wait(keys, timeout)
+    }
+    fn check(&self, keys: &[&str]) -> rmacomm_window::Result<bool> {
+        self.inner.check(keys)
+    }
+    fn add(&self, key: &str, delta: i64) -> rmacomm_window::Result<i64> {
+        self.inner.add(key, delta)
+    }
+    fn compare_set(
+        &self,
+        key: &str,
+        expected: Option<&[u8]>,
+        desired: &[u8],
+    ) -> rmacomm_window::Result<Option<Vec<u8>>> {
+        self.inner.compare_set(key, expected, desired)
+    }
+    fn delete(&self, key: &str) -> rmacomm_window::Result<bool> {
+        if self.gone.load(std::sync::atomic::Ordering::Acquire) {
+            return Err(Error::Disconnected { addr: "the test's vanished store".into(), reason: "gone".into() });
+        }
+        self.inner.delete(key)
+    }
+}
+
+#[test]
+fn a_barrier_every_rank_passed_succeeds_though_its_cleanup_cannot_reach_the_store() {
+    // Once released, a barrier's ranks delete keys nobody reads again; with
+    // rank 0 (the store's host) gone right after, those deletes fail. The
+    // barrier had succeeded: it returned that failure as its own on the
+    // other ranks (and tensor_deregister kept the memory).
+    let store = Arc::new(Vanishing { inner: HashStore::new(), gone: false.into() });
+    let dyn_store: Arc<dyn Store> = store.clone();
+    let s = store.clone();
+    let results = on_ranks(3, dyn_store, quick, move |g| {
+        g.exchange("before", &[g.rank() as u8]).unwrap();
+        g.barrier(None).unwrap();
+        g.exchange("again", &[1]).unwrap();
+        if g.rank() == 0 {
+            s.gone.store(true, std::sync::atomic::Ordering::Release);
+        }
+        g.barrier(None)
+    });
+    for (rank, r) in results.into_iter().enumerate() {
+        r.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+    }
+}
