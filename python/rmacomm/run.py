@@ -108,7 +108,23 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
         print("rmacomm.run: --nproc-per-node must be at least 1", file=sys.stderr)
         return 2
     addr = a.master_addr or os.environ.get("MASTER_ADDR") or "127.0.0.1"
-    port = a.master_port or int(os.environ.get("MASTER_PORT") or 0) or _free_port()
+    if a.master_port is not None:
+        port = a.master_port
+    elif os.environ.get("MASTER_PORT"):
+        try:
+            port = int(os.environ["MASTER_PORT"].strip())
+        except ValueError:
+            port = -1
+        if not 1 <= port <= 65535:
+            print(f"rmacomm.run: MASTER_PORT={os.environ['MASTER_PORT']!r} is not a port number (1-65535)",
+                  file=sys.stderr)
+            return 2
+    else:
+        port = _free_port()
+    if not 1 <= port <= 65535:
+        print(f"rmacomm.run: --master-port {port}: give a port number (1-65535), or none for a free one",
+              file=sys.stderr)
+        return 2
     if a.no_python:
         cmd: List[str] = [a.prog]
     elif a.module:
@@ -117,11 +133,35 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
         cmd = [sys.executable, "-u", a.prog]
     cmd += a.args
 
+    # Signals are only noted here; the loop below forwards them (a handler
+    # that signalled or waited itself could run in the middle of the loop's
+    # own kill and wait). Installed before the ranks start, so that one
+    # while they start is forwarded too. SIGHUP and SIGQUIT (which the
+    # ranks' own process groups do not get from the terminal) go on as
+    # SIGTERM.
+    received: List[int] = []
+
+    def note(signum: int, _frame: object) -> None:
+        received.append(signum)
+
+    old = {s: signal.signal(s, note) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)}
+    try:
+        return _run(a, cmd, addr, port, received)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _run(a: argparse.Namespace, cmd: List[str], addr: str, port: int, received: List[int]) -> int:
     procs: List[subprocess.Popen] = []
     pumps: List[threading.Thread] = []
     locks = (threading.Lock(), threading.Lock())
     for r in range(a.nproc):
         env = dict(os.environ)
+        # Inherited, these would move the ranks' store off the port given
+        # (rmacomm's own port; torchrun's agent store on MASTER_PORT).
+        env.pop("RMACOMM_MASTER_PORT", None)
+        env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
         env.update(
             RANK=str(r), WORLD_SIZE=str(a.nproc), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(a.nproc),
             MASTER_ADDR=addr, MASTER_PORT=str(port), PYTHONUNBUFFERED="1",
@@ -140,15 +180,6 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
             t.start()
             pumps.append(t)
 
-    # Signals are only noted here; the loop below forwards them (a handler
-    # that signalled or waited itself could run in the middle of the loop's
-    # own kill and wait).
-    received: List[int] = []
-
-    def note(signum: int, _frame: object) -> None:
-        received.append(signum)
-
-    old = {s: signal.signal(s, note) for s in (signal.SIGINT, signal.SIGTERM)}
     failure: Optional[int] = None
     interrupted: Optional[int] = None
     kill_at: Optional[float] = None  # when the ranks still running get SIGKILL
@@ -161,7 +192,8 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
                     interrupted = sig
                     print(f"rmacomm.run: stopped by signal {sig}, forwarded to the ranks", file=sys.stderr,
                           flush=True)
-                _signal([procs[r] for r in sorted(live)], sig)
+                fwd = sig if sig in (signal.SIGINT, signal.SIGTERM) else signal.SIGTERM
+                _signal([procs[r] for r in sorted(live)], fwd)
                 if kill_at is None:
                     kill_at = time.monotonic() + a.grace
             for r in sorted(live):
@@ -169,6 +201,11 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
                 if rc is None:
                     continue
                 live.discard(r)
+                # What the rank started and left running stops with it.
+                try:
+                    os.killpg(procs[r].pid, signal.SIGTERM)
+                except (ProcessLookupError, PermissionError):
+                    pass
                 if rc != 0 and failure is None:
                     failure = _exit_code(rc)
                     how = f"was killed by signal {-rc}" if rc < 0 else f"exited with code {rc}"
@@ -185,8 +222,6 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
                 _signal([procs[r] for r in sorted(live)], signal.SIGKILL)
             time.sleep(0.01)
     finally:
-        for s, h in old.items():
-            signal.signal(s, h)
         for t in pumps:
             t.join(timeout=5)
     if failure is not None:

@@ -139,3 +139,55 @@ def test_an_interrupted_job_whose_ranks_exit_cleanly_gives_128_plus_signal() -> 
     rc, took, err = _interrupt(code, signal.SIGINT, "30")
     assert rc == 128 + 2, err
     assert took < 20, took
+
+
+def test_sighup_to_the_launcher_stops_the_ranks_as_sigterm() -> None:
+    import signal
+
+    rc, took, err = _interrupt("import time; print('ready', flush=True); time.sleep(120)", signal.SIGHUP, "5")
+    assert rc == 128 + 15, err  # the ranks die of the SIGTERM it is forwarded as
+    assert took < 20, took
+
+
+def test_what_a_finished_rank_left_running_is_stopped_with_it() -> None:
+    import os
+
+    code = ("import subprocess, sys\n"
+            "p = subprocess.Popen(['sleep', '60'], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
+            "print('helper', p.pid, flush=True)")
+    p = run(2, code)
+    assert p.returncode == 0, p.stderr
+    pids = [int(line.split()[-1]) for line in p.stdout.decode().splitlines() if "helper" in line]
+    assert len(pids) == 2, p.stdout
+    end = time.monotonic() + 5
+    while time.monotonic() < end and any(_alive(pid) for pid in pids):
+        time.sleep(0.02)
+    left = [pid for pid in pids if _alive(pid)]
+    for pid in left:
+        os.kill(pid, 9)
+    assert not left, f"helpers {left} outlived their ranks"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def test_inherited_port_variables_do_not_move_the_ranks_store_and_port_0_is_refused() -> None:
+    import os
+
+    env = dict(os.environ, RMACOMM_MASTER_PORT="1", TORCHELASTIC_USE_AGENT_STORE="True")
+    code = ("import os; print('[%s|%s|%s]' % (os.environ.get('RMACOMM_MASTER_PORT', ''), "
+            "os.environ.get('TORCHELASTIC_USE_AGENT_STORE', ''), os.environ['MASTER_PORT']))")
+    cmd = [sys.executable, "-m", "rmacomm.run", "--nproc-per-node", "1", "--master-port", "4567",
+           "--no-python", sys.executable, "-c", code]
+    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=60, env=env)
+    assert p.stdout.decode() == "[0] [||4567]\n", p.stderr
+    for extra, menv in ((["--master-port", "0"], {}), ([], {"MASTER_PORT": "0"})):
+        cmd = [sys.executable, "-m", "rmacomm.run", "--nproc-per-node", "1", *extra, "--no-python", "true"]
+        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=60,
+                           env=dict(os.environ, **menv))
+        assert p.returncode == 2 and b"port number" in p.stderr, (extra, menv, p.stderr)

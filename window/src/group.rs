@@ -264,7 +264,7 @@ impl Group {
                 // Every rank has added already; nobody reads the counter
                 // again. The barrier is complete whatever happens to this
                 // delete (below).
-                self.forget(&[count_key.clone()]);
+                self.forget(std::slice::from_ref(&count_key));
                 return Ok(());
             }
             // A rank that called another operation here reads this record

@@ -135,3 +135,113 @@ fn sigterm_to_the_launcher_is_forwarded_to_the_ranks() {
     assert_eq!(status.code(), Some(128 + 15), "{status:?}");
     assert!(start.elapsed() < Duration::from_secs(5), "{:?}", start.elapsed());
 }
+
+/// Whether process `pid` runs (a zombie does not).
+fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| s.rsplit(')').next().map(|rest| rest.trim_start().starts_with(|c| c != 'Z' && c != 'X')))
+        .unwrap_or(false)
+}
+
+/// Starts the launcher on 2 ranks of `script` (which prints `pid N` lines)
+/// and returns it with the pids printed once `want` of them came.
+fn start(script: &str, want: usize) -> (std::process::Child, Vec<u32>) {
+    let mut child = Command::new(RUN)
+        .args(["--nproc-per-node", "2", "--grace-period", "1", "--", "sh", "-c", script])
+        .env_remove("MASTER_ADDR")
+        .env_remove("MASTER_PORT")
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(child.stdout.take().unwrap()));
+    let mut pids = Vec::new();
+    while pids.len() < want {
+        let line = lines.next().expect("the launcher ended early").unwrap();
+        if let Some(p) = line.split("pid ").nth(1) {
+            pids.push(p.trim().parse().unwrap());
+        }
+    }
+    // Keep reading (the ranks must not block on a full pipe).
+    std::thread::spawn(move || lines.for_each(drop));
+    (child, pids)
+}
+
+fn all_gone_within(pids: &[u32], limit: Duration) -> bool {
+    let end = Instant::now() + limit;
+    while Instant::now() < end {
+        if pids.iter().all(|&p| !alive(p)) {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    false
+}
+
+#[test]
+fn a_launcher_killed_by_sigkill_leaves_no_ranks_behind() {
+    // Ranks used to keep running (and waiting out their store timeouts)
+    // when the launcher died of a signal it cannot forward.
+    let (mut child, pids) = start("echo pid $$; exec sleep 60", 2);
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(child.id() as i32).unwrap(),
+        rustix::process::Signal::KILL,
+    )
+    .unwrap();
+    child.wait().unwrap();
+    assert!(all_gone_within(&pids, Duration::from_secs(5)), "ranks {pids:?} outlived their launcher");
+}
+
+#[test]
+fn sighup_and_sigquit_to_the_launcher_stop_the_ranks() {
+    for (sig, num) in [(rustix::process::Signal::HUP, 1), (rustix::process::Signal::QUIT, 3)] {
+        let (mut child, pids) = start("echo pid $$; exec sleep 60", 2);
+        rustix::process::kill_process(rustix::process::Pid::from_raw(child.id() as i32).unwrap(), sig).unwrap();
+        let status = child.wait().unwrap();
+        // The ranks die of the SIGTERM it is forwarded as.
+        assert_eq!(status.code(), Some(128 + 15), "signal {num}: {status:?}");
+        assert!(all_gone_within(&pids, Duration::from_secs(5)), "signal {num}: ranks {pids:?} still run");
+    }
+}
+
+#[test]
+fn what_a_finished_rank_left_running_is_stopped_with_it() {
+    // Each rank starts a helper in its process group and exits 0: the
+    // helper used to outlive the job (and hold its output pipe).
+    let t0 = Instant::now();
+    let (mut child, pids) = start("sleep 60 & echo pid $!; exit 0", 2);
+    assert!(child.wait().unwrap().success());
+    assert!(all_gone_within(&pids, Duration::from_secs(5)), "helpers {pids:?} outlived their ranks");
+    assert!(t0.elapsed() < Duration::from_secs(30), "{:?}", t0.elapsed());
+}
+
+#[test]
+fn inherited_port_variables_do_not_move_the_ranks_store() {
+    // rmacomm's own RMACOMM_MASTER_PORT, or torchrun's agent-store flag,
+    // inherited from an outer job, beat the MASTER_PORT the launcher gives.
+    let out = Command::new(RUN)
+        .args([
+            "--nproc-per-node",
+            "1",
+            "--master-port",
+            "4567",
+            "sh",
+            "-c",
+            "echo \"[$RMACOMM_MASTER_PORT|$TORCHELASTIC_USE_AGENT_STORE|$MASTER_PORT]\"",
+        ])
+        .env("RMACOMM_MASTER_PORT", "1")
+        .env("TORCHELASTIC_USE_AGENT_STORE", "True")
+        .output()
+        .unwrap();
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "[0] [||4567]\n");
+    for port in [["--master-port", "0"].as_slice(), &[]] {
+        let mut cmd = Command::new(RUN);
+        cmd.args(["--nproc-per-node", "1"]).args(port).args(["true"]);
+        if port.is_empty() {
+            cmd.env("MASTER_PORT", "0");
+        }
+        let out = cmd.output().unwrap();
+        assert_eq!(out.status.code(), Some(2), "{port:?}: {out:?}");
+        assert!(String::from_utf8_lossy(&out.stderr).contains("port number"), "{out:?}");
+    }
+}

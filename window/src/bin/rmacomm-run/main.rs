@@ -10,13 +10,16 @@
 //! prints is prefixed with `[rank] ` on the same stream. When a rank fails the
 //! others get SIGTERM, then SIGKILL after the grace period, and rmacomm-run
 //! exits with the failed rank's code (128 + signal for a rank killed by a
-//! signal). SIGINT and SIGTERM are forwarded to the ranks. Each rank runs in its
-//! own process group, and signals go to the group, so helpers a rank started
-//! stop with it.
+//! signal). SIGINT and SIGTERM are forwarded to the ranks, SIGHUP and SIGQUIT
+//! as SIGTERM. Each rank runs in its own process group, and signals go to the
+//! group, so helpers a rank started stop with it (a rank's group also gets
+//! SIGTERM when the rank ends). A rank gets SIGKILL if rmacomm-run itself
+//! dies (`PR_SET_PDEATHSIG`): killed launchers leave no ranks behind waiting
+//! out their timeouts.
 //!
 //! Organization: `supervisor.rs` decides (sans-IO), this file does the I/O.
 
-#![forbid(unsafe_code)]
+#![deny(unsafe_code)]
 
 mod supervisor;
 
@@ -77,10 +80,17 @@ fn main() {
 
 fn master_port(args: &Args) -> Result<u16, String> {
     if let Some(p) = args.master_port {
-        return Ok(p);
+        return if p == 0 {
+            Err("--master-port 0: give a port number (1-65535), or none for a free one".into())
+        } else {
+            Ok(p)
+        };
     }
     if let Ok(p) = std::env::var("MASTER_PORT") {
-        return p.trim().parse().map_err(|_| format!("MASTER_PORT='{p}' is not a port number"));
+        return match p.trim().parse::<u16>() {
+            Ok(0) | Err(_) => Err(format!("MASTER_PORT='{p}' is not a port number (1-65535)")),
+            Ok(p) => Ok(p),
+        };
     }
     // A port that binds now, below Linux's ephemeral range (32768-60999):
     // an ephemeral port, once let go here, may be handed to another
@@ -113,6 +123,22 @@ async fn run(args: Args) -> i32 {
             return 2;
         }
     };
+    // Before the ranks start: a signal while they start is forwarded too.
+    let mut signals = Vec::new();
+    for (kind, sig) in [
+        (SignalKind::interrupt(), 2),
+        (SignalKind::terminate(), 15),
+        (SignalKind::hangup(), 1),
+        (SignalKind::quit(), 3),
+    ] {
+        match signal(kind) {
+            Ok(s) => signals.push((s, sig)),
+            Err(e) => {
+                eprintln!("rmacomm-run: cannot install signal handlers: {e}");
+                return 1;
+            }
+        }
+    }
     let (events, mut rx) = mpsc::unbounded_channel::<Event>();
     let mut pids: Vec<Option<u32>> = vec![None; n];
     let mut printers = Vec::new();
@@ -127,12 +153,33 @@ async fn run(args: Args) -> i32 {
             .env("LOCAL_WORLD_SIZE", n.to_string())
             .env("MASTER_ADDR", &addr)
             .env("MASTER_PORT", port.to_string())
+            // Inherited, these would move the ranks' store off the port
+            // given to them (rmacomm's own port; torchrun's agent store).
+            .env_remove("RMACOMM_MASTER_PORT")
+            .env_remove("TORCHELASTIC_USE_AGENT_STORE")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             // Its own process group, so that stopping a rank stops what it started too.
             .process_group(0)
             .kill_on_drop(true);
+        let launcher = rustix::process::getpid();
+        #[allow(unsafe_code)]
+        // SAFETY: the closure runs in the child between fork and exec and
+        // makes only async-signal-safe system calls (prctl, getppid, _exit);
+        // it allocates nothing and takes no lock.
+        unsafe {
+            cmd.pre_exec(move || {
+                // The rank dies with the launcher, even one killed by SIGKILL
+                // (nothing else could stop it then).
+                rustix::process::set_parent_process_death_signal(Some(Signal::KILL))?;
+                // The launcher died before that took effect.
+                if rustix::process::getppid() != Some(launcher) {
+                    return Err(rustix::io::Errno::SRCH.into());
+                }
+                Ok(())
+            });
+        }
         let mut child = match cmd.spawn() {
             Ok(c) => c,
             Err(e) => {
@@ -149,11 +196,14 @@ async fn run(args: Args) -> i32 {
             printers.push(tokio::spawn(prefix_lines(rank, err, true)));
         }
         let events = events.clone();
+        let leader = child.id();
         tokio::spawn(async move {
             let code = match child.wait().await {
                 Ok(status) => exit_code(status),
                 Err(_) => 1,
             };
+            // What the rank started and left running stops with it.
+            send(leader, supervisor::SIGTERM);
             let _ = events.send(Event::Exited { rank, code });
         });
     }
@@ -166,21 +216,13 @@ async fn run(args: Args) -> i32 {
         }
     }
 
-    let (mut sigint, mut sigterm) = match (signal(SignalKind::interrupt()), signal(SignalKind::terminate())) {
-        (Ok(i), Ok(t)) => (i, t),
-        _ => {
-            eprintln!("rmacomm-run: cannot install signal handlers");
-            return 1;
-        }
-    };
     let grace = Duration::from_secs_f64(args.grace_period);
     let mut grace_timer: Option<std::pin::Pin<Box<tokio::time::Sleep>>> = None;
     loop {
         let actions = if pending.is_empty() {
             let event = tokio::select! {
             e = rx.recv() => match e { Some(e) => e, None => break 1 },
-            _ = sigint.recv() => Event::Signal(2),
-            _ = sigterm.recv() => Event::Signal(15),
+            sig = next_signal(&mut signals) => Event::Signal(sig),
             _ = async { grace_timer.as_mut().expect("guarded").await }, if grace_timer.is_some() => {
                 grace_timer = None;
                 Event::GraceExpired
@@ -218,6 +260,16 @@ async fn run(args: Args) -> i32 {
             }
             break code;
         }
+    }
+}
+
+/// The next signal received, of those handled.
+async fn next_signal(signals: &mut [(tokio::signal::unix::Signal, supervisor::Sig)]) -> supervisor::Sig {
+    let waits = signals.iter_mut().map(|(s, sig)| Box::pin(async move { s.recv().await.map(|_| *sig) }));
+    match futures::future::select_all(waits).await.0 {
+        Some(sig) => sig,
+        // A handler gone (never, while the runtime lives): wait for the others.
+        None => std::future::pending().await,
     }
 }
 
