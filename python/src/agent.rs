@@ -486,11 +486,18 @@ impl PyTransferAgent {
         // Past the clock's range (timeout=sys.maxsize): no deadline, not a panic.
         let deadline = limit.and_then(|t| Instant::now().checked_add(t));
         let mut stream = self.agent().notifications();
+        let stash = &self.stash;
         let r = wait::sliced(py, deadline, |slice| {
+            // A cancelled async wait that had taken one meanwhile put it
+            // here: looked at between slices.
+            if let Some(n) = lock_stash(stash).pop_front() {
+                return Some(Some(n));
+            }
             rt().block_on(async { tokio::time::timeout(slice, stream.next()).await.ok() })
+                .map(|n| n.map(|n| (n.peer, n.message)))
         })?;
         match r {
-            Some(Some(n)) => Ok((n.peer, PyBytes::new(py, &n.message))),
+            Some(Some((peer, msg))) => Ok((peer, PyBytes::new(py, &msg))),
             Some(None) => Err(Failure::new(ErrKind::Comm, "wait_notification: the agent is closed").into()),
             None => Err(Failure::new(
                 ErrKind::Timeout,
@@ -501,10 +508,12 @@ impl PyTransferAgent {
     }
 
     /// `wait_notification` for asyncio (no timeout of its own: wrap it in
-    /// `asyncio.wait_for`). A notification that arrives for a wait that
-    /// was cancelled meanwhile is not lost: the next call that takes
-    /// notifications gets it first (an async wait started before it
-    /// arrived waits for the one after).
+    /// `asyncio.wait_for`). A cancelled wait stops waiting at once (it
+    /// took no notification); one that had taken a notification just as
+    /// it was cancelled leaves it to the next call that takes
+    /// notifications (a synchronous wait already running looks between
+    /// its 100 ms slices; an async wait started before waits for the one
+    /// after).
     fn wait_notification_async<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         let lp = py.import(intern!(py, "asyncio"))?.call_method0(intern!(py, "get_running_loop")).map_err(|_| {
             PyRuntimeError::new_err("wait_notification_async must be awaited inside a running asyncio loop")
@@ -517,7 +526,7 @@ impl PyTransferAgent {
         let mut stream = self.agent().notifications();
         let stash = self.stash.clone();
         let (lp, pf) = (lp.unbind(), fut.clone().unbind());
-        rt().spawn(async move {
+        let task = rt().spawn(async move {
             let n = stream.next().await.map(|n| (n.peer, n.message));
             Python::attach(|py| {
                 let (keep, got) = (stash.clone(), n.clone());
@@ -551,6 +560,25 @@ impl PyTransferAgent {
                 }
             });
         });
+        // Cancelled (asyncio.wait_for's timeout): the wait ends now. It
+        // used to stay first in the queue's line of waiters and take the
+        // next notification, which then sat in the stash while a wait
+        // already running waited on. Taking one is synchronous within the
+        // task's poll, so aborting at its await loses none.
+        let abort = task.abort_handle();
+        let on_done = PyCFunction::new_closure(
+            py,
+            None,
+            None,
+            move |args: &Bound<'_, PyTuple>, _: Option<&Bound<'_, PyDict>>| -> PyResult<()> {
+                let py = args.py();
+                if args.get_item(0)?.call_method0(intern!(py, "cancelled"))?.is_truthy()? {
+                    abort.abort();
+                }
+                Ok(())
+            },
+        )?;
+        fut.call_method1(intern!(py, "add_done_callback"), (on_done,))?;
         Ok(fut)
     }
 

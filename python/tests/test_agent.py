@@ -109,6 +109,36 @@ def test_in_process_forms_and_errors() -> None:
     assert (dst[4096:] == src[:4096]).all() and not dst[:4096].any()
     assert b.get_notifications() == [] and b.pending_notifications() == 0
 
+    # A cancelled wait stops waiting: the next notification goes to the
+    # wait running then, async or not (the cancelled one's task took it,
+    # and the running waits waited on).
+    async def cancelled_then_async() -> tuple:
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(b.wait_notification_async(), 0.05)
+        fut = asyncio.ensure_future(b.wait_notification_async())
+        await asyncio.sleep(0.05)
+        a.notify("b", b"next").wait(timeout=10)
+        return await asyncio.wait_for(fut, 5)
+
+    assert asyncio.run(cancelled_then_async()) == ("a", b"next")
+
+    async def cancel_one() -> None:
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(b.wait_notification_async(), 0.05)
+
+    import threading
+
+    loop = asyncio.new_event_loop()
+    loop.run_until_complete(cancel_one())  # the loop stays open
+    timer = threading.Timer(0.2, lambda: a.notify("b", b"sync").wait(timeout=10))
+    timer.start()
+    t0 = time.monotonic()
+    assert b.wait_notification(timeout=5) == ("a", b"sync")
+    assert time.monotonic() - t0 < 3
+    timer.join()
+    loop.close()
+    assert b.get_notifications() == [] and b.pending_notifications() == 0
+
     # Arguments: nothing moves, the errors say what.
     with pytest.raises(ValueError, match="WRITE.*READ"):
         a.transfer("PUT", "b", [])
