@@ -99,7 +99,15 @@ def _is_numpy(obj: Any) -> bool:
 
 
 def _memory_desc(obj: Any) -> tuple[tuple[int, int, int], str]:
-    """(addr, len, devId) and the memory type of an array or tensor."""
+    """(addr, len, devId) and the memory type of an array or tensor, which
+    must be contiguous (as NIXL's): one descriptor covers one range, and a
+    strided view's range holds other elements than the view's."""
+    contiguous = obj.is_contiguous() if _is_torch(obj) else (obj.flags.c_contiguous if _is_numpy(obj) else True)
+    if not contiguous:
+        raise ArgumentError(
+            f"a non-contiguous {type(obj).__name__} of shape {tuple(obj.shape)} is not one range of memory: "
+            "give a list of contiguous tensors or arrays (or .contiguous() / np.ascontiguousarray copies)"
+        )
     if _is_torch(obj):
         dev = str(obj.device)
         mem = "cuda" if dev.startswith("cuda") else "cpu"
@@ -364,13 +372,18 @@ class nixl_agent:
             return descs
         if isinstance(descs, nixlXferDList):
             raise TypeError("get_reg_descs: a nixlXferDList was given; registration takes a nixlRegDList")
-        if _is_torch(descs) or (_is_numpy(descs) and not _is_desc_array(descs, 4)):
-            d, m = _memory_desc(descs)
-            return nixlRegDList(m, [(*d, "")], is_sorted, [descs])
+        # An (N, 3) or (N, 4) integer array is descriptors (NIXL's form,
+        # with a mem_type); `[array]` registers such an array itself.
         if _is_desc_array(descs, 4) or _is_desc_array(descs, 3):
             if mem_type is None:
-                raise ValueError("get_reg_descs: give mem_type with an array of descriptors")
+                raise ValueError(
+                    "get_reg_descs: give mem_type with an array of descriptors (or [array] to register the "
+                    "array itself)"
+                )
             return nixlRegDList(mem_type, descs.tolist(), is_sorted)
+        if _is_torch(descs) or _is_numpy(descs):
+            d, m = _memory_desc(descs)
+            return nixlRegDList(m, [(*d, "")], is_sorted, [descs])
         items = list(descs)
         if not items:
             return nixlRegDList(mem_type or "DRAM", [], is_sorted)

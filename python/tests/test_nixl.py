@@ -331,6 +331,28 @@ def test_the_same_object_registered_twice_stays_until_deregistered_twice() -> No
     assert a.agent.regions() == []
 
 
+def test_strided_views_and_descriptor_arrays() -> None:
+    """A strided view is not one range (its descriptor covered other
+    elements: a READ through it overwrote them); an (N, 3) integer array
+    with a mem_type is descriptors, not memory to register."""
+    a = nixl_agent("desc", nixl_agent_config(timeout=10))
+    kv = np.zeros((4, 2, 256), np.uint8)
+    for bad in (kv[:, 0], kv.reshape(4, 512)[:, :128], kv.T):
+        with pytest.raises(rmacomm.ArgumentError, match="non-contiguous"):
+            a.get_xfer_descs(bad)
+        with pytest.raises(rmacomm.ArgumentError, match="non-contiguous"):
+            a.get_reg_descs([bad])
+    assert a.get_xfer_descs(kv[1]).descs == [(kv.ctypes.data + 512, 512, 0)]
+    buf = np.zeros(4096, np.uint8)
+    for width in (3, 4):
+        arr = np.array([[buf.ctypes.data, 4096, 0] + [0] * (width - 3)], np.uint64)
+        assert a.get_reg_descs(arr, "DRAM").descs == [(buf.ctypes.data, 4096, 0, "0" if width == 4 else "")]
+        with pytest.raises(ValueError, match="give mem_type"):
+            a.get_reg_descs(arr)
+    a.register_memory(np.array([[buf.ctypes.data, 4096, 0]], np.uint64), "DRAM")
+    assert [(addr, n) for _, addr, n in a.agent.regions()] == [(buf.ctypes.data, 4096)]
+
+
 def test_read_only_memory_is_not_registered() -> None:
     # A numpy array over bytes: peers (and local READs) would write an
     # immutable object.
