@@ -555,3 +555,33 @@ fn wrs_longer_than_the_devices_max_msg_sz_are_refused() {
     let wc = collect_with(&a.cq, 1, &b.cq)[0];
     assert_eq!((wc.wr_id, wc.status), (3, WcStatus::Success), "{:?}", a.qp.error());
 }
+
+/// Several inline WRs in one `post_send` on an idle virtual QP all go out
+/// (the second used to find the first still queued in its lane, behind the
+/// call's final pump, and fail with `Exhausted`), on one QP and on four.
+#[test]
+fn several_inline_wrs_in_one_call_all_go_out() {
+    for c in [VirtualQpConfig { total_qps: 1, ..VirtualQpConfig::default() }, VirtualQpConfig::default()] {
+        let (a, b) = pair(&c, 1 << 16, None);
+        for i in 0..64u8 {
+            a.mr.write(i as usize * 8, &[i + 1; 8]).unwrap();
+        }
+        let sgs: Vec<[ibverbx::Sge; 1]> = (0..4).map(|i| [a.mr.sge(i * 8, 8).unwrap()]).collect();
+        let wrs: Vec<SendWr<'_>> = (0..4)
+            .map(|i| SendWr {
+                wr_id: 100 + i as u64,
+                op: SendOp::RdmaWrite { remote_addr: b.mr.addr() + i as u64 * 8, rkey: b.mr.rkey() },
+                sg_list: &sgs[i],
+                flags: SendFlags { inline: true, ..SendFlags::SIGNALED },
+            })
+            .collect();
+        a.qp.post_send(&wrs).unwrap_or_else(|e| panic!("{} QPs: {e}", c.total_qps));
+        let wcs = collect_with(&a.cq, 4, &b.cq);
+        let mut got: Vec<_> = wcs.iter().map(|w| (w.wr_id, w.status)).collect();
+        got.sort_by_key(|g| g.0);
+        assert_eq!(got, (100..104).map(|i| (i, WcStatus::Success)).collect::<Vec<_>>());
+        let mut dst = [0u8; 32];
+        b.mr.read(0, &mut dst).unwrap();
+        assert_eq!(dst.to_vec(), (1..=4u8).flat_map(|i| [i; 8]).collect::<Vec<_>>());
+    }
+}

@@ -345,7 +345,8 @@ impl VirtualQp {
     /// above the device's `max_msg_sz`, inline data above the physical
     /// QPs' `max_inline_data` or one fragment, inline READs and atomics, an
     /// atomic without one 8-byte SGE or at an unaligned address. An inline
-    /// WR must also find room at once (`Exhausted` otherwise), since its
+    /// WR must also find room at once, once the WRs queued ahead of it (this
+    /// call's earlier ones) went out (`Exhausted` otherwise), since its
     /// bytes are copied at post time. On a virtual QP in the error state,
     /// valid WRs complete at once with `WrFlushErr`.
     pub fn post_send(&self, wrs: &[SendWr<'_>]) -> Result<()> {
@@ -495,6 +496,11 @@ impl State {
         let max = self.cfg.max_msg_size;
         let striped = is_striped(&wr.op);
         let lane = if striped && self.multi() { Lane::Data } else { Lane::Control };
+        // WRs queued ahead (this call's earlier ones) go out first if they
+        // can: two inline WRs in one call found the first still queued.
+        if wr.flags.inline && !self.planner.can_post_now(lane) {
+            self.pump();
+        }
         if wr.flags.inline && !self.planner.can_post_now(lane) {
             return Err(Error::Exhausted {
                 verb: "post_send(virtual)",
