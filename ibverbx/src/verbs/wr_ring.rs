@@ -4,7 +4,7 @@
 //! The provider gives the HCA its own `wr_id` — a sequence number, with the
 //! top bit marking receive queues — and keeps the user's `wr_id`, the
 //! opcode and `Arc`s of the named regions in a slot. An RC queue completes
-//! in order, so a completion for sequence `s` also retires every older slot
+//! in order, so a completion for sequence `s` also retires every older unsignaled slot
 //! (unsignaled WRs produce no completion of their own). Sans-IO: the types
 //! of the kept values are generic so tests use plain ones.
 
@@ -60,22 +60,30 @@ impl<K> WrRing<K> {
         }
     }
 
-    /// Retires the slot of hardware `wr_id` and every older one. Returns the
-    /// slot and how many counted slots were retired (including it), or
-    /// `None` for a `wr_id` this ring does not hold (a completion of a
-    /// previous life of the QP).
+    /// Retires the slot of hardware `wr_id` and every older uncounted one
+    /// (they produce no completion of their own). Returns the slot and how
+    /// many counted slots were retired (it, or none), or `None` for a
+    /// `wr_id` this ring does not hold (a completion of a previous life of
+    /// the QP).
+    ///
+    /// An older *counted* slot stays: its completion came first but is
+    /// being translated by another thread polling the same CQ (the CQ is
+    /// polled without a lock around the translation). Retiring it here lost
+    /// that completion.
     pub(crate) fn complete(&mut self, hw_wr_id: u64) -> Option<(Slot<K>, usize)> {
         if (hw_wr_id & RECV_BIT != 0) != self.recv {
             return None;
         }
         let seq = hw_wr_id & !RECV_BIT;
         let pos = self.slots.iter().position(|s| s.seq == seq)?;
-        let mut counted = 0;
-        for s in self.slots.drain(..pos) {
-            counted += s.counted as usize;
-        }
-        let slot = self.slots.pop_front()?;
-        counted += slot.counted as usize;
+        let mut i = 0;
+        self.slots.retain(|s| {
+            i += 1;
+            i > pos || s.counted
+        });
+        let pos = self.slots.iter().position(|s| s.seq == seq)?;
+        let slot = self.slots.remove(pos)?;
+        let counted = slot.counted as usize;
         Some((slot, counted))
     }
 
@@ -119,6 +127,23 @@ mod tests {
         assert_eq!(Arc::strong_count(&mem), 1, "every retired WR let go of the region");
         assert_eq!(r.len(), 0);
         assert!(r.complete(c).is_none(), "a stale completion maps to nothing");
+    }
+
+    #[test]
+    fn an_older_signaled_wr_completed_after_a_newer_one_is_still_found() {
+        // Two threads polling one CQ: thread 1 took A's completion, thread
+        // 2 took B's and translated it first. A must still map to its slot.
+        let mut r: WrRing<()> = WrRing::new(false);
+        let u = r.push(9, WcOpcode::RdmaWrite, false, vec![]);
+        let a = r.push(10, WcOpcode::RdmaWrite, true, vec![]);
+        let v = r.push(11, WcOpcode::RdmaWrite, false, vec![]);
+        let b = r.push(12, WcOpcode::Send, true, vec![]);
+        let (slot, counted) = r.complete(b).unwrap();
+        assert_eq!((slot.wr_id, counted), (12, 1));
+        let (slot, counted) = r.complete(a).unwrap();
+        assert_eq!((slot.wr_id, counted), (10, 1));
+        assert_eq!(r.len(), 0, "the unsignaled WRs before B retired with it");
+        assert!(r.complete(u).is_none() && r.complete(v).is_none());
     }
 
     #[test]
