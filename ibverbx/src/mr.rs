@@ -268,6 +268,7 @@ impl MemoryRegion {
             // SAFETY: in bounds of this live registration (checked above).
             return unsafe { dev.read(self.addr() + offset as u64, dst) }.map_err(|e| device_error("read", &**dev, e));
         }
+        self.host_only("read")?;
         // SAFETY: in bounds of a live registration; the region is shared
         // memory, so it is copied with raw pointers and never borrowed.
         unsafe { std::ptr::copy_nonoverlapping(self.as_ptr().add(offset), dst.as_mut_ptr(), dst.len()) };
@@ -282,6 +283,7 @@ impl MemoryRegion {
             return unsafe { dev.write(self.addr() + offset as u64, src) }
                 .map_err(|e| device_error("write", &**dev, e));
         }
+        self.host_only("write")?;
         // SAFETY: as in `read`; `copy`, as `src` may be a view of this
         // very memory (through another mapping of it, or unsafely made).
         unsafe { std::ptr::copy(src.as_ptr(), self.as_ptr().add(offset), src.len()) };
@@ -339,11 +341,29 @@ impl MemoryRegion {
                 format!("the region is device memory ({}): the host has no atomic view of it", dev.describe()),
             ));
         }
+        self.host_only(verb)?;
         let p = self.as_ptr() as usize + offset;
         if !p.is_multiple_of(size) {
             return Err(Error::invalid(verb, format!("offset {offset} is not {size}-byte aligned")));
         }
         Ok(p)
+    }
+
+    /// Refuses a region whose address is not this process's memory (a
+    /// DMA-BUF registration: an IOVA), which the host must not copy with
+    /// pointers.
+    pub(crate) fn host_only(&self, verb: &'static str) -> Result<()> {
+        if self.ops.host_accessible() {
+            return Ok(());
+        }
+        Err(Error::invalid(
+            verb,
+            format!(
+                "the region at {:#x} is not host memory (a DMA-BUF registration: its address is an IOVA); the \
+                 host cannot copy it",
+                self.addr()
+            ),
+        ))
     }
 
     fn check(&self, offset: usize, len: usize, verb: &'static str) -> Result<()> {
@@ -370,6 +390,62 @@ impl Drop for MemoryRegion {
     fn drop(&mut self) {
         if let Err(e) = self.ops.deregister() {
             tracing::warn!("dereg_mr failed: {e}");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::soft::{SoftConfig, SoftProvider};
+
+    /// A registration whose address is not this process's memory (what a
+    /// verbs DMA-BUF registration is: an IOVA).
+    #[derive(Debug)]
+    struct Iova;
+
+    impl MrOps for Iova {
+        fn addr(&self) -> u64 {
+            // Mapped nowhere: a copy through it would fault.
+            0x10
+        }
+        fn len(&self) -> usize {
+            4096
+        }
+        fn lkey(&self) -> u32 {
+            1
+        }
+        fn rkey(&self) -> u32 {
+            1
+        }
+        fn access(&self) -> AccessFlags {
+            AccessFlags::LOCAL_WRITE
+        }
+        fn placement(&self) -> Placement {
+            Placement::Hardware
+        }
+        fn deregister(&self) -> Result<()> {
+            Ok(())
+        }
+        fn host_accessible(&self) -> bool {
+            false
+        }
+    }
+
+    #[test]
+    fn a_region_that_is_not_host_memory_is_never_copied_with_pointers() {
+        // Safe read/write/atomics on a DMA-BUF region copied through its
+        // IOVA as if it were a host pointer.
+        let ctx = SoftProvider::new(SoftConfig::default()).device().open().unwrap();
+        let mr = MemoryRegion { ops: Arc::new(Iova), pd: ctx.alloc_pd().unwrap() };
+        let mut buf = [0u8; 8];
+        for e in [
+            mr.read(0, &mut buf).unwrap_err(),
+            mr.write(0, &buf).unwrap_err(),
+            mr.atomic_u64(0).unwrap_err(),
+            mr.atomic_u32(0).unwrap_err(),
+        ] {
+            assert!(e.to_string().contains("not host memory"), "{e}");
         }
     }
 }

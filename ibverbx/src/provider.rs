@@ -170,6 +170,12 @@ pub trait MrOps: Send + Sync + Debug {
     fn device(&self) -> Option<&Arc<dyn crate::DeviceMemory>> {
         None
     }
+    /// Whether `addr..addr+len` is memory of this process the host may
+    /// copy with pointers: not device memory, and not a DMA-BUF
+    /// registration (whose address is an IOVA).
+    fn host_accessible(&self) -> bool {
+        self.device().is_none()
+    }
 }
 
 /// A completion queue (`struct ibv_cq`) and its completion channel.

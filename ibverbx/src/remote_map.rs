@@ -166,6 +166,7 @@ fn local_span(op: &'static str, mr: &MemoryRegion, offset: usize, len: usize) ->
             format!("the local region is device memory ({}): the host cannot copy it directly", d.describe()),
         ));
     }
+    mr.host_only(op)?;
     match offset.checked_add(len) {
         Some(end) if end <= mr.len() => Ok(mr.as_ptr().wrapping_add(offset) as *const u8),
         _ => Err(Error::invalid(op, format!("{offset}+{len} is outside the local region of {} bytes", mr.len()))),

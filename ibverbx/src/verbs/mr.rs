@@ -141,6 +141,9 @@ impl MrOps for VerbsMr {
     fn device(&self) -> Option<&Arc<dyn crate::DeviceMemory>> {
         self.device.as_ref()
     }
+    fn host_accessible(&self) -> bool {
+        self.inner.host && self.device.is_none()
+    }
 }
 
 impl Drop for VerbsMr {
