@@ -514,6 +514,10 @@ fn a_malformed_wr_fails_the_call_not_the_qp() {
     assert!(r.contains("8-byte SGE"), "{r}");
     let r = invalid_reason(post(4, SendOp::RdmaRead { remote_addr: raddr, rkey }, &word, true));
     assert!(r.contains("inline"), "{r}");
+    // A remote range that wraps past 2^64 (its fragments' addresses
+    // overflowed: a panic in debug builds).
+    let r = invalid_reason(post(9, SendOp::RdmaWrite { remote_addr: u64::MAX - 100, rkey }, &kib, false));
+    assert!(r.contains("wraps"), "{r}");
     assert_eq!(a.qp.error(), None);
     assert_eq!(a.qp.outstanding(), 0);
     // As with ibv_post_send's bad_wr: the WRs before the bad one are posted,

@@ -471,6 +471,20 @@ impl State {
                 ));
             }
         }
+        // Ranges that wrap past 2^64 (fragment addresses are computed from
+        // them: a debug build panicked, a release one wrapped).
+        if let Some(s) = wr.sg_list.iter().find(|s| s.addr.checked_add(s.length as u64).is_none()) {
+            return bad(format!("SGE {:#x}+{} wraps past the end of the address space", s.addr, s.length));
+        }
+        let remote = match wr.op {
+            SendOp::RdmaWrite { remote_addr, .. }
+            | SendOp::RdmaWriteWithImm { remote_addr, .. }
+            | SendOp::RdmaRead { remote_addr, .. } => Some(remote_addr),
+            _ => None,
+        };
+        if let Some(r) = remote.filter(|r| r.checked_add(len).is_none()) {
+            return bad(format!("remote range {r:#x}+{len} wraps past the end of the address space"));
+        }
         if let SendOp::Atomic { remote_addr, .. } = wr.op {
             if wr.sg_list.len() != 1 || wr.sg_list[0].length != 8 {
                 return bad("an atomic needs exactly one 8-byte SGE".into());
