@@ -55,7 +55,10 @@ impl fmt::Debug for TcpStore {
 impl TcpStore {
     /// Hosts (`is_master`) or joins the store at `host:port`.
     ///
-    /// The master listens on `port` on every interface (port 0 picks a free
+    /// The master listens on `port` on every interface, or only on `host`
+    /// when that is a loopback address (`127.0.0.1`, `::1`: a one-host job,
+    /// whose store other hosts need not reach — it holds the transport's
+    /// connection URLs) (port 0 picks a free
     /// one, see [`port`](Self::port)); `world_size`, when known, is how many
     /// processes use the store, so that the master, when dropped, waits (up to
     /// 30 s, see [`set_linger`](Self::set_linger)) until the other
@@ -65,7 +68,16 @@ impl TcpStore {
     /// to a request that does not wait on keys.
     pub fn new(host: &str, port: u16, world_size: Option<usize>, is_master: bool, timeout: Duration) -> Result<Self> {
         if is_master {
-            let server = TcpStoreServer::bind_any(port)?;
+            let loopback = host
+                .trim_start_matches('[')
+                .trim_end_matches(']')
+                .parse::<std::net::IpAddr>()
+                .ok()
+                .filter(|ip| ip.is_loopback());
+            let server = match loopback {
+                Some(ip) => TcpStoreServer::bind((ip, port))?,
+                None => TcpStoreServer::bind_any(port)?,
+            };
             let store = server.store().clone();
             let addr = format!("{host}:{}", server.local_addr().port());
             let expected_clients = world_size.map_or(0, |n| n.saturating_sub(1));
@@ -96,6 +108,14 @@ impl TcpStore {
         match &self.backend {
             Backend::Host { server, .. } => server.local_addr().port(),
             Backend::Client(_) => self.addr.rsplit(':').next().and_then(|p| p.parse().ok()).unwrap_or(0),
+        }
+    }
+
+    /// The address the store listens on, for the master.
+    pub fn local_addr(&self) -> Option<std::net::SocketAddr> {
+        match &self.backend {
+            Backend::Host { server, .. } => Some(server.local_addr()),
+            Backend::Client(_) => None,
         }
     }
 

@@ -198,6 +198,29 @@ fn a_taken_port_is_a_clear_error_for_the_host() {
     }
 }
 
+#[test]
+fn a_host_at_a_loopback_address_listens_on_loopback_only() {
+    // A one-host job's store (it holds the transport's URLs) listened on
+    // every interface, reachable from the network.
+    for (host, loopback) in [("127.0.0.1", true), ("::1", true), ("[::1]", true), ("0.0.0.0", false)] {
+        let Ok(store) = TcpStore::new(host, 0, Some(1), true, T) else {
+            assert!(host.contains(':'), "{host}: only IPv6 may be missing here");
+            continue;
+        };
+        let addr = store.local_addr().unwrap();
+        assert_eq!(addr.ip().is_loopback(), loopback, "{host}: {addr}");
+        assert!(loopback || addr.ip().is_unspecified(), "{host}: {addr}");
+        let client = TcpStore::connect(
+            host.trim_start_matches('[').trim_end_matches(']').replace("0.0.0.0", "127.0.0.1").as_str(),
+            store.port(),
+            T,
+        )
+        .unwrap();
+        client.set("k", b"v").unwrap();
+        assert_eq!(store.try_get("k").unwrap().as_deref(), Some(&b"v"[..]));
+    }
+}
+
 /// Tells a copy of this test binary, started by one of the tests below, which
 /// inner part to play (in a network namespace, under a memory limit).
 const ROLE: &str = "RMACOMM_STORE_TCP_ROLE";
