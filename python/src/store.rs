@@ -309,10 +309,7 @@ impl PyTcpStore {
 
     /// Sets `key` to `value` (bytes or str).
     fn set(&self, py: Python<'_>, key: &str, value: &Bound<'_, PyAny>) -> PyResult<()> {
-        let v: Vec<u8> = match value.extract::<Vec<u8>>() {
-            Ok(b) => b,
-            Err(_) => value.extract::<String>()?.into_bytes(),
-        };
+        let v = bytes_or_str(value, "set", "value")?;
         py.detach(|| self.inner.set(key, &v)).map_err(py_err)
     }
 
@@ -354,9 +351,12 @@ impl PyTcpStore {
         &self,
         py: Python<'py>,
         key: &str,
-        expected: Vec<u8>,
-        desired: Vec<u8>,
+        expected: &Bound<'py, PyAny>,
+        desired: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyBytes>> {
+        // str or bytes, as torch's Store (str in its signature) and `set`.
+        let expected = bytes_or_str(expected, "compare_set", "expected")?;
+        let desired = bytes_or_str(desired, "compare_set", "desired")?;
         let exp = (!expected.is_empty()).then_some(expected.as_slice());
         let before = py.detach(|| self.inner.compare_set(key, exp, &desired)).map_err(py_err)?;
         let now = if before.as_deref() == exp { desired } else { before.unwrap_or_default() };
@@ -371,4 +371,17 @@ impl PyTcpStore {
     fn __repr__(&self) -> String {
         format!("<rmacomm.TcpStore port {}>", self.port)
     }
+}
+
+/// A store value given as bytes (or a bytes-like object) or str (UTF-8).
+fn bytes_or_str(v: &Bound<'_, PyAny>, op: &str, arg: &str) -> PyResult<Vec<u8>> {
+    if let Ok(t) = v.extract::<String>() {
+        return Ok(t.into_bytes());
+    }
+    v.extract::<Vec<u8>>().map_err(|_| {
+        pyo3::exceptions::PyTypeError::new_err(format!(
+            "{op}: {arg} must be bytes or str, not {}",
+            v.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into())
+        ))
+    })
 }

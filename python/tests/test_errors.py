@@ -257,6 +257,19 @@ def test_store_objects_need_set_get_wait() -> None:
         rmacomm.new_comm(store=type("S", (), {"set": lambda *a: None})(), rank=0, world_size=1)
 
 
+def test_tcp_store_values_are_bytes_or_str() -> None:
+    """As torch's Store: compare_set takes str (it raised TypeError: Can't
+    extract str to Vec)."""
+    store = rmacomm.TcpStore("127.0.0.1", 0, 1, True)
+    assert store.compare_set("k", "", "v1") == b"v1"
+    assert store.compare_set("k", b"v1", "v2") == b"v2"
+    assert store.compare_set("k", "nope", "v3") == b"v2"
+    store.set("s", "text")
+    assert store.get("s") == b"text"
+    with pytest.raises(TypeError, match="compare_set: desired must be bytes or str, not float"):
+        store.compare_set("k", "v2", 1.5)
+
+
 def test_empty_and_dtypes() -> None:
     a = rmacomm.empty((2, 3), "int16")
     assert a.shape == (2, 3) and a.dtype == np.int16 and not a.any()
