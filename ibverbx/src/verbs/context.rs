@@ -100,13 +100,14 @@ impl CtxShared {
         lib: Arc<IbvLib>,
         ctx: NonNull<ibv_context>,
         name: String,
-        allowed_ports: Option<Vec<u8>>,
+        filter: &super::hca_filter::HcaFilter,
         gid_policy: GidPolicy,
     ) -> Result<Arc<CtxShared>> {
         // SAFETY: ibv_device_attr is plain data; zero is a valid value.
         let mut attr: ibv_device_attr = unsafe { std::mem::zeroed() };
         // SAFETY: ctx is an open context; attr is a valid out-pointer.
         let r = unsafe { (lib.query_device)(ctx.as_ptr(), &mut attr) };
+        let allowed_ports = filter.port_list(&name, attr.phys_port_cnt);
         let shared = CtxShared { lib, ctx, name, attr, allowed_ports, gid_policy, sgid: Mutex::new(HashMap::new()) };
         if r != 0 {
             return Err(Error::os("query_device", io::Error::from_raw_os_error(r)));

@@ -142,6 +142,19 @@ impl HcaFilter {
         Some(ports)
     }
 
+    /// The ports of `name` (which has `port_count` of them) QPs may use,
+    /// the default first; `None` when every port may be used. A selection
+    /// gives the ports it names; an exclusion of single ports
+    /// (`^mlx5_0:1`) the ports it leaves (it used to give `None`, and the
+    /// excluded port stayed the default).
+    pub fn port_list(&self, name: &str, port_count: u8) -> Option<Vec<u8>> {
+        if !self.exclude {
+            return self.selected_ports(name);
+        }
+        let left: Vec<u8> = (1..=port_count).filter(|&p| self.allows_port(name, p)).collect();
+        (left.len() < port_count as usize).then_some(left)
+    }
+
     /// Filters device names, keeping their order.
     pub fn apply<'a>(&self, names: impl IntoIterator<Item = &'a str>) -> Vec<&'a str> {
         names.into_iter().filter(|n| self.allows_device(n)).collect()
@@ -202,6 +215,10 @@ mod tests {
         assert!(!f.allows_port("mlx5_0", 1));
         assert!(f.allows_port("mlx5_0", 2));
         assert_eq!(f.selected_ports("mlx5_0"), None);
+        assert_eq!(f.port_list("mlx5_0", 2), Some(vec![2]), "the port left is the one QPs use");
+        assert_eq!(f.port_list("mlx5_1", 2), None);
+        let f = HcaFilter::parse("mlx5_0:2,mlx5_0:1").unwrap();
+        assert_eq!(f.port_list("mlx5_0", 2), Some(vec![2, 1]), "a selection keeps its order");
     }
 
     #[test]

@@ -244,7 +244,7 @@ impl Provider for VerbsProvider {
             self.lib.clone(),
             ctx,
             device.name.clone(),
-            filter.selected_ports(&device.name),
+            &filter,
             policy,
         )?;
         Ok(Arc::new(context::VerbsContext { shared }))
