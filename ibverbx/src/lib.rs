@@ -180,17 +180,28 @@ pub fn soft_device() -> Device {
 /// to the calling thread first, filtered by `RMACOMM_IB_HCA`), else the soft
 /// device, logging why verbs was passed over. `Verbs` without a device is
 /// [`Error::Unavailable`] with the reason, e.g. [`verbs::NO_KERNEL_RDMA`].
+///
+/// Only a verbs provider that is *unavailable* (no library, no kernel
+/// support, no device) makes `Auto` the soft provider: a malformed
+/// `RMACOMM_IB_HCA`, a filter that matches none of the devices there are,
+/// or a failing device scan is an error (each moved everything to TCP
+/// without a word above `info`).
 pub fn devices_of(kind: ProviderKind) -> Result<Vec<Device>> {
     match kind {
         ProviderKind::Soft => Ok(vec![soft_device()]),
         ProviderKind::Verbs => verbs::devices(),
-        ProviderKind::Auto => match verbs::devices() {
-            Ok(devs) => Ok(devs),
-            Err(e) => {
-                tracing::info!("{e}; using the soft provider");
-                Ok(vec![soft_device()])
+        ProviderKind::Auto => {
+            // Checked whether or not there is a library to filter for.
+            verbs::HcaFilter::from_env().map_err(|e| Error::invalid("devices", e))?;
+            match verbs::devices() {
+                Ok(devs) => Ok(devs),
+                Err(e @ Error::Unavailable { .. }) => {
+                    tracing::info!("{e}; using the soft provider");
+                    Ok(vec![soft_device()])
+                }
+                Err(e) => Err(e),
             }
-        },
+        }
     }
 }
 

@@ -56,3 +56,44 @@ fn no_rdma_means_zero_devices_and_auto_falls_back_to_soft() {
     }
     assert_eq!(devices_of(ProviderKind::Auto).unwrap()[0].info().provider, "soft");
 }
+
+/// Set when this binary runs `auto_with_the_hca_filter_given` for the test
+/// below, with `RMACOMM_IB_HCA` set in its environment (scripts/test.sh
+/// runs this file under `cargo test` too: threads of one process, which must
+/// not share a changed environment).
+const ROLE: &str = "IBVERBX_TEST_HCA_FILTER_ROLE";
+
+#[test]
+fn a_malformed_hca_filter_is_an_error_under_auto_not_a_silent_soft_fallback() {
+    // A typo used to move everything to the soft provider (TCP) with a log
+    // line at info level.
+    for (filter, want) in [("mlx5_0:x", "error"), ("mlx5_0", "ok")] {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "auto_with_the_hca_filter_given", "--nocapture", "--test-threads=1"])
+            .env(ROLE, want)
+            .env("RMACOMM_IB_HCA", filter)
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && stdout.contains("checked"),
+            "{filter}: {stdout}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
+#[test]
+fn auto_with_the_hca_filter_given() {
+    let Some(want) = std::env::var_os(ROLE) else { return };
+    match devices_of(ProviderKind::Auto) {
+        Err(e) => {
+            assert_eq!(want, "error", "{e}");
+            assert!(matches!(e, Error::InvalidArgument { .. }), "{e:?}");
+            assert!(e.to_string().contains("bad port"), "{e}");
+        }
+        // A well-formed filter: devices where there are, else soft.
+        Ok(d) => assert_eq!(want, "ok", "{:?}", d[0].info()),
+    }
+    println!("checked");
+}

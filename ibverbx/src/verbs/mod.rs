@@ -159,10 +159,12 @@ impl VerbsProvider {
         let all: Vec<String> = scan.devices.iter().map(|d| d.name.clone()).collect();
         let kept: Vec<DeviceInfo> = scan.devices.into_iter().filter(|d| filter.allows_device(&d.name)).collect();
         if kept.is_empty() {
-            return Err(unavailable(format!(
-                "verbs: no RDMA device matches RMACOMM_IB_HCA={filter} (devices: {})",
-                all.join(", ")
-            )));
+            // Devices there are, and the setting names none: a mistake, not
+            // a machine without RDMA (auto must not go soft over it).
+            return Err(Error::invalid(
+                "devices",
+                format!("no RDMA device matches RMACOMM_IB_HCA={filter} (devices: {})", all.join(", ")),
+            ));
         }
         let order = rank_devices(&kept, near);
         let provider: Arc<dyn Provider> = self.clone();
@@ -240,13 +242,7 @@ impl Provider for VerbsProvider {
             return Err(Error::invalid("open_device", format!("no verbs device {:?}", device.name)));
         }
         let ctx = NonNull::new(ctx).ok_or_else(|| Error::os("open_device", err))?;
-        let shared = context::CtxShared::open(
-            self.lib.clone(),
-            ctx,
-            device.name.clone(),
-            &filter,
-            policy,
-        )?;
+        let shared = context::CtxShared::open(self.lib.clone(), ctx, device.name.clone(), &filter, policy)?;
         Ok(Arc::new(context::VerbsContext { shared }))
     }
 }
