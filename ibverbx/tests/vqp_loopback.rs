@@ -525,7 +525,8 @@ fn a_malformed_wr_fails_the_call_not_the_qp() {
     let ok = SendWr { wr_id: 5, op: write, sg_list: &kib, flags: SendFlags::SIGNALED };
     let bad = SendWr { wr_id: 6, op: fetch_add(raddr + 4), sg_list: &word, flags: SendFlags::SIGNALED };
     let after = SendWr { wr_id: 7, op: write, sg_list: &kib, flags: SendFlags::SIGNALED };
-    invalid_reason(a.qp.post_send(&[ok, bad, after]));
+    let r = invalid_reason(a.qp.post_send(&[ok, bad, after]));
+    assert!(r.starts_with("WR 1 of 3 (wr_id 0x6; the 1 before it were posted): "), "{r}");
     post(8, fetch_add(raddr + 8), &word, false).unwrap();
     let wcs = collect_with(&a.cq, 2, &b.cq);
     assert_eq!(

@@ -358,9 +358,16 @@ impl VirtualQp {
             });
         }
         let mut res = Ok(());
-        for wr in wrs {
+        for (i, wr) in wrs.iter().enumerate() {
             if let Err(e) = st.enqueue(wr) {
-                res = Err(e);
+                // Which WR, and how many before it were posted (as
+                // ibv_post_send's bad_wr tells).
+                let at = format!("WR {i} of {} (wr_id {:#x}; the {i} before it were posted): ", wrs.len(), wr.wr_id);
+                res = Err(match e {
+                    Error::InvalidArgument { verb, reason } => Error::InvalidArgument { verb, reason: at + &reason },
+                    Error::Exhausted { verb, reason } => Error::Exhausted { verb, reason: at + &reason },
+                    other => other,
+                });
                 break;
             }
         }
