@@ -302,7 +302,7 @@ impl Group {
             }
             Err(e) => {
                 self.garbage().extend(old);
-                Err(e)
+                Err(labelled(e, || format!("barrier #{n} on rank {}", self.rank)))
             }
         }
     }
@@ -330,7 +330,8 @@ impl Group {
     /// sequence, makes it an [`Error::Mismatch`] on every rank.
     pub fn exchange(&self, key: &str, value: &[u8]) -> Result<Vec<Vec<u8>>> {
         let n = self.next_op();
-        self.publish(n, &format!("exchange '{key}'"), value)?;
+        self.publish(n, &format!("exchange '{key}'"), value)
+            .map_err(|e| labelled(e, || format!("exchange '{key}' (#{n}) on rank {}", self.rank)))?;
         self.gather(n, &format!("exchange '{key}' (#{n})"))
     }
 
@@ -360,7 +361,7 @@ impl Group {
         let records = self
             .store
             .multi_get(&refs(&keys), self.timeout)
-            .map_err(|e| missing_ranks(&*self.store, e, &keys, || op.to_string()))?;
+            .map_err(|e| missing_ranks(&*self.store, e, &keys, || format!("{op} on rank {}", self.rank)))?;
         let mut calls: Vec<(&[u8], Vec<usize>)> = Vec::new();
         let mut payloads = Vec::with_capacity(self.size);
         for (r, record) in records.iter().enumerate() {
@@ -404,7 +405,7 @@ impl Group {
     pub fn split(&self, ranks: &[usize]) -> Result<Option<Group>> {
         let n = self.next_op();
         let digest = list_digest(ranks);
-        self.publish(n, "split", &digest)?;
+        self.publish(n, "split", &digest).map_err(|e| labelled(e, || format!("split #{n} on rank {}", self.rank)))?;
         let digests = self.gather(n, &format!("split #{n}"))?;
         if digests.iter().any(|d| *d != digest) {
             let mut by_list: BTreeMap<&[u8], Vec<usize>> = BTreeMap::new();
@@ -466,11 +467,25 @@ fn refs(keys: &[String]) -> Vec<&str> {
     keys.iter().map(String::as_str).collect()
 }
 
-/// Turns a store timeout on per-rank keys into one naming the missing ranks.
+/// Turns a store timeout on per-rank keys into one naming the missing ranks;
+/// other store errors get `op` in front (they named only the store call).
 fn missing_ranks(store: &dyn Store, e: Error, keys: &[String], op: impl FnOnce() -> String) -> Error {
-    let Error::Timeout { after, .. } = e else { return e };
+    let Error::Timeout { after, .. } = e else { return labelled(e, op) };
     let missing: Vec<usize> = (0..keys.len()).filter(|&r| !store.check(&[&keys[r]]).unwrap_or(false)).collect();
     Error::Timeout { waiting_for: format!("{}: {} of {} missing", op(), Ranks(&missing), keys.len()), after }
+}
+
+/// A store error (which names the store call: `multi_get`, `add`) with the
+/// group operation and rank in front.
+fn labelled(e: Error, op: impl FnOnce() -> String) -> Error {
+    match e {
+        Error::Disconnected { addr, reason } => Error::Disconnected { addr, reason: format!("{}: {reason}", op()) },
+        Error::InvalidArgument { op: call, reason } => {
+            Error::InvalidArgument { op: call, reason: format!("in {}: {reason}", op()) }
+        }
+        Error::Protocol(m) => Error::Protocol(format!("{}: {m}", op())),
+        other => other,
+    }
 }
 
 /// "rank [3]" / "ranks [0, 1]" for messages.

@@ -349,6 +349,7 @@ fn the_host_id_is_stable_and_names_boot_and_namespaces() {
 struct Vanishing {
     inner: HashStore,
     gone: std::sync::atomic::AtomicBool,
+    reads_fail: std::sync::atomic::AtomicBool,
 }
 
 impl Store for Vanishing {
@@ -359,6 +360,9 @@ impl Store for Vanishing {
         self.inner.try_get(key)
     }
     fn multi_get(&self, keys: &[&str], timeout: Duration) -> rmacomm_window::Result<Vec<Vec<u8>>> {
+        if self.reads_fail.load(std::sync::atomic::Ordering::Acquire) {
+            return Err(Error::Disconnected { addr: "the test's store".into(), reason: "multi_get: gone".into() });
+        }
         self.inner.multi_get(keys, timeout)
     }
     fn wait(&self, keys: &[&str], timeout: Duration) -> rmacomm_window::Result<()> {
@@ -392,7 +396,7 @@ fn a_barrier_every_rank_passed_succeeds_though_its_cleanup_cannot_reach_the_stor
     // rank 0 (the store's host) gone right after, those deletes fail. The
     // barrier had succeeded: it returned that failure as its own on the
     // other ranks (and tensor_deregister kept the memory).
-    let store = Arc::new(Vanishing { inner: HashStore::new(), gone: false.into() });
+    let store = Arc::new(Vanishing { inner: HashStore::new(), gone: false.into(), reads_fail: false.into() });
     let dyn_store: Arc<dyn Store> = store.clone();
     let s = store.clone();
     let results = on_ranks(3, dyn_store, quick, move |g| {
@@ -406,5 +410,20 @@ fn a_barrier_every_rank_passed_succeeds_though_its_cleanup_cannot_reach_the_stor
     });
     for (rank, r) in results.into_iter().enumerate() {
         r.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+    }
+}
+
+#[test]
+fn a_store_failure_inside_a_group_operation_names_the_operation_and_rank() {
+    // It named only the store call ("multi_get") and the address.
+    let store = Arc::new(Vanishing { inner: HashStore::new(), gone: false.into(), reads_fail: false.into() });
+    let s = store.clone();
+    let results = on_ranks(2, store, quick, move |g| {
+        g.barrier(None).unwrap();
+        s.reads_fail.store(true, std::sync::atomic::Ordering::Release);
+        g.exchange("urls", &[1]).unwrap_err().to_string()
+    });
+    for (rank, msg) in results.iter().enumerate() {
+        assert!(msg.contains(&format!("exchange 'urls' (#1) on rank {rank}: multi_get: gone")), "{msg}");
     }
 }
