@@ -25,6 +25,12 @@ pub const MAX_CLIENTS: usize = 8192;
 /// Longest wait a client may ask for; longer requests are cut to it.
 const MAX_WAIT: Duration = Duration::from_secs(7 * 24 * 3600);
 
+/// How long the rest of a frame may take once its first byte came: a
+/// connection that stops mid-frame (a probe, a foreign protocol whose first
+/// bytes read as a length) is closed rather than holding its thread. Between
+/// frames a client may be silent for as long as it likes.
+const FRAME_TIMEOUT: Duration = Duration::from_secs(60);
+
 /// A TCP store server running on its own threads.
 ///
 /// Dropping it (or [`shutdown`](Self::shutdown)) stops accepting, closes
@@ -43,16 +49,20 @@ struct Shared {
     /// Clones of the live connections, so that shutdown can close them.
     conns: Mutex<HashMap<u64, TcpStream>>,
     next_id: AtomicU64,
-    /// Connections accepted so far, and those still open.
-    seen: AtomicUsize,
+    /// Connections open (every one: `MAX_CLIENTS` counts them).
     active: AtomicUsize,
+    /// Clients — connections that sent a valid request — so far, and those
+    /// still connected: what a host's linger waits for. A connection that
+    /// never sent one (a port scan, another protocol) is not waited for.
+    seen: AtomicUsize,
+    clients: AtomicUsize,
 }
 
 impl fmt::Debug for TcpStoreServer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("TcpStoreServer")
             .field("addr", &self.addr)
-            .field("clients", &self.shared.active.load(Ordering::Relaxed))
+            .field("clients", &self.shared.clients.load(Ordering::Relaxed))
             .finish()
     }
 }
@@ -83,8 +93,9 @@ impl TcpStoreServer {
             stop: AtomicBool::new(false),
             conns: Mutex::new(HashMap::new()),
             next_id: AtomicU64::new(0),
-            seen: AtomicUsize::new(0),
             active: AtomicUsize::new(0),
+            seen: AtomicUsize::new(0),
+            clients: AtomicUsize::new(0),
         });
         let waker =
             listener.try_clone().map_err(|e| Error::Listen { addr: addr.to_string(), reason: e.to_string() })?;
@@ -107,9 +118,9 @@ impl TcpStoreServer {
         &self.shared.store
     }
 
-    /// Clients connected now.
+    /// Clients connected now (connections that sent a valid request).
     pub fn clients(&self) -> usize {
-        self.shared.active.load(Ordering::Acquire)
+        self.shared.clients.load(Ordering::Acquire)
     }
 
     /// Waits until at least `expected` clients have connected and all of them
@@ -118,7 +129,7 @@ impl TcpStoreServer {
         let deadline = ibverbx::deadline_after(linger);
         loop {
             let s = &self.shared;
-            if s.seen.load(Ordering::Acquire) >= expected && s.active.load(Ordering::Acquire) == 0 {
+            if s.seen.load(Ordering::Acquire) >= expected && s.clients.load(Ordering::Acquire) == 0 {
                 return true;
             }
             if Instant::now() >= deadline {
@@ -200,7 +211,6 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
         if let Ok(clone) = stream.try_clone() {
             shared.conns.lock().unwrap_or_else(|p| p.into_inner()).insert(id, clone);
         }
-        shared.seen.fetch_add(1, Ordering::AcqRel);
         shared.active.fetch_add(1, Ordering::AcqRel);
         let s = shared.clone();
         let spawned = thread::Builder::new().name("rmacomm-store-conn".into()).spawn(move || {
@@ -221,14 +231,30 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
 }
 
 /// Serves one client until it hangs up (`Ok`) or misbehaves (`Err`).
-fn serve_client(mut stream: TcpStream, shared: &Shared) -> io::Result<()> {
+fn serve_client(stream: TcpStream, shared: &Shared) -> io::Result<()> {
+    let mut counted = false;
+    let r = serve_requests(stream, shared, &mut counted);
+    if counted {
+        shared.clients.fetch_sub(1, Ordering::AcqRel);
+    }
+    r
+}
+
+fn serve_requests(mut stream: TcpStream, shared: &Shared, counted: &mut bool) -> io::Result<()> {
     let mut header = [0u8; 4];
     let mut body = Vec::new();
     loop {
-        match stream.read_exact(&mut header) {
-            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(()),
-            r => r?,
+        // The first byte without a limit (clients idle between requests),
+        // the rest of the frame within FRAME_TIMEOUT.
+        stream.set_read_timeout(None)?;
+        match stream.read(&mut header[..1]) {
+            Ok(0) => return Ok(()),
+            Ok(_) => {}
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
         }
+        stream.set_read_timeout(Some(FRAME_TIMEOUT))?;
+        stream.read_exact(&mut header[1..]).map_err(mid_frame)?;
         if shared.stop.load(Ordering::Acquire) {
             return Ok(());
         }
@@ -236,17 +262,30 @@ fn serve_client(mut stream: TcpStream, shared: &Shared) -> io::Result<()> {
         debug_assert!(len <= MAX_FRAME_LEN);
         body.clear();
         // Grow with what actually arrives, so a header promising 64 MiB costs nothing until the bytes come.
-        let got = (&mut stream).take(len as u64).read_to_end(&mut body)?;
+        let got = (&mut stream).take(len as u64).read_to_end(&mut body).map_err(mid_frame)?;
         if got < len {
             return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "truncated frame"));
         }
         let req = wire::decode_request(&body).map_err(invalid_data)?;
+        if !*counted {
+            *counted = true;
+            shared.clients.fetch_add(1, Ordering::AcqRel);
+            shared.seen.fetch_add(1, Ordering::AcqRel);
+        }
         let Some(resp) = handle(&shared.store, req) else {
             // Shutting down: closing tells the client more than any reply.
             return Ok(());
         };
         stream.write_all(&wire::encode_response(&resp))?;
     }
+}
+
+/// A read inside a frame that timed out says so.
+fn mid_frame(e: io::Error) -> io::Error {
+    if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) {
+        return io::Error::new(e.kind(), format!("the rest of a frame did not come within {FRAME_TIMEOUT:?}"));
+    }
+    e
 }
 
 fn invalid_data(e: wire::WireError) -> io::Error {

@@ -199,6 +199,32 @@ fn a_taken_port_is_a_clear_error_for_the_host() {
 }
 
 #[test]
+fn a_connection_that_never_sent_a_request_does_not_hold_the_hosts_exit() {
+    // A probe that sent a TLS ClientHello's first bytes (a length of ~33 MB)
+    // and waits: the host's drop lingered the whole 30 s for it, as for a
+    // rank still connected. A real client still is waited for.
+    let host = TcpStore::new("127.0.0.1", 0, Some(2), true, T).unwrap();
+    let port = host.port();
+    let mut probe = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    probe.write_all(&[0x16, 0x03, 0x01, 0x02]).unwrap();
+    let client = TcpStore::connect("127.0.0.1", port, T).unwrap();
+    assert_serving(&client, 1);
+    let (tx, rx) = mpsc::channel();
+    let t0 = Instant::now();
+    let dropper = thread::spawn(move || {
+        drop(host);
+        tx.send(t0.elapsed()).unwrap();
+    });
+    // The client is still connected: the host waits for it.
+    assert!(rx.recv_timeout(Duration::from_millis(300)).is_err(), "the host did not wait for its client");
+    drop(client);
+    let took = rx.recv_timeout(Duration::from_secs(20)).expect("the host waited for the probe");
+    dropper.join().unwrap();
+    assert!(took < Duration::from_secs(20), "{took:?}");
+    drop(probe);
+}
+
+#[test]
 fn a_host_at_a_loopback_address_listens_on_loopback_only() {
     // A one-host job's store (it holds the transport's URLs) listened on
     // every interface, reachable from the network.
