@@ -83,6 +83,30 @@ pub struct TransportConfig {
     /// is used; `None` takes them from the environment (`RMACOMM_SOFT_*`).
     /// Transports with different settings use different soft contexts.
     pub soft: Option<SoftConfig>,
+    /// The connection's local ACK timeout exponent (1..=31, as
+    /// `NCCL_IB_TIMEOUT`): a peer that answers nothing for 4.096 µs ×
+    /// 2^`ack_timeout` × 8 tries breaks the connection
+    /// ([`PeerClosed`](crate::TransportError::PeerClosed)); a call's own
+    /// `timeout` ends only that call. Default 20 (about 4.3 s a try, 34 s
+    /// in all: NCCL's), or `RMACOMM_IB_TIMEOUT`. With the soft provider the
+    /// peer's *process* answers (there is no NIC to answer for it), so a
+    /// stopped or starved peer process counts as silent: verbs' usual 16
+    /// (2.1 s) broke connections to a peer paused for a moment.
+    pub ack_timeout: u8,
+}
+
+/// NCCL's default local ACK timeout exponent (`NCCL_IB_TIMEOUT`).
+pub const DEFAULT_ACK_TIMEOUT: u8 = 20;
+
+/// `RMACOMM_IB_TIMEOUT` (1..=31; unset: none), or why it is not one.
+pub(crate) fn env_ack_timeout() -> Result<Option<u8>, TransportError> {
+    let Ok(v) = std::env::var("RMACOMM_IB_TIMEOUT") else { return Ok(None) };
+    v.trim().parse::<u8>().ok().filter(|t| (1..=31).contains(t)).map(Some).ok_or_else(|| {
+        TransportError::invalid(
+            "RdmaTransport::new",
+            format!("RMACOMM_IB_TIMEOUT='{v}' is not an ACK timeout exponent (1..=31, as NCCL_IB_TIMEOUT)"),
+        )
+    })
 }
 
 /// `RMACOMM_TIMEOUT_SECONDS` (seconds, fractions allowed; unset: none), or
@@ -123,6 +147,8 @@ impl Default for TransportConfig {
                 .and_then(|v| v.trim().parse().ok())
                 .unwrap_or(1 << 20),
             soft: None,
+            // A bad value gives the default here; `RdmaTransport::new` reports it.
+            ack_timeout: env_ack_timeout().ok().flatten().unwrap_or(DEFAULT_ACK_TIMEOUT),
         }
     }
 }
@@ -183,6 +209,12 @@ impl TransportConfig {
         self
     }
 
+    /// Sets [`ack_timeout`](Self::ack_timeout) (1..=31).
+    pub fn with_ack_timeout(mut self, ack_timeout: u8) -> Self {
+        self.ack_timeout = ack_timeout;
+        self
+    }
+
     /// Sets [`busy_poll`](Self::busy_poll).
     pub fn with_busy_poll(mut self, busy_poll: Duration) -> Self {
         self.busy_poll = busy_poll;
@@ -218,6 +250,7 @@ impl TransportConfig {
             max_msg_size: self.frag_size,
             load_balancing: self.load_balancing,
             max_recv_wr: self.recv_depth,
+            ack_timeout: self.ack_timeout,
             ..VirtualQpConfig::default()
         }
     }

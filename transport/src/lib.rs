@@ -90,7 +90,7 @@ mod remote;
 mod transport;
 mod url;
 
-pub use config::TransportConfig;
+pub use config::{TransportConfig, DEFAULT_ACK_TIMEOUT};
 pub use error::TransportError;
 pub use mapped::MappedBuffer;
 pub use memory::{RdmaMemory, View, ViewMut};

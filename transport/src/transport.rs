@@ -276,6 +276,8 @@ impl RdmaTransport {
             // refused rather than run without the timeout asked for.
             crate::config::env_timeout()?;
         }
+        // A bad RMACOMM_IB_TIMEOUT: refused, not replaced by the default.
+        crate::config::env_ack_timeout()?;
         if config.recv_depth == 0 {
             // No receive posted: the peer's notifying writes would be
             // retried (receiver not ready) forever.

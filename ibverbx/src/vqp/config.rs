@@ -66,6 +66,13 @@ pub struct VirtualQpConfig {
     /// SENDs, atomics. 0 (the default) means `max_msg_cnt_per_qp`; 1
     /// reproduces ctran, whose spray notifies go one at a time.
     pub max_notify_in_flight: u32,
+    /// The physical QPs' local ACK timeout (`ibv_qp_attr::timeout`, 1..=31):
+    /// a request the peer answers nothing to for 4.096 µs × 2^`ack_timeout`
+    /// × (`retry_cnt` + 1) fails with RETRY_EXC_ERR and breaks the
+    /// connection. Default 16 (about 2.1 s in all), verbs' usual value.
+    pub ack_timeout: u8,
+    /// The physical QPs' `retry_cnt` (0..=7, default 7).
+    pub retry_cnt: u8,
 }
 
 impl Default for VirtualQpConfig {
@@ -81,6 +88,8 @@ impl Default for VirtualQpConfig {
             reorder_timeout: Duration::from_secs(30),
             initial_seq: 0,
             max_notify_in_flight: 0,
+            ack_timeout: crate::RtsAttr::default().timeout,
+            retry_cnt: crate::RtsAttr::default().retry_cnt,
         }
     }
 }
@@ -106,6 +115,9 @@ impl VirtualQpConfig {
         }
         if self.initial_seq > super::dqplb::SEQ_MASK {
             return bad("initial_seq must fit in 24 bits");
+        }
+        if !(1..=31).contains(&self.ack_timeout) || self.retry_cnt > 7 {
+            return bad("ack_timeout must be 1..=31 and retry_cnt at most 7");
         }
         Ok(())
     }

@@ -289,8 +289,9 @@ impl VirtualQp {
         }
         let c = st.cfg;
         Self::check_endpoint_against(&c, peer)?;
+        let rts = crate::RtsAttr { timeout: c.ack_timeout, retry_cnt: c.retry_cnt, ..crate::RtsAttr::default() };
         for (qp, ep) in st.qps.iter().zip(peer.data.iter().chain(peer.notify.iter())) {
-            qp.connect(ep)?;
+            qp.connect_with(crate::InitAttr::default(), crate::RtrAttr::new(ep.clone()), rts)?;
         }
         if c.has_notify_qp() && c.load_balancing == LoadBalancing::Dqplb {
             // Fragments on the other QPs keep completing (and the sender keeps
