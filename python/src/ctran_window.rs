@@ -91,8 +91,9 @@ impl PyCtranWindow {
         let _ = hints;
         let bound = sync_bound(timeout, async_op, self.core.timeout)?;
         let t = Tensor::new(tensor, "tensor", false)?;
-        let st = self.core.put(py, &t, dst_rank, target_disp, async_op, bound.is_some())?;
-        self.core.finish(py, st, bound, "put", dst_rank)
+        let sliced = !async_op && bound.is_none();
+        let st = self.core.put(py, &t, dst_rank, target_disp, async_op, bound.is_some(), sliced)?;
+        self.core.finish(py, st, bound, "put", dst_rank, sliced)
     }
 
     /// Reads `src_rank`'s buffer at byte `source_disp` into `tensor`.
@@ -113,8 +114,9 @@ impl PyCtranWindow {
         let _ = hints;
         let bound = sync_bound(timeout, async_op, self.core.timeout)?;
         let t = Tensor::new(tensor, "tensor", true)?;
-        let st = self.core.get(py, &t, src_rank, source_disp, async_op, bound.is_some())?;
-        self.core.finish(py, st, bound, "get", src_rank)
+        let sliced = !async_op && bound.is_none();
+        let st = self.core.get(py, &t, src_rank, source_disp, async_op, bound.is_some(), sliced)?;
+        self.core.finish(py, st, bound, "get", src_rank, sliced)
     }
 
     /// Sets (`op=SignalOp.SET`) or adds to (`SignalOp.ADD`) `dst_rank`'s
@@ -136,18 +138,19 @@ impl PyCtranWindow {
     ) -> PyResult<PyWork> {
         let _ = hints;
         let bound = sync_bound(timeout, async_op, self.core.timeout)?;
-        // Issued async when this call bounds its wait (`finish`).
-        let issue_async = async_op || bound.is_some();
-        let blocking = !issue_async && !self.core.unified(py, dst_rank);
+        // Issued async when this call bounds its wait, or when it would
+        // wait for a peer it does not map (`finish` waits in slices).
+        let sliced = !async_op && bound.is_none();
+        let issue_async = async_op || bound.is_some() || !self.core.unified(py, dst_rank);
         let core = self.core.clone();
         let st = self
             .core
-            .with(py, blocking, move |w| {
+            .with(py, false, move |w| {
                 w.signal_value(signal_disp, signal_val, dst_rank, op.into(), issue_async)
                     .map(|work| core.settle(work, None))
             })
             .map_err(py_err)?;
-        self.core.finish(py, st, bound, "signal", dst_rank)
+        self.core.finish(py, st, bound, "signal", dst_rank, sliced)
     }
 
     /// Waits until this rank's slot `signal_disp` compares to `signal_val`

@@ -143,8 +143,9 @@ impl PyWindow {
         self.host_only("put", stream)?;
         let t = Tensor::new(tensor, "tensor", false)?;
         self.core.same_dtype("put", dst_rank, t.elem)?;
-        let st = self.core.put(py, &t, dst_rank, target_offset_nelems, async_op, bound.is_some())?;
-        self.core.finish(py, st, bound, "put", dst_rank)
+        let sliced = !async_op && bound.is_none();
+        let st = self.core.put(py, &t, dst_rank, target_offset_nelems, async_op, bound.is_some(), sliced)?;
+        self.core.finish(py, st, bound, "put", dst_rank, sliced)
     }
 
     /// Signals `peer_rank`: satisfies one `wait_signal` for this rank
@@ -172,15 +173,16 @@ impl PyWindow {
             return Ok(self.core.handle(st));
         }
         self.host_only("signal", stream)?;
-        // Issued async when this call bounds its wait (`finish`).
-        let issue_async = async_op || bound.is_some();
-        let blocking = !issue_async && !self.core.unified(py, peer_rank);
+        // Issued async when this call bounds its wait, or when it would
+        // wait for a peer it does not map (`finish` waits in slices).
+        let sliced = !async_op && bound.is_none();
+        let issue_async = async_op || bound.is_some() || !self.core.unified(py, peer_rank);
         let core = self.core.clone();
         let st = self
             .core
-            .with(py, blocking, move |w| w.signal(peer_rank, issue_async).map(|work| core.settle(work, None)))
+            .with(py, false, move |w| w.signal(peer_rank, issue_async).map(|work| core.settle(work, None)))
             .map_err(py_err)?;
-        self.core.finish(py, st, bound, "signal", peer_rank)
+        self.core.finish(py, st, bound, "signal", peer_rank, sliced)
     }
 
     /// Waits for the next signal from `peer_rank` (the n-th wait takes the
@@ -262,8 +264,9 @@ impl PyWindow {
         self.host_only("get", stream)?;
         let t = Tensor::new(tensor, "tensor", true)?;
         self.core.same_dtype("get", src_rank, t.elem)?;
-        let st = self.core.get(py, &t, src_rank, source_offset_nelems, async_op, bound.is_some())?;
-        self.core.finish(py, st, bound, "get", src_rank)
+        let sliced = !async_op && bound.is_none();
+        let st = self.core.get(py, &t, src_rank, source_offset_nelems, async_op, bound.is_some(), sliced)?;
+        self.core.finish(py, st, bound, "get", src_rank, sliced)
     }
 
     /// `rank`'s registered tensor, aliasing its memory (zero-copy), with the

@@ -280,6 +280,7 @@ impl WinCore {
         }
     }
 
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn put(
         self: &Arc<Self>,
         py: Python<'_>,
@@ -288,6 +289,7 @@ impl WinCore {
         offset: usize,
         async_op: bool,
         bounded: bool,
+        sliced: bool,
     ) -> PyResult<State> {
         let raw = t.raw();
         let unified = self.unified(py, dst);
@@ -301,7 +303,12 @@ impl WinCore {
         // takes a while. It is kept for a small copy, and for an async put
         // that only posts (letting it go and taking it back again can wait a
         // switch interval behind a busy Python thread).
-        let only_posts = async_op && !bounded && !unified && located && !signals_mapped;
+        //
+        // `sliced`: a synchronous call without a timeout of its own, whose
+        // caller waits for it in slices (`finish`: Ctrl-C interrupts) when
+        // it was issued async — which it is when that only posts.
+        let posts_async = (async_op || sliced) && !bounded && !unified && located && !signals_mapped;
+        let only_posts = posts_async;
         let small_copy = raw.len <= 64 << 10 && unified;
         let blocking = !(small_copy || only_posts);
         // Memory nothing registers, to a SEPARATE peer, for a bounded call:
@@ -309,7 +316,7 @@ impl WinCore {
         // registration of their own that the pending put keeps.
         let staged =
             if bounded && !unified && !located { Some(py.detach(|| stage(raw)).map_err(PyErr::from)?) } else { None };
-        let issue_async = async_op || bounded;
+        let issue_async = async_op || bounded || posts_async;
         let core = self.clone();
         self.with(py, blocking, move |w| -> Result<State, Failure> {
             let local = match staged {
@@ -345,6 +352,7 @@ impl WinCore {
 
     /// A get into `t` from `src` at element / byte `offset` (`bounded`: as
     /// for [`put`](Self::put)).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn get(
         self: &Arc<Self>,
         py: Python<'_>,
@@ -353,12 +361,16 @@ impl WinCore {
         offset: usize,
         async_op: bool,
         bounded: bool,
+        sliced: bool,
     ) -> PyResult<State> {
         let raw = t.raw();
         // As for put: the GIL is kept for a small copy from a mapped peer,
-        // and for an async get through the transport (it only posts).
+        // and for an async get through the transport (it only posts); a
+        // synchronous one (`sliced`) through the transport is issued async
+        // too, its caller waiting in slices.
         let unified = self.unified(py, src);
-        let (small_copy, only_posts) = (raw.len <= 64 << 10 && unified, async_op && !bounded && !unified);
+        let only_posts = (async_op || sliced) && !bounded && !unified;
+        let small_copy = raw.len <= 64 << 10 && unified;
         let blocking = !(small_copy || only_posts);
         // Memory nothing registers is registered for this one get, kept
         // alive by the tensor's reference until the get is done.
@@ -374,7 +386,7 @@ impl WinCore {
                 Some(py.detach(|| Registered::register(b)).map_err(py_err)?)
             }
         };
-        let issue_async = async_op || bounded;
+        let issue_async = async_op || bounded || only_posts;
         let core = self.clone();
         self.with(py, blocking, move |w| -> Result<State, Failure> {
             let local = match extra {
@@ -395,7 +407,10 @@ impl WinCore {
     /// timeout of its own (`bound`: when the call started, and the
     /// timeout) issued it async; it is waited for here until the timeout
     /// has passed since the start, else `TimeoutError` naming `op` and
-    /// `peer` (the operation goes on: the window cannot take it back).
+    /// `peer` (the operation goes on: the window cannot take it back). A
+    /// synchronous call without one (`sliced`) that was issued async is
+    /// waited for here until it ends (its own timeout is the window's), in
+    /// slices: Ctrl-C interrupts it (it waited inside one detached call).
     pub(crate) fn finish(
         &self,
         py: Python<'_>,
@@ -403,9 +418,17 @@ impl WinCore {
         bound: Option<(Instant, Duration)>,
         op: &str,
         peer: usize,
+        sliced: bool,
     ) -> PyResult<crate::work::PyWork> {
         let w = self.handle(state);
-        let Some((start, limit)) = bound else { return Ok(w) };
+        let Some((start, limit)) = bound else {
+            if sliced {
+                if let Some(r) = w.cell.wait_within(py, None)? {
+                    r.map_err(PyErr::from)?;
+                }
+            }
+            return Ok(w);
+        };
         match w.cell.wait_within(py, Some(limit.saturating_sub(start.elapsed())))? {
             Some(r) => r.map(|()| w).map_err(PyErr::from),
             None => {

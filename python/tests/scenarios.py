@@ -576,6 +576,63 @@ def op_timeout(_: str) -> None:
     log("op_timeout ok")
 
 
+def op_interrupt(_: str) -> None:
+    """Ctrl-C interrupts a synchronous put, get or signal (no timeout of its
+    own) to a SEPARATE peer that cannot complete it (rank 1 stopped, TCP
+    link): it waited inside one call until the window's timeout (60 s
+    here). The interrupted operations go on and end once the peer runs."""
+    import signal
+    import threading
+
+    comm = rmacomm.new_comm("rdma", timeout=60)
+    r = comm.get_rank()
+    pids = _exchange(comm, os.getpid())
+    n = 1 << 20
+    win = comm.new_window(unified=False)
+    win.tensor_register(comm.empty(4 * n, np.uint8))
+    cw = comm.window_allocate(2 * n, signal_size=2, unified=False)
+    comm.barrier()
+    if r == 0:
+        shared = comm.empty(n, np.uint8)
+        shared[:] = 5
+        cases = [
+            ("put", lambda: win.put(shared, 1, 0)),
+            ("get", lambda: win.get(np.zeros(n, np.uint8), 1, 2 * n)),
+            ("signal", lambda: win.signal(1)),
+            ("put", lambda: cw.put(shared, 1, 0)),
+            ("get", lambda: cw.get(np.zeros(n, np.uint8), 1, n)),
+            ("signal", lambda: cw.signal(0, 1, 1)),
+        ]
+        _stop(pids[1])
+        try:
+            for op, call in cases:
+                threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+                t0 = time.monotonic()
+                try:
+                    call()
+                    raise AssertionError(f"{op} to a stopped peer returned")
+                except KeyboardInterrupt:
+                    took = time.monotonic() - t0
+                    log(f"{op}: interrupted after {took:.2f} s")
+                    expect(took < 5, f"{op} was interrupted within a slice, not the window's timeout ({took:.2f} s)")
+            # Silent for longer than verbs' usual ACK timeout (2.1 s).
+            time.sleep(2.5)
+        finally:
+            os.kill(pids[1], signal.SIGCONT)
+        # The peer was silent for seconds, not dead: the connection holds
+        # (it broke after 2.1 s of silence, verbs' usual ACK timeout), the
+        # interrupted operations end, and a signal behind them follows.
+        win.signal(1)
+    else:
+        win.wait_signal(0)
+        win.wait_signal(0)
+        expect(bool((win.get_tensor()[:n] == 5).all()), "the interrupted put landed")
+    comm.barrier()
+    win.tensor_deregister()
+    comm.finalize()
+    log("op_interrupt ok")
+
+
 def queued_signal_timeout(_: str) -> None:
     """Value signals to one peer run one after another; a signal queued
     behind others to a stopped peer fails within its own timeout from the
@@ -1180,6 +1237,7 @@ SCENARIOS: Dict[str, Callable[[str], None]] = {
     "gil": gil,
     "gil_put": gil_put,
     "op_timeout": op_timeout,
+    "op_interrupt": op_interrupt,
     "queued_signal_timeout": queued_signal_timeout,
     "window_allocate_sizes": window_allocate_sizes,
     "split_after_async": split_after_async,

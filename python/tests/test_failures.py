@@ -85,6 +85,13 @@ def test_a_per_call_timeout_bounds_put_get_and_signal() -> None:
     for op in ("put", "get", "signal"):
         assert f"{op}: TimeoutError after" in out, out
 
+def test_ctrl_c_interrupts_a_put_get_or_signal_to_a_peer_that_cannot_complete_it() -> None:
+    out = launch(2, "op_interrupt", env={"RMACOMM_SOFT_LINK": "tcp"}, timeout=180)
+    assert out.count("op_interrupt ok") == 2, out
+    for op in ("put", "get", "signal"):
+        assert f"{op}: interrupted after" in out, out
+
+
 def test_ctrl_c_interrupts_a_blocking_wait() -> None:
     # One rank waits for a signal nobody sends (timeout 60 s); SIGINT after
     # 0.5 s must raise KeyboardInterrupt within a wait slice.

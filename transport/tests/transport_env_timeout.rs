@@ -26,4 +26,22 @@ fn an_invalid_rmacomm_timeout_seconds_fails_new_unless_code_set_a_timeout() {
     assert_eq!(TransportConfig::default().timeout, Some(std::time::Duration::from_millis(2500)));
     RdmaTransport::new(TransportConfig::default()).unwrap();
     std::env::remove_var("RMACOMM_TIMEOUT_SECONDS");
+
+    // RMACOMM_IB_TIMEOUT (in this one test: one variable at a time, one
+    // thread): NCCL's 20 by default, a valid value taken, an invalid one
+    // refused by new() naming it.
+    assert_eq!(TransportConfig::default().ack_timeout, rmacomm_transport::DEFAULT_ACK_TIMEOUT);
+    assert_eq!(rmacomm_transport::DEFAULT_ACK_TIMEOUT, 20);
+    std::env::set_var("RMACOMM_IB_TIMEOUT", " 18 ");
+    assert_eq!(TransportConfig::default().ack_timeout, 18);
+    assert_eq!(TransportConfig::default().virtual_qp_config().ack_timeout, 18);
+    RdmaTransport::new(TransportConfig::default()).unwrap();
+    for v in ["0", "32", "abc", "-1"] {
+        std::env::set_var("RMACOMM_IB_TIMEOUT", v);
+        let e = RdmaTransport::new(TransportConfig::default()).unwrap_err();
+        assert!(e.to_string().contains(&format!("RMACOMM_IB_TIMEOUT='{v}'")), "{e}");
+    }
+    std::env::remove_var("RMACOMM_IB_TIMEOUT");
+    let e = RdmaTransport::new(TransportConfig::default().with_ack_timeout(0)).unwrap_err();
+    assert!(e.to_string().contains("ack_timeout"), "{e}");
 }
