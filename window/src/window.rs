@@ -60,6 +60,7 @@ pub struct WindowOptions {
     spin: Duration,
     signal_slots: usize,
     watch_stream_waits: bool,
+    max_in_flight: usize,
 }
 
 /// How long a UNIFIED `wait_signal` spins before it sleeps (default).
@@ -75,6 +76,7 @@ impl Default for WindowOptions {
             spin: DEFAULT_SPIN,
             signal_slots: 0,
             watch_stream_waits: true,
+            max_in_flight: MAX_IN_FLIGHT,
         }
     }
 }
@@ -126,6 +128,15 @@ impl WindowOptions {
     /// the transports' completion drivers and the signals' tasks.
     pub fn worker_threads(mut self, n: usize) -> Self {
         self.worker_threads = n.max(1);
+        self
+    }
+
+    /// Most puts, gets and signals in flight to one peer (default 65,536;
+    /// at least 1). An async one issued while all are taken waits for its
+    /// slot and its completion in the call (back-pressure), so that every
+    /// operation is posted when its call returns, in call order.
+    pub fn max_in_flight(mut self, n: usize) -> Self {
+        self.max_in_flight = n.max(1);
         self
     }
 
@@ -288,7 +299,8 @@ impl Window {
             .enable_all()
             .build()
             .map_err(|e| os(OP, e))?;
-        let config = opts.transport.unwrap_or_default().with_timeout(Some(timeout)).with_max_in_flight(MAX_IN_FLIGHT);
+        let config =
+            opts.transport.unwrap_or_default().with_timeout(Some(timeout)).with_max_in_flight(opts.max_in_flight);
         let in_order = config.qps == 1;
         let transport =
             || RdmaTransport::new(config.clone()).map(Arc::new).map_err(|e| Error::Transport { op: OP, source: e });
@@ -726,12 +738,24 @@ impl Window {
             let r = self.peer_alive(dst_rank).and_then(|()| m.put(src, off));
             return self.done(OP, dst_rank, r, async_op);
         }
-        let fut = self.links[dst_rank].out.write_with_timeout(src, &remote, false, Some(self.timeout));
         // With UNIFIED signals to the peer (atomics, which pass anything in
         // flight), a put through the transport is complete before it
         // returns, so that a later signal follows it.
         let async_op = async_op && self.signal_maps[dst_rank].is_none();
-        self.work(OP, dst_rank, fut, async_op)
+        let t = &self.links[dst_rank].out;
+        if async_op {
+            // Posted now, or not at all: with every in-flight slot taken the
+            // transport's future would post when first polled — after a
+            // signal issued next (which then overtook it), or never, for a
+            // Work dropped unwaited.
+            if let Some(fut) = t.try_write(src, &remote, false) {
+                return self.work(OP, dst_rank, fut, true);
+            }
+        }
+        // Synchronous, or every slot taken: this put waits for its slot and
+        // its completion in the call (back-pressure).
+        let fut = t.write_with_timeout(src, &remote, false, Some(self.timeout));
+        self.work(OP, dst_rank, fut, false)
     }
 
     /// Writes `src`, memory that need not be registered (a `Vec`, a slice),
@@ -759,7 +783,8 @@ impl Window {
         let b = bounce.as_ref().expect("set above");
         let t = &self.links[dst_rank].out;
         let timeout = Some(self.timeout);
-        self.rt
+        let r = self
+            .rt
             .block_on(async {
                 let mut pending: [Option<_>; 2] = [None, None];
                 for (i, piece) in src.chunks(BOUNCE_CHUNK).enumerate() {
@@ -778,7 +803,17 @@ impl Window {
                 }
                 Ok(())
             })
-            .map_err(rma)
+            .map_err(rma);
+        if r.is_err() {
+            // Writes of this call may still be in flight (a timed-out
+            // piece, the other half's): they read the bounce buffer until
+            // they end, so the next put_bytes must not refill it — it would
+            // send its bytes to this call's target. The transport keeps
+            // this buffer registered and allocated until they end; the
+            // next call allocates another.
+            *bounce = None;
+        }
+        r
     }
 
     /// Reads from `src_rank`'s registered buffer at element
@@ -804,7 +839,12 @@ impl Window {
             let r = self.peer_alive(src_rank).and_then(|()| m.get(dst, off));
             return self.done(OP, src_rank, r, async_op);
         }
-        let fut = self.links[src_rank].out.read_with_timeout(dst, &remote, Some(self.timeout));
+        let t = &self.links[src_rank].out;
+        // As for put: an async get is posted in the call; with every
+        // in-flight slot taken it waits in the call instead (its future
+        // would post only when polled: never, for a Work dropped unwaited).
+        let async_op = async_op && t.free_slots() > 0;
+        let fut = t.read_with_timeout(dst, &remote, Some(self.timeout));
         self.work(OP, src_rank, fut, async_op)
     }
 
@@ -842,9 +882,16 @@ impl Window {
             // so the notifying write lands after every earlier put. No
             // fence, no round trip of its own.
             let v = self.signal_src.view(0, 8).map_err(|source| Error::Transport { op: OP, source })?;
-            let fut =
-                self.links[dst_rank].out.write_with_timeout(v, &self.signal_slots[dst_rank], true, Some(self.timeout));
-            return self.work(OP, dst_rank, fut, async_op);
+            let t = &self.links[dst_rank].out;
+            // Posted now (after every earlier put: see `put`), or, with every
+            // slot taken, waited for in the call.
+            if async_op {
+                if let Some(fut) = t.try_write(v, &self.signal_slots[dst_rank], true) {
+                    return self.work(OP, dst_rank, fut, true);
+                }
+            }
+            let fut = t.write_with_timeout(v, &self.signal_slots[dst_rank], true, Some(self.timeout));
+            return self.work(OP, dst_rank, fut, false);
         }
         let (t, src, slot) = (self.links[dst_rank].out.clone(), self.signal_src.clone(), self.signal_slots[dst_rank]);
         let timeout = Some(self.timeout);

@@ -63,6 +63,58 @@ fn a_signal_follows_every_earlier_async_put() {
         |g| Window::new(g, WindowOptions::new().timeout(Duration::from_secs(30)).unified(false)).unwrap(),
         false,
     );
+    // SEPARATE with every in-flight slot taken: a put issued then was posted
+    // only when its Work was first polled — after the signal, which
+    // overtook it.
+    signal_after_async_puts(
+        |g| {
+            let opts = WindowOptions::new().timeout(Duration::from_secs(30)).unified(false).max_in_flight(2);
+            Window::new(g, opts.transport(through_the_qp())).unwrap()
+        },
+        false,
+    );
+}
+
+/// Every write through the QP (no direct copies by the calling thread,
+/// which complete at once and take no in-flight slot).
+fn through_the_qp() -> TransportConfig {
+    let mut c = TransportConfig::default().with_provider(ProviderKind::Soft);
+    c.direct_copy_max = 0;
+    c
+}
+
+/// Async puts whose Works are dropped at once go on (as documented), even
+/// issued while every in-flight slot is taken (they were never posted).
+#[test]
+fn dropped_works_of_puts_issued_with_every_slot_taken_still_land() {
+    const PIECE: usize = 1 << 20;
+    const PIECES: usize = 8;
+    ranks(2, move |rank, g| {
+        let opts = WindowOptions::new()
+            .timeout(Duration::from_secs(30))
+            .unified(false)
+            .max_in_flight(1)
+            .transport(through_the_qp());
+        let mut w = Window::new(&g, opts).unwrap();
+        w.tensor_register(w.alloc(PIECE * PIECES).unwrap(), 1).unwrap();
+        let peer = 1 - rank;
+        let src = w.alloc(PIECE * PIECES).unwrap();
+        for i in 0..PIECES {
+            src.write_from(i * PIECE, &vec![i as u8 + 1; PIECE]).unwrap();
+        }
+        for i in 0..PIECES {
+            drop(w.put(src.view(i * PIECE, PIECE).unwrap(), peer, i * PIECE, true).unwrap());
+        }
+        w.signal(peer, false).unwrap();
+        w.wait_signal(peer, None).unwrap();
+        let mut got = vec![0u8; PIECE * PIECES];
+        w.local_tensor().unwrap().read_into(0, &mut got).unwrap();
+        for i in 0..PIECES {
+            assert!(got[i * PIECE..(i + 1) * PIECE].iter().all(|b| *b == i as u8 + 1), "piece {i} did not land");
+        }
+        g.barrier(None).unwrap();
+        w.tensor_deregister().unwrap();
+    });
 }
 
 /// Same host, but the registered tensor is private memory (a `Vec`), which
