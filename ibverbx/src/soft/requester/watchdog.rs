@@ -11,10 +11,25 @@ use crate::wc::WcStatus;
 
 /// Fails the oldest awaited request when the peer stays silent for the ACK
 /// timeout (a stopped or unreachable peer).
+///
+/// It holds the link (its socket) while it runs, so it ends as soon as the
+/// QP is reset, in error or destroyed — woken by the state change, not at
+/// its next look (with a long ACK timeout that look came seconds later, and
+/// churned QPs' sockets piled up meanwhile).
 pub(super) async fn watchdog(sh: Arc<Shared>, timeout: Duration, reader: tokio::task::JoinHandle<()>) {
-    let tick = (timeout / 4).max(Duration::from_millis(5));
+    let tick = (timeout / 4).clamp(Duration::from_millis(5), Duration::from_secs(1));
+    let mut state = sh.qp.state_tx.subscribe();
     loop {
-        tokio::time::sleep(tick).await;
+        tokio::select! {
+            _ = tokio::time::sleep(tick) => {}
+            changed = state.changed() => {
+                if changed.is_err() {
+                    // The QP is gone.
+                    reader.abort();
+                    return;
+                }
+            }
+        }
         if sh.stale() || reader.is_finished() || matches!(*sh.qp.state_tx.borrow(), QpState::Reset | QpState::Err) {
             reader.abort();
             return;
