@@ -251,7 +251,12 @@ impl Context {
 
     /// Page-locks `len` bytes of host memory at `ptr` (widened to whole
     /// pages) and maps them for the device, until the registration drops.
-    /// Memory this process registered already is used as it is.
+    ///
+    /// Pages an earlier `register_host` of this process registered are
+    /// shared with it (counted: unregistered when the last holder drops);
+    /// a range that only overlaps such a registration is refused. Memory
+    /// registered by someone else (torch's `cudaHostRegister`) is used as
+    /// it is when the driver maps the whole range, refused otherwise.
     ///
     /// # Safety
     /// The range must stay mapped while the registration lives.
@@ -259,21 +264,69 @@ impl Context {
         let _bound = self.bind()?;
         let page = 4096usize;
         let start = (ptr as usize) & !(page - 1);
-        let end = (ptr as usize + len.max(1)).div_ceil(page) * page;
-        let base = start as *mut c_void;
-        // SAFETY: the caller's range, widened to the pages that hold it
-        // (mapped too: mappings are whole pages).
-        let st = unsafe { (self.api.host_register)(base, end - start, HOST_REGISTER_FLAGS) };
-        let owned = match st {
-            0 => true,
-            ALREADY_REGISTERED => false,
-            st => return Err(call_error(self.api.err_name, "cuMemHostRegister", st)),
+        let end = (ptr as usize)
+            .checked_add(len.max(1))
+            .map(|e| e.div_ceil(page) * page)
+            .ok_or_else(|| self.host_error(ptr, len, "the range wraps past the end of the address space"))?;
+        let mut regs = HOST_REGS.lock().unwrap_or_else(|e| e.into_inner());
+        // Ours already: an entry holding these pages, or one in the way.
+        let before = regs.range(..end).next_back().map(|(&b, &(e, _))| (b, e)).filter(|&(_, e)| e > start);
+        let held = match before {
+            Some((b, e)) if b <= start && end <= e => {
+                regs.get_mut(&b).expect("found above").1 += 1;
+                Some(b)
+            }
+            Some((b, e)) => {
+                return Err(self.host_error(
+                    ptr,
+                    len,
+                    &format!("its pages overlap an earlier registration of {:#x}..{e:#x} without lying in it", b),
+                ))
+            }
+            None => {
+                // SAFETY: the caller's range, widened to the pages that hold
+                // it (mapped too: mappings are whole pages).
+                match unsafe { (self.api.host_register)(start as *mut c_void, end - start, HOST_REGISTER_FLAGS) } {
+                    0 => {
+                        regs.insert(start, (end, 1));
+                        Some(start)
+                    }
+                    // Someone else's registration (not through here).
+                    ALREADY_REGISTERED => None,
+                    st => return Err(call_error(self.api.err_name, "cuMemHostRegister", st)),
+                }
+            }
         };
-        // Unregistered on drop, also when the next call fails.
-        let mut reg = HostRegistration { ctx: self.clone(), base, owned, dev: 0, offset: ptr as usize - start };
-        // SAFETY: a registered host address (ours or an earlier one).
-        self.check("cuMemHostGetDevicePointer", unsafe { (self.api.host_dev_ptr)(&mut reg.dev, base, 0) })?;
+        drop(regs);
+        // Let go on drop, also when the next calls fail.
+        let mut reg = HostRegistration { ctx: self.clone(), held, dev: 0 };
+        let dev_of = |p: usize| -> Result<DevicePtr> {
+            let mut d = 0;
+            // SAFETY: a valid out-pointer; the driver only looks the address up.
+            self.check("cuMemHostGetDevicePointer", unsafe { (self.api.host_dev_ptr)(&mut d, p as *mut c_void, 0) })?;
+            Ok(d)
+        };
+        let first = dev_of(ptr as usize)?;
+        if reg.held.is_none() {
+            // Someone else's registration must map the whole range, in one
+            // piece (it may be smaller than asked, or several).
+            let last = ptr as usize + len.max(1) - 1;
+            let whole = dev_of(last).ok().is_some_and(|d| d.checked_sub(first) == Some((last - ptr as usize) as u64));
+            if !whole {
+                return Err(self.host_error(ptr, len, "it is registered already (not by rmacomm), but not all of it"));
+            }
+        }
+        reg.dev = first;
         Ok(reg)
+    }
+
+    fn host_error(&self, ptr: *mut u8, len: usize, why: &str) -> CudaError {
+        CudaError::Call {
+            lib: "the CUDA driver",
+            call: "cuMemHostRegister",
+            code: ALREADY_REGISTERED,
+            name: format!("{len} bytes at {ptr:p}: {why}"),
+        }
     }
 
     /// A DMA-BUF exporting the pages that hold `len` bytes at `ptr`, and
@@ -558,31 +611,38 @@ impl Drop for IpcMapping {
 #[derive(Debug)]
 pub struct HostRegistration {
     ctx: Arc<Context>,
-    base: *mut c_void,
-    /// Registered by this value (unregistered on drop), not earlier.
-    owned: bool,
+    /// The [`HOST_REGS`] entry this holds (its first page), or `None` for
+    /// memory someone else registered.
+    held: Option<usize>,
     dev: DevicePtr,
-    offset: usize,
 }
 
-// SAFETY: the base address is only passed back to the driver on drop.
-unsafe impl Send for HostRegistration {}
-// SAFETY: as above; nothing is read through it.
-unsafe impl Sync for HostRegistration {}
+/// Host ranges `register_host` registered, by first page: (end, holders).
+/// The last holder to drop unregisters the range. Process-wide, as
+/// registrations are (`CU_MEMHOSTREGISTER_PORTABLE`).
+static HOST_REGS: std::sync::Mutex<std::collections::BTreeMap<usize, (usize, usize)>> =
+    std::sync::Mutex::new(std::collections::BTreeMap::new());
 
 impl HostRegistration {
     /// The device address of the registered pointer's first byte.
     pub fn device_ptr(&self) -> DevicePtr {
-        self.dev + self.offset as u64
+        self.dev
     }
 }
 
 impl Drop for HostRegistration {
     fn drop(&mut self) {
-        if self.owned {
+        let Some(base) = self.held else { return };
+        let mut regs = HOST_REGS.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(entry) = regs.get_mut(&base) else { return };
+        entry.1 -= 1;
+        if entry.1 == 0 {
+            regs.remove(&base);
             let _bound = self.ctx.bind();
-            // SAFETY: registered by this value, unregistered once.
-            unsafe { (self.ctx.api.host_unregister)(self.base) };
+            // SAFETY: registered by `register_host` at this address, and
+            // its last holder is gone: unregistered once, under the lock
+            // (a new registration of these pages waits for it).
+            unsafe { (self.ctx.api.host_unregister)(base as *mut c_void) };
         }
     }
 }

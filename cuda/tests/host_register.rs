@@ -1,0 +1,61 @@
+//! `Context::register_host` against the CUDA stand-in (or the real driver
+//! under `RMACOMM_EXPECT_GPU=1`): registrations of the same pages are
+//! shared and counted; a range that only overlaps an earlier registration
+//! is refused (it was handed out as if registered whole, and the earlier
+//! one's drop unregistered pages still in use).
+
+use std::sync::Arc;
+
+use rmacomm_cuda::driver::Context;
+
+fn ctx() -> Option<Arc<Context>> {
+    if std::env::var("RMACOMM_EXPECT_GPU").is_ok_and(|v| v == "1") {
+        return Some(Context::open_shared(0).expect("RMACOMM_EXPECT_GPU=1: device 0 opens"));
+    }
+    static SET: std::sync::Once = std::sync::Once::new();
+    let lib = rmacomm_cuda::standin_for_tests()?;
+    SET.call_once(|| std::env::set_var("RMACOMM_CUDA_LIB", &lib));
+    Some(Context::open_shared(0).expect("the stand-in opens device 0"))
+}
+
+/// Writes `v` through the registration's device address and reads it back
+/// on the host.
+fn through(ctx: &Arc<Context>, dev: u64, host: *const u64, v: u64) {
+    let s = ctx.stream().unwrap();
+    // SAFETY: registered host memory, live until after the synchronize.
+    unsafe { s.write_value64(dev, v) }.unwrap();
+    s.synchronize().unwrap();
+    // SAFETY: the caller's live, aligned word.
+    assert_eq!(unsafe { host.read_volatile() }, v);
+}
+
+#[test]
+fn registrations_of_the_same_pages_are_shared_and_overlaps_refused() {
+    let Some(ctx) = ctx() else { return };
+    // 4 pages, page-aligned.
+    let mut host = vec![0u64; 4 * 4096 / 8 + 512];
+    let p = {
+        let a = host.as_mut_ptr() as usize;
+        (a.div_ceil(4096) * 4096) as *mut u8
+    };
+    // SAFETY: `host` outlives every registration (here and below).
+    let a = unsafe { ctx.register_host(p, 4096) }.unwrap();
+    // SAFETY: `host` outlives the registration.
+    let b = unsafe { ctx.register_host(p.wrapping_add(128), 64) }.unwrap();
+    assert_eq!(b.device_ptr(), a.device_ptr() + 128, "the same page: the same registration");
+    // SAFETY: `host` outlives the registration.
+    let e = unsafe { ctx.register_host(p, 4 * 4096) }.unwrap_err();
+    assert!(e.to_string().contains("overlap an earlier registration"), "{e}");
+    // The first holder goes: the pages stay registered for the second.
+    drop(a);
+    through(&ctx, b.device_ptr(), p.wrapping_add(128) as *const u64, 7);
+    drop(b);
+    // The last holder unregistered them: the larger range registers now.
+    // SAFETY: `host` outlives the registration.
+    let c = unsafe { ctx.register_host(p, 4 * 4096) }.unwrap();
+    through(&ctx, c.device_ptr() + 3 * 4096, p.wrapping_add(3 * 4096) as *const u64, 9);
+    // SAFETY: `host` outlives the registration.
+    let d = unsafe { ctx.register_host(p.wrapping_add(4096), 4096) }.unwrap();
+    assert_eq!(d.device_ptr(), c.device_ptr() + 4096);
+    drop((c, d));
+}
