@@ -310,7 +310,11 @@ elif [ $hca = 1 ] && command -v ib_write_bw >/dev/null; then
   "$rb" write_lat --provider verbs -s 8 --json >>"$res"
   for t in bw lat; do
     p=$(port)
-    ib_write_$t -p "$p" >/dev/null 2>&1 & spid=$!
+    # The server takes the client's flags: perftest compares them at
+    # connect (a server without -a refuses an -a client, or stops after
+    # its first size), and its complaint goes to the work directory.
+    if [ $t = bw ]; then sflags=(-a); else sflags=(-s 8); fi
+    ib_write_$t -p "$p" "${sflags[@]}" >"$work/perftest_server_$t.log" 2>&1 & spid=$!
     sleep 0.7
     if [ $t = bw ]; then
       timeout 120 ib_write_bw -p "$p" -a 127.0.0.1 2>/dev/null | awk '$1 ~ /^[0-9]+$/ && NF >= 5 {

@@ -20,10 +20,18 @@ declare -A runs
 for _ in $(seq 1 "$reps"); do
   for t in 1 2 4; do
     for q in 1 4; do
-      r=$(RMACOMM_SOFT_PROGRESS_THREADS=$t "$bench" write -s 16M --link tcp -q $q --frag-size 1M -D 2 2>&1 |
-        awk '$1==16777216 {printf "%.2f", $4/1000}')
+      # A failed run is a "nan" with its error shown, not the end of the
+      # script (set -e); column 4 is MB/s with MB = 2^20 (perftest's).
+      log=$(mktemp)
+      r=$(RMACOMM_SOFT_PROGRESS_THREADS=$t "$bench" write -s 16M --link tcp -q $q --frag-size 1M -D 2 2>"$log" |
+        awk '$1==16777216 {printf "%.2f", $4*1048576/1e9}') || true
+      if [ -z "$r" ]; then
+        echo "threads $t qps $q: failed:" >&2
+        sed 's/^/  /' "$log" >&2
+      fi
+      rm -f "$log"
       runs[$t,$q]="${runs[$t,$q]:-} ${r:-nan}"
-      echo "threads $t qps $q: $r"
+      echo "threads $t qps $q: ${r:-nan}"
     done
   done
 done

@@ -343,8 +343,14 @@ fn rank_main(coll: Coll, a: &CollArgs) -> Result<()> {
     let (me, n) = (comm.rank(), comm.size());
     validate(coll, a, Some(n))?;
     let (dtype, op, root) = (a.dtype, a.op.unwrap_or(ReduceOp::Sum), a.root.unwrap_or(0));
-    let sizes =
-        if a.all { sweep(coll, dtype, n, &sweep_sizes(a.min, a.max)) } else { vec![a.size.unwrap_or(DEFAULT_SIZE)] };
+    // The default size rounded down to whole elements per rank, as the
+    // sweep's (1 MiB is not a multiple of 4 B × 3 ranks: the first call was
+    // refused); a size the user gave was checked by `validate`.
+    let sizes = match (a.all, a.size) {
+        (true, _) => sweep(coll, dtype, n, &sweep_sizes(a.min, a.max)),
+        (false, Some(s)) => vec![s],
+        (false, None) => sweep(coll, dtype, n, &[DEFAULT_SIZE]),
+    };
     let max = *sizes.iter().max().expect("at least one size");
     let (in_max, out_max) = coll.buffers(max as usize, n);
     let out_max = if matches!(coll, Coll::AllReduce | Coll::Broadcast) { 0 } else { out_max };

@@ -633,6 +633,18 @@ fn collectives_under_a_launchers_variables() {
     assert_eq!(sizes, [4092, 8184, 16380], "{out}");
 }
 
+/// With no `-s`, the default 1 MiB is rounded down to whole elements per
+/// rank as the sweep's sizes are (3 ranks × 4 B: 1 MiB was refused by the
+/// first all_gather, exit 1).
+#[test]
+fn the_default_size_fits_any_rank_count() {
+    for coll in ["all_gather", "reduce_scatter", "all_to_all"] {
+        let out = ok(&[coll, "--nproc", "3", "-n", "2", "--json"]);
+        let v: serde_json::Value = serde_json::from_str(out.lines().next().unwrap()).unwrap();
+        assert_eq!((v["bytes"].as_u64(), v["wrong"].as_u64()), (Some(1048572), Some(0)), "{coll}: {v}");
+    }
+}
+
 /// Options that cannot work are refused before anything runs, naming the
 /// option (exit 2).
 #[test]
