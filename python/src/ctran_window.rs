@@ -249,8 +249,12 @@ impl PyCtranWindow {
             let ptr = self.own.mem.as_ptr().wrapping_add(start);
             return array::make(py, ptr, shape, e, kind, Keep::Alloc(self.own.clone()));
         }
-        let (map, ptr) =
-            self.core.dup(py, &format!("get_tensor of rank {rank}"), move |w| w.get_tensor(rank, start, len).map(|m| (m.as_ptr() as usize, m.len())), len)?;
+        let (map, ptr) = self.core.dup(
+            py,
+            &format!("get_tensor of rank {rank}"),
+            move |w| w.get_tensor(rank, start, len).map(|m| (m.as_ptr() as usize, m.len())),
+            len,
+        )?;
         array::make(py, ptr, shape, e, kind, Keep::Peer(map))
     }
 

@@ -686,7 +686,12 @@ impl WinCore {
         let nbytes = array::nbytes(&meta.shape, meta.elem).ok_or_else(|| {
             PyValueError::new_err(format!("map_remote_tensor: rank {rank}'s shape {:?} is too large", meta.shape))
         })?;
-        let (map, ptr) = self.dup(py, &format!("map_remote_tensor of rank {rank}"), |w| w.map_remote_tensor(rank).map(|m| (m.as_ptr() as usize, m.len())), nbytes)?;
+        let (map, ptr) = self.dup(
+            py,
+            &format!("map_remote_tensor of rank {rank}"),
+            |w| w.map_remote_tensor(rank).map(|m| (m.as_ptr() as usize, m.len())),
+            nbytes,
+        )?;
         array::make(py, ptr, meta.shape, meta.elem, kind, Keep::Peer(map))
     }
 
@@ -707,8 +712,9 @@ impl WinCore {
             // SAFETY: `ptr..ptr+len` lies in the window's mapping of the
             // peer's shared segment (or this rank's own segment), which
             // stays mapped while the read lock is held.
-            let (m, p) = unsafe { DupMapping::of(ptr as *mut u8, len) }
-                .map_err(|e| Failure::new(ErrKind::Comm, format!("{what}: mapping the peer's memory again failed: {e}")))?;
+            let (m, p) = unsafe { DupMapping::of(ptr as *mut u8, len) }.map_err(|e| {
+                Failure::new(ErrKind::Comm, format!("{what}: mapping the peer's memory again failed: {e}"))
+            })?;
             Ok((m, p as usize))
         });
         let (m, p) = r?;

@@ -726,6 +726,11 @@ impl Window {
     ) -> Result<Work<'a>> {
         const OP: &str = "put";
         let remote = self.target(OP, dst_rank, target_offset_nelems, src.len())?;
+        if src.is_empty() {
+            // Nothing to place (a mapping refused a zero-byte range at the
+            // buffer's end as "no longer registered").
+            return self.done(OP, dst_rank, Ok(()), async_op);
+        }
         if !src.memory().is_device() {
             if let Some((mem, off)) = self.own_span(dst_rank, &remote) {
                 return self.done(OP, dst_rank, mem.copy_from(off, src), async_op);
@@ -769,6 +774,9 @@ impl Window {
     pub fn put_bytes(&self, src: &[u8], dst_rank: usize, target_offset_nelems: usize) -> Result<()> {
         const OP: &str = "put_bytes";
         let remote = self.target(OP, dst_rank, target_offset_nelems, src.len())?;
+        if src.is_empty() {
+            return Ok(());
+        }
         if let Some((mem, off)) = self.own_span(dst_rank, &remote) {
             return mem.write_from(off, src).map_err(|source| Error::Rma { op: OP, peer: dst_rank, source });
         }
@@ -828,6 +836,9 @@ impl Window {
     ) -> Result<Work<'a>> {
         const OP: &str = "get";
         let remote = self.target(OP, src_rank, source_offset_nelems, dst.len())?;
+        if dst.is_empty() {
+            return self.done(OP, src_rank, Ok(()), async_op);
+        }
         if !dst.memory().is_device() {
             if let Some((mem, off)) = self.own_span(src_rank, &remote) {
                 return self.done(OP, src_rank, mem.copy_into(off, dst), async_op);
@@ -956,7 +967,11 @@ impl Window {
             return Ok(MappedTensor { inner: Mapped::Local(&reg.mem), elem_size, offset: 0, len: rb.len as usize });
         }
         match &reg.maps[rank] {
-            Some(m) => Ok(MappedTensor { inner: Mapped::Peer(m), elem_size, offset: 0, len: m.len() }),
+            // A dead peer's pages stay mapped: its connection says it is gone.
+            Some(m) => {
+                self.peer_alive(rank).map_err(|source| Error::Rma { op: OP, peer: rank, source })?;
+                Ok(MappedTensor { inner: Mapped::Peer(m), elem_size, offset: 0, len: m.len() })
+            }
             None => Err(Error::Unsupported {
                 op: OP,
                 reason: format!(

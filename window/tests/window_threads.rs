@@ -616,3 +616,25 @@ fn a_released_window_fails_its_waits_instead_of_reading_poison() {
         g.barrier(None).unwrap();
     });
 }
+
+/// A zero-byte put or get at the very end of a UNIFIED peer's buffer is in
+/// bounds and moves nothing (the mapping refused its empty range as "no
+/// longer registered").
+#[test]
+fn zero_byte_operations_at_the_end_of_a_buffer_succeed() {
+    ranks(2, |rank, g| {
+        let mut w = window(&g);
+        w.tensor_register(w.alloc(4096).unwrap(), 4).unwrap();
+        let peer = 1 - rank;
+        let src = w.alloc(64).unwrap();
+        for p in [peer, rank] {
+            w.put(src.view(0, 0).unwrap(), p, 1024, false).unwrap_or_else(|e| panic!("put to {p}: {e}"));
+            w.get(src.view_mut(0, 0).unwrap(), p, 1024, false).unwrap_or_else(|e| panic!("get from {p}: {e}"));
+            w.put_bytes(&[], p, 1024).unwrap_or_else(|e| panic!("put_bytes to {p}: {e}"));
+        }
+        // One past the end is still out of bounds.
+        assert!(matches!(w.put(src.view(0, 0).unwrap(), peer, 1025, false), Err(Error::Bounds { .. })));
+        g.barrier(None).unwrap();
+        w.tensor_deregister().unwrap();
+    });
+}

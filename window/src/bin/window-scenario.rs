@@ -329,6 +329,13 @@ fn killed(g: &Group, mut w: Window) -> R {
     let r = w.signal(1, false).map(drop);
     println!("signal to the dead peer: {r:?}");
     ensure(r.is_err(), || "a signal to a dead peer succeeded".into())?;
+    // A UNIFIED peer's pages stay mapped after it died: mapping them is
+    // refused rather than reading what it left.
+    if unified() {
+        let m = w.map_remote_tensor(1).map(drop);
+        println!("map_remote_tensor of the dead peer: {m:?}");
+        ensure(m.is_err(), || "map_remote_tensor of a dead peer succeeded".into())?;
+    }
     // No collective deregister with a dead peer: the window just goes.
     drop(w);
     Ok(())

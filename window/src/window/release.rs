@@ -117,7 +117,7 @@ impl StreamRelease {
     /// Whether a kernel waits on value slot `disp` now (module docs): for
     /// whoever knows whose signal that slot waits for.
     pub fn value_waited(&self, disp: usize) -> bool {
-        let i = self.peers.len() + disp;
+        let Some(i) = self.peers.len().checked_add(disp) else { return false };
         // The want first (as in `signals_missing`).
         let want = self.want(i);
         i < self.slots && self.slot_value(i) < want
@@ -159,10 +159,8 @@ impl StreamRelease {
     /// Value slot `disp` of this rank's buffer (after the counting slots),
     /// as it stands.
     pub fn value(&self, disp: usize) -> Option<u64> {
-        let n = self.peers.len();
-        (n + disp < self.slots)
-            .then(|| self.mem.atomic_u64(SLOT * (n + disp)).ok().map(|w| w.load(Ordering::Acquire)))
-            .flatten()
+        let i = self.peers.len().checked_add(disp).filter(|&i| i < self.slots)?;
+        self.mem.atomic_u64(SLOT * i).ok().map(|w| w.load(Ordering::Acquire))
     }
 }
 
