@@ -3,9 +3,9 @@
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Mutex, MutexGuard, TryLockError};
 use std::task::{Context, Poll, Waker};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::runtime::Handle;
 
@@ -40,7 +40,8 @@ pub struct Work<'a> {
 
 impl fmt::Debug for Work<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let done = matches!(*self.lock(), State::Done(_));
+        // Never blocks (another thread may be waiting on it).
+        let done = self.try_lock().map(|st| matches!(*st, State::Done(_)));
         f.debug_struct("Work").field("op", &self.op).field("peer", &self.peer).field("done", &done).finish()
     }
 }
@@ -60,6 +61,15 @@ impl<'a> Work<'a> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// The state, unless another thread holds it (waiting on the Work).
+    fn try_lock(&self) -> Option<MutexGuard<'_, State<'a>>> {
+        match self.state.try_lock() {
+            Ok(g) => Some(g),
+            Err(TryLockError::Poisoned(p)) => Some(p.into_inner()),
+            Err(TryLockError::WouldBlock) => None,
+        }
+    }
+
     /// The operation (`put`, `signal`, `get`).
     pub fn op(&self) -> &'static str {
         self.op
@@ -71,9 +81,10 @@ impl<'a> Work<'a> {
     }
 
     /// Whether the operation has finished (successfully or not). Never
-    /// blocks: it reaps completions once and looks.
+    /// blocks: it reaps completions once and looks (`false` while another
+    /// thread is in [`wait`](Self::wait) on it: that one reaps them).
     pub fn is_completed(&self) -> bool {
-        let mut st = self.lock();
+        let Some(mut st) = self.try_lock() else { return false };
         if let State::Pending(fut) = &mut *st {
             // The runtime's context, for the timers inside the future; a
             // no-op waker, since `wait` polls again with a real one.
@@ -90,19 +101,35 @@ impl<'a> Work<'a> {
     /// its own; the operation's timeout still applies). A timed-out wait
     /// leaves the operation pending: wait again later.
     pub fn wait(&self, timeout: Option<Duration>) -> Result<()> {
-        let mut st = self.lock();
+        let start = Instant::now();
+        let timed_out = |t: Duration| Error::Timeout {
+            waiting_for: format!("Work::wait of {} with rank {}", self.op, self.peer),
+            after: t,
+        };
+        let mut st = match timeout {
+            None => self.lock(),
+            // Another thread waiting on this Work holds it: a bounded wait
+            // stays bounded (it waited for the other's whole wait).
+            Some(t) => loop {
+                if let Some(g) = self.try_lock() {
+                    break g;
+                }
+                if start.elapsed() >= t {
+                    return Err(timed_out(t));
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            },
+        };
         if let State::Pending(fut) = &mut *st {
             let r = match timeout {
                 None => self.rt.block_on(fut.as_mut()),
-                Some(t) => match self.rt.block_on(async { tokio::time::timeout(t, fut.as_mut()).await }) {
-                    Ok(r) => r,
-                    Err(_) => {
-                        return Err(Error::Timeout {
-                            waiting_for: format!("Work::wait of {} with rank {}", self.op, self.peer),
-                            after: t,
-                        })
+                Some(t) => {
+                    let left = t.saturating_sub(start.elapsed());
+                    match self.rt.block_on(async { tokio::time::timeout(left, fut.as_mut()).await }) {
+                        Ok(r) => r,
+                        Err(_) => return Err(timed_out(t)),
                     }
-                },
+                }
             };
             *st = State::Done(r);
         }
@@ -110,5 +137,36 @@ impl<'a> Work<'a> {
             State::Done(r) => r.clone(),
             State::Pending(_) => unreachable!("set above"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn another_threads_wait_blocks_neither_is_completed_nor_a_bounded_wait() {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+        let fut: OpFuture<'static> = Box::pin(async {
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            Ok(())
+        });
+        let w = std::sync::Arc::new(Work::new(rt.handle().clone(), "put", 1, fut));
+        let waiter = {
+            let w = w.clone();
+            std::thread::spawn(move || w.wait(None))
+        };
+        std::thread::sleep(Duration::from_millis(100));
+        // The waiter holds the state for its whole wait: these blocked
+        // until it ended (2 s).
+        let t0 = Instant::now();
+        assert!(!w.is_completed());
+        assert!(format!("{w:?}").contains("done: None"), "{w:?}");
+        let e = w.wait(Some(Duration::from_millis(50))).unwrap_err();
+        assert!(matches!(e, Error::Timeout { .. }), "{e}");
+        assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
+        waiter.join().unwrap().unwrap();
+        assert!(w.is_completed());
+        w.wait(Some(Duration::ZERO)).unwrap();
     }
 }
