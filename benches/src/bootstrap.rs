@@ -171,6 +171,19 @@ pub(crate) fn hello_answer_timeout() -> std::time::Duration {
         .map_or(std::time::Duration::from_secs(60), std::time::Duration::from_secs_f64)
 }
 
+/// How long the client waits for each of the server's replies once the
+/// run is under way (`RDMA_BENCH_REPLY_TIMEOUT_SECONDS`, default 120 s): a
+/// reply comes when the server's part of a step ends, at most moments after
+/// the client's own (it waited forever for a server that stopped
+/// answering).
+pub(crate) fn reply_timeout() -> std::time::Duration {
+    std::env::var("RDMA_BENCH_REPLY_TIMEOUT_SECONDS")
+        .ok()
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .filter(|s| s.is_finite() && *s > 0.0 && *s < 1e9)
+        .map_or(std::time::Duration::from_secs(120), std::time::Duration::from_secs_f64)
+}
+
 /// One JSON-lines connection.
 #[derive(Debug)]
 pub struct Control {

@@ -482,7 +482,7 @@ fn client(op: Op, a: &BenchArgs) -> Result<()> {
         }
         v => serde_json::from_value(v).map_err(BenchError::run)?,
     };
-    ctl.set_timeout(None)?;
+    ctl.set_timeout(Some(crate::bootstrap::reply_timeout()))?;
     let me = e.info()?;
     ctl.send(&me)?;
     e.connect(&server, &host)?;

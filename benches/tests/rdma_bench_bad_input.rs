@@ -104,6 +104,61 @@ fn a_silent_server_is_an_error_within_the_hello_timeout() {
     held.join().unwrap();
 }
 
+/// A server that stops answering once the run is under way (SIGSTOP after
+/// the first row): the client's next wait for a reply ends within the reply
+/// timeout with an error (it waited forever: same-host writes are copied by
+/// the client, so only the next size's refill noticed).
+#[test]
+fn a_server_silent_mid_run_is_an_error_within_the_reply_timeout() {
+    let mut srv = Command::new(BIN)
+        .args(["write", "--server", "--port", "0"])
+        .env("RMACOMM_PROVIDER", "soft")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(srv.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    let port: u16 = line.split("0.0.0.0:").nth(1).unwrap().split(';').next().unwrap().parse().unwrap();
+    let mut client = Command::new(BIN)
+        .args(["write", "-a", "--min", "4K", "--max", "64K", "-D", "1", "--client", &format!("127.0.0.1:{port}")])
+        .env("RMACOMM_PROVIDER", "soft")
+        .env("RDMA_BENCH_REPLY_TIMEOUT_SECONDS", "3")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(client.stdout.take().unwrap());
+    loop {
+        let mut l = String::new();
+        assert!(out.read_line(&mut l).unwrap() > 0, "the client ended before its first row");
+        if l.trim_start().starts_with("4096") {
+            break;
+        }
+    }
+    let pid = rustix::process::Pid::from_raw(srv.id() as i32).unwrap();
+    rustix::process::kill_process(pid, rustix::process::Signal::STOP).unwrap();
+    let t0 = Instant::now();
+    let status = loop {
+        if let Some(st) = client.try_wait().unwrap() {
+            break Some(st);
+        }
+        if t0.elapsed() > Duration::from_secs(30) {
+            let _ = client.kill();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let _ = srv.kill();
+    let _ = srv.wait();
+    let mut err = String::new();
+    client.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+    let status = status.unwrap_or_else(|| panic!("the client still waited for the stopped server after 30 s: {err}"));
+    assert_eq!(status.code(), Some(1), "{err}");
+    assert!(err.contains("no answer on the bootstrap connection within 3s"), "{err}");
+    assert!(t0.elapsed() < Duration::from_secs(30), "{:?}", t0.elapsed());
+}
+
 /// A request the server cannot parse ended it with status 0 and no word;
 /// a checksum of more than a half read into the other half.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
