@@ -111,7 +111,8 @@ impl IpcHandle {
     /// Parses [`to_hex`](Self::to_hex)'s text; `None` for anything else.
     pub fn from_hex(s: &str) -> Option<IpcHandle> {
         let b = s.as_bytes();
-        if b.len() != 128 {
+        // Hex digits only (from_str_radix also takes a leading '+').
+        if b.len() != 128 || !b.iter().all(u8::is_ascii_hexdigit) {
             return None;
         }
         let mut out = [0u8; 64];
@@ -972,5 +973,6 @@ mod tests {
         assert_eq!(IpcHandle::from_hex(&s[..126]), None);
         assert_eq!(IpcHandle::from_hex(&format!("{}zz", &s[..126])), None);
         assert_eq!(IpcHandle::from_hex(&"é".repeat(64)), None);
+        assert_eq!(IpcHandle::from_hex(&format!("+f{}", &s[2..])), None, "a sign is no hex digit");
     }
 }

@@ -273,20 +273,28 @@ impl Context {
             code: 101,
             name: format!("device ordinal {ordinal} is out of range"),
         })?;
+        // The device's calls name the device (`cuDeviceGet failed with 101`
+        // said nothing of which one).
+        let on_device = |e: CudaError| match e {
+            CudaError::Call { lib, call, code, name } => {
+                CudaError::Call { lib, call, code, name: format!("{name}; device {ordinal}") }
+            }
+            other => other,
+        };
         // SAFETY: valid out-pointers throughout.
         unsafe {
             let mut dev = 0;
-            c.check("cuDeviceGet", (api.device_get)(&mut dev, ord))?;
+            c.check("cuDeviceGet", (api.device_get)(&mut dev, ord)).map_err(on_device)?;
             c.dev = dev;
             let (mut maj, mut min) = (0, 0);
-            c.check("cuDeviceGetAttribute", (api.device_attr)(&mut maj, CC_MAJOR, c.dev))?;
-            c.check("cuDeviceGetAttribute", (api.device_attr)(&mut min, CC_MINOR, c.dev))?;
+            c.check("cuDeviceGetAttribute", (api.device_attr)(&mut maj, CC_MAJOR, c.dev)).map_err(on_device)?;
+            c.check("cuDeviceGetAttribute", (api.device_attr)(&mut min, CC_MINOR, c.dev)).map_err(on_device)?;
             c.cc = (maj, min);
             let mut buf = [0 as c_char; 256];
-            c.check("cuDeviceGetName", (api.device_name)(buf.as_mut_ptr(), 255, c.dev))?;
+            c.check("cuDeviceGetName", (api.device_name)(buf.as_mut_ptr(), 255, c.dev)).map_err(on_device)?;
             c.name = CStr::from_ptr(buf.as_ptr()).to_string_lossy().into_owned();
             let mut ctx = std::ptr::null_mut();
-            c.check("cuDevicePrimaryCtxRetain", (api.ctx_retain)(&mut ctx, c.dev))?;
+            c.check("cuDevicePrimaryCtxRetain", (api.ctx_retain)(&mut ctx, c.dev)).map_err(on_device)?;
             c.ctx = ctx;
         }
         Ok(c)

@@ -92,13 +92,17 @@ fn open_file(spec: &Spec, p: &Path) -> std::result::Result<Opened, String> {
     // any CUDA program loads them.
     match unsafe { libloading::Library::new(p) } {
         Ok(lib) => Ok(Opened { lib, path: p.to_path_buf(), what: spec.lib }),
-        Err(e) => Err(short(&e.to_string())),
+        Err(e) => Err(short(&e.to_string(), p)),
     }
 }
 
-/// dlerror's message without the repeated path.
-fn short(e: &str) -> String {
-    e.rsplit(": ").next().unwrap_or(e).to_owned()
+/// dlerror's message without the path tried (given beside it), keeping the
+/// rest whole: "libamdhip64.so.6: cannot open shared object file: No such
+/// file or directory" names the missing dependency (the last part alone
+/// said "No such file or directory" of a file that exists).
+fn short(e: &str, tried: &Path) -> String {
+    let e = e.strip_prefix(&*tried.to_string_lossy()).and_then(|r| r.strip_prefix(": ")).unwrap_or(e);
+    e.to_owned()
 }
 
 /// Library directories to search, in order: those `RMACOMM_CUDA_LIB_DIRS`
@@ -166,4 +170,27 @@ fn dedup(v: Vec<PathBuf>) -> Vec<PathBuf> {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod short_tests {
+    use super::*;
+
+    #[test]
+    fn dlerror_keeps_what_is_missing() {
+        let tried = Path::new("/opt/rocm/lib/librccl.so.1");
+        assert_eq!(
+            short("libamdhip64.so.6: cannot open shared object file: No such file or directory", tried),
+            "libamdhip64.so.6: cannot open shared object file: No such file or directory"
+        );
+        assert_eq!(
+            short("/opt/rocm/lib/librccl.so.1: undefined symbol: hipFoo", tried),
+            "undefined symbol: hipFoo",
+            "the path tried is dropped, the symbol kept"
+        );
+        assert_eq!(
+            short("/opt/rocm/lib/librccl.so.1: wrong ELF class: ELFCLASS32", tried),
+            "wrong ELF class: ELFCLASS32"
+        );
+    }
 }

@@ -218,7 +218,11 @@ impl Export {
         if server.is_empty() || server.len() > 100 || !server.bytes().all(|b| b.is_ascii_graphic() && b != b':') {
             return None;
         }
-        if secret.len() != 32 || !secret.is_ascii() {
+        // Hex digits only, as written (from_str_radix also takes a '+').
+        if secret.len() != 32 || !secret.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return None;
+        }
+        if base.is_empty() || !base.bytes().all(|b| b.is_ascii_hexdigit()) {
             return None;
         }
         let mut key = [0u8; 16];
@@ -785,6 +789,9 @@ mod tests {
             "vmm:s:07070707070707070707070707070707:0:ffffffffffffffff:4096*1",
             "vmm:s:07070707070707070707070707070707:0:10:4096*99999999",
             "vmm:s:07070707070707070707070707070707:0:10:4096*1,4096*18446744073709551615",
+            // A sign is not a hex digit (from_str_radix takes it).
+            "vmm:s:+7070707070707070707070707070707:0:10:4096*1",
+            "vmm:s:07070707070707070707070707070707:0:+10:4096*1",
         ] {
             assert_eq!(Export::from_text(bad), None, "{bad}");
         }

@@ -2,7 +2,8 @@
 //! under `RMACOMM_EXPECT_GPU=1`): registrations of the same pages are
 //! shared and counted; a range that only overlaps an earlier registration
 //! is refused (it was handed out as if registered whole, and the earlier
-//! one's drop unregistered pages still in use).
+//! one's drop unregistered pages still in use); a device that is not
+//! there is named.
 
 use std::sync::Arc;
 
@@ -58,4 +59,11 @@ fn registrations_of_the_same_pages_are_shared_and_overlaps_refused() {
     let d = unsafe { ctx.register_host(p.wrapping_add(4096), 4096) }.unwrap();
     assert_eq!(d.device_ptr(), c.device_ptr() + 4096);
     drop((c, d));
+}
+
+#[test]
+fn a_device_that_is_not_there_is_named() {
+    let Some(_) = ctx() else { return };
+    let e = Context::open(999).unwrap_err().to_string();
+    assert!(e.contains("cuDeviceGet") && e.contains("device 999"), "{e}");
 }
