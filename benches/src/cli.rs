@@ -172,7 +172,7 @@ pub struct BenchArgs {
     pub max: u64,
     /// Measured iterations per size (default: about 2 GiB moved per size
     /// for bandwidth, between 8 and 5000 iterations; 8..1000 for latency).
-    #[arg(short = 'n', long)]
+    #[arg(short = 'n', long, value_parser = clap::value_parser!(u64).range(1..))]
     pub iters: Option<u64>,
     /// Measure each size for this many seconds instead of a fixed count.
     #[arg(short = 'D', long, conflicts_with = "iters")]
@@ -182,7 +182,7 @@ pub struct BenchArgs {
     #[arg(long)]
     pub warmup: Option<u64>,
     /// Operations in flight (bandwidth tests).
-    #[arg(short = 't', long, default_value_t = 64)]
+    #[arg(short = 't', long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..))]
     pub tx_depth: u32,
     /// Physical QPs per connection.
     #[arg(short = 'q', long, default_value_t = 1)]
@@ -213,8 +213,9 @@ pub struct BenchArgs {
     /// GPU (DMA-BUF, else nvidia-peermem).
     #[arg(long, value_name = "GPU", alias = "use_cuda")]
     pub use_cuda: Option<u32>,
-    /// Bandwidth in Gb/sec (10^9 bits) instead of MB/sec.
-    #[arg(long)]
+    /// Bandwidth in Gb/sec (10^9 bits) instead of MB/sec (perftest's
+    /// `--report_gbits` too).
+    #[arg(long, alias = "report_gbits")]
     pub report_gbits: bool,
     /// Busy-poll for completions for up to this many microseconds before
     /// sleeping (default: latency tests spin, bandwidth tests spin only

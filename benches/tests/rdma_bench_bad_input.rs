@@ -49,6 +49,18 @@ fn absurd_depths_and_shapes_are_refused() {
     let o = run(&["write", "-a", "--min", "4G", "--max", "4G"], &[]);
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     assert!(stderr(&o).contains("1 B .. 4 GiB - 1"), "{}", stderr(&o));
+    // -n 0 ran one iteration, -t 0 ran at depth 1 (the header said 0): both
+    // refused, naming the option, as the collectives refuse -n 0.
+    for (flag, args) in [("--iters", ["write", "-s", "2", "-n", "0"]), ("--tx-depth", ["write", "-s", "2", "-t", "0"])]
+    {
+        let o = run(&args, &[]);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {}", stderr(&o));
+        assert!(stderr(&o).contains(flag) && stderr(&o).contains("'0'"), "{args:?}: {}", stderr(&o));
+    }
+    // perftest's spelling of --report-gbits.
+    let o = run(&["write", "-s", "4K", "-n", "20", "--report_gbits"], &[]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("Gb/sec"), "{}", String::from_utf8_lossy(&o.stdout));
 }
 
 /// A latency run of u64::MAX iterations reserved its whole vector of round
