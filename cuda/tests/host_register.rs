@@ -3,7 +3,8 @@
 //! shared and counted; a range that only overlaps an earlier registration
 //! is refused (it was handed out as if registered whole, and the earlier
 //! one's drop unregistered pages still in use); a device that is not
-//! there is named.
+//! there is named; the stand-in refuses a destroyed stream (it ran its work
+//! at once as the default stream's).
 
 use std::sync::Arc;
 
@@ -66,4 +67,25 @@ fn a_device_that_is_not_there_is_named() {
     let Some(_) = ctx() else { return };
     let e = Context::open(999).unwrap_err().to_string();
     assert!(e.contains("cuDeviceGet") && e.contains("device 999"), "{e}");
+}
+
+#[test]
+fn a_destroyed_stream_is_refused_not_run_as_the_default_stream() {
+    // The stand-in's own check (CI's CUDA): a real driver given a destroyed
+    // handle is undefined behaviour, not a test.
+    if std::env::var("RMACOMM_EXPECT_GPU").is_ok_and(|v| v == "1") {
+        println!("skipped: a destroyed stream is only safe to pass to the stand-in");
+        return;
+    }
+    let Some(ctx) = ctx() else { return };
+    let mem = ctx.alloc_shared(64).unwrap();
+    let s = ctx.stream().unwrap();
+    let raw = s.raw();
+    drop(s);
+    // SAFETY: the stand-in (checked above) refuses handles it does not hold;
+    // nothing is dereferenced.
+    let t = unsafe { rmacomm_cuda::device::Stream::from_raw(ctx.clone(), raw) };
+    // SAFETY: device memory of this context, live past the call.
+    assert!(unsafe { t.write_value64(mem.ptr(), 1) }.is_err(), "work on a destroyed stream ran");
+    assert!(t.synchronize().is_err());
 }

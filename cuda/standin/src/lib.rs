@@ -494,7 +494,19 @@ fn stream(s: *mut c_void) -> Option<Arc<Stream>> {
     with(|st| st.streams.iter().find(|x| Arc::as_ptr(x) as *mut c_void == s).cloned())
 }
 
+/// A handle that is neither a special stream (0, `CU_STREAM_LEGACY`,
+/// `CU_STREAM_PER_THREAD`) nor a live stream of the stand-in's: a destroyed
+/// or foreign one, which the driver refuses (`CUDA_ERROR_INVALID_HANDLE`).
+/// It was taken for the default stream, running stream-ordered work at once
+/// on the caller's thread: use-after-destroy passed unseen.
+fn unknown(s: *mut c_void) -> bool {
+    (s as usize) > 2 && stream(s).is_none()
+}
+
 fn enqueue(s: *mut c_void, op: Op) -> CuResult {
+    if unknown(s) {
+        return INVALID_HANDLE;
+    }
     match stream(s) {
         Some(st) => st.push(op),
         // The legacy default stream: the current context's.
@@ -1035,7 +1047,7 @@ pub unsafe extern "C" fn cuLaunchKernel(
     // A kernel runs in the current context, on a stream of it, from a
     // module loaded in it.
     let Some(dev) = current() else { return INVALID_CONTEXT };
-    if func.dev != dev || stream(s).is_some_and(|st| st.dev != dev) {
+    if func.dev != dev || unknown(s) || stream(s).is_some_and(|st| st.dev != dev) {
         return INVALID_HANDLE;
     }
     let name = func.name.to_str().unwrap_or("");
@@ -1481,6 +1493,9 @@ pub extern "C" fn cuStreamDestroy_v2(s: *mut c_void) -> CuResult {
 #[no_mangle]
 pub extern "C" fn cuStreamSynchronize(s: *mut c_void) -> CuResult {
     strict_any("cuStreamSynchronize");
+    if unknown(s) {
+        return INVALID_HANDLE;
+    }
     if let Some(st) = stream(s) {
         st.sync();
     }
@@ -1526,6 +1541,9 @@ pub extern "C" fn cuStreamWaitValue64_v2(s: *mut c_void, addr: u64, value: u64, 
 #[no_mangle]
 pub unsafe extern "C" fn cuStreamIsCapturing(s: *mut c_void, status: *mut c_int) -> CuResult {
     strict_any("cuStreamIsCapturing");
+    if unknown(s) {
+        return INVALID_HANDLE;
+    }
     let capturing = match stream(s) {
         Some(st) => st.capture.lock().unwrap().is_some(),
         // The legacy default stream is the current context's.
@@ -1581,6 +1599,9 @@ pub unsafe extern "C" fn cuGraphInstantiateWithFlags(e: *mut *mut c_void, g: *mu
 #[no_mangle]
 pub unsafe extern "C" fn cuGraphLaunch(e: *mut c_void, s: *mut c_void) -> CuResult {
     strict_any("cuGraphLaunch");
+    if unknown(s) {
+        return INVALID_HANDLE;
+    }
     // SAFETY: a live executable graph.
     let ops = unsafe { &*e.cast::<Vec<Op>>() }.clone();
     for op in ops {
