@@ -116,6 +116,11 @@ fn win_failure(e: rmacomm_window::Error) -> Failure {
 }
 
 impl WinPending {
+    /// "put with rank 1": what a timeout of its wait names.
+    pub(crate) fn describe(&self) -> String {
+        format!("{} with rank {}", self.work().op(), self.work().peer())
+    }
+
     fn work(&self) -> &Work<'static> {
         self.work.as_ref().expect("taken only on drop")
     }

@@ -92,15 +92,24 @@ impl WorkCell {
     pub(crate) fn wait(&self, py: Python<'_>, limit: Option<Duration>) -> PyResult<()> {
         match self.wait_within(py, limit)? {
             Some(r) => r.map_err(PyErr::from),
-            None => Err(Failure::new(
-                ErrKind::Timeout,
-                format!(
-                    "Work.wait: not complete after {:?} (the timeout of this wait); the operation is still pending, \
-                     wait again or raise the timeout",
-                    limit.unwrap_or_default()
-                ),
-            )
-            .into()),
+            None => {
+                // Which operation (a window's put/get/signal names its peer).
+                let what = match &*self.lock() {
+                    State::Win(p) => format!(" of {}", p.describe()),
+                    State::WaitSignal { peer, .. } => format!(" of wait_signal from rank {peer}"),
+                    State::WaitValue { disp, .. } => format!(" of wait_signal on slot {disp}"),
+                    State::Done(_) | State::Coll(_) => String::new(),
+                };
+                Err(Failure::new(
+                    ErrKind::Timeout,
+                    format!(
+                        "Work.wait{what}: not complete after {:?} (the timeout of this wait); the operation is still \
+                         pending, wait again or raise the timeout",
+                        limit.unwrap_or_default()
+                    ),
+                )
+                .into())
+            }
         }
     }
 
