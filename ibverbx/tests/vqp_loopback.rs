@@ -590,3 +590,17 @@ fn several_inline_wrs_in_one_call_all_go_out() {
         assert_eq!(dst.to_vec(), (1..=4u8).flat_map(|i| [i; 8]).collect::<Vec<_>>());
     }
 }
+
+/// A WR cut into more than 2^20 fragments is refused at post time (each
+/// fragment is a physical WR built then: a 4 GiB WRITE in 1-byte fragments
+/// made 4 billion and overflowed the aggregator's count).
+#[test]
+fn a_wr_of_too_many_fragments_is_refused() {
+    let c = VirtualQpConfig { max_msg_size: 1, ..VirtualQpConfig::default() };
+    let (a, b) = pair(&c, (1 << 20) + 1, None);
+    let write = SendOp::RdmaWrite { remote_addr: b.mr.addr(), rkey: b.mr.rkey() };
+    let sg = [a.mr.sge(0, (1 << 20) + 1).unwrap()];
+    let r = invalid_reason(a.qp.post_send(&[SendWr { wr_id: 1, op: write, sg_list: &sg, flags: SendFlags::SIGNALED }]));
+    assert!(r.contains("fragments") && r.contains("max_msg_size"), "{r}");
+    assert_eq!(a.qp.outstanding(), 0);
+}

@@ -445,6 +445,8 @@ impl State {
     /// whole virtual QP down instead; so every check a provider makes on
     /// the WR alone is made here, before anything is queued.
     fn check_wr(&self, wr: &SendWr<'_>, len: u64) -> Result<()> {
+        /// Most fragments one WR is cut into (16 GiB of 16 KiB ones).
+        const MAX_FRAGMENTS_PER_WR: u64 = 1 << 20;
         let bad = |reason: String| Err(Error::InvalidArgument { verb: "post_send(virtual)", reason });
         if wr.sg_list.len() > self.cfg.max_send_sge as usize {
             return bad(format!("{} SGEs exceed max_send_sge {}", wr.sg_list.len(), self.cfg.max_send_sge));
@@ -478,6 +480,15 @@ impl State {
                     self.max_inline
                 ));
             }
+        }
+        // Every fragment is a physical WR built at post time: a 4 GiB WRITE
+        // cut into 1-byte fragments made 4 billion (and overflowed the
+        // aggregator's part count).
+        if striped && len.div_ceil(max.max(1)) > MAX_FRAGMENTS_PER_WR {
+            return bad(format!(
+                "a {len}-byte message in fragments of {max} bytes is more than {MAX_FRAGMENTS_PER_WR} fragments; \
+                 raise VirtualQpConfig::max_msg_size or send less at once"
+            ));
         }
         // Ranges that wrap past 2^64 (fragment addresses are computed from
         // them: a debug build panicked, a release one wrapped).
