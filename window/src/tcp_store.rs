@@ -20,6 +20,13 @@ const DEFAULT_LINGER: Duration = Duration::from_secs(30);
 /// Extra time a client gives the server beyond a wait's own timeout.
 const REPLY_SLACK: Duration = Duration::from_secs(30);
 
+/// Ports this process's hosting stores serve on (how many on each): a
+/// second host on one of them (a second `Group::from_env`, beside
+/// `new_comm`'s) joins the first as its client instead of failing to bind
+/// its own process's port ("pick another MASTER_PORT", while the other
+/// ranks joined and waited out the timeout).
+static HOSTED: Mutex<Vec<u16>> = Mutex::new(Vec::new());
+
 /// A [`Store`] over TCP, like torch.distributed's `TCPStore`.
 ///
 /// The master (rank 0) hosts the data on a [`TcpStoreServer`] running on its
@@ -74,10 +81,23 @@ impl TcpStore {
                 .parse::<std::net::IpAddr>()
                 .ok()
                 .filter(|ip| ip.is_loopback());
-            let server = match loopback {
-                Some(ip) => TcpStoreServer::bind((ip, port))?,
-                None => TcpStoreServer::bind_any(port)?,
+            let bound = match loopback {
+                Some(ip) => TcpStoreServer::bind((ip, port)),
+                None => TcpStoreServer::bind_any(port),
             };
+            let server = match bound {
+                Ok(s) => s,
+                Err(e @ Error::Listen { .. }) => {
+                    if port != 0 && HOSTED.lock().unwrap_or_else(|p| p.into_inner()).contains(&port) {
+                        tracing::debug!(port, "TCP store: this process hosts the store on this port already; joining it");
+                        let local = if loopback.is_some() { host } else { "127.0.0.1" };
+                        return Self::connect(local, port, timeout);
+                    }
+                    return Err(e);
+                }
+                Err(e) => return Err(e),
+            };
+            HOSTED.lock().unwrap_or_else(|p| p.into_inner()).push(server.local_addr().port());
             let store = server.store().clone();
             let addr = format!("{host}:{}", server.local_addr().port());
             let expected_clients = world_size.map_or(0, |n| n.saturating_sub(1));
@@ -182,6 +202,13 @@ impl TcpStore {
 impl Drop for TcpStore {
     fn drop(&mut self) {
         if let Backend::Host { server, expected_clients, linger, .. } = &mut self.backend {
+            {
+                let mut hosted = HOSTED.lock().unwrap_or_else(|p| p.into_inner());
+                let port = server.local_addr().port();
+                if let Some(i) = hosted.iter().position(|&p| p == port) {
+                    hosted.swap_remove(i);
+                }
+            }
             if !server.wait_for_clients_to_leave(*expected_clients, *linger) {
                 tracing::warn!(
                     "TCP store host: {} client(s) still connected after {linger:?}; shutting down anyway",

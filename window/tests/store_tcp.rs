@@ -225,6 +225,24 @@ fn a_connection_that_never_sent_a_request_does_not_hold_the_hosts_exit() {
 }
 
 #[test]
+fn a_second_host_on_this_processs_own_port_joins_the_first() {
+    // A second Group::from_env (beside new_comm's) made rank 0 bind the
+    // port its own first store holds: "Address already in use ... pick
+    // another MASTER_PORT", while the other ranks joined and timed out.
+    let first = TcpStore::new("127.0.0.1", 0, Some(1), true, T).unwrap();
+    let port = first.port();
+    let second = TcpStore::new("127.0.0.1", port, Some(1), true, T).unwrap();
+    assert!(!second.is_master(), "the second joins the first as a client");
+    second.set("k", b"v").unwrap();
+    assert_eq!(first.try_get("k").unwrap().as_deref(), Some(&b"v"[..]));
+    drop(second);
+    // A port held by another process (here: a plain listener) is still an error.
+    let taken = TcpListener::bind("127.0.0.1:0").unwrap();
+    let e = TcpStore::new("127.0.0.1", taken.local_addr().unwrap().port(), Some(1), true, T).unwrap_err();
+    assert!(matches!(e, Error::Listen { .. }), "{e}");
+}
+
+#[test]
 fn a_host_at_a_loopback_address_listens_on_loopback_only() {
     // A one-host job's store (it holds the transport's URLs) listened on
     // every interface, reachable from the network.
