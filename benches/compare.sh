@@ -91,6 +91,9 @@ kv_res="$work/kv.jsonl"
 
 # --- peers ---------------------------------------------------------------
 need=()
+# python3 prints every table and picks free ports: without it the runs went
+# ahead with empty ports and sizes and the script died at the first table.
+command -v python3 >/dev/null || need+=(python3 python3-venv)
 if p2p || coll; then
 command -v cc >/dev/null || need+=(gcc)
 command -v iperf3 >/dev/null || need+=(iperf3)
@@ -107,6 +110,8 @@ if [ ${#need[@]} -gt 0 ]; then
     log "not root: skipping the missing peers: ${need[*]}"
   fi
 fi
+
+command -v python3 >/dev/null || { echo "compare.sh needs python3 (it prints the tables): install it" >&2; exit 1; }
 
 # --- rmacomm -------------------------------------------------------------
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$root/target}
