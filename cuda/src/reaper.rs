@@ -109,7 +109,13 @@ fn sender() -> Option<Sender<Item>> {
                 }
                 g.dropping = Some((what, std::time::Instant::now()));
                 drop(g);
-                drop(item);
+                // A drop that panics must not leave the gate saying
+                // "dropping" for good (every later host wait would then
+                // fail at its deadline naming it): the thread goes on.
+                let dropped = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || drop(item)));
+                if dropped.is_err() {
+                    eprintln!("rmacomm: the CUDA reaper: dropping {what} panicked; going on");
+                }
                 gate().dropping = None;
                 GATE_CV.notify_all();
             }
@@ -171,6 +177,28 @@ mod tests {
         assert!(e.contains("Stuck") && e.contains("does not drain"), "{e}");
         assert!(waited >= std::time::Duration::from_millis(190) && waited.as_secs() < 5, "{waited:?}");
         tx.send(()).unwrap();
+        let w = super::host_wait_until(std::time::Instant::now() + std::time::Duration::from_secs(10)).unwrap();
+        drop(w);
+    }
+
+    /// A drop that panics left the gate "dropping" for good (the thread
+    /// died): every later host wait failed at its deadline naming it.
+    #[test]
+    fn a_drop_that_panics_does_not_stop_the_reaper() {
+        struct Boom;
+        impl Drop for Boom {
+            fn drop(&mut self) {
+                panic!("a drop that panics (the test's)");
+            }
+        }
+        super::defer(Boom);
+        let done = Arc::new(AtomicBool::new(false));
+        super::defer(Flag(done.clone(), std::thread::current().id()));
+        let t = std::time::Instant::now();
+        while !done.load(Ordering::Acquire) {
+            assert!(t.elapsed().as_secs() < 10, "the reaper stopped after the panic");
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
         let w = super::host_wait_until(std::time::Instant::now() + std::time::Duration::from_secs(10)).unwrap();
         drop(w);
     }
