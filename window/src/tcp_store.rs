@@ -89,7 +89,10 @@ impl TcpStore {
                 Ok(s) => s,
                 Err(e @ Error::Listen { .. }) => {
                     if port != 0 && HOSTED.lock().unwrap_or_else(|p| p.into_inner()).contains(&port) {
-                        tracing::debug!(port, "TCP store: this process hosts the store on this port already; joining it");
+                        tracing::debug!(
+                            port,
+                            "TCP store: this process hosts the store on this port already; joining it"
+                        );
                         let local = if loopback.is_some() { host } else { "127.0.0.1" };
                         return Self::connect(local, port, timeout);
                     }
