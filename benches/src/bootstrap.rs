@@ -164,11 +164,16 @@ pub enum Reply {
 /// queue pairs in that time, or is not an rdma_bench server. 60 s, or
 /// `RDMA_BENCH_HELLO_TIMEOUT_SECONDS`.
 pub(crate) fn hello_answer_timeout() -> std::time::Duration {
-    std::env::var("RDMA_BENCH_HELLO_TIMEOUT_SECONDS")
+    env_seconds("RDMA_BENCH_HELLO_TIMEOUT_SECONDS", 60)
+}
+
+/// `var` as a positive number of seconds, else `default` seconds.
+fn env_seconds(var: &str, default: u64) -> std::time::Duration {
+    std::env::var(var)
         .ok()
         .and_then(|v| v.trim().parse::<f64>().ok())
         .filter(|s| s.is_finite() && *s > 0.0 && *s < 1e9)
-        .map_or(std::time::Duration::from_secs(60), std::time::Duration::from_secs_f64)
+        .map_or(std::time::Duration::from_secs(default), std::time::Duration::from_secs_f64)
 }
 
 /// How long the client waits for each of the server's replies once the
@@ -177,11 +182,7 @@ pub(crate) fn hello_answer_timeout() -> std::time::Duration {
 /// the client's own (it waited forever for a server that stopped
 /// answering).
 pub(crate) fn reply_timeout() -> std::time::Duration {
-    std::env::var("RDMA_BENCH_REPLY_TIMEOUT_SECONDS")
-        .ok()
-        .and_then(|v| v.trim().parse::<f64>().ok())
-        .filter(|s| s.is_finite() && *s > 0.0 && *s < 1e9)
-        .map_or(std::time::Duration::from_secs(120), std::time::Duration::from_secs_f64)
+    env_seconds("RDMA_BENCH_REPLY_TIMEOUT_SECONDS", 120)
 }
 
 /// One JSON-lines connection.

@@ -565,20 +565,7 @@ impl PyTransferAgent {
         // next notification, which then sat in the stash while a wait
         // already running waited on. Taking one is synchronous within the
         // task's poll, so aborting at its await loses none.
-        let abort = task.abort_handle();
-        let on_done = PyCFunction::new_closure(
-            py,
-            None,
-            None,
-            move |args: &Bound<'_, PyTuple>, _: Option<&Bound<'_, PyDict>>| -> PyResult<()> {
-                let py = args.py();
-                if args.get_item(0)?.call_method0(intern!(py, "cancelled"))?.is_truthy()? {
-                    abort.abort();
-                }
-                Ok(())
-            },
-        )?;
-        fut.call_method1(intern!(py, "add_done_callback"), (on_done,))?;
+        wait::abort_on_cancel(py, &fut, task.abort_handle())?;
         Ok(fut)
     }
 

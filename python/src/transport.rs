@@ -435,20 +435,7 @@ impl PyRdmaTransport {
         });
         // Cancelled: the wait ends now (a notification that raced the end
         // is passed on by the transport itself).
-        let abort = task.abort_handle();
-        let on_done = PyCFunction::new_closure(
-            py,
-            None,
-            None,
-            move |args: &Bound<'_, PyTuple>, _: Option<&Bound<'_, PyDict>>| -> PyResult<()> {
-                let py = args.py();
-                if args.get_item(0)?.call_method0(intern!(py, "cancelled"))?.is_truthy()? {
-                    abort.abort();
-                }
-                Ok(())
-            },
-        )?;
-        f.call_method1(intern!(py, "add_done_callback"), (on_done,))?;
+        crate::wait::abort_on_cancel(py, &f, task.abort_handle())?;
         Ok(f)
     }
 

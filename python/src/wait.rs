@@ -32,3 +32,25 @@ pub(crate) fn sliced<T: Send>(
         }
     }
 }
+
+/// Aborts `task` when the asyncio future `fut` is cancelled
+/// (`asyncio.wait_for`'s timeout): the wait it serves ends then, instead of
+/// going on to take what the next wait should get.
+pub(crate) fn abort_on_cancel(py: Python<'_>, fut: &Bound<'_, PyAny>, task: tokio::task::AbortHandle) -> PyResult<()> {
+    use pyo3::intern;
+    use pyo3::types::{PyCFunction, PyDict, PyTuple};
+    let on_done = PyCFunction::new_closure(
+        py,
+        None,
+        None,
+        move |args: &Bound<'_, PyTuple>, _: Option<&Bound<'_, PyDict>>| -> PyResult<()> {
+            let py = args.py();
+            if args.get_item(0)?.call_method0(intern!(py, "cancelled"))?.is_truthy()? {
+                task.abort();
+            }
+            Ok(())
+        },
+    )?;
+    fut.call_method1(intern!(py, "add_done_callback"), (on_done,))?;
+    Ok(())
+}
